@@ -1,0 +1,90 @@
+"""CoMERA-style tensor-compressed training in functional PyTorch.
+
+Weights live as tensor-train (TT) / tensor-train-matrix (TTM) cores in plain dict
+pytrees, with trainable rank gates and an explicit rank-mask state. See README.md.
+"""
+
+from comera.accounting import (
+    LayerSummary,
+    compression_ratio,
+    dense_param_count,
+    live_param_count,
+    param_bytes,
+    param_count,
+    summarize,
+    summary_table,
+    tt_linear_flops,
+    ttm_embedding_flops,
+)
+from comera.layers import EMBEDDING_IMPLS, tt_linear, ttm_embedding
+from comera.modules import TTLinear, TTMEmbedding
+from comera.plans import (
+    STRATEGIES,
+    ContractionPlan,
+    default_plan,
+    get_default_plan,
+    set_default_plan,
+    tt_linear_plan,
+)
+from comera.spec import (
+    TTLinearSpec,
+    TTMEmbeddingSpec,
+    cap_ranks,
+    factorize,
+    propose_modes,
+    propose_tt_linear,
+    propose_ttm_embedding,
+)
+from comera.tensor_train import (
+    bond_ranks,
+    compact,
+    from_dense,
+    gated_cores,
+    init,
+    is_tt_params,
+    kept_indices,
+    live_ranks,
+    prune,
+    to_dense,
+)
+
+__all__ = [
+    "EMBEDDING_IMPLS",
+    "STRATEGIES",
+    "ContractionPlan",
+    "LayerSummary",
+    "TTLinear",
+    "TTLinearSpec",
+    "TTMEmbedding",
+    "TTMEmbeddingSpec",
+    "bond_ranks",
+    "cap_ranks",
+    "compact",
+    "compression_ratio",
+    "default_plan",
+    "dense_param_count",
+    "factorize",
+    "from_dense",
+    "gated_cores",
+    "get_default_plan",
+    "init",
+    "is_tt_params",
+    "kept_indices",
+    "live_param_count",
+    "live_ranks",
+    "param_bytes",
+    "param_count",
+    "propose_modes",
+    "propose_tt_linear",
+    "propose_ttm_embedding",
+    "prune",
+    "set_default_plan",
+    "summarize",
+    "summary_table",
+    "to_dense",
+    "tt_linear",
+    "tt_linear_flops",
+    "tt_linear_plan",
+    "ttm_embedding",
+    "ttm_embedding_flops",
+]

@@ -1,0 +1,226 @@
+"""Parameter, memory and FLOP accounting for TT/TTM layers and whole models.
+
+Counts come in two flavours: *stored* (what the tensors hold now, dead ranks included
+until :func:`comera.compact` runs) and *live* (what would remain after compaction).
+Compression ratios compare the dense layer's parameters with the live TT parameters
+(cores + gates + bias).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from comera.plans import PlanLike, tt_linear_plan
+from comera.tensor_train import Params, State, is_tt_params, live_ranks
+
+__all__ = [
+    "LayerSummary",
+    "compression_ratio",
+    "dense_param_count",
+    "live_param_count",
+    "param_bytes",
+    "param_count",
+    "summarize",
+    "summary_table",
+    "tt_linear_flops",
+    "ttm_embedding_flops",
+]
+
+
+def _leaves(tree: object) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    elif isinstance(tree, list | tuple):
+        for v in tree:
+            yield from _leaves(v)
+
+
+def param_count(params: object) -> int:
+    """Number of stored elements in a params pytree."""
+    return sum(t.numel() for t in _leaves(params))
+
+
+def param_bytes(params: object) -> int:
+    """Bytes held by a params pytree."""
+    return sum(t.numel() * t.element_size() for t in _leaves(params))
+
+
+def _is_ttm(params: Params) -> bool:
+    return params["cores"][0].dim() == 4  # type: ignore[index]
+
+
+def live_param_count(params: Params, state: State) -> int:
+    """Parameters a TT/TTM layer keeps after compaction (cores, gates, bias)."""
+    cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
+    ranks = live_ranks(state)
+    if any(r == 0 for r in ranks):
+        ranks = [0] * len(ranks)
+    full = [1, *ranks, 1]
+    n = sum(full[k] * math.prod(c.shape[1:-1]) * full[k + 1] for k, c in enumerate(cores))
+    n += sum(ranks)
+    if params.get("bias") is not None:
+        n += params["bias"].numel()  # type: ignore[union-attr]
+    return n
+
+
+def dense_param_count(params: Params, num_embeddings: int | None = None) -> int:
+    """Parameters of the dense layer this TT/TTM layer replaces (weight + bias)."""
+    cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
+    if _is_ttm(params):
+        rows = num_embeddings or math.prod(c.shape[1] for c in cores)
+        return rows * math.prod(c.shape[2] for c in cores)
+    n = math.prod(c.shape[1] for c in cores)
+    bias = params.get("bias")
+    return n + (bias.numel() if bias is not None else 0)  # type: ignore[union-attr]
+
+
+def compression_ratio(params: Params, state: State, num_embeddings: int | None = None) -> float:
+    """Dense parameters / live TT parameters (inf when the layer was pruned to nothing)."""
+    live = live_param_count(params, state)
+    dense = dense_param_count(params, num_embeddings)
+    return dense / live if live else math.inf
+
+
+def tt_linear_flops(params: Params, tokens: int, plan: PlanLike = "comera") -> dict[str, int]:
+    """Forward/backward FLOPs of a TT-linear call on ``tokens`` rows, and of the dense layer.
+
+    Forward FLOPs are opt_einsum's cost of the chosen path on the stored core shapes
+    (2 per multiply-add). Backward is counted as twice the forward: every pairwise
+    contraction has two input gradients of the same cost (the dense layer too).
+    """
+    cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
+    p = tt_linear_plan(plan, [c.shape for c in cores], tokens)
+    fwd, largest = p.cost(tokens)
+    dense = 2 * tokens * math.prod(c.shape[1] for c in cores)
+    return {
+        "forward": fwd,
+        "backward": 2 * fwd,
+        "largest_intermediate": largest,
+        "dense_forward": dense,
+        "dense_backward": 2 * dense,
+    }
+
+
+def ttm_embedding_flops(
+    params: Params, ids: int, unique: int | None = None, impl: str = "optimized"
+) -> int:
+    """Forward FLOPs of a TTM lookup of ``ids`` rows (``unique`` distinct for ``optimized``)."""
+    shapes = [tuple(c.shape) for c in params["cores"]]  # type: ignore[union-attr]
+
+    def chain_cost(shapes: list[tuple[int, ...]], rows: int) -> int:
+        cost, d_acc = 0, shapes[0][2]
+        for r, _, d, r2 in shapes[1:]:
+            cost += 2 * rows * d_acc * r * d * r2
+            d_acc *= d
+        return cost
+
+    if impl == "naive":
+        return chain_cost(shapes, ids)
+    pairs, pre = [], 0
+    for k in range(0, len(shapes) - 1, 2):
+        (r, v, d, s), (_, w, e, t) = shapes[k], shapes[k + 1]
+        pre += 2 * r * v * d * s * w * e * t
+        pairs.append((r, v * w, d * e, t))
+    if len(shapes) % 2:
+        pairs.append(shapes[-1])
+    return pre + chain_cost(pairs, ids if unique is None else unique)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSummary:
+    """One row of a model summary."""
+
+    path: str
+    kind: str  # "tt_linear", "ttm_embedding" or "dense"
+    dense_shape: tuple[int, int] | tuple[int, ...]
+    stored_params: int
+    live_params: int
+    dense_params: int
+    ranks: tuple[int, ...]
+    live: tuple[int, ...]
+
+    @property
+    def compression(self) -> float:
+        return self.dense_params / self.live_params if self.live_params else math.inf
+
+
+def _walk(params: object, state: object, path: str) -> Iterator[LayerSummary]:
+    if is_tt_params(params):
+        p: Params = params  # type: ignore[assignment]
+        st: State = (
+            state
+            if isinstance(state, dict) and "masks" in state
+            else {
+                "masks": [torch.ones(g.numel(), dtype=torch.bool) for g in p["gates"]]  # type: ignore[union-attr]
+            }
+        )
+        cores: list[torch.Tensor] = p["cores"]  # type: ignore[assignment]
+        ttm = _is_ttm(p)
+        if ttm:
+            shape = (math.prod(c.shape[1] for c in cores), math.prod(c.shape[2] for c in cores))
+        else:
+            d = len(cores) // 2
+            shape = (
+                math.prod(c.shape[1] for c in cores[:d]),
+                math.prod(c.shape[1] for c in cores[d:]),
+            )
+        yield LayerSummary(
+            path=path or "<root>",
+            kind="ttm_embedding" if ttm else "tt_linear",
+            dense_shape=shape,
+            stored_params=param_count(p),
+            live_params=live_param_count(p, st),
+            dense_params=dense_param_count(p),
+            ranks=tuple(int(c.shape[-1]) for c in cores[:-1]),
+            live=tuple(live_ranks(st)),
+        )
+    elif isinstance(params, dict):
+        for k, v in params.items():
+            sub = state.get(k) if isinstance(state, dict) else None
+            yield from _walk(v, sub, f"{path}.{k}" if path else str(k))
+    elif isinstance(params, list | tuple):
+        for i, v in enumerate(params):
+            sub = state[i] if isinstance(state, list | tuple) and i < len(state) else None
+            yield from _walk(v, sub, f"{path}.{i}" if path else str(i))
+    elif isinstance(params, torch.Tensor):
+        n = params.numel()
+        yield LayerSummary(path, "dense", tuple(params.shape), n, n, n, (), ())
+
+
+def summarize(params: object, state: object = None) -> list[LayerSummary]:
+    """One row per TT/TTM layer and per dense tensor in a model's params pytree.
+
+    ``state`` mirrors the params tree (a TT layer's state sits at the same path);
+    where it is missing every rank counts as live.
+    """
+    return list(_walk(params, state, ""))
+
+
+def summary_table(params: object, state: object = None, *, dense_rows: bool = False) -> str:
+    """A markdown table of :func:`summarize` with a total row (dense tensors folded in)."""
+    rows = summarize(params, state)
+    lines = [
+        "| layer | kind | dense shape | ranks (live/stored) | params (live) | dense params "
+        "| compression |",
+        "|---|---|---|---|---|---:|---:|",
+    ]
+    for r in rows:
+        if r.kind == "dense" and not dense_rows:
+            continue
+        ranks = ",".join(f"{a}/{b}" for a, b in zip(r.live, r.ranks, strict=True)) or "-"
+        lines.append(
+            f"| {r.path} | {r.kind} | {'x'.join(map(str, r.dense_shape))} | {ranks} | "
+            f"{r.live_params:,} | {r.dense_params:,} | {r.compression:.1f}x |"
+        )
+    live = sum(r.live_params for r in rows)
+    dense = sum(r.dense_params for r in rows)
+    ratio = dense / live if live else math.inf
+    lines.append(f"| **total** | | | | {live:,} | {dense:,} | {ratio:.1f}x |")
+    return "\n".join(lines)

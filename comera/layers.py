@@ -1,0 +1,180 @@
+"""Functional TT layers: ``tt_linear`` and ``ttm_embedding``.
+
+Both are pure functions of ``(params, state, input)``; they work under
+``torch.func.functional_call``, ``grad`` and ``vmap``, and never materialize the dense
+weight unless the chosen strategy says so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import opt_einsum as oe
+import torch
+
+from comera.plans import PlanLike, tt_linear_plan
+from comera.spec import TTLinearSpec, TTMEmbeddingSpec
+from comera.tensor_train import Params, State, gated_cores
+
+__all__ = ["EMBEDDING_IMPLS", "tt_linear", "ttm_embedding"]
+
+EMBEDDING_IMPLS = ("optimized", "naive")
+
+
+def _is_batched(t: torch.Tensor) -> bool:
+    """True inside ``vmap`` for a tensor that carries the vmapped dimension.
+
+    Data-dependent checks and ``torch.unique`` cannot run on such tensors.
+    """
+    return bool(torch._C._functorch.is_batchedtensor(t))
+
+
+def _check_operand(name: str, what: str, t: torch.Tensor, core: torch.Tensor) -> None:
+    if t.device != core.device:
+        raise ValueError(
+            f"{name}: {what} is on {t.device} but the cores are on {core.device}; "
+            f"move one of them (e.g. {what}.to({str(core.device)!r}))"
+        )
+    if (
+        t.dtype != core.dtype
+        and t.is_floating_point()
+        and not torch.is_autocast_enabled(t.device.type)
+    ):
+        raise ValueError(
+            f"{name}: {what} has dtype {t.dtype} but the cores have dtype {core.dtype}; "
+            f"cast it with {what}.to({core.dtype}) or run under torch.autocast"
+        )
+
+
+def tt_linear(
+    params: Params,
+    state: State,
+    x: torch.Tensor,
+    *,
+    plan: PlanLike = None,
+    spec: TTLinearSpec | None = None,
+) -> torch.Tensor:
+    """``x W^T + b`` with ``W`` a gated tensor train; ``x`` is ``(..., in_features)``.
+
+    ``plan`` picks the contraction strategy for this call (a name from
+    ``comera.STRATEGIES`` or explicit pairs); None uses the global default. ``spec``
+    only names the layer in error messages.
+    """
+    name = spec.label if spec is not None else "tt_linear"
+    cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
+    d = len(cores) // 2
+    n = math.prod(c.shape[1] for c in cores[d:])
+    m = math.prod(c.shape[1] for c in cores[:d])
+    if x.dim() < 1 or x.shape[-1] != n:
+        in_modes = [c.shape[1] for c in cores[d:]]
+        raise ValueError(
+            f"{name}: input has shape {tuple(x.shape)} but the layer expects a last dim of "
+            f"{n} (= prod(in_modes) = prod({in_modes}))"
+        )
+    _check_operand(name, "x", x, cores[0])
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, n)  # (T, N)
+    g = gated_cores(params, state)
+    contraction = tt_linear_plan(plan, [c.shape for c in g], x2.shape[0], name)
+    y = contraction(x2, g)  # (T, M)
+    bias = params.get("bias")
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, m)
+
+
+# --------------------------------------------------------------------------- embedding
+
+
+def _digits(ids: torch.Tensor, modes: list[int]) -> list[torch.Tensor]:
+    """Mixed-radix digits of row ids, most significant first (row-major over modes)."""
+    out = []
+    stride = math.prod(modes)
+    for v in modes:
+        stride //= v
+        out.append(torch.div(ids, stride, rounding_mode="floor") % v)
+    return out
+
+
+def _chain_rows(groups: list[torch.Tensor], digits: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of a TTM given per-group cores ``(r, V_g, D_g, r')`` and each row's digits.
+
+    Gathers each core's slice for every row, then multiplies along the train with
+    batched GEMMs. Returns ``(rows, D)``.
+    """
+    first = groups[0][0].index_select(0, digits[0])  # (B, D_1, r_1)
+    acc = first
+    for core, dig in zip(groups[1:], digits[1:], strict=True):
+        sl = core.permute(1, 0, 2, 3).index_select(0, dig)  # (B, r, D_g, r')
+        b, r, dg, r2 = sl.shape
+        acc = torch.bmm(acc, sl.reshape(b, r, dg * r2))  # (B, D_acc, D_g * r')
+        acc = acc.reshape(b, acc.shape[1] * dg, r2)  # (B, D_acc * D_g, r')
+    return acc.reshape(acc.shape[0], acc.shape[1] * acc.shape[2])
+
+
+def _pair_cores(cores: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Pre-contract neighbouring cores two by two: ``(r, v, d, s), (s, w, e, t)`` ->
+    ``(r, v*w, d*e, t)``. The merged cores are small (vocab factors stay below ~400)."""
+    out = []
+    for k in range(0, len(cores) - 1, 2):
+        a, b = cores[k], cores[k + 1]
+        merged = oe.contract("avdb,bwec->avwdec", a, b, backend="torch")
+        r, v, w, d, e, t = merged.shape
+        out.append(merged.reshape(r, v * w, d * e, t))
+    if len(cores) % 2:
+        out.append(cores[-1])
+    return out
+
+
+def ttm_embedding(
+    params: Params,
+    state: State,
+    ids: torch.Tensor,
+    *,
+    impl: str = "optimized",
+    spec: TTMEmbeddingSpec | None = None,
+) -> torch.Tensor:
+    """Look up rows of a TTM embedding table: ``ids (...)`` -> ``(..., D)``.
+
+    ``impl="naive"`` contracts a core chain for every id (duplicates included);
+    ``impl="optimized"`` deduplicates ids with ``torch.unique``, pre-contracts core
+    pairs, runs one batched GEMM over the unique rows and gathers back. Both give the
+    same values and gradients. With ``spec`` the range check uses the real vocabulary
+    size (ids in the padding are rejected) and errors name the layer.
+    """
+    name = spec.label if spec is not None else "ttm_embedding"
+    if impl not in EMBEDDING_IMPLS:
+        raise ValueError(f"{name}: unknown impl {impl!r}; expected one of {EMBEDDING_IMPLS}")
+    cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
+    vocab_modes = [c.shape[1] for c in cores]
+    vocab = spec.num_embeddings if spec is not None else math.prod(vocab_modes)
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{name}: ids must be an integer tensor, got dtype {ids.dtype}")
+    if ids.device != cores[0].device:
+        raise ValueError(
+            f"{name}: ids are on {ids.device} but the cores are on {cores[0].device}; "
+            f"move them with ids.to({str(cores[0].device)!r})"
+        )
+    batched = _is_batched(ids)
+    if not batched and ids.numel():
+        bad = (ids < 0) | (ids >= vocab)
+        if bool(bad.any()):
+            value = int(ids[bad].flatten()[0])
+            raise IndexError(
+                f"{name}: id {value} is out of range; ids must be in [0, {vocab}) "
+                f"(the vocabulary size{'' if spec is None else ' of this layer'})"
+            )
+    flat = ids.reshape(-1).long()
+    g = gated_cores(params, state)
+    dim = math.prod(c.shape[2] for c in g)
+    if impl == "naive":
+        rows = _chain_rows(g, _digits(flat, vocab_modes))
+    else:
+        groups = _pair_cores(g)
+        group_modes = [c.shape[1] for c in groups]
+        if batched:  # torch.unique is data dependent: no dedup under vmap
+            rows = _chain_rows(groups, _digits(flat, group_modes))
+        else:
+            uniq, inverse = torch.unique(flat, return_inverse=True)
+            rows = _chain_rows(groups, _digits(uniq, group_modes)).index_select(0, inverse)
+    return rows.reshape(*ids.shape, dim)

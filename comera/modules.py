@@ -1,0 +1,135 @@
+"""Thin ``nn.Module`` adapters over the functional layers.
+
+They hold exactly the functional ``params`` (as parameters) and ``state`` (masks, as
+buffers), so optimizers, DDP/FSDP and ``torch.func.functional_call`` see the same
+tensors as the pure functions. Parameter names: ``cores.K``, ``gates.K``, ``bias``;
+buffer names: ``masks.K``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from comera import tensor_train as tt
+from comera.layers import tt_linear, ttm_embedding
+from comera.plans import PlanLike
+from comera.spec import TTLinearSpec, TTMEmbeddingSpec
+from comera.tensor_train import Params, State
+
+__all__ = ["TTLinear", "TTMEmbedding"]
+
+
+class _Buffers(nn.Module):
+    """A list of buffers named ``0, 1, ...`` (the masks of a train)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.n = len(tensors)
+        for k, t in enumerate(tensors):
+            self.register_buffer(str(k), t)
+
+    def as_list(self) -> list[torch.Tensor]:
+        return [getattr(self, str(k)) for k in range(self.n)]
+
+
+class _TTModule(nn.Module):
+    spec: TTLinearSpec | TTMEmbeddingSpec
+
+    def _load(self, params: Params, state: State) -> None:
+        self.cores = nn.ParameterList([nn.Parameter(c) for c in params["cores"]])  # type: ignore[union-attr]
+        self.gates = nn.ParameterList([nn.Parameter(g) for g in params["gates"]])  # type: ignore[union-attr]
+        self.masks = _Buffers(list(state["masks"]))  # type: ignore[arg-type]
+        if "bias" in params:
+            self.bias = nn.Parameter(params["bias"])  # type: ignore[arg-type]
+
+    def params(self) -> Params:
+        """The functional params pytree (the module's own parameter tensors)."""
+        out: Params = {"cores": list(self.cores), "gates": list(self.gates)}
+        if getattr(self, "bias", None) is not None:
+            out["bias"] = self.bias
+        return out
+
+    def state(self) -> State:
+        """The functional state pytree (the module's mask buffers)."""
+        return {"masks": self.masks.as_list()}
+
+    @torch.no_grad()
+    def prune(self, tau: float) -> list[int]:
+        """Kill ranks whose gate magnitude is <= tau; returns live ranks per bond."""
+        new = tt.prune(self.params(), self.state(), tau)
+        for k, m in enumerate(new["masks"]):  # type: ignore[arg-type]
+            getattr(self.masks, str(k)).copy_(m)
+        return tt.live_ranks(new)
+
+    @torch.no_grad()
+    def compact(self) -> None:
+        """Physically remove dead ranks. Parameters are replaced: rebuild the optimizer
+        (or use ``comera`` training utilities, which carry optimizer state over)."""
+        params, state = tt.compact(self.params(), self.state())
+        self._load(params, state)
+
+    def to_dense(self) -> torch.Tensor:
+        return tt.to_dense(self.params(), self.state(), self.spec)
+
+    def extra_repr(self) -> str:
+        ranks = tt.bond_ranks(self.params())
+        return f"name={self.spec.name!r}, dense={self.spec.dense_shape}, ranks={ranks}"
+
+
+class TTLinear(_TTModule):
+    """``nn.Linear`` replacement whose weight is a gated tensor train."""
+
+    def __init__(
+        self,
+        spec: TTLinearSpec,
+        *,
+        plan: PlanLike = None,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        params: Params | None = None,
+        state: State | None = None,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.plan = plan  # per-layer strategy; None follows the global default
+        if params is None:
+            params, state = tt.init(spec, generator=generator, device=device)
+        elif state is None:
+            raise ValueError(f"{spec.label}: pass state together with params")
+        self._load(params, state)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: TTLinearSpec, **kw: object) -> TTLinear:
+        """Compress an existing ``nn.Linear`` by TT-SVD (ranks capped by ``spec.ranks``)."""
+        params, state = tt.from_dense(linear.weight, spec, linear.bias)
+        return cls(spec, params=params, state=state, **kw)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tt_linear(self.params(), self.state(), x, plan=self.plan, spec=self.spec)  # type: ignore[arg-type]
+
+
+class TTMEmbedding(_TTModule):
+    """``nn.Embedding`` replacement whose table is a gated tensor-train matrix."""
+
+    def __init__(
+        self,
+        spec: TTMEmbeddingSpec,
+        *,
+        impl: str = "optimized",
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        params: Params | None = None,
+        state: State | None = None,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.impl = impl
+        if params is None:
+            params, state = tt.init(spec, generator=generator, device=device)
+        elif state is None:
+            raise ValueError(f"{spec.label}: pass state together with params")
+        self._load(params, state)  # type: ignore[arg-type]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return ttm_embedding(self.params(), self.state(), ids, impl=self.impl, spec=self.spec)  # type: ignore[arg-type]

@@ -1,0 +1,267 @@
+"""Tensor-train (TT) and tensor-train-matrix (TTM) weights as plain dict pytrees.
+
+Layout shared by both formats::
+
+    params = {"cores": [G_1, ..., G_K],      # TT (r_{k-1}, n_k, r_k); TTM (r_{k-1}, v_k, d_k, r_k)
+              "gates": [d_1, ..., d_{K-1}],  # one trainable vector per internal bond, ones at init
+              "bias": b}                     # TT linear only, optional
+    state  = {"masks": [m_1, ..., m_{K-1}]}  # bool, True where a rank is alive
+
+The effective weight is the train with ``diag(d_k * m_k)`` inserted on every internal
+bond. Current ranks are always read from the core shapes, so nothing static needs to
+change when :func:`compact` removes dead ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from comera.spec import TTLinearSpec, TTMEmbeddingSpec
+
+Params = dict[str, object]
+State = dict[str, object]
+Spec = TTLinearSpec | TTMEmbeddingSpec
+
+__all__ = [
+    "bond_ranks",
+    "compact",
+    "from_dense",
+    "gated_cores",
+    "init",
+    "is_tt_params",
+    "kept_indices",
+    "live_ranks",
+    "prune",
+    "to_dense",
+]
+
+
+def _target_std(spec: Spec) -> float:
+    """Std of the dense init the TT weight imitates.
+
+    Linear: ``torch.nn.Linear``'s default (Kaiming-uniform with a=sqrt(5)) has variance
+    ``1 / (3 * in_features)``. Embedding: ``torch.nn.Embedding``'s N(0, 1).
+    """
+    if spec.std is not None:
+        return spec.std
+    if isinstance(spec, TTLinearSpec):
+        return 1.0 / math.sqrt(3.0 * spec.in_features)
+    return 1.0
+
+
+def _core_shapes(spec: Spec) -> list[tuple[int, ...]]:
+    ranks = (1, *spec.ranks, 1)
+    if isinstance(spec, TTLinearSpec):
+        return [(ranks[k], n, ranks[k + 1]) for k, n in enumerate(spec.modes)]
+    return [
+        (ranks[k], v, d, ranks[k + 1])
+        for k, (v, d) in enumerate(zip(spec.vocab_modes, spec.dim_modes, strict=True))
+    ]
+
+
+def init(
+    spec: Spec,
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Params, State]:
+    """Random cores whose reconstructed weight has the dense init's variance.
+
+    Every entry of ``W`` is a sum of ``R = prod(internal ranks)`` products of ``K`` independent
+    zero-mean core entries, so ``Var(W) = R * prod_k s_k^2``. We use the same Gaussian std
+    ``s = (target_var / R) ** (1 / 2K)`` for every core. Gates start at one, all ranks alive.
+    """
+    shapes = _core_shapes(spec)
+    var = _target_std(spec) ** 2
+    r_prod = math.prod(spec.ranks)
+    s = (var / r_prod) ** (1.0 / (2 * len(shapes)))
+    cores = [
+        torch.randn(sh, generator=generator, dtype=spec.dtype, device=device).mul_(s)
+        for sh in shapes
+    ]
+    gates = [torch.ones(r, dtype=spec.dtype, device=device) for r in spec.ranks]
+    params: Params = {"cores": cores, "gates": gates}
+    if isinstance(spec, TTLinearSpec) and spec.bias:
+        bound = 1.0 / math.sqrt(spec.in_features)  # nn.Linear's bias init
+        b = torch.rand(spec.out_features, generator=generator, dtype=spec.dtype, device=device)
+        params["bias"] = b.mul_(2 * bound).sub_(bound)
+    state: State = {"masks": [torch.ones(r, dtype=torch.bool, device=device) for r in spec.ranks]}
+    return params, state
+
+
+def _tt_svd(tensor: torch.Tensor, max_ranks: Sequence[int]) -> list[torch.Tensor]:
+    """Sequential truncated SVD of a K-way tensor into K TT cores (r_{k-1}, n_k, r_k)."""
+    modes = tensor.shape
+    cores = []
+    rest = tensor.reshape(1, -1)
+    r_prev = 1
+    for k in range(len(modes) - 1):
+        mat = rest.reshape(r_prev * modes[k], -1)
+        u, s, vh = torch.linalg.svd(mat, full_matrices=False)
+        r = min(max_ranks[k], s.shape[0])
+        cores.append(u[:, :r].reshape(r_prev, modes[k], r))
+        rest = s[:r, None] * vh[:r]
+        r_prev = r
+    cores.append(rest.reshape(r_prev, modes[-1], 1))
+    return cores
+
+
+def from_dense(
+    weight: torch.Tensor, spec: Spec, bias: torch.Tensor | None = None
+) -> tuple[Params, State]:
+    """Compress a dense weight (``out x in``) or embedding table (``V x D``) by TT-SVD.
+
+    ``spec.ranks`` are the maximum ranks; the result is exact when they are not binding.
+    Use this to start CoMERA training from a pretrained dense model.
+    """
+    expected = spec.dense_shape
+    if tuple(weight.shape) != expected:
+        raise ValueError(
+            f"{spec.label}: from_dense expects a weight of shape {expected}, "
+            f"got {tuple(weight.shape)}"
+        )
+    w = weight.detach().to(spec.dtype)
+    if isinstance(spec, TTLinearSpec):
+        cores = _tt_svd(w.reshape(spec.modes), spec.ranks)
+    else:
+        d = len(spec.vocab_modes)
+        padded = torch.zeros(spec.padded_vocab, spec.embedding_dim, dtype=w.dtype, device=w.device)
+        padded[: spec.num_embeddings] = w
+        t = padded.reshape(*spec.vocab_modes, *spec.dim_modes)
+        # interleave (v1, d1, v2, d2, ...) so each TT mode is one (v_k, d_k) pair
+        t = t.permute(*[i for k in range(d) for i in (k, d + k)])
+        merged = [v * dd for v, dd in zip(spec.vocab_modes, spec.dim_modes, strict=True)]
+        cores = _tt_svd(t.reshape(merged), spec.ranks)
+        cores = [
+            c.reshape(c.shape[0], v, dd, c.shape[-1])
+            for c, v, dd in zip(cores, spec.vocab_modes, spec.dim_modes, strict=True)
+        ]
+    cores = [c.contiguous() for c in cores]
+    ranks = [c.shape[-1] for c in cores[:-1]]
+    params: Params = {
+        "cores": cores,
+        "gates": [torch.ones(r, dtype=spec.dtype, device=w.device) for r in ranks],
+    }
+    if isinstance(spec, TTLinearSpec) and spec.bias:
+        params["bias"] = (
+            bias.detach().to(spec.dtype).clone()
+            if bias is not None
+            else torch.zeros(spec.out_features, dtype=spec.dtype, device=w.device)
+        )
+    state: State = {"masks": [torch.ones(r, dtype=torch.bool, device=w.device) for r in ranks]}
+    return params, state
+
+
+def is_tt_params(node: object) -> bool:
+    """True for a params dict of a TT/TTM layer (it has ``cores`` and ``gates`` lists)."""
+    return isinstance(node, dict) and "cores" in node and "gates" in node
+
+
+def bond_ranks(params: Params) -> list[int]:
+    """Stored rank of every internal bond (dead ranks included until compaction)."""
+    return [int(c.shape[-1]) for c in params["cores"][:-1]]  # type: ignore[index]
+
+
+def live_ranks(state: State) -> list[int]:
+    """Number of live ranks per internal bond."""
+    return [int(m.sum()) for m in state["masks"]]  # type: ignore[union-attr]
+
+
+def gated_cores(params: Params, state: State) -> list[torch.Tensor]:
+    """Cores with ``diag(gate * mask)`` folded into the trailing bond of each core.
+
+    Folding keeps every contraction strategy a plain network of cores: the gates are
+    differentiated through this cheap elementwise product.
+    """
+    cores: list[torch.Tensor] = list(params["cores"])  # type: ignore[arg-type]
+    out = []
+    for k, core in enumerate(cores):
+        if k < len(cores) - 1:
+            gate = params["gates"][k] * state["masks"][k].to(core.dtype)  # type: ignore[index]
+            core = core * gate
+        out.append(core)
+    return out
+
+
+def chain(cores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Contract a train of 3-way cores left to right: returns (r_0, prod(n), r_K)."""
+    acc = cores[0]
+    r0, n = acc.shape[0], acc.shape[1]
+    for core in cores[1:]:
+        r, nk, r2 = core.shape
+        acc = acc.reshape(r0 * n, r) @ core.reshape(r, nk * r2)  # (r0 * n, nk * r2)
+        n *= nk
+        acc = acc.reshape(r0, n, r2)
+    return acc
+
+
+def to_dense(params: Params, state: State, spec: Spec | None = None) -> torch.Tensor:
+    """Rebuild the dense weight (``out x in``) or table (``V x D``) the train represents.
+
+    For a TTM the padded vocabulary rows are dropped when ``spec`` is given.
+    """
+    cores = gated_cores(params, state)
+    if cores[0].dim() == 3:
+        d = len(cores) // 2
+        m = math.prod(c.shape[1] for c in cores[:d])
+        n = math.prod(c.shape[1] for c in cores[d:])
+        return chain(cores).reshape(m, n)
+    d = len(cores)
+    vs = [c.shape[1] for c in cores]
+    ds = [c.shape[2] for c in cores]
+    flat = [c.reshape(c.shape[0], c.shape[1] * c.shape[2], c.shape[3]) for c in cores]
+    t = chain(flat).reshape([x for k in range(d) for x in (vs[k], ds[k])])
+    # de-interleave (v1, d1, v2, d2, ...) -> (v1..vd, d1..dd)
+    t = t.permute(*range(0, 2 * d, 2), *range(1, 2 * d, 2)).reshape(math.prod(vs), math.prod(ds))
+    if spec is not None:
+        t = t[: spec.num_embeddings]  # type: ignore[union-attr]
+    return t
+
+
+def prune(params: Params, state: State, tau: float) -> State:
+    """New state where every rank whose gate magnitude is <= ``tau`` is dead.
+
+    Pure: ``params`` are untouched and ranks already dead stay dead.
+    """
+    masks = [
+        m & (g.detach().abs() > tau)
+        for g, m in zip(params["gates"], state["masks"], strict=True)  # type: ignore[arg-type]
+    ]
+    return {**state, "masks": masks}
+
+
+def compact(params: Params, state: State) -> tuple[Params, State]:
+    """Physically drop dead ranks so cores, gates and FLOPs shrink; the function is unchanged.
+
+    If any bond has no live rank the whole train is the zero map, so every bond is
+    emptied and the layer keeps zero TT parameters (a bias, if any, remains).
+    """
+    cores: list[torch.Tensor] = list(params["cores"])  # type: ignore[arg-type]
+    gates: list[torch.Tensor] = list(params["gates"])  # type: ignore[arg-type]
+    masks: list[torch.Tensor] = list(state["masks"])  # type: ignore[arg-type]
+    keep = kept_indices(state)
+    new_cores = []
+    for k, core in enumerate(cores):
+        if k > 0:
+            core = core.index_select(0, keep[k - 1])
+        if k < len(cores) - 1:
+            core = core.index_select(core.dim() - 1, keep[k])
+        new_cores.append(core.detach().contiguous())
+    new_gates = [g.detach().index_select(0, i) for g, i in zip(gates, keep, strict=True)]
+    new_params = {**params, "cores": new_cores, "gates": new_gates}
+    new_state = {**state, "masks": [m.index_select(0, i) for m, i in zip(masks, keep, strict=True)]}
+    return new_params, new_state
+
+
+def kept_indices(state: State) -> list[torch.Tensor]:
+    """Indices of the live ranks of every bond: what :func:`compact` keeps.
+
+    Training code uses these to slice optimizer state the same way compaction slices
+    the cores (see ``comera.training``)."""
+    masks: list[torch.Tensor] = list(state["masks"])  # type: ignore[arg-type]
+    if any(not bool(m.any()) for m in masks):
+        return [m.new_zeros(0, dtype=torch.long) for m in masks]
+    return [m.nonzero().squeeze(-1) for m in masks]

@@ -1,0 +1,155 @@
+"""Every contraction strategy computes x W^T (+ b) with the same values and gradients."""
+
+import random
+
+import pytest
+import torch
+
+import comera as C
+
+
+def _random_spec(rng: random.Random, dtype=torch.float64) -> C.TTLinearSpec:
+    d = rng.choice([1, 2, 3])
+    out_modes = tuple(rng.randint(1, 4) for _ in range(d))
+    in_modes = tuple(rng.randint(1, 4) for _ in range(d))
+    ranks = tuple(rng.randint(1, 5) for _ in range(2 * d - 1))
+    return C.TTLinearSpec(
+        out_modes=out_modes, in_modes=in_modes, ranks=ranks, dtype=dtype, bias=rng.random() < 0.7
+    )
+
+
+def _random_gates(params, gen):
+    return {
+        **params,
+        "gates": [
+            g + 0.5 * torch.randn(g.shape, generator=gen, dtype=g.dtype) for g in params["gates"]
+        ],
+    }
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_all_strategies_match_dense(seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    spec = _random_spec(rng)
+    params, state = C.init(spec, generator=gen)
+    params = _random_gates(params, gen)
+    lead = rng.choice([(7,), (2, 3), (1,), (5, 1, 2)])
+    x = torch.randn(*lead, spec.in_features, generator=gen, dtype=torch.float64)
+    w = C.to_dense(params, state)
+    ref = x @ w.T + (params["bias"] if spec.bias else 0)
+    for strategy in C.STRATEGIES:
+        y = C.tt_linear(params, state, x, plan=strategy)
+        assert y.shape == (*lead, spec.out_features)
+        torch.testing.assert_close(y, ref, msg=strategy)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_all_strategies_agree_in_float32_outputs_and_gradients(seed):
+    rng = random.Random(100 + seed)
+    gen = torch.Generator().manual_seed(seed)
+    spec = _random_spec(rng, torch.float32)
+    params, state = C.init(spec, generator=gen)
+    params = _random_gates(params, gen)
+    x = torch.randn(9, spec.in_features, generator=gen)
+    g = torch.randn(9, spec.out_features, generator=gen)
+
+    def run(strategy):
+        leaves = {
+            k: (
+                [t.clone().requires_grad_() for t in v]
+                if isinstance(v, list)
+                else v.clone().requires_grad_()
+            )
+            for k, v in params.items()
+        }
+        xx = x.clone().requires_grad_()
+        y = C.tt_linear(leaves, state, xx, plan=strategy)
+        y.backward(g)
+        grads = [xx.grad] + [t.grad for t in leaves["cores"] + leaves["gates"]]
+        return y.detach(), grads
+
+    ref_y, ref_g = run("dense")
+    for strategy in C.STRATEGIES:
+        y, grads = run(strategy)
+        torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-5, msg=strategy)
+        for a, b in zip(grads, ref_g, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=strategy)
+
+
+@pytest.mark.parametrize("strategy", [*C.STRATEGIES, "explicit"])
+def test_gradcheck_float64(strategy):
+    gen = torch.Generator().manual_seed(3)
+    spec = C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=(2, 3, 2), dtype=torch.float64)
+    params, state = C.init(spec, generator=gen)
+    plan = [(0, 4), (0, 3), (0, 2), (0, 1)] if strategy == "explicit" else strategy
+    x = torch.randn(4, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    tensors = [*params["cores"], *params["gates"], params["bias"]]
+    tensors = [t.clone().requires_grad_() for t in tensors]
+
+    def f(x, *leaves):
+        p = {"cores": list(leaves[:4]), "gates": list(leaves[4:7]), "bias": leaves[7]}
+        return C.tt_linear(p, state, x, plan=plan)
+
+    assert torch.autograd.gradcheck(f, (x, *tensors))
+
+
+def test_explicit_pairs_match_and_are_reported():
+    gen = torch.Generator().manual_seed(4)
+    spec = C.TTLinearSpec(out_modes=(3, 4), in_modes=(2, 5), ranks=3, dtype=torch.float64)
+    params, state = C.init(spec, generator=gen)
+    x = torch.randn(6, 10, generator=gen, dtype=torch.float64)
+    pairs = [(0, 4), (0, 3), (1, 2), (0, 1)]
+    y = C.tt_linear(params, state, x, plan=pairs)
+    torch.testing.assert_close(y, C.tt_linear(params, state, x, plan="dense"))
+    plan = C.tt_linear_plan(pairs, [c.shape for c in params["cores"]], 6)
+    assert plan.strategy == "explicit" and [tuple(p) for p in plan.path] == pairs
+
+
+def test_plans_are_cached_per_shape_and_bucket_and_report_costs():
+    shapes = [(1, 12, 12), (12, 8, 30), (30, 8, 30), (30, 8, 30), (30, 8, 12), (12, 12, 1)]
+    a = C.tt_linear_plan("dp", shapes, 4000)
+    b = C.tt_linear_plan("dp", shapes, 4096)  # same power-of-two bucket
+    c = C.tt_linear_plan("dp", shapes, 5000)
+    assert a is b and a is not c
+    assert a.tokens == 4096 and a.flops > 0 and a.largest_intermediate > 0
+    assert len(a.path) == len(shapes)  # 7 operands -> 6 pairwise contractions
+    comera = C.tt_linear_plan("comera", shapes, 4096)
+    dense = C.tt_linear_plan("dense", shapes, 4096)
+    # The paper's path is far cheaper than rebuilding W at this size.
+    assert comera.flops < dense.flops / 5
+    assert "comera" in comera.describe()
+
+
+def test_default_plan_is_global_and_scoped():
+    assert C.get_default_plan() == "comera"
+    with C.default_plan("greedy"):
+        assert C.get_default_plan() == "greedy"
+        spec = C.TTLinearSpec(out_modes=(2, 2), in_modes=(2, 2), ranks=2)
+        layer = C.TTLinear(spec, generator=torch.Generator().manual_seed(0))
+        layer(torch.randn(3, 4))  # uses the scoped default
+    assert C.get_default_plan() == "comera"
+    C.set_default_plan("dp")
+    try:
+        assert C.get_default_plan() == "dp"
+    finally:
+        C.set_default_plan("comera")
+
+
+def test_per_layer_plan_overrides_default():
+    spec = C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=2, dtype=torch.float64)
+    layer = C.TTLinear(spec, plan="optimal", generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 6, dtype=torch.float64)
+    with C.default_plan("dense"):
+        torch.testing.assert_close(layer(x), x @ layer.to_dense().T + layer.bias)
+
+
+def test_flops_accounting_dense_and_comera():
+    spec = C.TTLinearSpec(out_modes=(12, 8, 8), in_modes=(8, 8, 12), ranks=30)
+    params, _ = C.init(spec)
+    f = C.tt_linear_flops(params, 4096, "comera")
+    assert f["dense_forward"] == 2 * 4096 * 768 * 768
+    assert f["backward"] == 2 * f["forward"]
+    # two skinny GEMMs of rank 30 dominate: 2*T*(N + M)*r
+    gemms = 2 * 4096 * (768 + 768) * 30
+    assert gemms <= f["forward"] < 1.05 * gemms

@@ -1,0 +1,75 @@
+"""Bad input raises errors that name the layer, the value and what was expected."""
+
+import pytest
+import torch
+
+import comera as C
+
+
+def test_modes_must_multiply_to_dims():
+    with pytest.raises(ValueError, match=r"'q'.*product of in_modes \[8, 8, 8\] is 512.*768"):
+        C.TTLinearSpec(out_modes=(12, 8, 8), in_modes=(8, 8, 8), ranks=4, in_features=768, name="q")
+    with pytest.raises(ValueError, match=r"'emb'.*dim_modes.*is 24.*embedding_dim is 25"):
+        C.TTMEmbeddingSpec(
+            vocab_modes=(4, 5), dim_modes=(4, 6), ranks=2, embedding_dim=25, name="emb"
+        )
+    with pytest.raises(ValueError, match=r"num_embeddings=30522.*prod\(vocab_modes\)=20"):
+        C.TTMEmbeddingSpec(vocab_modes=(4, 5), dim_modes=(4, 6), ranks=2, num_embeddings=30522)
+
+
+def test_ranks_must_be_positive():
+    with pytest.raises(ValueError, match=r"'ffn'.*ranks must be >= 1.*\[3, 0, 3\]"):
+        C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=(3, 0, 3), name="ffn")
+    with pytest.raises(ValueError, match="expected 3 internal ranks"):
+        C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=(3, 3))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        C.TTLinearSpec(out_modes=(4, 0), in_modes=(4, 4), ranks=2)
+
+
+def test_input_dtype_device_and_shape_mismatch():
+    spec = C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=2, name="v")
+    layer = C.TTLinear(spec)
+    with pytest.raises(ValueError, match=r"'v'.*dtype torch.float64.*torch.float32"):
+        layer(torch.randn(2, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"'v'.*shape \(2, 5\).*last dim of 6"):
+        layer(torch.randn(2, 5))
+    with pytest.raises(ValueError, match=r"'v'.*on meta but the cores are on cpu"):
+        layer(torch.randn(2, 6, device="meta"))
+    # autocast is allowed to mix dtypes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(torch.randn(2, 6, dtype=torch.bfloat16)).shape == (2, 6)
+
+
+def test_ids_out_of_range_and_bad_dtype():
+    spec = C.TTMEmbeddingSpec(
+        vocab_modes=(4, 5), dim_modes=(2, 3), ranks=2, num_embeddings=18, name="tok"
+    )
+    emb = C.TTMEmbedding(spec)
+    with pytest.raises(IndexError, match=r"'tok'.*id 18 is out of range.*\[0, 18\)"):
+        emb(torch.tensor([0, 18]))  # 18 is inside the padding (20 rows) but not the vocab
+    with pytest.raises(IndexError, match=r"id -1"):
+        emb(torch.tensor([-1]))
+    with pytest.raises(ValueError, match=r"'tok'.*integer tensor.*torch.float32"):
+        emb(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="unknown impl 'fast'"):
+        C.ttm_embedding(emb.params(), emb.state(), torch.tensor([1]), impl="fast")
+
+
+def test_unknown_strategy_and_bad_explicit_path():
+    spec = C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=2, name="o")
+    layer = C.TTLinear(spec, plan="fastest")
+    with pytest.raises(ValueError, match=r"'o'.*unknown contraction strategy 'fastest'.*comera"):
+        layer(torch.randn(2, 6))
+    with pytest.raises(ValueError, match="unknown contraction strategy"):
+        C.set_default_plan("nope")
+    p, s = C.init(spec)
+    with pytest.raises(ValueError, match=r"step 0 is \(0, 9\)"):
+        C.tt_linear(p, s, torch.randn(2, 6), plan=[(0, 9)])
+    with pytest.raises(ValueError, match="leaves 3 operands"):
+        C.tt_linear(p, s, torch.randn(2, 6), plan=[(0, 1), (0, 1)])
+
+
+def test_from_dense_shape_mismatch():
+    spec = C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=2, name="k")
+    with pytest.raises(ValueError, match=r"'k'.*shape \(6, 6\), got \(6, 5\)"):
+        C.from_dense(torch.randn(6, 5), spec)

@@ -1,0 +1,155 @@
+"""Rank gates, masks, prune and compact."""
+
+import math
+
+import pytest
+import torch
+
+import comera as C
+
+
+def _expected_live_params(spec_modes, live, bias, ttm_dims=None):
+    full = [1, *live, 1]
+    per_mode = (
+        spec_modes
+        if ttm_dims is None
+        else [v * d for v, d in zip(spec_modes, ttm_dims, strict=True)]
+    )
+    n = sum(full[k] * m * full[k + 1] for k, m in enumerate(per_mode))
+    return n + sum(live) + bias
+
+
+def _kill(params, which):
+    """Set the gates listed in ``which`` ({bond: [rank indices]}) to tiny values."""
+    gates = [g.clone() for g in params["gates"]]
+    for bond, idx in which.items():
+        gates[bond][idx] = 1e-4
+    return {**params, "gates": gates}
+
+
+def test_prune_is_pure_and_thresholds_magnitudes():
+    spec = C.TTLinearSpec(out_modes=(3, 4), in_modes=(4, 2), ranks=4)
+    params, state = C.init(spec, generator=torch.Generator().manual_seed(0))
+    params = _kill(params, {1: [0, 2]})
+    params["gates"][0][1] = -0.005  # negative gates are judged by magnitude
+    new = C.prune(params, state, tau=1e-2)
+    assert all(bool(m.all()) for m in state["masks"])  # input untouched
+    assert C.live_ranks(new) == [2, 2, 2]
+    assert new["masks"][1].tolist() == [False, True, False, True]
+    # dead ranks stay dead even if a gate grows back
+    params["gates"][1][0] = 5.0
+    assert C.live_ranks(C.prune(params, new, tau=1e-2)) == [2, 2, 2]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_compact_preserves_function_and_shrinks_by_formula(seed):
+    gen = torch.Generator().manual_seed(seed)
+    spec = C.TTLinearSpec(out_modes=(4, 3, 2), in_modes=(2, 3, 4), ranks=5, dtype=torch.float64)
+    params, state = C.init(spec, generator=gen)
+    kill = {
+        b: torch.randperm(r, generator=gen)[
+            : torch.randint(0, r, (1,), generator=gen).item()
+        ].tolist()
+        for b, r in enumerate(spec.ranks)
+    }
+    params = _kill(params, kill)
+    state = C.prune(params, state, tau=1e-3)
+    x = torch.randn(7, spec.in_features, generator=gen, dtype=torch.float64)
+    before = C.tt_linear(params, state, x)
+    live = C.live_ranks(state)
+    predicted = C.live_param_count(params, state)
+    new_params, new_state = C.compact(params, state)
+    assert C.bond_ranks(new_params) == live
+    assert predicted == _expected_live_params(spec.modes, live, spec.out_features)
+    assert C.param_count(new_params) == predicted
+    for strategy in C.STRATEGIES:
+        torch.testing.assert_close(C.tt_linear(new_params, new_state, x, plan=strategy), before)
+    torch.testing.assert_close(C.to_dense(new_params, new_state), C.to_dense(params, state))
+    dense = spec.in_features * spec.out_features + spec.out_features
+    assert C.compression_ratio(new_params, new_state) == pytest.approx(dense / predicted)
+
+
+def test_masked_rank_contributes_nothing_before_compaction():
+    spec = C.TTLinearSpec(
+        out_modes=(3, 2), in_modes=(2, 3), ranks=3, dtype=torch.float64, bias=False
+    )
+    params, state = C.init(spec, generator=torch.Generator().manual_seed(1))
+    state = {"masks": [m.clone() for m in state["masks"]]}
+    state["masks"][1][0] = False
+    # changing the dead rank's core slices must not change the output
+    x = torch.randn(4, 6, dtype=torch.float64)
+    y = C.tt_linear(params, state, x)
+    cores = [c.clone() for c in params["cores"]]
+    cores[1][..., 0] += 10.0
+    y2 = C.tt_linear({**params, "cores": cores}, state, x)
+    torch.testing.assert_close(y, y2)
+
+
+def test_dead_bond_makes_zero_map_with_zero_params():
+    spec = C.TTLinearSpec(out_modes=(3, 4), in_modes=(4, 2), ranks=3, dtype=torch.float64)
+    params, state = C.init(spec, generator=torch.Generator().manual_seed(2))
+    assert spec.ranks == (3, 3, 2)
+    params = _kill(params, {2: [0, 1]})
+    state = C.prune(params, state, tau=1e-3)
+    assert C.live_param_count(params, state) == spec.out_features  # bias only
+    new_params, new_state = C.compact(params, state)
+    assert C.bond_ranks(new_params) == [0, 0, 0]
+    assert sum(c.numel() for c in new_params["cores"]) == 0
+    assert sum(g.numel() for g in new_params["gates"]) == 0
+    x = torch.randn(5, 8, dtype=torch.float64)
+    for strategy in C.STRATEGIES:
+        y = C.tt_linear(new_params, new_state, x, plan=strategy)
+        torch.testing.assert_close(y, params["bias"].expand(5, 12))
+    assert torch.count_nonzero(C.to_dense(new_params, new_state)) == 0
+    assert C.compression_ratio({**new_params, "bias": None}, new_state) == math.inf
+
+
+def test_ttm_compact_preserves_lookup_and_counts():
+    gen = torch.Generator().manual_seed(3)
+    spec = C.TTMEmbeddingSpec(
+        vocab_modes=(4, 5, 3), dim_modes=(2, 3, 2), ranks=6, dtype=torch.float64
+    )
+    params, state = C.init(spec, generator=gen)
+    params = _kill(params, {0: [1, 3, 4], 1: [0]})
+    state = C.prune(params, state, tau=1e-3)
+    ids = torch.randint(0, 60, (3, 11), generator=gen)
+    before = C.ttm_embedding(params, state, ids)
+    new_params, new_state = C.compact(params, state)
+    live = C.live_ranks(state)
+    assert C.bond_ranks(new_params) == live
+    expected = _expected_live_params(spec.vocab_modes, live, 0, spec.dim_modes)
+    assert C.param_count(new_params) == C.live_param_count(params, state) == expected
+    for impl in C.EMBEDDING_IMPLS:
+        torch.testing.assert_close(C.ttm_embedding(new_params, new_state, ids, impl=impl), before)
+
+
+def test_module_prune_compact():
+    spec = C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=4, dtype=torch.float64)
+    layer = C.TTLinear(spec, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        layer.gates[1][:2] = 0.0
+    x = torch.randn(3, 16, dtype=torch.float64)
+    before = layer(x)
+    assert layer.prune(1e-2) == [4, 2, 4]
+    torch.testing.assert_close(layer(x), before)
+    layer.compact()
+    assert C.bond_ranks(layer.params()) == [4, 2, 4]
+    assert tuple(layer.masks.as_list()[1].shape) == (2,)
+    torch.testing.assert_close(layer(x), before)
+
+
+def test_summary_table_over_model_pytree():
+    lin = C.TTLinearSpec(out_modes=(12, 8, 8), in_modes=(8, 8, 12), ranks=30, name="q")
+    emb = C.TTMEmbeddingSpec(vocab_modes=(16, 20, 10, 10), dim_modes=(4, 4, 8, 6), ranks=32)
+    pl, sl = C.init(lin)
+    pe, se = C.init(emb)
+    model = {"embed": pe, "layers": [{"q": pl, "ln": torch.ones(768)}]}
+    state = {"embed": se, "layers": [{"q": sl}]}
+    rows = C.summarize(model, state)
+    kinds = {r.path: r.kind for r in rows}
+    assert kinds == {"embed": "ttm_embedding", "layers.0.q": "tt_linear", "layers.0.ln": "dense"}
+    q = next(r for r in rows if r.path == "layers.0.q")
+    assert q.dense_shape == (768, 768) and q.ranks == (12, 30, 30, 30, 12)
+    assert q.live_params == C.param_count(pl)
+    table = C.summary_table(model, state)
+    assert "layers.0.q" in table and "**total**" in table
