@@ -76,10 +76,7 @@ def tt_linear(
     x2 = x.reshape(-1, n)  # (T, N)
     g = gated_cores(params, state)
     contraction = tt_linear_plan(plan, [c.shape for c in g], x2.shape[0], name)
-    y = contraction(x2, g)  # (T, M)
-    bias = params.get("bias")
-    if bias is not None:
-        y = y + bias
+    y = contraction(x2, g, params.get("bias"))  # (T, M)
     return y.reshape(*lead, m)
 
 
@@ -96,18 +93,26 @@ def _digits(ids: torch.Tensor, modes: list[int]) -> list[torch.Tensor]:
     return out
 
 
+def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``table[idx]``. Uses the embedding kernel: its CPU backward accumulates
+    duplicate indices about 4x faster than ``index_select``'s scatter-add."""
+    return torch.nn.functional.embedding(idx, table)
+
+
 def _chain_rows(groups: list[torch.Tensor], digits: list[torch.Tensor]) -> torch.Tensor:
     """Rows of a TTM given per-group cores ``(r, V_g, D_g, r')`` and each row's digits.
 
     Gathers each core's slice for every row, then multiplies along the train with
     batched GEMMs. Returns ``(rows, D)``.
     """
-    first = groups[0][0].index_select(0, digits[0])  # (B, D_1, r_1)
-    acc = first
+    _, v, d1, r1 = groups[0].shape
+    acc = _gather(groups[0].reshape(v, d1 * r1), digits[0]).reshape(-1, d1, r1)  # (B, D_1, r_1)
     for core, dig in zip(groups[1:], digits[1:], strict=True):
-        sl = core.permute(1, 0, 2, 3).index_select(0, dig)  # (B, r, D_g, r')
-        b, r, dg, r2 = sl.shape
-        acc = torch.bmm(acc, sl.reshape(b, r, dg * r2))  # (B, D_acc, D_g * r')
+        r, v, dg, r2 = core.shape
+        table = core.permute(1, 0, 2, 3).reshape(v, r * dg * r2)  # (V_g, r * D_g * r')
+        sl = _gather(table, dig).reshape(-1, r, dg * r2)  # (B, r, D_g * r')
+        b = sl.shape[0]
+        acc = torch.bmm(acc, sl)  # (B, D_acc, D_g * r')
         acc = acc.reshape(b, acc.shape[1] * dg, r2)  # (B, D_acc * D_g, r')
     return acc.reshape(acc.shape[0], acc.shape[1] * acc.shape[2])
 
@@ -176,5 +181,5 @@ def ttm_embedding(
             rows = _chain_rows(groups, _digits(flat, group_modes))
         else:
             uniq, inverse = torch.unique(flat, return_inverse=True)
-            rows = _chain_rows(groups, _digits(uniq, group_modes)).index_select(0, inverse)
+            rows = _gather(_chain_rows(groups, _digits(uniq, group_modes)), inverse)
     return rows.reshape(*ids.shape, dim)
