@@ -1,0 +1,182 @@
+"""Per-rank state files and loading them back at any world size.
+
+Each rank writes ``loader_rank{rank:05d}.json`` on its own (no collective), atomically
+(temp file, fsync, rename) and optionally on a background thread, so a crash mid-save leaves
+the previous file intact. Loading reads every rank file of a checkpoint folder, checks the
+set is complete and compatible, and merges the readers' shard cursors into one map
+``{sub-dataset: {shard: (epoch, counter, offset)}}``; the new layout then takes its shards
+from that map, so any N -> M rescale continues the epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loaders.metadata import atomic_write_text
+
+STATE_FORMAT = "loaders.rank_state"
+STATE_VERSION = 1
+_FILE_RE = re.compile(r"^loader_rank(\d+)\.json$")
+_writer: ThreadPoolExecutor | None = None
+
+
+def state_path(directory: str | Path, rank: int) -> Path:
+    """File of ``rank``'s loader state inside a checkpoint folder."""
+    return Path(directory) / f"loader_rank{rank:05d}.json"
+
+
+def save_state(
+    state: dict, directory: str | Path, *, background: bool = False
+) -> Path | Future[Path]:
+    """Write one rank's state atomically; with ``background`` return a Future.
+
+    The state is serialized on the calling thread (so later mutations cannot leak in);
+    background writes run in order on one thread.
+    """
+    global _writer
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = state_path(directory, int(state["rank"]))
+    text = json.dumps(state, separators=(",", ":"))
+    world = int(state["world_size"])
+
+    def write() -> Path:
+        atomic_write_text(path, text)
+        if state["rank"] == 0:  # files of ranks beyond this world are stale: drop them
+            for p in directory.glob("loader_rank*.json"):
+                m = _FILE_RE.match(p.name)
+                if m and int(m.group(1)) >= world:
+                    p.unlink(missing_ok=True)
+        return path
+
+    if not background:
+        return write()
+    if _writer is None:
+        _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader-ckpt")
+    return _writer.submit(write)
+
+
+def load_states(directory: str | Path) -> list[dict]:
+    """All rank states of a checkpoint folder, checked to be one complete save."""
+    directory = Path(directory)
+    files = sorted(p for p in directory.glob("loader_rank*.json") if _FILE_RE.match(p.name))
+    if not files:
+        raise FileNotFoundError(
+            f"no loader state files (loader_rank*.json) in {directory}; check the checkpoint path"
+        )
+    states = []
+    for p in files:
+        try:
+            states.append(json.loads(p.read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"loader state {p} is unreadable ({exc}); use an older checkpoint"
+            ) from exc
+    worlds = {int(s.get("world_size", -1)) for s in states}
+    if len(worlds) != 1:
+        raise ValueError(
+            f"loader states in {directory} come from different world sizes {sorted(worlds)}; "
+            "save each checkpoint into its own folder"
+        )
+    world = worlds.pop()
+    ranks = sorted(int(s["rank"]) for s in states)
+    if ranks != list(range(world)):
+        raise ValueError(
+            f"{directory} holds loader states for ranks {ranks} but world_size={world}; "
+            "a rank file is missing (the save was interrupted): use the previous checkpoint"
+        )
+    steps = {s.get("step") for s in states}
+    if len(steps) > 1:
+        raise ValueError(f"loader states in {directory} are from different steps {steps}")
+    return states
+
+
+@dataclass(slots=True)
+class Resume:
+    """Merged view of a saved loader state, ready to be cut for a new layout."""
+
+    cursors: dict[str, dict[int, tuple[int, int, int]]]
+    world_size: int
+    num_workers: int
+    readers: dict[tuple[int, int], dict] = field(default_factory=dict)
+    next_worker: dict[int, int] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    config_weights: dict[str, float] = field(default_factory=dict)
+
+
+def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True) -> Resume:
+    """Check rank states against the current corpus/config and merge their cursors.
+
+    ``complete=False`` accepts a subset of ranks (a rank reloading its own state).
+    """
+    if not states:
+        raise ValueError("merge_states: no states given")
+    L = fingerprint["num_shards"]
+    for s in states:
+        if s.get("format") != STATE_FORMAT or s.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"not a loader state (format={s.get('format')!r}, version={s.get('version')!r}); "
+                f"expected format={STATE_FORMAT!r} version {STATE_VERSION}"
+            )
+        fp = s["fingerprint"]
+        for key in ("num_shards", "seed", "shuffle"):
+            if fp[key] != fingerprint[key]:
+                raise ValueError(
+                    f"loader state has {key}={fp[key]!r} but the config has {fingerprint[key]!r}; "
+                    f"{key} is fixed for a run: restore it in the config (or start a new run)"
+                )
+        for name, n in fp["docs"].items():
+            if name not in fingerprint["docs"]:
+                raise ValueError(
+                    f"loader state has sub-dataset {name!r} that the config lacks; add it back "
+                    "(weight 0 keeps it paused)"
+                )
+            if fingerprint["docs"][name] != n:
+                raise ValueError(
+                    f"sub-dataset {name!r} had {n} documents when saved but has "
+                    f"{fingerprint['docs'][name]} now: the corpus changed; restore it or start "
+                    "a new run"
+                )
+    worlds = {int(s["world_size"]) for s in states}
+    workers = {int(s["num_workers"]) for s in states}
+    ranks = sorted(int(s["rank"]) for s in states)
+    world = next(iter(worlds))
+    if len(worlds) != 1 or len(workers) != 1 or (complete and ranks != list(range(world))):
+        raise ValueError(
+            f"incomplete or mixed loader states (ranks {ranks}, world sizes {sorted(worlds)}, "
+            f"workers {sorted(workers)}); pass every rank's state of one checkpoint"
+        )
+    names = list(states[0]["fingerprint"]["docs"])
+    cursors: dict[str, dict[int, tuple[int, int, int]]] = {n: {} for n in names}
+    readers: dict[tuple[int, int], dict] = {}
+    for s in states:
+        for r in s["readers"]:
+            readers[(int(s["rank"]), int(r["worker"]))] = r
+            for name, sh in r["shards"].items():
+                lo, hi = sh["range"]
+                got = cursors[name]
+                for i, shard in enumerate(range(lo, hi)):
+                    if shard in got:
+                        raise ValueError(f"shard {shard} of {name!r} appears in two loader states")
+                    got[shard] = (sh["epoch"][i], sh["counter"][i], sh["offset"][i])
+    for name, got in cursors.items():
+        if complete and len(got) != L:
+            missing = sorted(set(range(L)) - set(got))[:8]
+            raise ValueError(
+                f"loader states cover {len(got)} of {L} shards of {name!r} (missing {missing}...); "
+                "pass every rank's state of one checkpoint"
+            )
+    first = states[0]
+    return Resume(
+        cursors=cursors,
+        world_size=world,
+        num_workers=workers.pop(),
+        readers=readers,
+        next_worker={int(s["rank"]): int(s.get("next_worker", 0)) for s in states},
+        weights=dict(first.get("weights", {})),
+        config_weights=dict(first.get("config_weights", {})),
+    )

@@ -1,0 +1,106 @@
+"""Loader configuration: sub-datasets, shuffling, packing. Checked when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SHUFFLE_MODES = ("global", "local", "none")
+
+
+@dataclass(kw_only=True, slots=True)
+class DatasetSpec:
+    """One sub-dataset: a folder of pre-tokenized Arrow files, or text with a tokenizer.
+
+    ``path`` may be a folder/file, or (for text) a ``datasets.Dataset``/``pyarrow.Table``.
+    ``tokenizer`` set means the data is text in ``text_column``, tokenized on the fly.
+    """
+
+    name: str
+    path: Any
+    weight: float = 1.0
+    token_column: str = "tokens"
+    text_column: str = "text"
+    tokenizer: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"DatasetSpec.name must be a non-empty string, got {self.name!r}")
+        if not (self.weight >= 0.0):
+            raise ValueError(f"dataset {self.name!r}: weight must be >= 0, got {self.weight}")
+        if isinstance(self.path, str):
+            self.path = Path(self.path)
+
+
+@dataclass(kw_only=True, slots=True)
+class LoaderConfig:
+    """Everything that decides the token stream.
+
+    ``num_shards`` (L) and ``seed`` and ``shuffle`` fix every document's place and must stay
+    the same across resumes; ``seq_len``, ``batch_size``, BOS/EOS and weights may change.
+    ``causal=True`` emits rows of ``seq_len + 1`` tokens (inputs and shifted labels).
+    ``num_epochs=None`` streams forever; an integer stops after that many passes (the last
+    row is padded with ``pad_id`` and segment id 0).
+    """
+
+    datasets: list[DatasetSpec]
+    seq_len: int = 4096
+    batch_size: int = 1
+    causal: bool = False
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int = 0
+    min_doc_len: int = 1
+    num_shards: int = 1024
+    seed: int = 0
+    shuffle: str = "global"
+    num_epochs: int | None = None
+    cache_dir: str | Path | None = None
+    out_dtype: str = "int64"
+
+    def __post_init__(self) -> None:
+        if not self.datasets:
+            raise ValueError("LoaderConfig.datasets is empty; give at least one DatasetSpec")
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoaderConfig.datasets has duplicate names: {names}")
+        if sum(d.weight for d in self.datasets) <= 0:
+            raise ValueError("LoaderConfig: all dataset weights are 0; give one a positive weight")
+        for key in ("seq_len", "batch_size", "num_shards"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"LoaderConfig.{key} must be >= 1, got {getattr(self, key)}")
+        if self.min_doc_len < 1:
+            raise ValueError(f"LoaderConfig.min_doc_len must be >= 1, got {self.min_doc_len}")
+        if self.shuffle not in SHUFFLE_MODES:
+            raise ValueError(f"LoaderConfig.shuffle={self.shuffle!r}; use one of {SHUFFLE_MODES}")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise ValueError(f"LoaderConfig.num_epochs must be >= 1 or None, got {self.num_epochs}")
+        if self.out_dtype not in ("int64", "int32"):
+            raise ValueError(f"LoaderConfig.out_dtype={self.out_dtype!r}; use 'int64' or 'int32'")
+
+    @property
+    def row_len(self) -> int:
+        """Tokens per emitted row: ``seq_len + 1`` for causal LM, else ``seq_len``."""
+        return self.seq_len + 1 if self.causal else self.seq_len
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {d.name: float(d.weight) for d in self.datasets}
+
+
+def datasets_from_root(
+    root: str | Path, weights: dict[str, float] | None = None
+) -> list[DatasetSpec]:
+    """One ``DatasetSpec`` per sub-folder of ``root`` (sorted), weighted by ``weights``."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"corpus root {root} is not a folder")
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not names:
+        raise FileNotFoundError(f"corpus root {root} has no sub-dataset folders")
+    weights = dict(weights or {})
+    unknown = sorted(set(weights) - set(names))
+    if unknown:
+        raise ValueError(f"weights name unknown sub-datasets {unknown}; folders are {names}")
+    return [DatasetSpec(name=n, path=root / n, weight=weights.get(n, 1.0)) for n in names]

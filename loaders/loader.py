@@ -1,0 +1,289 @@
+"""The rank's loader: an iterator of batches with ``state_dict``/``load_state_dict``.
+
+With ``num_workers=0`` the single reader runs in-process. With ``num_workers > 0`` a
+``torch.utils.data.DataLoader`` runs one reader per worker; every batch carries its
+reader's state, and this wrapper keeps the latest state per worker as batches are handed
+to the caller, so the rank's state is exact whatever the workers have prefetched. Batches
+are re-ordered to continue the workers' round-robin where the saved run stopped.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from loaders.checkpoint import (
+    STATE_FORMAT,
+    STATE_VERSION,
+    Resume,
+    load_states,
+    merge_states,
+    save_state,
+)
+from loaders.config import LoaderConfig
+from loaders.pipeline import Layout, ReaderPipeline, open_source
+
+_STATE_KEY = "_reader_state"
+
+
+def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """Rank and world size: explicit arguments, else the process group, else env vars."""
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            r, w = dist.get_rank(), dist.get_world_size()
+        else:
+            r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        rank = r if rank is None else rank
+        world_size = w if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    return int(rank), int(world_size)
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+class _ReaderDataset(IterableDataset):
+    """What each DataLoader worker runs: its reader, with the state attached per batch."""
+
+    def __init__(self, config: LoaderConfig, layout: Layout, resume: dict) -> None:
+        self.config, self.layout, self.resume = config, layout, resume
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        w = info.id if info is not None else 0
+        lay = Layout(self.layout.rank, self.layout.world_size, w, self.layout.num_workers)
+        sources = {d.name: open_source(d, self.config.cache_dir) for d in self.config.datasets}
+        pipe = ReaderPipeline(
+            self.config,
+            sources,
+            lay,
+            cursors=self.resume["cursors"],
+            weights=self.resume["weights"],
+            worker_state=self.resume["readers"][w],
+        )
+        while True:
+            try:
+                batch = pipe.next_batch()
+            except StopIteration:
+                yield {_STATE_KEY: pipe.state(), "_end": True}
+                return
+            batch[_STATE_KEY] = pipe.state()
+            yield batch
+
+
+class TokenLoader:
+    """Stateful, rescalable, mixed, packed token loader for one rank.
+
+    ``for batch in loader`` yields ``{"input_ids": (B, T), "segment_ids": (B, T)}``.
+    ``state_dict()`` is a small JSON-able dict; ``save(dir)``/``load(dir)`` write/read one
+    file per rank and load at any world size or worker count.
+    """
+
+    def __init__(
+        self,
+        config: LoaderConfig,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        multiprocessing_context: Any = None,
+    ) -> None:
+        self.config = config
+        self.rank, self.world_size = resolve_rank_world(rank, world_size)
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.num_workers = num_workers
+        self._readers = max(1, num_workers)
+        self._dl_kwargs = {
+            "prefetch_factor": prefetch_factor,
+            "pin_memory": pin_memory,
+            "multiprocessing_context": multiprocessing_context,
+        }
+        self.sources = {d.name: open_source(d, config.cache_dir) for d in config.datasets}
+        self.fingerprint = {
+            "num_shards": config.num_shards,
+            "seed": config.seed,
+            "shuffle": config.shuffle,
+            "docs": {name: int(src.num_docs) for name, src in self.sources.items()},
+        }
+        self._config_weights = config.weights
+        self._weights = dict(self._config_weights)
+        self._cursors: dict[str, dict[int, tuple[int, int, int]]] = {}
+        self._reader_states: list[dict | None] = [None] * self._readers
+        self._next_worker = 0
+        self._pipes: list[ReaderPipeline] = []
+        self._iter: Iterator[dict] | None = None
+        self._start_pipes()  # validates ownership now and gives state_dict() a value
+
+    # -- iteration ---------------------------------------------------------------------
+    def _start_pipes(self) -> None:
+        """Build every reader on this process (cheap: no data is read) for state/iteration."""
+        self._pipes = [
+            ReaderPipeline(
+                self.config,
+                self.sources,
+                Layout(self.rank, self.world_size, w, self._readers),
+                cursors=self._cursors,
+                weights=self._weights,
+                worker_state=self._reader_states[w],
+            )
+            for w in range(self._readers)
+        ]
+        self._reader_states = [p.state() for p in self._pipes]
+
+    def __iter__(self) -> TokenLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._iter is None:
+            self._iter = self._serial() if self.num_workers == 0 else self._parallel()
+        return next(self._iter)
+
+    def _serial(self) -> Iterator[dict]:
+        pipe = self._pipes[0]
+        while True:
+            try:
+                yield pipe.next_batch()
+            except StopIteration:
+                return
+
+    def _parallel(self) -> Iterator[dict]:
+        n = self._readers
+        resume = {
+            "cursors": self._cursors,
+            "weights": self._weights,
+            "readers": self._reader_states,
+        }
+        ds = _ReaderDataset(self.config, Layout(self.rank, self.world_size, 0, n), resume)
+        dl = DataLoader(ds, batch_size=None, num_workers=n, collate_fn=_identity, **self._dl_kwargs)
+        pending: list[deque] = [deque() for _ in range(n)]
+        alive = [True] * n
+        expected = self._next_worker
+
+        def advance(e: int) -> int:
+            for k in range(1, n + 1):
+                c = (e + k) % n
+                if alive[c] or pending[c]:
+                    return c
+            return e
+
+        for item in dl:
+            state = item.pop(_STATE_KEY)
+            w = int(state["worker"])
+            if item.pop("_end", False):
+                alive[w] = False
+                pending[w].append((None, state))
+            else:
+                pending[w].append((item, state))
+            while pending[expected] or not alive[expected]:
+                if not pending[expected]:
+                    if not any(alive) and not any(pending):
+                        return
+                    expected = advance(expected)
+                    continue
+                batch, st = pending[expected].popleft()
+                self._reader_states[expected] = st
+                expected = advance(expected)
+                self._next_worker = expected
+                if batch is not None:
+                    yield batch
+
+    @property
+    def readers(self) -> list[ReaderPipeline]:
+        """In-process readers (with ``num_workers > 0`` they only mirror the state)."""
+        return self._pipes
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's position: one small JSON-able dict covering all its readers."""
+        if self.num_workers == 0:
+            self._reader_states[0] = self._pipes[0].state()
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_workers": self._readers,
+            "next_worker": self._next_worker,
+            "config_weights": dict(self._config_weights),
+            "weights": dict(self._weights),
+            "readers": [dict(s) for s in self._reader_states],
+        }
+
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """Restore from this rank's state, or from all ranks' states of any old layout."""
+        states = [state] if isinstance(state, dict) else list(state)
+        own = (
+            len(states) == 1
+            and states[0].get("rank") == self.rank
+            and states[0].get("world_size") == self.world_size
+            and states[0].get("num_workers") == self._readers
+        )  # a rank's own state at an unchanged layout needs no other rank's file
+        resume: Resume = merge_states(states, self.fingerprint, complete=not own)
+        if resume.config_weights == self._config_weights and resume.weights:
+            weights = {**self._config_weights, **resume.weights}
+        else:
+            weights = dict(self._config_weights)  # the config changed: its weights win
+        same = resume.world_size == self.world_size and resume.num_workers == self._readers
+        self._close()
+        self._cursors = resume.cursors
+        self._weights = weights
+        if same:
+            self._reader_states = [resume.readers[(self.rank, w)] for w in range(self._readers)]
+            self._next_worker = resume.next_worker.get(self.rank, 0)
+            if weights != resume.weights:
+                for s in self._reader_states:
+                    s["mix_tokens"] = {}
+        else:
+            self._reader_states = [None] * self._readers
+            self._next_worker = 0
+        for s in self._reader_states:
+            if s is not None:
+                s["weights"] = dict(weights)
+        self._start_pipes()
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """Change target token shares now; no sub-dataset loses its position."""
+        self._pipes[0].mixer.set_weights(weights)  # validates names and values
+        new = dict(self._pipes[0].mixer.weights)
+        if self.num_workers == 0:
+            self._pipes[0].set_weights(weights)
+            self._weights = new
+            return
+        states = [dict(s, weights=new, mix_tokens={}) for s in self.state_dict()["readers"]]
+        self._close()
+        self._weights = new
+        self._reader_states = states
+        self._start_pipes()
+
+    def _close(self) -> None:
+        it, self._iter = self._iter, None
+        if it is not None and hasattr(it, "close"):
+            it.close()
+
+    # -- files -------------------------------------------------------------------------
+    def save(
+        self, directory: str | Path, *, background: bool = False, step: int | None = None
+    ) -> Path | Future[Path]:
+        """Write this rank's state file (atomic; no communication with other ranks)."""
+        state = self.state_dict()
+        if step is not None:
+            state["step"] = int(step)
+        return save_state(state, directory, background=background)
+
+    def load(self, directory: str | Path) -> None:
+        """Restore from every rank file in ``directory`` (any old world size)."""
+        self.load_state_dict(load_states(directory))

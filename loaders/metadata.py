@@ -1,0 +1,106 @@
+"""Document counts per file: read from ``doc_counts.json`` or counted once and cached.
+
+Format of ``doc_counts.json`` (in the sub-dataset folder; paths relative to it)::
+
+    {"format": "loaders.doc_counts", "version": 1,
+     "files": {"part-000.arrow": {"docs": 1234, "bytes": 5678901}, ...}}
+
+``bytes`` is optional in a hand-written file; when present and different from the file's
+size, the entry is stale and the file is recounted. Missing entries are counted and the
+result is written back next to the data, or to ``cache_dir`` when the folder is read-only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+METADATA_NAME = "doc_counts.json"
+FORMAT = "loaders.doc_counts"
+
+
+def _read(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"doc-count metadata {path} is unreadable ({exc}); fix it or delete it to recount"
+        ) from exc
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        raise ValueError(
+            f"doc-count metadata {path} lacks a 'files' mapping; expected "
+            '{"format": "loaders.doc_counts", "version": 1, "files": {"rel/path": {"docs": N}}}'
+        )
+    return data["files"]
+
+
+def atomic_write_text(path: Path, text: str, *, fsync: bool = True) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _cache_path(root: Path, cache_dir: str | Path) -> Path:
+    digest = hashlib.blake2b(str(root.resolve()).encode(), digest_size=8).hexdigest()
+    return Path(cache_dir) / f"{root.name}-{digest}.{METADATA_NAME}"
+
+
+def file_doc_counts(
+    root: Path,
+    files: Sequence[Path],
+    count: Callable[[Path], int],
+    *,
+    cache_dir: str | Path | None = None,
+) -> list[int]:
+    """Documents per file, from metadata where valid, else counted and cached."""
+    root = Path(root)
+    candidates = [root / METADATA_NAME]
+    if cache_dir is not None:
+        candidates.append(_cache_path(root, cache_dir))
+    known: dict[str, dict] = {}
+    for c in candidates:
+        if c.is_file():
+            known.update(_read(c))
+    counts, changed = [], False
+    for f in files:
+        rel = f.relative_to(root).as_posix()
+        size = f.stat().st_size
+        entry = known.get(rel)
+        ok = isinstance(entry, dict) and isinstance(entry.get("docs"), int)
+        if ok and entry.get("bytes", size) == size:
+            counts.append(entry["docs"])
+            continue
+        n = count(f)
+        known[rel] = {"docs": n, "bytes": size}
+        counts.append(n)
+        changed = True
+    if changed:
+        text = json.dumps({"format": FORMAT, "version": 1, "files": known}, indent=1)
+        targets = [root / METADATA_NAME]
+        if cache_dir is not None:
+            Path(cache_dir).mkdir(parents=True, exist_ok=True)
+            targets.append(_cache_path(root, cache_dir))
+        for t in targets:
+            try:
+                atomic_write_text(t, text, fsync=False)
+                break
+            except OSError:
+                continue  # read-only data folder: fall back to the cache dir
+    return counts

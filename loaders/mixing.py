@@ -1,0 +1,62 @@
+"""Mixing: pick the sub-dataset whose realized token share lags its target most.
+
+Deterministic deficit scheduling: after ``T`` emitted tokens sub-dataset ``d`` has emitted
+``t_d``; the next document comes from the active ``d`` minimising ``t_d / w_d``. The realized
+share differs from ``w_d / sum(w)`` by at most one document's tokens over ``T``, so shares
+converge like 1/T and no random state is needed. Changing weights restarts the counters
+(shares converge to the new targets from that point); sub-dataset positions live in the
+shard cursors and are untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class Mixer:
+    """Token counters per sub-dataset and the deficit rule over them."""
+
+    __slots__ = ("names", "weights", "tokens")
+
+    def __init__(
+        self,
+        weights: dict[str, float],
+        tokens: dict[str, int] | None = None,
+    ) -> None:
+        self.names = list(weights)
+        self.weights = {k: float(v) for k, v in weights.items()}
+        self.tokens = {k: int((tokens or {}).get(k, 0)) for k in self.names}
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """New targets; unknown names are an error, missing names keep their weight."""
+        unknown = sorted(set(weights) - set(self.names))
+        if unknown:
+            raise ValueError(
+                f"weights for unknown sub-datasets {unknown}; known sub-datasets: {self.names}"
+            )
+        bad = {k: v for k, v in weights.items() if not (float(v) >= 0.0)}
+        if bad:
+            raise ValueError(f"weights must be >= 0, got {bad}")
+        new = {**self.weights, **{k: float(v) for k, v in weights.items()}}
+        if sum(new.values()) <= 0:
+            raise ValueError(f"weights {new} are all 0; give one sub-dataset a positive weight")
+        self.weights = new
+        self.tokens = dict.fromkeys(self.names, 0)
+
+    def choose(self, active: Iterable[str]) -> str | None:
+        """The active sub-dataset with positive weight furthest below its target share."""
+        best, best_key = None, None
+        for name in active:
+            w = self.weights[name]
+            if w <= 0:
+                continue
+            key = self.tokens[name] / w
+            if best_key is None or key < best_key:
+                best, best_key = name, key
+        return best
+
+    def add(self, name: str, n: int) -> None:
+        self.tokens[name] += n
+
+    def state(self) -> dict:
+        return {"weights": dict(self.weights), "tokens": dict(self.tokens)}

@@ -1,0 +1,217 @@
+"""One reader's pipeline: shard cursors -> mixing -> packing -> batches, with its state.
+
+A reader is one (rank, dataloader worker). It owns a contiguous range of logical shards of
+every sub-dataset. For each document it asks the mixer which sub-dataset is behind its
+target, takes the next owned shard of it round-robin, reads the document under that
+shard's cursor and packs its stream into the batch. The reader's whole position is the
+shard cursors plus a few integers (mixing counters, round-robin pointers, which shard is
+mid-document); ``state()`` returns them as a JSON-able dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from loaders.config import DatasetSpec, LoaderConfig
+from loaders.mixing import Mixer
+from loaders.packing import BatchBuffer, stream_len
+from loaders.shards import ShardCursors, owned_shards
+from loaders.sources import TokenFolder
+from loaders.text import TextSource
+
+
+def open_source(spec: DatasetSpec, cache_dir: Any = None) -> Any:
+    """The source object of a sub-dataset spec (token folder, or text + tokenizer)."""
+    if spec.tokenizer is not None:
+        return TextSource(spec.path, text_column=spec.text_column, tokenizer=spec.tokenizer)
+    if not isinstance(spec.path, (str, type(None))) and hasattr(spec.path, "doc"):
+        return spec.path  # an already built source object
+    return TokenFolder(spec.path, token_column=spec.token_column, cache_dir=cache_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where a reader sits: rank in world, worker among the rank's dataloader workers."""
+
+    rank: int
+    world_size: int
+    worker: int = 0
+    num_workers: int = 1
+
+
+class ReaderPipeline:
+    """The iterator of one reader; ``next_batch()`` returns a dict of (B, T) tensors."""
+
+    def __init__(
+        self,
+        config: LoaderConfig,
+        sources: dict[str, Any],
+        layout: Layout,
+        *,
+        cursors: dict[str, dict[int, tuple[int, int, int]]],
+        weights: dict[str, float],
+        worker_state: dict | None = None,
+    ) -> None:
+        self.config, self.sources, self.layout = config, sources, layout
+        L = config.num_shards
+        ids = owned_shards(L, layout.rank, layout.world_size, layout.worker, layout.num_workers)
+        ws = worker_state or {}
+        if ws.get("shards"):  # the reader's own saved cursors win over the merged map
+            cursors = {name: dict(cursors.get(name, {})) for name in sources}
+            for name, sh in ws["shards"].items():
+                lo, hi = sh["range"]
+                for i, shard in enumerate(range(lo, hi)):
+                    cursors[name][shard] = (sh["epoch"][i], sh["counter"][i], sh["offset"][i])
+        self.shards = {
+            name: ShardCursors(
+                name=name,
+                num_docs=src.num_docs,
+                num_shards=L,
+                seed=config.seed,
+                mode=config.shuffle,
+                ids=list(ids),
+                cursors=cursors.get(name),
+            )
+            for name, src in sources.items()
+        }
+        self.mixer = Mixer(weights, ws.get("mix_tokens"))
+        self.rr = {name: int(ws.get("rr", {}).get(name, 0)) for name in sources}
+        self.done = bool(ws.get("done", False))
+        self._active = [n for n in sources if self._usable(n)]
+        self._np_dtype = np.dtype(config.out_dtype)
+        self._cur: tuple[str, int, np.ndarray] | None = None
+        cur = ws.get("current")
+        if cur is not None:
+            name, shard = cur
+            slot = self.shards[name].ids.index(int(shard))
+            self._cur = (name, slot, self._tokens(name, slot))
+
+    # -- state -------------------------------------------------------------------------
+    def state(self) -> dict:
+        """JSON-able position of this reader (no token data, size independent of corpus)."""
+        cur = (
+            None
+            if self._cur is None
+            else [self._cur[0], self.shards[self._cur[0]].ids[self._cur[1]]]
+        )
+        shards = {}
+        for name, sc in self.shards.items():
+            ids = sc.ids
+            shards[name] = {
+                "range": [ids[0], ids[-1] + 1] if ids else [0, 0],
+                "epoch": list(sc.epoch),
+                "counter": list(sc.counter),
+                "offset": list(sc.offset),
+            }
+        return {
+            "rank": self.layout.rank,
+            "worker": self.layout.worker,
+            "weights": dict(self.mixer.weights),
+            "mix_tokens": dict(self.mixer.tokens),
+            "rr": dict(self.rr),
+            "current": cur,
+            "done": self.done,
+            "shards": shards,
+        }
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        self.mixer.set_weights(weights)
+        self._active = [n for n in self.sources if self._usable(n)]
+
+    # -- document selection ------------------------------------------------------------
+    def _finished(self, sc: ShardCursors, slot: int) -> bool:
+        ne = self.config.num_epochs
+        return ne is not None and sc.epoch[slot] >= ne
+
+    def _usable(self, name: str) -> bool:
+        sc = self.shards[name]
+        if not sc.ids or sc.num_docs == 0:
+            return False
+        return not all(self._finished(sc, s) for s in range(len(sc.ids)))
+
+    def _tokens(self, name: str, slot: int) -> np.ndarray:
+        return self.sources[name].doc(self.shards[name].current_doc(slot))
+
+    def _roll(self, sc: ShardCursors, slot: int) -> None:
+        """Advance past a finished (or skipped) document; start the next epoch at the end."""
+        sc.counter[slot] += 1
+        sc.offset[slot] = 0
+        if sc.counter[slot] >= sc.size(slot):
+            sc.epoch[slot] += 1
+            sc.counter[slot] = 0
+
+    def _next_slot(self, name: str) -> int | None:
+        """Next owned shard of ``name`` with a document to read, round-robin."""
+        sc = self.shards[name]
+        n = len(sc.ids)
+        for step in range(4 * n):
+            slot = (self.rr[name] + step) % n
+            if self._finished(sc, slot):
+                continue
+            if sc.counter[slot] >= sc.size(slot):  # empty block this epoch (local mode)
+                sc.epoch[slot] += 1
+                sc.counter[slot] = 0
+                continue
+            self.rr[name] = (slot + 1) % n
+            return slot
+        return None
+
+    def _open(self) -> tuple[str, int, np.ndarray] | None:
+        """Pick the next document (mixing, then shard), skipping short ones."""
+        min_len = self.config.min_doc_len
+        while self._active:
+            name = self.mixer.choose(self._active)
+            if name is None:
+                return None
+            sc = self.shards[name]
+            skipped, budget = 0, None
+            while True:
+                slot = self._next_slot(name)
+                if slot is None:
+                    break
+                toks = self._tokens(name, slot)
+                if len(toks) >= min_len or sc.offset[slot] > 0:
+                    return name, slot, toks
+                self._roll(sc, slot)  # too short (or empty): skip, never emit
+                skipped += 1
+                if budget is None:  # a full pass of skips means nothing usable is left
+                    budget = sum(sc.size(s) for s in range(len(sc.ids))) + len(sc.ids) + 1
+                if skipped > budget:
+                    break
+            self._active.remove(name)  # exhausted (finite) or holds no usable document
+        return None
+
+    # -- packing -----------------------------------------------------------------------
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """Fill one (batch_size, row_len) batch; raise StopIteration when finished."""
+        if self.done:
+            raise StopIteration
+        cfg = self.config
+        bos, eos = cfg.bos_id, cfg.eos_id
+        buf = BatchBuffer(cfg.batch_size, cfg.row_len, self._np_dtype, cfg.pad_id)
+        while not buf.full:
+            if self._cur is None:
+                self._cur = self._open()
+                if self._cur is None:
+                    self.done = True
+                    break
+            name, slot, toks = self._cur
+            sc = self.shards[name]
+            off = sc.offset[slot]
+            k = buf.put(toks, off, bos, eos)
+            self.mixer.tokens[name] += k
+            if off + k >= stream_len(len(toks), bos, eos):
+                self._roll(sc, slot)
+                self._cur = None
+            else:
+                sc.offset[slot] = off + k
+        if self.done:
+            rows = buf.finish()
+            if rows == 0:
+                raise StopIteration
+            return buf.tensors(rows)
+        return buf.tensors()

@@ -1,0 +1,152 @@
+"""Sources: memory-mapped Arrow IPC token files, folders of them, and document counts.
+
+A source is anything with ``num_docs`` and ``doc(i) -> np.ndarray`` (a 1-D integer array,
+ideally a zero-copy view). ``ArrowTokenFile`` reads the offsets and values buffers of a
+list-of-integer column once and slices documents out of the memory map without copying.
+``TokenFolder`` concatenates the files of one sub-dataset (sorted, nested folders allowed);
+its per-file document counts come from ``doc_counts.json`` (see ``metadata.py``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from loaders.metadata import file_doc_counts
+
+ARROW_SUFFIXES = (".arrow", ".ipc", ".feather")
+
+
+def _open_table(path: Path) -> pa.Table:
+    """Memory-map an Arrow IPC file (file or stream format) as a zero-copy table."""
+    try:
+        source = pa.memory_map(str(path), "r")
+    except (OSError, pa.ArrowException) as exc:
+        raise FileNotFoundError(f"cannot open Arrow file {path}: {exc}") from exc
+    try:
+        try:
+            return pa.ipc.open_file(source).read_all()
+        except pa.ArrowInvalid:
+            source.seek(0)
+            return pa.ipc.open_stream(source).read_all()
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(
+            f"Arrow file {path} is truncated or corrupt ({exc}); re-write or remove the file"
+        ) from exc
+
+
+def count_arrow_docs(path: Path, column: str = "tokens") -> int:
+    """Rows of an Arrow IPC token file (checked: column present, integer lists)."""
+    return ArrowTokenFile(path, column).num_docs
+
+
+class ArrowTokenFile:
+    """One Arrow IPC file, one document per row in a list-of-integer column."""
+
+    __slots__ = ("path", "num_docs", "_starts", "_chunks")
+
+    def __init__(self, path: str | Path, column: str = "tokens") -> None:
+        self.path = Path(path)
+        table = _open_table(self.path)
+        if column not in table.column_names:
+            raise ValueError(
+                f"Arrow file {self.path} has no token column {column!r} "
+                f"(columns: {table.column_names}); pass token_column=<one of them>"
+            )
+        col = table.column(column)
+        typ = col.type
+        if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) or not pa.types.is_integer(
+            typ.value_type
+        ):
+            raise ValueError(
+                f"column {column!r} of {self.path} has type {typ}; expected a list of integers "
+                "(pre-tokenize it, or use a text source with a tokenizer)"
+            )
+        self.num_docs = table.num_rows
+        self._starts: list[int] = []  # first row of each chunk
+        self._chunks: list[tuple[np.ndarray, np.ndarray]] = []  # (offsets, values)
+        row = 0
+        for chunk in col.chunks:
+            if len(chunk) == 0:
+                continue
+            values = chunk.values
+            if values.null_count:
+                raise ValueError(
+                    f"column {column!r} of {self.path} has null tokens; drop or fix those rows"
+                )
+            offsets = chunk.offsets.to_numpy(zero_copy_only=False)
+            self._starts.append(row)
+            self._chunks.append((offsets, values.to_numpy(zero_copy_only=False)))
+            row += len(chunk)
+
+    def doc(self, i: int) -> np.ndarray:
+        """Tokens of row ``i`` as a view into the memory map (null rows are empty)."""
+        c = 0 if len(self._starts) == 1 else bisect.bisect_right(self._starts, i) - 1
+        offsets, values = self._chunks[c]
+        j = i - self._starts[c]
+        return values[offsets[j] : offsets[j + 1]]
+
+
+class TokenFolder:
+    """All Arrow IPC token files under a folder (recursively, sorted), as one source."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        token_column: str = "tokens",
+        cache_dir: str | Path | None = None,
+        max_open_files: int = 128,
+    ) -> None:
+        self.path = Path(path)
+        if self.path.is_file():
+            files = [self.path]
+            root = self.path.parent
+        elif self.path.is_dir():
+            files = sorted(p for p in self.path.rglob("*") if p.suffix in ARROW_SUFFIXES)
+            root = self.path
+        else:
+            raise FileNotFoundError(f"data path {self.path} does not exist; check the dataset path")
+        if not files:
+            raise FileNotFoundError(
+                f"folder {self.path} holds no Arrow files ({', '.join(ARROW_SUFFIXES)}); "
+                "point the dataset at a folder of pre-tokenized Arrow IPC files"
+            )
+        self.column = token_column
+        self.files = files
+        counts = file_doc_counts(
+            root, files, lambda p: count_arrow_docs(p, token_column), cache_dir=cache_dir
+        )
+        self._cum = [0]
+        for n in counts:
+            self._cum.append(self._cum[-1] + n)
+        self.num_docs = self._cum[-1]
+        self._open: OrderedDict[int, ArrowTokenFile] = OrderedDict()
+        self._max_open = max(1, max_open_files)
+        self._file(0)  # fail now, not mid-run, on a wrong column or type
+
+    def _file(self, k: int) -> ArrowTokenFile:
+        f = self._open.get(k)
+        if f is None:
+            f = ArrowTokenFile(self.files[k], self.column)
+            expected = self._cum[k + 1] - self._cum[k]
+            if f.num_docs != expected:
+                raise ValueError(
+                    f"{f.path} has {f.num_docs} rows but the doc-count metadata says {expected}; "
+                    "delete the stale doc_counts.json (or cache entry) and restart"
+                )
+            self._open[k] = f
+            if len(self._open) > self._max_open:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(k)
+        return f
+
+    def doc(self, i: int) -> np.ndarray:
+        """Tokens of document ``i`` of the folder (files concatenated in sorted order)."""
+        k = bisect.bisect_right(self._cum, i) - 1
+        return self._file(k).doc(i - self._cum[k])

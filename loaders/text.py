@@ -1,0 +1,131 @@
+"""Text sources tokenized on the fly with a Hugging Face tokenizer.
+
+``TextSource`` holds a string column (parquet, jsonl, Arrow IPC, or a ``datasets.Dataset``)
+and tokenizes document ``i`` when it is read, so a document's tokens are still a pure
+function of its index. Document counts come from the table itself (parquet/Arrow metadata)
+or, for jsonl, from the parsed table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+TEXT_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".ipc", ".feather")
+
+
+def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
+    """A ``str -> list[int]`` function from a tokenizer object, a local path or a hub name.
+
+    Local paths (a ``tokenizer.json`` file or a folder holding one) need only the
+    ``tokenizers`` package; a hub name uses ``transformers`` when installed, else
+    ``tokenizers.Tokenizer.from_pretrained`` (both need network or a warm HF cache).
+    """
+    if not isinstance(tokenizer, (str, Path)) and callable(getattr(tokenizer, "encode", None)):
+        enc = tokenizer.encode
+
+        def encode(text: str) -> list[int]:
+            out = enc(text)
+            return out.ids if hasattr(out, "ids") else list(out)
+
+        return encode
+    if callable(tokenizer):
+        return tokenizer
+    if not isinstance(tokenizer, (str, Path)):
+        raise ValueError(f"tokenizer {tokenizer!r}: pass a name, a path, or an object with encode")
+    path = Path(tokenizer)
+    try:
+        import tokenizers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("text sources need `pip install tokenizers`") from exc
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        path = path / "tokenizer.json"
+    if path.is_file():
+        return load_tokenizer(tokenizers.Tokenizer.from_file(str(path)))
+    try:
+        import transformers
+
+        tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
+        return lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    except ImportError:
+        pass
+    except Exception as exc:
+        raise ValueError(f"cannot load tokenizer {tokenizer!r}: {exc}; pass a local path") from exc
+    try:
+        return load_tokenizer(tokenizers.Tokenizer.from_pretrained(str(tokenizer)))
+    except Exception as exc:
+        raise ValueError(
+            f"cannot load tokenizer {tokenizer!r} ({exc}); pass a local tokenizer.json path"
+        ) from exc
+
+
+def _read_text_table(path: Path) -> pa.Table:
+    suffix = path.suffix
+    try:
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path, memory_map=True)
+        if suffix in (".jsonl", ".json"):
+            import pyarrow.json as pj
+
+            return pj.read_json(path)
+        from loaders.sources import _open_table
+
+        return _open_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"text file {path} is unreadable ({exc}); fix or remove it") from exc
+
+
+class TextSource:
+    """A string column tokenized per document; ``doc(i)`` returns int32 token ids."""
+
+    def __init__(self, data: Any, *, text_column: str = "text", tokenizer: Any) -> None:
+        self.encode = load_tokenizer(tokenizer)
+        if isinstance(data, (str, Path)):
+            path = Path(data)
+            if path.is_dir():
+                files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
+                files = [p for p in files if p.name != "doc_counts.json"]
+            elif path.is_file():
+                files = [path]
+            else:
+                raise FileNotFoundError(f"text data path {path} does not exist")
+            if not files:
+                raise FileNotFoundError(
+                    f"folder {path} holds no text files ({', '.join(TEXT_SUFFIXES)})"
+                )
+            tables = [(p, _read_text_table(p)) for p in files]
+        elif isinstance(data, pa.Table):
+            tables = [("<table>", data)]
+        else:  # a datasets.Dataset (duck-typed to avoid importing datasets)
+            if getattr(data, "_indices", None) is not None:
+                data = data.flatten_indices()
+            tables = [("<datasets.Dataset>", data.data.table)]
+        columns = []
+        for where, table in tables:
+            if text_column not in table.column_names:
+                raise ValueError(
+                    f"{where} has no text column {text_column!r} (columns: "
+                    f"{table.column_names}); pass text_column=<one of them>"
+                )
+            col = table.column(text_column)
+            if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+                raise ValueError(f"column {text_column!r} of {where} has type {col.type}, not text")
+            columns.extend(c for c in col.chunks if len(c))
+        self._chunks = columns
+        self._starts = list(np.cumsum([0] + [len(c) for c in columns])[:-1].tolist())
+        self.num_docs = sum(len(c) for c in columns)
+
+    def doc(self, i: int) -> np.ndarray:
+        import bisect
+
+        c = bisect.bisect_right(self._starts, i) - 1
+        text = self._chunks[c][i - self._starts[c]].as_py()
+        if not text:
+            return np.zeros(0, dtype=np.int32)
+        return np.asarray(self.encode(text), dtype=np.int32)
