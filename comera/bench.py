@@ -13,6 +13,7 @@ for both the TT and the dense layer, as inside a network.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import statistics
@@ -69,8 +70,32 @@ def _leaves_requiring_grad(params: dict) -> list[torch.Tensor]:
     return out
 
 
-def _time_linear(spec: TTLinearSpec, tokens: int, repeats: int, gen: torch.Generator) -> tuple:
-    """Median fwd+bwd seconds of ``nn.Linear`` and of every strategy, side by side."""
+def keep_freed_memory() -> bool:
+    """Tell glibc malloc to keep freed memory instead of unmapping it (mallopt).
+
+    Without this every large activation is a fresh ``mmap`` whose pages fault in on first
+    touch; for skinny GEMMs that write a (T, M) output the page faults cost more than the
+    arithmetic. jemalloc/tcmalloc, the usual advice for PyTorch on CPU, behave like this.
+    Returns False where it does not apply (not glibc).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(
+            libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30)
+        )
+    except (OSError, AttributeError):
+        return False
+
+
+def _time_linear(
+    spec: TTLinearSpec,
+    tokens: int,
+    repeats: int,
+    gen: torch.Generator,
+    strategies: tuple[str, ...] = STRATEGIES,
+) -> tuple:
+    """Median fwd+bwd seconds of ``nn.Linear`` and of each strategy, side by side."""
     params, state = init(spec, generator=gen)
     leaves = _leaves_requiring_grad(params)
     dense = torch.nn.Linear(spec.in_features, spec.out_features)
@@ -90,8 +115,32 @@ def _time_linear(spec: TTLinearSpec, tokens: int, repeats: int, gen: torch.Gener
 
         return step
 
-    fns = {"dense": dense_step, **{s: tt_step(s) for s in STRATEGIES}}
+    fns = {"dense": dense_step, **{s: tt_step(s) for s in strategies}}
     return params, _round_robin(fns, repeats)
+
+
+def _label(spec: TTLinearSpec) -> str:
+    """``in->out [paper modes]``: the train read input-first, as the paper writes it."""
+    ins = ",".join(map(str, spec.in_modes[::-1]))
+    outs = ",".join(map(str, spec.out_modes[::-1]))
+    return f"{spec.in_features}->{spec.out_features} [{ins} | {outs}]"
+
+
+def comera_default_malloc(
+    shapes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    rank: int,
+    tokens: int,
+    repeats: int,
+    gen: torch.Generator,
+) -> dict[str, float]:
+    """``comera`` vs dense time ratio per shape under the allocator as the process found it."""
+    out = {}
+    for out_modes, in_modes in shapes:
+        spec = TTLinearSpec(out_modes=out_modes, in_modes=in_modes, ranks=rank)
+        _, med = _time_linear(spec, tokens, repeats, gen, ("comera",))
+        out[_label(spec)] = med["comera"] / med["dense"]
+        _log(f"  {_label(spec)}: comera {out[_label(spec)]:.3f}x (default malloc)")
+    return out
 
 
 def bench_tt_linear(
@@ -100,16 +149,18 @@ def bench_tt_linear(
     tokens: int,
     repeats: int,
     gen: torch.Generator,
+    baseline: dict[str, float] | None = None,
 ) -> list[dict]:
-    """Time every strategy against ``nn.Linear`` for each TT shape."""
+    """Time every strategy against ``nn.Linear`` for each TT shape.
+
+    ``baseline`` maps shape labels to a ``comera`` ratio measured before the allocator
+    was tuned; it is carried into the rows for the report.
+    """
     rows = []
     for out_modes, in_modes in shapes:
         spec = TTLinearSpec(out_modes=out_modes, in_modes=in_modes, ranks=rank)
         params, med = _time_linear(spec, tokens, repeats, gen)
-        shape = (
-            f"{spec.in_features}->{spec.out_features} "
-            f"[{','.join(map(str, in_modes[::-1]))} | {','.join(map(str, out_modes[::-1]))}]"
-        )
+        shape = _label(spec)
         for s in STRATEGIES:
             fl = tt_linear_flops(params, tokens, s)
             rows.append(
@@ -125,6 +176,8 @@ def bench_tt_linear(
                     "dense_time_ms": med["dense"] * 1e3,
                 }
             )
+            if baseline and s == "comera":
+                rows[-1]["time_ratio_vs_dense_default_malloc"] = baseline[shape]
         _log(f"  {shape}: " + ", ".join(f"{s} {med[s] / med['dense']:.3f}x" for s in STRATEGIES))
     return rows
 
@@ -199,13 +252,19 @@ def markdown(result: dict) -> str:
         "## TT-linear vs `nn.Linear` (paper MNLI shapes, "
         f"rank {cfg['rank']}, {cfg['tokens']} tokens)",
         "",
-        "| shape (in->out, paper modes) | strategy | time ratio vs dense | FLOPs ratio vs dense | "
-        "TT ms | dense ms |",
-        "|---|---|---:|---:|---:|---:|",
+        f"Allocator: {cfg['malloc']}. Where tuned, the `comera` row also shows the ratio "
+        "measured first with the allocator as found (glibc default: large blocks are "
+        "unmapped on free and page-fault back in).",
+        "",
+        "| shape (in->out, paper modes) | strategy | time ratio vs dense | "
+        "(default malloc) | FLOPs ratio vs dense | TT ms | dense ms |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in result["tt_linear"]:
+        default = r.get("time_ratio_vs_dense_default_malloc")
         lines.append(
             f"| {r['shape']} | {r['strategy']} | {r['time_ratio_vs_dense']:.3f} | "
+            f"{'' if default is None else f'{default:.3f}'} | "
             f"{r['flops_ratio_vs_dense']:.3f} | {r['time_ms']:.1f} | {r['dense_time_ms']:.1f} |"
         )
     e = result["ttm_embedding"]
@@ -238,9 +297,18 @@ def markdown(result: dict) -> str:
 
 
 def run(
-    *, quick: bool = False, repeats: int | None = None, threads: int = 2, seed: int = 0
+    *,
+    quick: bool = False,
+    repeats: int | None = None,
+    threads: int = 2,
+    seed: int = 0,
+    malloc: str = "tuned",
 ) -> dict:
-    """Run the whole benchmark and return the result dict (the ``--json`` object)."""
+    """Run the whole benchmark and return the result dict (the ``--json`` object).
+
+    ``malloc="tuned"`` first measures ``comera`` vs dense under the allocator as found,
+    then calls :func:`keep_freed_memory` and measures everything; ``"default"`` skips both.
+    """
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(seed)
     if quick:
@@ -254,8 +322,12 @@ def run(
         )
         n_ids = 4096
     _log(f"comera.bench: {'quick' if quick else 'paper'} shapes, {reps} repeats, {threads} threads")
+    baseline, tuned = None, False
+    if malloc == "tuned" and not quick:  # quick runs inside test processes: leave malloc be
+        baseline = comera_default_malloc(shapes, rank, tokens, reps, gen)
+        tuned = keep_freed_memory()
     result = {
-        "tt_linear": bench_tt_linear(shapes, rank, tokens, reps, gen),
+        "tt_linear": bench_tt_linear(shapes, rank, tokens, reps, gen, baseline),
         "ttm_embedding": bench_ttm(ttm, n_ids, reps, gen),
     }
     result["config"] = {
@@ -267,6 +339,7 @@ def run(
         "ttm": f"vocab {list(ttm.vocab_modes)} (V={ttm.num_embeddings}), "
         f"dim {list(ttm.dim_modes)}, rank {max(ttm.ranks)}",  # type: ignore[arg-type]
         "torch": torch.__version__,
+        "malloc": "glibc keeps freed memory (mallopt)" if tuned else "as found",
         "machine": f"{torch.get_num_threads()}-thread CPU",
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -279,12 +352,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for tests")
     ap.add_argument("--repeats", type=int, default=None, help="rounds (default 9, quick 1)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--malloc",
+        choices=("tuned", "default"),
+        default="tuned",
+        help="tuned: also measure after telling glibc to keep freed memory (default)",
+    )
     ap.add_argument("--report", type=Path, default=None, help=f"markdown path (default {REPORT})")
     ap.add_argument("--no-report", action="store_true", help="do not write the markdown report")
     args = ap.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    result = run(quick=args.quick, repeats=args.repeats, threads=args.threads)
+    result = run(quick=args.quick, repeats=args.repeats, threads=args.threads, malloc=args.malloc)
     if not args.no_report and not (args.quick and args.report is None):
         path = args.report or REPORT
         path.parent.mkdir(parents=True, exist_ok=True)
