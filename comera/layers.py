@@ -106,12 +106,12 @@ def _chain_rows(groups: list[torch.Tensor], digits: list[torch.Tensor]) -> torch
     batched GEMMs. Returns ``(rows, D)``.
     """
     _, v, d1, r1 = groups[0].shape
-    acc = _gather(groups[0].reshape(v, d1 * r1), digits[0]).reshape(-1, d1, r1)  # (B, D_1, r_1)
+    b = digits[0].shape[0]
+    acc = _gather(groups[0].reshape(v, d1 * r1), digits[0]).reshape(b, d1, r1)  # (B, D_1, r_1)
     for core, dig in zip(groups[1:], digits[1:], strict=True):
         r, v, dg, r2 = core.shape
         table = core.permute(1, 0, 2, 3).reshape(v, r * dg * r2)  # (V_g, r * D_g * r')
-        sl = _gather(table, dig).reshape(-1, r, dg * r2)  # (B, r, D_g * r')
-        b = sl.shape[0]
+        sl = _gather(table, dig).reshape(b, r, dg * r2)  # (B, r, D_g * r')
         acc = torch.bmm(acc, sl)  # (B, D_acc, D_g * r')
         acc = acc.reshape(b, acc.shape[1] * dg, r2)  # (B, D_acc * D_g, r')
     return acc.reshape(acc.shape[0], acc.shape[1] * acc.shape[2])

@@ -35,6 +35,7 @@ __all__ = [
     "kept_indices",
     "live_ranks",
     "prune",
+    "slice_ranks",
     "to_dense",
 ]
 
@@ -239,10 +240,19 @@ def compact(params: Params, state: State) -> tuple[Params, State]:
     If any bond has no live rank the whole train is the zero map, so every bond is
     emptied and the layer keeps zero TT parameters (a bias, if any, remains).
     """
-    cores: list[torch.Tensor] = list(params["cores"])  # type: ignore[arg-type]
-    gates: list[torch.Tensor] = list(params["gates"])  # type: ignore[arg-type]
-    masks: list[torch.Tensor] = list(state["masks"])  # type: ignore[arg-type]
     keep = kept_indices(state)
+    masks: list[torch.Tensor] = list(state["masks"])  # type: ignore[arg-type]
+    new_state = {**state, "masks": [m.index_select(0, i) for m, i in zip(masks, keep, strict=True)]}
+    return slice_ranks(params, keep), new_state
+
+
+def slice_ranks(tree: Params, keep: list[torch.Tensor]) -> Params:
+    """Keep only ranks ``keep[k]`` on every bond of a params-shaped dict.
+
+    Works on the params themselves and on anything shaped like them (optimizer moments),
+    so optimizer state follows compaction exactly, rank for rank.
+    """
+    cores: list[torch.Tensor] = list(tree["cores"])  # type: ignore[arg-type]
     new_cores = []
     for k, core in enumerate(cores):
         if k > 0:
@@ -250,17 +260,12 @@ def compact(params: Params, state: State) -> tuple[Params, State]:
         if k < len(cores) - 1:
             core = core.index_select(core.dim() - 1, keep[k])
         new_cores.append(core.detach().contiguous())
-    new_gates = [g.detach().index_select(0, i) for g, i in zip(gates, keep, strict=True)]
-    new_params = {**params, "cores": new_cores, "gates": new_gates}
-    new_state = {**state, "masks": [m.index_select(0, i) for m, i in zip(masks, keep, strict=True)]}
-    return new_params, new_state
+    gates = [g.detach().index_select(0, i) for g, i in zip(tree["gates"], keep, strict=True)]  # type: ignore[arg-type]
+    return {**tree, "cores": new_cores, "gates": gates}
 
 
 def kept_indices(state: State) -> list[torch.Tensor]:
-    """Indices of the live ranks of every bond: what :func:`compact` keeps.
-
-    Training code uses these to slice optimizer state the same way compaction slices
-    the cores (see ``comera.training``)."""
+    """Indices of the live ranks of every bond: what :func:`compact` keeps."""
     masks: list[torch.Tensor] = list(state["masks"])  # type: ignore[arg-type]
     if any(not bool(m.any()) for m in masks):
         return [m.new_zeros(0, dtype=torch.long) for m in masks]

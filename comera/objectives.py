@@ -1,0 +1,88 @@
+"""CoMERA's rank-shrinking objectives.
+
+Early stage: ``L + gamma * R(d)`` where ``R`` is the mean magnitude of the live gates.
+Late stage: a size target ``S0 = c * S(end of early stage)`` and a loss target ``L0``;
+each step puts its weight on whichever objective is relatively further from its target
+(``(L - L0) / L0`` vs ``(S - S0) / S0``, the achievement-scalarization of the paper) plus
+a small weighted sum ``rho * (L / L0 + S / S0)`` of both, so neither is ever ignored.
+
+``S(d)`` is the differentiable size surrogate of the paper: for every train,
+``sum_k n_k * ||d_{k-1}||_1 * ||d_k||_1`` over live gates (edge bonds count 1), which
+equals the stored core parameter count while every gate is one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from comera.tree import iter_tt
+
+__all__ = ["LateWeights", "gate_regularizer", "late_weights", "size_surrogate"]
+
+
+def _live_gate_abs(p: dict, s: dict) -> list[torch.Tensor]:
+    return [g.abs() * m.to(g.dtype) for g, m in zip(p["gates"], s["masks"], strict=True)]
+
+
+def gate_regularizer(params: object, state: object) -> torch.Tensor:
+    """Mean magnitude of the live gates over every TT/TTM layer in the model."""
+    total: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+    for _, p, s in iter_tt(params, state):
+        for a, m in zip(_live_gate_abs(p, s), s["masks"], strict=True):
+            total = a.sum() if total is None else total + a.sum()
+            count = m.sum() if count is None else count + m.sum()
+    if total is None or count is None:
+        raise ValueError("gate_regularizer: the params tree holds no TT/TTM layer")
+    return total / count.clamp(min=1)
+
+
+def size_surrogate(params: object, state: object) -> torch.Tensor:
+    """Differentiable size estimate ``sum_k n_k ||d_{k-1}||_1 ||d_k||_1`` over all layers."""
+    total: torch.Tensor | None = None
+    for _, p, s in iter_tt(params, state):
+        norms = [a.sum() for a in _live_gate_abs(p, s)]
+        cores: list[torch.Tensor] = p["cores"]
+        one = cores[0].new_ones(())
+        full = [one, *norms, one]
+        for k, c in enumerate(cores):
+            n_k = math.prod(c.shape[1:-1])
+            term = n_k * full[k] * full[k + 1]
+            total = term if total is None else total + term
+    if total is None:
+        raise ValueError("size_surrogate: the params tree holds no TT/TTM layer")
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class LateWeights:
+    """Weights of loss and size in one late-stage step, and which objective led."""
+
+    loss: float
+    size: float
+    focus: str  # "loss" or "size"
+
+
+def late_weights(
+    loss: float, size: float, loss_target: float, size_target: float, rho: float
+) -> LateWeights:
+    """Weights for ``w_L * L + w_S * S`` in the late stage.
+
+    The objective ``max((L - L0) / L0, (S - S0) / S0) + rho * (L / L0 + S / S0)`` has
+    this gradient; computing the weights from (all-reduced) values keeps every
+    data-parallel rank on the same branch.
+    """
+    if loss_target <= 0 or size_target <= 0:
+        raise ValueError(
+            f"late stage targets must be > 0, got loss_target={loss_target}, "
+            f"size_target={size_target}"
+        )
+    gap_loss = (loss - loss_target) / loss_target
+    gap_size = (size - size_target) / size_target
+    focus = "loss" if gap_loss >= gap_size else "size"
+    w_loss = rho / loss_target + (1.0 / loss_target if focus == "loss" else 0.0)
+    w_size = rho / size_target + (1.0 / size_target if focus == "size" else 0.0)
+    return LateWeights(w_loss, w_size, focus)

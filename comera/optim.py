@@ -1,0 +1,97 @@
+"""AdamW over a params pytree, with its moments stored as params-shaped trees.
+
+Keeping the moments shaped like the params is what lets compaction slice them rank for
+rank with the cores (:func:`comera.tree.compact_tree`): no stale state survives for a
+removed rank and nothing needs re-registering. Three groups with their own learning
+rates, as in the paper: TT ``cores``, rank ``gates``, and the ``rest``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
+
+__all__ = ["AdamWConfig", "adamw_init", "adamw_step", "leaf_groups"]
+
+GROUPS = ("cores", "gates", "rest")
+
+
+@dataclass(kw_only=True, slots=True)
+class AdamWConfig:
+    """Per-group learning rates (the paper's: cores 1e-4, gates 1e-3, rest 5e-5)."""
+
+    lr_cores: float = 1e-4
+    lr_gates: float = 1e-3
+    lr_rest: float = 5e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    def __post_init__(self) -> None:
+        for name in ("lr_cores", "lr_gates", "lr_rest", "eps", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"AdamWConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"AdamWConfig.betas must be in [0, 1), got {self.betas}")
+
+    def lr(self, group: str) -> float:
+        return {"cores": self.lr_cores, "gates": self.lr_gates, "rest": self.lr_rest}[group]
+
+
+def leaf_groups(params: object) -> list[str]:
+    """Group of every leaf, in ``tree_flatten`` order: a leaf under a ``cores`` or
+    ``gates`` list is a TT core or gate, everything else (biases, norms, dense) is rest."""
+    out = []
+    for path, _ in tree_flatten_with_path(params)[0]:
+        keys = [getattr(k, "key", None) for k in path]
+        out.append("cores" if "cores" in keys else "gates" if "gates" in keys else "rest")
+    return out
+
+
+def adamw_init(params: object) -> dict:
+    """Optimizer state: a step count and zeroed first/second moments shaped like params."""
+    return {
+        "step": 0,
+        "m": tree_map(lambda t: torch.zeros_like(t, memory_format=torch.preserve_format), params),
+        "v": tree_map(lambda t: torch.zeros_like(t, memory_format=torch.preserve_format), params),
+    }
+
+
+@torch.no_grad()
+def adamw_step(
+    params: object,
+    grads: list[torch.Tensor | None],
+    opt: dict,
+    cfg: AdamWConfig,
+    lr_scale: float = 1.0,
+) -> dict:
+    """One AdamW update, in place on ``params`` and the moments; returns the state.
+
+    ``grads`` follow ``tree_flatten(params)`` order (None: no gradient, skipped).
+    Weight decay is decoupled and applies to matrices and TT cores (``dim >= 2``), not to
+    gates, biases or norms.
+    """
+    leaves, _ = tree_flatten(params)
+    ms, _ = tree_flatten(opt["m"])
+    vs, _ = tree_flatten(opt["v"])
+    if not len(leaves) == len(ms) == len(vs) == len(grads):
+        raise ValueError(
+            f"adamw_step: {len(leaves)} params, {len(grads)} grads, {len(ms)} moments; the "
+            "optimizer state does not match the params (was it compacted with them?)"
+        )
+    step = opt["step"] + 1
+    b1, b2 = cfg.betas
+    bc1, bc2 = 1 - b1**step, 1 - b2**step
+    for group, p, g, m, v in zip(leaf_groups(params), leaves, grads, ms, vs, strict=True):
+        if g is None or p.numel() == 0:
+            continue
+        lr = cfg.lr(group) * lr_scale
+        if cfg.weight_decay and p.dim() >= 2 and group != "gates":
+            p.mul_(1 - lr * cfg.weight_decay)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = (v / bc2).sqrt_().add_(cfg.eps)
+        p.addcdiv_(m, denom, value=-lr / bc1)
+    return {**opt, "step": step}

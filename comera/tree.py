@@ -1,0 +1,103 @@
+"""Walking a whole model's params pytree: find every TT/TTM layer and act on it.
+
+A model is a nested dict/list of tensors; TT/TTM layers are the dicts with ``cores``
+and ``gates`` (see :mod:`comera.tensor_train`). Its rank state mirrors the params tree
+at those positions (``state["layers"][0]["q"] == {"masks": [...]}``); elsewhere the state
+tree may be empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from comera import tensor_train as tt
+
+__all__ = [
+    "compact_tree",
+    "init_state_like",
+    "iter_tt",
+    "map_tt",
+    "prune_tree",
+]
+
+
+def _child(tree: object, key: object) -> object:
+    if isinstance(tree, dict):
+        return tree.get(key)
+    if isinstance(tree, list | tuple) and isinstance(key, int) and key < len(tree):
+        return tree[key]
+    return None
+
+
+def iter_tt(
+    params: object, state: object = None, path: str = ""
+) -> Iterator[tuple[str, dict, dict]]:
+    """Yield ``(path, layer_params, layer_state)`` for every TT/TTM layer, in tree order."""
+    if tt.is_tt_params(params):
+        yield path, params, state  # type: ignore[misc]
+    elif isinstance(params, dict):
+        for k, v in params.items():
+            yield from iter_tt(v, _child(state, k), f"{path}.{k}" if path else str(k))
+    elif isinstance(params, list | tuple):
+        for i, v in enumerate(params):
+            yield from iter_tt(v, _child(state, i), f"{path}.{i}" if path else str(i))
+
+
+def map_tt(
+    fn: Callable[..., tuple],
+    params: object,
+    state: object,
+    *others: object,
+) -> tuple:
+    """Rebuild ``(params, state, *others)`` with ``fn(p, s, *o) -> (p, s, *o)`` applied at
+    every TT/TTM layer; ``others`` are trees shaped like ``params`` (optimizer moments)."""
+    if tt.is_tt_params(params):
+        return fn(params, state, *others)
+    if isinstance(params, dict):
+        outs: list[dict] = [{} for _ in range(2 + len(others))]
+        st_out: dict = dict(state) if isinstance(state, dict) else {}
+        for k, v in params.items():
+            res = map_tt(fn, v, _child(state, k), *[o[k] for o in others])  # type: ignore[index]
+            outs[0][k] = res[0]
+            if res[1] is not None:
+                st_out[k] = res[1]
+            for j, o in enumerate(res[2:]):
+                outs[2 + j][k] = o
+        return (outs[0], st_out, *outs[2:])
+    if isinstance(params, list | tuple):
+        lists: list[list] = [[] for _ in range(2 + len(others))]
+        for i, v in enumerate(params):
+            res = map_tt(fn, v, _child(state, i), *[o[i] for o in others])  # type: ignore[index]
+            for j, o in enumerate(res):
+                lists[j].append(o if j != 1 else (o if o is not None else {}))
+        return tuple(lists)
+    return (params, state, *others)
+
+
+def init_state_like(params: object) -> object:
+    """A rank state with every rank alive, for a params tree (e.g. one loaded from disk)."""
+
+    def fresh(p: dict, s: object) -> tuple:
+        masks = [torch.ones(g.numel(), dtype=torch.bool, device=g.device) for g in p["gates"]]
+        return p, {"masks": masks}
+
+    return map_tt(fresh, params, None)[1]
+
+
+def prune_tree(params: object, state: object, tau: float) -> object:
+    """:func:`comera.prune` at every TT/TTM layer; returns the new state tree."""
+    return map_tt(lambda p, s: (p, tt.prune(p, s, tau)), params, state)[1]
+
+
+def compact_tree(params: object, state: object, *others: object) -> tuple:
+    """:func:`comera.compact` at every layer, slicing ``others`` (params-shaped trees such
+    as optimizer moments) rank for rank like the cores and gates."""
+
+    def one(p: dict, s: dict, *o: dict) -> tuple:
+        keep = tt.kept_indices(s)
+        new_p, new_s = tt.compact(p, s)
+        return (new_p, new_s, *[tt.slice_ranks(x, keep) for x in o])
+
+    return map_tt(one, params, state, *others)

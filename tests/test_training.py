@@ -1,0 +1,366 @@
+"""CoMERA training: objectives, pruning/compaction during training, checkpoints, DDP."""
+
+import dataclasses
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import comera as C
+from comera.objectives import gate_regularizer, late_weights, size_surrogate
+from comera.optim import AdamWConfig, adamw_init, adamw_step
+from comera.training import (
+    CheckpointError,
+    ComeraConfig,
+    NonFiniteLoss,
+    TrainConfig,
+    Trainer,
+    load_checkpoint,
+    model_size,
+)
+from comera.tree import compact_tree, prune_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Iter:
+    """A resumable stream of regression batches (x, y) drawn from a fixed seed."""
+
+    def __init__(
+        self, w: torch.Tensor, batch: int = 16, seed: int = 0, rank: int = 0, world: int = 1
+    ):
+        self.w, self.batch, self.seed, self.i = w, batch, seed, 0
+        self.rank, self.world = rank, world
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.i)
+        self.i += 1
+        x = torch.randn(self.batch, self.w.shape[1], generator=g)
+        y = x @ self.w.T
+        per = self.batch // self.world
+        return x[self.rank * per : (self.rank + 1) * per], y[
+            self.rank * per : (self.rank + 1) * per
+        ]
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, s):
+        self.i = s["i"]
+
+
+class ToyTask:
+    """Fit a low-rank linear map with one TT layer (dropout-free, but uses RNG noise)."""
+
+    def __init__(
+        self, rank: int = 0, world: int = 1, noise: float = 0.0, nan_at: int | None = None
+    ):
+        g = torch.Generator().manual_seed(123)
+        self.w = (torch.randn(16, 2, generator=g) @ torch.randn(2, 16, generator=g)) / 4
+        self.train_iter = _Iter(self.w, rank=rank, world=world)
+        self.noise, self.nan_at, self.calls = noise, nan_at, 0
+
+    def loss(self, params, state, batch, *, train):
+        x, y = batch
+        self.calls += 1
+        if self.noise:  # consumes the global RNG like dropout would
+            x = x + self.noise * torch.randn_like(x)
+        pred = C.tt_linear(params["lin"], state["lin"], x)
+        loss = (pred - y).pow(2).mean()
+        if self.nan_at is not None and self.calls >= self.nan_at:
+            loss = loss * float("nan")
+        return loss, {"accuracy": torch.tensor(0.0)}
+
+    def evaluate(self, params, state):
+        x, y = next(_Iter(self.w, batch=64, seed=99))
+        return {"mse": float((C.tt_linear(params["lin"], state["lin"], x) - y).pow(2).mean())}
+
+
+def _toy_model(seed=0):
+    spec = C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=6)
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(seed))
+    return {"lin": p}, {"lin": s}
+
+
+def _cfg(tmp_path, **kw):
+    comera = kw.pop("comera", ComeraConfig(gamma=0.5, tau=0.05, early_steps=40, prune_every=10))
+    base = dict(
+        steps=60,
+        run_dir=str(tmp_path / "run"),
+        optim=AdamWConfig(lr_cores=1e-2, lr_gates=5e-2, lr_rest=1e-2, weight_decay=0.0),
+        comera=comera,
+        log_every=5,
+        schedule="constant",
+        wandb="disabled",
+        progress=False,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+# ----------------------------------------------------------------------------- objectives
+
+
+def test_regularizer_and_size_surrogate_match_formulas():
+    params, state = _toy_model()
+    assert float(gate_regularizer(params, state)) == pytest.approx(1.0)
+    # all gates one: the surrogate is the stored core parameter count
+    assert float(size_surrogate(params, state)) == C.param_count(params["lin"]["cores"])
+    state = prune_tree(params, {"lin": {"masks": [m.clone() for m in state["lin"]["masks"]]}}, 0.5)
+    state["lin"]["masks"][1][:3] = False
+    live = [int(m.sum()) for m in state["lin"]["masks"]]
+    full = [1, *live, 1]
+    expected = sum(full[k] * 4 * full[k + 1] for k in range(4))
+    assert float(size_surrogate(params, state)) == expected
+    # dead gates do not count in the mean
+    params["lin"]["gates"][1][:3] = 100.0
+    assert float(gate_regularizer(params, state)) == pytest.approx(1.0)
+
+
+def test_late_weights_follow_the_objective_further_from_target():
+    w = late_weights(loss=2.0, size=100.0, loss_target=1.0, size_target=90.0, rho=0.1)
+    assert w.focus == "loss" and w.loss == pytest.approx(1.1) and w.size == pytest.approx(0.1 / 90)
+    w = late_weights(loss=1.05, size=200.0, loss_target=1.0, size_target=100.0, rho=0.1)
+    assert w.focus == "size" and w.size == pytest.approx(1.1 / 100)
+    with pytest.raises(ValueError, match="targets must be > 0"):
+        late_weights(1.0, 1.0, 0.0, 1.0, 0.1)
+
+
+def test_optimizer_state_follows_compaction_rank_for_rank():
+    params, state = _toy_model()
+    opt = adamw_init(params)
+    for leaf, m in zip(params["lin"]["cores"], opt["m"]["lin"]["cores"], strict=True):
+        m.copy_(torch.arange(leaf.numel(), dtype=leaf.dtype).view_as(leaf))
+    params["lin"]["gates"][1][[0, 2]] = 0.0
+    state = prune_tree(params, state, 0.01)
+    new_p, new_s, new_m, new_v = compact_tree(params, state, opt["m"], opt["v"])
+    keep = torch.tensor([1, 3, 4, 5])
+    torch.testing.assert_close(new_m["lin"]["cores"][1], opt["m"]["lin"]["cores"][1][..., keep])
+    torch.testing.assert_close(new_m["lin"]["cores"][2], opt["m"]["lin"]["cores"][2][keep])
+    assert new_v["lin"]["gates"][1].shape == (4,)
+    grads = [torch.ones_like(t) for t in torch.utils._pytree.tree_flatten(new_p)[0]]
+    adamw_step(new_p, grads, {**opt, "m": new_m, "v": new_v}, AdamWConfig())  # shapes agree
+
+
+def test_adamw_matches_torch():
+    torch.manual_seed(0)
+    p = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    ref = [torch.nn.Parameter(p["w"].clone()), torch.nn.Parameter(p["b"].clone())]
+    torch_opt = torch.optim.AdamW(
+        [{"params": [ref[0]], "weight_decay": 0.01}, {"params": [ref[1]], "weight_decay": 0.0}],
+        lr=5e-5,
+    )
+    opt = adamw_init(p)
+    for _ in range(5):
+        gw, gb = torch.randn(4, 3), torch.randn(3)
+        ref[0].grad, ref[1].grad = gw.clone(), gb.clone()
+        torch_opt.step()
+        opt = adamw_step(p, [gw, gb], opt, AdamWConfig())
+    torch.testing.assert_close(p["w"], ref[0].detach())
+    torch.testing.assert_close(p["b"], ref[1].detach())
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _metrics(run_dir):
+    import json
+
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_run_reduces_loss_and_dense_stage(tmp_path):
+    params, state = _toy_model()
+    cfg = _cfg(tmp_path, comera=ComeraConfig(enabled=False))
+    Trainer(cfg, ToyTask(), params, state).fit()
+    rows = [r for r in _metrics(cfg.run_dir) if "loss" in r]
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    assert {r["stage"] for r in rows} == {"dense"}
+
+
+def test_gamma_shrinks_gates(tmp_path):
+    def gate_l1(gamma):
+        comera = ComeraConfig(gamma=gamma, tau=0.0, early_steps=1000, prune_every=1000)
+        cfg = _cfg(tmp_path / str(gamma), steps=40, comera=comera)
+        tr = Trainer(cfg, ToyTask(), *_toy_model())
+        tr.fit()
+        return sum(float(g.detach().abs().sum()) for g in tr.params["lin"]["gates"])
+
+    assert gate_l1(0.5) < 0.5 * gate_l1(0.0)
+
+
+def test_pruning_removes_ranks_and_compacts(tmp_path):
+    params, state = _toy_model()
+    cfg = _cfg(tmp_path)
+    tr = Trainer(cfg, ToyTask(), params, state)
+    before = model_size(tr.params, tr.state)
+    tr.fit()
+    rows = [r for r in _metrics(cfg.run_dir) if "loss" in r]
+    assert rows[-1]["ranks/lin"] < rows[0]["ranks/lin"]
+    # the target map has rank 2: pruning removes middle ranks, compaction drops them
+    assert C.bond_ranks(tr.params["lin"])[1] < 6
+    assert model_size(tr.params, tr.state) < before
+    assert all(bool(m.all()) for m in tr.state["lin"]["masks"])  # compacted at the end
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_late_stage_reaches_size_target(tmp_path):
+    params, state = _toy_model()
+    comera = ComeraConfig(
+        gamma=0.0, tau=0.02, early_steps=30, prune_every=5, size_ratio=0.5, rho=0.05
+    )
+    cfg = _cfg(tmp_path, steps=150, comera=comera)
+    tr = Trainer(cfg, ToyTask(), params, state)
+    tr.fit()
+    target = tr.targets["size"]
+    final = float(size_surrogate(tr.params, tr.state).detach())
+    assert final <= 1.1 * target, (final, target)
+    assert model_size(tr.params, tr.state) < model_size(*_toy_model())
+
+
+def test_compaction_mid_training_leaves_loss_unchanged(tmp_path):
+    params, state = _toy_model()
+    tr = Trainer(_cfg(tmp_path), ToyTask(), params, state)
+    it = iter(tr.task.train_iter)
+    for _ in range(20):
+        tr.train_step(next(it))
+    with torch.no_grad():
+        tr.params["lin"]["gates"][2][:2] = 0.0  # make some ranks dead
+    tr.prune()
+    batch = next(_Iter(tr.task.w, seed=7))
+    with torch.no_grad():
+        before, _ = tr.task.loss(tr.params, tr.state, batch, train=False)
+    stored = C.param_count(tr.params)
+    tr.compact()
+    with torch.no_grad():
+        after, _ = tr.task.loss(tr.params, tr.state, batch, train=False)
+    assert C.param_count(tr.params) < stored
+    torch.testing.assert_close(after, before)
+    tr.train_step(next(it))  # optimizer state was sliced along: the step runs
+
+
+def test_resume_is_bit_identical(tmp_path):
+    def run(cfg, resume=False):
+        params, state = _toy_model()
+        tr = Trainer(cfg, ToyTask(noise=0.1), params, state, resume=resume)
+        tr.fit()
+        return tr
+
+    full = run(_cfg(tmp_path / "a", steps=60, checkpoint_every=25))
+    # an interrupted twin: same config, stopped after its step-25 checkpoint
+    part_cfg = _cfg(tmp_path / "b", steps=60, checkpoint_every=25)
+    params, state = _toy_model()
+    tr = Trainer(part_cfg, ToyTask(noise=0.1), params, state)
+    it = iter(tr.task.train_iter)
+    while tr.step < 25:
+        tr.train_step(next(it))
+        tr._after_step()
+    tr.checkpoint()
+    resumed = run(part_cfg, resume=True)
+    for a, b in zip(
+        torch.utils._pytree.tree_flatten(full.params)[0],
+        torch.utils._pytree.tree_flatten(resumed.params)[0],
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    rows_a = [r["loss"] for r in _metrics(tmp_path / "a" / "run") if "loss" in r and r["step"] > 25]
+    rows_b = [r["loss"] for r in _metrics(tmp_path / "b" / "run") if "loss" in r and r["step"] > 25]
+    assert rows_a == rows_b
+
+
+def test_nan_stops_with_step_and_keeps_last_checkpoint(tmp_path):
+    params, state = _toy_model()
+    cfg = _cfg(tmp_path, checkpoint_every=10)
+    with pytest.raises(NonFiniteLoss, match=r"loss is nan at step 15"):
+        Trainer(cfg, ToyTask(nan_at=15), params, state).fit()
+    ckpt = load_checkpoint(cfg.run_dir)
+    assert ckpt["step"] == 10
+    assert all(torch.isfinite(t).all() for t in torch.utils._pytree.tree_flatten(ckpt["params"])[0])
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "checkpoint.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        load_checkpoint(tmp_path)
+    params, state = _toy_model()
+    cfg = _cfg(tmp_path / "x", steps=5)
+    Trainer(cfg, ToyTask(), params, state).fit()
+    with pytest.raises(CheckpointError, match="steps=5.*steps=6"):
+        Trainer(dataclasses.replace(cfg, steps=6), ToyTask(), *_toy_model(), resume=True)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="size_ratio"):
+        ComeraConfig(size_ratio=0.0)
+    with pytest.raises(ValueError, match="wandb must be online, offline or disabled"):
+        TrainConfig(steps=1, run_dir="x", wandb="maybe")
+    with pytest.raises(ValueError, match="bf16 autocast is for CUDA"):
+        TrainConfig(steps=1, run_dir="x", bf16=True)
+
+
+# ----------------------------------------------------------------------------- DDP
+
+DDP_WORKER = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+from test_training import ToyTask, _toy_model, _cfg
+from comera.training import Trainer
+from pathlib import Path
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+params, state = _toy_model()
+tr = Trainer(_cfg(Path({out!r}), steps=30), ToyTask(rank=rank, world=world), params, state)
+tr.fit()
+if rank == 0:
+    torch.save(tr.params, {out!r} + "/params.pt")
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_gloo_matches_single_process(tmp_path):
+    torch.set_num_threads(1)
+    single = Trainer(_cfg(tmp_path / "single", steps=30), ToyTask(), *_toy_model())
+    single.fit()
+    out = tmp_path / "ddp"
+    out.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(DDP_WORKER.format(root=str(ROOT), tests=str(ROOT / "tests"), out=str(out)))
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env))
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    ddp = torch.load(out / "params.pt", weights_only=False)
+    for a, b in zip(
+        torch.utils._pytree.tree_flatten(single.params)[0],
+        torch.utils._pytree.tree_flatten(ddp)[0],
+        strict=True,
+    ):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert math.isfinite(float(single.loss_ema))
