@@ -16,10 +16,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)  ## the main job
-	$(BIN)/python -m comera.bench
+demo: $(STAMP)  ## the main job: CoMERA on MNLI, smoke preset (CPU, about a minute)
+	$(BIN)/python -m experiments.mnli --preset smoke --run-dir runs/mnli-smoke-$$(date +%Y%m%d-%H%M%S)
 
-bench: demo
+bench: $(STAMP)  ## core, loader and MNLI-step benchmarks (write reports/)
+	$(BIN)/python -m comera.bench
+	$(BIN)/python -m loaders.bench
 
 test: $(STAMP)  ## lint, format check, then the whole test suite
 	$(BIN)/ruff check .

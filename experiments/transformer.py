@@ -1,0 +1,205 @@
+"""A BERT-style encoder classifier as pure functions over a params pytree.
+
+``init_encoder(cfg) -> (params, state)`` and ``encoder_logits(params, state, batch, cfg)``.
+With ``cfg.tt`` every linear layer (Q/K/V/out, FFN in/out, pooler) is a gated tensor
+train with the paper's mode shapes and the word embedding is a TTM; with
+``cfg.tt=False`` the same architecture is fully dense (the baseline). The 3-way
+classifier head stays dense in both (its 768 x 3 weight has no useful factorization).
+Post-LN blocks as in BERT: ``h = LN(x + Drop(Attn(x)))``, ``h = LN(h + Drop(FFN(h)))``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import comera as C
+
+__all__ = ["EncoderConfig", "dense_param_count", "encoder_logits", "init_encoder"]
+
+Modes = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(kw_only=True, slots=True)
+class EncoderConfig:
+    """Architecture; defaults are the paper's MNLI model (6 x d768, 12 heads, FFN 3072).
+
+    TT shapes are ``(out_modes, in_modes)`` in our output-first core order: the paper's
+    trains [12,8,8 | 8,8,12], [12,8,8 | 12,16,16] and [16,16,12 | 8,8,12] (input modes
+    first) read backwards, which keeps the same cores and ranks.
+    """
+
+    vocab_size: int = 30522
+    max_len: int = 128
+    type_vocab: int = 2
+    d_model: int = 768
+    heads: int = 12
+    ffn: int = 3072
+    layers: int = 6
+    dropout: float = 0.1
+    num_labels: int = 3
+    init_std: float = 0.02
+    tt: bool = True
+    tt_embedding: bool = True
+    rank: int = 30
+    attn_modes: Modes = ((12, 8, 8), (8, 8, 12))
+    ffn_in_modes: Modes = ((16, 16, 12), (8, 8, 12))
+    ffn_out_modes: Modes = ((12, 8, 8), (12, 16, 16))
+    emb_vocab_modes: tuple[int, ...] = (16, 20, 10, 10)
+    emb_dim_modes: tuple[int, ...] = (4, 4, 8, 6)
+    emb_rank: int = 32
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.heads:
+            raise ValueError(
+                f"EncoderConfig: d_model={self.d_model} is not divisible by heads={self.heads}"
+            )
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"EncoderConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.tt:
+            for name, (out_m, in_m), (o, i) in (
+                ("attn_modes", self.attn_modes, (self.d_model, self.d_model)),
+                ("ffn_in_modes", self.ffn_in_modes, (self.ffn, self.d_model)),
+                ("ffn_out_modes", self.ffn_out_modes, (self.d_model, self.ffn)),
+            ):
+                if math.prod(out_m) != o or math.prod(in_m) != i:
+                    raise ValueError(
+                        f"EncoderConfig.{name}={(out_m, in_m)} multiplies to "
+                        f"{math.prod(out_m)} x {math.prod(in_m)}, expected {o} x {i} (out x in)"
+                    )
+
+    def linear_spec(self, name: str, modes: Modes) -> C.TTLinearSpec:
+        return C.TTLinearSpec(
+            out_modes=modes[0], in_modes=modes[1], ranks=self.rank, name=name, std=self.init_std
+        )
+
+    def embedding_spec(self) -> C.TTMEmbeddingSpec:
+        return C.TTMEmbeddingSpec(
+            vocab_modes=self.emb_vocab_modes,
+            dim_modes=self.emb_dim_modes,
+            ranks=self.emb_rank,
+            num_embeddings=self.vocab_size,
+            embedding_dim=self.d_model,
+            name="embed.word",
+            std=self.init_std,
+        )
+
+
+def _dense_linear(out_f: int, in_f: int, std: float, gen: torch.Generator) -> dict:
+    return {"weight": torch.randn(out_f, in_f, generator=gen) * std, "bias": torch.zeros(out_f)}
+
+
+def _ln(d: int) -> dict:
+    return {"weight": torch.ones(d), "bias": torch.zeros(d)}
+
+
+def init_encoder(
+    cfg: EncoderConfig, *, generator: torch.Generator | None = None
+) -> tuple[dict, dict]:
+    """Params and rank state of the whole model (state only holds TT layers' masks)."""
+    gen = generator or torch.Generator().manual_seed(0)
+    d, std = cfg.d_model, cfg.init_std
+    state: dict = {"embed": {}, "layers": [], "pooler": {}}
+
+    def linear(name: str, modes: Modes, out_f: int, in_f: int, st: dict, key: str) -> dict:
+        if not cfg.tt:
+            return _dense_linear(out_f, in_f, std, gen)
+        p, s = C.init(cfg.linear_spec(name, modes), generator=gen)
+        st[key] = s
+        return p
+
+    if cfg.tt and cfg.tt_embedding:
+        word, state["embed"]["word"] = C.init(cfg.embedding_spec(), generator=gen)
+    else:
+        word = {"weight": torch.randn(cfg.vocab_size, d, generator=gen) * std}
+    params: dict = {
+        "embed": {
+            "word": word,
+            "position": torch.randn(cfg.max_len, d, generator=gen) * std,
+            "token_type": torch.randn(cfg.type_vocab, d, generator=gen) * std,
+            "ln": _ln(d),
+        },
+        "layers": [],
+    }
+    for i in range(cfg.layers):
+        st: dict = {}
+        layer = {
+            key: linear(f"layers.{i}.{key}", cfg.attn_modes, d, d, st, key)
+            for key in ("q", "k", "v", "o")
+        }
+        layer["ln1"] = _ln(d)
+        layer["ffn_in"] = linear(f"layers.{i}.ffn_in", cfg.ffn_in_modes, cfg.ffn, d, st, "ffn_in")
+        layer["ffn_out"] = linear(
+            f"layers.{i}.ffn_out", cfg.ffn_out_modes, d, cfg.ffn, st, "ffn_out"
+        )
+        layer["ln2"] = _ln(d)
+        params["layers"].append(layer)
+        state["layers"].append(st)
+    params["pooler"] = linear("pooler", cfg.attn_modes, d, d, state, "pooler")
+    params["classifier"] = _dense_linear(cfg.num_labels, d, std, gen)
+    return params, state
+
+
+def dense_param_count(cfg: EncoderConfig) -> int:
+    """Parameters of the dense baseline with this architecture (the compression reference)."""
+    d, f = cfg.d_model, cfg.ffn
+    embed = cfg.vocab_size * d + cfg.max_len * d + cfg.type_vocab * d + 2 * d
+    layer = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+    return embed + cfg.layers * layer + (d * d + d) + (d * cfg.num_labels + cfg.num_labels)
+
+
+def _linear(p: dict, s: dict | None, x: torch.Tensor, plan: C.plans.PlanLike) -> torch.Tensor:
+    if C.is_tt_params(p):
+        return C.tt_linear(p, s, x, plan=plan)  # type: ignore[arg-type]
+    return F.linear(x, p["weight"], p.get("bias"))
+
+
+def _layer_norm(p: dict, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, x.shape[-1:], p["weight"], p["bias"], eps=1e-12)
+
+
+def encoder_logits(
+    params: dict,
+    state: dict,
+    batch: dict[str, torch.Tensor],
+    cfg: EncoderConfig,
+    *,
+    train: bool = False,
+    plan: C.plans.PlanLike = None,
+) -> torch.Tensor:
+    """Class logits ``(B, num_labels)`` for a batch of ``input_ids``, ``token_type_ids`` and
+    ``attention_mask`` (each ``(B, T)``). Dropout draws from torch's global RNG."""
+    ids = batch["input_ids"]
+    b, t = ids.shape
+    if t > cfg.max_len:
+        raise ValueError(f"encoder: sequence length {t} exceeds max_len={cfg.max_len}")
+    p_drop = cfg.dropout if train else 0.0
+    emb = params["embed"]
+    if C.is_tt_params(emb["word"]):
+        x = C.ttm_embedding(emb["word"], state["embed"]["word"], ids)  # (B, T, d)
+    else:
+        x = F.embedding(ids, emb["word"]["weight"])
+    x = x + emb["position"][:t] + F.embedding(batch["token_type_ids"], emb["token_type"])
+    x = F.dropout(_layer_norm(emb["ln"], x), p_drop, train)
+    keep = batch["attention_mask"].bool()[:, None, None, :]  # (B, 1, 1, T): True = attend
+    h, dh = cfg.heads, cfg.d_model // cfg.heads
+    for p, s in zip(params["layers"], state["layers"], strict=True):
+        q, k, v = (
+            _linear(p[n], s.get(n), x, plan).view(b, t, h, dh).transpose(1, 2)  # (B, H, T, dh)
+            for n in ("q", "k", "v")
+        )
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p_drop)
+        att = att.transpose(1, 2).reshape(b, t, cfg.d_model)
+        x = _layer_norm(
+            p["ln1"], x + F.dropout(_linear(p["o"], s.get("o"), att, plan), p_drop, train)
+        )
+        ff = F.gelu(_linear(p["ffn_in"], s.get("ffn_in"), x, plan))  # (B, T, ffn)
+        x = _layer_norm(
+            p["ln2"],
+            x + F.dropout(_linear(p["ffn_out"], s.get("ffn_out"), ff, plan), p_drop, train),
+        )
+    pooled = torch.tanh(_linear(params["pooler"], state.get("pooler"), x[:, 0], plan))  # (B, d)
+    return _linear(params["classifier"], None, F.dropout(pooled, p_drop, train), plan)

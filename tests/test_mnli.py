@@ -1,0 +1,121 @@
+"""The MNLI experiment: model shapes and sizes, the smoke preset end to end, CLI errors."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import comera as C
+from experiments import mnli
+from experiments.mnli_data import HubUnreachableError
+from experiments.transformer import EncoderConfig, dense_param_count, encoder_logits, init_encoder
+
+
+def _tt_linear_params(out_modes, in_modes, rank, bias=True):
+    modes = [*out_modes, *in_modes]
+    ranks = [1]
+    for k in range(len(modes) - 1):
+        ranks.append(min(rank, math.prod(modes[: k + 1]), math.prod(modes[k + 1 :])))
+    ranks.append(1)
+    cores = sum(ranks[k] * m * ranks[k + 1] for k, m in enumerate(modes))
+    return cores + sum(ranks[1:-1]) + (math.prod(out_modes) if bias else 0)
+
+
+def test_paper_model_parameter_counts_match_formulas():
+    cfg = EncoderConfig()
+    params, state = init_encoder(cfg)
+    d, f, v = 768, 3072, 30522
+    # TT layers, each by the closed formula
+    attn = _tt_linear_params((12, 8, 8), (8, 8, 12), 30)
+    ffn_in = _tt_linear_params((16, 16, 12), (8, 8, 12), 30)
+    ffn_out = _tt_linear_params((12, 8, 8), (12, 16, 16), 30)
+    assert C.param_count(params["layers"][0]["q"]) == attn
+    assert C.param_count(params["layers"][0]["ffn_in"]) == ffn_in
+    assert C.param_count(params["layers"][0]["ffn_out"]) == ffn_out
+    emb_modes = [16 * 4, 20 * 4, 10 * 8, 10 * 6]
+    emb_ranks = [1, 32, 32, 32, 1]
+    emb = sum(emb_ranks[k] * m * emb_ranks[k + 1] for k, m in enumerate(emb_modes)) + 3 * 32
+    assert C.param_count(params["embed"]["word"]) == emb
+    dense_rest = 128 * d + 2 * d + 2 * d + 6 * 4 * d + d * 3 + 3
+    total = emb + 6 * (4 * attn + ffn_in + ffn_out) + attn + dense_rest
+    assert C.param_count(params) == total
+    # the dense baseline: BERT-style six-layer encoder, 256 MB in fp32 as in the paper
+    dense_total = (
+        v * d + 128 * d + 2 * d + 2 * d + 6 * (4 * (d * d + d) + 2 * d * f + f + d + 4 * d)
+    )
+    dense_total += d * d + d + 3 * d + 3
+    assert dense_param_count(cfg) == dense_total == 66_662_403
+    dense_params, dense_state = init_encoder(EncoderConfig(tt=False, layers=1))
+    assert C.param_count(dense_params) == dense_param_count(EncoderConfig(tt=False, layers=1))
+    assert dense_state == {"embed": {}, "layers": [{}], "pooler": {}}
+    assert dense_param_count(cfg) / C.param_count(params) > 50
+
+
+def test_forward_shapes_and_padding_mask():
+    cfg = EncoderConfig(
+        vocab_size=60, max_len=16, d_model=16, heads=2, ffn=32, layers=2, rank=4,
+        attn_modes=((4, 4), (4, 4)), ffn_in_modes=((8, 4), (4, 4)), ffn_out_modes=((4, 4), (4, 8)),
+        emb_vocab_modes=(8, 8), emb_dim_modes=(4, 4), emb_rank=4,
+    )  # fmt: skip
+    params, state = init_encoder(cfg, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 60, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[:, 7:] = False
+    batch = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask}
+    logits = encoder_logits(params, state, batch, cfg)
+    assert logits.shape == (3, 3)
+    # padded positions cannot change the [CLS] logits
+    ids2 = ids.clone()
+    ids2[:, 7:] = 1
+    logits2 = encoder_logits(params, state, {**batch, "input_ids": ids2}, cfg)
+    torch.testing.assert_close(logits, logits2)
+    with pytest.raises(ValueError, match="exceeds max_len=16"):
+        encoder_logits(params, state, {k: v.repeat(1, 2) for k, v in batch.items()}, cfg)
+
+
+def test_encoder_config_rejects_bad_modes():
+    with pytest.raises(ValueError, match=r"ffn_in_modes.*expected 3072 x 768"):
+        EncoderConfig(ffn_in_modes=((16, 16, 8), (8, 8, 12)))
+
+
+def test_smoke_preset_end_to_end(tmp_path):
+    """The README's main job: learns, shrinks gates, prunes and compacts (~40 s on 2 cores)."""
+    run_dir = tmp_path / "smoke"
+    argv = ["--preset", "smoke", "--run-dir", str(run_dir), "--wandb", "disabled"]
+    assert mnli.main(argv) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/validation/accuracy" in r]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.3  # it learns
+    assert evals[-1]["eval/validation/accuracy"] > 0.5  # chance is 1/3
+    early = [r for r in train if r["stage"] == "early"]
+    assert min(r["gate_reg"] for r in early[10:]) < 0.9 * early[9]["gate_reg"]  # gates shrink
+    assert train[-1]["live_params"] < 0.8 * train[0]["live_params"]  # ranks pruned, compacted
+    assert {r["stage"] for r in train} == {"early", "late"}
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["argv"] == argv and cfg["experiment"] == "mnli"
+    # --resume reads the run's own arguments; the run is complete, so it only reloads
+    assert mnli.main(["--resume", str(run_dir)]) == 0
+
+
+def test_hub_unreachable_names_the_local_options(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    argv = [
+        "--preset",
+        "smoke",
+        "--dataset",
+        "nyu-mll/glue",
+        "--run-dir",
+        str(tmp_path),
+        "--wandb",
+        "disabled",
+    ]
+    with pytest.raises(HubUnreachableError, match=r"--train-file.*--tokenizer"):
+        mnli.main(argv)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        mnli.preset("huge")
