@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 CHECKPOINT = "checkpoint.pt"
+RANKS = "ranks.json"
 
 
 class NonFiniteLoss(RuntimeError):
@@ -442,10 +443,27 @@ class Trainer:
                 "size": c.size_ratio * float(size_surrogate(self.params, self.state).detach()),
                 "loss": c.loss_target if c.loss_target is not None else float(self.loss_ema or 1.0),
             }
+            self._snapshot_ranks("end_of_early")
         elif c.compact_every and self.step % c.compact_every == 0:
             self.compact()
         if self.step == self.cfg.steps:
             self.compact()
+            self._snapshot_ranks("end")
+
+    def _snapshot_ranks(self, label: str) -> None:
+        """Record per-layer, per-bond live ranks in ``RUN_DIR/ranks.json`` (the rank table)."""
+        if self.rank != 0:
+            return
+        path = self.run_dir / RANKS
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data[label] = {
+            "step": self.step,
+            "ranks": self.ranks(),
+            "live_params": model_size(self.params, self.state),
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
 
     # ------------------------------------------------------------------ the loop
 
@@ -459,6 +477,8 @@ class Trainer:
             (self.run_dir / "config.json").write_text(
                 json.dumps(self.config_dict, indent=2, default=str)
             )
+            if self.stage != "dense":
+                self._snapshot_ranks("init")
         bar = tqdm(
             total=cfg.steps,
             initial=self.step,

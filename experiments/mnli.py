@@ -250,6 +250,8 @@ def run(
         "model": dataclasses.asdict(task.model),
         "data": dataclasses.asdict(p.data),
         "batch_size": p.batch_size,
+        "train_examples": len(task.data.train),
+        "preset": p.train.run_name,
         "dense_params": dense_size,
         "argv": argv,
     }

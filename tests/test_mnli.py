@@ -119,3 +119,41 @@ def test_hub_unreachable_names_the_local_options(tmp_path, monkeypatch):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         mnli.preset("huge")
+
+
+def test_step_bench_plumbing(tmp_path, capsys):
+    from experiments import mnli_bench
+
+    out = tmp_path / "bench.json"
+    assert (
+        mnli_bench.main(json_out=True, device="cpu", repeats=1, threads=1, tiny=True, out=out) == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    for key in (
+        "step_time_ratio_vs_dense",
+        "peak_memory_ratio_vs_dense",
+        "peak_memory_ratio_vs_dense_b32",
+        "compression_ratio",
+    ):
+        assert result[key] > 0
+    assert {(r["variant"], r["batch"]) for r in result["runs"]} == {
+        ("comera", 32), ("dense", 32), ("comera", 1), ("dense", 1)
+    }  # fmt: skip
+    assert json.loads(out.read_text())["compression_ratio"] == result["compression_ratio"]
+
+
+def test_report_from_run_dirs(tmp_path):
+    from experiments import report
+
+    run_dir = tmp_path / "smoke"
+    argv = ["--preset", "smoke", "--steps", "30", "--run-dir", str(run_dir), "--wandb", "disabled"]
+    assert mnli.main(argv) == 0
+    out = tmp_path / "reports" / "mnli.md"
+    report.write_report([str(run_dir)], out)
+    text = out.read_text()
+    assert "| smoke | CoMERA | 30 |" in text
+    assert "Per-layer ranks: smoke" in text and "layers.0.q" in text
+    assert (out.parent / "mnli_curves.png").stat().st_size > 1000
+    assert (out.parent / "mnli_ranks.png").stat().st_size > 1000
+    with pytest.raises(FileNotFoundError, match="is .* a run dir"):
+        report.load_run(tmp_path / "nothing")

@@ -1,6 +1,7 @@
 """CoMERA training: objectives, pruning/compaction during training, checkpoints, DDP."""
 
 import dataclasses
+import json
 import math
 import os
 import socket
@@ -172,8 +173,6 @@ def test_adamw_matches_torch():
 
 
 def _metrics(run_dir):
-    import json
-
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -210,6 +209,10 @@ def test_pruning_removes_ranks_and_compacts(tmp_path):
     assert model_size(tr.params, tr.state) < before
     assert all(bool(m.all()) for m in tr.state["lin"]["masks"])  # compacted at the end
     assert rows[-1]["loss"] < rows[0]["loss"]
+    snaps = json.loads((Path(cfg.run_dir) / "ranks.json").read_text())
+    assert list(snaps) == ["init", "end_of_early", "end"]
+    assert snaps["init"]["ranks"]["lin"] == [4, 6, 4]
+    assert snaps["end"]["ranks"]["lin"] == C.bond_ranks(tr.params["lin"])
 
 
 def test_late_stage_reaches_size_target(tmp_path):

@@ -1,0 +1,194 @@
+"""One full training step of the paper-size MNLI model, CoMERA vs dense.
+
+    python -m experiments.mnli --bench [--json] [--device cuda]
+
+A step is forward, backward and the AdamW update (CoMERA: with the early-stage gate
+regularizer), on a synthetic batch of the paper's shape. Each (variant, batch) runs in
+a fresh subprocess so its peak memory is its own: on CPU the peak RSS above the
+process's RSS just before the model is built (``ru_maxrss`` delta); on CUDA the
+allocator's peak above what was allocated before the model. Times are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
+BATCHES = (32, 1)
+SEQ = 128
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _tiny_config(tt: bool) -> object:
+    """A few-thousand-parameter model for tests of the plumbing."""
+    from experiments.transformer import EncoderConfig
+
+    return EncoderConfig(
+        tt=tt, vocab_size=64, max_len=SEQ, d_model=16, heads=2, ffn=32, layers=1, rank=4,
+        attn_modes=((4, 4), (4, 4)), ffn_in_modes=((8, 4), (4, 4)), ffn_out_modes=((4, 4), (4, 8)),
+        emb_vocab_modes=(8, 8), emb_dim_modes=(4, 4), emb_rank=4,
+    )  # fmt: skip
+
+
+def worker(
+    variant: str, batch: int, repeats: int, device: str, threads: int, tiny: bool = False
+) -> dict:
+    """Build the model in this process and time ``repeats`` steps after one warm-up."""
+    import comera as C
+    from comera.objectives import gate_regularizer
+    from comera.optim import AdamWConfig, adamw_init, adamw_step
+    from experiments.transformer import EncoderConfig, encoder_logits, init_encoder
+
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = _rss_mb()
+    cfg = _tiny_config(variant == "comera") if tiny else EncoderConfig(tt=variant == "comera")
+    params, state = init_encoder(cfg, generator=torch.Generator().manual_seed(0))
+    params = torch.utils._pytree.tree_map(lambda t: t.to(dev).requires_grad_(True), params)
+    state = torch.utils._pytree.tree_map(lambda t: t.to(dev), state)
+    leaves = torch.utils._pytree.tree_flatten(params)[0]
+    opt = adamw_init(params)
+    g = torch.Generator().manual_seed(1)
+    data = {
+        "input_ids": torch.randint(0, cfg.vocab_size, (batch, SEQ), generator=g),
+        "token_type_ids": (torch.arange(SEQ) >= SEQ // 2).long().expand(batch, SEQ).clone(),
+        "attention_mask": torch.ones(batch, SEQ, dtype=torch.bool),
+        "labels": torch.randint(0, 3, (batch,), generator=g),
+    }
+    data = {k: v.to(dev) for k, v in data.items()}
+    ocfg = AdamWConfig()
+
+    def step() -> None:
+        nonlocal opt
+        logits = encoder_logits(params, state, data, cfg, train=True)
+        loss = torch.nn.functional.cross_entropy(logits, data["labels"])
+        if variant == "comera":
+            loss = loss + 1e-2 * gate_regularizer(params, state)
+        grads = torch.autograd.grad(loss, leaves)
+        opt = adamw_step(params, list(grads), opt, ocfg)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    if dev.type == "cuda":
+        peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+        how = "CUDA allocator peak above the pre-model baseline"
+    else:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+        how = "peak RSS (ru_maxrss) above the RSS before the model was built"
+    return {
+        "variant": variant,
+        "batch": batch,
+        "step_s": statistics.median(times),
+        "step_s_all": times,
+        "peak_mb": peak_mb,
+        "peak_memory": how,
+        "params": C.param_count(params),
+        "device": device,
+    }
+
+
+def main(
+    *,
+    json_out: bool = False,
+    device: str | None = None,
+    repeats: int = 3,
+    threads: int = 2,
+    tiny: bool = False,
+    out: Path = REPORT_JSON,
+) -> int:
+    """Run every (variant, batch) in its own subprocess and write ``out`` (JSON).
+
+    ``tiny`` swaps in a toy model: it checks the plumbing, it measures nothing useful."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    results = []
+    for batch in BATCHES:
+        for variant in ("comera", "dense"):
+            cmd = [
+                sys.executable, "-m", "experiments.mnli_bench", "--worker", variant,
+                "--batch", str(batch), "--repeats", str(repeats), "--device", device,
+                "--threads", str(threads), *(["--tiny"] if tiny else []),
+            ]  # fmt: skip
+            print(f"mnli bench: {variant}, batch {batch} x {SEQ} ...", file=sys.stderr, flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode:
+                raise RuntimeError(f"bench worker {variant}/{batch} failed:\n{proc.stderr[-3000:]}")
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    by = {(r["variant"], r["batch"]): r for r in results}
+    summary = {
+        "step_time_ratio_vs_dense": by["comera", 32]["step_s"] / by["dense", 32]["step_s"],
+        "step_time_ratio_vs_dense_b1": by["comera", 1]["step_s"] / by["dense", 1]["step_s"],
+        "peak_memory_ratio_vs_dense": by["comera", 1]["peak_mb"] / by["dense", 1]["peak_mb"],
+        "peak_memory_ratio_vs_dense_b32": by["comera", 32]["peak_mb"] / by["dense", 32]["peak_mb"],
+        "compression_ratio": by["dense", 32]["params"] / by["comera", 32]["params"],
+        "device": device,
+        "threads": threads,
+        "repeats": repeats,
+        "peak_memory": results[0]["peak_memory"],
+        "date": time.strftime("%Y-%m-%d"),
+        "runs": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(out)
+    if json_out:
+        print(json.dumps(summary))
+    else:
+        for r in results:
+            print(
+                f"{r['variant']:>7} b{r['batch']:<3} step {r['step_s'] * 1e3:9.1f} ms  "
+                f"peak {r['peak_mb']:8.1f} MB  params {r['params']:,}"
+            )
+        print({k: v for k, v in summary.items() if k.endswith("ratio") or "ratio_vs" in k})
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m experiments.mnli_bench")
+    ap.add_argument("--worker", choices=("comera", "dense"), default=None)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="toy model (tests)")
+    ap.add_argument("--out", type=Path, default=REPORT_JSON)
+    a = ap.parse_args()
+    if a.worker:
+        dev = a.device or "cpu"
+        print(json.dumps(worker(a.worker, a.batch, a.repeats, dev, a.threads, a.tiny)))
+    else:
+        raise SystemExit(
+            main(
+                json_out=a.json,
+                device=a.device,
+                repeats=a.repeats,
+                threads=a.threads,
+                tiny=a.tiny,
+                out=a.out,
+            )
+        )
