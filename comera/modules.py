@@ -36,6 +36,22 @@ class _Buffers(nn.Module):
 class _TTModule(nn.Module):
     spec: TTLinearSpec | TTMEmbeddingSpec
 
+    def __init__(
+        self,
+        spec: TTLinearSpec | TTMEmbeddingSpec,
+        generator: torch.Generator | None,
+        device: torch.device | str | None,
+        params: Params | None,
+        state: State | None,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        if params is None:
+            params, state = tt.init(spec, generator=generator, device=device)
+        elif state is None:
+            raise ValueError(f"{spec.label}: pass state together with params")
+        self._load(params, state)
+
     def _load(self, params: Params, state: State) -> None:
         self.cores = nn.ParameterList([nn.Parameter(c) for c in params["cores"]])  # type: ignore[union-attr]
         self.gates = nn.ParameterList([nn.Parameter(g) for g in params["gates"]])  # type: ignore[union-attr]
@@ -90,14 +106,8 @@ class TTLinear(_TTModule):
         params: Params | None = None,
         state: State | None = None,
     ) -> None:
-        super().__init__()
-        self.spec = spec
+        super().__init__(spec, generator, device, params, state)
         self.plan = plan  # per-layer strategy; None follows the global default
-        if params is None:
-            params, state = tt.init(spec, generator=generator, device=device)
-        elif state is None:
-            raise ValueError(f"{spec.label}: pass state together with params")
-        self._load(params, state)  # type: ignore[arg-type]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: TTLinearSpec, **kw: object) -> TTLinear:
@@ -122,14 +132,8 @@ class TTMEmbedding(_TTModule):
         params: Params | None = None,
         state: State | None = None,
     ) -> None:
-        super().__init__()
-        self.spec = spec
+        super().__init__(spec, generator, device, params, state)
         self.impl = impl
-        if params is None:
-            params, state = tt.init(spec, generator=generator, device=device)
-        elif state is None:
-            raise ValueError(f"{spec.label}: pass state together with params")
-        self._load(params, state)  # type: ignore[arg-type]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return ttm_embedding(self.params(), self.state(), ids, impl=self.impl, spec=self.spec)  # type: ignore[arg-type]

@@ -36,6 +36,13 @@ def _as_tuple(name: str, what: str, value: object) -> tuple[int, ...]:
     return out
 
 
+def _check_dtype_std(name: str, dtype: object, std: float | None) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{name}: dtype must be a floating torch.dtype, got {dtype!r}")
+    if std is not None and not std > 0:
+        raise ValueError(f"{name}: std must be > 0, got {std}")
+
+
 def cap_ranks(
     modes: tuple[int, ...], ranks: int | tuple[int, ...], name: str = "layer"
 ) -> tuple[int, ...]:
@@ -106,10 +113,7 @@ class TTLinearSpec:
                     f"but the layer has {dim} {what.split('_')[0]}put features; choose modes "
                     f"whose product is {dim} (see comera.propose_modes)"
                 )
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ValueError(f"{name}: dtype must be a floating torch.dtype, got {self.dtype!r}")
-        if self.std is not None and not self.std > 0:
-            raise ValueError(f"{name}: std must be > 0, got {self.std}")
+        _check_dtype_std(name, self.dtype, self.std)
         object.__setattr__(self, "out_modes", out_modes)
         object.__setattr__(self, "in_modes", in_modes)
         object.__setattr__(self, "ranks", cap_ranks(out_modes + in_modes, self.ranks, name))
@@ -174,10 +178,7 @@ class TTMEmbeddingSpec:
                 f"embedding_dim is {self.embedding_dim}; choose dim_modes whose product is "
                 f"{self.embedding_dim}"
             )
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ValueError(f"{name}: dtype must be a floating torch.dtype, got {self.dtype!r}")
-        if self.std is not None and not self.std > 0:
-            raise ValueError(f"{name}: std must be > 0, got {self.std}")
+        _check_dtype_std(name, self.dtype, self.std)
         # Bond capacity: a TTM core merges (v_k, d_k) into one TT mode.
         merged = tuple(v * d for v, d in zip(vocab_modes, dim_modes, strict=True))
         object.__setattr__(self, "vocab_modes", vocab_modes)
