@@ -12,6 +12,7 @@ allocator's peak above what was allocated before the model. Times are medians.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import statistics
@@ -24,6 +25,7 @@ import torch
 
 REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
 BATCHES = (32, 1)
+VARIANTS = ("comera", "dense", "comera_half")
 SEQ = 128
 
 
@@ -60,7 +62,10 @@ def worker(
         torch.cuda.reset_peak_memory_stats()
     else:
         base = _rss_mb()
-    cfg = _tiny_config(variant == "comera") if tiny else EncoderConfig(tt=variant == "comera")
+    tt = variant != "dense"
+    cfg = _tiny_config(tt) if tiny else EncoderConfig(tt=tt)
+    if variant == "comera_half":  # stand-in for a pruned model: every rank halved
+        cfg = dataclasses.replace(cfg, rank=cfg.rank // 2, emb_rank=cfg.emb_rank // 2)
     params, state = init_encoder(cfg, generator=torch.Generator().manual_seed(0))
     params = torch.utils._pytree.tree_map(lambda t: t.to(dev).requires_grad_(True), params)
     state = torch.utils._pytree.tree_map(lambda t: t.to(dev), state)
@@ -80,7 +85,7 @@ def worker(
         nonlocal opt
         logits = encoder_logits(params, state, data, cfg, train=True)
         loss = torch.nn.functional.cross_entropy(logits, data["labels"])
-        if variant == "comera":
+        if tt:
             loss = loss + 1e-2 * gate_regularizer(params, state)
         grads = torch.autograd.grad(loss, leaves)
         opt = adamw_step(params, list(grads), opt, ocfg)
@@ -126,7 +131,7 @@ def main(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     results = []
     for batch in BATCHES:
-        for variant in ("comera", "dense"):
+        for variant in VARIANTS:
             cmd = [
                 sys.executable, "-m", "experiments.mnli_bench", "--worker", variant,
                 "--batch", str(batch), "--repeats", str(repeats), "--device", device,
@@ -144,6 +149,12 @@ def main(
         "peak_memory_ratio_vs_dense": by["comera", 1]["peak_mb"] / by["dense", 1]["peak_mb"],
         "peak_memory_ratio_vs_dense_b32": by["comera", 32]["peak_mb"] / by["dense", 32]["peak_mb"],
         "compression_ratio": by["dense", 32]["params"] / by["comera", 32]["params"],
+        "half_ranks": {
+            "step_time_ratio_vs_dense": by["comera_half", 32]["step_s"] / by["dense", 32]["step_s"],
+            "peak_memory_ratio_vs_dense": by["comera_half", 1]["peak_mb"]
+            / by["dense", 1]["peak_mb"],
+            "compression_ratio": by["dense", 32]["params"] / by["comera_half", 32]["params"],
+        },
         "device": device,
         "threads": threads,
         "repeats": repeats,
@@ -169,7 +180,7 @@ def main(
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m experiments.mnli_bench")
-    ap.add_argument("--worker", choices=("comera", "dense"), default=None)
+    ap.add_argument("--worker", choices=VARIANTS, default=None)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default=None)

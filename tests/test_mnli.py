@@ -137,7 +137,7 @@ def test_step_bench_plumbing(tmp_path, capsys):
     ):
         assert result[key] > 0
     assert {(r["variant"], r["batch"]) for r in result["runs"]} == {
-        ("comera", 32), ("dense", 32), ("comera", 1), ("dense", 1)
+        (v, b) for v in ("comera", "dense", "comera_half") for b in (32, 1)
     }  # fmt: skip
     assert json.loads(out.read_text())["compression_ratio"] == result["compression_ratio"]
 
