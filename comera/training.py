@@ -335,6 +335,18 @@ class Trainer:
         if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
         random.setstate(ckpt["rng"]["python"])
+        self._truncate_metrics(self.step)
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop rows logged after ``step`` by a run that died after its last checkpoint, so
+        the resumed run's rows are not doubled."""
+        path = self.run_dir / "metrics.jsonl"
+        if self.rank != 0 or not path.is_file():
+            return
+        keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
 
     # ------------------------------------------------------------------ rank surgery
 

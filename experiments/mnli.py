@@ -220,8 +220,9 @@ def _apply_args(p: Preset, args: argparse.Namespace) -> Preset:
             data = dataclasses.replace(data, **{col: getattr(args, col)})
     train = p.train
     changes: dict = {"wandb": args.wandb}
-    if args.steps:
-        changes["steps"] = args.steps
+    for key in ("steps", "checkpoint_every", "eval_every"):
+        if getattr(args, key):
+            changes[key] = getattr(args, key)
     if args.device:
         changes["device"] = args.device
     if args.bf16:
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hypothesis-column", dest="hypothesis_column", default=None)
     ap.add_argument("--label-column", dest="label_column", default=None)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=None)
+    ap.add_argument("--eval-every", dest="eval_every", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")

@@ -157,3 +157,46 @@ def test_report_from_run_dirs(tmp_path):
     assert (out.parent / "mnli_ranks.png").stat().st_size > 1000
     with pytest.raises(FileNotFoundError, match="is .* a run dir"):
         report.load_run(tmp_path / "nothing")
+
+
+def test_crash_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+    """The real task (dropout, shuffled batches, pruning): kill after the step-30 checkpoint,
+    --resume, and the final model equals that of a run that never stopped."""
+    from comera.training import Trainer
+
+    common = [
+        "--preset",
+        "smoke",
+        "--steps",
+        "50",
+        "--checkpoint-every",
+        "30",
+        "--wandb",
+        "disabled",
+    ]
+    full_dir, crash_dir = tmp_path / "full", tmp_path / "crash"
+    assert mnli.main([*common, "--run-dir", str(full_dir)]) == 0
+
+    original = Trainer.train_step
+
+    def dies_at_41(self, batch):
+        if self.step == 40:
+            raise KeyboardInterrupt("simulated crash")
+        return original(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", dies_at_41)
+    with pytest.raises(KeyboardInterrupt):
+        mnli.main([*common, "--run-dir", str(crash_dir)])
+    monkeypatch.setattr(Trainer, "train_step", original)
+    assert mnli.main(["--resume", str(crash_dir)]) == 0
+
+    a = torch.load(full_dir / "checkpoint.pt", weights_only=False)
+    b = torch.load(crash_dir / "checkpoint.pt", weights_only=False)
+    leaves_a = torch.utils._pytree.tree_flatten(a["params"])[0]
+    leaves_b = torch.utils._pytree.tree_flatten(b["params"])[0]
+    assert all(torch.equal(x, y) for x, y in zip(leaves_a, leaves_b, strict=True))
+    rows = [json.loads(line) for line in (crash_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == sorted(set(steps))  # rows after the checkpoint were not doubled
+    ref = [json.loads(line) for line in (full_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows if "loss" in r] == [r["loss"] for r in ref if "loss" in r]
