@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lint format clean
+.PHONY: setup demo test bench gpu-check format clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ test: $(STAMP)  ## lint, format check, then the whole test suite
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
+
+gpu-check: $(STAMP)  ## on a CUDA machine: GPU-path tests, then the MNLI step benchmark on the GPU
+	$(BIN)/python -m pytest -q tests/test_gpu.py -rs
+	$(BIN)/python -m experiments.mnli --bench --device cuda
 
 format: $(STAMP)
 	$(BIN)/ruff format .

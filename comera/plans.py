@@ -242,7 +242,9 @@ def _two_halves(
         a = F.pad(a, (0, pad))  # (M, r + pad)
     else:
         a = torch.cat([a, bias[:, None].to(a.dtype), a.new_zeros(m, pad - 1)], dim=1)
-        h = h + F.one_hot(torch.tensor(r, device=h.device), r + pad).to(h.dtype)
+        one = h.new_zeros(r + pad)  # a fill, not a host-to-device copy: CUDA-graph safe
+        one[r] = 1
+        h = h + one
     return h @ a.T  # (T, M)
 
 
