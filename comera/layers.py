@@ -74,7 +74,7 @@ def tt_linear(
     _check_operand(name, "x", x, cores[0])
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n)  # (T, N)
-    g = gated_cores(params, state)
+    g = gated_cores(params, state, name)
     contraction = tt_linear_plan(plan, [c.shape for c in g], x2.shape[0], name)
     y = contraction(x2, g, params.get("bias"))  # (T, M)
     return y.reshape(*lead, m)
@@ -170,7 +170,7 @@ def ttm_embedding(
                 f"(the vocabulary size{'' if spec is None else ' of this layer'})"
             )
     flat = ids.reshape(-1).long()
-    g = gated_cores(params, state)
+    g = gated_cores(params, state, name)
     dim = math.prod(c.shape[2] for c in g)
     if impl == "naive":
         rows = _chain_rows(g, _digits(flat, vocab_modes))

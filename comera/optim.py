@@ -51,9 +51,12 @@ def leaf_groups(params: object) -> list[str]:
 
 
 def adamw_init(params: object) -> dict:
-    """Optimizer state: a step count and zeroed first/second moments shaped like params."""
+    """Optimizer state: a step count, each leaf's group, and zeroed moments shaped like params.
+
+    The groups are computed once: compaction changes leaf shapes, never the tree."""
     return {
         "step": 0,
+        "groups": leaf_groups(params),
         "m": tree_map(lambda t: torch.zeros_like(t, memory_format=torch.preserve_format), params),
         "v": tree_map(lambda t: torch.zeros_like(t, memory_format=torch.preserve_format), params),
     }
@@ -71,12 +74,13 @@ def adamw_step(
 
     ``grads`` follow ``tree_flatten(params)`` order (None: no gradient, skipped).
     Weight decay is decoupled and applies to matrices and TT cores (``dim >= 2``), not to
-    gates, biases or norms.
+    gates, biases or norms. Each group is updated with ``torch._foreach_*`` kernels.
     """
     leaves, _ = tree_flatten(params)
     ms, _ = tree_flatten(opt["m"])
     vs, _ = tree_flatten(opt["v"])
-    if not len(leaves) == len(ms) == len(vs) == len(grads):
+    groups = opt.get("groups") or leaf_groups(params)
+    if not len(leaves) == len(ms) == len(vs) == len(grads) == len(groups):
         raise ValueError(
             f"adamw_step: {len(leaves)} params, {len(grads)} grads, {len(ms)} moments; the "
             "optimizer state does not match the params (was it compacted with them?)"
@@ -84,14 +88,26 @@ def adamw_step(
     step = opt["step"] + 1
     b1, b2 = cfg.betas
     bc1, bc2 = 1 - b1**step, 1 - b2**step
-    for group, p, g, m, v in zip(leaf_groups(params), leaves, grads, ms, vs, strict=True):
-        if g is None or p.numel() == 0:
+    for group in GROUPS:
+        idx = [
+            i
+            for i, (gr, g, p) in enumerate(zip(groups, grads, leaves, strict=True))
+            if gr == group and g is not None and p.numel()
+        ]
+        if not idx:
             continue
+        ps, gs = [leaves[i] for i in idx], [grads[i] for i in idx]
+        m, v = [ms[i] for i in idx], [vs[i] for i in idx]
         lr = cfg.lr(group) * lr_scale
-        if cfg.weight_decay and p.dim() >= 2 and group != "gates":
-            p.mul_(1 - lr * cfg.weight_decay)
-        m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        denom = (v / bc2).sqrt_().add_(cfg.eps)
-        p.addcdiv_(m, denom, value=-lr / bc1)
-    return {**opt, "step": step}
+        if cfg.weight_decay and group != "gates":
+            decayed = [p for p in ps if p.dim() >= 2]
+            if decayed:
+                torch._foreach_mul_(decayed, 1 - lr * cfg.weight_decay)
+        torch._foreach_lerp_(m, gs, 1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, gs, gs, value=1 - b2)
+        denom = torch._foreach_div(v, bc2)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, cfg.eps)
+        torch._foreach_addcdiv_(ps, m, denom, value=-lr / bc1)
+    return {**opt, "step": step, "groups": groups}

@@ -48,15 +48,16 @@ __all__ = [
 STRATEGIES = ("comera", "optimal", "dp", "greedy", "dense")
 PlanLike = str | Sequence[Sequence[int]] | None
 
-_DEFAULT_PLAN: ContextVar[str | tuple[tuple[int, ...], ...]] = ContextVar(
-    "comera_default_plan", default="comera"
-)
+Strategy = str | tuple[tuple[int, ...], ...]
+# Process-wide default (set_default_plan), overridden in a context by default_plan(...).
+_PROCESS_DEFAULT: list[Strategy] = ["comera"]
+_SCOPED_PLAN: ContextVar[Strategy | None] = ContextVar("comera_default_plan", default=None)
 
 
-def _normalize(plan: PlanLike, name: str) -> str | tuple[tuple[int, ...], ...]:
+def _normalize(plan: PlanLike, name: str) -> Strategy:
     """Validate a plan argument: a known strategy name or a list of index pairs."""
     if plan is None:
-        return _DEFAULT_PLAN.get()
+        return get_default_plan()
     if isinstance(plan, str):
         if plan not in STRATEGIES:
             raise ValueError(
@@ -73,28 +74,31 @@ def _normalize(plan: PlanLike, name: str) -> str | tuple[tuple[int, ...], ...]:
     return pairs
 
 
-def resolve_plan(plan: PlanLike, name: str = "tt_linear") -> str | tuple[tuple[int, ...], ...]:
+def resolve_plan(plan: PlanLike, name: str = "tt_linear") -> Strategy:
     """The strategy that ``plan`` selects (None means the current global default)."""
     return _normalize(plan, name)
 
 
 def set_default_plan(plan: PlanLike) -> None:
-    """Set the process-wide default strategy used when a call and its layer name none."""
-    _DEFAULT_PLAN.set(_normalize(plan if plan is not None else "comera", "set_default_plan"))
+    """Set the process-wide default strategy (all threads) used when a call and its layer
+    name none; ``None`` restores ``"comera"``."""
+    _PROCESS_DEFAULT[0] = _normalize(plan if plan is not None else "comera", "set_default_plan")
 
 
-def get_default_plan() -> str | tuple[tuple[int, ...], ...]:
-    return _DEFAULT_PLAN.get()
+def get_default_plan() -> Strategy:
+    """The strategy in force: the innermost ``default_plan`` scope, else the process default."""
+    scoped = _SCOPED_PLAN.get()
+    return scoped if scoped is not None else _PROCESS_DEFAULT[0]
 
 
 @contextlib.contextmanager
 def default_plan(plan: PlanLike) -> Iterator[None]:
-    """Temporarily change the default strategy (``with default_plan("dp"): ...``)."""
-    token = _DEFAULT_PLAN.set(_normalize(plan, "default_plan"))
+    """Change the default strategy for this thread/context only (``with default_plan("dp"):``)."""
+    token = _SCOPED_PLAN.set(_normalize(plan, "default_plan"))
     try:
         yield
     finally:
-        _DEFAULT_PLAN.reset(token)
+        _SCOPED_PLAN.reset(token)
 
 
 def token_bucket(tokens: int) -> int:

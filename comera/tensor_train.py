@@ -27,6 +27,7 @@ Spec = TTLinearSpec | TTMEmbeddingSpec
 
 __all__ = [
     "bond_ranks",
+    "check_state",
     "compact",
     "from_dense",
     "gated_cores",
@@ -171,12 +172,32 @@ def live_ranks(state: State) -> list[int]:
     return [int(m.sum()) for m in state["masks"]]  # type: ignore[union-attr]
 
 
-def gated_cores(params: Params, state: State) -> list[torch.Tensor]:
+def check_state(params: Params, state: State, name: str = "TT layer") -> None:
+    """Raise a clear error when ``state`` is not this layer's rank state (missing, or from
+    before a compaction): one bool mask per bond, as long as that bond's gate."""
+    if not isinstance(state, dict) or "masks" not in state:
+        raise ValueError(
+            f"{name}: the rank state must be a dict with 'masks' (one bool vector per bond), "
+            f"got {type(state).__name__}; pass the state returned with these params by "
+            "comera.init / from_dense / compact"
+        )
+    masks = [int(m.shape[0]) for m in state["masks"]]  # type: ignore[union-attr]
+    gates = [int(g.shape[0]) for g in params["gates"]]  # type: ignore[union-attr]
+    if masks != gates:
+        raise ValueError(
+            f"{name}: the rank state does not match the params: masks of {masks} ranks for "
+            f"gates of {gates} ranks. Was the state compacted together with the params? "
+            "(comera.compact returns both)"
+        )
+
+
+def gated_cores(params: Params, state: State, name: str = "TT layer") -> list[torch.Tensor]:
     """Cores with ``diag(gate * mask)`` folded into the trailing bond of each core.
 
     Folding keeps every contraction strategy a plain network of cores: the gates are
     differentiated through this cheap elementwise product.
     """
+    check_state(params, state, name)
     cores: list[torch.Tensor] = list(params["cores"])  # type: ignore[arg-type]
     out = []
     for k, core in enumerate(cores):
@@ -227,6 +248,7 @@ def prune(params: Params, state: State, tau: float) -> State:
 
     Pure: ``params`` are untouched and ranks already dead stay dead.
     """
+    check_state(params, state)
     masks = [
         m & (g.detach().abs() > tau)
         for g, m in zip(params["gates"], state["masks"], strict=True)  # type: ignore[arg-type]
@@ -240,6 +262,7 @@ def compact(params: Params, state: State) -> tuple[Params, State]:
     If any bond has no live rank the whole train is the zero map, so every bond is
     emptied and the layer keeps zero TT parameters (a bias, if any, remains).
     """
+    check_state(params, state)
     keep = kept_indices(state)
     masks: list[torch.Tensor] = list(state["masks"])  # type: ignore[arg-type]
     new_state = {**state, "masks": [m.index_select(0, i) for m, i in zip(masks, keep, strict=True)]}

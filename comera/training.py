@@ -98,6 +98,18 @@ class ComeraConfig:
             )
         if self.loss_target is not None and self.loss_target <= 0:
             raise ValueError(f"ComeraConfig.loss_target must be > 0, got {self.loss_target}")
+        if self.enabled and self.early_steps == 0 and self.loss_target is None:
+            raise ValueError(
+                "ComeraConfig: early_steps=0 starts in the late stage, which needs a loss "
+                "target; set loss_target (L0) or give the early stage some steps"
+            )
+        if self.reg_start_step < 0 or (
+            self.gamma > 0 and 0 < self.early_steps <= self.reg_start_step
+        ):
+            raise ValueError(
+                f"ComeraConfig.reg_start_step={self.reg_start_step} must be >= 0 and below "
+                f"early_steps={self.early_steps}, or the gate regularizer never runs"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,6 +147,20 @@ class TrainConfig:
             )
         if self.bf16 and not self.device.startswith("cuda"):
             raise ValueError("TrainConfig.bf16 autocast is for CUDA devices; set device='cuda'")
+        if self.log_every < 1 or self.warmup_steps < 0:
+            raise ValueError(
+                f"TrainConfig: log_every >= 1 and warmup_steps >= 0 required, got "
+                f"{self.log_every}, {self.warmup_steps}"
+            )
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(
+                    f"TrainConfig.{name} must be None or >= 1, got {getattr(self, name)}"
+                )
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(
+                f"TrainConfig.grad_clip must be None (off) or > 0, got {self.grad_clip}"
+            )
 
 
 class Task(Protocol):
@@ -164,12 +190,14 @@ def model_size(params: object, state: object) -> int:
 
 
 def _lr_scale(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup to 1, then linear/cosine decay to 0 at ``cfg.steps`` (or constant)."""
+    """Linear warmup to 1, then linear/cosine decay toward 0 (or constant).
+
+    ``step`` is 1-based: the first step after warmup runs at 1, the last one still above 0."""
     if cfg.warmup_steps and step <= cfg.warmup_steps:
         return step / cfg.warmup_steps
     if cfg.schedule == "constant":
         return 1.0
-    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    frac = (step - 1 - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)  # 1-based step
     frac = min(max(frac, 0.0), 1.0)
     return 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
 
@@ -196,6 +224,17 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict:
     if not isinstance(ckpt, dict) or ckpt.get("format") != "comera.checkpoint":
         raise CheckpointError(f"{path} is not a comera training checkpoint")
     return ckpt
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """Rows of a metrics file; a line cut short by a killed process is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -259,7 +298,10 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.params = tree_map(lambda t: t.to(self.device).detach().requires_grad_(True), params)
+        # a copy: the loop updates its parameters in place, never the caller's tensors
+        self.params = tree_map(
+            lambda t: t.detach().to(self.device, copy=True).requires_grad_(True), params
+        )
         self.state = tree_map(lambda t: t.to(self.device), state)
         self.opt = adamw_init(self.params)
         self.step = 0
@@ -270,17 +312,34 @@ class Trainer:
         self.loss_ema: float | None = None
         self.config_dict = {"train": dataclasses.asdict(cfg), **(extra_config or {})}
         self.initial_size = reference_size or model_size(self.params, self.state)
+        if self.stage == "late":  # no early stage: the targets come from the initial model
+            self.targets = {
+                "size": cfg.comera.size_ratio
+                * float(size_surrogate(self.params, self.state).detach()),
+                "loss": float(cfg.comera.loss_target),  # type: ignore[arg-type]
+            }
         if resume:
             self._restore(load_checkpoint(self.run_dir))
         else:
-            random.seed(cfg.seed)
-            torch.manual_seed(cfg.seed)
+            # each rank its own stream (dropout masks differ across the global batch)
+            random.seed(cfg.seed + self.rank)
+            torch.manual_seed(cfg.seed + self.rank)
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _rng_state(self) -> dict:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
     def checkpoint(self) -> Path:
-        """Write everything needed to continue bit-identically (rank 0 only)."""
+        """Write everything needed to continue bit-identically.
+
+        Every rank must call it (their RNG states are gathered); rank 0 writes the file."""
         path = self.run_dir / CHECKPOINT
+        rngs = [self._rng_state()]
+        if self.world > 1:
+            rngs = [None] * self.world
+            dist.all_gather_object(rngs, self._rng_state())
         if self.rank != 0:
             return path
         ckpt = {
@@ -295,14 +354,11 @@ class Trainer:
             "state": tree_map(lambda t: t.cpu(), self.state),
             "opt": {
                 "step": self.opt["step"],
+                "groups": self.opt["groups"],
                 "m": tree_map(lambda t: t.cpu(), self.opt["m"]),
                 "v": tree_map(lambda t: t.cpu(), self.opt["v"]),
             },
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "python": random.getstate(),
-            },
+            "rng": rngs,  # one entry per rank
             "data": self.task.train_iter.state_dict(),
             "config": self.config_dict,
         }
@@ -322,6 +378,7 @@ class Trainer:
         self.state = tree_map(lambda t: t.to(dev), ckpt["state"])
         self.opt = {
             "step": ckpt["opt"]["step"],
+            "groups": ckpt["opt"]["groups"],
             "m": tree_map(lambda t: t.to(dev), ckpt["opt"]["m"]),
             "v": tree_map(lambda t: t.to(dev), ckpt["opt"]["v"]),
         }
@@ -331,10 +388,16 @@ class Trainer:
         self.loss_ema = ckpt["loss_ema"]
         self.initial_size = ckpt["initial_size"]
         self.task.train_iter.load_state_dict(ckpt["data"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-        random.setstate(ckpt["rng"]["python"])
+        rngs = ckpt["rng"]
+        if len(rngs) == self.world:
+            mine = rngs[self.rank]
+            torch.set_rng_state(mine["torch"])
+            if mine["cuda"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(mine["cuda"], self.device)
+            random.setstate(mine["python"])
+        else:  # another world size: positions are exact, random streams start afresh
+            random.seed(self.cfg.seed + self.rank + self.step)
+            torch.manual_seed(self.cfg.seed + self.rank + self.step)
         self._truncate_metrics(self.step)
 
     def _truncate_metrics(self, step: int) -> None:
@@ -343,9 +406,9 @@ class Trainer:
         path = self.run_dir / "metrics.jsonl"
         if self.rank != 0 or not path.is_file():
             return
-        keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        keep = [r for r in _read_jsonl(path) if r.get("step", 0) <= step]
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ rank surgery
@@ -369,18 +432,24 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def _all_reduce_mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Average across ranks: one flat all-reduce per dtype (mixed bf16/fp32 params)."""
         if self.world == 1 or not tensors:
             return tensors
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat)
-        flat /= self.world
-        out, i = [], 0
-        for t in tensors:
-            out.append(flat[i : i + t.numel()].view_as(t))
-            i += t.numel()
-        return out
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        for dtype in {t.dtype for t in tensors}:
+            idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+            dist.all_reduce(flat)
+            flat /= self.world
+            offset = 0
+            for i in idx:
+                n = tensors[i].numel()
+                out[i] = flat[offset : offset + n].view_as(tensors[i])
+                offset += n
+        return out  # type: ignore[return-value]
 
     def _objective(self, loss: torch.Tensor, loss_value: float) -> tuple[torch.Tensor, dict]:
+        """The stage's objective and its extra metrics (as tensors; synced only when logged)."""
         c = self.cfg.comera
         if self.stage == "dense":
             return loss, {}
@@ -390,57 +459,63 @@ class Trainer:
             # untrained model (near-zero loss gradients on gates) would lose its gates
             # before it learns anything; reg_start_step lets it learn first.
             gamma = c.gamma if self.step >= c.reg_start_step else 0.0
-            return loss + gamma * reg, {"gate_reg": float(reg.detach())}
+            return loss + gamma * reg, {"gate_reg": reg.detach()}
         size = size_surrogate(self.params, self.state)
         if self.targets["size"] <= 0:  # pruned to nothing in the early stage: only loss is left
-            return loss, {"size": float(size.detach())}
+            return loss, {"size": size.detach()}
         w = late_weights(
             loss_value, float(size.detach()), self.targets["loss"], self.targets["size"], c.rho
         )
         return w.loss * loss + w.size * size, {
-            "size": float(size.detach()),
+            "size": size.detach(),
             "focus_size": float(w.focus == "size"),
         }
 
+    def _non_finite(self, what: str, value: float) -> NonFiniteLoss:
+        return NonFiniteLoss(
+            f"{what} is {value} at step {self.step + 1} (stage {self.stage}); nothing was "
+            f"updated and the last good checkpoint {self.run_dir / CHECKPOINT} was left "
+            "untouched. Lower the learning rates or enable gradient clipping, then --resume."
+        )
+
     def train_step(self, batch: Any) -> dict:
-        """Forward, backward, all-reduce, clip, AdamW; returns the step's metrics."""
+        """Forward, backward, all-reduce, clip, AdamW; returns the step's metrics.
+
+        Two host syncs per step: the loss (NaN check, late-stage weights) and the gradient
+        norm (a finite loss can still have inf/NaN gradients, which must not reach AdamW).
+        """
         leaves, _ = tree_flatten(self.params)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             loss, extra = self.task.loss(self.params, self.state, batch, train=True)
         loss_value = float(self._all_reduce_mean([loss.detach().float().reshape(1)])[0])
         if not math.isfinite(loss_value):
-            raise NonFiniteLoss(
-                f"loss is {loss_value} at step {self.step + 1} (stage {self.stage}); the last good "
-                f"checkpoint {self.run_dir / CHECKPOINT} was left untouched. Lower the learning "
-                "rates or enable gradient clipping, then --resume from it."
-            )
+            raise self._non_finite("loss", loss_value)
         objective, obj_metrics = self._objective(loss, loss_value)
         grads = torch.autograd.grad(objective, leaves, allow_unused=True)
         present = [g for g in grads if g is not None]
-        reduced = iter(self._all_reduce_mean(present))
-        grads = [next(reduced) if g is not None else None for g in grads]
-        gnorm = float("nan")
+        reduced = self._all_reduce_mean(present)
+        total = torch.stack([n.float() for n in torch._foreach_norm(reduced)]).norm()
+        gnorm = float(total)
+        if not math.isfinite(gnorm):
+            raise self._non_finite("the gradient norm", gnorm)
         if self.cfg.grad_clip:
-            norms = torch.stack([g.detach().float().norm() for g in grads if g is not None])
-            total = norms.norm()
-            gnorm = float(total)
-            scale = (self.cfg.grad_clip / (total + 1e-6)).clamp(max=1.0)
-            grads = [g * scale if g is not None else None for g in grads]
+            torch._foreach_mul_(reduced, (self.cfg.grad_clip / (total + 1e-6)).clamp(max=1.0))
+        it = iter(reduced)
+        grads = [next(it) if g is not None else None for g in grads]
         self.step += 1
         lr_scale = _lr_scale(self.cfg, self.step)
         self.opt = adamw_step(self.params, grads, self.opt, self.cfg.optim, lr_scale)
         self.loss_ema = (
             loss_value if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * loss_value
         )
-        out = {
+        return {
             "loss": loss_value,
-            "objective": float(objective.detach()),
+            "objective": objective.detach(),
             "grad_norm": gnorm,
             "lr_scale": lr_scale,
+            **obj_metrics,
+            **{k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in extra.items()},
         }
-        out.update(obj_metrics)
-        out.update({k: float(v) for k, v in extra.items()})
-        return out
 
     def _after_step(self) -> None:
         c = self.cfg.comera
@@ -512,7 +587,7 @@ class Trainer:
                     row = {
                         "step": self.step,
                         "stage": self.stage,
-                        **metrics,
+                        **{k: float(v) for k, v in metrics.items()},
                         "live_params": live,
                         "compression": self.initial_size / max(live, 1),
                         "steps_per_s": rate,
@@ -522,13 +597,16 @@ class Trainer:
                     logger.log(row)
                     last = row
                     bar.set_postfix(
-                        loss=f"{metrics['loss']:.3f}",
-                        acc=f"{metrics.get('accuracy', float('nan')):.3f}",
+                        loss=f"{row['loss']:.3f}",
+                        acc=f"{row.get('accuracy', float('nan')):.3f}",
                         live=f"{live:,}",
                         comp=f"{row['compression']:.1f}x",
                         sps=f"{rate:.2f}",
                     )
-                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                evaluate = cfg.eval_every and (
+                    self.step % cfg.eval_every == 0 or self.step == cfg.steps
+                )
+                if evaluate and self.rank == 0:  # only rank 0 logs, so only it evaluates
                     with torch.no_grad():
                         ev = self.task.evaluate(self.params, self.state)
                     logger.log({"step": self.step, **{f"eval/{k}": v for k, v in ev.items()}})

@@ -305,14 +305,27 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(json_out=args.json, device=args.device)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if args.eval_file and not args.train_file:
+        ap.error("--eval-file needs --train-file: local files replace the hub data as a whole")
     resume_dir = args.resume
     if resume_dir:  # the run's own arguments, so the resumed config is the same
+        changed = {k for k, v in vars(args).items() if v != ap.get_default(k)}
+        extra = sorted(changed - {"resume", "device", "wandb"})
+        if extra:
+            ap.error(
+                f"--resume continues {resume_dir} with its saved arguments; drop "
+                + ", ".join("--" + k.replace("_", "-") for k in extra)
+                + " (only --device and --wandb may change on resume)"
+            )
         cfg_path = Path(resume_dir) / "config.json"
         if not cfg_path.is_file():
             ap.error(f"--resume {resume_dir}: no config.json there; is it a run dir?")
+        overrides = {k: getattr(args, k) for k in ("device", "wandb") if k in changed}
         argv = json.loads(cfg_path.read_text()).get("argv") or []
         args = ap.parse_args(argv)
         args.run_dir = resume_dir
+        for k, v in overrides.items():
+            setattr(args, k, v)
     p = _apply_args(preset(args.preset, args.run_dir), args)
     run(p, dense=args.dense, resume=resume_dir is not None, argv=argv)
     return 0

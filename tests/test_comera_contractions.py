@@ -1,6 +1,7 @@
 """Every contraction strategy computes x W^T (+ b) with the same values and gradients."""
 
 import random
+import threading
 
 import pytest
 import torch
@@ -132,8 +133,17 @@ def test_default_plan_is_global_and_scoped():
     C.set_default_plan("dp")
     try:
         assert C.get_default_plan() == "dp"
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(C.get_default_plan()))
+        t.start()
+        t.join()
+        assert seen == ["dp"]  # process-wide: other threads see it too
+        with C.default_plan("greedy"):
+            assert C.get_default_plan() == "greedy"
+        assert C.get_default_plan() == "dp"
     finally:
-        C.set_default_plan("comera")
+        C.set_default_plan(None)
+    assert C.get_default_plan() == "comera"
 
 
 def test_per_layer_plan_overrides_default():

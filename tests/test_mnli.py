@@ -200,3 +200,15 @@ def test_crash_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
     assert steps == sorted(set(steps))  # rows after the checkpoint were not doubled
     ref = [json.loads(line) for line in (full_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows if "loss" in r] == [r["loss"] for r in ref if "loss" in r]
+
+
+def test_cli_argument_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        mnli.main(["--eval-file", "dev.jsonl"])
+    assert "--eval-file needs --train-file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mnli.main(["--resume", str(tmp_path), "--steps", "5"])
+    assert "drop --steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mnli.main(["--resume", str(tmp_path)])
+    assert "no config.json there" in capsys.readouterr().err

@@ -367,3 +367,86 @@ def test_two_process_gloo_matches_single_process(tmp_path):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert math.isfinite(float(single.loss_ema))
+
+
+# ----------------------------------------------------------------------------- review fixes
+
+
+def test_late_stage_from_the_start_needs_and_uses_a_loss_target(tmp_path):
+    with pytest.raises(ValueError, match="early_steps=0 starts in the late stage"):
+        ComeraConfig(early_steps=0)
+    comera = ComeraConfig(early_steps=0, loss_target=0.1, tau=0.02, prune_every=5)
+    tr = Trainer(_cfg(tmp_path, steps=20, comera=comera), ToyTask(), *_toy_model())
+    assert tr.stage == "late" and tr.targets["loss"] == 0.1 and tr.targets["size"] > 0
+    tr.fit()
+
+
+class _InfGradTask(ToyTask):
+    def loss(self, params, state, batch, *, train):
+        loss, extra = super().loss(params, state, batch, train=train)
+        if self.calls >= 4:  # finite value, infinite gradient
+            loss = loss + torch.sqrt(params["lin"]["bias"][0] * 0)
+        return loss, extra
+
+
+def test_non_finite_gradient_stops_before_any_update(tmp_path):
+    cfg = _cfg(tmp_path, checkpoint_every=1)
+    tr = Trainer(cfg, _InfGradTask(), *_toy_model())
+    with pytest.raises(NonFiniteLoss, match="gradient norm is (inf|nan) at step 4"):
+        tr.fit()
+    assert tr.step == 3
+    ckpt = load_checkpoint(cfg.run_dir)
+    assert ckpt["step"] == 3
+    for t in torch.utils._pytree.tree_flatten([ckpt["params"], tr.params])[0]:
+        assert torch.isfinite(t).all()
+
+
+def test_resume_tolerates_a_metrics_line_cut_by_a_kill(tmp_path):
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    path = Path(cfg.run_dir) / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"step": 21, "lo')
+    tr = Trainer(dataclasses.replace(cfg), ToyTask(), *_toy_model(), resume=True)
+    assert all(r["step"] <= 20 for r in _metrics(cfg.run_dir))
+    assert tr.step == 20
+
+
+def test_stale_state_after_compaction_is_named():
+    params, state = _toy_model()
+    params["lin"]["gates"][1][:3] = 0.0
+    pruned = prune_tree(params, state, 0.01)
+    new_params, _ = compact_tree(params, pruned)[:2]
+    x = torch.randn(2, 16)
+    with pytest.raises(
+        ValueError, match=r"does not match the params: masks of \[4, 6, 4\].*\[4, 3, 4\]"
+    ):
+        C.tt_linear(new_params["lin"], state["lin"], x)
+    with pytest.raises(ValueError, match=r"lin: the rank state must be a dict"):
+        gate_regularizer(params, {})
+
+
+def test_lr_schedule_ends_above_zero_and_starts_at_one_after_warmup():
+    from comera.training import _lr_scale
+
+    cfg = TrainConfig(steps=10, run_dir="x", warmup_steps=2, schedule="linear")
+    scales = [_lr_scale(cfg, s) for s in range(1, 11)]
+    assert scales[:3] == [0.5, 1.0, 1.0] and scales[-1] == pytest.approx(1 / 8)
+    cos = TrainConfig(steps=10, run_dir="x", schedule="cosine")
+    assert _lr_scale(cos, 1) == 1.0 and _lr_scale(cos, 10) > 0
+
+
+def test_more_config_errors():
+    with pytest.raises(ValueError, match="log_every >= 1"):
+        TrainConfig(steps=1, run_dir="x", log_every=0)
+    with pytest.raises(ValueError, match="grad_clip must be None"):
+        TrainConfig(steps=1, run_dir="x", grad_clip=-1.0)
+    with pytest.raises(ValueError, match="reg_start_step=50 must be"):
+        ComeraConfig(early_steps=50, reg_start_step=50)
+
+
+def test_trainer_does_not_touch_the_callers_tensors(tmp_path):
+    params, state = _toy_model()
+    before = [t.clone() for t in torch.utils._pytree.tree_flatten(params)[0]]
+    Trainer(_cfg(tmp_path, steps=5), ToyTask(), params, state).fit()
+    after = torch.utils._pytree.tree_flatten(params)[0]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
