@@ -53,6 +53,7 @@ __all__ = [
     "Trainer",
     "load_checkpoint",
     "model_size",
+    "read_metrics",
 ]
 
 CHECKPOINT = "checkpoint.pt"
@@ -226,10 +227,10 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict:
     return ckpt
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_metrics(path: str | os.PathLike) -> list[dict]:
     """Rows of a metrics file; a line cut short by a killed process is skipped."""
     rows = []
-    for line in path.read_text().splitlines():
+    for line in Path(path).read_text().splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
@@ -406,7 +407,7 @@ class Trainer:
         path = self.run_dir / "metrics.jsonl"
         if self.rank != 0 or not path.is_file():
             return
-        keep = [r for r in _read_jsonl(path) if r.get("step", 0) <= step]
+        keep = [r for r in read_metrics(path) if r.get("step", 0) <= step]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         os.replace(tmp, path)

@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from comera.training import read_metrics
+
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
 PAPER = {
@@ -31,7 +33,7 @@ def load_run(run_dir: str | Path) -> dict:
     for name in ("config.json", "metrics.jsonl"):
         if not (d / name).is_file():
             raise FileNotFoundError(f"{d / name} not found: is {d} a run dir written by training?")
-    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line]
+    rows = read_metrics(d / "metrics.jsonl")
     ranks = json.loads((d / "ranks.json").read_text()) if (d / "ranks.json").is_file() else {}
     return {
         "dir": d,
