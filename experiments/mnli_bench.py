@@ -120,7 +120,7 @@ def main(
     *,
     json_out: bool = False,
     device: str | None = None,
-    repeats: int = 3,
+    repeats: int = 5,
     threads: int = 2,
     tiny: bool = False,
     out: Path = REPORT_JSON,
@@ -182,7 +182,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m experiments.mnli_bench")
     ap.add_argument("--worker", choices=VARIANTS, default=None)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
