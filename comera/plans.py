@@ -40,7 +40,6 @@ __all__ = [
     "PlanLike",
     "default_plan",
     "get_default_plan",
-    "resolve_plan",
     "set_default_plan",
     "tt_linear_plan",
 ]
@@ -74,11 +73,6 @@ def _normalize(plan: PlanLike, name: str) -> Strategy:
     return pairs
 
 
-def resolve_plan(plan: PlanLike, name: str = "tt_linear") -> Strategy:
-    """The strategy that ``plan`` selects (None means the current global default)."""
-    return _normalize(plan, name)
-
-
 def set_default_plan(plan: PlanLike) -> None:
     """Set the process-wide default strategy (all threads) used when a call and its layer
     name none; ``None`` restores ``"comera"``."""
@@ -109,7 +103,7 @@ def token_bucket(tokens: int) -> int:
 # --------------------------------------------------------------------------- network
 
 
-def _network(num_cores: int) -> tuple[str, list[str]]:
+def _network(num_cores: int) -> str:
     """Einsum equation over ``[x, G_1..G_2d]`` with the edge ranks (size 1) squeezed."""
     d = num_cores // 2
     sym = iter(oe.get_symbol(i) for i in range(4 * d + 2))
@@ -124,8 +118,7 @@ def _network(num_cores: int) -> tuple[str, list[str]]:
         right = bonds[k] if k < num_cores - 1 else ""
         terms.append(left + modes[k] + right)
     x_term = t + "".join(ins)
-    eq = ",".join([x_term, *terms]) + "->" + t + "".join(outs)
-    return eq, terms
+    return ",".join([x_term, *terms]) + "->" + t + "".join(outs)
 
 
 def _merges_to_path(
@@ -271,7 +264,7 @@ def _build(
     bucket: int,
 ) -> ContractionPlan:
     num_cores = len(core_shapes)
-    eq, _ = _network(num_cores)
+    eq = _network(num_cores)
     shapes = _operand_shapes(core_shapes, bucket)
     if isinstance(strategy, tuple):
         label = "explicit"

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import torch
-
 from comera import tensor_train as tt
 
 __all__ = [
     "compact_tree",
-    "init_state_like",
     "iter_tt",
     "map_tt",
     "prune_tree",
@@ -74,16 +71,6 @@ def map_tt(
                 lists[j].append(o if j != 1 else (o if o is not None else {}))
         return tuple(lists)
     return (params, state, *others)
-
-
-def init_state_like(params: object) -> object:
-    """A rank state with every rank alive, for a params tree (e.g. one loaded from disk)."""
-
-    def fresh(p: dict, s: object) -> tuple:
-        masks = [torch.ones(g.numel(), dtype=torch.bool, device=g.device) for g in p["gates"]]
-        return p, {"masks": masks}
-
-    return map_tt(fresh, params, None)[1]
 
 
 def prune_tree(params: object, state: object, tau: float) -> object:
