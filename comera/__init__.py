@@ -16,6 +16,7 @@ from comera.accounting import (
     tt_linear_flops,
     ttm_embedding_flops,
 )
+from comera.importance import rank_contributions
 from comera.layers import EMBEDDING_IMPLS, tt_linear, ttm_embedding
 from comera.modules import TTLinear, TTMEmbedding
 from comera.plans import (
@@ -36,6 +37,7 @@ from comera.spec import (
     propose_ttm_embedding,
 )
 from comera.tensor_train import (
+    PRUNE_RULES,
     bond_ranks,
     compact,
     from_dense,
@@ -50,6 +52,7 @@ from comera.tensor_train import (
 
 __all__ = [
     "EMBEDDING_IMPLS",
+    "PRUNE_RULES",
     "STRATEGIES",
     "ContractionPlan",
     "LayerSummary",
@@ -78,6 +81,7 @@ __all__ = [
     "propose_tt_linear",
     "propose_ttm_embedding",
     "prune",
+    "rank_contributions",
     "set_default_plan",
     "summarize",
     "summary_table",

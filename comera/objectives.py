@@ -1,6 +1,10 @@
 """CoMERA's rank-shrinking objectives.
 
-Early stage: ``L + gamma * R(d)`` where ``R`` is the mean magnitude of the live gates.
+Early stage: ``L + gamma * R(d)``. ``R`` is the mean magnitude of the live gates
+(``kind="mean"``, what the authors' public code computes: gates above the threshold,
+summed, divided by their count) or their sum (``kind="l1"``, the L1 norm the paper's text
+writes). Both pull every live gate toward zero at the same rate under Adam; they differ
+in scale by the number of live gates, which the mean divides out.
 Late stage: a size target ``S0 = c * S(end of early stage)`` and a loss target ``L0``;
 each step puts its weight on whichever objective is relatively further from its target
 (``(L - L0) / L0`` vs ``(S - S0) / S0``, the achievement-scalarization of the paper) plus
@@ -29,8 +33,9 @@ def _live_gate_abs(path: str, p: dict, s: dict) -> list[torch.Tensor]:
     return [g.abs() * m.to(g.dtype) for g, m in zip(p["gates"], s["masks"], strict=True)]
 
 
-def gate_regularizer(params: object, state: object) -> torch.Tensor:
-    """Mean magnitude of the live gates over every TT/TTM layer in the model.
+def gate_regularizer(params: object, state: object, kind: str = "mean") -> torch.Tensor:
+    """Mean (``kind="mean"``) or sum (``kind="l1"``) of the live gates' magnitudes over
+    every TT/TTM layer in the model.
 
     All gates and masks are concatenated first: a handful of kernels instead of a few
     per bond (the paper model has ~200 bonds)."""
@@ -41,9 +46,12 @@ def gate_regularizer(params: object, state: object) -> torch.Tensor:
         masks += s["masks"]
     if not gates:
         raise ValueError("gate_regularizer: the params tree holds no TT/TTM layer")
+    if kind not in ("mean", "l1"):
+        raise ValueError(f"gate_regularizer: kind={kind!r}; choose 'mean' or 'l1'")
     g = torch.cat(gates)
     m = torch.cat(masks).to(g.dtype)
-    return (g.abs() * m).sum() / m.sum().clamp(min=1)
+    total = (g.abs() * m).sum()
+    return total if kind == "l1" else total / m.sum().clamp(min=1)
 
 
 def size_surrogate(params: object, state: object) -> torch.Tensor:

@@ -73,9 +73,11 @@ def map_tt(
     return (params, state, *others)
 
 
-def prune_tree(params: object, state: object, tau: float) -> object:
-    """:func:`comera.prune` at every TT/TTM layer; returns the new state tree."""
-    return map_tt(lambda p, s: (p, tt.prune(p, s, tau)), params, state)[1]
+def prune_tree(params: object, state: object, tau: float, rule: str = "gate") -> object:
+    """:func:`comera.prune` with ``rule`` (one of ``comera.PRUNE_RULES``) at every TT/TTM
+    layer; returns the new state tree. An unknown rule raises even for a tree without layers."""
+    tt._check_rule(rule)
+    return map_tt(lambda p, s: (p, tt.prune(p, s, tau, rule=rule)), params, state)[1]
 
 
 def compact_tree(params: object, state: object, *others: object) -> tuple:

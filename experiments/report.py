@@ -15,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from comera.training import read_metrics
+from comera.train import load_checkpoint, read_metrics
+from comera.train.checkpoint import complete_checkpoints
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
@@ -84,14 +85,11 @@ def _rank_table(run: dict) -> list[str]:
 
 def _layer_table(run: dict) -> list[str]:
     """Per-layer compression of the final model, read from the run's checkpoint."""
-    path = run["dir"] / "checkpoint.pt"
-    if not path.is_file() or run["config"].get("dense"):
+    if run["config"].get("dense") or not complete_checkpoints(run["dir"]):
         return []
-    import torch
-
     import comera as C
 
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_checkpoint(run["dir"])
     return C.summary_table(ckpt["params"], ckpt["state"]).splitlines()
 
 

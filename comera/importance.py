@@ -1,0 +1,106 @@
+"""How much of a TT/TTM weight each rank carries, independent of how cores and gates share scale.
+
+A gate alone is a poor measure of a rank's importance: cores and gates have a scale
+symmetry. Multiplying ``d_k[i]`` by ``a`` and dividing the next core's slice
+``G_{k+1}[i, ...]`` by ``a`` leaves the weight unchanged but shrinks the gate, so a rank
+that carries most of ``W`` can look dead to a gate-magnitude threshold (a gate L1 penalty
+without weight decay on the cores drives exactly that drift).
+
+Splitting the train at internal bond ``k`` writes the weight as a sum of outer products,
+
+    W = sum_i d_k[i] m_k[i] * (Left_i ⊗ Right_i),
+
+where ``Left_i`` is the gated left partial train ``G_1 .. G_k`` ending in rank index ``i``
+(``d_k`` itself excluded) and ``Right_i`` the gated right partial train ``G_{k+1} .. G_K``
+starting in it. Each term's Frobenius norm is ``|d_k[i]| ||Left_i|| ||Right_i||``, and its
+ratio to ``||W||_F`` is the rank's *share*: invariant under the scale symmetry (on every
+bond) and under scaling ``W`` as a whole.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from comera.tensor_train import Params, State, check_state
+
+__all__ = ["rank_contributions"]
+
+
+def _as_3way(core: torch.Tensor) -> torch.Tensor:
+    """A TT core as is, a TTM core (r, v, d, r') with its two middle modes merged."""
+    return core.reshape(core.shape[0], math.prod(core.shape[1:-1]), core.shape[-1])
+
+
+def rank_contributions(params: Params, state: State) -> list[torch.Tensor]:
+    """Share of the weight carried by every rank of every internal bond.
+
+    Returns one float64 vector per bond, ``share_i = ||term_i||_F / ||W||_F`` with
+    ``term_i`` the bond-``k`` outer-product term of rank ``i`` (see the module docstring).
+    Dead (masked) ranks have share 0. When ``W == 0`` every share is 0: no rank carries
+    anything, so a threshold on shares treats the whole layer as dispensable, just as
+    :func:`comera.compact` treats a layer with an empty bond as the zero map. A non-finite
+    weight gives NaN shares. A TTM's shares are of the padded ``prod(vocab_modes) x D``
+    table the cores represent, padding rows included.
+
+    Shares are not fractions that add to 1: by the triangle inequality their sum is at
+    least 1 on every bond of a non-zero weight (equal to 1 only when all terms are
+    parallel), and their squares add to 1 when the terms are orthogonal, which random
+    cores nearly are (shares then about ``1 / sqrt(r)``).
+
+    The norms come from Gram matrices, never from the partial trains themselves:
+    ``P_k = sum_n G_k[:, n, :]^T diag(g_{k-1}) P_{k-1} diag(g_{k-1}) G_k[:, n, :]`` from the
+    left (``P_0 = [[1]]``) and the mirror ``Q_k`` from the right, with ``g = gate * mask``.
+    Then ``||Left_i||^2 = P_k[i, i]``, ``||Right_i||^2 = Q_k[i, i]``; ``||W||^2`` is the
+    left recursion carried through the last core. Cost ``O(sum_k n_k r^3)``, in float64,
+    without autograd.
+    """
+    check_state(params, state)
+    cores = [_as_3way(c.detach()).to(torch.float64) for c in params["cores"]]  # type: ignore[union-attr]
+    gates = [  # gate * mask, with dead ranks exactly 0 whatever their gate holds
+        torch.where(m.to(g.device), g.detach().to(torch.float64), 0.0)
+        for g, m in zip(params["gates"], state["masks"], strict=True)  # type: ignore[arg-type]
+    ]
+    n_bonds = len(gates)
+    if n_bonds == 0:
+        return []
+    device = cores[0].device
+    one = torch.ones(1, 1, dtype=torch.float64, device=device)
+
+    # Left Grams: lefts[k] = P over the trailing bond of core k, d_k excluded.
+    lefts: list[torch.Tensor] = []
+    with torch.no_grad():
+        p = one
+        for k, core in enumerate(cores):
+            if k > 0:
+                g = gates[k - 1]
+                p = g[:, None] * p * g[None, :]
+            r, n, r2 = core.shape
+            t = (p @ core.reshape(r, n * r2)).reshape(r * n, r2)  # P G, rows (a, n)
+            p = core.reshape(r * n, r2).T @ t
+            if k < n_bonds:
+                lefts.append(p)
+        norm_sq = float(p.reshape(-1)[0]) if p.numel() else 0.0  # (1, 1) after the last core
+
+        # Right Grams: rights[k] = Q over the leading bond of core k+1 (gates after it in).
+        rights: list[torch.Tensor] = [one] * n_bonds
+        q = one
+        for k in range(len(cores) - 1, 0, -1):
+            core = cores[k]
+            if k < len(cores) - 1:
+                g = gates[k]
+                q = g[:, None] * q * g[None, :]
+            r, n, r2 = core.shape
+            t = (core.reshape(r * n, r2) @ q).reshape(r, n * r2)  # G Q, cols (n, c)
+            q = t @ core.reshape(r, n * r2).T
+            rights[k - 1] = q
+
+        if norm_sq == 0.0:  # W == 0: nothing carries anything
+            return [torch.zeros_like(g) for g in gates]
+        norm = norm_sq**0.5
+        shares = []
+        for g, p_k, q_k in zip(gates, lefts, rights, strict=True):
+            term = g.abs() * (p_k.diagonal().clamp_min(0) * q_k.diagonal().clamp_min(0)).sqrt()
+            shares.append(term / norm)
+    return shares

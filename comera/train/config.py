@@ -1,0 +1,154 @@
+"""Run settings of the shared trainer: the CoMERA objective and the loop itself.
+
+Nested ``@dataclass(kw_only=True, slots=True)`` configs whose ``__post_init__`` rejects bad
+values with a message naming the field; experiments build them from presets and the CLI's
+``--set a.b=value`` overrides re-run these checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from comera.optim import AdamWConfig
+
+__all__ = ["PRUNE_RULES", "REGULARIZERS", "WANDB_MODES", "ComeraConfig", "TrainConfig"]
+
+REGULARIZERS = ("mean", "l1")
+PRUNE_RULES = ("gate", "contribution")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass(kw_only=True, slots=True)
+class ComeraConfig:
+    """Rank adaptation settings, with the paper's defaults.
+
+    ``regularizer``: ``"mean"`` (default) is ``R = mean |d|`` over live gates, what the
+    authors' public code computes; ``"l1"`` is ``R = sum |d|``, the paper's text. The two
+    differ by the live-gate count, so ``l1`` needs a gamma about that much smaller.
+    ``prune_rule``: ``"gate"`` kills a rank when ``|d| <= tau`` (the paper);
+    ``"contribution"`` kills it when the share of the layer's weight it carries is
+    ``<= tau``, which a rescaling of gates against cores cannot fool (see
+    :func:`comera.rank_contributions`).
+    """
+
+    enabled: bool = True
+    gamma: float = 1e-2
+    regularizer: str = "mean"
+    reg_start_step: int = 0  # ours: train the loss alone before this step (0 = the paper)
+    tau: float = 1e-2
+    prune_rule: str = "gate"
+    early_steps: int = 1000
+    prune_every: int = 100
+    compact_every: int | None = None
+    size_ratio: float = 0.5  # c in S0 = c * S(end of early stage); the paper uses 0.8/0.5/0.2
+    loss_target: float | None = None  # L0; None: smoothed loss at the end of the early stage
+    rho: float = 0.05  # weight of the plain weighted sum in the late stage
+
+    def __post_init__(self) -> None:
+        if self.gamma < 0 or self.tau < 0:
+            raise ValueError(
+                f"ComeraConfig: gamma and tau must be >= 0, got {self.gamma}, {self.tau}"
+            )
+        if self.regularizer not in REGULARIZERS:
+            raise ValueError(
+                f"ComeraConfig.regularizer={self.regularizer!r}; choose one of {REGULARIZERS}"
+            )
+        if self.prune_rule not in PRUNE_RULES:
+            raise ValueError(
+                f"ComeraConfig.prune_rule={self.prune_rule!r}; choose one of {PRUNE_RULES}"
+            )
+        if self.early_steps < 0 or self.prune_every < 1:
+            raise ValueError(
+                f"ComeraConfig: early_steps >= 0 and prune_every >= 1 required, got "
+                f"{self.early_steps}, {self.prune_every}"
+            )
+        if self.compact_every is not None and self.compact_every < 1:
+            raise ValueError(
+                f"ComeraConfig.compact_every must be None or >= 1, got {self.compact_every}"
+            )
+        if not 0 < self.size_ratio <= 1:
+            raise ValueError(
+                f"ComeraConfig.size_ratio (c) must be in (0, 1], got {self.size_ratio}"
+            )
+        if self.loss_target is not None and self.loss_target <= 0:
+            raise ValueError(f"ComeraConfig.loss_target must be > 0, got {self.loss_target}")
+        if self.enabled and self.early_steps == 0 and self.loss_target is None:
+            raise ValueError(
+                "ComeraConfig: early_steps=0 starts in the late stage, which needs a loss "
+                "target; set loss_target (L0) or give the early stage some steps"
+            )
+        if self.reg_start_step < 0 or (
+            self.gamma > 0 and 0 < self.early_steps <= self.reg_start_step
+        ):
+            raise ValueError(
+                f"ComeraConfig.reg_start_step={self.reg_start_step} must be >= 0 and below "
+                f"early_steps={self.early_steps}, or the gate regularizer never runs"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything the loop needs; experiments build one from their presets.
+
+    ``wandb``: ``None`` (default) honours ``WANDB_MODE`` from the environment and is
+    ``offline`` otherwise; without the wandb package it is ``disabled`` (said once).
+    ``accum_steps``: micro-batches per optimizer step, weighted exactly by their counts.
+    ``keep_checkpoints``: how many of the newest checkpoints stay on disk.
+    """
+
+    steps: int
+    run_dir: str
+    optim: AdamWConfig = field(default_factory=AdamWConfig)
+    comera: ComeraConfig = field(default_factory=ComeraConfig)
+    warmup_steps: int = 0
+    schedule: str = "linear"  # linear | cosine | constant decay after warmup
+    grad_clip: float | None = 1.0
+    accum_steps: int = 1
+    log_every: int = 10
+    eval_every: int | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
+    seed: int = 0
+    device: str = "cpu"
+    bf16: bool = False
+    wandb: str | None = None  # online | offline | disabled | None (WANDB_MODE, else offline)
+    wandb_project: str = "comera"
+    wandb_entity: str | None = None
+    wandb_group: str | None = None
+    wandb_tags: tuple[str, ...] = ()
+    run_name: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"TrainConfig.steps must be >= 1, got {self.steps}")
+        if self.schedule not in ("linear", "cosine", "constant"):
+            raise ValueError(
+                f"TrainConfig.schedule must be linear, cosine or constant, got {self.schedule!r}"
+            )
+        if self.wandb is not None and self.wandb not in WANDB_MODES:
+            raise ValueError(
+                f"TrainConfig.wandb must be online, offline or disabled, got {self.wandb!r}"
+            )
+        if self.bf16 and not self.device.startswith("cuda"):
+            raise ValueError("TrainConfig.bf16 autocast is for CUDA devices; set device='cuda'")
+        if self.log_every < 1 or self.warmup_steps < 0:
+            raise ValueError(
+                f"TrainConfig: log_every >= 1 and warmup_steps >= 0 required, got "
+                f"{self.log_every}, {self.warmup_steps}"
+            )
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(
+                    f"TrainConfig.{name} must be None or >= 1, got {getattr(self, name)}"
+                )
+        if self.accum_steps < 1 or self.keep_checkpoints < 1:
+            raise ValueError(
+                f"TrainConfig: accum_steps >= 1 and keep_checkpoints >= 1 required, got "
+                f"{self.accum_steps}, {self.keep_checkpoints}"
+            )
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(
+                f"TrainConfig.grad_clip must be None (off) or > 0, got {self.grad_clip}"
+            )
+        self.wandb_tags = tuple(self.wandb_tags)

@@ -1,0 +1,81 @@
+"""Exact data-parallel arithmetic without the DDP wrapper.
+
+Every rank computes the gradient of its loss *sum* and counts its loss terms; one flat
+all-reduce per dtype sums gradients, loss sums, counts and metric sums, and dividing by the
+global count gives the gradient of the global mean: right for masked-LM (masked tokens differ
+per rank), padded rows and short last batches. Missing (``None``) gradients are zero-filled
+on every rank so the flat buffers line up; dtypes are reduced in a fixed order.
+
+We do not wrap the model in ``DistributedDataParallel``: compaction changes parameter
+shapes, which DDP's reducer cannot follow without being rebuilt.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["broadcast_tensors", "init_distributed", "rank_world", "sum_across_ranks"]
+
+
+def rank_world() -> tuple[int, int]:
+    """This process's rank and the world size (0, 1 without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed(device: str) -> tuple[int, int]:
+    """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1): gloo on CPU,
+    nccl on CUDA, each rank on its ``LOCAL_RANK`` GPU."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` by dtype, dtypes in a fixed (name) order on every rank."""
+    by: dict[str, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by.setdefault(str(t.dtype), []).append(i)
+    return [by[k] for k in sorted(by)]
+
+
+def sum_across_ranks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Sum every tensor over ranks with one flat all-reduce per dtype (a no-op alone).
+
+    All ranks must pass the same shapes and dtypes in the same order."""
+    if rank_world()[1] == 1 or not tensors:
+        return tensors
+    out: list[torch.Tensor] = list(tensors)
+    for idx in _groups(tensors):
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        dist.all_reduce(flat)
+        offset = 0
+        for i in idx:
+            n = tensors[i].numel()
+            out[i] = flat[offset : offset + n].view_as(tensors[i])
+            offset += n
+    return out
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Copy rank ``src``'s values into every rank's tensors, in place (one flat broadcast
+    per dtype), so replicas start identical however they were initialized or loaded."""
+    if rank_world()[1] == 1 or not tensors:
+        return
+    with torch.no_grad():
+        for idx in _groups(tensors):
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+            dist.broadcast(flat, src)
+            offset = 0
+            for i in idx:
+                n = tensors[i].numel()
+                tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
+                offset += n

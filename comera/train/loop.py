@@ -1,0 +1,421 @@
+"""The training loop: wires the stage controller, exact reduction, checkpoints and logs.
+
+An experiment supplies a :class:`Task`; :class:`Trainer` runs it for ``cfg.steps`` optimizer
+steps of ``cfg.accum_steps`` micro-batches each, with CoMERA rank adaptation
+(:mod:`comera.train.stages`), exact data parallelism (:mod:`comera.train.distributed`),
+checkpoints (:mod:`comera.train.checkpoint`) and records (:mod:`comera.train.logging`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import random
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_map
+
+from comera.accounting import live_param_count, param_count
+from comera.optim import adamw_init, adamw_step
+from comera.train import checkpoint as ck
+from comera.train.config import TrainConfig
+from comera.train.distributed import broadcast_tensors, rank_world, sum_across_ranks
+from comera.train.logging import (
+    RunLog,
+    truncate_metrics,
+    write_json_atomic,
+    write_rank_snapshot,
+)
+from comera.train.stages import StageController
+from comera.tree import compact_tree, iter_tt, prune_tree
+
+__all__ = ["NonFiniteLoss", "Task", "Trainer", "lr_scale", "model_size"]
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradient became NaN or inf; the last good checkpoint is left in place."""
+
+
+class Task(Protocol):
+    """What an experiment provides.
+
+    ``loss`` returns ``(sum, count, metrics)``: the sum of the batch's loss terms, how many
+    there are (examples, masked tokens...) and per-batch means to log; the trainer divides
+    by the global count, so data-parallel averaging is exact. (A legacy ``(mean, metrics)``
+    pair counts as one term.) ``evaluate(params, state, rank=, world=)`` returns metrics as
+    ``(sum, count)`` pairs over this rank's share of the held-out data (reduced exactly) or
+    plain floats (averaged over ranks). ``train_iter`` has ``state_dict``/``load_state_dict``
+    and ``rescalable = True`` when it can load the states of another world size.
+    An optional ``on_compaction(params, state)`` rebuilds anything shape-dependent."""
+
+    train_iter: Any
+
+    def loss(self, params: Any, state: Any, batch: Any, *, train: bool) -> tuple: ...
+
+    def evaluate(self, params: Any, state: Any) -> dict: ...
+
+
+def model_size(params: object, state: object) -> int:
+    """Live parameters of a whole model: TT/TTM layers after compaction, plus dense leaves."""
+    tt_live = tt_stored = 0
+    for _, p, s in iter_tt(params, state):
+        tt_live += live_param_count(p, s)
+        tt_stored += param_count(p)
+    return param_count(params) - tt_stored + tt_live
+
+
+def lr_scale(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup to 1, then linear/cosine decay toward 0 (or constant); 1-based step."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return step / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    frac = min(max((step - 1 - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 0.0), 1.0)
+    return 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def _as_sum_count(out: tuple) -> tuple[torch.Tensor, float, dict]:
+    if len(out) == 3:
+        s, n, metrics = out
+        return s, float(n), metrics
+    mean, metrics = out  # legacy: a mean over the batch counts as one term
+    return mean, 1.0, metrics
+
+
+class Trainer:
+    """Runs a :class:`Task` for ``cfg.steps`` steps with CoMERA rank adaptation.
+
+    ``reference_size`` is what compression is measured against (e.g. the dense model's
+    parameter count); by default the model's size at the start. ``on_compact`` holds
+    callbacks run after every compaction (the task's ``on_compaction`` is one)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        task: Task,
+        params: object,
+        state: object,
+        *,
+        resume: bool = False,
+        extra_config: dict | None = None,
+        reference_size: int | None = None,
+    ) -> None:
+        self.cfg, self.task = cfg, task
+        self.device = torch.device(cfg.device)
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.rank, self.world = rank_world()
+        # a copy: the loop updates its parameters in place, never the caller's tensors
+        self.params = tree_map(
+            lambda t: t.detach().to(self.device, copy=True).requires_grad_(True), params
+        )
+        self.state = tree_map(lambda t: t.to(self.device), state)
+        self.opt = adamw_init(self.params)
+        self.step = 0
+        self.stages = StageController(cfg.comera, cfg.steps)
+        self.config_dict = {"train": dataclasses.asdict(cfg), **(extra_config or {})}
+        self.initial_size = reference_size or model_size(self.params, self.state)
+        self.on_compact: list[Callable[[Trainer], None]] = []
+        if hasattr(task, "on_compaction"):
+            self.on_compact.append(lambda tr: tr.task.on_compaction(tr.params, tr.state))
+        if resume:
+            self._restore(ck.load_checkpoint(self.run_dir))
+        else:
+            self.stages.start(self.params, self.state)
+            # each rank its own stream (dropout masks differ across the global batch)
+            random.seed(cfg.seed + self.rank)
+            torch.manual_seed(cfg.seed + self.rank)
+        broadcast_tensors(tree_flatten(self.params)[0])  # replicas start identical
+
+    # stage controller state, under the names the loop has always had
+    stage = property(lambda self: self.stages.stage)
+    targets = property(lambda self: self.stages.targets)
+    loss_ema = property(lambda self: self.stages.loss_ema)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _rng_state(self) -> dict:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+    def checkpoint(self) -> Path:
+        """Every rank writes its RNG and data position; rank 0 then writes the model."""
+        d = ck.checkpoint_dir(self.run_dir, self.step)
+        data = self.task.train_iter.state_dict()
+        ck.write_rank_files(d, self.step, self.rank, self.world, self._rng_state(), data)
+        if self.world > 1:
+            dist.barrier()
+        if self.rank == 0:
+            cpu = lambda tree: tree_map(lambda t: t.detach().cpu(), tree)  # noqa: E731
+            payload = {
+                "format": "comera.checkpoint",
+                "version": 2,
+                "step": self.step,
+                "stages": self.stages.state_dict(),
+                "initial_size": self.initial_size,
+                "params": cpu(self.params),
+                "state": cpu(self.state),
+                "opt": {**self.opt, "m": cpu(self.opt["m"]), "v": cpu(self.opt["v"])},
+                "world_size": self.world,
+                "config": self.config_dict,
+            }
+            ck.write_model(d, payload, self.cfg.keep_checkpoints)
+        return d
+
+    def _restore(self, ckpt: dict) -> None:
+        saved = ckpt["config"].get("train", {})
+        for key in ("steps", "seed"):
+            if saved.get(key) != getattr(self.cfg, key):
+                raise ck.CheckpointError(
+                    f"checkpoint in {self.run_dir} was written with {key}={saved.get(key)}, "
+                    f"this run has {key}={getattr(self.cfg, key)}; resume with the same config"
+                )
+        rngs, datas = ck.read_rank_files(Path(ckpt["dir"]), ckpt["step"])
+        it, saved_world = self.task.train_iter, len(datas)
+        if saved_world == self.world:
+            it.load_state_dict(datas[self.rank]["state"])
+        elif getattr(it, "rescalable", False):
+            it.load_state_dict([d["state"] for d in datas])
+        else:
+            raise ck.CheckpointError(
+                f"{ckpt['dir']} was saved by {saved_world} ranks and this run has "
+                f"{self.world}; {type(it).__name__} cannot resume at another world size: "
+                f"relaunch with torchrun --nproc_per_node {saved_world}"
+            )
+        dev = self.device
+        self.params = tree_map(lambda t: t.to(dev).requires_grad_(True), ckpt["params"])
+        self.state = tree_map(lambda t: t.to(dev), ckpt["state"])
+        opt = ckpt["opt"]
+        self.opt = {**opt, "m": tree_map(dev_to := lambda t: t.to(dev), opt["m"])}
+        self.opt["v"] = tree_map(dev_to, opt["v"])
+        self.step = ckpt["step"]
+        self.stages.load_state_dict(ckpt["stages"])
+        self.initial_size = ckpt["initial_size"]
+        if saved_world == self.world:
+            mine = rngs[self.rank]
+            torch.set_rng_state(mine["torch"])
+            if mine["cuda"] is not None and dev.type == "cuda":
+                torch.cuda.set_rng_state(mine["cuda"], dev)
+            random.setstate(mine["python"])
+        else:  # another world size: positions are exact, random streams start afresh
+            random.seed(self.cfg.seed + self.rank + self.step)
+            torch.manual_seed(self.cfg.seed + self.rank + self.step)
+        if self.rank == 0:
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+
+    # ------------------------------------------------------------------ rank surgery
+
+    def prune(self) -> None:
+        c = self.cfg.comera
+        self.state = prune_tree(self.params, self.state, c.tau, rule=c.prune_rule)
+
+    def compact(self) -> None:
+        """Prune, then physically remove dead ranks from params and both moments."""
+        self.prune()
+        params, state, m, v = compact_tree(self.params, self.state, self.opt["m"], self.opt["v"])
+        self.params = tree_map(lambda t: t.detach().requires_grad_(True), params)
+        self.state, self.opt = state, {**self.opt, "m": m, "v": v}
+        for fn in self.on_compact:
+            fn(self)
+
+    def ranks(self) -> dict[str, list[int]]:
+        return {
+            p: [int(m.sum()) for m in s["masks"]] for p, _, s in iter_tt(self.params, self.state)
+        }
+
+    def _snapshot(self, label: str) -> None:
+        if self.rank == 0:
+            live = model_size(self.params, self.state)
+            write_rank_snapshot(self.run_dir, label, self.step, self.ranks(), live)
+
+    # ------------------------------------------------------------------ one step
+
+    def _non_finite(self, what: str, value: float) -> NonFiniteLoss:
+        return NonFiniteLoss(
+            f"{what} is {value} at step {self.step + 1} (stage {self.stage}); nothing was "
+            f"updated and the last good checkpoint in {self.run_dir / ck.CHECKPOINTS} was left "
+            "untouched. Lower the learning rates or enable gradient clipping, then --resume."
+        )
+
+    def train_step(self, *batches: Any) -> dict:
+        """One optimizer step over ``batches`` (micro-batches): exact global mean gradient,
+        the stage's objective, clipping, AdamW. Returns the step's metrics."""
+        leaves, _ = tree_flatten(self.params)
+        grads = [torch.zeros_like(t) for t in leaves]  # zero-filled: every rank lines up
+        loss_sum, count, metric_sums = torch.zeros((), dtype=torch.float64), 0.0, {}
+        for batch in batches:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+                s, n, metrics = _as_sum_count(
+                    self.task.loss(self.params, self.state, batch, train=True)
+                )
+            for acc, g in zip(
+                grads, torch.autograd.grad(s, leaves, allow_unused=True), strict=True
+            ):
+                if g is not None:
+                    acc.add_(g)
+            loss_sum += s.detach().double().cpu()
+            count += n
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * n
+        keys = sorted(metric_sums)
+        scalars = torch.tensor(
+            [float(loss_sum), count, *(metric_sums[k] for k in keys)], dtype=torch.float64
+        )
+        *grads, scalars = sum_across_ranks([*grads, scalars.to(self.device)])
+        scalars = scalars.cpu().tolist()
+        count = scalars[1]
+        if count <= 0:
+            raise ValueError(f"step {self.step + 1}: the global batch has no loss terms (count 0)")
+        loss_value = scalars[0] / count
+        if not math.isfinite(loss_value):
+            raise self._non_finite("loss", loss_value)
+        obj = self.stages.objective(self.step + 1, loss_value, self.params, self.state)
+        torch._foreach_mul_(grads, obj.loss_weight / count)
+        if obj.param_term is not None:  # the same on every rank: added after the reduction
+            for acc, g in zip(
+                grads, torch.autograd.grad(obj.param_term, leaves, allow_unused=True), strict=True
+            ):
+                if g is not None:
+                    acc.add_(g)
+        total = torch.stack([n.float() for n in torch._foreach_norm(grads)]).norm()
+        gnorm = float(total)
+        if not math.isfinite(gnorm):
+            raise self._non_finite("the gradient norm", gnorm)
+        if self.cfg.grad_clip:
+            torch._foreach_mul_(grads, (self.cfg.grad_clip / (total + 1e-6)).clamp(max=1.0))
+        self.step += 1
+        scale = lr_scale(self.cfg, self.step)
+        self.opt = adamw_step(self.params, grads, self.opt, self.cfg.optim, scale)
+        self.stages.observe(loss_value)
+        objective = obj.loss_weight * loss_value + (
+            float(obj.param_term.detach()) if obj.param_term is not None else 0.0
+        )
+        return {
+            "loss": loss_value,
+            "objective": objective,
+            "grad_norm": gnorm,
+            "lr_scale": scale,
+            "loss_terms": count,
+            **obj.metrics,
+            **{k: v / count for k, v in zip(keys, scalars[2:], strict=True)},
+        }
+
+    def _after_step(self) -> None:
+        """Carry out the stage controller's rank events for the step just taken."""
+        for event in self.stages.events(self.step):
+            if event == "prune":
+                self.prune()
+            elif event == "transition":
+                self.compact()
+                self.stages.fix_targets(self.params, self.state)
+                self.stages.stage = "late"
+                self._snapshot("end_of_early")
+            elif event == "compact":
+                self.compact()
+            elif event == "final":
+                self.compact()
+                self._snapshot("end")
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics: every rank evaluates its share, results reduced exactly."""
+        fn = self.task.evaluate
+        kw = (
+            {"rank": self.rank, "world": self.world}
+            if "rank" in inspect.signature(fn).parameters
+            else {}
+        )
+        with torch.no_grad():
+            raw = fn(self.params, self.state, **kw)
+        keys = sorted(raw)
+        pairs = [raw[k] if isinstance(raw[k], tuple) else (float(raw[k]), 1.0) for k in keys]
+        flat = torch.tensor([x for p in pairs for x in p], dtype=torch.float64, device=self.device)
+        flat = sum_across_ranks([flat])[0].cpu().tolist()
+        return {k: flat[2 * i] / max(flat[2 * i + 1], 1e-12) for i, k in enumerate(keys)}
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict:
+        """Train to ``cfg.steps``; returns the last logged metrics (plus the final eval)."""
+        from tqdm.auto import tqdm
+
+        cfg, fresh = self.cfg, self.step == 0
+        if self.rank == 0 and fresh:
+            write_json_atomic(self.run_dir / "config.json", self.config_dict)
+            if self.stage != "dense":
+                self._snapshot("init")
+        log = RunLog(cfg, self.rank, self.config_dict, resume=not fresh)
+        bar = tqdm(
+            total=cfg.steps,
+            initial=self.step,
+            disable=not cfg.progress or self.rank != 0,
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
+        last: dict = {}
+        t0, steps0 = time.perf_counter(), self.step
+        it = iter(self.task.train_iter)
+        try:
+            while self.step < cfg.steps:
+                t_step = time.perf_counter()
+                metrics = self.train_step(*(next(it) for _ in range(cfg.accum_steps)))
+                self._after_step()
+                step_time = time.perf_counter() - t_step
+                bar.update(1)
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    last = self._log_row(log, metrics, step_time, t0, steps0)
+                    bar.set_postfix(
+                        loss=f"{last['loss']:.3f}",
+                        acc=f"{last.get('accuracy', float('nan')):.3f}",
+                        live=f"{last['live_params']:,}",
+                        comp=f"{last['compression']:.1f}x",
+                        sps=f"{last['steps_per_s']:.2f}",
+                    )
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    ev = {f"eval/{k}": v for k, v in self.evaluate().items()}
+                    log.log({"step": self.step, **ev})
+                    last = {**last, **ev}
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    self.checkpoint()
+            if not (
+                cfg.checkpoint_every
+                and self.step % cfg.checkpoint_every == 0
+                and steps0 < self.step
+            ):
+                self.checkpoint()
+        finally:
+            bar.close()
+            log.close()
+        return last
+
+    def _log_row(
+        self, log: RunLog, metrics: dict, step_time: float, t0: float, steps0: int
+    ) -> dict:
+        live = model_size(self.params, self.state)
+        row = {
+            "step": self.step,
+            "stage": self.stage,
+            **{k: float(v) for k, v in metrics.items()},
+            "live_params": live,
+            "compression": self.initial_size / max(live, 1),
+            "step_time_s": step_time,
+            "steps_per_s": (self.step - steps0) / max(time.perf_counter() - t0, 1e-9),
+            "peak_memory_mb": _peak_memory_mb(self.device),
+            **{f"ranks/{k}": sum(v) for k, v in self.ranks().items()},
+        }
+        log.log(row)
+        return row
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
