@@ -89,6 +89,8 @@ class TokenLoader:
     file per rank and load at any world size or worker count.
     """
 
+    rescalable = True  # load_state_dict takes every old rank's state, at any world size
+
     def __init__(
         self,
         config: LoaderConfig,

@@ -43,6 +43,18 @@ class Layout:
     num_workers: int = 1
 
 
+def _index(values: list[int], value: int, start: int) -> int | None:
+    """First index ``i`` of ``value`` in ``values`` at or cyclically after ``start``."""
+    try:
+        return values.index(value, start)
+    except ValueError:
+        pass
+    try:
+        return values.index(value, 0, start)
+    except ValueError:
+        return None
+
+
 class ReaderPipeline:
     """The iterator of one reader; ``next_batch()`` returns a dict of (B, T) tensors."""
 
@@ -80,6 +92,7 @@ class ReaderPipeline:
         }
         self.mixer = Mixer(weights, ws.get("mix_tokens"))
         self.rr = {name: int(ws.get("rr", {}).get(name, 0)) for name in sources}
+        self._low: dict[str, int] = {}  # lowest shard epoch per sub-dataset (a cache)
         self.done = bool(ws.get("done", False))
         self._active = [n for n in sources if self._usable(n)]
         self._np_dtype = np.dtype(config.out_dtype)
@@ -88,7 +101,8 @@ class ReaderPipeline:
         if cur is not None:
             name, shard = cur
             slot = self.shards[name].ids.index(int(shard))
-            self._cur = (name, slot, self._tokens(name, slot))
+            if not self._finished(self.shards[name], slot):  # num_epochs may have been lowered
+                self._cur = (name, slot, self._tokens(name, slot))
 
     # -- state -------------------------------------------------------------------------
     def state(self) -> dict:
@@ -145,19 +159,41 @@ class ReaderPipeline:
             sc.counter[slot] = 0
 
     def _next_slot(self, name: str) -> int | None:
-        """Next owned shard of ``name`` with a document to read, round-robin."""
+        """Next owned shard of ``name`` with a document to read: round-robin, epoch-aligned.
+
+        Only shards in the lowest epoch among this reader's shards are eligible: a shard that
+        finished its epoch waits until every other owned shard has finished it too. Shards
+        reach the end of an epoch at different times (sizes differ by one document, local
+        blocks differ in size, and after an N -> M rescale the merged shards come from old
+        readers that were at different points of their ranges); without this rule the reader
+        would serve next-epoch documents (a new shuffle, so repeats of documents already
+        emitted) while documents of the current epoch are still pending: the epoch would not
+        be exactly-once.
+        """
         sc = self.shards[name]
         n = len(sc.ids)
-        for step in range(4 * n):
-            slot = (self.rr[name] + step) % n
-            if self._finished(sc, slot):
+        if n == 0:
+            return None
+        epoch, ne = sc.epoch, self.config.num_epochs
+        low = self._low.get(name)  # epochs only grow, so a cached minimum stays a lower bound
+        if low is None:
+            low = self._low[name] = min(epoch)
+        start, rolled = self.rr[name], 0
+        while ne is None or low < ne:  # finished shards (epoch >= num_epochs) are never lowest
+            slot = _index(epoch, low, start)
+            if slot is None:  # every shard is past epoch ``low``: the reader moves on
+                low = self._low[name] = min(epoch)
+                start = self.rr[name]
                 continue
-            if sc.counter[slot] >= sc.size(slot):  # empty block this epoch (local mode)
-                sc.epoch[slot] += 1
-                sc.counter[slot] = 0
-                continue
-            self.rr[name] = (slot + 1) % n
-            return slot
+            if sc.counter[slot] < sc.size(slot):
+                self.rr[name] = (slot + 1) % n
+                return slot
+            epoch[slot] += 1  # empty block in this epoch (N < L, or local mode): skip it
+            sc.counter[slot] = 0
+            rolled += 1
+            if rolled > 4 * n:  # nothing to read for several epochs: unusable
+                return None
+            start = (slot + 1) % n
         return None
 
     def _open(self) -> tuple[str, int, np.ndarray] | None:
