@@ -22,6 +22,7 @@ from comera.modules import TTLinear, TTMEmbedding
 from comera.plans import (
     STRATEGIES,
     ContractionPlan,
+    LayerPlans,
     default_plan,
     get_default_plan,
     set_default_plan,
@@ -55,6 +56,7 @@ __all__ = [
     "PRUNE_RULES",
     "STRATEGIES",
     "ContractionPlan",
+    "LayerPlans",
     "LayerSummary",
     "TTLinear",
     "TTLinearSpec",

@@ -21,6 +21,7 @@ Every strategy computes the same function; only cost and memory differ.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import math
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
@@ -37,6 +38,7 @@ from comera.tensor_train import chain
 __all__ = [
     "STRATEGIES",
     "ContractionPlan",
+    "LayerPlans",
     "PlanLike",
     "default_plan",
     "get_default_plan",
@@ -93,6 +95,53 @@ def default_plan(plan: PlanLike) -> Iterator[None]:
         yield
     finally:
         _SCOPED_PLAN.reset(token)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerPlans:
+    """Which contraction runs where: a model-wide strategy, per-layer overrides by glob over
+    layer paths (``"layers.*.ffn_*"``; later rules win), and the TTM lookup implementation.
+
+    A model passes ``plans.for_layer(path)`` as each layer's ``plan=``; experiments keep
+    one in their config so the CLI (``--plan``, ``--plan-for``, ``--embedding-impl``) and
+    ``config.json`` record what ran."""
+
+    default: str | None = None  # None: the process default (``set_default_plan``)
+    per_layer: tuple[tuple[str, str], ...] = ()
+    embedding_impl: str = "optimized"
+
+    def __post_init__(self) -> None:
+        from comera.layers import EMBEDDING_IMPLS
+
+        rules = tuple(tuple(r) for r in self.per_layer)
+        object.__setattr__(self, "per_layer", rules)
+        if self.default is not None:
+            _normalize(self.default, "LayerPlans.default")
+        for rule in rules:
+            if len(rule) != 2:
+                raise ValueError(f"LayerPlans.per_layer: {rule!r} is not a (glob, strategy) pair")
+            _normalize(rule[1], f"LayerPlans.per_layer[{rule[0]!r}]")
+        if self.embedding_impl not in EMBEDDING_IMPLS:
+            raise ValueError(
+                f"LayerPlans.embedding_impl={self.embedding_impl!r}; choose one of "
+                f"{', '.join(EMBEDDING_IMPLS)}"
+            )
+
+    def for_layer(self, path: str) -> str | None:
+        """The strategy for the layer at ``path`` (None: the process default)."""
+        chosen = self.default
+        for pattern, strategy in self.per_layer:
+            if fnmatch.fnmatchcase(path, pattern):
+                chosen = strategy
+        return chosen
+
+    def check_layers(self, paths: Sequence[str]) -> None:
+        """Refuse a per-layer rule that matches no layer: a typo would silently do nothing."""
+        for pattern, _ in self.per_layer:
+            if not any(fnmatch.fnmatchcase(p, pattern) for p in paths):
+                raise ValueError(
+                    f"plan rule {pattern!r} matches no TT layer; layers are: {', '.join(paths)}"
+                )
 
 
 def token_bucket(tokens: int) -> int:

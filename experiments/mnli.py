@@ -5,51 +5,61 @@
     python -m experiments.mnli --preset paper --dense      # the dense baseline
     python -m experiments.mnli --resume runs/mnli-smoke    # continue a run bit-identically
     python -m experiments.mnli --bench [--json]            # one training step, CoMERA vs dense
+    python -m experiments.mnli --plan dp --plan-for 'layers.*.ffn_*=greedy' --set train.steps=40
 
 Data: GLUE MNLI from the hub by default; ``--train-file/--eval-file`` and ``--tokenizer``
-take local files instead, ``--dataset generated`` the synthetic task.
+take local files instead, ``--dataset generated`` the synthetic task. The command line is
+the shared one of :mod:`experiments.cli` (presets, ``--set``, plans, resume, wandb).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
-import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import comera as C
 from comera.optim import AdamWConfig
-from comera.training import ComeraConfig, TrainConfig, Trainer
+from comera.train import ComeraConfig, TrainConfig
+from experiments import cli
 from experiments.mnli_data import (
     GENERATED,
     BatchIterator,
+    HubUnreachableError,
     MNLIData,
     MNLIDataConfig,
-    eval_batches,
     load_mnli,
 )
 from experiments.transformer import EncoderConfig, dense_param_count, encoder_logits, init_encoder
 
-__all__ = ["MNLITask", "Preset", "build", "main", "preset"]
+__all__ = ["EXPERIMENT", "MNLITask", "Preset", "build", "main", "preset", "run"]
 
 
 @dataclass(kw_only=True, slots=True)
 class Preset:
-    """A complete experiment: model, data, training."""
+    """A complete experiment: model, data, training, contraction plans; ``dense`` trains
+    the same architecture uncompressed (the baseline)."""
 
     model: EncoderConfig
     data: MNLIDataConfig
     train: TrainConfig
+    plans: C.LayerPlans = field(default_factory=C.LayerPlans)
+    dense: bool = False
     batch_size: int = 32
     eval_batch_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.eval_batch_size < 1:
+            raise ValueError(
+                f"Preset: batch_size and eval_batch_size must be >= 1, got "
+                f"{self.batch_size}, {self.eval_batch_size}"
+            )
 
 
 def preset(name: str, run_dir: str | None = None) -> Preset:
@@ -117,41 +127,59 @@ def preset(name: str, run_dir: str | None = None) -> Preset:
 
 
 class MNLITask:
-    """Cross-entropy classification over the encoder; evaluation on every eval split."""
+    """Cross-entropy classification over the encoder; evaluation on every eval split.
+
+    ``loss`` returns the batch's summed cross-entropy and its example count, so the trainer
+    averages exactly over the global batch; ``evaluate`` scores this rank's share of each
+    split and returns (sum, count) pairs that the trainer reduces over ranks."""
 
     def __init__(
-        self, model: EncoderConfig, data: MNLIData, train_iter: BatchIterator, eval_batch_size: int
+        self,
+        model: EncoderConfig,
+        data: MNLIData,
+        train_iter: BatchIterator,
+        eval_batch_size: int,
+        plans: C.LayerPlans | None = None,
     ) -> None:
         self.model = model
         self.data = data
         self.train_iter = train_iter
         self.eval_batch_size = eval_batch_size
+        self.plans = plans or C.LayerPlans()
         self.device = torch.device("cpu")
 
     def _to(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
+    def _logits(self, params: dict, state: dict, batch: dict, train: bool) -> torch.Tensor:
+        return encoder_logits(params, state, batch, self.model, train=train, plans=self.plans)
+
     def loss(
         self, params: dict, state: dict, batch: dict, *, train: bool
-    ) -> tuple[torch.Tensor, dict]:
+    ) -> tuple[torch.Tensor, int, dict]:
         batch = self._to(batch)
-        logits = encoder_logits(params, state, batch, self.model, train=train)  # (B, 3)
-        loss = F.cross_entropy(logits.float(), batch["labels"])
+        logits = self._logits(params, state, batch, train).float()  # (B, 3)
+        loss_sum = F.cross_entropy(logits, batch["labels"], reduction="sum")
         acc = (logits.argmax(-1) == batch["labels"]).float().mean()
-        return loss, {"accuracy": acc.detach()}
+        return loss_sum, len(batch["labels"]), {"accuracy": acc.detach()}
 
-    def evaluate(self, params: dict, state: dict) -> dict[str, float]:
+    def evaluate(
+        self, params: dict, state: dict, *, rank: int = 0, world: int = 1
+    ) -> dict[str, tuple[float, float]]:
         out = {}
         for name, split in self.data.eval.items():
-            total, correct, loss_sum = 0, 0, 0.0
-            for batch in eval_batches(split, self.eval_batch_size):
-                batch = self._to(batch)
-                logits = encoder_logits(params, state, batch, self.model, train=False).float()
+            n = len(split)
+            lo, hi = rank * n // world, (rank + 1) * n // world  # this rank's contiguous share
+            correct, loss_sum = 0.0, 0.0
+            for start in range(lo, hi, self.eval_batch_size):
+                batch = self._to(
+                    split.batch(torch.arange(start, min(start + self.eval_batch_size, hi)))
+                )
+                logits = self._logits(params, state, batch, False).float()
                 loss_sum += float(F.cross_entropy(logits, batch["labels"], reduction="sum"))
-                correct += int((logits.argmax(-1) == batch["labels"]).sum())
-                total += len(batch["labels"])
-            out[f"{name}/accuracy"] = correct / max(total, 1)
-            out[f"{name}/loss"] = loss_sum / max(total, 1)
+                correct += float((logits.argmax(-1) == batch["labels"]).sum())
+            out[f"{name}/accuracy"] = (correct, float(hi - lo))
+            out[f"{name}/loss"] = (loss_sum, float(hi - lo))
         return out
 
 
@@ -165,29 +193,30 @@ def _fit_vocab(model: EncoderConfig, vocab_size: int) -> EncoderConfig:
 
 
 def build(
-    p: Preset, *, dense: bool, rank: int = 0, world: int = 1
+    p: Preset, *, dense: bool | None = None, rank: int = 0, world: int = 1
 ) -> tuple[MNLITask, dict, dict, int]:
     """Data, task and a fresh model for a preset; returns (task, params, state, dense_size)."""
+    dense = p.dense if dense is None else dense
     data = load_mnli(p.data)
     model = _fit_vocab(p.model, data.vocab_size)
     if dense:
         model = dataclasses.replace(model, tt=False)
     it = BatchIterator(data.train, p.batch_size, seed=p.train.seed, rank=rank, world_size=world)
-    task = MNLITask(model, data, it, p.eval_batch_size)
+    task = MNLITask(model, data, it, p.eval_batch_size, p.plans)
     task.device = torch.device(p.train.device)
     params, state = init_encoder(model, generator=torch.Generator().manual_seed(p.train.seed))
     return task, params, state, dense_param_count(model)
 
 
-def _init_distributed(device: str) -> tuple[int, int]:
-    """Join the process group when launched by torchrun (RANK/WORLD_SIZE set)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    if device.startswith("cuda"):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return dist.get_rank(), dist.get_world_size()
+def _build(p: Preset, rank: int, world: int) -> tuple:
+    task, params, state, dense_size = build(p, rank=rank, world=world)
+    info = {
+        "dense_params": dense_size,
+        "vocab": task.model.vocab_size,
+        "train_examples": len(task.data.train),
+        "model_effective": dataclasses.asdict(task.model),
+    }
+    return task, params, state, dense_size, info
 
 
 def _parse_eval_files(values: list[str] | None) -> dict[str, str] | None:
@@ -202,133 +231,68 @@ def _parse_eval_files(values: list[str] | None) -> dict[str, str] | None:
     return out
 
 
-def _apply_args(p: Preset, args: argparse.Namespace) -> Preset:
-    data = p.data
-    if args.dataset:
-        data = dataclasses.replace(data, dataset=args.dataset)
-    if args.train_file:
-        data = dataclasses.replace(
-            data,
-            dataset="local" if data.dataset == GENERATED else data.dataset,
-            train_file=args.train_file,
-            eval_files=_parse_eval_files(args.eval_file) or {},
+def _flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--dataset", help="hub name or 'generated'")
+    ap.add_argument("--train-file", dest="train_file", help="local parquet/jsonl/json/csv train")
+    ap.add_argument("--eval-file", dest="eval_file", action="append", help="[NAME=]PATH")
+    ap.add_argument("--tokenizer", help="hub name or local tokenizer.json / directory")
+    for col in ("premise", "hypothesis", "label"):
+        ap.add_argument(f"--{col}-column", dest=f"{col}_column")
+
+
+def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    if args.eval_file and not args.train_file:
+        raise cli.CLIError(
+            "--eval-file needs --train-file: local files replace the hub data as a whole"
         )
+    out: list[tuple[str, Any]] = []
+    if args.dataset:
+        out.append(("data.dataset", args.dataset))
+    if args.train_file:
+        if args.dataset in (None, GENERATED):
+            out.append(("data.dataset", "local"))
+        out += [("data.train_file", args.train_file)]
+        out += [("data.eval_files", _parse_eval_files(args.eval_file) or {})]
     if args.tokenizer:
-        data = dataclasses.replace(data, tokenizer=args.tokenizer)
+        out.append(("data.tokenizer", args.tokenizer))
     for col in ("premise_column", "hypothesis_column", "label_column"):
         if getattr(args, col):
-            data = dataclasses.replace(data, **{col: getattr(args, col)})
-    train = p.train
-    changes: dict = {"wandb": args.wandb}
-    for key in ("steps", "checkpoint_every", "eval_every"):
-        if getattr(args, key):
-            changes[key] = getattr(args, key)
-    if args.device:
-        changes["device"] = args.device
-    if args.bf16:
-        changes["bf16"] = True
-    if args.seed is not None:
-        changes["seed"] = args.seed
-    train = dataclasses.replace(train, **changes)
-    if args.dense:
-        train = dataclasses.replace(
-            train,
-            comera=dataclasses.replace(train.comera, enabled=False),
-            run_name=f"{train.run_name}-dense",
-        )
-    return dataclasses.replace(p, data=data, train=train)
+            out.append((f"data.{col}", getattr(args, col)))
+    return out
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from experiments.mnli_bench import main as bench_main
+
+    return bench_main(json_out=args.json, device=args.device)
+
+
+EXPERIMENT = cli.Experiment(
+    name="mnli",
+    config_type=Preset,
+    build=_build,
+    presets={"paper": lambda: preset("paper"), "smoke": lambda: preset("smoke")},
+    flags=_flags,
+    flag_overrides=_flag_overrides,
+    bench=_bench,
+    user_errors=(ValueError, HubUnreachableError),
+    description=__doc__.split("\n")[0],
+)
 
 
 def run(
     p: Preset, *, dense: bool = False, resume: bool = False, argv: list[str] | None = None
 ) -> dict:
-    """Train (or resume) a preset; returns the final metrics."""
-    rank, world = _init_distributed(p.train.device)
-    task, params, state, dense_size = build(p, dense=dense, rank=rank, world=world)
-    extra = {
-        "experiment": "mnli",
-        "dense": dense,
-        "model": dataclasses.asdict(task.model),
-        "data": dataclasses.asdict(p.data),
-        "batch_size": p.batch_size,
-        "train_examples": len(task.data.train),
-        "preset": p.train.run_name,
-        "dense_params": dense_size,
-        "argv": argv,
-    }
-    trainer = Trainer(
-        p.train, task, params, state, resume=resume, extra_config=extra, reference_size=dense_size
-    )
-    if rank == 0:
-        live = C.summary_table(trainer.params, trainer.state)
-        kind = "dense" if dense else "CoMERA"
-        print(
-            f"mnli: {kind} model, {C.param_count(trainer.params):,} params "
-            f"({dense_size:,} dense), vocab {task.model.vocab_size}, "
-            f"{len(task.data.train):,} train examples, world {world}",
-            file=sys.stderr,
-        )
-        if not dense:
-            print(live.splitlines()[-1], file=sys.stderr)
-    return trainer.fit()
+    """Train (or resume) a preset from Python; returns the final metrics."""
+    if dense and not p.dense:
+        p = cli.set_field(p, "dense", True)
+        p = cli.set_field(p, "train.comera.enabled", False)
+    return cli.run_experiment(EXPERIMENT, p, resume=resume, argv=argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m experiments.mnli", description=__doc__.split("\n")[0]
-    )
-    ap.add_argument("--preset", choices=("paper", "smoke"), default="smoke")
-    ap.add_argument("--dense", action="store_true", help="train the dense baseline")
-    ap.add_argument("--run-dir", default=None)
-    ap.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue the run in RUN_DIR")
-    ap.add_argument("--dataset", default=None, help="hub name or 'generated'")
-    ap.add_argument("--train-file", default=None, help="local parquet/jsonl/json/csv train split")
-    ap.add_argument("--eval-file", action="append", default=None, help="[NAME=]PATH, repeatable")
-    ap.add_argument(
-        "--tokenizer", default=None, help="hub name or local tokenizer.json / directory"
-    )
-    ap.add_argument("--premise-column", dest="premise_column", default=None)
-    ap.add_argument("--hypothesis-column", dest="hypothesis_column", default=None)
-    ap.add_argument("--label-column", dest="label_column", default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=None)
-    ap.add_argument("--eval-every", dest="eval_every", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
-    ap.add_argument("--wandb", choices=("online", "offline", "disabled"), default="offline")
-    ap.add_argument("--bench", action="store_true", help="time one training step, CoMERA vs dense")
-    ap.add_argument("--json", action="store_true", help="with --bench: one JSON object on stdout")
-    args = ap.parse_args(argv)
-    if args.bench:
-        from experiments.mnli_bench import main as bench_main
-
-        return bench_main(json_out=args.json, device=args.device)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if args.eval_file and not args.train_file:
-        ap.error("--eval-file needs --train-file: local files replace the hub data as a whole")
-    resume_dir = args.resume
-    if resume_dir:  # the run's own arguments, so the resumed config is the same
-        changed = {k for k, v in vars(args).items() if v != ap.get_default(k)}
-        extra = sorted(changed - {"resume", "device", "wandb"})
-        if extra:
-            ap.error(
-                f"--resume continues {resume_dir} with its saved arguments; drop "
-                + ", ".join("--" + k.replace("_", "-") for k in extra)
-                + " (only --device and --wandb may change on resume)"
-            )
-        cfg_path = Path(resume_dir) / "config.json"
-        if not cfg_path.is_file():
-            ap.error(f"--resume {resume_dir}: no config.json there; is it a run dir?")
-        overrides = {k: getattr(args, k) for k in ("device", "wandb") if k in changed}
-        argv = json.loads(cfg_path.read_text()).get("argv") or []
-        args = ap.parse_args(argv)
-        args.run_dir = resume_dir
-        for k, v in overrides.items():
-            setattr(args, k, v)
-    p = _apply_args(preset(args.preset, args.run_dir), args)
-    run(p, dense=args.dense, resume=resume_dir is not None, argv=argv)
-    return 0
+    """``python -m experiments.mnli``: the shared experiment CLI."""
+    return cli.main(EXPERIMENT, argv)
 
 
 if __name__ == "__main__":

@@ -169,9 +169,17 @@ def encoder_logits(
     *,
     train: bool = False,
     plan: C.plans.PlanLike = None,
+    plans: C.LayerPlans | None = None,
 ) -> torch.Tensor:
     """Class logits ``(B, num_labels)`` for a batch of ``input_ids``, ``token_type_ids`` and
-    ``attention_mask`` (each ``(B, T)``). Dropout draws from torch's global RNG."""
+    ``attention_mask`` (each ``(B, T)``). Dropout draws from torch's global RNG.
+
+    ``plans`` picks the contraction per layer path (``layers.0.q``, ``pooler``) and the TTM
+    lookup; ``plan`` is one strategy for every layer (used when ``plans`` is None)."""
+
+    def plan_of(path: str) -> C.plans.PlanLike:
+        return plans.for_layer(path) if plans is not None else plan
+
     ids = batch["input_ids"]
     b, t = ids.shape
     if t > cfg.max_len:
@@ -179,27 +187,41 @@ def encoder_logits(
     p_drop = cfg.dropout if train else 0.0
     emb = params["embed"]
     if C.is_tt_params(emb["word"]):
-        x = C.ttm_embedding(emb["word"], state["embed"]["word"], ids)  # (B, T, d)
+        impl = plans.embedding_impl if plans is not None else "optimized"
+        x = C.ttm_embedding(emb["word"], state["embed"]["word"], ids, impl=impl)  # (B, T, d)
     else:
         x = F.embedding(ids, emb["word"]["weight"])
     x = x + emb["position"][:t] + F.embedding(batch["token_type_ids"], emb["token_type"])
     x = F.dropout(_layer_norm(emb["ln"], x), p_drop, train)
     keep = batch["attention_mask"].bool()[:, None, None, :]  # (B, 1, 1, T): True = attend
     h, dh = cfg.heads, cfg.d_model // cfg.heads
-    for p, s in zip(params["layers"], state["layers"], strict=True):
+    for i, (p, s) in enumerate(zip(params["layers"], state["layers"], strict=True)):
         q, k, v = (
-            _linear(p[n], s.get(n), x, plan).view(b, t, h, dh).transpose(1, 2)  # (B, H, T, dh)
+            _linear(p[n], s.get(n), x, plan_of(f"layers.{i}.{n}"))
+            .view(b, t, h, dh)
+            .transpose(1, 2)  # (B, H, T, dh)
             for n in ("q", "k", "v")
         )
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p_drop)
         att = att.transpose(1, 2).reshape(b, t, cfg.d_model)
         x = _layer_norm(
-            p["ln1"], x + F.dropout(_linear(p["o"], s.get("o"), att, plan), p_drop, train)
+            p["ln1"],
+            x
+            + F.dropout(_linear(p["o"], s.get("o"), att, plan_of(f"layers.{i}.o")), p_drop, train),
         )
-        ff = F.gelu(_linear(p["ffn_in"], s.get("ffn_in"), x, plan))  # (B, T, ffn)
+        ff = F.gelu(
+            _linear(p["ffn_in"], s.get("ffn_in"), x, plan_of(f"layers.{i}.ffn_in"))
+        )  # (B, T, ffn)
         x = _layer_norm(
             p["ln2"],
-            x + F.dropout(_linear(p["ffn_out"], s.get("ffn_out"), ff, plan), p_drop, train),
+            x
+            + F.dropout(
+                _linear(p["ffn_out"], s.get("ffn_out"), ff, plan_of(f"layers.{i}.ffn_out")),
+                p_drop,
+                train,
+            ),
         )
-    pooled = torch.tanh(_linear(params["pooler"], state.get("pooler"), x[:, 0], plan))  # (B, d)
-    return _linear(params["classifier"], None, F.dropout(pooled, p_drop, train), plan)
+    pooled = torch.tanh(
+        _linear(params["pooler"], state.get("pooler"), x[:, 0], plan_of("pooler"))
+    )  # (B, d)
+    return _linear(params["classifier"], None, F.dropout(pooled, p_drop, train), None)

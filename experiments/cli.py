@@ -1,0 +1,495 @@
+"""One command line for every experiment: presets, ``--set`` overrides, plans, resume, wandb.
+
+An experiment module defines an :class:`Experiment` (its config dataclass, presets, a
+``build`` that returns the task and model, optional extra flags and a benchmark) and calls
+:func:`main`. Everything else is shared:
+
+* ``--preset NAME`` then, in order, the experiment's own flags, the common flags
+  (``--steps``, ``--plan``, ``--dense``, ``--device``...) and ``--set a.b.c=value`` (typed by
+  the config's annotations and re-validated; an unknown key lists the valid ones);
+* ``--resume RUN_DIR`` replays ``RUN_DIR/config.json`` (only device, wandb and progress
+  settings may change);
+* user errors print one line naming the flag to change and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import sys
+import time
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import comera as C
+from comera.train import CheckpointError, NonFiniteLoss, Trainer, init_distributed
+from comera.tree import iter_tt
+
+__all__ = [
+    "CLIError",
+    "Experiment",
+    "apply_overrides",
+    "build_parser",
+    "config_from_dict",
+    "main",
+    "parse_value",
+    "prepare",
+    "resolve_config",
+    "run_experiment",
+    "set_field",
+    "train",
+]
+
+# keys a resumed run may change: where it runs and how it reports, never what it computes
+RESUME_MUTABLE = frozenset(
+    {
+        "train.device",
+        "train.wandb",
+        "train.wandb_project",
+        "train.wandb_entity",
+        "train.wandb_group",
+        "train.wandb_tags",
+        "train.run_name",
+        "train.progress",
+    }
+)
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+@dataclass(kw_only=True)
+class Experiment:
+    """What an experiment gives the shared CLI.
+
+    ``build(cfg, rank, world) -> (task, params, state, reference_size, info)``: ``info`` is
+    printed at start and stored in ``config.json``. ``flags`` adds experiment-specific
+    arguments; ``flag_overrides(args) -> [(key, value)]`` maps them onto config keys.
+    ``user_errors`` are exception types that mean bad input (one line, exit 2)."""
+
+    name: str
+    config_type: type
+    presets: dict[str, Callable[[], Any]]
+    build: Callable[..., tuple]
+    default_preset: str = "smoke"
+    flags: Callable[[argparse.ArgumentParser], None] | None = None
+    flag_overrides: Callable[[argparse.Namespace], list[tuple[str, Any]]] | None = None
+    bench: Callable[[argparse.Namespace], int] | None = None
+    resume_mutable: frozenset[str] = frozenset()
+    user_errors: tuple[type[BaseException], ...] = ()
+    description: str = ""
+    epilog: str = ""
+    extra_info: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- typed config
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _fields(obj: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    """Coerce a JSON-ish value (lists, dicts) to ``hint``: tuples stay tuples, nested
+    dataclasses are rebuilt; used for both config.json and ``--set`` values."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, args[0]) if len(args) == 1 else value
+    if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        return config_from_dict(hint, value)
+    if origin is tuple and isinstance(value, list | tuple):
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0]) for v in value)
+        if args and len(args) == len(value):
+            return tuple(_convert(v, a) for v, a in zip(value, args, strict=True))
+        return tuple(value)
+    if origin is dict and isinstance(value, dict):
+        _, v_hint = typing.get_args(hint) or (Any, Any)
+        return {k: _convert(v, v_hint) for k, v in value.items()}
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def config_from_dict(cls: type, data: dict) -> Any:
+    """Rebuild a (nested) config dataclass from ``dataclasses.asdict`` output; keys that are
+    not fields (derived facts stored beside the config) are ignored."""
+    hints = _hints(cls)
+    kwargs = {
+        f.name: _convert(data[f.name], hints[f.name])
+        for f in dataclasses.fields(cls)
+        if f.name in data
+    }
+    return cls(**kwargs)
+
+
+def parse_value(text: str, hint: Any, key: str) -> Any:
+    """Parse ``--set`` text into the field's annotated type."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if text.strip().lower() in ("none", "null"):
+            if type(None) not in typing.get_args(hint):
+                raise CLIError(f"--set {key}=None: {key} cannot be None")
+            return None
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return parse_value(text, args[0], key) if len(args) == 1 else _literal(text, key)
+    if text.strip().lower() in ("none", "null") and hint in (bool, int, float):
+        raise CLIError(f"--set {key}={text}: {key} cannot be None")
+    try:
+        if hint is bool:
+            low = text.strip().lower()
+            if low not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return low in ("true", "1", "yes")
+        if hint is int:
+            return int(text)
+        if hint is float:
+            return float(text)
+        if hint is str:
+            return text
+    except ValueError:
+        name = getattr(hint, "__name__", str(hint))
+        raise CLIError(f"--set {key}={text}: expected a value of type {name}") from None
+    if origin is tuple and typing.get_args(hint)[-1:] == (Ellipsis,):
+        inner = typing.get_args(hint)[0]
+        if inner is str and not text.lstrip().startswith(("(", "[")):
+            return tuple(t for t in text.split(",") if t)
+    return _convert(_literal(text, key), hint)
+
+
+def _literal(text: str, key: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise CLIError(
+            f"--set {key}={text}: not a Python literal (e.g. 3, 0.5, 'x', (4, 4), None)"
+        ) from None
+
+
+def set_field(cfg: Any, key: str, value: Any, *, text: bool = False, label: str = "") -> Any:
+    """A copy of ``cfg`` with dotted ``key`` set (parsed from text when ``text``); every
+    level is rebuilt with ``dataclasses.replace`` so its checks run again. Errors name
+    ``label`` (the flag or ``--set`` item the value came from)."""
+    label = label or f"--set {key}={value}"
+    return _set(cfg, key.split("."), value, text, label, key)
+
+
+def _set(cfg: Any, parts: list[str], value: Any, text: bool, label: str, key: str) -> Any:
+    head, rest = parts[0], parts[1:]
+    if not dataclasses.is_dataclass(cfg) or head not in _fields(cfg):
+        valid = ", ".join(_fields(cfg)) if dataclasses.is_dataclass(cfg) else "(none)"
+        raise CLIError(
+            f"{label}: unknown config key {key!r} ({head!r} is not in "
+            f"{type(cfg).__name__}); valid keys there: {valid}"
+        )
+    current = getattr(cfg, head)
+    if rest:
+        if not dataclasses.is_dataclass(current):
+            raise CLIError(f"{label}: {head!r} in {key!r} is a value, not a section")
+        new = _set(current, rest, value, text, label, key)
+    else:
+        if dataclasses.is_dataclass(current):
+            raise CLIError(
+                f"{label}: {key!r} is a section; set one of its keys: "
+                + ", ".join(f"{key}.{f}" for f in _fields(current))
+            )
+        hint = _hints(type(cfg))[head]
+        new = parse_value(value, hint, key) if text else _convert(value, hint)
+    try:
+        return dataclasses.replace(cfg, **{head: new})
+    except (ValueError, TypeError) as e:
+        raise CLIError(f"{label}: {e}") from None
+
+
+def apply_overrides(cfg: Any, overrides: list[tuple[str, Any]], sets: list[str]) -> Any:
+    """Typed overrides (from flags), then ``--set KEY=VALUE`` texts, in order."""
+    flag_of = {key: "--" + dest.replace("_", "-") for dest, key in _COMMON.items()}
+    for key, value in overrides:
+        label = f"{flag_of[key]} {value}" if key in flag_of else f"{key}={value}"
+        cfg = set_field(cfg, key, value, label=label)
+    for item in sets:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise CLIError(f"--set {item!r}: expected KEY=VALUE, e.g. train.steps=40")
+        cfg = set_field(cfg, key.strip(), text, text=True, label=f"--set {item}")
+    return cfg
+
+
+def flat_keys(cfg: Any, prefix: str = "") -> list[str]:
+    """Every settable dotted key of a config (for help and error messages)."""
+    out = []
+    for name in _fields(cfg):
+        value = getattr(cfg, name)
+        key = f"{prefix}{name}"
+        out += flat_keys(value, key + ".") if dataclasses.is_dataclass(value) else [key]
+    return out
+
+
+# ----------------------------------------------------------------------------- the parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise CLIError(message)
+
+
+def build_parser(exp: Experiment) -> argparse.ArgumentParser:
+    ap = _Parser(
+        prog=f"python -m experiments.{exp.name}",
+        description=exp.description,
+        epilog=exp.epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--preset", choices=sorted(exp.presets), default=exp.default_preset)
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config field, e.g. train.comera.gamma=0.02 (repeatable)",
+    )
+    ap.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    ap.add_argument("--run-dir", dest="run_dir")
+    ap.add_argument("--dense", action="store_true", help="train the dense baseline")
+    ap.add_argument("--plan", help=f"contraction strategy of every TT layer: {C.STRATEGIES}")
+    ap.add_argument(
+        "--plan-for",
+        dest="plan_for",
+        action="append",
+        default=[],
+        metavar="LAYER_GLOB=STRATEGY",
+        help="per-layer strategy (repeatable)",
+    )
+    ap.add_argument("--embedding-impl", dest="embedding_impl", choices=C.EMBEDDING_IMPLS)
+    for flag, typ in (
+        ("--steps", int),
+        ("--eval-every", int),
+        ("--checkpoint-every", int),
+        ("--accum-steps", int),
+        ("--seed", int),
+    ):
+        ap.add_argument(flag, type=typ)
+    ap.add_argument("--device", help="cpu, cuda, cuda:1 ...")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
+    ap.add_argument(
+        "--wandb",
+        choices=("online", "offline", "disabled"),
+        help="wandb mode (default: WANDB_MODE, else offline)",
+    )
+    for flag in ("--wandb-project", "--wandb-entity", "--wandb-group", "--wandb-name"):
+        ap.add_argument(flag)
+    ap.add_argument("--wandb-tags", help="comma-separated tags")
+    ap.add_argument("--no-progress", dest="no_progress", action="store_true")
+    if exp.bench is not None:
+        ap.add_argument("--bench", action="store_true", help="benchmark one training step")
+        ap.add_argument("--json", action="store_true", help="with --bench: JSON on stdout")
+    if exp.flags is not None:
+        exp.flags(ap)
+    return ap
+
+
+_COMMON = {  # flag dest -> config key
+    "steps": "train.steps",
+    "eval_every": "train.eval_every",
+    "checkpoint_every": "train.checkpoint_every",
+    "accum_steps": "train.accum_steps",
+    "seed": "train.seed",
+    "device": "train.device",
+    "wandb": "train.wandb",
+    "wandb_project": "train.wandb_project",
+    "wandb_entity": "train.wandb_entity",
+    "wandb_group": "train.wandb_group",
+    "wandb_name": "train.run_name",
+    "run_dir": "train.run_dir",
+    "plan": "plans.default",
+    "embedding_impl": "plans.embedding_impl",
+}
+
+
+def _common_overrides(args: argparse.Namespace, cfg: Any) -> list[tuple[str, Any]]:
+    out = [(key, getattr(args, dest)) for dest, key in _COMMON.items()]
+    out = [(k, v) for k, v in out if v is not None]
+    if args.wandb_tags is not None:
+        out.append(("train.wandb_tags", tuple(t for t in args.wandb_tags.split(",") if t)))
+    if args.bf16:
+        out.append(("train.bf16", True))
+    if args.no_progress:
+        out.append(("train.progress", False))
+    if args.plan_for:
+        rules = []
+        for item in args.plan_for:
+            glob, sep, strategy = item.partition("=")
+            if not sep or not glob:
+                raise CLIError(f"--plan-for {item!r}: expected LAYER_GLOB=STRATEGY")
+            rules.append((glob, strategy))
+        out.append(("plans.per_layer", (*cfg.plans.per_layer, *rules)))
+    if args.dense:
+        out += [("dense", True), ("train.comera.enabled", False)]
+        if args.wandb_name is None and cfg.train.run_name:
+            out.append(("train.run_name", f"{cfg.train.run_name}-dense"))
+    return out
+
+
+def _changed(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    return [k for k, v in vars(args).items() if v != ap.get_default(k)]
+
+
+def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.ArgumentParser):
+    """The effective config: a preset with every flag and ``--set`` applied, or, with
+    ``--resume``, the saved config with the few settings that may change."""
+    if not args.resume:
+        cfg = exp.presets[args.preset]()
+        own = exp.flag_overrides(args) if exp.flag_overrides else []
+        return apply_overrides(cfg, [*own, *_common_overrides(args, cfg)], args.sets)
+    path = Path(args.resume) / "config.json"
+    if not path.is_file():
+        raise CLIError(f"--resume {args.resume}: no config.json there; is it a run dir?")
+    saved = json.loads(path.read_text())
+    if saved.get("experiment", exp.name) != exp.name:
+        raise CLIError(
+            f"--resume {args.resume}: that run is a {saved['experiment']!r} experiment; "
+            f"resume it with python -m experiments.{saved['experiment']}"
+        )
+    mutable = RESUME_MUTABLE | exp.resume_mutable
+    flags = {"device": "train.device", "no_progress": "train.progress"}
+    flags |= {k: v for k, v in _COMMON.items() if k.startswith("wandb")}
+    flags |= {"wandb_tags": "train.wandb_tags"}
+    extra = [k for k in _changed(ap, args) if k not in ("resume", "sets", *flags)]
+    bad_sets = [s.partition("=")[0] for s in args.sets if s.partition("=")[0] not in mutable]
+    if extra or bad_sets:
+        drop = ["--" + k.replace("_", "-") for k in extra] + [f"--set {k}" for k in bad_sets]
+        raise CLIError(
+            f"--resume continues {args.resume} with its saved config; drop {', '.join(drop)} "
+            f"(only --device, --wandb* , --no-progress and --set of {', '.join(sorted(mutable))}"
+            " may change on resume)"
+        )
+    cfg = config_from_dict(exp.config_type, saved)
+    cfg = set_field(cfg, "train.run_dir", str(args.resume))
+    overrides = [(k, v) for k, v in _common_overrides(args, cfg) if k in mutable]
+    return apply_overrides(cfg, overrides, args.sets)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass(kw_only=True)
+class Prepared:
+    """A run ready to train: its trainer and what it printed at start."""
+
+    exp: Experiment
+    cfg: Any
+    trainer: Trainer
+    kind: str
+    rank: int
+
+
+def prepare(
+    exp: Experiment, cfg: Any, *, resume: bool = False, argv: list[str] | None = None
+) -> Prepared:
+    """Build the task and model of ``cfg`` and its trainer (restored when ``resume``).
+
+    Everything that can fail on bad input (files, columns, labels, hub, checkpoint) fails
+    here, before any training."""
+    rank, world = init_distributed(cfg.train.device)
+    task, params, state, reference, info = exp.build(cfg, rank, world)
+    cfg.plans.check_layers([path for path, _, _ in iter_tt(params, state)])
+    record = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "train"}
+    record |= {"experiment": exp.name, "argv": argv, **info}
+    record = json.loads(json.dumps(record, default=_jsonable))
+    trainer = Trainer(
+        cfg.train, task, params, state, resume=resume, extra_config=record, reference_size=reference
+    )
+    kind = "dense" if getattr(cfg, "dense", False) else "CoMERA"
+    if rank == 0:
+        shown = {k: v for k, v in info.items() if isinstance(v, int | float | str)}
+        facts = ", ".join(
+            f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in shown.items()
+        )
+        print(
+            f"{exp.name}: {kind} model, {C.param_count(trainer.params):,} params; {facts}; "
+            f"world {world}",
+            file=sys.stderr,
+        )
+    return Prepared(exp=exp, cfg=cfg, trainer=trainer, kind=kind, rank=rank)
+
+
+def train(run: Prepared) -> dict:
+    """Fit a prepared run; prints the summary table; returns the final metrics."""
+    t0 = time.perf_counter()
+    out = run.trainer.fit()
+    out["wall_s"] = time.perf_counter() - t0
+    if run.rank == 0:
+        print(summary_table(run.exp.name, run.kind, out, run.trainer.step), file=sys.stderr)
+    return out
+
+
+def run_experiment(
+    exp: Experiment, cfg: Any, *, resume: bool = False, argv: list[str] | None = None
+) -> dict:
+    """Prepare and train ``cfg``; returns the final metrics."""
+    return train(prepare(exp, cfg, resume=resume, argv=argv))
+
+
+def _jsonable(o: Any) -> Any:
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    if isinstance(o, torch.device | Path):
+        return str(o)
+    return repr(o)
+
+
+def summary_table(name: str, kind: str, out: dict, steps: int) -> str:
+    """The end-of-run table: accuracy, loss, compression, live params, time."""
+    acc = {k: v for k, v in out.items() if k.startswith("eval/") and k.endswith("accuracy")}
+    rows = [("run", f"{name} ({kind}), {steps} steps")]
+    rows += [(k.removeprefix("eval/"), f"{v:.4f}") for k, v in acc.items()]
+    for key, fmt in (
+        ("loss", "{:.4f}"),
+        ("compression", "{:.1f}x"),
+        ("live_params", "{:,}"),
+        ("wall_s", "{:.1f} s"),
+    ):
+        if key in out:
+            rows.append((key, fmt.format(out[key] if key != "live_params" else int(out[key]))))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+    return "\n".join(lines + [f"| {k.ljust(width)} | {v} |" for k, v in rows])
+
+
+def main(exp: Experiment, argv: list[str] | None = None) -> int:
+    """Parse, resolve, run; user errors become one line on stderr and exit status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser(exp)
+    try:
+        args = ap.parse_args(argv)
+        if getattr(args, "bench", False):
+            return exp.bench(args)  # type: ignore[misc]
+        cfg = resolve_config(exp, args, ap)
+        run = prepare(exp, cfg, resume=args.resume is not None, argv=argv)
+    except (CLIError, CheckpointError, FileNotFoundError, *exp.user_errors) as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        train(run)
+    except NonFiniteLoss as e:
+        print(f"{ap.prog}: stopped: {e}", file=sys.stderr)
+        return 1
+    return 0
