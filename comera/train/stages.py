@@ -106,8 +106,8 @@ class StageController:
             out.append("prune")
         if self.stage == "early" and step >= c.early_steps:
             out.append("transition")
-        elif c.compact_every and step % c.compact_every == 0:
-            out.append("compact")
+        elif c.compact_every and step % c.compact_every == 0 and step != self.total_steps:
+            out.append("compact")  # the final event compacts anyway
         if step == self.total_steps:
             out.append("final")
         return out
