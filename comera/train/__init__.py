@@ -10,8 +10,10 @@ from comera.train.checkpoint import CheckpointError, load_checkpoint
 from comera.train.config import PRUNE_RULES, REGULARIZERS, ComeraConfig, TrainConfig
 from comera.train.distributed import init_distributed, rank_world
 from comera.train.logging import read_metrics, resolve_wandb_mode
-from comera.train.loop import NonFiniteLoss, Task, Trainer, lr_scale, model_size
+from comera.train.loop import NonFiniteLoss, Trainer
+from comera.train.measures import lr_scale, model_size
 from comera.train.stages import Objective, StageController
+from comera.train.task import Task
 
 __all__ = [
     "PRUNE_RULES",

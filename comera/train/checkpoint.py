@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from comera.train.logging import truncate_metrics
 
 __all__ = [
     "CheckpointError",
@@ -30,6 +36,8 @@ __all__ = [
     "complete_checkpoints",
     "load_checkpoint",
     "read_rank_files",
+    "restore_trainer",
+    "save_trainer",
     "write_model",
     "write_rank_files",
 ]
@@ -163,3 +171,81 @@ def read_rank_files(directory: Path, step: int) -> tuple[list[dict], list[dict]]
                 )
         rngs.append(r["rng"])
     return rngs, datas
+
+
+# ----------------------------------------------------------------------------- a trainer
+
+
+def _rng_state(device: torch.device) -> dict:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+
+def save_trainer(tr: Any) -> Path:
+    """Checkpoint a :class:`~comera.train.Trainer`: every rank its RNG and data position,
+    then (after a barrier) rank 0 the model, optimizer and stage controller."""
+    d = checkpoint_dir(tr.run_dir, tr.step)
+    data = tr.task.train_iter.state_dict()
+    write_rank_files(d, tr.step, tr.rank, tr.world, _rng_state(tr.device), data)
+    if tr.world > 1:
+        dist.barrier()
+    if tr.rank == 0:
+        cpu = lambda tree: tree_map(lambda t: t.detach().cpu(), tree)  # noqa: E731
+        payload = {
+            "format": "comera.checkpoint",
+            "version": 2,
+            "step": tr.step,
+            "stages": tr.stages.state_dict(),
+            "initial_size": tr.initial_size,
+            "params": cpu(tr.params),
+            "state": cpu(tr.state),
+            "opt": {**tr.opt, "m": cpu(tr.opt["m"]), "v": cpu(tr.opt["v"])},
+            "world_size": tr.world,
+            "config": tr.config_dict,
+        }
+        write_model(d, payload, tr.cfg.keep_checkpoints)
+    return d
+
+
+def restore_trainer(tr: Any, ckpt: dict) -> None:
+    """Load ``ckpt`` into a trainer built with the same config: model, optimizer, stage,
+    this rank's data position (or every old rank's, for a rescalable iterator at another
+    world size) and RNG streams (fresh ones at another world size)."""
+    saved = ckpt["config"].get("train", {})
+    for key in ("steps", "seed"):
+        if saved.get(key) != getattr(tr.cfg, key):
+            raise CheckpointError(
+                f"checkpoint in {tr.run_dir} was written with {key}={saved.get(key)}, "
+                f"this run has {key}={getattr(tr.cfg, key)}; resume with the same config"
+            )
+    rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"])
+    it, saved_world = tr.task.train_iter, len(datas)
+    if saved_world == tr.world:
+        it.load_state_dict(datas[tr.rank]["state"])
+    elif getattr(it, "rescalable", False):
+        it.load_state_dict([d["state"] for d in datas])
+    else:
+        raise CheckpointError(
+            f"{ckpt['dir']} was saved by {saved_world} ranks and this run has {tr.world}; "
+            f"{type(it).__name__} cannot resume at another world size: relaunch with "
+            f"torchrun --nproc_per_node {saved_world}"
+        )
+    dev = tr.device
+    to_dev = lambda tree: tree_map(lambda t: t.to(dev), tree)  # noqa: E731
+    tr.params = tree_map(lambda t: t.to(dev).requires_grad_(True), ckpt["params"])
+    tr.state = to_dev(ckpt["state"])
+    tr.opt = {**ckpt["opt"], "m": to_dev(ckpt["opt"]["m"]), "v": to_dev(ckpt["opt"]["v"])}
+    tr.step = ckpt["step"]
+    tr.stages.load_state_dict(ckpt["stages"])
+    tr.initial_size = ckpt["initial_size"]
+    if saved_world == tr.world:
+        mine = rngs[tr.rank]
+        torch.set_rng_state(mine["torch"])
+        if mine["cuda"] is not None and dev.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda"], dev)
+        random.setstate(mine["python"])
+    else:  # another world size: positions are exact, random streams start afresh
+        random.seed(tr.cfg.seed + tr.rank + tr.step)
+        torch.manual_seed(tr.cfg.seed + tr.rank + tr.step)
+    if tr.rank == 0:
+        truncate_metrics(tr.run_dir / "metrics.jsonl", tr.step)

@@ -12,81 +12,29 @@ import dataclasses
 import inspect
 import math
 import random
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
-from comera.accounting import live_param_count, param_count
 from comera.optim import adamw_init, adamw_step
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig
 from comera.train.distributed import broadcast_tensors, rank_world, sum_across_ranks
-from comera.train.logging import (
-    RunLog,
-    truncate_metrics,
-    write_json_atomic,
-    write_rank_snapshot,
-)
+from comera.train.logging import RunLog, write_json_atomic, write_rank_snapshot
+from comera.train.measures import lr_scale, model_size, peak_memory_mb
 from comera.train.stages import StageController
+from comera.train.task import Task, sum_and_count
 from comera.tree import compact_tree, iter_tt, prune_tree
 
-__all__ = ["NonFiniteLoss", "Task", "Trainer", "lr_scale", "model_size"]
+__all__ = ["NonFiniteLoss", "Trainer"]
 
 
 class NonFiniteLoss(RuntimeError):
     """The loss or gradient became NaN or inf; the last good checkpoint is left in place."""
-
-
-class Task(Protocol):
-    """What an experiment provides.
-
-    ``loss`` returns ``(sum, count, metrics)``: the sum of the batch's loss terms, how many
-    there are (examples, masked tokens...) and per-batch means to log; the trainer divides
-    by the global count, so data-parallel averaging is exact. (A legacy ``(mean, metrics)``
-    pair counts as one term.) ``evaluate(params, state, rank=, world=)`` returns metrics as
-    ``(sum, count)`` pairs over this rank's share of the held-out data (reduced exactly) or
-    plain floats (averaged over ranks). ``train_iter`` has ``state_dict``/``load_state_dict``
-    and ``rescalable = True`` when it can load the states of another world size.
-    An optional ``on_compaction(params, state)`` rebuilds anything shape-dependent."""
-
-    train_iter: Any
-
-    def loss(self, params: Any, state: Any, batch: Any, *, train: bool) -> tuple: ...
-
-    def evaluate(self, params: Any, state: Any) -> dict: ...
-
-
-def model_size(params: object, state: object) -> int:
-    """Live parameters of a whole model: TT/TTM layers after compaction, plus dense leaves."""
-    tt_live = tt_stored = 0
-    for _, p, s in iter_tt(params, state):
-        tt_live += live_param_count(p, s)
-        tt_stored += param_count(p)
-    return param_count(params) - tt_stored + tt_live
-
-
-def lr_scale(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup to 1, then linear/cosine decay toward 0 (or constant); 1-based step."""
-    if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return step / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return 1.0
-    frac = min(max((step - 1 - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 0.0), 1.0)
-    return 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
-
-
-def _as_sum_count(out: tuple) -> tuple[torch.Tensor, float, dict]:
-    if len(out) == 3:
-        s, n, metrics = out
-        return s, float(n), metrics
-    mean, metrics = out  # legacy: a mean over the batch counts as one term
-    return mean, 1.0, metrics
 
 
 class Trainer:
@@ -126,7 +74,7 @@ class Trainer:
         if hasattr(task, "on_compaction"):
             self.on_compact.append(lambda tr: tr.task.on_compaction(tr.params, tr.state))
         if resume:
-            self._restore(ck.load_checkpoint(self.run_dir))
+            ck.restore_trainer(self, ck.load_checkpoint(self.run_dir))
         else:
             self.stages.start(self.params, self.state)
             # each rank its own stream (dropout masks differ across the global batch)
@@ -141,74 +89,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _rng_state(self) -> dict:
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
-
     def checkpoint(self) -> Path:
         """Every rank writes its RNG and data position; rank 0 then writes the model."""
-        d = ck.checkpoint_dir(self.run_dir, self.step)
-        data = self.task.train_iter.state_dict()
-        ck.write_rank_files(d, self.step, self.rank, self.world, self._rng_state(), data)
-        if self.world > 1:
-            dist.barrier()
-        if self.rank == 0:
-            cpu = lambda tree: tree_map(lambda t: t.detach().cpu(), tree)  # noqa: E731
-            payload = {
-                "format": "comera.checkpoint",
-                "version": 2,
-                "step": self.step,
-                "stages": self.stages.state_dict(),
-                "initial_size": self.initial_size,
-                "params": cpu(self.params),
-                "state": cpu(self.state),
-                "opt": {**self.opt, "m": cpu(self.opt["m"]), "v": cpu(self.opt["v"])},
-                "world_size": self.world,
-                "config": self.config_dict,
-            }
-            ck.write_model(d, payload, self.cfg.keep_checkpoints)
-        return d
-
-    def _restore(self, ckpt: dict) -> None:
-        saved = ckpt["config"].get("train", {})
-        for key in ("steps", "seed"):
-            if saved.get(key) != getattr(self.cfg, key):
-                raise ck.CheckpointError(
-                    f"checkpoint in {self.run_dir} was written with {key}={saved.get(key)}, "
-                    f"this run has {key}={getattr(self.cfg, key)}; resume with the same config"
-                )
-        rngs, datas = ck.read_rank_files(Path(ckpt["dir"]), ckpt["step"])
-        it, saved_world = self.task.train_iter, len(datas)
-        if saved_world == self.world:
-            it.load_state_dict(datas[self.rank]["state"])
-        elif getattr(it, "rescalable", False):
-            it.load_state_dict([d["state"] for d in datas])
-        else:
-            raise ck.CheckpointError(
-                f"{ckpt['dir']} was saved by {saved_world} ranks and this run has "
-                f"{self.world}; {type(it).__name__} cannot resume at another world size: "
-                f"relaunch with torchrun --nproc_per_node {saved_world}"
-            )
-        dev = self.device
-        self.params = tree_map(lambda t: t.to(dev).requires_grad_(True), ckpt["params"])
-        self.state = tree_map(lambda t: t.to(dev), ckpt["state"])
-        opt = ckpt["opt"]
-        self.opt = {**opt, "m": tree_map(dev_to := lambda t: t.to(dev), opt["m"])}
-        self.opt["v"] = tree_map(dev_to, opt["v"])
-        self.step = ckpt["step"]
-        self.stages.load_state_dict(ckpt["stages"])
-        self.initial_size = ckpt["initial_size"]
-        if saved_world == self.world:
-            mine = rngs[self.rank]
-            torch.set_rng_state(mine["torch"])
-            if mine["cuda"] is not None and dev.type == "cuda":
-                torch.cuda.set_rng_state(mine["cuda"], dev)
-            random.setstate(mine["python"])
-        else:  # another world size: positions are exact, random streams start afresh
-            random.seed(self.cfg.seed + self.rank + self.step)
-            torch.manual_seed(self.cfg.seed + self.rank + self.step)
-        if self.rank == 0:
-            truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+        return ck.save_trainer(self)
 
     # ------------------------------------------------------------------ rank surgery
 
@@ -252,7 +135,7 @@ class Trainer:
         loss_sum, count, metric_sums = torch.zeros((), dtype=torch.float64), 0.0, {}
         for batch in batches:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-                s, n, metrics = _as_sum_count(
+                s, n, metrics = sum_and_count(
                     self.task.loss(self.params, self.state, batch, train=True)
                 )
             for acc, g in zip(
@@ -408,14 +291,8 @@ class Trainer:
             "compression": self.initial_size / max(live, 1),
             "step_time_s": step_time,
             "steps_per_s": (self.step - steps0) / max(time.perf_counter() - t0, 1e-9),
-            "peak_memory_mb": _peak_memory_mb(self.device),
+            "peak_memory_mb": peak_memory_mb(self.device),
             **{f"ranks/{k}": sum(v) for k, v in self.ranks().items()},
         }
         log.log(row)
         return row
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

@@ -1,0 +1,40 @@
+"""Numbers the loop computes from a model and a config: live size, learning-rate scale,
+peak memory."""
+
+from __future__ import annotations
+
+import math
+import resource
+
+import torch
+
+from comera.accounting import live_param_count, param_count
+from comera.train.config import TrainConfig
+from comera.tree import iter_tt
+
+__all__ = ["lr_scale", "model_size", "peak_memory_mb"]
+
+
+def model_size(params: object, state: object) -> int:
+    """Live parameters of a whole model: TT/TTM layers after compaction, plus dense leaves."""
+    tt_live = tt_stored = 0
+    for _, p, s in iter_tt(params, state):
+        tt_live += live_param_count(p, s)
+        tt_stored += param_count(p)
+    return param_count(params) - tt_stored + tt_live
+
+
+def lr_scale(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup to 1, then linear/cosine decay toward 0 (or constant); 1-based step."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return step / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    frac = min(max((step - 1 - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), 0.0), 1.0)
+    return 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

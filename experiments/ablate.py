@@ -1,0 +1,266 @@
+"""Ablations as a command: one run per variant (same seed, same data), grouped in wandb,
+summarized in ``reports/ablation_<name>.md`` with a PNG.
+
+    python -m experiments.ablate contraction --experiment mnli --preset smoke
+    python -m experiments.ablate objective --experiment mnli --preset smoke --set train.steps=300
+    python -m experiments.ablate gamma --values 0,0.02,0.05 --experiment mnli
+
+Ablations: ``contraction`` (every strategy of ``comera.STRATEGIES``; also reports each
+strategy's step time and its largest loss difference from the paper's path, which must be
+float-tolerance small), ``rank`` (the TT rank), ``gamma`` (the gate regularizer weight),
+``size_ratio`` (the late-stage size target c), ``regularizer`` (mean vs L1), ``prune_rule``
+(gate vs contribution) and ``objective`` (both choices crossed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import comera as C
+from comera.train import read_metrics
+from experiments import cli
+
+__all__ = ["ABLATIONS", "Variant", "main", "run_ablation", "variants", "write_report"]
+
+EXPERIMENTS = ("mnli",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One run of an ablation: a label and the config overrides that make it."""
+
+    label: str
+    overrides: tuple[tuple[str, Any], ...]
+
+
+def _scaled(key: str, factors: tuple[float, ...]) -> Callable[[Any, Any], list[Variant]]:
+    def make(cfg: Any, exp: cli.Experiment) -> list[Variant]:
+        base = _get(cfg, key)
+        vals = [type(base)(base * f) if f else type(base)(0) for f in factors]
+        return [Variant(f"{key.rsplit('.', 1)[-1]}={v}", ((key, v),)) for v in dict.fromkeys(vals)]
+
+    return make
+
+
+def _choices(key: str, values: tuple) -> Callable[[Any, Any], list[Variant]]:
+    return lambda cfg, exp: [Variant(str(v), ((key, v),)) for v in values]
+
+
+def _objective(cfg: Any, exp: cli.Experiment) -> list[Variant]:
+    """mean/l1 x gate/contribution. With ``l1`` gamma is divided by the number of gates so
+    both regularizers pull on each gate with the same strength at the start (they differ
+    by exactly that count while every gate is live)."""
+    g = cfg.train.comera.gamma
+    n = _gate_count(cfg, exp)
+    out = []
+    for reg in ("mean", "l1"):
+        for rule in ("gate", "contribution"):
+            over = [("train.comera.regularizer", reg), ("train.comera.prune_rule", rule)]
+            if reg == "l1":
+                over.append(("train.comera.gamma", g / n))
+            out.append(Variant(f"{reg}+{rule}", tuple(over)))
+    return out
+
+
+def _regularizer(cfg: Any, exp: cli.Experiment) -> list[Variant]:
+    return [v for v in _objective(cfg, exp) if v.label.endswith("+" + cfg.train.comera.prune_rule)]
+
+
+def _gate_count(cfg: Any, exp: cli.Experiment) -> int:
+    _, params, state, _, _ = exp.build(cfg, 0, 1)
+    return sum(int(m.numel()) for _, _, s in C.tree.iter_tt(params, state) for m in s["masks"])
+
+
+ABLATIONS: dict[str, Callable[[Any, cli.Experiment], list[Variant]]] = {
+    "contraction": _choices("plans.default", C.STRATEGIES),
+    "rank": _scaled("model.rank", (0.5, 1.0, 2.0)),
+    "gamma": _scaled("train.comera.gamma", (0.0, 0.5, 1.0, 2.0)),
+    "size_ratio": _choices("train.comera.size_ratio", (0.8, 0.5, 0.2)),
+    "regularizer": _regularizer,
+    "prune_rule": _choices("train.comera.prune_rule", C.PRUNE_RULES),
+    "objective": _objective,
+}
+_KEYS = {
+    "contraction": "plans.default",
+    "rank": "model.rank",
+    "gamma": "train.comera.gamma",
+    "size_ratio": "train.comera.size_ratio",
+    "prune_rule": "train.comera.prune_rule",
+}
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> list[Variant]:
+    """The variants of ablation ``name``; ``values`` (comma-separated) replaces the defaults
+    of single-key ablations."""
+    if values is None:
+        return ABLATIONS[name](cfg, exp)
+    if name not in _KEYS:
+        raise cli.CLIError(f"--values: ablation {name!r} has fixed variants; drop --values")
+    key = _KEYS[name]
+    return [Variant(v, ((key, v),)) for v in values.split(",") if v]
+
+
+def run_ablation(
+    name: str,
+    exp: cli.Experiment,
+    base: Any,
+    chosen: list[Variant],
+    runs_root: Path,
+    *,
+    text_values: bool = False,
+) -> list[dict]:
+    """Train every variant of ``base``; returns one record per variant."""
+    group = base.train.wandb_group or f"ablate-{name}-{base.train.run_name or exp.name}"
+    records = []
+    for v in chosen:
+        cfg = base
+        for key, value in v.overrides:
+            cfg = cli.set_field(cfg, key, value, text=text_values, label=f"--values {value}")
+        run_dir = runs_root / v.label.replace("/", "_")
+        cfg = cli.apply_overrides(
+            cfg,
+            [
+                ("train.run_dir", str(run_dir)),
+                ("train.wandb_group", group),
+                ("train.run_name", f"{name}:{v.label}"),
+            ],
+            [],
+        )
+        print(f"ablate {name}: {v.label} -> {run_dir}", file=sys.stderr)
+        final = cli.run_experiment(exp, cfg, argv=None)
+        records.append({"label": v.label, "dir": run_dir, "final": final})
+    return records
+
+
+def _summary(rec: dict) -> dict:
+    rows = read_metrics(Path(rec["dir"]) / "metrics.jsonl")
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    acc_key = next((k for k in (evals[-1] if evals else {}) if k.endswith("accuracy")), None)
+    times = [r["step_time_s"] for r in train if "step_time_s" in r]
+    tail = [r["loss"] for r in train[-5:]]
+    return {
+        "label": rec["label"],
+        "steps": train[-1]["step"] if train else 0,
+        "loss_tail": sum(tail) / max(len(tail), 1),
+        "eval_acc": evals[-1][acc_key] if acc_key else None,
+        "compression": train[-1]["compression"] if train else None,
+        "live_params": train[-1]["live_params"] if train else None,
+        "step_time_ms": 1e3 * statistics.median(times) if times else None,
+        "wall_s": rec["final"].get("wall_s"),
+        "curve": [(r["step"], r["loss"]) for r in train],
+    }
+
+
+def write_report(name: str, records: list[dict], out: Path, command: str) -> Path:
+    """``reports/ablation_<name>.md`` and its PNG (loss curves; step times for contraction)."""
+    rows = [_summary(r) for r in records]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ref = rows[0]["curve"]
+    lines = [f"# Ablation: {name}", "", f"Command: `{command}`", ""]
+    lines += ["All variants share the seed, the data order and (where shapes allow) the init."]
+    head = "| variant | steps | train loss (last 5 logs) | eval accuracy | compression "
+    head += "| live params | median step (ms) | wall (s) |"
+    if name == "contraction":
+        head += f" max abs loss diff vs {rows[0]['label']} |"
+    lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        cells = [
+            r["label"],
+            str(r["steps"]),
+            f"{r['loss_tail']:.4f}",
+            "n/a" if r["eval_acc"] is None else f"{r['eval_acc']:.4f}",
+            f"{r['compression']:.2f}x",
+            f"{r['live_params']:,}",
+            f"{r['step_time_ms']:.1f}",
+            f"{r['wall_s']:.1f}",
+        ]
+        if name == "contraction":
+            diffs = [abs(a[1] - b[1]) for a, b in zip(ref, r["curve"], strict=False)]
+            r["max_diff"] = max(diffs, default=0.0)
+            cells.append(f"{r['max_diff']:.2e}")
+        lines.append("| " + " | ".join(cells) + " |")
+    png = out.with_suffix(".png")
+    _plot(name, rows, png)
+    lines += ["", f"![{name}]({png.name})", ""]
+    out.write_text("\n".join(lines))
+    (out.with_suffix(".json")).write_text(
+        json.dumps([{k: v for k, v in r.items() if k != "curve"} for r in rows], indent=1)
+    )
+    return out
+
+
+def _plot(name: str, rows: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if name == "contraction" else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4), squeeze=False)
+    ax = axes[0][0]
+    for r in rows:
+        steps, losses = zip(*r["curve"], strict=True) if r["curve"] else ((), ())
+        ax.plot(steps, losses, label=r["label"], lw=1.2)
+    ax.set(xlabel="step", ylabel="train loss", title=f"{name}: loss curves")
+    ax.legend(fontsize=8)
+    if name == "contraction":
+        ax = axes[0][1]
+        ax.bar([r["label"] for r in rows], [r["step_time_ms"] for r in rows], color="tab:blue")
+        ax.set(ylabel="median step time (ms)", title="step time per strategy")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.ablate", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("ablation", choices=sorted(ABLATIONS))
+    ap.add_argument("--experiment", choices=EXPERIMENTS, default="mnli")
+    ap.add_argument("--preset", default=None)
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--values", help="comma-separated values (single-key ablations)")
+    ap.add_argument("--runs-dir", default="runs", help="variants go to RUNS_DIR/ablate-NAME/")
+    ap.add_argument("--reports", default="reports", help="where the report and PNG go")
+    ap.add_argument("--wandb", choices=("online", "offline", "disabled"))
+    args = ap.parse_args(argv)
+    exp: cli.Experiment = importlib.import_module(f"experiments.{args.experiment}").EXPERIMENT
+    try:
+        preset = args.preset or exp.default_preset
+        if preset not in exp.presets:
+            raise cli.CLIError(f"--preset {preset!r}: choose one of {sorted(exp.presets)}")
+        over = [("train.wandb", args.wandb)] if args.wandb else []
+        base = cli.apply_overrides(exp.presets[preset](), over, args.sets)
+        chosen = variants(args.ablation, base, exp, args.values)
+        root = Path(args.runs_dir) / f"ablate-{args.ablation}-{preset}"
+        records = run_ablation(
+            args.ablation, exp, base, chosen, root, text_values=args.values is not None
+        )
+    except (cli.CLIError, *exp.user_errors) as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.reports) / f"ablation_{args.ablation}.md"
+    write_report(args.ablation, records, out, "python -m experiments.ablate " + " ".join(argv))
+    print(out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
