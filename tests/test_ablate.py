@@ -1,0 +1,55 @@
+"""``python -m experiments.ablate``: variants, runs, the report and its plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import ablate, cli, mnli
+
+SMALL = ["--set", "data.generated_train=200", "--set", "data.generated_eval=30"]
+SMALL += ["--set", "train.eval_every=3", "--set", "train.log_every=1", "--wandb", "disabled"]
+SMALL += ["--set", "train.progress=false"]
+
+
+def test_contraction_ablation_writes_report_and_plot(tmp_path):
+    argv = ["contraction", "--experiment", "mnli", "--preset", "smoke", "--set", "train.steps=6"]
+    argv += [*SMALL, "--values", "comera,dp,dense"]
+    argv += ["--runs-dir", str(tmp_path / "runs"), "--reports", str(tmp_path / "rep")]
+    assert ablate.main(argv) == 0
+    text = (tmp_path / "rep" / "ablation_contraction.md").read_text()
+    assert "| comera | 6 |" in text and "| dp | 6 |" in text and "| dense | 6 |" in text
+    assert (tmp_path / "rep" / "ablation_contraction.png").stat().st_size > 5000
+    rows = json.loads((tmp_path / "rep" / "ablation_contraction.json").read_text())
+    assert [r["label"] for r in rows] == ["comera", "dp", "dense"]
+    assert all(r["max_diff"] < 1e-4 for r in rows)  # every strategy computes the same model
+    for label in ("comera", "dp", "dense"):
+        saved = json.loads(
+            (tmp_path / "runs" / "ablate-contraction-smoke" / label / "config.json").read_text()
+        )
+        assert saved["plans"]["default"] == label
+        assert saved["train"]["wandb_group"] == "ablate-contraction-mnli-smoke"
+
+
+def test_objective_variants_cross_both_choices():
+    cfg = mnli.preset("smoke")
+    out = ablate.variants("objective", cfg, mnli.EXPERIMENT, None)
+    assert [v.label for v in out] == [
+        "mean+gate",
+        "mean+contribution",
+        "l1+gate",
+        "l1+contribution",
+    ]
+    gammas = [dict(v.overrides).get("train.comera.gamma", cfg.train.comera.gamma) for v in out]
+    n_gates = cfg.train.comera.gamma / gammas[2]
+    assert gammas[:2] == [cfg.train.comera.gamma] * 2 and n_gates > 50  # l1 scaled by the count
+    assert [v.label for v in ablate.variants("gamma", cfg, mnli.EXPERIMENT, None)][0] == "gamma=0.0"
+    with pytest.raises(cli.CLIError, match="fixed variants"):
+        ablate.variants("objective", cfg, mnli.EXPERIMENT, "a,b")
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    assert ablate.main(["gamma", "--set", "train.gama=1", "--runs-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown config key 'train.gama'" in err[0]
