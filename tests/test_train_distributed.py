@@ -56,18 +56,23 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 out = Path(sys.argv[1])
 for legacy in (False, True):
+    # each rank starts from its own init: the trainer broadcasts rank 0's
     tr = Trainer(_cfg(out / str(legacy), steps=25), SumCountTask(rank, world, legacy=legacy),
-                 *_toy_model())
+                 *_toy_model(seed=rank))
     tr.fit()
+    ev = tr.evaluate()  # a collective: every rank evaluates its share
     if rank == 0:
         torch.save(tr.params, out / f"params_{legacy}.pt")
+        torch.save(ev, out / f"eval_{legacy}.pt")
 dist.destroy_process_group()
 """
 
 
 def test_unequal_per_rank_counts_match_single_process(tmp_path):
     """Rank 0 holds 5 examples, rank 1 holds 11: weighting by counts gives the
-    single-process model; averaging the per-rank means (the old arithmetic) does not."""
+    single-process model; averaging the per-rank means (the old arithmetic) does not.
+    The ranks start from different inits (rank 0's is broadcast) and evaluate their own
+    shares of the held-out data (reduced exactly)."""
     torch.set_num_threads(1)
     single = Trainer(_cfg(tmp_path / "single", steps=25), SumCountTask(), *_toy_model())
     single.fit()
@@ -83,6 +88,9 @@ def test_unequal_per_rank_counts_match_single_process(tmp_path):
         if a.shape == c.shape:
             worst = max(worst, float((a - c).detach().abs().max()))
     assert worst > 1e-3  # the test can tell the exact weighting from the old one
+    ev = torch.load(tmp_path / "eval_False.pt", weights_only=False)
+    assert ev["mse"] == pytest.approx(single.evaluate()["mse"], rel=1e-5)
+    assert ev["rank_mean"] == 0.5  # plain floats are averaged over ranks
 
 
 def test_accumulated_micro_batches_equal_the_full_batch(tmp_path):

@@ -173,3 +173,19 @@ def test_prune_rule_reaches_the_trainer(tmp_path):
         tr.prune()
         assert int(tr.state["lin"]["masks"][1].sum()) == alive
     assert prune_tree(params, state, 0.01, rule="contribution") is not None
+
+
+def test_compaction_raises_an_event_for_the_task(tmp_path):
+    """A task can rebuild shape-dependent things (compiled functions, CUDA graphs)."""
+    seen = []
+
+    class Rebuilding(ToyTask):
+        def on_compaction(self, params, state):
+            seen.append(C.bond_ranks(params["lin"]))
+
+    tr = Trainer(_cfg(tmp_path, steps=45), Rebuilding(), *_toy_model())
+    extra = []
+    tr.on_compact.append(lambda t: extra.append(t.step))
+    tr.fit()
+    assert len(seen) == len(extra) >= 2  # the stage boundary and the end
+    assert seen[-1] == C.bond_ranks(tr.params["lin"]) and extra[-1] == 45

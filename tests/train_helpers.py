@@ -121,3 +121,10 @@ class SumCountTask(ToyTask):
         if self.legacy:
             return per_example.mean(), {}
         return per_example.sum(), per_example.numel(), {"mse": per_example.detach().mean()}
+
+    def evaluate(self, params, state, *, rank=0, world=1):
+        """Squared error over this rank's share of 50 held-out examples, as (sum, count)."""
+        x, y = next(_Iter(self.w, batch=50, seed=99))
+        lo, hi = rank * 50 // world, (rank + 1) * 50 // world
+        err = (C.tt_linear(params["lin"], state["lin"], x[lo:hi]) - y[lo:hi]).pow(2).mean(-1)
+        return {"mse": (float(err.sum()), float(hi - lo)), "rank_mean": float(rank)}
