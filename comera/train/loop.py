@@ -37,6 +37,12 @@ class NonFiniteLoss(RuntimeError):
     """The loss or gradient became NaN or inf; the last good checkpoint is left in place."""
 
 
+def _accumulate(into: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
+    for acc, g in zip(into, grads, strict=True):
+        if g is not None:
+            acc.add_(g)
+
+
 class Trainer:
     """Runs a :class:`Task` for ``cfg.steps`` steps with CoMERA rank adaptation.
 
@@ -132,41 +138,31 @@ class Trainer:
         the stage's objective, clipping, AdamW. Returns the step's metrics."""
         leaves, _ = tree_flatten(self.params)
         grads = [torch.zeros_like(t) for t in leaves]  # zero-filled: every rank lines up
-        loss_sum, count, metric_sums = torch.zeros((), dtype=torch.float64), 0.0, {}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        count, metric_sums = 0.0, {}
         for batch in batches:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-                s, n, metrics = sum_and_count(
-                    self.task.loss(self.params, self.state, batch, train=True)
-                )
-            for acc, g in zip(
-                grads, torch.autograd.grad(s, leaves, allow_unused=True), strict=True
-            ):
-                if g is not None:
-                    acc.add_(g)
-            loss_sum += s.detach().double().cpu()
+                out = self.task.loss(self.params, self.state, batch, train=True)
+            s, n, metrics = sum_and_count(out)
+            _accumulate(grads, torch.autograd.grad(s, leaves, allow_unused=True))
+            loss_sum += s.detach().double()
             count += n
-            for k, v in metrics.items():
+            for k, v in metrics.items():  # per-batch means, weighted by the batch's count
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * n
         keys = sorted(metric_sums)
-        scalars = torch.tensor(
-            [float(loss_sum), count, *(metric_sums[k] for k in keys)], dtype=torch.float64
-        )
-        *grads, scalars = sum_across_ranks([*grads, scalars.to(self.device)])
-        scalars = scalars.cpu().tolist()
-        count = scalars[1]
+        extra = torch.tensor([count, *(metric_sums[k] for k in keys)], dtype=torch.float64)
+        scalars = torch.cat([loss_sum.reshape(1), extra.to(self.device)])
+        *grads, scalars = sum_across_ranks([*grads, scalars])
+        loss_total, count, *metric_totals = scalars.cpu().tolist()
         if count <= 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss terms (count 0)")
-        loss_value = scalars[0] / count
+        loss_value = loss_total / count
         if not math.isfinite(loss_value):
             raise self._non_finite("loss", loss_value)
         obj = self.stages.objective(self.step + 1, loss_value, self.params, self.state)
         torch._foreach_mul_(grads, obj.loss_weight / count)
         if obj.param_term is not None:  # the same on every rank: added after the reduction
-            for acc, g in zip(
-                grads, torch.autograd.grad(obj.param_term, leaves, allow_unused=True), strict=True
-            ):
-                if g is not None:
-                    acc.add_(g)
+            _accumulate(grads, torch.autograd.grad(obj.param_term, leaves, allow_unused=True))
         total = torch.stack([n.float() for n in torch._foreach_norm(grads)]).norm()
         gnorm = float(total)
         if not math.isfinite(gnorm):
@@ -187,7 +183,7 @@ class Trainer:
             "lr_scale": scale,
             "loss_terms": count,
             **obj.metrics,
-            **{k: v / count for k, v in zip(keys, scalars[2:], strict=True)},
+            **{k: v / count for k, v in zip(keys, metric_totals, strict=True)},
         }
 
     def _after_step(self) -> None:
