@@ -410,9 +410,11 @@ def prepare(
     here, before any training."""
     rank, world = init_distributed(cfg.train.device)
     task, params, state, reference, info = exp.build(cfg, rank, world)
-    cfg.plans.check_layers([path for path, _, _ in iter_tt(params, state)])
+    layers = [path for path, _, _ in iter_tt(params, state)]
+    if layers:  # a dense baseline has no TT layer for a plan to name
+        cfg.plans.check_layers(layers)
     record = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "train"}
-    record |= {"experiment": exp.name, "argv": argv, **info}
+    record |= {"experiment": exp.name, "preset": cfg.train.run_name, "argv": argv, **info}
     record = json.loads(json.dumps(record, default=_jsonable))
     trainer = Trainer(
         cfg.train, task, params, state, resume=resume, extra_config=record, reference_size=reference
