@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)  ## the main job: CoMERA on MNLI, smoke preset (CPU, about a minute)
-	$(BIN)/python -m experiments.mnli --preset smoke --run-dir runs/mnli-smoke-$$(date +%Y%m%d-%H%M%S)
+demo: $(STAMP)  ## the main job: CoMERA and dense on MNLI's smoke preset vs the cue baseline (CPU)
+	$(BIN)/python -m experiments.mnli_demo
 
 bench: $(STAMP)  ## core, loader and MNLI-step benchmarks (write reports/)
 	$(BIN)/python -m comera.bench

@@ -131,15 +131,11 @@ def run_ablation(
         for key, value in v.overrides:
             cfg = cli.set_field(cfg, key, value, text=text_values, label=f"--values {value}")
         run_dir = runs_root / v.label.replace("/", "_")
-        cfg = cli.apply_overrides(
-            cfg,
-            [
-                ("train.run_dir", str(run_dir)),
-                ("train.wandb_group", group),
-                ("train.run_name", f"{name}:{v.label}"),
-            ],
-            [],
-        )
+        over = [("train.run_dir", str(run_dir)), ("train.wandb_group", group)]
+        over.append(("train.run_name", f"{name}:{v.label}"))
+        if name == "contraction":  # every step's loss: step 1 is the equivalence check
+            over.append(("train.log_every", 1))
+        cfg = cli.apply_overrides(cfg, over, [])
         print(f"ablate {name}: {v.label} -> {run_dir}", file=sys.stderr)
         final = cli.run_experiment(exp, cfg, argv=None)
         records.append({"label": v.label, "dir": run_dir, "final": final})
@@ -173,10 +169,26 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
     ref = rows[0]["curve"]
     lines = [f"# Ablation: {name}", "", f"Command: `{command}`", ""]
     lines += ["All variants share the seed, the data order and (where shapes allow) the init."]
+    if name == "contraction":
+        lines += [
+            "",
+            "Step 1 runs every strategy on the same parameters and batch: its loss difference",
+            "is the float-tolerance equivalence of the contractions. Later steps start from",
+            "parameters that already differ in the last bits, and training amplifies that",
+            "(Adam, pruning thresholds), so the whole-run column measures divergence, not error.",
+        ]
+    if name == "contraction":
+        lines += [
+            "",
+            "Step 1 runs every strategy on the same parameters and batch: its loss difference",
+            "is the float-tolerance equivalence of the contractions. Later steps start from",
+            "parameters that already differ in the last bits, and training amplifies that",
+            "(Adam, pruning thresholds), so the whole-run column measures divergence, not error.",
+        ]
     head = "| variant | steps | train loss (last 5 logs) | eval accuracy | compression "
     head += "| live params | median step (ms) | wall (s) |"
     if name == "contraction":
-        head += f" max abs loss diff vs {rows[0]['label']} |"
+        head += f" loss diff vs {rows[0]['label']}: step 1 | steps 1-10 | whole run |"
     lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cells = [
@@ -190,9 +202,12 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
             f"{r['wall_s']:.1f}",
         ]
         if name == "contraction":
-            diffs = [abs(a[1] - b[1]) for a, b in zip(ref, r["curve"], strict=False)]
-            r["max_diff"] = max(diffs, default=0.0)
-            cells.append(f"{r['max_diff']:.2e}")
+            diffs = [(a[0], abs(a[1] - b[1])) for a, b in zip(ref, r["curve"], strict=False)]
+            r["first_diff"] = diffs[0][1] if diffs and diffs[0][0] == 1 else None
+            r["early_diff"] = max((d for s, d in diffs if s <= 10), default=0.0)
+            r["max_diff"] = max((d for _, d in diffs), default=0.0)
+            first = "n/a" if r["first_diff"] is None else f"{r['first_diff']:.1e}"
+            cells += [first, f"{r['early_diff']:.1e}", f"{r['max_diff']:.1e}"]
         lines.append("| " + " | ".join(cells) + " |")
     png = out.with_suffix(".png")
     _plot(name, rows, png)

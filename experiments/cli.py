@@ -381,7 +381,12 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
             f"(only --device, --wandb* , --no-progress and --set of {', '.join(sorted(mutable))}"
             " may change on resume)"
         )
-    cfg = config_from_dict(exp.config_type, saved)
+    try:
+        cfg = config_from_dict(exp.config_type, saved)
+    except (TypeError, ValueError) as e:
+        raise CLIError(
+            f"--resume {args.resume}: config.json is not a saved run config ({e})"
+        ) from None
     cfg = set_field(cfg, "train.run_dir", str(args.resume))
     overrides = [(k, v) for k, v in _common_overrides(args, cfg) if k in mutable]
     return apply_overrides(cfg, overrides, args.sets)

@@ -1,7 +1,8 @@
 """MNLI data for the six-encoder classifier: load, encode BERT-style pairs, batch.
 
-Stages, in order: source (HF hub, local parquet/jsonl/json/csv files, or a generated
-synthetic task) -> tokenizer (`tokenizers`, Rust) -> `encode_pairs` -> `EncodedSplit` (tensors)
+Stages, in order: source (HF hub, local parquet/jsonl/json/csv files, or the generated
+synthetic task of `experiments.mnli_generated`) -> tokenizer (`tokenizers`, Rust)
+-> `encode_pairs` -> `EncodedSplit` (tensors)
 -> `BatchIterator` (deterministic, resumable, DDP-aware) / `eval_batches` (in order).
 """
 
@@ -10,8 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, processors
+
+# The generated task lives in its own module; its names stay importable from here.
+from experiments.mnli_generated import (  # noqa: F401
+    GENERATED_WORDS,
+    SPECIAL_TOKENS,
+    best_single_cue_accuracy,
+    build_generated_tokenizer,
+    cue_baselines,
+    generate_examples,
+    save_tokenizer,
+    write_generated_files,
+)
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +238,9 @@ Raw = tuple[list[str], list[str], np.ndarray]  # premises, hypotheses, labels
 def _read_table(path: str) -> pa.Table:
     fmt = _FORMATS[Path(path).suffix.lower()]
     if not Path(path).is_file():
-        raise FileNotFoundError(f"data file {path!r} does not exist; check --train/--eval-file")
+        raise FileNotFoundError(
+            f"data file {path!r} does not exist; check --train-file / --eval-file"
+        )
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -250,7 +263,8 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
         if col not in table.column_names:
             raise ValueError(
                 f"{source}: missing column {col!r}; columns present: {table.column_names}. "
-                f"Set MNLIDataConfig.{name} to the column that holds it."
+                f"Pass --{name.replace('_', '-')} NAME (MNLIDataConfig.{name}) to name the "
+                "column that holds it."
             )
     text = [
         ["" if v is None else str(v) for v in table.column(getattr(cfg, n)).to_pylist()]
@@ -265,7 +279,8 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
         if not isinstance(v, int) or v not in (-1, 0, 1, 2):
             raise ValueError(
                 f"{source}: label {v!r} in column {cfg.label_column!r} (row {i}) is not one of "
-                f"0/1/2 ({'/'.join(LABEL_NAMES)}) or -1 (unlabelled, dropped)"
+                f"0/1/2 ({'/'.join(LABEL_NAMES)}) or -1 (unlabelled, dropped); fix the file or "
+                "point --label-column at the right column"
             )
         labels[i] = v
     return text[0], text[1], labels
@@ -458,8 +473,17 @@ class BatchIterator:
             "batch_size": self.batch_size,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume so the next batch is the one an uninterrupted run would yield next."""
+    rescalable = True  # the position is global: every rank saved the same one
+
+    def load_state_dict(self, state: dict[str, int] | list[dict[str, int]]) -> None:
+        """Resume so the next batch is the one an uninterrupted run would yield next.
+
+        Takes this iterator's state, or every saved rank's (any old world size): they hold
+        one global position, which is checked."""
+        if isinstance(state, list):
+            if not state or any(s != state[0] for s in state):
+                raise ValueError("BatchIterator: the saved ranks disagree on the position")
+            state = state[0]
         for key, mine in (("n", self.n), ("seed", self.seed), ("batch_size", self.batch_size)):
             if key in state and int(state[key]) != mine:
                 raise ValueError(
@@ -481,85 +505,3 @@ def eval_batches(split: EncodedSplit, batch_size: int) -> Iterator[dict[str, tor
         raise ValueError(f"eval batch_size={batch_size} must be positive")
     for start in range(0, len(split), batch_size):
         yield split.batch(torch.arange(start, min(start + batch_size, len(split))))
-
-
-# ---------------------------------------------------------------- generated task
-
-SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-_SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
-GENERATED_WORDS = tuple(a + b for a in _SYLLABLES[:10] for b in _SYLLABLES[:15])  # 150 words
-
-
-def build_generated_tokenizer() -> Tokenizer:
-    """Word-level tokenizer for the generated task, with BERT special tokens and pair template."""
-    vocab = {t: i for i, t in enumerate((*SPECIAL_TOKENS, "not", *GENERATED_WORDS))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = _bert_pair_template(vocab["[CLS]"], vocab["[SEP]"])
-    return tok
-
-
-def save_tokenizer(path: str | Path, tok: Tokenizer | None = None) -> Path:
-    """Write `tok` (default: the generated task's) as tokenizer.json, atomically; return the path.
-
-    `path` may be a directory (gets `tokenizer.json`) or a file name.
-    """
-    path = Path(path)
-    if path.is_dir() or not path.suffix:
-        path.mkdir(parents=True, exist_ok=True)
-        path = path / "tokenizer.json"
-    tmp = path.with_name(path.name + ".tmp")
-    (tok or build_generated_tokenizer()).save(str(tmp))
-    os.replace(tmp, path)
-    return path
-
-
-def generate_examples(n: int, seed: int, split: str = "train", vocab: int = 24) -> dict[str, list]:
-    """`n` synthetic NLI pairs, balanced over labels, a pure function of the arguments.
-
-    Premise: 8-16 distinct words of the first `vocab` words. Hypothesis: entailment = 2-4
-    premise words; contradiction = the same plus "not"; neutral = 2-4 words absent from the
-    premise. Why 24 words by default: a 2-layer d=64 encoder reaches 0.80-0.86 eval accuracy
-    after 600-800 steps of batch 32 (chance 1/3, the "not" cue alone 2/3); with all 150 words
-    it learns only the "not" cue (~0.70) even after 1600 steps.
-    """
-    words = GENERATED_WORDS[:vocab]
-    rng = random.Random(f"mnli-generated/{seed}/{split}")
-    labels = [i % NUM_LABELS for i in range(n)]
-    rng.shuffle(labels)
-    out: dict[str, list] = {"premise": [], "hypothesis": [], "label": labels}
-    for label in labels:
-        premise = rng.sample(words, rng.randint(8, 16))
-        k = rng.randint(2, 4)
-        if label == 1:
-            absent = [w for w in words if w not in set(premise)]
-            hyp = rng.sample(absent, k)
-        else:
-            hyp = rng.sample(premise, k)
-            if label == 2:
-                hyp.insert(rng.randint(0, k), "not")
-        out["premise"].append(" ".join(premise))
-        out["hypothesis"].append(" ".join(hyp))
-    return out
-
-
-def write_generated_files(
-    directory: str | Path, n_train: int, n_eval: int, seed: int = 0, vocab: int = 24
-) -> tuple[Path, Path, Path]:
-    """Write train.jsonl, validation.jsonl and tokenizer.json of the generated task.
-
-    The files hold exactly what `dataset="generated"` with the same seed yields, so tests and
-    users can run the local-file and local-tokenizer paths on them.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for split, n in (("train", n_train), ("validation", n_eval)):
-        ex, path = generate_examples(n, seed, split, vocab), directory / f"{split}.jsonl"
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for p, h, y in zip(ex["premise"], ex["hypothesis"], ex["label"], strict=True):
-                f.write(json.dumps({"premise": p, "hypothesis": h, "label": y}) + "\n")
-        os.replace(tmp, path)
-        paths.append(path)
-    return paths[0], paths[1], save_tokenizer(directory / "tokenizer.json")

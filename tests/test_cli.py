@@ -74,7 +74,7 @@ def test_plan_chosen_on_the_cli_is_the_plan_that_runs(tmp_path, monkeypatch):
     argv = [*FAST, "--run-dir", str(run_dir), "--plan", "greedy"]
     argv += ["--plan-for", "layers.*.ffn_*=dp", "--embedding-impl", "naive"]
     assert mnli.main(argv) == 0
-    ffn_modes = {(8, 4, 4, 4, 4, 4), (4, 4, 4, 4, 4, 8)}  # smoke ffn_in, ffn_out (out|in)
+    ffn_modes = {(16, 8, 8, 8), (8, 8, 16, 8)}  # smoke ffn_in, ffn_out (out | in modes)
     assert seen and {s for s, modes in seen if modes in ffn_modes} == {"dp"}
     assert {s for s, modes in seen if modes not in ffn_modes} == {"greedy"}
     saved = json.loads((run_dir / "config.json").read_text())
@@ -138,7 +138,6 @@ class _FakeWandb(types.ModuleType):
     def __init__(self):
         super().__init__("wandb")
         self.inits, self.logged = [], []
-        self.util = types.SimpleNamespace(generate_id=lambda: f"id{len(self.inits)}")
 
     def init(self, **kw):
         self.inits.append(kw)

@@ -356,20 +356,4 @@ def test_eval_batches_in_order_without_dropping():
     assert sum((_rows(b) for b in eval_batches(_split(10), 4)), []) == list(range(10))
 
 
-# ---------------------------------------------------------------- generated task
-
-
-def test_generated_task_balanced_deterministic_and_well_formed():
-    a, b = md.generate_examples(300, seed=0), md.generate_examples(300, seed=0)
-    assert a == b and md.generate_examples(300, seed=1) != a
-    assert md.generate_examples(300, 0, "validation") != a
-    assert [a["label"].count(y) for y in range(3)] == [100, 100, 100]
-    for p, h, y in zip(a["premise"], a["hypothesis"], a["label"], strict=True):
-        pw, hw = p.split(), h.split()
-        assert 8 <= len(pw) <= 16 and len(set(pw)) == len(pw)
-        content = [w for w in hw if w != "not"]
-        assert 2 <= len(content) <= 4 and hw.count("not") == (y == 2)
-        assert all((w in pw) == (y != 1) for w in content)
-        assert set(pw + content) <= set(md.GENERATED_WORDS[:24])
-    wide = md.generate_examples(300, seed=0, vocab=150)
-    assert len({w for p in wide["premise"] for w in p.split()}) > 100
+# The generated task itself (rules, balance, cue baselines, files): test_mnli_generated.py

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import sys
+import uuid
 from pathlib import Path
 
 from comera.train.config import WANDB_MODES, TrainConfig
@@ -102,7 +103,7 @@ class RunLog:
         id_path = self.run_dir / WANDB_ID
         run_id = id_path.read_text().strip() if id_path.is_file() else None
         if run_id is None:
-            run_id = wandb.util.generate_id()
+            run_id = uuid.uuid4().hex[:8]  # wandb's id alphabet: lowercase letters, digits
             id_path.write_text(run_id + "\n")
         self.wandb = wandb.init(
             project=cfg.wandb_project,
