@@ -83,7 +83,7 @@ class MNLIDataConfig:
             if getattr(self, name) < 3:
                 raise bad(name, "use at least 3 so every label appears")
         if not 20 <= self.generated_vocab <= len(GENERATED_WORDS):
-            raise bad("generated_vocab", f"use 20..{len(GENERATED_WORDS)} (16 premise + 4 absent)")
+            raise bad("generated_vocab", f"use 20..{len(GENERATED_WORDS)} (8 premise + 4 absent)")
         for name in ("dataset", "tokenizer", "premise_column", "hypothesis_column", "label_column"):
             if not getattr(self, name):
                 raise bad(name, "give a non-empty string")
