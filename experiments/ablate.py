@@ -157,7 +157,7 @@ def _summary(rec: dict) -> dict:
         "compression": train[-1]["compression"] if train else None,
         "live_params": train[-1]["live_params"] if train else None,
         "step_time_ms": 1e3 * statistics.median(times) if times else None,
-        "wall_s": rec["final"].get("wall_s"),
+        "wall_s": train[-1]["step"] / train[-1]["steps_per_s"] if train else None,
         "curve": [(r["step"], r["loss"]) for r in train],
     }
 
@@ -177,16 +177,8 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
             "parameters that already differ in the last bits, and training amplifies that",
             "(Adam, pruning thresholds), so the whole-run column measures divergence, not error.",
         ]
-    if name == "contraction":
-        lines += [
-            "",
-            "Step 1 runs every strategy on the same parameters and batch: its loss difference",
-            "is the float-tolerance equivalence of the contractions. Later steps start from",
-            "parameters that already differ in the last bits, and training amplifies that",
-            "(Adam, pruning thresholds), so the whole-run column measures divergence, not error.",
-        ]
     head = "| variant | steps | train loss (last 5 logs) | eval accuracy | compression "
-    head += "| live params | median step (ms) | wall (s) |"
+    head += "| live params | median step (ms) | train time (s) |"
     if name == "contraction":
         head += f" loss diff vs {rows[0]['label']}: step 1 | steps 1-10 | whole run |"
     lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
@@ -255,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs-dir", default="runs", help="variants go to RUNS_DIR/ablate-NAME/")
     ap.add_argument("--reports", default="reports", help="where the report and PNG go")
     ap.add_argument("--wandb", choices=("online", "offline", "disabled"))
+    ap.add_argument("--report-only", action="store_true", help="rebuild the report from the runs")
     args = ap.parse_args(argv)
     exp: cli.Experiment = importlib.import_module(f"experiments.{args.experiment}").EXPERIMENT
     try:
@@ -265,9 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         base = cli.apply_overrides(exp.presets[preset](), over, args.sets)
         chosen = variants(args.ablation, base, exp, args.values)
         root = Path(args.runs_dir) / f"ablate-{args.ablation}-{preset}"
-        records = run_ablation(
-            args.ablation, exp, base, chosen, root, text_values=args.values is not None
-        )
+        if args.report_only:
+            records = [{"label": v.label, "dir": root / v.label.replace("/", "_")} for v in chosen]
+        else:
+            records = run_ablation(
+                args.ablation, exp, base, chosen, root, text_values=args.values is not None
+            )
     except (cli.CLIError, *exp.user_errors) as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
