@@ -159,6 +159,7 @@ def _summary(rec: dict) -> dict:
         "step_time_ms": 1e3 * statistics.median(times) if times else None,
         "wall_s": train[-1]["step"] / train[-1]["steps_per_s"] if train else None,
         "curve": [(r["step"], r["loss"]) for r in train],
+        "live": [(r["step"], r["live_params"]) for r in train],
     }
 
 
@@ -206,7 +207,9 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
     lines += ["", f"![{name}]({png.name})", ""]
     out.write_text("\n".join(lines))
     (out.with_suffix(".json")).write_text(
-        json.dumps([{k: v for k, v in r.items() if k != "curve"} for r in rows], indent=1)
+        json.dumps(
+            [{k: v for k, v in r.items() if k not in ("curve", "live")} for r in rows], indent=1
+        )
     )
     return out
 
@@ -217,7 +220,7 @@ def _plot(name: str, rows: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = 2 if name == "contraction" else 1
+    panels = 2
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4), squeeze=False)
     ax = axes[0][0]
     for r in rows:
@@ -225,10 +228,16 @@ def _plot(name: str, rows: list[dict], png: Path) -> None:
         ax.plot(steps, losses, label=r["label"], lw=1.2)
     ax.set(xlabel="step", ylabel="train loss", title=f"{name}: loss curves")
     ax.legend(fontsize=8)
+    ax = axes[0][1]
     if name == "contraction":
-        ax = axes[0][1]
         ax.bar([r["label"] for r in rows], [r["step_time_ms"] for r in rows], color="tab:blue")
         ax.set(ylabel="median step time (ms)", title="step time per strategy")
+    else:
+        for r in rows:
+            steps, live = zip(*r["live"], strict=True) if r["live"] else ((), ())
+            ax.plot(steps, live, label=r["label"], lw=1.2)
+        ax.set(xlabel="step", ylabel="live parameters", title=f"{name}: model size")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

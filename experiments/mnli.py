@@ -117,6 +117,7 @@ def preset(name: str, run_dir: str | None = None) -> Preset:
                 comera=ComeraConfig(
                     gamma=0.05,
                     tau=0.05,
+                    prune_rule="contribution",  # robust to the gate/core scale symmetry
                     reg_start_step=1000,
                     early_steps=2000,
                     prune_every=50,
