@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import shutil
 import statistics
 import sys
 from collections.abc import Callable
@@ -131,6 +132,7 @@ def run_ablation(
         for key, value in v.overrides:
             cfg = cli.set_field(cfg, key, value, text=text_values, label=f"--values {value}")
         run_dir = runs_root / v.label.replace("/", "_")
+        shutil.rmtree(run_dir, ignore_errors=True)  # the ablation's own output: rerun afresh
         over = [("train.run_dir", str(run_dir)), ("train.wandb_group", group)]
         over.append(("train.run_name", f"{name}:{v.label}"))
         if name == "contraction":  # every step's loss: step 1 is the equivalence check

@@ -23,7 +23,7 @@ import time
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,9 @@ RESUME_MUTABLE = frozenset(
 )
 
 
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints")  # a run dir already in use
+
+
 class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
@@ -88,7 +91,6 @@ class Experiment:
     user_errors: tuple[type[BaseException], ...] = ()
     description: str = ""
     epilog: str = ""
-    extra_info: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- typed config
@@ -230,16 +232,6 @@ def apply_overrides(cfg: Any, overrides: list[tuple[str, Any]], sets: list[str])
             raise CLIError(f"--set {item!r}: expected KEY=VALUE, e.g. train.steps=40")
         cfg = set_field(cfg, key.strip(), text, text=True, label=f"--set {item}")
     return cfg
-
-
-def flat_keys(cfg: Any, prefix: str = "") -> list[str]:
-    """Every settable dotted key of a config (for help and error messages)."""
-    out = []
-    for name in _fields(cfg):
-        value = getattr(cfg, name)
-        key = f"{prefix}{name}"
-        out += flat_keys(value, key + ".") if dataclasses.is_dataclass(value) else [key]
-    return out
 
 
 # ----------------------------------------------------------------------------- the parser
@@ -413,6 +405,12 @@ def prepare(
 
     Everything that can fail on bad input (files, columns, labels, hub, checkpoint) fails
     here, before any training."""
+    run_dir = Path(cfg.train.run_dir)
+    if not resume and any((run_dir / f).exists() for f in RUN_FILES):
+        raise CLIError(
+            f"{run_dir} already holds a run; continue it with --resume {run_dir}, or give "
+            "another --run-dir (nothing there is overwritten)"
+        )
     rank, world = init_distributed(cfg.train.device)
     task, params, state, reference, info = exp.build(cfg, rank, world)
     layers = [path for path, _, _ in iter_tt(params, state)]

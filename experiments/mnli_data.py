@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch
 from tokenizers import Tokenizer, processors
 
 # The generated task lives in its own module; its names stay importable from here.
+from experiments.mnli_batches import BatchIterator, eval_batches  # noqa: F401
 from experiments.mnli_generated import (  # noqa: F401
     GENERATED_WORDS,
     SPECIAL_TOKENS,
@@ -387,121 +386,3 @@ def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
         pad_id=pad_id,
         tokenizer_path_or_name=tok_name,
     )
-
-
-# ---------------------------------------------------------------- batching
-
-
-class BatchIterator:
-    """Endless, deterministic batches over `split`, epoch after epoch, for one rank.
-
-    Epoch e visits `randperm(N, seed + e)` in global batches of `batch_size`; rank r of
-    `world_size` takes the r-th contiguous slice, so the ranks' union is the single-process
-    batch in order. The position is `state_dict()`: a few integers, valid at any world size.
-    """
-
-    def __init__(
-        self,
-        split: EncodedSplit,
-        batch_size: int,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
-        if batch_size < 1 or batch_size % world_size:
-            raise ValueError(
-                f"batch_size={batch_size} (global) must be a positive multiple of "
-                f"world_size={world_size}; round it to a multiple"
-            )
-        if not drop_last and world_size > 1:
-            raise ValueError(
-                "drop_last=False with world_size>1 gives ranks unequal last batches; "
-                "use drop_last=True for training (eval_batches for evaluation)"
-            )
-        self.split, self.batch_size, self.seed, self.shuffle = split, batch_size, seed, shuffle
-        self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
-        self.n = len(split)
-        self.steps_per_epoch = self.n // batch_size if drop_last else math.ceil(self.n / batch_size)
-        if self.steps_per_epoch == 0:
-            raise ValueError(
-                f"split of {self.n} examples is smaller than batch_size={batch_size}"
-                " with drop_last=True; lower batch_size"
-            )
-        self.epoch = self.batch_in_epoch = 0
-        self._order: tuple[int, torch.Tensor] | None = None  # cache of (epoch, permutation)
-
-    def _epoch_order(self) -> torch.Tensor:
-        if self._order is None or self._order[0] != self.epoch:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed + self.epoch)
-                order = torch.randperm(self.n, generator=g)
-            else:
-                order = torch.arange(self.n)
-            self._order = (self.epoch, order)
-        return self._order[1]
-
-    def __iter__(self) -> BatchIterator:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        start = self.batch_in_epoch * self.batch_size
-        glob = self._epoch_order()[start : start + self.batch_size]  # (B,)
-        per_rank = len(glob) // self.world_size
-        local = glob[self.rank * per_rank : (self.rank + 1) * per_rank]  # (B / world_size,)
-        self.batch_in_epoch += 1
-        if self.batch_in_epoch == self.steps_per_epoch:
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        return self.split.batch(local)
-
-    def epoch_batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The batches left in the current epoch (all of it when at its start)."""
-        for _ in range(self.steps_per_epoch - self.batch_in_epoch):
-            yield next(self)
-
-    def state_dict(self) -> dict[str, int]:
-        """Position of the next batch: JSON-able, independent of rank and world size."""
-        return {
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "seed": self.seed,
-            "n": self.n,
-            "batch_size": self.batch_size,
-        }
-
-    rescalable = True  # the position is global: every rank saved the same one
-
-    def load_state_dict(self, state: dict[str, int] | list[dict[str, int]]) -> None:
-        """Resume so the next batch is the one an uninterrupted run would yield next.
-
-        Takes this iterator's state, or every saved rank's (any old world size): they hold
-        one global position, which is checked."""
-        if isinstance(state, list):
-            if not state or any(s != state[0] for s in state):
-                raise ValueError("BatchIterator: the saved ranks disagree on the position")
-            state = state[0]
-        for key, mine in (("n", self.n), ("seed", self.seed), ("batch_size", self.batch_size)):
-            if key in state and int(state[key]) != mine:
-                raise ValueError(
-                    f"BatchIterator state has {key}={state[key]} but this iterator "
-                    f"has {key}={mine}; resume with the same data and settings"
-                )
-        epoch, step = int(state["epoch"]), int(state["batch_in_epoch"])
-        if epoch < 0 or not 0 <= step < self.steps_per_epoch:
-            raise ValueError(
-                f"BatchIterator state epoch={epoch}, batch_in_epoch={step} is out of "
-                f"range (steps_per_epoch={self.steps_per_epoch})"
-            )
-        self.epoch, self.batch_in_epoch = epoch, step
-
-
-def eval_batches(split: EncodedSplit, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
-    """All of `split` in order, in batches of `batch_size` (the last may be smaller)."""
-    if batch_size < 1:
-        raise ValueError(f"eval batch_size={batch_size} must be positive")
-    for start in range(0, len(split), batch_size):
-        yield split.batch(torch.arange(start, min(start + batch_size, len(split))))

@@ -247,6 +247,8 @@ def test_cli_argument_errors(tmp_path, capsys):
         == 0
     )
     capsys.readouterr()
+    assert mnli.main(["--set", "train.steps=2", "--run-dir", str(run)]) == 2  # never overwrite
+    assert "already holds a run; continue it with --resume" in _one_error_line(capsys)
     for d in (run / "checkpoints").iterdir():
         (d / "model.pt").write_bytes(b"torn")
     assert mnli.main(["--resume", str(run)]) == 2

@@ -153,6 +153,8 @@ def test_iterator_that_cannot_rescale_is_refused_at_another_world_size(tmp_path)
     (newest / "data_rank00000.json").write_text(text)
     (newest / "data_rank00001.json").write_text(text.replace('"rank": 0', '"rank": 1'))
     torch.save(torch.load(newest / "rank00000.pt", weights_only=False), newest / "rank00001.pt")
+    model = torch.load(newest / "model.pt", weights_only=False)
+    torch.save({**model, "world_size": 2}, newest / "model.pt")
     with pytest.raises(CheckpointError, match="saved by 2 ranks .* _Iter cannot resume"):
         Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
     assert len(read_rank_files(newest, 10)[1]) == 2

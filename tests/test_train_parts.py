@@ -189,3 +189,13 @@ def test_compaction_raises_an_event_for_the_task(tmp_path):
     tr.fit()
     assert len(seen) == len(extra) >= 2  # the stage boundary and the end
     assert seen[-1] == C.bond_ranks(tr.params["lin"]) and extra[-1] == 45
+
+
+def test_stale_rank_files_of_a_larger_world_are_ignored(tmp_path):
+    """A save that died at world 2 left rank-1 files in a folder a world-1 run reuses."""
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    newest = complete_checkpoints(cfg.run_dir)[-1]
+    stale = (newest / "data_rank00000.json").read_text().replace('"rank": 0', '"rank": 1')
+    (newest / "data_rank00001.json").write_text(stale.replace('"step": 10', '"step": 3'))
+    assert Trainer(cfg, ToyTask(), *_toy_model(), resume=True).step == 10

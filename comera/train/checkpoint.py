@@ -134,9 +134,16 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict:
     return ckpt
 
 
-def read_rank_files(directory: Path, step: int) -> tuple[list[dict], list[dict]]:
-    """Every saved rank's (RNG, data state), checked complete and tagged with ``step``."""
+def read_rank_files(
+    directory: Path, step: int, world: int | None = None
+) -> tuple[list[dict], list[dict]]:
+    """Every saved rank's (RNG, data state), checked complete and tagged with ``step``.
+
+    ``world`` (the model file's world size) limits the read to ranks ``0..world-1``, so
+    files left by an older save at a larger world size are ignored."""
     data_files = sorted(directory.glob("data_rank*.json"))
+    if world is not None:
+        data_files = [p for p in data_files if int(p.stem.removeprefix("data_rank")) < world]
     if not data_files:
         raise CheckpointError(f"{directory} holds no data_rank*.json; the checkpoint is partial")
     datas = []
@@ -218,7 +225,7 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
                 f"checkpoint in {tr.run_dir} was written with {key}={saved.get(key)}, "
                 f"this run has {key}={getattr(tr.cfg, key)}; resume with the same config"
             )
-    rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"])
+    rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
     it, saved_world = tr.task.train_iter, len(datas)
     if saved_world == tr.world:
         it.load_state_dict(datas[tr.rank]["state"])

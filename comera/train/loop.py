@@ -81,6 +81,8 @@ class Trainer:
             self.on_compact.append(lambda tr: tr.task.on_compaction(tr.params, tr.state))
         if resume:
             ck.restore_trainer(self, ck.load_checkpoint(self.run_dir))
+            for fn in self.on_compact:  # the restored model may be compacted: rebuild
+                fn(self)
         else:
             self.stages.start(self.params, self.state)
             # each rank its own stream (dropout masks differ across the global batch)
@@ -264,11 +266,8 @@ class Trainer:
                     last = {**last, **ev}
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.checkpoint()
-            if not (
-                cfg.checkpoint_every
-                and self.step % cfg.checkpoint_every == 0
-                and steps0 < self.step
-            ):
+            just_saved = bool(cfg.checkpoint_every) and self.step % cfg.checkpoint_every == 0
+            if steps0 < self.step and not just_saved:  # a resumed, finished run saves nothing
                 self.checkpoint()
         finally:
             bar.close()
