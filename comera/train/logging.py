@@ -47,9 +47,7 @@ def truncate_metrics(path: Path, step: int) -> None:
     if not path.is_file():
         return
     keep = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-    os.replace(tmp, path)
+    _replace_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def write_rank_snapshot(
@@ -64,8 +62,13 @@ def write_rank_snapshot(
 
 
 def write_json_atomic(path: Path, data: object) -> None:
+    _replace_text(path, json.dumps(data, indent=1, default=str))
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``text`` beside ``path`` and rename it over: readers never see half a file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
