@@ -13,9 +13,18 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
-__all__ = ["AdamWConfig", "adamw_init", "adamw_step", "leaf_groups"]
+__all__ = [
+    "OPTIMIZERS",
+    "AdamWConfig",
+    "SGDConfig",
+    "adamw_init",
+    "adamw_step",
+    "leaf_groups",
+    "sgd_step",
+]
 
 GROUPS = ("cores", "gates", "rest")
+OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,3 +120,43 @@ def adamw_step(
         torch._foreach_add_(denom, cfg.eps)
         torch._foreach_addcdiv_(ps, m, denom, value=-lr / bc1)
     return {**opt, "step": step, "groups": groups}
+
+
+@dataclass(kw_only=True, slots=True)
+class SGDConfig:
+    """Plain SGD, no momentum or weight decay (the DLRM reference's optimizer, lr 0.1 there).
+
+    ``lr_gates`` lets a CoMERA model under SGD move its rank gates at their own rate;
+    ``None`` uses ``lr``."""
+
+    lr: float = 0.1
+    lr_gates: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or (self.lr_gates is not None and self.lr_gates < 0):
+            raise ValueError(
+                f"SGDConfig: lr must be > 0 and lr_gates None or >= 0, got {self.lr}, "
+                f"{self.lr_gates}"
+            )
+
+
+@torch.no_grad()
+def sgd_step(
+    params: object,
+    grads: list[torch.Tensor | None],
+    opt: dict,
+    cfg: SGDConfig,
+    lr_scale: float = 1.0,
+) -> dict:
+    """One SGD update in place: ``p -= lr * g``. A sparse ``g`` touches only its rows;
+    ``None`` (no gradient) leaves the leaf alone, which for SGD equals a zero gradient."""
+    leaves, _ = tree_flatten(params)
+    if len(leaves) != len(grads):
+        raise ValueError(f"sgd_step: {len(leaves)} params but {len(grads)} grads")
+    groups = opt.get("groups") or leaf_groups(params)
+    for p, g, group in zip(leaves, grads, groups, strict=True):
+        if g is None or not p.numel():
+            continue
+        lr = cfg.lr_gates if group == "gates" and cfg.lr_gates is not None else cfg.lr
+        p.add_(g, alpha=-lr * lr_scale)
+    return {**opt, "step": opt["step"] + 1, "groups": groups}

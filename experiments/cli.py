@@ -420,7 +420,14 @@ def prepare(
     record |= {"experiment": exp.name, "preset": cfg.train.run_name, "argv": argv, **info}
     record = json.loads(json.dumps(record, default=_jsonable))
     trainer = Trainer(
-        cfg.train, task, params, state, resume=resume, extra_config=record, reference_size=reference
+        cfg.train,
+        task,
+        params,
+        state,
+        resume=resume,
+        extra_config=record,
+        reference_size=reference,
+        copy=False,  # built for this run: no model-sized copy
     )
     kind = "dense" if getattr(cfg, "dense", False) else "CoMERA"
     if rank == 0:

@@ -206,7 +206,7 @@ def save_trainer(tr: Any) -> Path:
             "initial_size": tr.initial_size,
             "params": cpu(tr.params),
             "state": cpu(tr.state),
-            "opt": {**tr.opt, "m": cpu(tr.opt["m"]), "v": cpu(tr.opt["v"])},
+            "opt": {k: cpu(v) if k in ("m", "v") else v for k, v in tr.opt.items()},
             "world_size": tr.world,
             "config": tr.config_dict,
         }
@@ -241,7 +241,12 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     to_dev = lambda tree: tree_map(lambda t: t.to(dev), tree)  # noqa: E731
     tr.params = tree_map(lambda t: t.to(dev).requires_grad_(True), ckpt["params"])
     tr.state = to_dev(ckpt["state"])
-    tr.opt = {**ckpt["opt"], "m": to_dev(ckpt["opt"]["m"]), "v": to_dev(ckpt["opt"]["v"])}
+    tr.opt = {k: to_dev(v) if k in ("m", "v") else v for k, v in ckpt["opt"].items()}
+    if ("m" in tr.opt) != (tr.cfg.optimizer == "adamw"):
+        raise CheckpointError(
+            f"checkpoint in {tr.run_dir} holds {'AdamW' if 'm' in tr.opt else 'SGD'} state but "
+            f"this run uses optimizer={tr.cfg.optimizer!r}; resume with the saved optimizer"
+        )
     tr.step = ckpt["step"]
     tr.stages.load_state_dict(ckpt["stages"])
     tr.initial_size = ckpt["initial_size"]

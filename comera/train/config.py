@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from comera.optim import AdamWConfig
+from comera.optim import OPTIMIZERS, AdamWConfig, SGDConfig
 
 __all__ = ["PRUNE_RULES", "REGULARIZERS", "WANDB_MODES", "ComeraConfig", "TrainConfig"]
 
@@ -94,11 +94,15 @@ class TrainConfig:
     ``offline`` otherwise; without the wandb package it is ``disabled`` (said once).
     ``accum_steps``: micro-batches per optimizer step, weighted exactly by their counts.
     ``keep_checkpoints``: how many of the newest checkpoints stay on disk.
+    ``optimizer``: ``"adamw"`` (``optim``, three learning-rate groups) or ``"sgd"`` (``sgd``;
+    keeps no moments, so sparse embedding gradients stay sparse).
     """
 
     steps: int
     run_dir: str
     optim: AdamWConfig = field(default_factory=AdamWConfig)
+    optimizer: str = "adamw"
+    sgd: SGDConfig = field(default_factory=SGDConfig)
     comera: ComeraConfig = field(default_factory=ComeraConfig)
     warmup_steps: int = 0
     schedule: str = "linear"  # linear | cosine | constant decay after warmup
@@ -122,6 +126,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"TrainConfig.steps must be >= 1, got {self.steps}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"TrainConfig.optimizer={self.optimizer!r}; choose one of {OPTIMIZERS}"
+            )
         if self.schedule not in ("linear", "cosine", "constant"):
             raise ValueError(
                 f"TrainConfig.schedule must be linear, cosine or constant, got {self.schedule!r}"

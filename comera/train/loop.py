@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from comera.optim import adamw_init, adamw_step
+from comera.optim import adamw_init, adamw_step, sgd_step
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig
 from comera.train.distributed import broadcast_tensors, rank_world, sum_across_ranks
@@ -37,10 +37,38 @@ class NonFiniteLoss(RuntimeError):
     """The loss or gradient became NaN or inf; the last good checkpoint is left in place."""
 
 
-def _accumulate(into: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
-    for acc, g in zip(into, grads, strict=True):
-        if g is not None:
+def _accumulate(into: list[torch.Tensor | None], grads: tuple[torch.Tensor | None, ...]) -> None:
+    """Add ``grads`` into ``into`` in place; a sparse gradient stays sparse until a dense
+    one joins it."""
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        acc = into[i]
+        if acc is None:
+            into[i] = g
+        elif acc.is_sparse and not g.is_sparse:
+            into[i] = g + acc
+        else:
             acc.add_(g)
+
+
+def _grad_norm(grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """Global L2 norm of dense and (coalesced) sparse gradients."""
+    dense = [g for g in grads if g is not None and not g.is_sparse]
+    parts = [n.float() for n in torch._foreach_norm(dense)] if dense else []
+    parts += [g._values().float().norm() for g in grads if g is not None and g.is_sparse]
+    if not parts:
+        return torch.zeros(())
+    return torch.stack(parts).norm()
+
+
+def _scale(grads: list[torch.Tensor | None], factor: float | torch.Tensor) -> None:
+    dense = [g for g in grads if g is not None and not g.is_sparse]
+    if dense:
+        torch._foreach_mul_(dense, factor)
+    for g in grads:
+        if g is not None and g.is_sparse:
+            g.mul_(factor)
 
 
 class Trainer:
@@ -48,7 +76,9 @@ class Trainer:
 
     ``reference_size`` is what compression is measured against (e.g. the dense model's
     parameter count); by default the model's size at the start. ``on_compact`` holds
-    callbacks run after every compaction (the task's ``on_compaction`` is one)."""
+    callbacks run after every compaction (the task's ``on_compaction`` is one).
+    ``copy=False`` hands the tensors of ``params`` to the trainer, which then updates them
+    in place instead of copying them first (the CLI does this: it built them for the run)."""
 
     def __init__(
         self,
@@ -60,6 +90,7 @@ class Trainer:
         resume: bool = False,
         extra_config: dict | None = None,
         reference_size: int | None = None,
+        copy: bool = True,
     ) -> None:
         self.cfg, self.task = cfg, task
         self.device = torch.device(cfg.device)
@@ -68,10 +99,10 @@ class Trainer:
         self.rank, self.world = rank_world()
         # a copy: the loop updates its parameters in place, never the caller's tensors
         self.params = tree_map(
-            lambda t: t.detach().to(self.device, copy=True).requires_grad_(True), params
+            lambda t: t.detach().to(self.device, copy=copy).requires_grad_(True), params
         )
         self.state = tree_map(lambda t: t.to(self.device), state)
-        self.opt = adamw_init(self.params)
+        self.opt = adamw_init(self.params) if cfg.optimizer == "adamw" else {"step": 0}
         self.step = 0
         self.stages = StageController(cfg.comera, cfg.steps)
         self.config_dict = {"train": dataclasses.asdict(cfg), **(extra_config or {})}
@@ -110,9 +141,15 @@ class Trainer:
     def compact(self) -> None:
         """Prune, then physically remove dead ranks from params and both moments."""
         self.prune()
-        params, state, m, v = compact_tree(self.params, self.state, self.opt["m"], self.opt["v"])
+        if "m" in self.opt:  # AdamW: its moments lose the same ranks
+            params, state, m, v = compact_tree(
+                self.params, self.state, self.opt["m"], self.opt["v"]
+            )
+            self.opt = {**self.opt, "m": m, "v": v}
+        else:
+            params, state = compact_tree(self.params, self.state)
         self.params = tree_map(lambda t: t.detach().requires_grad_(True), params)
-        self.state, self.opt = state, {**self.opt, "m": m, "v": v}
+        self.state = state
         for fn in self.on_compact:
             fn(self)
 
@@ -137,9 +174,14 @@ class Trainer:
 
     def train_step(self, *batches: Any) -> dict:
         """One optimizer step over ``batches`` (micro-batches): exact global mean gradient,
-        the stage's objective, clipping, AdamW. Returns the step's metrics."""
+        the stage's objective, clipping, then AdamW or SGD. Returns the step's metrics.
+
+        Sparse gradients (``F.embedding(..., sparse=True)``) stay sparse in one process
+        under SGD; with several ranks, or under AdamW (whose moments are dense anyway),
+        they are made dense. Missing gradients are zeros, except under single-process SGD
+        where a zero update is skipped rather than allocated."""
         leaves, _ = tree_flatten(self.params)
-        grads = [torch.zeros_like(t) for t in leaves]  # zero-filled: every rank lines up
+        grads: list[torch.Tensor | None] = [None] * len(leaves)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count, metric_sums = 0.0, {}
         for batch in batches:
@@ -151,10 +193,19 @@ class Trainer:
             count += n
             for k, v in metrics.items():  # per-batch means, weighted by the batch's count
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * n
+        keep_sparse = self.world == 1 and self.cfg.optimizer == "sgd"
+        for i, (g, t) in enumerate(zip(grads, leaves, strict=True)):
+            if g is None and not keep_sparse:
+                grads[i] = torch.zeros_like(t)  # every rank lines up
+            elif g is not None and g.is_sparse:
+                grads[i] = g.coalesce() if keep_sparse else g.to_dense()
         keys = sorted(metric_sums)
         extra = torch.tensor([count, *(metric_sums[k] for k in keys)], dtype=torch.float64)
         scalars = torch.cat([loss_sum.reshape(1), extra.to(self.device)])
-        *grads, scalars = sum_across_ranks([*grads, scalars])
+        present = [i for i, g in enumerate(grads) if g is not None]
+        *reduced, scalars = sum_across_ranks([*(grads[i] for i in present), scalars])
+        for i, g in zip(present, reduced, strict=True):
+            grads[i] = g
         loss_total, count, *metric_totals = scalars.cpu().tolist()
         if count <= 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss terms (count 0)")
@@ -162,18 +213,21 @@ class Trainer:
         if not math.isfinite(loss_value):
             raise self._non_finite("loss", loss_value)
         obj = self.stages.objective(self.step + 1, loss_value, self.params, self.state)
-        torch._foreach_mul_(grads, obj.loss_weight / count)
+        _scale(grads, obj.loss_weight / count)
         if obj.param_term is not None:  # the same on every rank: added after the reduction
             _accumulate(grads, torch.autograd.grad(obj.param_term, leaves, allow_unused=True))
-        total = torch.stack([n.float() for n in torch._foreach_norm(grads)]).norm()
+        total = _grad_norm(grads)
         gnorm = float(total)
         if not math.isfinite(gnorm):
             raise self._non_finite("the gradient norm", gnorm)
         if self.cfg.grad_clip:
-            torch._foreach_mul_(grads, (self.cfg.grad_clip / (total + 1e-6)).clamp(max=1.0))
+            _scale(grads, (self.cfg.grad_clip / (total + 1e-6)).clamp(max=1.0))
         self.step += 1
         scale = lr_scale(self.cfg, self.step)
-        self.opt = adamw_step(self.params, grads, self.opt, self.cfg.optim, scale)
+        if self.cfg.optimizer == "sgd":
+            self.opt = sgd_step(self.params, grads, self.opt, self.cfg.sgd, scale)
+        else:
+            self.opt = adamw_step(self.params, grads, self.opt, self.cfg.optim, scale)
         self.stages.observe(loss_value)
         objective = obj.loss_weight * loss_value + (
             float(obj.param_term.detach()) if obj.param_term is not None else 0.0
