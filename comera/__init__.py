@@ -37,6 +37,7 @@ from comera.spec import (
     propose_tt_linear,
     propose_ttm_embedding,
 )
+from comera.table_batched import table_groups, ttm_embedding_batched
 from comera.tensor_train import (
     PRUNE_RULES,
     bond_ranks,
@@ -87,10 +88,12 @@ __all__ = [
     "set_default_plan",
     "summarize",
     "summary_table",
+    "table_groups",
     "to_dense",
     "tt_linear",
     "tt_linear_flops",
     "tt_linear_plan",
     "ttm_embedding",
+    "ttm_embedding_batched",
     "ttm_embedding_flops",
 ]

@@ -117,17 +117,25 @@ def _chain_rows(groups: list[torch.Tensor], digits: list[torch.Tensor]) -> torch
     return acc.reshape(acc.shape[0], acc.shape[1] * acc.shape[2])
 
 
-def _pair_cores(cores: list[torch.Tensor]) -> list[torch.Tensor]:
+def _pair_cores(cores: list[torch.Tensor], n_rows: int | None = None) -> list[torch.Tensor]:
     """Pre-contract neighbouring cores two by two: ``(r, v, d, s), (s, w, e, t)`` ->
-    ``(r, v*w, d*e, t)``. The merged cores are small (vocab factors stay below ~400)."""
-    out = []
-    for k in range(0, len(cores) - 1, 2):
-        a, b = cores[k], cores[k + 1]
-        merged = oe.contract("avdb,bwec->avwdec", a, b, backend="torch")
-        r, v, w, d, e, t = merged.shape
-        out.append(merged.reshape(r, v * w, d * e, t))
-    if len(cores) % 2:
-        out.append(cores[-1])
+    ``(r, v*w, d*e, t)``.
+
+    A pair is merged only when the merged table has at most ``n_rows`` rows (all pairs
+    when ``None``): merging costs ``v*w`` rows once, so it pays when more rows than that
+    are looked up, and a 10M-row table looked up 10k times is better left as a chain."""
+    out, k = [], 0
+    while k < len(cores):
+        if k + 1 < len(cores) and (
+            n_rows is None or cores[k].shape[1] * cores[k + 1].shape[1] <= n_rows
+        ):
+            merged = oe.contract("avdb,bwec->avwdec", cores[k], cores[k + 1], backend="torch")
+            r, v, w, d, e, t = merged.shape
+            out.append(merged.reshape(r, v * w, d * e, t))
+            k += 2
+        else:
+            out.append(cores[k])
+            k += 1
     return out
 
 
@@ -143,7 +151,8 @@ def ttm_embedding(
 
     ``impl="naive"`` contracts a core chain for every id (duplicates included);
     ``impl="optimized"`` deduplicates ids with ``torch.unique``, pre-contracts core
-    pairs, runs one batched GEMM over the unique rows and gathers back. Both give the
+    pairs (those whose merged table is no larger than the unique rows), runs one batched
+    GEMM per remaining core over the unique rows and gathers back. Both give the
     same values and gradients. With ``spec`` the range check uses the real vocabulary
     size (ids in the padding are rejected) and errors name the layer.
     """
@@ -175,11 +184,12 @@ def ttm_embedding(
     if impl == "naive":
         rows = _chain_rows(g, _digits(flat, vocab_modes))
     else:
-        groups = _pair_cores(g)
-        group_modes = [c.shape[1] for c in groups]
         if batched:  # torch.unique is data dependent: no dedup under vmap
-            rows = _chain_rows(groups, _digits(flat, group_modes))
+            groups = _pair_cores(g)
+            rows = _chain_rows(groups, _digits(flat, [c.shape[1] for c in groups]))
         else:
             uniq, inverse = torch.unique(flat, return_inverse=True)
-            rows = _gather(_chain_rows(groups, _digits(uniq, group_modes)), inverse)
+            groups = _pair_cores(g, len(uniq))
+            rows = _chain_rows(groups, _digits(uniq, [c.shape[1] for c in groups]))
+            rows = _gather(rows, inverse)
     return rows.reshape(*ids.shape, dim)

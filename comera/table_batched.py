@@ -1,0 +1,187 @@
+"""Table-batched TTM lookup: many TTM embedding tables looked up in one pass.
+
+A recommendation model holds dozens of tables; looking each up on its own costs a
+dedup, a digit split and a gather + GEMM per core, per table. Here, as FBGEMM's
+table-batched embeddings do for dense tables, the tables of a group share each of those
+steps:
+
+1. tables are grouped by their number of cores and their dim modes; inside a group
+   core ``k`` of every table is zero-padded to the group's largest ranks and the
+   tables are concatenated along the vocab axis, ``(sum of v, r, d, r')``. Zero rank
+   padding is exact (a padded rank carries zeros on both sides of its bond), so tables
+   with different vocabularies, or compacted to different ranks, stay in one group;
+2. ``(table, id)`` keys of the whole group are deduplicated by one ``torch.unique``;
+3. neighbouring cores are pre-contracted (one small GEMM per table, independent of the
+   batch) when the merged rows of the group are no more than its unique rows, as
+   :func:`comera.ttm_embedding` decides per table;
+4. each remaining core is one gather (row ``offset_t + digit``) and one batched GEMM
+   over all unique rows of all tables; one last gather puts rows in ``(..., T, D)`` order.
+
+Values and gradients equal those of separate :func:`comera.ttm_embedding` calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from comera.layers import _gather, _pair_cores
+from comera.spec import TTMEmbeddingSpec
+from comera.tensor_train import Params, State, gated_cores
+
+__all__ = ["table_groups", "ttm_embedding_batched"]
+
+
+def table_groups(params: Sequence[Params]) -> list[list[int]]:
+    """Indices of the tables that share one batched lookup: same number of cores and the
+    same dim modes (vocab modes and ranks may differ; they are padded)."""
+    keys: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        dims = tuple(int(c.shape[2]) for c in p["cores"])  # type: ignore[union-attr]
+        keys.setdefault(dims, []).append(i)
+    return list(keys.values())
+
+
+def _concat_cores(cores: list[torch.Tensor]) -> torch.Tensor:
+    """One core ``(r, v, d, r')`` per table, in row form ``(v, r, d, r')`` with ranks
+    zero-padded to the largest, concatenated along the vocab axis: ``(sum of v, r, d, r')``."""
+    r = max(c.shape[0] for c in cores)
+    r2 = max(c.shape[3] for c in cores)
+    rows = [
+        F.pad(c, (0, r2 - c.shape[3], 0, 0, 0, 0, 0, r - c.shape[0])).permute(1, 0, 2, 3)
+        for c in cores
+    ]
+    return torch.cat(rows)  # (sum v, r, d, r')
+
+
+def _gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``table[idx]`` for a row-form core ``(V, r, d, r')`` via the embedding kernel."""
+    v, r, d, r2 = table.shape
+    return _gather(table.reshape(v, r * d * r2), idx).reshape(len(idx), r, d, r2)
+
+
+_BLOCK_BYTES = 8 << 20  # gathered core slices per block: cache-sized, not batch-sized
+
+
+def _chain_block(tables: list[torch.Tensor], rows_idx: list[torch.Tensor]) -> torch.Tensor:
+    """Rows for one block of unique rows: gather each core's slices, chain with batched
+    GEMMs -> ``(rows, D)``."""
+    acc = _gather_rows(tables[0], rows_idx[0])  # (U, 1, D_1, r_1)
+    u = acc.shape[0]
+    acc = acc.reshape(u, -1, acc.shape[3])  # (U, D_acc, r)
+    for core, idx in zip(tables[1:], rows_idx[1:], strict=True):
+        sl = _gather_rows(core, idx)  # (U, r, d, r')
+        _, r, d, r2 = sl.shape
+        acc = torch.bmm(acc, sl.reshape(u, r, d * r2)).reshape(u, -1, r2)  # (U, D_acc*d, r')
+    return acc.reshape(u, -1)
+
+
+def _lookup_group(cores_per_table: list[list[torch.Tensor]], ids: torch.Tensor) -> torch.Tensor:
+    """Rows for ``ids (N, T)`` of one group -> ``(N, T, D)``."""
+    n, t = ids.shape
+    ncores = len(cores_per_table[0])
+    modes = tuple(tuple(int(c.shape[1]) for c in cs) for cs in cores_per_table)
+    dev = ids.device
+    vm = torch.tensor(modes, device=dev)  # (T, d)
+    span = int(torch.prod(vm, dim=1).max())  # keys t * span + id are unique
+    keys = (ids + torch.arange(t, device=dev) * span).reshape(-1)  # (N * T,)
+    uniq, inverse = torch.unique(keys, return_inverse=True)
+    tab, row = torch.div(uniq, span, rounding_mode="floor"), uniq % span
+    # each table's own mixed-radix digits, most significant first
+    strides = torch.flip(torch.cumprod(torch.flip(vm, [1]), 1), [1])
+    strides = torch.cat([strides[:, 1:], torch.ones_like(strides[:, :1])], 1)  # (T, d)
+    digits = [
+        torch.div(row, strides[tab, k], rounding_mode="floor") % vm[tab, k] for k in range(ncores)
+    ]
+    tables, rows_idx, k = [], [], 0
+    while k < ncores:
+        mine = [cs[k] for cs in cores_per_table]
+        merged_rows = sum(m[k] * m[k + 1] for m in modes) if k + 1 < ncores else None
+        if merged_rows is not None and merged_rows <= len(uniq):  # merging pays off
+            mine = [_pair_cores([cs[k], cs[k + 1]])[0] for cs in cores_per_table]
+            digit = digits[k] * vm[tab, k + 1] + digits[k + 1]
+            k += 2
+        else:
+            digit = digits[k]
+            k += 1
+        sizes = torch.tensor([c.shape[1] for c in mine], device=dev)
+        tables.append(_concat_cores(mine))
+        rows_idx.append((torch.cumsum(sizes, 0) - sizes)[tab] + digit)
+    u = len(uniq)
+    slice_bytes = max(t[0].numel() for t in tables) * tables[0].element_size()
+    block = max(256, _BLOCK_BYTES // max(slice_bytes, 1))
+    out = [
+        _chain_block(tables, [i[lo : lo + block] for i in rows_idx]) for lo in range(0, u, block)
+    ]
+    acc = torch.cat(out) if len(out) != 1 else out[0]  # (U, D)
+    return _gather(acc, inverse).reshape(n, t, -1)
+
+
+def ttm_embedding_batched(
+    params: Sequence[Params],
+    states: Sequence[State],
+    ids: torch.Tensor,
+    *,
+    specs: Sequence[TTMEmbeddingSpec] | None = None,
+) -> torch.Tensor:
+    """Look up ``ids (..., T)`` (column ``t`` indexes table ``t``) in ``T`` TTM tables at
+    once -> ``(..., T, D)``. Every table must have the same embedding dim ``D``.
+
+    With ``specs`` the range check uses each table's real vocabulary size (ids in the
+    padding are rejected) and errors name the table.
+    """
+    t = len(params)
+    if len(states) != t or (specs is not None and len(specs) != t):
+        raise ValueError(
+            f"ttm_embedding_batched: {t} tables, {len(states)} states"
+            + ("" if specs is None else f", {len(specs)} specs")
+            + "; pass one of each per table"
+        )
+    if ids.shape[-1:] != (t,) or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(
+            f"ttm_embedding_batched: ids must be an integer tensor (..., {t}) with one column "
+            f"per table, got {tuple(ids.shape)} {ids.dtype}"
+        )
+    names = [s.label for s in specs] if specs is not None else [f"table {i}" for i in range(t)]
+    cores = [gated_cores(p, s, n) for p, s, n in zip(params, states, names, strict=True)]
+    dims = {math.prod(int(c.shape[2]) for c in cs) for cs in cores}
+    if len(dims) > 1:
+        raise ValueError(
+            f"ttm_embedding_batched: tables have embedding dims {sorted(dims)}; "
+            "a batched lookup needs one dim (look the others up separately)"
+        )
+    modes = [[int(c.shape[1]) for c in cs] for cs in cores]
+    vocab = [math.prod(m) for m in modes]
+    if specs is not None:
+        vocab = [int(s.num_embeddings) for s in specs]  # type: ignore[arg-type]
+    flat = ids.reshape(-1, t).long()  # (N, T)
+    if flat.numel():
+        limit = torch.tensor(vocab, device=flat.device)
+        bad = (flat < 0) | (flat >= limit)
+        if bool(bad.any()):
+            col = int(bad.any(0).nonzero()[0])
+            value = int(flat[:, col][bad[:, col]][0])
+            raise IndexError(
+                f"ttm_embedding_batched: {names[col]}: id {value} is out of range; ids must "
+                f"be in [0, {vocab[col]})"
+            )
+    parts: list[tuple[list[int], torch.Tensor]] = []
+    for group in table_groups(params):
+        rows = _lookup_group([cores[i] for i in group], flat[:, group])
+        parts.append((group, rows))
+    if len(parts) == 1:
+        out = parts[0][1]
+    else:
+        order = [i for g, _ in parts for i in g]
+        out = torch.cat([r for _, r in parts], 1)[:, _inverse_perm(order)]
+    return out.reshape(*ids.shape, -1)
+
+
+def _inverse_perm(order: list[int]) -> list[int]:
+    inv = [0] * len(order)
+    for pos, i in enumerate(order):
+        inv[i] = pos
+    return inv
