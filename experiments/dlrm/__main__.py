@@ -1,0 +1,5 @@
+"""``python -m experiments.dlrm``."""
+
+from experiments.dlrm.experiment import main
+
+raise SystemExit(main())

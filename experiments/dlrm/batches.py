@@ -1,0 +1,101 @@
+"""Shuffled, resumable, rank-aware batches over rows of a preprocessed Criteo table."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from experiments.dlrm.data import CriteoData
+from loaders.permute import IndexCipher
+
+__all__ = ["RowBatches", "rows_to_batch"]
+
+
+def rows_to_batch(data: CriteoData, rows: np.ndarray) -> dict[str, torch.Tensor]:
+    """Rows (absolute indices) -> ``dense (B, 13)``, ``cat (B, 26)`` int64, ``label (B,)``."""
+    rows = np.asarray(rows, dtype=np.int64)
+    return {
+        "dense": torch.from_numpy(np.ascontiguousarray(data.dense[rows])),
+        "cat": torch.from_numpy(data.cat[rows].astype(np.int64)),
+        "label": torch.from_numpy(data.label[rows].astype(np.float32)),
+    }
+
+
+class RowBatches:
+    """Endless batches over rows ``[lo, hi)`` of ``data``, epoch after epoch, for one rank.
+
+    Epoch ``e`` visits the rows in the order of a keyed bijection (``IndexCipher``, key from
+    seed and epoch): no permutation is stored, whatever the split size. Global batch ``i``
+    is positions ``[i*B, (i+1)*B)``; rank ``r`` of ``world`` takes the ``r``-th contiguous
+    slice, so the ranks together read the single-process batch. The position is
+    ``state_dict()``, a few integers valid at any world size."""
+
+    rescalable = True
+
+    def __init__(
+        self,
+        data: CriteoData,
+        lo: int,
+        hi: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
+        if batch_size < 1 or batch_size % world:
+            raise ValueError(
+                f"batch_size={batch_size} (global) must be a positive multiple of the world "
+                f"size {world}; round it to a multiple (--set batch_size=...)"
+            )
+        self.n = hi - lo
+        if self.n < batch_size:
+            raise ValueError(
+                f"the training split has {self.n} rows, fewer than batch_size={batch_size}; "
+                "lower batch_size or use more data"
+            )
+        self.data, self.lo, self.batch_size, self.seed = data, lo, batch_size, seed
+        self.rank, self.world = rank, world
+        self.steps_per_epoch = self.n // batch_size
+        self.epoch = self.batch_in_epoch = 0
+        self._cipher: tuple[int, IndexCipher] | None = None
+
+    def _order(self) -> IndexCipher:
+        if self._cipher is None or self._cipher[0] != self.epoch:
+            self._cipher = (self.epoch, IndexCipher(self.n, self.seed * 1_000_003 + self.epoch))
+        return self._cipher[1]
+
+    def __iter__(self) -> RowBatches:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        per_rank = self.batch_size // self.world
+        start = self.batch_in_epoch * self.batch_size + self.rank * per_rank
+        rows = self._order()(np.arange(start, start + per_rank)).astype(np.int64) + self.lo
+        self.batch_in_epoch += 1
+        if self.batch_in_epoch == self.steps_per_epoch:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        return rows_to_batch(self.data, np.sort(rows))  # sorted: sequential memmap reads
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "seed": self.seed,
+            "n": self.n,
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """This iterator's saved state, or every saved rank's (one global position)."""
+        if isinstance(state, list):
+            if not state or any(s != state[0] for s in state):
+                raise ValueError("RowBatches: the saved ranks disagree on the position")
+            state = state[0]
+        for key, mine in (("n", self.n), ("seed", self.seed), ("batch_size", self.batch_size)):
+            if int(state[key]) != mine:
+                raise ValueError(
+                    f"RowBatches state has {key}={state[key]} but this run has {key}={mine}; "
+                    "resume with the same data and settings"
+                )
+        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])

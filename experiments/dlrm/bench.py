@@ -1,0 +1,198 @@
+"""One DLRM training step at the Kaggle table sizes, CoMERA vs dense, on CPU.
+
+    python -m experiments.dlrm --bench [--json]
+
+Every variant runs in a fresh process (``python -m experiments.dlrm.bench --variant V``)
+so its peak RSS is its own: the figure is the peak resident memory above the process's
+baseline taken before the model is built. Variants, all through the shared trainer's
+``train_step`` with the experiment's task (what training runs):
+
+- ``comera``: TTM tables (d=4, rank 32) above 10,000 rows, TT ``bottom.1``/``top.1``,
+  AdamW, table-batched lookup, CoMERA early stage (gate regularizer on);
+- ``dense_sgd``: the reference's training: dense tables, SGD with sparse gradients;
+- ``dense_adam``: dense tables under the shared AdamW (dense gradients and moments).
+
+Batch 10,000; ids drawn per table as ``floor(n * u**3)`` (a heavy head, as Criteo's are);
+step time is the median of the timed steps after one warm-up step. The lookup
+comparison (``embedding_time_ratio_batched_vs_separate``) times the embedding stage
+alone, forward and backward, table-batched vs one call per table, in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+__all__ = ["main", "run_variant"]
+
+BATCH = 10_000
+VARIANTS = ("comera", "dense_sgd", "dense_adam")
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _batch(cards: tuple[int, ...], n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    cat = torch.stack([(torch.rand(n, generator=g) ** 3 * c).long() for c in cards], 1)
+    return {
+        "dense": torch.rand(n, 13, generator=g) * 5,
+        "cat": cat.clamp_max(torch.tensor(cards) - 1),
+        "label": (torch.rand(n, generator=g) < 0.25).float(),
+    }
+
+
+def run_variant(variant: str, steps: int = 3) -> dict:
+    """Build the Kaggle-size model of ``variant``, take ``steps + 1`` training steps."""
+    from comera.optim import AdamWConfig
+    from comera.train import ComeraConfig, TrainConfig, Trainer
+    from experiments.dlrm.model import DLRMConfig, dense_param_count, init_dlrm
+    from experiments.dlrm.task import DLRMTask
+
+    torch.manual_seed(0)
+    base = _rss_mb()
+    dense = variant != "comera"
+    model = DLRMConfig(tt=not dense)
+    batch = _batch(model.cardinalities, BATCH)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TrainConfig(
+            steps=1000,
+            run_dir=tmp,
+            optimizer="sgd" if variant == "dense_sgd" else "adamw",
+            optim=AdamWConfig(lr_cores=1e-3, lr_gates=1e-3, lr_rest=1e-3, weight_decay=0.0),
+            comera=ComeraConfig(enabled=not dense, early_steps=500),
+            grad_clip=None,
+            wandb="disabled",
+            progress=False,
+        )
+        t0 = time.perf_counter()
+        params, state = init_dlrm(model, generator=torch.Generator().manual_seed(0))
+        init_s = time.perf_counter() - t0
+        task = DLRMTask(model, None, None, sparse=variant == "dense_sgd")  # type: ignore[arg-type]
+        trainer = Trainer(cfg, task, params, state, copy=False)
+        del params, state
+        times = []
+        for _ in range(steps + 1):
+            t = time.perf_counter()
+            trainer.train_step(batch)
+            times.append(time.perf_counter() - t)
+        import comera as C
+
+        size = C.param_count(trainer.params)
+    return {
+        "variant": variant,
+        "params": size,
+        "compression": dense_param_count(model) / size,
+        "step_time_s": statistics.median(times[1:]),
+        "peak_rss_mb": _peak_mb() - base,
+        "init_s": init_s,
+    }
+
+
+def embedding_times(repeats: int = 5) -> dict:
+    """Forward + backward of the embedding stage: table-batched vs one call per table."""
+    import dataclasses
+
+    from experiments.dlrm.model import DLRMConfig, embed, init_dlrm, table_specs
+
+    model = DLRMConfig()
+    params, state = init_dlrm(model, generator=torch.Generator().manual_seed(0))
+    leaves = [
+        t.requires_grad_()
+        for tab in params["tables"].values()
+        for v in tab.values()
+        for t in (v if isinstance(v, list) else [v])
+    ]
+    cat = _batch(model.cardinalities, BATCH)["cat"]
+    specs = table_specs(model)
+    out = {}
+    variants = {
+        "batched": dataclasses.replace(model, batched_lookup=True),
+        "separate": dataclasses.replace(model, batched_lookup=False),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats + 1):
+        for name, cfg in variants.items():
+            t = time.perf_counter()
+            rows = embed(cfg, params, state, cat, sparse=True, specs=specs)
+            torch.autograd.grad(rows.sum(), leaves, allow_unused=True)
+            times[name].append(time.perf_counter() - t)
+    for name, ts in times.items():
+        out[f"embedding_{name}_s"] = statistics.median(ts[1:])
+    return out
+
+
+def main(json_out: bool = False) -> int:
+    """Run every variant in a fresh process, then the lookup comparison; print figures."""
+    results = {}
+    for v in VARIANTS:
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments.dlrm.bench", "--variant", v],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode:
+            print(proc.stderr, file=sys.stderr)
+            raise SystemExit(f"dlrm bench: variant {v} failed (exit {proc.returncode})")
+        results[v] = json.loads(proc.stdout.strip().splitlines()[-1])
+    emb = embedding_times()
+    c, d, a = results["comera"], results["dense_sgd"], results["dense_adam"]
+    figures = {
+        "batch": BATCH,
+        "compression_ratio": c["compression"],
+        "peak_memory_ratio_vs_dense": c["peak_rss_mb"] / d["peak_rss_mb"],
+        "peak_memory_ratio_vs_dense_adam": c["peak_rss_mb"] / a["peak_rss_mb"],
+        "step_time_ratio_vs_dense": c["step_time_s"] / d["step_time_s"],
+        "embedding_time_ratio_batched_vs_separate": emb["embedding_batched_s"]
+        / emb["embedding_separate_s"],
+        **emb,
+        "variants": results,
+        "threads": torch.get_num_threads(),
+    }
+    if json_out:
+        print(json.dumps(figures, indent=1))
+    else:
+        print(f"DLRM step at Kaggle table sizes, batch {BATCH}, CPU ({figures['threads']} threads)")
+        print("| variant | params | compression | step time (s) | peak RSS above baseline (MB) |")
+        print("|---|---|---|---|---|")
+        for r in results.values():
+            print(
+                f"| {r['variant']} | {r['params']:,} | {r['compression']:.1f}x | "
+                f"{r['step_time_s']:.3f} | {r['peak_rss_mb']:.0f} |"
+            )
+        for k in (
+            "compression_ratio",
+            "peak_memory_ratio_vs_dense",
+            "peak_memory_ratio_vs_dense_adam",
+            "step_time_ratio_vs_dense",
+            "embedding_time_ratio_batched_vs_separate",
+        ):
+            print(f"{k}: {figures[k]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", choices=VARIANTS)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(args.variant)))
+    else:
+        raise SystemExit(main(json_out=args.json))

@@ -1,0 +1,400 @@
+"""Criteo Kaggle display-ads data: raw TSV -> a cached, memory-mapped, preprocessed table.
+
+Input: ``train.txt`` as Criteo ships it: tab-separated, no header, 40 fields per line:
+``label`` (0/1), ``I1..I13`` (integers, may be empty or negative), ``C1..C26`` (hex hashes
+of up to 8 digits, may be empty).
+
+Preprocessing, as the facebookresearch/dlrm reference does it:
+
+- dense: ``max(x, 0)``, then ``log(1 + x)``; missing -> 0;
+- categorical: an empty field is hash 0 (as the reference parses it); each column's hashes
+  map to contiguous ids in ascending hash order (deterministic and independent of row
+  order, where the reference numbers them by first occurrence). With ``min_count > 1``
+  values seen fewer times share id 0; with ``max_ind_range > 0`` the id is
+  ``hash % max_ind_range`` instead (the reference's ``--max-ind-range``, no vocabulary);
+- split by line count into ``days`` (7) equal days: the first 6 train, the 7th is halved,
+  first half test, second half validation (the reference's split).
+
+Two passes, bounded memory: pass 1 streams the text once through pyarrow's CSV reader
+(C++, multi-threaded) into raw binary columns; pass 2 builds each column's vocabulary
+from its binary column (one column in memory at a time). The result is cached under a
+fingerprint of the file (size and sampled content) and the settings: built in a
+temporary folder, renamed into place when complete, so a crash never leaves a cache
+that is half used. Bad input is reported with file, line number and field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "CAT_COLUMNS",
+    "DENSE_COLUMNS",
+    "CriteoData",
+    "CriteoDataConfig",
+    "CriteoFormatError",
+    "load_criteo",
+]
+
+DENSE_COLUMNS = tuple(f"I{i}" for i in range(1, 14))
+CAT_COLUMNS = tuple(f"C{i}" for i in range(1, 27))
+COLUMNS = ("label", *DENSE_COLUMNS, *CAT_COLUMNS)
+CACHE_VERSION = 1
+_HEX = np.full(256, 255, dtype=np.uint8)
+for _i, _c in enumerate(b"0123456789abcdef"):
+    _HEX[_c] = _i
+for _i, _c in enumerate(b"ABCDEF"):
+    _HEX[_c] = 10 + _i
+
+
+class CriteoFormatError(ValueError):
+    """The file is not in Criteo's format; the message names file, line and field."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CriteoDataConfig:
+    """Where the data is and how to preprocess it.
+
+    ``path``: a Criteo-format file, or ``"generated"`` for the planted-signal file
+    (:mod:`experiments.dlrm.generate`, ``generated_rows`` rows, written into the cache).
+    ``cache_dir``: where preprocessed tables live (default ``$COMERA_CACHE/criteo``, or
+    ``~/.cache/comera/criteo``). ``eval_rows``: cap on the rows scored per evaluation
+    (None: the whole split)."""
+
+    path: str = "generated"
+    cache_dir: str | None = None
+    max_ind_range: int = 0
+    min_count: int = 1
+    days: int = 7
+    generated_rows: int = 120_000
+    eval_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_ind_range < 0 or self.min_count < 1 or self.days < 2:
+            raise ValueError(
+                f"CriteoDataConfig: need max_ind_range >= 0, min_count >= 1, days >= 2; got "
+                f"{self.max_ind_range}, {self.min_count}, {self.days} (--set data.*)"
+            )
+        if self.path == "generated" and self.generated_rows < 100:
+            raise ValueError(f"data.generated_rows={self.generated_rows} must be >= 100")
+        if self.eval_rows is not None and self.eval_rows < 1:
+            raise ValueError(f"data.eval_rows={self.eval_rows} must be None or >= 1")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_line(line: str, path: str | Path, lineno: int) -> None:
+    """Raise :class:`CriteoFormatError` naming the first bad field of one line."""
+    fields = line.rstrip("\n").rstrip("\r").split("\t")
+    where = f"{path}, line {lineno}"
+    if len(fields) != 40:
+        raise CriteoFormatError(
+            f"{where}: expected 40 tab-separated fields (label, I1..I13, C1..C26), got "
+            f"{len(fields)}; is this a Criteo Kaggle train.txt?"
+        )
+    if fields[0] not in ("0", "1"):
+        raise CriteoFormatError(f"{where}, field label: expected 0 or 1, got {fields[0]!r}")
+    for name, value in zip(DENSE_COLUMNS, fields[1:14], strict=True):
+        if value:
+            try:
+                int(value)
+            except ValueError:
+                raise CriteoFormatError(
+                    f"{where}, field {name}: expected an integer or nothing, got {value!r}"
+                ) from None
+    for name, value in zip(CAT_COLUMNS, fields[14:], strict=True):
+        if len(value) > 8 or any(c not in "0123456789abcdefABCDEF" for c in value):
+            raise CriteoFormatError(
+                f"{where}, field {name}: expected a hex hash of up to 8 digits, got {value!r}"
+            )
+
+
+def check_head(path: Path, lines: int = 50) -> None:
+    """Validate the first lines before any heavy work: a non-Criteo file fails here."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        n = 0
+        for n, line in enumerate(f, 1):
+            check_line(line, path, n)
+            if n >= lines:
+                break
+    if n == 0:
+        raise CriteoFormatError(f"{path}: the file is empty")
+
+
+def _locate_error(path: Path, start_row: int, detail: str) -> CriteoFormatError:
+    """The fast reader failed somewhere at or after ``start_row``: find the line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if n > start_row:
+                try:
+                    check_line(line, path, n)
+                except CriteoFormatError as e:
+                    return e
+    return CriteoFormatError(f"{path}: unreadable after row {start_row}: {detail}")
+
+
+# --------------------------------------------------------------------------- pass 1
+
+
+def _hex_to_u32(col: object) -> np.ndarray:
+    """A pyarrow string column of hex hashes (empty = 0) -> uint32; 255 marks bad digits."""
+    import pyarrow.compute as pc
+
+    padded = pc.utf8_lpad(pc.fill_null(col, ""), 8, "0")
+    if pc.max(pc.utf8_length(padded)).as_py() not in (8, None):
+        raise ValueError("a hash longer than 8 digits")
+    arr = padded.combine_chunks() if hasattr(padded, "combine_chunks") else padded
+    n = len(arr)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint32)
+    start = arr.offset * 8
+    raw = np.frombuffer(arr.buffers()[2], dtype=np.uint8)[start : start + 8 * n].reshape(n, 8)
+    nib = _HEX[raw]
+    if (nib == 255).any():
+        raise ValueError("a non-hex digit")
+    out = np.zeros(n, dtype=np.uint32)
+    for k in range(8):
+        out = (out << np.uint32(4)) | nib[:, k].astype(np.uint32)
+    return out
+
+
+def _read_raw(path: Path, out: Path, progress: bool) -> int:
+    """Pass 1: text -> ``label.u8``, ``dense.f32`` (N, 13), ``hash.u32`` (N, 26)."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    from tqdm.auto import tqdm
+
+    types = {"label": pa.int8(), **dict.fromkeys(DENSE_COLUMNS, pa.int64())}
+    types |= dict.fromkeys(CAT_COLUMNS, pa.string())
+    reader = pcsv.open_csv(
+        path,
+        read_options=pcsv.ReadOptions(column_names=list(COLUMNS), block_size=16 << 20),
+        parse_options=pcsv.ParseOptions(delimiter="\t", quote_char=False),
+        convert_options=pcsv.ConvertOptions(
+            column_types=types, null_values=[""], strings_can_be_null=False
+        ),
+    )
+    rows = 0
+    bar = tqdm(
+        desc=f"criteo pass 1/2 {path.name}",
+        unit="rows",
+        unit_scale=True,
+        disable=not progress,
+        mininterval=1.0,
+    )
+    with (
+        open(out / "label.u8", "wb") as f_label,
+        open(out / "dense.f32", "wb") as f_dense,
+        open(out / "hash.u32", "wb") as f_hash,
+    ):
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            except pa.ArrowInvalid as e:
+                raise _locate_error(path, rows, str(e).splitlines()[0]) from None
+            n = batch.num_rows
+            try:
+                label = batch.column(0).to_numpy(zero_copy_only=False)
+                if ((label != 0) & (label != 1)).any():
+                    raise ValueError("a label other than 0/1")
+                dense = np.empty((n, 13), dtype=np.float32)
+                for j in range(13):
+                    col = batch.column(1 + j).fill_null(0).to_numpy().astype(np.float64)
+                    dense[:, j] = np.log1p(np.maximum(col, 0.0))
+                hashes = np.empty((n, 26), dtype=np.uint32)
+                for j in range(26):
+                    hashes[:, j] = _hex_to_u32(batch.column(14 + j))
+            except ValueError as e:
+                raise _locate_error(path, rows, str(e)) from None
+            f_label.write(label.astype(np.uint8).tobytes())
+            f_dense.write(dense.tobytes())
+            f_hash.write(hashes.tobytes())
+            rows += n
+            bar.update(n)
+    bar.close()
+    return rows
+
+
+# --------------------------------------------------------------------------- pass 2
+
+
+def _build_ids(out: Path, rows: int, cfg: CriteoDataConfig, progress: bool) -> list[int]:
+    """Pass 2: per column, hashes -> contiguous ids (``cat.i32``); returns cardinalities."""
+    from tqdm.auto import tqdm
+
+    hashes = np.memmap(out / "hash.u32", dtype=np.uint32, mode="r", shape=(rows, 26))
+    ids = np.memmap(out / "cat.i32", dtype=np.int32, mode="w+", shape=(rows, 26))
+    cards = []
+    for j in tqdm(range(26), desc="criteo pass 2/2 vocabularies", disable=not progress):
+        col = np.ascontiguousarray(hashes[:, j])
+        if cfg.max_ind_range:
+            ids[:, j] = (col % np.uint32(cfg.max_ind_range)).astype(np.int32)
+            cards.append(cfg.max_ind_range)
+            continue
+        uniq, inverse, counts = np.unique(col, return_inverse=True, return_counts=True)
+        if cfg.min_count > 1:  # rare values share id 0
+            keep = counts >= cfg.min_count
+            remap = np.where(keep, np.cumsum(keep), 0).astype(np.int32)
+            ids[:, j] = remap[inverse]
+            cards.append(int(keep.sum()) + 1)
+        else:
+            ids[:, j] = inverse.astype(np.int32)
+            cards.append(len(uniq))
+    ids.flush()
+    del hashes
+    (out / "hash.u32").unlink()
+    return cards
+
+
+def _splits(rows: int, days: int) -> dict[str, tuple[int, int]]:
+    """The reference's split by line count: days-1 train days, the last halved."""
+    per, extra = divmod(rows, days)
+    ends = np.cumsum([per + (1 if d < extra else 0) for d in range(days)])
+    train_end = int(ends[-2])
+    test_end = train_end + (rows - train_end + 1) // 2  # np.array_split: first half larger
+    return {"train": (0, train_end), "test": (train_end, test_end), "val": (test_end, rows)}
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def fingerprint(path: Path, cfg: CriteoDataConfig) -> str:
+    """Size, head, tail and 16 evenly spaced samples of the file, plus the settings:
+    a changed file or setting gets a new cache; reading 11 GB is not needed to know."""
+    h = hashlib.blake2b(digest_size=16)
+    size = path.stat().st_size
+    h.update(f"{CACHE_VERSION}|{size}|{cfg.max_ind_range}|{cfg.min_count}|{cfg.days}".encode())
+    with open(path, "rb") as f:
+        for pos in [0, max(0, size - (1 << 20))] + [size * k // 17 for k in range(1, 17)]:
+            f.seek(pos)
+            h.update(f.read(1 << 20 if pos in (0, max(0, size - (1 << 20))) else 1 << 16))
+    return h.hexdigest()
+
+
+def _cache_root(cfg: CriteoDataConfig) -> Path:
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir)
+    base = os.environ.get("COMERA_CACHE") or Path.home() / ".cache" / "comera"
+    return Path(base) / "criteo"
+
+
+@dataclass
+class CriteoData:
+    """A preprocessed Criteo table: memory-mapped columns and the split boundaries."""
+
+    root: Path
+    label: np.ndarray  # (N,) uint8
+    dense: np.ndarray  # (N, 13) float32, log(1 + max(x, 0))
+    cat: np.ndarray  # (N, 26) int32, contiguous ids per column
+    cardinalities: list[int]
+    splits: dict[str, tuple[int, int]]
+    meta: dict
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+
+def _open(root: Path) -> CriteoData:
+    meta = json.loads((root / "meta.json").read_text())
+    n = meta["rows"]
+    return CriteoData(
+        root=root,
+        label=np.memmap(root / "label.u8", dtype=np.uint8, mode="r", shape=(n,)),
+        dense=np.memmap(root / "dense.f32", dtype=np.float32, mode="r", shape=(n, 13)),
+        cat=np.memmap(root / "cat.i32", dtype=np.int32, mode="r", shape=(n, 26)),
+        cardinalities=list(meta["cardinalities"]),
+        splits={k: tuple(v) for k, v in meta["splits"].items()},
+        meta=meta,
+    )
+
+
+def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> CriteoData:
+    """The cached table for ``path`` under ``cfg``'s settings, built if missing."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"Criteo file {path} does not exist or is not a file; pass a Criteo-format "
+            "train.txt with --data PATH"
+        )
+    check_head(path)
+    fp = fingerprint(path, cfg)
+    root = _cache_root(cfg) / fp
+    if (root / "meta.json").is_file():
+        return _open(root)
+    if root.exists():  # no meta.json: never completed; rebuild
+        shutil.rmtree(root)
+    tmp = root.with_name(f"{fp}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        t0 = time.perf_counter()
+        rows = _read_raw(path, tmp, progress)
+        if rows < cfg.days * 2:
+            raise CriteoFormatError(
+                f"{path}: {rows} rows cannot be split into {cfg.days} days; need at least "
+                f"{cfg.days * 2}"
+            )
+        cards = _build_ids(tmp, rows, cfg, progress)
+        label = np.memmap(tmp / "label.u8", dtype=np.uint8, mode="r", shape=(rows,))
+        meta = {
+            "format": "comera.criteo",
+            "version": CACHE_VERSION,
+            "source": str(path.resolve()),
+            "fingerprint": fp,
+            "rows": rows,
+            "cardinalities": cards,
+            "splits": _splits(rows, cfg.days),
+            "base_rate": float(label.mean(dtype=np.float64)),
+            "settings": {
+                "max_ind_range": cfg.max_ind_range,
+                "min_count": cfg.min_count,
+                "days": cfg.days,
+            },
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        del label
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(root)
+        except OSError:  # another process finished the same cache first
+            if not (root / "meta.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _open(root)
+
+
+def load_criteo(cfg: CriteoDataConfig, *, progress: bool = True) -> CriteoData:
+    """The preprocessed data ``cfg`` names: a Criteo file, or the generated one."""
+    if cfg.path == "generated":
+        from experiments.dlrm.generate import write_generated
+
+        root = _cache_root(cfg)
+        path = root / f"generated-{cfg.generated_rows}.txt"
+        if not path.is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+            write_generated(tmp, cfg.generated_rows)
+            os.replace(tmp, path)
+        return preprocess(path, cfg, progress=progress)
+    return preprocess(Path(cfg.path), cfg, progress=progress)
+
+
+def entropy(p: float) -> float:
+    """Binary entropy in nats (the log loss of always predicting the base rate)."""
+    if p <= 0 or p >= 1:
+        return 0.0
+    return -(p * math.log(p) + (1 - p) * math.log(1 - p))

@@ -1,0 +1,235 @@
+"""DLRM as pure functions over a params pytree, dense or tensor-compressed.
+
+The Criteo Kaggle configuration of facebookresearch/dlrm: 13 dense features through the
+bottom MLP 13-512-256-64-16 (ReLU after every layer); 26 categorical features through
+embedding tables of dim 16; pairwise dot products of the 27 vectors (bottom output and
+26 embeddings, self-products excluded: 351), concatenated with the bottom output (367);
+top MLP 367-512-256-1 (ReLU, then a logit). Tree::
+
+    {"bottom": [layer, ...], "top": [layer, ...], "tables": {"C1": table, ...}}
+
+A dense layer is ``{"weight", "bias"}``, a dense table ``{"weight"}``; in the CoMERA
+model every table with at least ``tt_min_rows`` rows is a TTM (``cores``, ``gates``) and
+the layers named in ``tt_layers`` are TT linears, all with rank gates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import comera as C
+
+__all__ = ["DLRMConfig", "dlrm_logits", "init_dlrm", "table_specs"]
+
+KAGGLE_CARDINALITIES = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class DLRMConfig:
+    """Architecture and compression. ``cardinalities`` come from the data (rows per table).
+
+    ``tt``: False is the dense baseline. ``tt_min_rows``: smaller tables stay dense.
+    ``emb_dim_modes`` factor the embedding dim (4 cores: 2x2x2x2 for 16); vocab modes are
+    proposed per table (padded). ``tt_layers``: MLP layers held as TT (``bottom.1`` is
+    512->256, ``top.1`` 512->256; 367 is prime, so ``top.0`` stays dense).
+    ``batched_lookup``: all TTM tables in one table-batched lookup, else one call each."""
+
+    cardinalities: tuple[int, ...] = KAGGLE_CARDINALITIES
+    dense_features: int = 13
+    emb_dim: int = 16
+    bottom: tuple[int, ...] = (512, 256, 64)
+    top: tuple[int, ...] = (512, 256)
+    tt: bool = True
+    tt_min_rows: int = 10_000
+    emb_dim_modes: tuple[int, ...] = (2, 2, 2, 2)
+    emb_rank: int = 32
+    tt_layers: tuple[str, ...] = ("bottom.1", "top.1")
+    tt_layer_cores: int = 3
+    tt_layer_rank: int = 16
+    batched_lookup: bool = True
+    names: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if len(self.cardinalities) < 1 or min(self.cardinalities) < 1:
+            raise ValueError(f"DLRMConfig.cardinalities must be >= 1, got {self.cardinalities}")
+        if math.prod(self.emb_dim_modes) != self.emb_dim:
+            raise ValueError(
+                f"DLRMConfig.emb_dim_modes {self.emb_dim_modes} multiply to "
+                f"{math.prod(self.emb_dim_modes)}, not emb_dim={self.emb_dim}"
+            )
+        if self.tt_min_rows < 1 or self.emb_rank < 1 or self.tt_layer_rank < 1:
+            raise ValueError("DLRMConfig: tt_min_rows, emb_rank and tt_layer_rank must be >= 1")
+        if not self.names:
+            self.names = tuple(f"C{i + 1}" for i in range(len(self.cardinalities)))
+        layers = self.layer_names()
+        unknown = [n for n in self.tt_layers if n not in layers]
+        if unknown:
+            raise ValueError(
+                f"DLRMConfig.tt_layers names {unknown}, not layers of this model; "
+                f"choose from {layers}"
+            )
+
+    def mlp_sizes(self) -> tuple[list[int], list[int]]:
+        n = len(self.cardinalities) + 1
+        bottom = [self.dense_features, *self.bottom, self.emb_dim]
+        top = [self.emb_dim + n * (n - 1) // 2, *self.top, 1]
+        return bottom, top
+
+    def layer_names(self) -> list[str]:
+        bottom, top = self.mlp_sizes()
+        return [f"bottom.{i}" for i in range(len(bottom) - 1)] + [
+            f"top.{i}" for i in range(len(top) - 1)
+        ]
+
+    def is_ttm(self, i: int) -> bool:
+        return self.tt and self.cardinalities[i] >= self.tt_min_rows
+
+
+def vocab_modes(n: int, d: int) -> tuple[int, ...]:
+    """``d`` vocab modes for ``n`` rows: ``L`` repeated, ``L = ceil(n^(1/d))``, and a last
+    mode just large enough (padding below ``L^(d-1)`` rows). Instant for 10M-row tables,
+    where a search over padded sizes (``comera.propose_modes``) takes about a minute."""
+    big = max(2, math.ceil(n ** (1 / d) - 1e-9))
+    while big**d < n:  # float rounding
+        big += 1
+    last = max(2, -(-n // big ** (d - 1)))
+    return (big,) * (d - 1) + (last,)
+
+
+def table_specs(cfg: DLRMConfig) -> dict[str, C.TTMEmbeddingSpec]:
+    """TTM specs of the compressed tables, by name. Init std matches the reference's
+    ``uniform(-1/sqrt(n), 1/sqrt(n))`` rows: ``1/sqrt(3n)``."""
+    out = {}
+    for i, (name, n) in enumerate(zip(cfg.names, cfg.cardinalities, strict=True)):
+        if cfg.is_ttm(i):
+            d = len(cfg.emb_dim_modes)
+            out[name] = C.TTMEmbeddingSpec(
+                vocab_modes=vocab_modes(n, d),
+                dim_modes=cfg.emb_dim_modes,
+                ranks=cfg.emb_rank,
+                num_embeddings=n,
+                name=f"tables.{name}",
+                std=1 / math.sqrt(3 * n),
+            )
+    return out
+
+
+def _tt_linear_spec(cfg: DLRMConfig, name: str, n_out: int, n_in: int) -> C.TTLinearSpec:
+    return C.propose_tt_linear(
+        n_out, n_in, d=cfg.tt_layer_cores, ranks=cfg.tt_layer_rank, name=name
+    )
+
+
+def init_dlrm(cfg: DLRMConfig, *, generator: torch.Generator) -> tuple[dict, dict]:
+    """Fresh ``(params, state)``. Dense layers as the reference: weights
+    ``N(0, sqrt(2 / (fan_in + fan_out)))``, biases ``N(0, sqrt(1 / fan_out))``."""
+    params: dict = {"bottom": [], "top": [], "tables": {}}
+    state: dict = {"bottom": [], "top": [], "tables": {}}
+    bottom, top = cfg.mlp_sizes()
+    for part, sizes in (("bottom", bottom), ("top", top)):
+        for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+            name = f"{part}.{i}"
+            if cfg.tt and name in cfg.tt_layers:
+                p, s = C.init(_tt_linear_spec(cfg, name, n_out, n_in), generator=generator)
+            else:
+                std_w = math.sqrt(2 / (n_in + n_out))
+                p = {
+                    "weight": torch.randn(n_out, n_in, generator=generator) * std_w,
+                    "bias": torch.randn(n_out, generator=generator) * math.sqrt(1 / n_out),
+                }
+                s = {}
+            params[part].append(p)
+            state[part].append(s)
+    specs = table_specs(cfg)
+    for name, n in zip(cfg.names, cfg.cardinalities, strict=True):
+        if name in specs:
+            params["tables"][name], state["tables"][name] = C.init(specs[name], generator=generator)
+        else:
+            bound = 1 / math.sqrt(n)
+            w = torch.rand(n, cfg.emb_dim, generator=generator) * (2 * bound) - bound
+            params["tables"][name], state["tables"][name] = {"weight": w}, {}
+    return params, state
+
+
+def _mlp(
+    layers: list, states: list, x: torch.Tensor, plans: C.LayerPlans, part: str, last_relu: bool
+) -> torch.Tensor:
+    for i, (p, s) in enumerate(zip(layers, states, strict=True)):
+        if "cores" in p:
+            x = C.tt_linear(p, s, x, plan=plans.for_layer(f"{part}.{i}"))
+        else:
+            x = F.linear(x, p["weight"], p["bias"])
+        if i < len(layers) - 1 or last_relu:
+            x = torch.relu(x)
+    return x
+
+
+def embed(
+    cfg: DLRMConfig,
+    params: dict,
+    state: dict,
+    cat: torch.Tensor,
+    *,
+    sparse: bool = False,
+    specs: dict[str, C.TTMEmbeddingSpec] | None = None,
+) -> torch.Tensor:
+    """``cat (B, T)`` -> ``(B, T, D)``: dense tables by ``F.embedding`` (``sparse``
+    gradients for SGD), TTM tables together (table-batched) or one call each."""
+    tables, states = params["tables"], state["tables"]
+    specs = specs if specs is not None else table_specs(cfg)
+    tt_cols = [i for i, n in enumerate(cfg.names) if "cores" in tables[n]]
+    out: list[torch.Tensor | None] = [None] * len(cfg.names)
+    for i, name in enumerate(cfg.names):
+        if i not in tt_cols:
+            out[i] = F.embedding(cat[:, i], tables[name]["weight"], sparse=sparse)  # (B, D)
+    if tt_cols and cfg.batched_lookup:
+        names = [cfg.names[i] for i in tt_cols]
+        rows = C.ttm_embedding_batched(
+            [tables[n] for n in names],
+            [states[n] for n in names],
+            cat[:, tt_cols],
+            specs=[specs[n] for n in names] if specs else None,
+        )  # (B, T_tt, D)
+        for j, i in enumerate(tt_cols):
+            out[i] = rows[:, j]
+    else:
+        for i in tt_cols:
+            name = cfg.names[i]
+            out[i] = C.ttm_embedding(tables[name], states[name], cat[:, i], spec=specs.get(name))
+    return torch.stack(out, 1)  # type: ignore[arg-type]
+
+
+def dlrm_logits(
+    cfg: DLRMConfig,
+    params: dict,
+    state: dict,
+    batch: dict,
+    *,
+    plans: C.LayerPlans | None = None,
+    sparse: bool = False,
+    specs: dict[str, C.TTMEmbeddingSpec] | None = None,
+) -> torch.Tensor:
+    """Click logits ``(B,)`` for ``batch`` (``dense (B, 13)``, ``cat (B, 26)``)."""
+    plans = plans or C.LayerPlans()
+    x = _mlp(params["bottom"], state["bottom"], batch["dense"], plans, "bottom", True)  # (B, D)
+    emb = embed(cfg, params, state, batch["cat"], sparse=sparse, specs=specs)  # (B, T, D)
+    vecs = torch.cat([x.unsqueeze(1), emb], 1)  # (B, T+1, D)
+    z = torch.bmm(vecs, vecs.transpose(1, 2))  # (B, T+1, T+1)
+    n = vecs.shape[1]
+    li, lj = torch.tril_indices(n, n, offset=-1, device=z.device)
+    r = torch.cat([x, z[:, li, lj]], 1)  # (B, D + (T+1)T/2)
+    return _mlp(params["top"], state["top"], r, plans, "top", False).squeeze(1)  # (B,)
+
+
+def dense_param_count(cfg: DLRMConfig) -> int:
+    """Parameters of the dense model with this architecture (the compression reference)."""
+    bottom, top = cfg.mlp_sizes()
+    mlp = sum(a * b + b for s in (bottom, top) for a, b in zip(s[:-1], s[1:], strict=True))
+    return mlp + sum(cfg.cardinalities) * cfg.emb_dim

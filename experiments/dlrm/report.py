@@ -1,0 +1,167 @@
+"""``reports/dlrm.md``: the smoke runs (CoMERA vs dense), per-table ranks, the bench.
+
+    python -m experiments.dlrm.report [--runs runs] [--bench-json FILE]
+
+Trains the ``smoke`` preset twice (CoMERA, dense) unless the run dirs already hold
+finished runs, then writes the markdown and ``reports/dlrm_curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from comera.train.logging import read_metrics
+
+__all__ = ["main", "write_report"]
+
+PAPER = (
+    "| | paper (CoMERA, Criteo Kaggle, GPU) | TT-Rec (MLSys 2021) |\n"
+    "|---|---|---|\n"
+    "| model compression | 99x | 112-117x (tables only, fixed ranks) |\n"
+    "| peak training memory | 7x lower than dense | - |\n"
+    "| accuracy | comparable to dense | small loss vs dense |\n"
+)
+
+
+def _run(run_dir: Path, dense: bool) -> None:
+    from experiments.dlrm.experiment import main
+
+    if (run_dir / "metrics.jsonl").is_file():
+        return
+    argv = ["--preset", "smoke", "--run-dir", str(run_dir), "--no-progress"]
+    main([*argv, "--dense"] if dense else argv)
+
+
+def _evals(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "eval/val/auc" in r]
+
+
+def _plot(runs: dict[str, list[dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for name, rows in runs.items():
+        ev = _evals(rows)
+        axes[0].plot([r["step"] for r in ev], [r["eval/val/auc"] for r in ev], "o-", label=name)
+        axes[1].plot([r["step"] for r in ev], [r["eval/val/nce"] for r in ev], "o-", label=name)
+        tr = [r for r in rows if "live_params" in r]
+        axes[2].plot([r["step"] for r in tr], [r["live_params"] for r in tr], label=name)
+    for ax, title in zip(
+        axes, ("val AUC", "val NCE (lower is better)", "live params"), strict=True
+    ):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[2].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
+    """Write ``dlrm.md`` and ``dlrm_curves.png`` from the two smoke runs and the bench."""
+    runs = {
+        "CoMERA": read_metrics(runs_dir / "dlrm-smoke" / "metrics.jsonl"),
+        "dense": read_metrics(runs_dir / "dlrm-smoke-dense" / "metrics.jsonl"),
+    }
+    _plot(runs, out_dir / "dlrm_curves.png")
+    lines = ["# DLRM on Criteo with TTM tables", "", "## The paper and its peers", "", PAPER]
+    lines += [
+        "## Ours: smoke preset (CPU, generated Criteo-format data with planted signal)",
+        "",
+        "120,000 rows (102,858 train, 8,571 val); planted-logit (Bayes) val AUC 0.90. "
+        "Small DLRM (bottom 13-64-32-16, top 367-64-1, dim 16); CoMERA: the 14 tables "
+        "with >= 2,000 rows as 4-core TTMs at rank 8, AdamW, early stage 600 steps; "
+        "dense: same architecture, AdamW (the reference's SGD at lr 0.1 reaches 0.60 AUC "
+        "in these 800 steps). Command: `python -m experiments.dlrm.report`.",
+        "",
+        "| run | val AUC | val NCE | val log loss | val accuracy | params at end | compression |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, rows in runs.items():
+        ev, tr = _evals(rows)[-1], [r for r in rows if "live_params" in r][-1]
+        lines.append(
+            f"| {name} | {ev['eval/val/auc']:.4f} | {ev['eval/val/nce']:.4f} | "
+            f"{ev['eval/val/logloss']:.4f} | {ev['eval/val/accuracy']:.4f} | "
+            f"{int(tr['live_params']):,} | {tr['compression']:.1f}x |"
+        )
+    lines += ["", "![curves](dlrm_curves.png)", ""]
+    ranks = json.loads((runs_dir / "dlrm-smoke" / "ranks.json").read_text())
+    lines += _rank_table(ranks)
+    if bench:
+        lines += _bench_section(bench)
+    text = "\n".join(lines) + "\n"
+    (out_dir / "dlrm.md").write_text(text)
+    return text
+
+
+def _rank_table(ranks: dict) -> list[str]:
+    snaps = ranks.get("snapshots", ranks) if isinstance(ranks, dict) else {}
+    if not isinstance(snaps, dict) or "init" not in snaps or "end" not in snaps:
+        return []
+    init, end = snaps["init"]["ranks"], snaps["end"]["ranks"]
+    out = [
+        "## Live ranks per compressed layer (smoke, CoMERA)",
+        "",
+        "| layer | ranks at init | ranks at end |",
+        "|---|---|---|",
+    ]
+    for layer in init:
+        out.append(f"| {layer} | {init[layer]} | {end.get(layer)} |")
+    return [*out, ""]
+
+
+def _bench_section(b: dict) -> list[str]:
+    v = b["variants"]
+    out = [
+        "## Benchmark: one training step at the Kaggle table sizes",
+        "",
+        f"`python -m experiments.dlrm --bench --json`: 26 tables (33.76M rows), batch "
+        f"{b['batch']:,}, CPU, {b['threads']} threads, every variant in a fresh process; "
+        "peak RSS above the pre-model baseline. CoMERA: the 10 tables of >= 10,000 rows as "
+        "4-core TTMs (dim modes 2x2x2x2) at rank 32, `bottom.1` and `top.1` as TT (rank 16), "
+        "AdamW, early-stage objective.",
+        "",
+        "| variant | params | compression | step time (s) | peak RSS (MB) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in v.values():
+        out.append(
+            f"| {r['variant']} | {r['params']:,} | {r['compression']:.1f}x | "
+            f"{r['step_time_s']:.3f} | {r['peak_rss_mb']:.0f} |"
+        )
+    targets = {
+        "compression_ratio": (">= 99", lambda x: x >= 99),
+        "peak_memory_ratio_vs_dense": ("<= 0.143 (1/7)", lambda x: x <= 1 / 7),
+        "peak_memory_ratio_vs_dense_adam": ("-", lambda x: True),
+        "step_time_ratio_vs_dense": ("<= 1.25", lambda x: x <= 1.25),
+        "embedding_time_ratio_batched_vs_separate": ("<= 0.5", lambda x: x <= 0.5),
+    }
+    out += ["", "| key | measured | target | met |", "|---|---|---|---|"]
+    for k, (t, ok) in targets.items():
+        out.append(f"| `{k}` | {b[k]:.3f} | {t} | {'yes' if ok(b[k]) else 'no'} |")
+    return [*out, ""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", default="runs")
+    ap.add_argument("--out", default="reports")
+    ap.add_argument("--bench-json", dest="bench_json")
+    args = ap.parse_args(argv)
+    runs = Path(args.runs)
+    _run(runs / "dlrm-smoke", dense=False)
+    _run(runs / "dlrm-smoke-dense", dense=True)
+    bench = json.loads(Path(args.bench_json).read_text()) if args.bench_json else None
+    print(write_report(runs, Path(args.out), bench))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
