@@ -12,12 +12,14 @@ __all__ = ["RowBatches", "rows_to_batch"]
 
 
 def rows_to_batch(data: CriteoData, rows: np.ndarray) -> dict[str, torch.Tensor]:
-    """Rows (absolute indices) -> ``dense (B, 13)``, ``cat (B, 26)`` int64, ``label (B,)``."""
+    """Rows (absolute indices) -> ``dense (B, 13)``, ``cat (B, 26)`` int64, ``label (B,)``
+    and ``row (B,)``, the row indices themselves (for audits of what was read)."""
     rows = np.asarray(rows, dtype=np.int64)
     return {
         "dense": torch.from_numpy(np.ascontiguousarray(data.dense[rows])),
         "cat": torch.from_numpy(data.cat[rows].astype(np.int64)),
         "label": torch.from_numpy(data.label[rows].astype(np.float32)),
+        "row": torch.from_numpy(rows),
     }
 
 

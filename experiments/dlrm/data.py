@@ -176,14 +176,17 @@ def _read_raw(path: Path, out: Path, progress: bool) -> int:
 
     types = {"label": pa.int8(), **dict.fromkeys(DENSE_COLUMNS, pa.int64())}
     types |= dict.fromkeys(CAT_COLUMNS, pa.string())
-    reader = pcsv.open_csv(
-        path,
-        read_options=pcsv.ReadOptions(column_names=list(COLUMNS), block_size=16 << 20),
-        parse_options=pcsv.ParseOptions(delimiter="\t", quote_char=False),
-        convert_options=pcsv.ConvertOptions(
-            column_types=types, null_values=[""], strings_can_be_null=False
-        ),
-    )
+    try:  # the first block is read (and converted) on opening
+        reader = pcsv.open_csv(
+            path,
+            read_options=pcsv.ReadOptions(column_names=list(COLUMNS), block_size=16 << 20),
+            parse_options=pcsv.ParseOptions(delimiter="\t", quote_char=False),
+            convert_options=pcsv.ConvertOptions(
+                column_types=types, null_values=[""], strings_can_be_null=False
+            ),
+        )
+    except pa.ArrowInvalid as e:
+        raise _locate_error(path, 0, str(e).splitlines()[0]) from None
     rows = 0
     bar = tqdm(
         desc=f"criteo pass 1/2 {path.name}",

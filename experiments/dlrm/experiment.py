@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import comera as C
+import comera.tree
 from comera.optim import AdamWConfig, SGDConfig
 from comera.train import ComeraConfig, TrainConfig
 from experiments import cli
@@ -84,7 +85,7 @@ def preset(name: str) -> Preset:
                 bottom=(64, 32),
                 top=(64,),
                 tt_min_rows=2000,
-                emb_rank=8,
+                emb_rank=16,  # val AUC at 800 steps: rank 8 0.745, 16 0.763, 32 0.769
                 tt_layers=(),
                 tt_layer_rank=8,
             ),
@@ -157,6 +158,12 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
         device=p.train.device,
     )
     params, state = init_dlrm(model, generator=torch.Generator().manual_seed(p.train.seed))
+    if p.train.comera.enabled and not any(True for _ in C.tree.iter_tt(params, state)):
+        raise ValueError(
+            f"the CoMERA model has no compressed layer: every table has fewer than "
+            f"model.tt_min_rows={model.tt_min_rows} rows (largest {max(model.cardinalities)}) "
+            "and model.tt_layers is empty; lower --set model.tt_min_rows=N or train --dense"
+        )
     return task, params, state, dense_param_count(model)
 
 

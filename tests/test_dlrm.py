@@ -1,0 +1,209 @@
+"""DLRM model, sparse SGD in the trainer, and the experiment's command line."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from comera.optim import SGDConfig
+from comera.train import ComeraConfig, TrainConfig, Trainer
+from experiments import cli
+from experiments.dlrm.experiment import main
+from experiments.dlrm.model import DLRMConfig, dense_param_count, dlrm_logits, init_dlrm
+
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_sample.txt"
+CARDS = (3, 50, 4096, 700, 9000, 12, 2000)
+
+
+def _model(**kw) -> DLRMConfig:
+    base = dict(
+        cardinalities=CARDS,
+        bottom=(32,),
+        top=(16,),
+        tt_min_rows=500,
+        emb_rank=4,
+        tt_layers=("bottom.1",),
+        tt_layer_rank=4,
+    )
+    return DLRMConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _batch(n: int = 64, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    cat = torch.stack([torch.randint(0, c, (n,), generator=g) for c in CARDS], 1)
+    return {
+        "dense": torch.rand(n, 13, generator=g),
+        "cat": cat,
+        "label": (torch.rand(n, generator=g) < 0.3).float(),
+    }
+
+
+def test_architecture_and_lookups_agree() -> None:
+    cfg = _model()
+    params, state = init_dlrm(cfg, generator=torch.Generator().manual_seed(0))
+    assert [n for n, t in params["tables"].items() if "cores" in t] == ["C3", "C4", "C5", "C7"]
+    assert "cores" in params["bottom"][1] and "weight" in params["top"][0]
+    assert params["top"][0]["weight"].shape == (16, 16 + 8 * 7 // 2)  # 16 + 28 dot products
+    batch = _batch()
+    a = dlrm_logits(cfg, params, state, batch)
+    b = dlrm_logits(dataclasses.replace(cfg, batched_lookup=False), params, state, batch)
+    assert a.shape == (64,)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    paper = DLRMConfig()  # the Kaggle architecture
+    bottom, top = paper.mlp_sizes()
+    assert bottom == [13, 512, 256, 64, 16] and top == [367, 512, 256, 1]
+    assert dense_param_count(paper) == 33_762_577 * 16 + 475_985  # tables + MLPs
+    with pytest.raises(ValueError, match="tt_layers names"):
+        _model(tt_layers=("top.7",))
+
+
+class _Task:
+    def __init__(self, cfg: DLRMConfig, sparse: bool) -> None:
+        self.cfg, self.sparse, self.train_iter = cfg, sparse, iter(())
+
+    def loss(self, params, state, batch, *, train=True):
+        logits = dlrm_logits(self.cfg, params, state, batch, sparse=self.sparse)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            logits, batch["label"], reduction="sum"
+        )
+        return loss, len(logits), {}
+
+    def evaluate(self, params, state):
+        return {}
+
+
+def test_sparse_sgd_step_equals_dense_sgd_step(tmp_path: Path) -> None:
+    cfg = _model(tt=False)
+    params, state = init_dlrm(cfg, generator=torch.Generator().manual_seed(0))
+    batch = _batch()
+    out = []
+    for sparse in (True, False):
+        train = TrainConfig(
+            steps=5,
+            run_dir=str(tmp_path / str(sparse)),
+            optimizer="sgd",
+            comera=ComeraConfig(enabled=False),
+            sgd=SGDConfig(lr=0.5),
+            grad_clip=1.0,
+            wandb="disabled",
+        )
+        tr = Trainer(train, _Task(cfg, sparse), params, state)
+        m = tr.train_step(batch)
+        out.append((tr.params, m["grad_norm"]))
+    (sp, g_sparse), (dp, g_dense) = out
+    assert g_sparse == pytest.approx(g_dense, rel=1e-5)
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(sp), torch.utils._pytree.tree_leaves(dp), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    w0, w1 = params["tables"]["C5"]["weight"], sp["tables"]["C5"]["weight"]
+    untouched = torch.ones(CARDS[4], dtype=torch.bool)
+    untouched[batch["cat"][:, 4]] = False
+    assert torch.equal(w1.detach()[untouched], w0[untouched])  # rows not read never move
+    assert not torch.equal(w1.detach()[~untouched], w0[~untouched])
+
+
+def _cli(tmp_path: Path, *extra: str) -> int:
+    return main(
+        [
+            "--preset",
+            "smoke",
+            "--data",
+            str(SAMPLE),
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--no-progress",
+            "--wandb",
+            "disabled",
+            "--set",
+            "batch_size=32",
+            "--set",
+            "train.steps=12",
+            "--set",
+            "train.eval_every=6",
+            "--set",
+            "train.checkpoint_every=6",
+            "--set",
+            "train.comera.reg_start_step=2",
+            "--set",
+            "train.comera.early_steps=8",
+            "--set",
+            "train.comera.prune_every=2",
+            "--set",
+            "model.tt_min_rows=100",
+            *extra,
+        ]
+    )
+
+
+@pytest.mark.skipif(not SAMPLE.is_file(), reason="shared Criteo sample missing")
+def test_cli_trains_on_the_real_sample_and_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert _cli(tmp_path, "--run-dir", str(run)) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/val/auc" in r]
+    assert [r["step"] for r in evals] == [6, 12]
+    assert {"eval/val/nce", "eval/val/logloss", "eval/val/accuracy"} <= set(evals[-1])
+    assert any(r.get("stage") == "late" for r in rows)
+    config = json.loads((run / "config.json").read_text())
+    assert config["ttm_tables"] > 0 and config["train"]["optimizer"] == "adamw"
+    dense = tmp_path / "dense"
+    assert _cli(tmp_path, "--run-dir", str(dense), "--dense") == 0
+    config = json.loads((dense / "config.json").read_text())
+    assert config["ttm_tables"] == 0 and config["train"]["optimizer"] == "adamw"  # smoke's
+    sgd = tmp_path / "sgd"
+    assert _cli(tmp_path, "--run-dir", str(sgd), "--dense", "--set", "train.optimizer=sgd") == 0
+    assert main(["--resume", str(sgd), "--no-progress"]) == 0  # finished: nothing to redo
+
+
+@pytest.mark.parametrize("kind", ["missing", "csv"])
+def test_cli_bad_data_is_one_line_exit_2(tmp_path: Path, kind: str, capsys) -> None:
+    path = tmp_path / "data.csv"
+    if kind == "csv":
+        path.write_text("label,a,b\n1,2,3\n")
+    code = main(
+        [
+            "--preset",
+            "smoke",
+            "--data",
+            str(path),
+            "--cache-dir",
+            str(tmp_path),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert ("does not exist" in err[0]) if kind == "missing" else ("line 1" in err[0])
+    assert "--data" in err[0] or "Criteo" in err[0]
+
+
+def test_smoke_preset_learns_and_keeps_the_tables_that_matter(tmp_path: Path) -> None:
+    """The smoke preset as shipped (generated data, 800 steps): both models learn the
+    planted signal, CoMERA compresses and its rank adaptation keeps full rank exactly in
+    the large tables that carry signal (C3, C4, C12, C16, C21) and shrinks the rest."""
+    from experiments.dlrm.experiment import preset, run
+
+    out = {}
+    for dense in (False, True):
+        p = preset("smoke")
+        for key, value in (
+            ("data.cache_dir", str(tmp_path / "cache")),
+            ("train.run_dir", str(tmp_path / f"run-{dense}")),
+            ("train.progress", False),
+            ("train.wandb", "disabled"),
+        ):
+            p = cli.set_field(p, key, value)
+        out[dense] = run(p, dense=dense)
+    comera, dense = out[False], out[True]
+    assert comera["eval/val/auc"] > 0.74 and dense["eval/val/auc"] > 0.7
+    assert comera["compression"] > 15
+    ranks = json.loads((tmp_path / "run-False" / "ranks.json").read_text())["end"]["ranks"]
+    planted = {f"tables.C{i}" for i in (3, 4, 12, 16, 21)}
+    kept = [sum(r) for k, r in ranks.items() if k in planted]
+    shrunk = [sum(r) for k, r in ranks.items() if k not in planted]
+    assert len(kept) == 5 and min(kept) > max(shrunk)
