@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from comera.layers import _gather, _pair_cores
 from comera.spec import TTMEmbeddingSpec
@@ -113,9 +114,17 @@ def _lookup_group(cores_per_table: list[list[torch.Tensor]], ids: torch.Tensor) 
     u = len(uniq)
     slice_bytes = max(t[0].numel() for t in tables) * tables[0].element_size()
     block = max(256, _BLOCK_BYTES // max(slice_bytes, 1))
-    out = [
-        _chain_block(tables, [i[lo : lo + block] for i in rows_idx]) for lo in range(0, u, block)
-    ]
+    # Recompute each block's gathered slices in backward instead of keeping them: the
+    # slices are the lookup's largest activations (bytes per row x unique rows), the
+    # gathers that rebuild them are cheap.
+    remat = torch.is_grad_enabled() and any(t.requires_grad for t in tables)
+    out = []
+    for lo in range(0, u, block):
+        idx = [i[lo : lo + block] for i in rows_idx]
+        if remat:
+            out.append(checkpoint(_chain_block, tables, idx, use_reentrant=False))
+        else:
+            out.append(_chain_block(tables, idx))
     acc = torch.cat(out) if len(out) != 1 else out[0]  # (U, D)
     return _gather(acc, inverse).reshape(n, t, -1)
 

@@ -154,3 +154,18 @@ def test_auc_is_exact_with_ties() -> None:
     m = click_metrics(np.zeros(300), labels.astype(float))  # logit 0: p = 0.5
     assert m["auc"] == 0.5 and m["logloss"] == pytest.approx(math.log(2))
     assert m["nce"] > 1  # worse than predicting the base rate
+
+
+def test_unreadable_file_is_named(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "train.txt"
+    path.write_text(SAMPLE.read_text())
+    real_open = open
+
+    def deny(file, *a, **kw):  # as a file without read permission (tests may run as root)
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *a, **kw)
+
+    monkeypatch.setattr("builtins.open", deny)
+    with pytest.raises(CriteoFormatError, match="cannot read Criteo file .*train.txt: Perm"):
+        preprocess(path, _cfg(tmp_path), progress=False)

@@ -332,11 +332,14 @@ class Trainer:
         self, log: RunLog, metrics: dict, step_time: float, t0: float, steps0: int
     ) -> dict:
         live = model_size(self.params, self.state)
+        if not hasattr(self, "_itemsize"):
+            self._itemsize = next(iter(tree_flatten(self.params)[0])).element_size()
         row = {
             "step": self.step,
             "stage": self.stage,
             **{k: float(v) for k, v in metrics.items()},
             "live_params": live,
+            "model_mb": live * self._itemsize / 2**20,
             "compression": self.initial_size / max(live, 1),
             "step_time_s": step_time,
             "steps_per_s": (self.step - steps0) / max(time.perf_counter() - t0, 1e-9),

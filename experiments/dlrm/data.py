@@ -330,8 +330,13 @@ def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> C
             f"Criteo file {path} does not exist or is not a file; pass a Criteo-format "
             "train.txt with --data PATH"
         )
-    check_head(path)
-    fp = fingerprint(path, cfg)
+    try:
+        check_head(path)
+        fp = fingerprint(path, cfg)
+    except OSError as e:
+        raise CriteoFormatError(
+            f"cannot read Criteo file {path}: {e.strerror or e}; pass a readable --data PATH"
+        ) from None
     root = _cache_root(cfg) / fp
     if (root / "meta.json").is_file():
         return _open(root)

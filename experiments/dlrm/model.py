@@ -153,7 +153,7 @@ def init_dlrm(cfg: DLRMConfig, *, generator: torch.Generator) -> tuple[dict, dic
             params["tables"][name], state["tables"][name] = C.init(specs[name], generator=generator)
         else:
             bound = 1 / math.sqrt(n)
-            w = torch.rand(n, cfg.emb_dim, generator=generator) * (2 * bound) - bound
+            w = torch.empty(n, cfg.emb_dim).uniform_(-bound, bound, generator=generator)
             params["tables"][name], state["tables"][name] = {"weight": w}, {}
     return params, state
 
