@@ -1,6 +1,7 @@
 """Criteo preprocessing, cache, errors, batches and click metrics."""
 
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +40,10 @@ def test_sample_parses_like_the_reference(sample) -> None:
         assert sample.label[i] == int(f[0])
         want = [math.log1p(max(int(v), 0)) if v else 0.0 for v in f[1:14]]
         np.testing.assert_allclose(sample.dense[i], want, rtol=1e-6)
-    for j in range(26):  # ids: contiguous, ascending hash order, empty = hash 0
+    for j in range(26):  # ids: contiguous, most frequent first, ties by hash, empty = 0
         hashes = [int(line.split("\t")[14 + j] or "0", 16) for line in lines]
-        order = {h: k for k, h in enumerate(sorted(set(hashes)))}
+        freq = Counter(hashes)
+        order = {h: k for k, h in enumerate(sorted(freq, key=lambda h: (-freq[h], h)))}
         assert sample.cardinalities[j] == len(order)
         assert list(sample.cat[:, j]) == [order[h] for h in hashes]
 
@@ -65,9 +67,17 @@ def test_cache_is_reused_and_partial_caches_are_rebuilt(tmp_path: Path) -> None:
     hashed = preprocess(SAMPLE, _cfg(tmp_path, max_ind_range=50), progress=False)
     assert hashed.root != root and hashed.cardinalities == [50] * 26
     assert int(hashed.cat.max()) < 50
+    by_hash = preprocess(SAMPLE, _cfg(tmp_path, id_order="hash"), progress=False)
+    first_col = [int(line.split("\t")[14] or "0", 16) for line in SAMPLE.read_text().splitlines()]
+    ranks = {h: k for k, h in enumerate(sorted(set(first_col)))}
+    assert list(by_hash.cat[:, 0]) == [ranks[h] for h in first_col]
     rare = preprocess(SAMPLE, _cfg(tmp_path, min_count=3), progress=False)
     assert all(r <= c + 1 for r, c in zip(rare.cardinalities, cards, strict=True))  # + id 0
     assert sum(rare.cardinalities) < sum(cards) / 2
+    freq = Counter(first_col)
+    kept = sorted((h for h in freq if freq[h] >= 3), key=lambda h: (-freq[h], h))
+    want_ids = {h: k + 1 for k, h in enumerate(kept)}  # rare values: id 0
+    assert list(rare.cat[:, 0]) == [want_ids.get(h, 0) for h in first_col]
     assert not list((tmp_path / "cache").glob("*.tmp-*"))
 
 

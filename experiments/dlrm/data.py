@@ -8,10 +8,12 @@ Preprocessing, as the facebookresearch/dlrm reference does it:
 
 - dense: ``max(x, 0)``, then ``log(1 + x)``; missing -> 0;
 - categorical: an empty field is hash 0 (as the reference parses it); each column's hashes
-  map to contiguous ids in ascending hash order (deterministic and independent of row
-  order, where the reference numbers them by first occurrence). With ``min_count > 1``
-  values seen fewer times share id 0; with ``max_ind_range > 0`` the id is
-  ``hash % max_ind_range`` instead (the reference's ``--max-ind-range``, no vocabulary);
+  map to contiguous ids, by default in order of descending frequency (ties by hash):
+  deterministic, independent of row order, and, like the reference's numbering by first
+  occurrence, giving frequent values small ids, which lets a TTM's leading cores
+  specialize on the head of the distribution (``id_order="hash"``: ascending hash order).
+  With ``min_count > 1`` values seen fewer times share id 0; with ``max_ind_range > 0``
+  the id is ``hash % max_ind_range`` instead (the reference's ``--max-ind-range``);
 - split by line count into ``days`` (7) equal days: the first 6 train, the 7th is halved,
   first half test, second half validation (the reference's split).
 
@@ -75,6 +77,7 @@ class CriteoDataConfig:
     max_ind_range: int = 0
     min_count: int = 1
     days: int = 7
+    id_order: str = "frequency"
     generated_rows: int = 120_000
     eval_rows: int | None = None
 
@@ -84,6 +87,8 @@ class CriteoDataConfig:
                 f"CriteoDataConfig: need max_ind_range >= 0, min_count >= 1, days >= 2; got "
                 f"{self.max_ind_range}, {self.min_count}, {self.days} (--set data.*)"
             )
+        if self.id_order not in ("frequency", "hash"):
+            raise ValueError(f"data.id_order={self.id_order!r}; choose 'frequency' or 'hash'")
         if self.path == "generated" and self.generated_rows < 100:
             raise ValueError(f"data.generated_rows={self.generated_rows} must be >= 100")
         if self.eval_rows is not None and self.eval_rows < 1:
@@ -247,13 +252,21 @@ def _build_ids(out: Path, rows: int, cfg: CriteoDataConfig, progress: bool) -> l
             cards.append(cfg.max_ind_range)
             continue
         uniq, inverse, counts = np.unique(col, return_inverse=True, return_counts=True)
-        if cfg.min_count > 1:  # rare values share id 0
+        if cfg.id_order == "frequency":  # most frequent first; ties by hash (deterministic)
+            rank = np.empty(len(uniq), dtype=np.int64)
+            rank[np.argsort(-counts, kind="stable")] = np.arange(len(uniq))
+        else:
+            rank = np.arange(len(uniq))
+        if cfg.min_count > 1:  # rare values share id 0; kept ones are 1..K in order
             keep = counts >= cfg.min_count
-            remap = np.where(keep, np.cumsum(keep), 0).astype(np.int32)
+            kept_rank = np.where(keep, rank, len(uniq))
+            order = np.argsort(kept_rank, kind="stable")
+            remap = np.zeros(len(uniq), dtype=np.int32)
+            remap[order[: int(keep.sum())]] = np.arange(1, int(keep.sum()) + 1)
             ids[:, j] = remap[inverse]
             cards.append(int(keep.sum()) + 1)
         else:
-            ids[:, j] = inverse.astype(np.int32)
+            ids[:, j] = rank[inverse].astype(np.int32)
             cards.append(len(uniq))
     ids.flush()
     del hashes
@@ -278,7 +291,8 @@ def fingerprint(path: Path, cfg: CriteoDataConfig) -> str:
     a changed file or setting gets a new cache; reading 11 GB is not needed to know."""
     h = hashlib.blake2b(digest_size=16)
     size = path.stat().st_size
-    h.update(f"{CACHE_VERSION}|{size}|{cfg.max_ind_range}|{cfg.min_count}|{cfg.days}".encode())
+    settings = f"{cfg.max_ind_range}|{cfg.min_count}|{cfg.days}|{cfg.id_order}"
+    h.update(f"{CACHE_VERSION}|{size}|{settings}".encode())
     with open(path, "rb") as f:
         for pos in [0, max(0, size - (1 << 20))] + [size * k // 17 for k in range(1, 17)]:
             f.seek(pos)
@@ -368,6 +382,7 @@ def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> C
                 "max_ind_range": cfg.max_ind_range,
                 "min_count": cfg.min_count,
                 "days": cfg.days,
+                "id_order": cfg.id_order,
             },
             "seconds": round(time.perf_counter() - t0, 2),
         }
