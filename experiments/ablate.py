@@ -1,13 +1,15 @@
 """Ablations as a command: one run per variant (same seed, same data), grouped in wandb,
-summarized in ``reports/ablation_<name>.md`` with a PNG.
+summarized in ``reports/ablation_<name>.md`` (``ablation_<experiment>_<name>.md`` for
+experiments other than MNLI) with a PNG.
 
     python -m experiments.ablate contraction --experiment mnli --preset smoke
+    python -m experiments.ablate rank --experiment dlrm --preset smoke --values 8,16,32
     python -m experiments.ablate objective --experiment mnli --preset smoke --set train.steps=300
     python -m experiments.ablate gamma --values 0,0.02,0.05 --experiment mnli
 
 Ablations: ``contraction`` (every strategy of ``comera.STRATEGIES``; also reports each
 strategy's step time and its largest loss difference from the paper's path, which must be
-float-tolerance small), ``rank`` (the TT rank), ``gamma`` (the gate regularizer weight),
+float-tolerance small), ``rank`` (the initial TT rank; DLRM: the TTM tables'), ``gamma`` (the gate regularizer weight),
 ``size_ratio`` (the late-stage size target c), ``regularizer`` (mean vs L1), ``prune_rule``
 (gate vs contribution) and ``objective`` (both choices crossed).
 """
@@ -31,7 +33,7 @@ from experiments import cli
 
 __all__ = ["ABLATIONS", "Variant", "main", "run_ablation", "variants", "write_report"]
 
-EXPERIMENTS = ("mnli",)
+EXPERIMENTS = ("mnli", "dlrm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +84,7 @@ def _gate_count(cfg: Any, exp: cli.Experiment) -> int:
 
 ABLATIONS: dict[str, Callable[[Any, cli.Experiment], list[Variant]]] = {
     "contraction": _choices("plans.default", C.STRATEGIES),
-    "rank": _scaled("model.rank", (0.5, 1.0, 2.0)),
+    "rank": lambda cfg, exp: _scaled(_rank_key(cfg), (0.5, 1.0, 2.0))(cfg, exp),
     "gamma": _scaled("train.comera.gamma", (0.0, 0.5, 1.0, 2.0)),
     "size_ratio": _choices("train.comera.size_ratio", (0.8, 0.5, 0.2)),
     "regularizer": _regularizer,
@@ -98,6 +100,12 @@ _KEYS = {
 }
 
 
+def _rank_key(cfg: Any) -> str:
+    """The initial-rank knob: ``model.rank`` (MNLI's TT layers) or ``model.emb_rank``
+    (DLRM's TTM tables)."""
+    return "model.rank" if hasattr(cfg.model, "rank") else "model.emb_rank"
+
+
 def _get(cfg: Any, key: str) -> Any:
     for part in key.split("."):
         cfg = getattr(cfg, part)
@@ -111,7 +119,7 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
         return ABLATIONS[name](cfg, exp)
     if name not in _KEYS:
         raise cli.CLIError(f"--values: ablation {name!r} has fixed variants; drop --values")
-    key = _KEYS[name]
+    key = _rank_key(cfg) if name == "rank" else _KEYS[name]
     return [Variant(v, ((key, v),)) for v in values.split(",") if v]
 
 
@@ -149,6 +157,7 @@ def _summary(rec: dict) -> dict:
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     acc_key = next((k for k in (evals[-1] if evals else {}) if k.endswith("accuracy")), None)
+    auc_key = next((k for k in (evals[-1] if evals else {}) if k.endswith("/auc")), None)
     times = [r["step_time_s"] for r in train if "step_time_s" in r]
     tail = [r["loss"] for r in train[-5:]]
     return {
@@ -156,6 +165,7 @@ def _summary(rec: dict) -> dict:
         "steps": train[-1]["step"] if train else 0,
         "loss_tail": sum(tail) / max(len(tail), 1),
         "eval_acc": evals[-1][acc_key] if acc_key else None,
+        "eval_auc": evals[-1][auc_key] if auc_key else None,
         "compression": train[-1]["compression"] if train else None,
         "live_params": train[-1]["live_params"] if train else None,
         "step_time_ms": 1e3 * statistics.median(times) if times else None,
@@ -180,7 +190,10 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
             "parameters that already differ in the last bits, and training amplifies that",
             "(Adam, pruning thresholds), so the whole-run column measures divergence, not error.",
         ]
-    head = "| variant | steps | train loss (last 5 logs) | eval accuracy | compression "
+    with_auc = any(r["eval_auc"] is not None for r in rows)
+    head = "| variant | steps | train loss (last 5 logs) | eval accuracy | "
+    head += "eval AUC | " if with_auc else ""
+    head += "compression "
     head += "| live params | median step (ms) | train time (s) |"
     if name == "contraction":
         head += f" loss diff vs {rows[0]['label']}: step 1 | steps 1-10 | whole run |"
@@ -191,6 +204,7 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
             str(r["steps"]),
             f"{r['loss_tail']:.4f}",
             "n/a" if r["eval_acc"] is None else f"{r['eval_acc']:.4f}",
+            *([f"{r['eval_auc']:.4f}" if r["eval_auc"] is not None else "n/a"] if with_auc else []),
             f"{r['compression']:.2f}x",
             f"{r['live_params']:,}",
             f"{r['step_time_ms']:.1f}",
@@ -268,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         over = [("train.wandb", args.wandb)] if args.wandb else []
         base = cli.apply_overrides(exp.presets[preset](), over, args.sets)
         chosen = variants(args.ablation, base, exp, args.values)
-        root = Path(args.runs_dir) / f"ablate-{args.ablation}-{preset}"
+        tag = "" if args.experiment == "mnli" else f"{args.experiment}-"  # mnli: old names
+        root = Path(args.runs_dir) / f"ablate-{tag}{args.ablation}-{preset}"
         if args.report_only:
             records = [{"label": v.label, "dir": root / v.label.replace("/", "_")} for v in chosen]
         else:
@@ -278,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     except (cli.CLIError, *exp.user_errors) as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.reports) / f"ablation_{args.ablation}.md"
+    tag = "" if args.experiment == "mnli" else f"{args.experiment}_"
+    out = Path(args.reports) / f"ablation_{tag}{args.ablation}.md"
     write_report(args.ablation, records, out, "python -m experiments.ablate " + " ".join(argv))
     print(out.read_text())
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,33 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert ablate.main(["gamma", "--set", "train.gama=1", "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown config key 'train.gama'" in err[0]
+
+
+def test_dlrm_rank_ablation_on_the_criteo_sample(tmp_path):
+    sample = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_sample.txt"
+    if not sample.is_file():
+        pytest.skip("shared Criteo sample missing")
+    argv = ["rank", "--experiment", "dlrm", "--preset", "smoke", "--values", "2,4"]
+    for kv in (
+        f"data.path={sample}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model.tt_min_rows=100",
+        "batch_size=32",
+        "train.steps=6",
+        "train.eval_every=3",
+        "train.log_every=1",
+        "train.comera.reg_start_step=1",
+        "train.comera.early_steps=4",
+        "train.progress=false",
+    ):
+        argv += ["--set", kv]
+    argv += ["--wandb", "disabled", "--runs-dir", str(tmp_path / "runs")]
+    argv += ["--reports", str(tmp_path / "rep")]
+    assert ablate.main(argv) == 0
+    text = (tmp_path / "rep" / "ablation_dlrm_rank.md").read_text()
+    assert "eval AUC" in text and "| 2 | 6 |" in text and "| 4 | 6 |" in text
+    for rank in (2, 4):
+        saved = json.loads(
+            (tmp_path / "runs" / "ablate-dlrm-rank-smoke" / str(rank) / "config.json").read_text()
+        )
+        assert saved["model"]["emb_rank"] == rank
