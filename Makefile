@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench gpu-check format clean
+.PHONY: setup demo dlrm test bench gpu-check format clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)  ## the main job: CoMERA and dense on MNLI's smoke preset vs the cue baseline (CPU)
 	$(BIN)/python -m experiments.mnli_demo
+
+dlrm: $(STAMP)  ## DLRM smoke: CoMERA and dense on generated Criteo-format data (CPU, ~1 min), then reports/dlrm.md
+	$(BIN)/python -m experiments.dlrm.report --bench-json reports/dlrm_bench.json
 
 bench: $(STAMP)  ## core, loader and MNLI-step benchmarks (write reports/)
 	$(BIN)/python -m comera.bench

@@ -67,3 +67,38 @@ def test_cuda_graph_replays_tt_linear():
     graph.replay()
     with torch.no_grad():
         torch.testing.assert_close(static_y, layer(new_x))
+
+
+@cuda
+def test_table_batched_lookup_on_cuda_matches_cpu():
+    g = torch.Generator().manual_seed(0)
+    specs = [C.propose_ttm_embedding(n, 16, d=4, ranks=8) for n in (5000, 12000, 900)]
+    params, states = zip(*[C.init(s, generator=g) for s in specs], strict=True)
+    ids = torch.stack([torch.randint(0, s.num_embeddings, (512,), generator=g) for s in specs], 1)
+    ref = C.ttm_embedding_batched(params, states, ids, specs=specs)
+    to = lambda tree: torch.utils._pytree.tree_map(lambda t: t.cuda(), tree)  # noqa: E731
+    out = C.ttm_embedding_batched(to(list(params)), to(list(states)), ids.cuda(), specs=specs)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-3, atol=1e-4)
+
+
+@cuda
+def test_dlrm_step_on_cuda(tmp_path):
+    from comera.train import ComeraConfig, TrainConfig, Trainer
+    from experiments.dlrm.bench import _batch
+    from experiments.dlrm.model import DLRMConfig, init_dlrm
+    from experiments.dlrm.task import DLRMTask
+
+    model = DLRMConfig(cardinalities=(30, 5000, 20000, 7), tt_min_rows=1000, emb_rank=8)
+    params, state = init_dlrm(model, generator=torch.Generator().manual_seed(0))
+    cfg = TrainConfig(
+        steps=10,
+        run_dir=str(tmp_path),
+        device="cuda",
+        wandb="disabled",
+        comera=ComeraConfig(early_steps=5),
+        progress=False,
+    )
+    task = DLRMTask(model, None, None, device="cuda")  # type: ignore[arg-type]
+    trainer = Trainer(cfg, task, params, state)
+    metrics = trainer.train_step(_batch(model.cardinalities, 256))
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
