@@ -9,9 +9,10 @@ experiments other than MNLI) with a PNG.
 
 Ablations: ``contraction`` (every strategy of ``comera.STRATEGIES``; also reports each
 strategy's step time and its largest loss difference from the paper's path, which must be
-float-tolerance small), ``rank`` (the initial TT rank; DLRM: the TTM tables'), ``gamma`` (the gate regularizer weight),
-``size_ratio`` (the late-stage size target c), ``regularizer`` (mean vs L1), ``prune_rule``
-(gate vs contribution) and ``objective`` (both choices crossed).
+float-tolerance small), ``rank`` (the initial TT rank; DLRM: the TTM tables' rank),
+``gamma`` (the gate regularizer weight), ``size_ratio`` (the late-stage size target c),
+``regularizer`` (mean vs L1), ``prune_rule`` (gate vs contribution) and ``objective``
+(both choices crossed).
 """
 
 from __future__ import annotations

@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from experiments.cursor import EpochCursor
+
 if TYPE_CHECKING:
     from experiments.mnli_data import EncodedSplit
 
 __all__ = ["BatchIterator", "eval_batches"]
 
 
-class BatchIterator:
+class BatchIterator(EpochCursor):
     """Endless, deterministic batches over `split`, epoch after epoch, for one rank.
 
     Epoch e visits `randperm(N, seed + e)` in global batches of `batch_size`; rank r of
@@ -76,50 +78,13 @@ class BatchIterator:
         glob = self._epoch_order()[start : start + self.batch_size]  # (B,)
         per_rank = len(glob) // self.world_size
         local = glob[self.rank * per_rank : (self.rank + 1) * per_rank]  # (B / world_size,)
-        self.batch_in_epoch += 1
-        if self.batch_in_epoch == self.steps_per_epoch:
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        self._advance()
         return self.split.batch(local)
 
     def epoch_batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """The batches left in the current epoch (all of it when at its start)."""
         for _ in range(self.steps_per_epoch - self.batch_in_epoch):
             yield next(self)
-
-    def state_dict(self) -> dict[str, int]:
-        """Position of the next batch: JSON-able, independent of rank and world size."""
-        return {
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "seed": self.seed,
-            "n": self.n,
-            "batch_size": self.batch_size,
-        }
-
-    rescalable = True  # the position is global: every rank saved the same one
-
-    def load_state_dict(self, state: dict[str, int] | list[dict[str, int]]) -> None:
-        """Resume so the next batch is the one an uninterrupted run would yield next.
-
-        Takes this iterator's state, or every saved rank's (any old world size): they hold
-        one global position, which is checked."""
-        if isinstance(state, list):
-            if not state or any(s != state[0] for s in state):
-                raise ValueError("BatchIterator: the saved ranks disagree on the position")
-            state = state[0]
-        for key, mine in (("n", self.n), ("seed", self.seed), ("batch_size", self.batch_size)):
-            if key in state and int(state[key]) != mine:
-                raise ValueError(
-                    f"BatchIterator state has {key}={state[key]} but this iterator "
-                    f"has {key}={mine}; resume with the same data and settings"
-                )
-        epoch, step = int(state["epoch"]), int(state["batch_in_epoch"])
-        if epoch < 0 or not 0 <= step < self.steps_per_epoch:
-            raise ValueError(
-                f"BatchIterator state epoch={epoch}, batch_in_epoch={step} is out of "
-                f"range (steps_per_epoch={self.steps_per_epoch})"
-            )
-        self.epoch, self.batch_in_epoch = epoch, step
 
 
 def eval_batches(split: EncodedSplit, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from experiments.cursor import EpochCursor
 from experiments.dlrm.data import CriteoData
 from loaders.permute import IndexCipher
 
@@ -23,7 +24,7 @@ def rows_to_batch(data: CriteoData, rows: np.ndarray) -> dict[str, torch.Tensor]
     }
 
 
-class RowBatches:
+class RowBatches(EpochCursor):
     """Endless batches over rows ``[lo, hi)`` of ``data``, epoch after epoch, for one rank.
 
     Epoch ``e`` visits the rows in the order of a keyed bijection (``IndexCipher``, key from
@@ -31,8 +32,6 @@ class RowBatches:
     is positions ``[i*B, (i+1)*B)``; rank ``r`` of ``world`` takes the ``r``-th contiguous
     slice, so the ranks together read the single-process batch. The position is
     ``state_dict()``, a few integers valid at any world size."""
-
-    rescalable = True
 
     def __init__(
         self,
@@ -74,30 +73,5 @@ class RowBatches:
         per_rank = self.batch_size // self.world
         start = self.batch_in_epoch * self.batch_size + self.rank * per_rank
         rows = self._order()(np.arange(start, start + per_rank)).astype(np.int64) + self.lo
-        self.batch_in_epoch += 1
-        if self.batch_in_epoch == self.steps_per_epoch:
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        self._advance()
         return rows_to_batch(self.data, np.sort(rows))  # sorted: sequential memmap reads
-
-    def state_dict(self) -> dict[str, int]:
-        return {
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "seed": self.seed,
-            "n": self.n,
-            "batch_size": self.batch_size,
-        }
-
-    def load_state_dict(self, state: dict | list[dict]) -> None:
-        """This iterator's saved state, or every saved rank's (one global position)."""
-        if isinstance(state, list):
-            if not state or any(s != state[0] for s in state):
-                raise ValueError("RowBatches: the saved ranks disagree on the position")
-            state = state[0]
-        for key, mine in (("n", self.n), ("seed", self.seed), ("batch_size", self.batch_size)):
-            if int(state[key]) != mine:
-                raise ValueError(
-                    f"RowBatches state has {key}={state[key]} but this run has {key}={mine}; "
-                    "resume with the same data and settings"
-                )
-        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])

@@ -1,0 +1,61 @@
+"""The position of an epoch-based batch iterator: a few integers, valid at any world size."""
+
+from __future__ import annotations
+
+__all__ = ["EpochCursor"]
+
+
+class EpochCursor:
+    """Mixin for iterators that walk ``n`` examples in global batches of ``batch_size``,
+    epoch after epoch, with an order fixed by ``(seed, epoch)``.
+
+    The subclass sets ``n``, ``seed``, ``batch_size``, ``steps_per_epoch``, ``epoch`` and
+    ``batch_in_epoch`` and calls :meth:`_advance` after each batch. Every rank holds the
+    same global position, so a checkpoint from any world size resumes at any other."""
+
+    n: int
+    seed: int
+    batch_size: int
+    steps_per_epoch: int
+    epoch: int
+    batch_in_epoch: int
+    rescalable = True  # the position is global: every rank saved the same one
+
+    def _advance(self) -> None:
+        self.batch_in_epoch += 1
+        if self.batch_in_epoch == self.steps_per_epoch:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Position of the next batch: JSON-able, independent of rank and world size."""
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "seed": self.seed,
+            "n": self.n,
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, int] | list[dict[str, int]]) -> None:
+        """Resume so the next batch is the one an uninterrupted run would yield next.
+
+        Takes this iterator's state, or every saved rank's (any old world size): they hold
+        one global position, which is checked."""
+        name = type(self).__name__
+        if isinstance(state, list):
+            if not state or any(s != state[0] for s in state):
+                raise ValueError(f"{name}: the saved ranks disagree on the position")
+            state = state[0]
+        for key, mine in (("n", self.n), ("seed", self.seed), ("batch_size", self.batch_size)):
+            if key in state and int(state[key]) != mine:
+                raise ValueError(
+                    f"{name} state has {key}={state[key]} but this iterator has {key}={mine}; "
+                    "resume with the same data and settings"
+                )
+        epoch, step = int(state["epoch"]), int(state["batch_in_epoch"])
+        if epoch < 0 or not 0 <= step < self.steps_per_epoch:
+            raise ValueError(
+                f"{name} state epoch={epoch}, batch_in_epoch={step} is out of range "
+                f"(steps_per_epoch={self.steps_per_epoch})"
+            )
+        self.epoch, self.batch_in_epoch = epoch, step
