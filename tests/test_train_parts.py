@@ -199,3 +199,39 @@ def test_stale_rank_files_of_a_larger_world_are_ignored(tmp_path):
     stale = (newest / "data_rank00000.json").read_text().replace('"rank": 0', '"rank": 1')
     (newest / "data_rank00001.json").write_text(stale.replace('"step": 10', '"step": 3'))
     assert Trainer(cfg, ToyTask(), *_toy_model(), resume=True).step == 10
+
+
+class _AliasTask:
+    """Autograd returns a broadcast view for ``c`` and one tensor for both ``a`` and ``b``."""
+
+    train_iter = iter(())
+
+    def loss(self, params, state, batch, *, train=True):
+        return params["c"].sum() + (params["a"] + params["b"]).pow(2).sum(), 1, {}
+
+    def evaluate(self, params, state):
+        return {}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_aliased_gradients_are_copied_before_in_place_updates(tmp_path, optimizer):
+    from comera.optim import SGDConfig
+    from comera.train import ComeraConfig, TrainConfig, Trainer
+
+    params = {"a": torch.ones(3), "b": torch.full((3,), 2.0), "c": torch.zeros(4)}
+    cfg = TrainConfig(
+        steps=3,
+        run_dir=str(tmp_path),
+        optimizer=optimizer,
+        sgd=SGDConfig(lr=0.1),
+        comera=ComeraConfig(enabled=False),
+        grad_clip=100.0,  # active: scales in place
+        wandb="disabled",
+        progress=False,
+    )
+    trainer = Trainer(cfg, _AliasTask(), params, {})
+    metrics = trainer.train_step(None, None)  # two micro-batches: accumulation in place too
+    assert metrics["grad_norm"] == pytest.approx(220**0.5)  # (6, 6, 6), (6, 6, 6), (1,)*4
+    if optimizer == "sgd":
+        assert trainer.params["a"].tolist() == pytest.approx([0.4] * 3)
+        assert trainer.params["b"].tolist() == pytest.approx([1.4] * 3)

@@ -38,16 +38,20 @@ class NonFiniteLoss(RuntimeError):
 
 
 def _accumulate(into: list[torch.Tensor | None], grads: tuple[torch.Tensor | None, ...]) -> None:
-    """Add ``grads`` into ``into`` in place; a sparse gradient stays sparse until a dense
-    one joins it."""
+    """Add ``grads`` into ``into``; a sparse gradient stays sparse until a dense one joins.
+
+    The buffers kept are the trainer's own: a dense gradient autograd hands back may be a
+    broadcast view (``x.sum()`` gives an expanded scalar) or the very tensor it gives
+    another leaf (``a + b``), and the loop later scales and clips in place, so it is
+    copied on first store. Sparse gradients are never modified in place."""
     for i, g in enumerate(grads):
         if g is None:
             continue
         acc = into[i]
         if acc is None:
-            into[i] = g
-        elif acc.is_sparse and not g.is_sparse:
-            into[i] = g + acc
+            into[i] = g if g.is_sparse else g.clone(memory_format=torch.contiguous_format)
+        elif acc.is_sparse:
+            into[i] = g + acc  # sparse + sparse stays sparse; a dense g makes it dense
         else:
             acc.add_(g)
 
@@ -63,12 +67,13 @@ def _grad_norm(grads: list[torch.Tensor | None]) -> torch.Tensor:
 
 
 def _scale(grads: list[torch.Tensor | None], factor: float | torch.Tensor) -> None:
+    """Multiply every gradient by ``factor``: dense ones in place, sparse ones replaced."""
     dense = [g for g in grads if g is not None and not g.is_sparse]
     if dense:
         torch._foreach_mul_(dense, factor)
-    for g in grads:
+    for i, g in enumerate(grads):
         if g is not None and g.is_sparse:
-            g.mul_(factor)
+            grads[i] = g * factor
 
 
 class Trainer:
