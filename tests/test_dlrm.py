@@ -207,3 +207,18 @@ def test_smoke_preset_learns_and_keeps_the_tables_that_matter(tmp_path: Path) ->
     kept = [sum(r) for k, r in ranks.items() if k in planted]
     shrunk = [sum(r) for k, r in ranks.items() if k not in planted]
     assert len(kept) == 5 and min(kept) > max(shrunk)
+
+
+def test_dense_kaggle_trains_like_the_reference() -> None:
+    from experiments.dlrm.experiment import EXPERIMENT
+
+    ap = cli.build_parser(EXPERIMENT)
+    args = ap.parse_args(["--preset", "kaggle", "--dense", "--data", "train.txt"])
+    cfg = cli.resolve_config(EXPERIMENT, args, ap)
+    t = cfg.train
+    assert (t.optimizer, t.sgd.lr, t.schedule, t.warmup_steps, t.grad_clip) == (
+        "sgd", 0.1, "constant", 0, None
+    )  # fmt: skip
+    assert cfg.dense and not t.comera.enabled and t.steps == 39_291_958 // 128
+    args = ap.parse_args(["--preset", "kaggle", "--dense", "--set", "train.optimizer=adamw"])
+    assert cli.resolve_config(EXPERIMENT, args, ap).train.optimizer == "adamw"

@@ -13,7 +13,8 @@ Preprocessing, as the facebookresearch/dlrm reference does it:
   occurrence, giving frequent values small ids, which lets a TTM's leading cores
   specialize on the head of the distribution (``id_order="hash"``: ascending hash order).
   With ``min_count > 1`` values seen fewer times share id 0; with ``max_ind_range > 0``
-  the id is ``hash % max_ind_range`` instead (the reference's ``--max-ind-range``);
+  hashes are first taken modulo it (the reference's ``--max-ind-range``), so no table
+  has more rows than that, and none more than its distinct values;
 - split by line count into ``days`` (7) equal days: the first 6 train, the 7th is halved,
   first half test, second half validation (the reference's split).
 
@@ -112,10 +113,11 @@ def check_line(line: str, path: str | Path, lineno: int) -> None:
     for name, value in zip(DENSE_COLUMNS, fields[1:14], strict=True):
         if value:
             try:
-                int(value)
+                if not -(2**63) <= int(value) < 2**63:
+                    raise ValueError
             except ValueError:
                 raise CriteoFormatError(
-                    f"{where}, field {name}: expected an integer or nothing, got {value!r}"
+                    f"{where}, field {name}: expected a 64-bit integer or nothing, got {value!r}"
                 ) from None
     for name, value in zip(CAT_COLUMNS, fields[14:], strict=True):
         if len(value) > 8 or any(c not in "0123456789abcdefABCDEF" for c in value):
@@ -185,7 +187,10 @@ def _read_raw(path: Path, out: Path, progress: bool) -> int:
         reader = pcsv.open_csv(
             path,
             read_options=pcsv.ReadOptions(column_names=list(COLUMNS), block_size=16 << 20),
-            parse_options=pcsv.ParseOptions(delimiter="\t", quote_char=False),
+            # a blank line is not Criteo: fail on it (at its line) rather than skip it
+            parse_options=pcsv.ParseOptions(
+                delimiter="\t", quote_char=False, ignore_empty_lines=False
+            ),
             convert_options=pcsv.ConvertOptions(
                 column_types=types, null_values=[""], strings_can_be_null=False
             ),
@@ -247,10 +252,8 @@ def _build_ids(out: Path, rows: int, cfg: CriteoDataConfig, progress: bool) -> l
     cards = []
     for j in tqdm(range(26), desc="criteo pass 2/2 vocabularies", disable=not progress):
         col = np.ascontiguousarray(hashes[:, j])
-        if cfg.max_ind_range:
-            ids[:, j] = (col % np.uint32(cfg.max_ind_range)).astype(np.int32)
-            cards.append(cfg.max_ind_range)
-            continue
+        if cfg.max_ind_range:  # the reference: hash modulo the range, then its vocabulary
+            col %= np.uint32(cfg.max_ind_range)
         uniq, inverse, counts = np.unique(col, return_inverse=True, return_counts=True)
         if cfg.id_order == "frequency":  # most frequent first; ties by hash (deterministic)
             rank = np.empty(len(uniq), dtype=np.int64)
@@ -287,10 +290,13 @@ def _splits(rows: int, days: int) -> dict[str, tuple[int, int]]:
 
 
 def fingerprint(path: Path, cfg: CriteoDataConfig) -> str:
-    """Size, head, tail and 16 evenly spaced samples of the file, plus the settings:
-    a changed file or setting gets a new cache; reading 11 GB is not needed to know."""
+    """Size, modification time, head, tail and 16 evenly spaced samples of the file, plus
+    the settings: a changed file or setting gets a new cache without reading 11 GB (a
+    copied file with a new modification time is preprocessed again, the safe side)."""
     h = hashlib.blake2b(digest_size=16)
-    size = path.stat().st_size
+    st = path.stat()
+    size = st.st_size
+    h.update(f"{st.st_mtime_ns}".encode())  # an edit in unsampled bytes still changes it
     settings = f"{cfg.max_ind_range}|{cfg.min_count}|{cfg.days}|{cfg.id_order}"
     h.update(f"{CACHE_VERSION}|{size}|{settings}".encode())
     with open(path, "rb") as f:
@@ -337,6 +343,21 @@ def _open(root: Path) -> CriteoData:
     )
 
 
+def _remove_stale_builds(parent: Path, fp: str) -> None:
+    """Delete ``<fp>.tmp-<pid>`` folders left by builds whose process is gone (a killed
+    build of the Kaggle file leaves gigabytes); a live build is left alone."""
+    for tmp in parent.glob(f"{fp}.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> CriteoData:
     """The cached table for ``path`` under ``cfg``'s settings, built if missing."""
     if not path.is_file():
@@ -356,6 +377,7 @@ def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> C
         return _open(root)
     if root.exists():  # no meta.json: never completed; rebuild
         shutil.rmtree(root)
+    _remove_stale_builds(root.parent, fp)
     tmp = root.with_name(f"{fp}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

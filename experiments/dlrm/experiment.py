@@ -6,8 +6,8 @@
     python -m experiments.dlrm --preset kaggle --data train.txt --dense    # reference DLRM
     python -m experiments.dlrm --bench [--json]                # one step at Kaggle sizes
 
-``--dense`` trains the dense model as the reference does (SGD, lr 0.1, sparse embedding
-gradients, no clipping) in the ``kaggle`` preset; ``--set train.optimizer=adamw`` selects
+``--dense`` trains the dense model as the reference does (SGD, constant lr 0.1, sparse
+embedding gradients, no clipping) in the ``kaggle`` preset; ``--set train.optimizer=adamw`` selects
 the shared AdamW instead (the ``smoke`` preset's dense default, see ``preset``).
 """
 
@@ -59,7 +59,7 @@ def preset(name: str) -> Preset:
     on it (GPU; the raw train.txt via --data). ``smoke``: a small DLRM on the generated
     file with planted signal (CPU, about a minute per run)."""
     if name == "kaggle":
-        steps = 39_291_954 // 128  # one epoch of the six train days
+        steps = 39_291_958 // 128  # one epoch of the six train days (45,840,617 rows)
         return Preset(
             data=CriteoDataConfig(path="", eval_rows=None),
             batch_size=128,
@@ -197,8 +197,16 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
     if args.max_ind_range is not None:
         out.append(("data.max_ind_range", args.max_ind_range))
     if getattr(args, "dense", False) and not args.resume:  # --set may override these
-        out += [("train.optimizer", preset(args.preset).dense_optimizer)]
-        out.append(("train.grad_clip", None))
+        out += _reference_training(preset(args.preset).dense_optimizer)
+    return out
+
+
+def _reference_training(optimizer: str) -> list[tuple[str, Any]]:
+    """How the dense baseline trains: the reference's SGD keeps its learning rate constant
+    and clips nothing; ``optimizer`` is the preset's ``dense_optimizer``."""
+    out: list[tuple[str, Any]] = [("train.optimizer", optimizer), ("train.grad_clip", None)]
+    if optimizer == "sgd":
+        out += [("train.schedule", "constant"), ("train.warmup_steps", 0)]
     return out
 
 
@@ -227,8 +235,7 @@ def run(p: Preset, *, dense: bool = False, resume: bool = False, argv: list[str]
         for key, value in (
             ("dense", True),
             ("train.comera.enabled", False),
-            ("train.optimizer", p.dense_optimizer),
-            ("train.grad_clip", None),
+            *_reference_training(p.dense_optimizer),
         ):
             p = cli.set_field(p, key, value)
     return cli.run_experiment(EXPERIMENT, p, resume=resume, argv=argv)
