@@ -177,6 +177,11 @@ def ttm_embedding_batched(
                 f"ttm_embedding_batched: {names[col]}: id {value} is out of range; ids must "
                 f"be in [0, {vocab[col]})"
             )
+    if not flat.shape[0]:  # nothing to look up: (..., T, D) zeros, still on the graph
+        anchor = sum(cs[0].sum() for cs in cores) * 0
+        return anchor + torch.zeros(
+            *ids.shape, dims.pop(), dtype=cores[0][0].dtype, device=cores[0][0].device
+        )
     parts: list[tuple[list[int], torch.Tensor]] = []
     for group in table_groups(params):
         rows = _lookup_group([cores[i] for i in group], flat[:, group])

@@ -65,3 +65,21 @@ def test_groups_and_errors() -> None:
     other = C.init(C.TTMEmbeddingSpec(vocab_modes=(8, 8), dim_modes=(2, 4), ranks=3))
     with pytest.raises(ValueError, match="embedding dims"):
         C.ttm_embedding_batched([params[0], other[0]], [states[0], other[1]], ids[:, :2] % 64)
+
+
+def test_many_blocks_and_empty_batches(monkeypatch) -> None:
+    """Unique rows split into several recomputed blocks: same values and gradients."""
+    import comera.table_batched as tb
+
+    specs, params, states, ids = _tables()
+    leaves = [t for p in params for v in p.values() for t in v]
+    ref = C.ttm_embedding_batched(params, states, ids, specs=specs)
+    g_ref = torch.autograd.grad(ref.square().sum(), leaves)
+    monkeypatch.setattr(tb, "_BLOCK_BYTES", 1)  # blocks of 256 unique rows
+    out = C.ttm_embedding_batched(params, states, ids, specs=specs)
+    g_out = torch.autograd.grad(out.square().sum(), leaves)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(g_out, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    empty = C.ttm_embedding_batched(params, states, ids[:0], specs=specs)
+    assert empty.shape == (0, 5, 16)

@@ -146,6 +146,8 @@ def test_cli_trains_on_the_real_sample_and_resumes(tmp_path: Path) -> None:
     evals = [r for r in rows if "eval/val/auc" in r]
     assert [r["step"] for r in evals] == [6, 12]
     assert {"eval/val/nce", "eval/val/logloss", "eval/val/accuracy"} <= set(evals[-1])
+    per_table = {k: v for k, v in evals[-1].items() if k.startswith("eval/compression/")}
+    assert per_table and all(v > 1 for v in per_table.values())
     assert any(r.get("stage") == "late" for r in rows)
     config = json.loads((run / "config.json").read_text())
     assert config["ttm_tables"] > 0 and config["train"]["optimizer"] == "adamw"
@@ -222,3 +224,74 @@ def test_dense_kaggle_trains_like_the_reference() -> None:
     assert cfg.dense and not t.comera.enabled and t.steps == 39_291_958 // 128
     args = ap.parse_args(["--preset", "kaggle", "--dense", "--set", "train.optimizer=adamw"])
     assert cli.resolve_config(EXPERIMENT, args, ap).train.optimizer == "adamw"
+
+
+def _sample_trainer(tmp_path: Path, run: str, *, accum: int = 1, batch: int = 32, **kw):
+    from experiments.dlrm.batches import RowBatches
+    from experiments.dlrm.data import CriteoDataConfig, preprocess
+    from experiments.dlrm.task import DLRMTask
+
+    data = preprocess(
+        SAMPLE, CriteoDataConfig(path="x", cache_dir=str(tmp_path / "c")), progress=False
+    )
+    model = DLRMConfig(cardinalities=tuple(data.cardinalities), bottom=(16,), top=(16,), tt=False)
+    lo, hi = data.splits["train"]
+    it = RowBatches(data, lo, hi, batch, seed=1)
+    task = DLRMTask(model, data, it, sparse=True)
+    cfg = TrainConfig(
+        steps=6,
+        run_dir=str(tmp_path / run),
+        optimizer="sgd",
+        sgd=SGDConfig(lr=0.5),
+        comera=ComeraConfig(enabled=False),
+        grad_clip=None,
+        schedule="constant",
+        accum_steps=accum,
+        checkpoint_every=3,
+        wandb="disabled",
+        progress=False,
+        **kw,
+    )
+    params, state = init_dlrm(model, generator=torch.Generator().manual_seed(0))
+    return cfg, task, params, state
+
+
+@pytest.mark.skipif(not SAMPLE.is_file(), reason="shared Criteo sample missing")
+def test_sparse_sgd_resumes_bit_identically(tmp_path: Path) -> None:
+    cfg, task, params, state = _sample_trainer(tmp_path, "straight")
+    straight = Trainer(cfg, task, params, state)
+    straight.fit()
+    cfg, task, params, state = _sample_trainer(tmp_path, "cut")
+    first = Trainer(cfg, task, params, state)
+    for _ in range(3):  # then the process dies
+        first.train_step(next(task.train_iter))
+    first.checkpoint()
+    cfg, task, params, state = _sample_trainer(tmp_path, "cut")
+    resumed = Trainer(cfg, task, params, state, resume=True)
+    assert resumed.step == 3
+    resumed.fit()
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(straight.params),
+        torch.utils._pytree.tree_leaves(resumed.params),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not SAMPLE.is_file(), reason="shared Criteo sample missing")
+def test_sparse_gradient_accumulation_equals_the_full_batch(tmp_path: Path) -> None:
+    cfg, task, params, state = _sample_trainer(tmp_path, "full", batch=32)
+    full = Trainer(cfg, task, params, state)
+    full.train_step(next(task.train_iter))
+    cfg2, task2, _, _ = _sample_trainer(tmp_path, "halves", batch=16, accum=2)
+    halves = Trainer(cfg2, task2, params, state)
+    # the two halves of the same 32 rows, one micro-batch each
+    batch = next(_sample_trainer(tmp_path, "x", batch=32)[1].train_iter)
+    half = [{k: v[i::2] for k, v in batch.items()} for i in range(2)]
+    halves.train_step(*half)
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(full.params),
+        torch.utils._pytree.tree_leaves(halves.params),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -52,7 +50,8 @@ class DLRMTask:
     ``loss`` returns the batch's summed BCE and its row count (exact data-parallel
     averaging). ``evaluate`` scores this rank's share of each eval split, gathers the
     predictions of all ranks (AUC is not a sum) and returns every metric as a pair the
-    trainer reduces."""
+    trainer reduces, with each compressed table's compression (dense rows x dim over its
+    live parameters)."""
 
     def __init__(
         self,
@@ -126,5 +125,10 @@ class DLRMTask:
                 labels = np.concatenate([p[1] for p in parts])
             for key, value in click_metrics(logits, labels).items():
                 # identical on every rank: (value, 1) summed over ranks averages back
-                out[f"{split}/{key}"] = (value if math.isfinite(value) else 0.0, 1.0)
+                out[f"{split}/{key}"] = (value, 1.0)
+        for name, table in params["tables"].items():  # each compressed table's compression
+            if "cores" in table:
+                live = C.live_param_count(table, state["tables"][name])
+                rows = self.model.cardinalities[self.model.names.index(name)]
+                out[f"compression/{name}"] = (rows * self.model.emb_dim / max(live, 1), 1.0)
         return out
