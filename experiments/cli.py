@@ -469,8 +469,12 @@ def _jsonable(o: Any) -> Any:
 
 
 def summary_table(name: str, kind: str, out: dict, steps: int) -> str:
-    """The end-of-run table: accuracy, loss, compression, live params, time."""
-    acc = {k: v for k, v in out.items() if k.startswith("eval/") and k.endswith("accuracy")}
+    """The end-of-run table: accuracy (and AUC), loss, compression, live params, time."""
+    acc = {
+        k: v
+        for k, v in out.items()
+        if k.startswith("eval/") and (k.endswith("accuracy") or k.endswith("/auc"))
+    }
     rows = [("run", f"{name} ({kind}), {steps} steps")]
     rows += [(k.removeprefix("eval/"), f"{v:.4f}") for k, v in acc.items()]
     for key, fmt in (
