@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -58,9 +57,8 @@ def test_bad_input_is_one_line(tmp_path, capsys):
 
 
 def test_dlrm_rank_ablation_on_the_criteo_sample(tmp_path):
-    sample = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_sample.txt"
-    if not sample.is_file():
-        pytest.skip("shared Criteo sample missing")
+    from criteo_helpers import SAMPLE as sample
+
     argv = ["rank", "--experiment", "dlrm", "--preset", "smoke", "--values", "2,4"]
     for kv in (
         f"data.path={sample}",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from criteo_helpers import SAMPLE
 
 from comera.optim import SGDConfig
 from comera.train import ComeraConfig, TrainConfig, Trainer
@@ -13,7 +14,6 @@ from experiments import cli
 from experiments.dlrm.experiment import main
 from experiments.dlrm.model import DLRMConfig, dense_param_count, dlrm_logits, init_dlrm
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_sample.txt"
 CARDS = (3, 50, 4096, 700, 9000, 12, 2000)
 
 
@@ -138,7 +138,6 @@ def _cli(tmp_path: Path, *extra: str) -> int:
     )
 
 
-@pytest.mark.skipif(not SAMPLE.is_file(), reason="shared Criteo sample missing")
 def test_cli_trains_on_the_real_sample_and_resumes(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert _cli(tmp_path, "--run-dir", str(run)) == 0
@@ -256,7 +255,6 @@ def _sample_trainer(tmp_path: Path, run: str, *, accum: int = 1, batch: int = 32
     return cfg, task, params, state
 
 
-@pytest.mark.skipif(not SAMPLE.is_file(), reason="shared Criteo sample missing")
 def test_sparse_sgd_resumes_bit_identically(tmp_path: Path) -> None:
     cfg, task, params, state = _sample_trainer(tmp_path, "straight")
     straight = Trainer(cfg, task, params, state)
@@ -278,7 +276,6 @@ def test_sparse_sgd_resumes_bit_identically(tmp_path: Path) -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not SAMPLE.is_file(), reason="shared Criteo sample missing")
 def test_sparse_gradient_accumulation_equals_the_full_batch(tmp_path: Path) -> None:
     cfg, task, params, state = _sample_trainer(tmp_path, "full", batch=32)
     full = Trainer(cfg, task, params, state)
@@ -295,3 +292,67 @@ def test_sparse_gradient_accumulation_equals_the_full_batch(tmp_path: Path) -> N
         strict=True,
     ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_two_ranks_match_one_process(tmp_path: Path) -> None:
+    """torchrun with 2 gloo ranks: rank 0 preprocesses while rank 1 waits, each rank
+    trains on its half of every global batch and scores its half of the split, AUC
+    gathers every prediction: the run logs what one process logs."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    common = [
+        "--data",
+        str(SAMPLE),
+        "--no-progress",
+        "--set",
+        "batch_size=32",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "train.eval_every=3",
+        "--set",
+        "model.tt_min_rows=100",
+        "--set",
+        "train.comera.reg_start_step=1",
+        "--set",
+        "train.comera.early_steps=4",
+        "--set",
+        "train.comera.prune_every=2",
+    ]
+    rows = {}
+    for world in (1, 2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        run = tmp_path / f"w{world}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(world),
+            "--master_port",
+            str(port),
+            "-m",
+            "experiments.dlrm",
+            *common,
+            "--cache-dir",
+            str(tmp_path / f"cache{world}"),
+            "--run-dir",
+            str(run),
+        ]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows[world] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = {w: [r for r in rows[w] if "eval/val/auc" in r] for w in rows}
+    assert [r["step"] for r in evals[2]] == [3, 6]
+    for a, b in zip(evals[1], evals[2], strict=True):
+        for key in ("eval/val/auc", "eval/val/logloss", "eval/val/accuracy", "eval/val/nce"):
+            assert a[key] == pytest.approx(b[key], abs=2e-3), key
+    losses = {w: [r["loss"] for r in rows[w] if "loss" in r] for w in rows}
+    assert losses[1] == pytest.approx(losses[2], rel=1e-4)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from criteo_helpers import SAMPLE
 
 from experiments.dlrm.batches import RowBatches
 from experiments.dlrm.data import (
@@ -16,8 +17,6 @@ from experiments.dlrm.data import (
 )
 from experiments.dlrm.task import click_metrics, roc_auc
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_sample.txt"
-
 
 def _cfg(tmp_path: Path, **kw) -> CriteoDataConfig:
     return CriteoDataConfig(path="x", cache_dir=str(tmp_path / "cache"), **kw)
@@ -25,8 +24,6 @@ def _cfg(tmp_path: Path, **kw) -> CriteoDataConfig:
 
 @pytest.fixture(scope="module")
 def sample(tmp_path_factory):
-    if not SAMPLE.is_file():
-        pytest.skip(f"{SAMPLE} not present")
     tmp = tmp_path_factory.mktemp("criteo")
     return preprocess(SAMPLE, _cfg(tmp), progress=False)
 
