@@ -1,0 +1,341 @@
+"""Text sources -> pre-tokenized Arrow token shards + ``doc_counts.json`` (the loader's input).
+
+    python -m loaders.prepare SRC --out DIR --tokenizer tokenizer.json
+    python -m loaders.prepare ./cpython/Lib --glob '**/*.py' --out data/py --train-tokenizer 8000
+    python -m loaders.prepare data.parquet --text-column func_code_string --out data/x --tokenizer T
+    python -m loaders.prepare hub:code_search_net --hub-config python --text-column \\
+        func_code_string --out data/python --tokenizer microsoft/codebert-base
+
+Sources: a folder of source files (``--glob``, one document per file, sorted paths), local
+parquet / jsonl / json / Arrow files (``--text-column``), or ``hub:NAME`` (a Hugging Face
+dataset, ``--hub-config``, ``--hub-split``; needs the network or a warm cache).
+
+The plan (which documents go to which shard) is fixed first and written to
+``prepare_plan.json``; shards are then tokenized in parallel (``--workers``), each written
+to a temporary name and renamed when complete, so a crash leaves no half-written shard
+visible and a rerun with the same arguments does only the shards that are missing.
+``doc_counts.json`` is written last. With ``--heldout F`` a fixed fraction of documents
+(chosen by a hash of each file path or row number, so it never changes between runs) goes
+to ``DIR/heldout`` and the rest to ``DIR/train``.
+
+Tokenizer: a local ``tokenizer.json`` (or folder), a hub name, or ``--train-tokenizer V``:
+a byte-level BPE of vocabulary ``V`` trained on the (training) documents with the
+RoBERTa specials ``<s> <pad> </s> <unk> <mask>``, saved as ``DIR/tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from loaders.metadata import FORMAT, METADATA_NAME, atomic_write_text
+from loaders.text import TEXT_SUFFIXES, _read_text_table, load_tokenizer
+
+__all__ = ["SPECIAL_TOKENS", "PrepareError", "prepare", "train_tokenizer"]
+
+SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, as RoBERTa
+PLAN_NAME = "prepare_plan.json"
+
+
+class PrepareError(ValueError):
+    """Bad input to ``loaders.prepare``: the message names the source and the fix."""
+
+
+@dataclass(frozen=True)
+class Doc:
+    """Where one document's text is: a file (``row`` None) or a row of a table file."""
+
+    path: str
+    row: int | None = None
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _heldout(key: str, fraction: float) -> bool:
+    """A fixed, run-independent choice: the hash of ``key`` as a number in [0, 1)."""
+    if fraction <= 0:
+        return False
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+    return h / 2**64 < fraction
+
+
+def list_docs(source: str, *, glob: str | None, text_column: str) -> list[Doc]:
+    """Every document of a local source, in a fixed order."""
+    path = Path(source)
+    if path.is_dir():
+        if not glob:
+            raise PrepareError(f"{source} is a folder: pass --glob PATTERN (e.g. '**/*.py')")
+        files = sorted(p for p in path.glob(glob) if p.is_file())
+        if not files:
+            raise PrepareError(f"{source}: no file matches --glob {glob!r}")
+        return [Doc(str(p)) for p in files]
+    if path.is_file():
+        if path.suffix not in TEXT_SUFFIXES:
+            raise PrepareError(
+                f"{source}: unsupported file type {path.suffix!r}; expected one of "
+                f"{', '.join(TEXT_SUFFIXES)}, or a folder with --glob"
+            )
+        table = _read_text_table(path)
+        if text_column not in table.column_names:
+            raise PrepareError(
+                f"{source} has no column {text_column!r} (columns: {table.column_names}); "
+                "pass --text-column NAME"
+            )
+        return [Doc(str(path), i) for i in range(table.num_rows)]
+    raise PrepareError(f"source {source} does not exist; pass a folder, a file or hub:NAME")
+
+
+class _Texts:
+    """Reads document texts; table files are opened once per process."""
+
+    def __init__(self, text_column: str, hub: object = None) -> None:
+        self.text_column, self.hub = text_column, hub
+        self._tables: dict[str, pa.ChunkedArray] = {}
+
+    def __call__(self, doc: Doc) -> str:
+        if doc.path.startswith("hub:"):
+            return str(self.hub[doc.row][self.text_column])  # type: ignore[index]
+        if doc.row is None:
+            return Path(doc.path).read_text(encoding="utf-8", errors="replace")
+        if doc.path not in self._tables:
+            self._tables[doc.path] = _read_text_table(Path(doc.path)).column(self.text_column)
+        value = self._tables[doc.path][doc.row].as_py()
+        return "" if value is None else str(value)
+
+
+def _load_hub(name: str, config: str | None, split: str, text_column: str) -> object:
+    try:
+        import datasets
+    except ImportError as exc:  # pragma: no cover - an extra
+        raise PrepareError("hub sources need `pip install datasets`") from exc
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:
+        raise PrepareError(
+            f"cannot load hub dataset {name!r} (config {config!r}, split {split!r}): {exc}; "
+            "without network, save it locally (parquet/jsonl) and pass the file instead"
+        ) from None
+    if text_column not in ds.column_names:
+        raise PrepareError(
+            f"hub dataset {name!r} has no column {text_column!r} (columns: {ds.column_names})"
+        )
+    return ds
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int, out: Path) -> Path:
+    """Train a byte-level BPE on ``texts``; save ``out`` (tokenizer.json); return its path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tok.save(str(tmp))
+    os.replace(tmp, out)
+    return out
+
+
+# --------------------------------------------------------------------------- shards
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer: str, text_column: str, hub: tuple | None) -> None:
+    _WORKER["encode"] = load_tokenizer(tokenizer)
+    ds = _load_hub(*hub, text_column) if hub else None
+    _WORKER["texts"] = _Texts(text_column, ds)
+
+
+def _write_shard(job: tuple[str, list[tuple[str, int | None]]]) -> tuple[str, int, int]:
+    """Tokenize one shard's documents and write it atomically; returns (path, docs, tokens)."""
+    out, docs = job
+    encode, texts = _WORKER["encode"], _WORKER["texts"]
+    rows = [np.asarray(encode(texts(Doc(p, r))), dtype=np.int32) for p, r in docs]
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    values = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
+    arr = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+    table = pa.table({"tokens": arr})
+    path = Path(out)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=1024)
+    os.replace(tmp, path)
+    return out, len(rows), int(offsets[-1])
+
+
+def _plan(docs: list[Doc], docs_per_shard: int) -> list[dict]:
+    """Consecutive runs of ``docs_per_shard`` documents, one Arrow file each."""
+    shards = []
+    for k, start in enumerate(range(0, len(docs), docs_per_shard)):
+        part = docs[start : start + docs_per_shard]
+        shards.append({"file": f"part-{k:05d}.arrow", "docs": [[d.path, d.row] for d in part]})
+    return shards
+
+
+def prepare(
+    sources: list[str],
+    out: str | Path,
+    *,
+    tokenizer: str | None = None,
+    train_vocab: int | None = None,
+    glob: str | None = None,
+    text_column: str = "text",
+    heldout: float = 0.0,
+    docs_per_shard: int = 2000,
+    workers: int = 1,
+    hub_config: str | None = None,
+    hub_split: str = "train",
+    progress: bool = True,
+) -> dict:
+    """Prepare ``sources`` into ``out`` (``out/train`` and ``out/heldout`` with ``heldout``);
+    returns a summary. Reruns with the same arguments finish what a crash left undone."""
+    from tqdm.auto import tqdm
+
+    if (tokenizer is None) == (train_vocab is None):
+        raise PrepareError("pass exactly one of --tokenizer and --train-tokenizer VOCAB")
+    if not 0 <= heldout < 1 or docs_per_shard < 1 or workers < 1:
+        raise PrepareError(
+            f"--heldout must be in [0, 1), --docs-per-shard and --workers >= 1; got "
+            f"{heldout}, {docs_per_shard}, {workers}"
+        )
+    out = Path(out)
+    hub, docs = None, []
+    for src in sources:
+        if src.startswith("hub:"):
+            if len(sources) > 1:
+                raise PrepareError("a hub source is prepared on its own; run prepare per source")
+            hub = (src[4:], hub_config, hub_split)
+            ds = _load_hub(*hub, text_column)
+            docs = [Doc(src, i) for i in range(len(ds))]  # type: ignore[arg-type]
+        else:
+            docs += list_docs(src, glob=glob, text_column=text_column)
+    if not docs:
+        raise PrepareError(f"sources {sources} hold no document")
+    splits = {"train": [d for d in docs if not _heldout(f"{d.path}#{d.row}", heldout)]}
+    if heldout:
+        splits["heldout"] = [d for d in docs if _heldout(f"{d.path}#{d.row}", heldout)]
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "sources": sources, "glob": glob, "text_column": text_column, "heldout": heldout,
+        "docs_per_shard": docs_per_shard, "tokenizer": tokenizer, "train_vocab": train_vocab,
+        "hub_config": hub_config, "hub_split": hub_split, "docs": len(docs),
+    }  # fmt: skip
+    plan_path = out / PLAN_NAME
+    if plan_path.is_file():
+        saved = json.loads(plan_path.read_text())
+        if saved.get("settings") != settings:
+            raise PrepareError(
+                f"{out} was prepared with other settings ({plan_path}); pass another --out "
+                "or delete that folder"
+            )
+    if train_vocab is not None:
+        tok_path = out / "tokenizer.json"
+        if not tok_path.is_file():
+            texts = _Texts(text_column, _load_hub(*hub, text_column) if hub else None)
+            train_tokenizer((texts(d) for d in splits["train"]), train_vocab, tok_path)
+        tokenizer = str(tok_path)
+    load_tokenizer(tokenizer)  # fail here, not in a worker
+    layout = {name: _plan(ds, docs_per_shard) for name, ds in splits.items()}
+    atomic_write_text(
+        plan_path, json.dumps({"settings": settings, "tokenizer": tokenizer}, indent=1)
+    )
+    summary: dict = {"out": str(out), "tokenizer": tokenizer, "splits": {}}
+    for name, shards in layout.items():
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        todo = [
+            (str(folder / s["file"]), [tuple(d) for d in s["docs"]])
+            for s in shards
+            if not (folder / s["file"]).is_file()
+        ]
+        bar = tqdm(
+            total=len(shards),
+            initial=len(shards) - len(todo),
+            unit="shard",
+            desc=f"prepare {name}",
+            disable=not progress,
+            mininterval=1.0,
+        )
+        init = (tokenizer, text_column, hub)
+        if workers == 1 or len(todo) <= 1:
+            _init_worker(*init)
+            for job in todo:
+                _write_shard(job)
+                bar.update(1)
+        else:
+            with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=init) as ex:
+                for _ in ex.map(_write_shard, todo):
+                    bar.update(1)
+        bar.close()
+        counts = {s["file"]: {"docs": len(s["docs"]), "bytes": (folder / s["file"]).stat().st_size}
+                  for s in shards}  # fmt: skip
+        atomic_write_text(
+            folder / METADATA_NAME,
+            json.dumps({"format": FORMAT, "version": 1, "files": counts}, indent=1),
+        )
+        summary["splits"][name] = {
+            "shards": len(shards),
+            "docs": sum(len(s["docs"]) for s in shards),
+        }
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loaders.prepare``; bad input is one line and exit status 2."""
+    ap = argparse.ArgumentParser(
+        prog="python -m loaders.prepare", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("sources", nargs="+", help="folder (with --glob), table file, or hub:NAME")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokenizer", help="tokenizer.json, a folder holding one, or a hub name")
+    ap.add_argument("--train-tokenizer", dest="train_vocab", type=int, metavar="VOCAB")
+    ap.add_argument("--glob", help="file pattern inside a folder source, e.g. '**/*.py'")
+    ap.add_argument("--text-column", default="text")
+    ap.add_argument("--heldout", type=float, default=0.0, help="fraction of documents held out")
+    ap.add_argument("--docs-per-shard", type=int, default=2000)
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    ap.add_argument("--hub-config")
+    ap.add_argument("--hub-split", default="train")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        summary = prepare(
+            args.sources, args.out, tokenizer=args.tokenizer, train_vocab=args.train_vocab,
+            glob=args.glob, text_column=args.text_column, heldout=args.heldout,
+            docs_per_shard=args.docs_per_shard, workers=args.workers,
+            hub_config=args.hub_config, hub_split=args.hub_split,
+            progress=not args.no_progress,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as e:  # PrepareError, bad tokenizer or table
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

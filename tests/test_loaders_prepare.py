@@ -1,0 +1,110 @@
+"""``python -m loaders.prepare``: text -> token shards the loader reads, resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from loaders_helpers import BOS, EOS, PAD
+
+from loaders import DatasetSpec, LoaderConfig, TokenLoader
+from loaders.prepare import PrepareError, main, prepare
+from loaders.sources import ArrowTokenFile
+
+
+def _corpus(root: Path, n: int = 40) -> dict[str, str]:
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "x", "(", ")", ":", "\n"]
+    texts = {}
+    for i in range(n):
+        text = " ".join(rng.choice(words, size=int(rng.integers(5, 60)))) + f"\n# file {i} é\n"
+        path = root / f"pkg{i % 3}" / f"mod{i:03d}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        texts[str(path)] = text
+    (root / "README.txt").write_text("not matched by the glob")
+    return texts
+
+
+def _docs(folder: Path) -> list[np.ndarray]:
+    files = sorted(folder.glob("part-*.arrow"))
+    return [f.doc(i) for f in map(ArrowTokenFile, files) for i in range(f.num_docs)]
+
+
+def test_folder_to_shards_round_trips_and_loads(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    texts = _corpus(tmp_path / "src")
+    out = tmp_path / "out"
+    summary = prepare([str(tmp_path / "src")], out, train_vocab=300, glob="**/*.py",
+                      heldout=0.25, docs_per_shard=7, progress=False)  # fmt: skip
+    train, held = summary["splits"]["train"]["docs"], summary["splits"]["heldout"]["docs"]
+    assert train + held == 40 and 0 < held < 20
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert [tok.token_to_id(t) for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")] == [
+        0, 1, 2, 3, 4
+    ]  # fmt: skip
+    plan = json.loads((out / "train" / "doc_counts.json").read_text())
+    assert sum(e["docs"] for e in plan["files"].values()) == train
+    # every document decodes back to its file, exactly (byte-level BPE)
+    decoded = {tok.decode(d.tolist()) for split in ("train", "heldout") for d in _docs(out / split)}
+    assert decoded == set(texts.values())
+    cfg = LoaderConfig(datasets=[DatasetSpec(name="py", path=str(out / "train"))], seq_len=32,
+                       batch_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD, num_shards=4)  # fmt: skip
+    batch = next(iter(TokenLoader(cfg, rank=0, world_size=1)))
+    assert batch["input_ids"].shape[0] == 2
+
+
+def test_rerun_finishes_a_crashed_run_and_refuses_other_settings(tmp_path: Path) -> None:
+    _corpus(tmp_path / "src")
+    out = tmp_path / "out"
+    kw = dict(train_vocab=300, glob="**/*.py", docs_per_shard=6, progress=False)
+    prepare([str(tmp_path / "src")], out, **kw)
+    shards = sorted((out / "train").glob("part-*.arrow"))
+    before = {p.name: p.read_bytes() for p in shards}
+    stamps = {p.name: p.stat().st_mtime_ns for p in shards}
+    shards[2].unlink()  # as if the run died before this shard was renamed into place
+    (out / "train" / f".{shards[2].name}.tmp-12345").write_bytes(b"half")
+    prepare([str(tmp_path / "src")], out, **kw)
+    assert shards[2].read_bytes() == before[shards[2].name]
+    assert all(p.stat().st_mtime_ns == stamps[p.name] for p in shards if p != shards[2])
+    with pytest.raises(PrepareError, match="other settings"):
+        prepare([str(tmp_path / "src")], out, **{**kw, "docs_per_shard": 5})
+
+
+def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
+    texts = _corpus(tmp_path / "src")
+    kw = dict(train_vocab=300, glob="**/*.py", docs_per_shard=5, progress=False)
+    prepare([str(tmp_path / "src")], tmp_path / "one", workers=1, **kw)
+    prepare([str(tmp_path / "src")], tmp_path / "two", workers=2, **kw)
+    one, two = (sorted((tmp_path / d / "train").glob("part-*")) for d in ("one", "two"))
+    assert [p.read_bytes() for p in one] == [p.read_bytes() for p in two]
+    jsonl = tmp_path / "funcs.jsonl"
+    jsonl.write_text("".join(json.dumps({"code": t, "id": i}) + "\n"
+                             for i, t in enumerate(texts.values())))  # fmt: skip
+    tok = str(tmp_path / "one" / "tokenizer.json")
+    prepare([str(jsonl)], tmp_path / "tab", tokenizer=tok, text_column="code", progress=False)
+    assert len(_docs(tmp_path / "tab" / "train")) == 40
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["{src}", "--out", "{out}", "--train-tokenizer", "300"], "pass --glob"),
+        (["{src}/nope", "--out", "{out}", "--train-tokenizer", "300"], "does not exist"),
+        (["{src}", "--glob", "*.py", "--out", "{out}"], "exactly one of --tokenizer"),
+        (["{jsonl}", "--out", "{out}", "--train-tokenizer", "300"], "no column 'text'"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path: Path, capsys, args: list[str], message: str) -> None:
+    _corpus(tmp_path / "src", n=3)
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text('{"code": "x = 1"}\n')
+    fill = {"src": str(tmp_path / "src"), "out": str(tmp_path / "o"), "jsonl": str(jsonl)}
+    code = main([a.format(**fill) for a in args] + ["--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0]
+    assert not os.path.exists(tmp_path / "o" / "train")
