@@ -18,7 +18,13 @@ import torch.nn.functional as F
 
 import comera as C
 
-__all__ = ["EncoderConfig", "dense_param_count", "encoder_logits", "init_encoder"]
+__all__ = [
+    "EncoderConfig",
+    "dense_param_count",
+    "encoder_hidden",
+    "encoder_logits",
+    "init_encoder",
+]
 
 Modes = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -161,7 +167,7 @@ def _layer_norm(p: dict, x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, x.shape[-1:], p["weight"], p["bias"], eps=1e-12)
 
 
-def encoder_logits(
+def encoder_hidden(
     params: dict,
     state: dict,
     batch: dict[str, torch.Tensor],
@@ -170,12 +176,16 @@ def encoder_logits(
     train: bool = False,
     plan: C.plans.PlanLike = None,
     plans: C.LayerPlans | None = None,
+    attn_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Class logits ``(B, num_labels)`` for a batch of ``input_ids``, ``token_type_ids`` and
-    ``attention_mask`` (each ``(B, T)``). Dropout draws from torch's global RNG.
+    """Hidden states ``(B, T, d)`` of the encoder stack for ``input_ids (B, T)``.
 
-    ``plans`` picks the contraction per layer path (``layers.0.q``, ``pooler``) and the TTM
-    lookup; ``plan`` is one strategy for every layer (used when ``plans`` is None)."""
+    ``attn_mask``: boolean ``(B, 1|H, T, T)`` (True = attend); default: keys allowed by
+    ``batch["attention_mask"]``. ``position_ids (B, T)``: default ``0..T-1``.
+    ``token_type_ids`` are optional (zeros). Dropout draws from torch's global RNG.
+    ``plans`` picks the contraction per layer path (``layers.0.q``) and the TTM lookup;
+    ``plan`` is one strategy for every layer (used when ``plans`` is None)."""
 
     def plan_of(path: str) -> C.plans.PlanLike:
         return plans.for_layer(path) if plans is not None else plan
@@ -191,9 +201,15 @@ def encoder_logits(
         x = C.ttm_embedding(emb["word"], state["embed"]["word"], ids, impl=impl)  # (B, T, d)
     else:
         x = F.embedding(ids, emb["word"]["weight"])
-    x = x + emb["position"][:t] + F.embedding(batch["token_type_ids"], emb["token_type"])
+    pos = (
+        emb["position"][:t] if position_ids is None else F.embedding(position_ids, emb["position"])
+    )
+    types = batch.get("token_type_ids")
+    types = emb["token_type"][0] if types is None else F.embedding(types, emb["token_type"])
+    x = x + pos + types
     x = F.dropout(_layer_norm(emb["ln"], x), p_drop, train)
-    keep = batch["attention_mask"].bool()[:, None, None, :]  # (B, 1, 1, T): True = attend
+    if attn_mask is None:
+        attn_mask = batch["attention_mask"].bool()[:, None, None, :]  # (B, 1, 1, T)
     h, dh = cfg.heads, cfg.d_model // cfg.heads
     for i, (p, s) in enumerate(zip(params["layers"], state["layers"], strict=True)):
         q, k, v = (
@@ -202,7 +218,7 @@ def encoder_logits(
             .transpose(1, 2)  # (B, H, T, dh)
             for n in ("q", "k", "v")
         )
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p_drop)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p_drop)
         att = att.transpose(1, 2).reshape(b, t, cfg.d_model)
         x = _layer_norm(
             p["ln1"],
@@ -221,6 +237,28 @@ def encoder_logits(
                 train,
             ),
         )
+    return x
+
+
+def encoder_logits(
+    params: dict,
+    state: dict,
+    batch: dict[str, torch.Tensor],
+    cfg: EncoderConfig,
+    *,
+    train: bool = False,
+    plan: C.plans.PlanLike = None,
+    plans: C.LayerPlans | None = None,
+) -> torch.Tensor:
+    """Class logits ``(B, num_labels)`` for a batch of ``input_ids``, ``token_type_ids`` and
+    ``attention_mask`` (each ``(B, T)``): :func:`encoder_hidden`, then the pooler on the
+    first token and the classifier."""
+
+    def plan_of(path: str) -> C.plans.PlanLike:
+        return plans.for_layer(path) if plans is not None else plan
+
+    x = encoder_hidden(params, state, batch, cfg, train=train, plan=plan, plans=plans)
+    p_drop = cfg.dropout if train else 0.0
     pooled = torch.tanh(
         _linear(params["pooler"], state.get("pooler"), x[:, 0], plan_of("pooler"))
     )  # (B, d)
