@@ -1,0 +1,86 @@
+"""CodeBERT pieces: packed rows compute what separate rows do; dynamic masking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments.codebert.masking import mask_tokens
+from experiments.codebert.model import document_mask, init_mlm, mlm_logits, segment_positions
+from experiments.transformer import EncoderConfig, encoder_hidden
+
+
+def _cfg(tt: bool) -> EncoderConfig:
+    return EncoderConfig(
+        vocab_size=100, max_len=16, d_model=32, heads=4, ffn=64, layers=2, dropout=0.0,
+        tt=tt, rank=4, attn_modes=((8, 4), (4, 8)), ffn_in_modes=((8, 8), (4, 8)),
+        ffn_out_modes=((4, 8), (8, 8)), emb_vocab_modes=(10, 10), emb_dim_modes=(4, 8),
+        emb_rank=4,
+    )  # fmt: skip
+
+
+def test_positions_and_mask() -> None:
+    seg = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [3, 3, 3, 3, 3, 3, 3]])
+    assert segment_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 6]]
+    m = document_mask(seg)[0, 0]
+    assert m[0, :3].all() and not m[0, 3:].any()  # document 1 sees only itself
+    assert m[3, 3:5].all() and not m[3, :3].any()
+    assert m[5].tolist() == [False] * 5 + [True, False]  # padding: itself only
+
+
+@pytest.mark.parametrize("tt", [False, True])
+def test_packed_row_equals_separate_rows(tt: bool) -> None:
+    cfg = _cfg(tt)
+    params, state = init_mlm(cfg, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(5, 100, (6,), generator=g), torch.randint(5, 100, (5,), generator=g)
+    packed = torch.cat([a, b, torch.zeros(3, dtype=torch.long)])[None]  # (1, 14)
+    seg = torch.tensor([[1] * 6 + [2] * 5 + [0] * 3])
+
+    def hidden(ids, seg):
+        mask, pos = document_mask(seg), segment_positions(seg)
+        return encoder_hidden(
+            params, state, {"input_ids": ids}, cfg, attn_mask=mask, position_ids=pos
+        )
+
+    h = hidden(packed, seg)[0]
+    ha = hidden(a[None], torch.ones(1, 6, dtype=torch.long))[0]
+    hb = hidden(b[None], torch.ones(1, 5, dtype=torch.long))[0]
+    torch.testing.assert_close(h[:6], ha, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h[6:11], hb, rtol=1e-5, atol=1e-5)
+    labels = torch.full_like(packed, -100)
+    labels[0, [1, 8]] = packed[0, [1, 8]]
+    logits, target = mlm_logits(params, state, {"input_ids": packed, "segment_ids": seg,
+                                                "labels": labels}, cfg)  # fmt: skip
+    assert logits.shape == (2, 100) and target.tolist() == packed[0, [1, 8]].tolist()
+    # the decoder is tied: the word embedding gets a gradient from the output side too
+    word = params["embed"]["word"]
+    leaves = [t.requires_grad_() for t in (word["cores"] if tt else [word["weight"]])]
+    logits, target = mlm_logits(params, state, {"input_ids": packed, "segment_ids": seg,
+                                                "labels": labels}, cfg)  # fmt: skip
+    grads = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, target), leaves)
+    assert all(bool(g.abs().sum() > 0) for g in grads)
+
+
+def test_dynamic_masking_rates() -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (64, 512), generator=g)
+    seg = torch.ones_like(ids)
+    seg[:, -50:] = 0  # padding
+    ids[:, ::97] = 0  # BOS-like specials
+    special = [0, 1, 2, 3, 4]
+    out, labels = mask_tokens(ids, seg, mask_id=4, vocab_size=1000, special_ids=special,
+                              generator=torch.Generator().manual_seed(1))  # fmt: skip
+    eligible = (seg > 0) & ~torch.isin(ids, torch.tensor(special))
+    chosen = labels != -100
+    assert not (chosen & ~eligible).any()
+    assert float(chosen.sum() / eligible.sum()) == pytest.approx(0.15, abs=0.005)
+    assert torch.equal(labels[chosen], ids[chosen])
+    as_mask = (out == 4) & chosen
+    kept = (out == ids) & chosen
+    assert float(as_mask.sum() / chosen.sum()) == pytest.approx(0.8, abs=0.015)
+    assert float(kept.sum() / chosen.sum()) == pytest.approx(0.1, abs=0.015)  # + rare collisions
+    assert torch.equal(out[~chosen], ids[~chosen])
+    again = mask_tokens(ids, seg, mask_id=4, vocab_size=1000, special_ids=special,
+                        generator=torch.Generator().manual_seed(1))  # fmt: skip
+    assert torch.equal(again[0], out) and torch.equal(again[1], labels)
