@@ -6,8 +6,9 @@
     python -m loaders.prepare hub:code_search_net --hub-config python --text-column \\
         func_code_string --out data/python --tokenizer microsoft/codebert-base
 
-Sources: a folder of source files (``--glob``, one document per file, sorted paths), local
-parquet / jsonl / json / Arrow files (``--text-column``), or ``hub:NAME`` (a Hugging Face
+Sources: a folder of source files (``--glob``, one document per file, sorted paths), single
+source files (one document each), local parquet / jsonl / json / Arrow files
+(``--text-column``), or ``hub:NAME`` (a Hugging Face
 dataset, ``--hub-config``, ``--hub-split``; needs the network or a warm cache).
 
 The plan (which documents go to which shard) is fixed first and written to
@@ -16,7 +17,8 @@ to a temporary name and renamed when complete, so a crash leaves no half-written
 visible and a rerun with the same arguments does only the shards that are missing.
 ``doc_counts.json`` is written last. With ``--heldout F`` a fixed fraction of documents
 (chosen by a hash of each file path or row number, so it never changes between runs) goes
-to ``DIR/heldout`` and the rest to ``DIR/train``.
+to ``DIR/heldout`` and the rest to ``DIR/train``; a source so small that the fraction
+selects none (or all) holds out exactly one document.
 
 Tokenizer: a local ``tokenizer.json`` (or folder), a hub name, or ``--train-tokenizer V``:
 a byte-level BPE of vocabulary ``V`` trained on the (training) documents with the
@@ -62,12 +64,14 @@ class Doc:
 # --------------------------------------------------------------------------- sources
 
 
+def _hash01(key: str) -> float:
+    """The hash of ``key`` as a number in [0, 1): the same in every run."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
+
+
 def _heldout(key: str, fraction: float) -> bool:
-    """A fixed, run-independent choice: the hash of ``key`` as a number in [0, 1)."""
-    if fraction <= 0:
-        return False
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return h / 2**64 < fraction
+    """A fixed, run-independent choice of held-out documents."""
+    return fraction > 0 and _hash01(key) < fraction
 
 
 def list_docs(source: str, *, glob: str | None, text_column: str) -> list[Doc]:
@@ -81,11 +85,8 @@ def list_docs(source: str, *, glob: str | None, text_column: str) -> list[Doc]:
             raise PrepareError(f"{source}: no file matches --glob {glob!r}")
         return [Doc(str(p)) for p in files]
     if path.is_file():
-        if path.suffix not in TEXT_SUFFIXES:
-            raise PrepareError(
-                f"{source}: unsupported file type {path.suffix!r}; expected one of "
-                f"{', '.join(TEXT_SUFFIXES)}, or a folder with --glob"
-            )
+        if path.suffix not in TEXT_SUFFIXES:  # a source file: one document
+            return [Doc(str(path))]
         table = _read_text_table(path)
         if text_column not in table.column_names:
             raise PrepareError(
@@ -235,9 +236,13 @@ def prepare(
             docs += list_docs(src, glob=glob, text_column=text_column)
     if not docs:
         raise PrepareError(f"sources {sources} hold no document")
-    splits = {"train": [d for d in docs if not _heldout(f"{d.path}#{d.row}", heldout)]}
+    held = {d for d in docs if _heldout(f"{d.path}#{d.row}", heldout)}
+    if heldout and len(docs) > 1 and len(held) in (0, len(docs)):
+        # a small source: hold out exactly the document of smallest hash (deterministic)
+        held = {min(docs, key=lambda d: _hash01(f"{d.path}#{d.row}"))}
+    splits = {"train": [d for d in docs if d not in held]}
     if heldout:
-        splits["heldout"] = [d for d in docs if _heldout(f"{d.path}#{d.row}", heldout)]
+        splits["heldout"] = [d for d in docs if d in held]
     out.mkdir(parents=True, exist_ok=True)
     settings = {
         "sources": sources, "glob": glob, "text_column": text_column, "heldout": heldout,

@@ -1,0 +1,5 @@
+"""``python -m experiments.codebert``."""
+
+from experiments.codebert.experiment import main
+
+raise SystemExit(main())

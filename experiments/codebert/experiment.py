@@ -1,0 +1,257 @@
+"""CodeBERT-style masked-LM pretraining, CoMERA vs dense, fed by ``loaders.TokenLoader``.
+
+    python -m experiments.codebert --preset smoke             # CPU: the stdlib corpus, minutes
+    python -m experiments.codebert --preset smoke --dense
+    python -m experiments.codebert --corpus app=./src --corpus lib=./vendor --mix app=0.7,lib=0.3
+
+In progress (issue 9): the ``paper`` preset, the benchmark, the report and the torchrun
+kill/resume test are not here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import comera as C
+from comera.optim import AdamWConfig
+from comera.train import ComeraConfig, TrainConfig
+from experiments import cli
+from experiments.codebert.data import corpus_from_paths, stdlib_corpus
+from experiments.codebert.model import init_mlm
+from experiments.codebert.task import MLMTask
+from experiments.transformer import EncoderConfig, dense_param_count
+from loaders import DatasetSpec, LoaderConfig, TokenLoader
+
+__all__ = ["EXPERIMENT", "CorpusConfig", "Preset", "build", "main", "preset"]
+
+
+@dataclass(kw_only=True, slots=True)
+class CorpusConfig:
+    """Where the text comes from and how it is cut.
+
+    ``source``: ``"stdlib"`` (the running Python's standard library, three sub-datasets by
+    file kind) or ``"paths"`` (``paths``: ``{name: folder}``, from ``--corpus``). ``mix``:
+    sub-dataset weights (default equal). ``vocab``: size of the BPE trained on the corpus."""
+
+    source: str = "stdlib"
+    paths: dict[str, str] = field(default_factory=dict)
+    mix: dict[str, float] = field(default_factory=dict)
+    vocab: int = 2000
+    heldout: float = 0.05
+    max_files: int | None = None
+    cache_dir: str | None = None
+    seq_len: int = 128
+    eval_batches: int = 8
+
+    def __post_init__(self) -> None:
+        if self.source not in ("stdlib", "paths"):
+            raise ValueError(f"data.source={self.source!r}; choose 'stdlib' or 'paths'")
+        if self.source == "paths" and not self.paths:
+            raise ValueError("data.source='paths' needs --corpus NAME=FOLDER")
+        if self.vocab < 300 or not 0 < self.heldout < 1 or self.seq_len < 8:
+            raise ValueError(
+                f"CorpusConfig: need vocab >= 300, 0 < heldout < 1, seq_len >= 8; got "
+                f"{self.vocab}, {self.heldout}, {self.seq_len}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class Preset:
+    model: EncoderConfig
+    data: CorpusConfig = field(default_factory=CorpusConfig)
+    train: TrainConfig
+    plans: C.LayerPlans = field(default_factory=C.LayerPlans)
+    dense: bool = False
+    batch_size: int = 16  # rows per rank per micro-batch
+
+
+def preset(name: str) -> Preset:
+    """``smoke``: a 2-layer d64 encoder on the stdlib corpus (CPU). ``base``: 12 x 768
+    (RoBERTa-base shape) at sequence 512 (GPU)."""
+    if name == "smoke":
+        return Preset(
+            model=EncoderConfig(
+                vocab_size=0,
+                max_len=128,
+                d_model=64,
+                heads=4,
+                ffn=128,
+                layers=2,
+                dropout=0.0,
+                init_std=0.05,
+                rank=8,
+                attn_modes=((8, 8), (8, 8)),
+                ffn_in_modes=((16, 8), (8, 8)),
+                ffn_out_modes=((8, 8), (16, 8)),
+                emb_vocab_modes=(),
+                emb_dim_modes=(8, 8),
+                emb_rank=16,
+            ),  # fmt: skip
+            data=CorpusConfig(source="stdlib", vocab=2000, max_files=150, seq_len=128),
+            batch_size=16,
+            train=TrainConfig(
+                steps=400,
+                run_dir="runs/codebert-smoke",
+                optim=AdamWConfig(lr_cores=2e-3, lr_gates=5e-3, lr_rest=2e-3, weight_decay=0.0),
+                comera=ComeraConfig(
+                    gamma=0.05,
+                    tau=0.05,
+                    prune_rule="contribution",
+                    reg_start_step=150,
+                    early_steps=300,
+                    prune_every=25,
+                ),
+                warmup_steps=20,
+                log_every=10,
+                eval_every=100,
+                checkpoint_every=100,
+                run_name="codebert-smoke",
+            ),  # fmt: skip
+        )
+    if name == "base":
+        return Preset(
+            model=EncoderConfig(vocab_size=50265, max_len=514, dropout=0.1),
+            data=CorpusConfig(source="stdlib", vocab=50265, seq_len=512),
+            batch_size=8,
+            train=TrainConfig(
+                steps=100_000,
+                run_dir="runs/codebert-base",
+                comera=ComeraConfig(early_steps=50_000, prune_every=500),
+                warmup_steps=2000,
+                log_every=50,
+                eval_every=2000,
+                checkpoint_every=2000,
+                device="cuda" if torch.cuda.is_available() else "cpu",
+                run_name="codebert-base",
+            ),
+        )
+    raise ValueError(f"unknown preset {name!r}; choose 'smoke' or 'base'")
+
+
+def _cache_root(cfg: CorpusConfig) -> Path:
+    import os
+
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir)
+    base = os.environ.get("COMERA_CACHE") or Path.home() / ".cache" / "comera"
+    return Path(base) / "codebert"
+
+
+def _fit_vocab(model: EncoderConfig, vocab: int) -> EncoderConfig:
+    modes = model.emb_vocab_modes
+    if not modes or math.prod(modes) < vocab:
+        d = len(model.emb_dim_modes)
+        modes = tuple(sorted(C.propose_modes(vocab, d, pad=True), reverse=True))
+    return dataclasses.replace(model, vocab_size=vocab, emb_vocab_modes=modes)
+
+
+def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, dict, int]:
+    """Corpus (prepared and cached; rank 0 first), loaders, task and a fresh model."""
+    from tokenizers import Tokenizer
+
+    if world > 1 and rank != 0:
+        torch.distributed.barrier()
+    root, progress = _cache_root(p.data), p.train.progress and rank == 0
+    if p.data.source == "stdlib":
+        corpus = stdlib_corpus(root, vocab=p.data.vocab, heldout=p.data.heldout,
+                               max_files=p.data.max_files, progress=progress)  # fmt: skip
+    else:
+        corpus = corpus_from_paths(p.data.paths, root, vocab=p.data.vocab,
+                                   heldout=p.data.heldout, progress=progress)  # fmt: skip
+    if world > 1 and rank == 0:
+        torch.distributed.barrier()
+    unknown = sorted(set(p.data.mix) - set(corpus.train))
+    if unknown:
+        raise ValueError(f"--mix names {unknown}; the corpus has {sorted(corpus.train)}")
+    tok = Tokenizer.from_file(str(corpus.tokenizer))
+    bos, pad, eos = (tok.token_to_id(t) for t in ("<s>", "<pad>", "</s>"))
+    mask_id = tok.token_to_id("<mask>")
+    special = tuple(i for i in (bos, pad, eos, tok.token_to_id("<unk>"), mask_id) if i is not None)
+
+    def loader_cfg(folders: dict[str, Path], **kw: Any) -> LoaderConfig:
+        specs = [DatasetSpec(name=n, path=str(f), weight=p.data.mix.get(n, 1.0))
+                 for n, f in folders.items()]  # fmt: skip
+        return LoaderConfig(datasets=specs, seq_len=p.data.seq_len, batch_size=p.batch_size,
+                            bos_id=bos, eos_id=eos, pad_id=pad, seed=p.train.seed,
+                            num_shards=64, **kw)  # fmt: skip
+
+    train_iter = TokenLoader(loader_cfg(corpus.train), rank=rank, world_size=world)
+    held = iter(TokenLoader(loader_cfg(corpus.heldout, shuffle="none", num_epochs=1),
+                            rank=0, world_size=1))  # fmt: skip
+    model = _fit_vocab(p.model, corpus.vocab_size)
+    if p.dense:
+        model = dataclasses.replace(model, tt=False)
+    task = MLMTask(model, train_iter, [], mask_id=mask_id, special_ids=special,
+                   plans=p.plans, device=p.train.device)  # fmt: skip
+    gen = torch.Generator().manual_seed(1234)  # the held-out masks never change
+    for _, batch in zip(range(p.data.eval_batches), held, strict=False):
+        task.eval_batches.append(task.mask(batch, generator=gen))
+    params, state = init_mlm(model, generator=torch.Generator().manual_seed(p.train.seed))
+    # the dense model: the encoder (its pooler's d x d + d count stands for the head's dense
+    # layer; no classifier), the head's LayerNorm and the output bias (decoder tied)
+    d = model.d_model
+    dense_size = dense_param_count(dataclasses.replace(model, num_labels=0)) + 2 * d
+    dense_size += model.vocab_size
+    return task, params, state, dense_size
+
+
+def _build(p: Preset, rank: int, world: int) -> tuple:
+    task, params, state, dense_size = build(p, rank=rank, world=world)
+    info = {"dense_params": dense_size, "vocab": task.model.vocab_size,
+            "eval_batches": len(task.eval_batches)}  # fmt: skip
+    return task, params, state, dense_size, info
+
+
+def _flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--corpus", action="append", metavar="NAME=FOLDER",
+                    help="a folder of source files as a sub-dataset (repeatable)")  # fmt: skip
+    ap.add_argument("--mix", help="sub-dataset weights, e.g. modules=0.5,tests=0.5")
+
+
+def _parse_pairs(flag: str, text: str, convert: type) -> dict:
+    out = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise cli.CLIError(f"{flag} {item!r}: expected NAME=VALUE")
+        try:
+            out[name] = convert(value)
+        except ValueError:
+            raise cli.CLIError(f"{flag} {item!r}: {value!r} is not a {convert.__name__}") from None
+    return out
+
+
+def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    if args.corpus:
+        paths = {}
+        for item in args.corpus:
+            paths.update(_parse_pairs("--corpus", item, str))
+        out += [("data.source", "paths"), ("data.paths", paths)]
+    if args.mix:
+        out.append(("data.mix", _parse_pairs("--mix", args.mix, float)))
+    return out
+
+
+EXPERIMENT = cli.Experiment(
+    name="codebert",
+    config_type=Preset,
+    build=_build,
+    presets={"smoke": lambda: preset("smoke"), "base": lambda: preset("base")},
+    flags=_flags,
+    flag_overrides=_flag_overrides,
+    user_errors=(ValueError,),
+    description=__doc__.split("\n")[0],
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m experiments.codebert``: the shared experiment CLI."""
+    return cli.main(EXPERIMENT, argv)
