@@ -294,7 +294,9 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
         ap.add_argument("--bench", action="store_true", help="benchmark one training step")
         ap.add_argument("--json", action="store_true", help="with --bench: JSON on stdout")
     if exp.flags is not None:
+        before = {a.dest for a in ap._actions}
         exp.flags(ap)
+        ap.experiment_dests = {a.dest for a in ap._actions} - before  # type: ignore[attr-defined]
     return ap
 
 
@@ -364,8 +366,13 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
     flags = {"device": "train.device", "no_progress": "train.progress"}
     flags |= {k: v for k, v in _COMMON.items() if k.startswith("wandb")}
     flags |= {"wandb_tags": "train.wandb_tags"}
-    extra = [k for k in _changed(ap, args) if k not in ("resume", "sets", *flags)]
+    own_dests = getattr(ap, "experiment_dests", set())
+    extra = [k for k in _changed(ap, args) if k not in ("resume", "sets", *flags, *own_dests)]
     bad_sets = [s.partition("=")[0] for s in args.sets if s.partition("=")[0] not in mutable]
+    own = exp.flag_overrides(args) if exp.flag_overrides else []
+    bad_own = [k for k, _ in own if k not in mutable]
+    if bad_own:  # an experiment flag that changes what may not change
+        extra += [d for d in own_dests if d in _changed(ap, args)]
     if extra or bad_sets:
         drop = ["--" + k.replace("_", "-") for k in extra] + [f"--set {k}" for k in bad_sets]
         raise CLIError(
@@ -381,7 +388,7 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         ) from None
     cfg = set_field(cfg, "train.run_dir", str(args.resume))
     overrides = [(k, v) for k, v in _common_overrides(args, cfg) if k in mutable]
-    return apply_overrides(cfg, overrides, args.sets)
+    return apply_overrides(cfg, [*own, *overrides], args.sets)
 
 
 # ----------------------------------------------------------------------------- running

@@ -36,3 +36,27 @@ def test_unknown_mix_name_is_one_line(tmp_path: Path, capsys) -> None:
     assert main(_argv(tmp_path, "bad", "--mix", "nope=1")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--mix names ['nope']" in err[0]
+
+
+def test_mix_may_change_on_resume_and_nothing_else(tmp_path: Path, capsys) -> None:
+    import shutil
+
+    from experiments import cli
+    from experiments.codebert.experiment import EXPERIMENT
+
+    run = tmp_path / "run"
+    assert main(_argv(tmp_path, "run", "--mix", "modules=1,packages=1,tests=1")) == 0
+    shutil.rmtree(run / "checkpoints" / "step_00000012")  # as if killed after step 6
+    ap = cli.build_parser(EXPERIMENT)
+    args = ap.parse_args(["--resume", str(run), "--mix", "modules=0.7,tests=0.3",
+                          "--no-progress"])  # fmt: skip
+    cfg = cli.resolve_config(EXPERIMENT, args, ap)
+    assert cfg.data.mix == {"modules": 0.7, "tests": 0.3}
+    prepared = cli.prepare(EXPERIMENT, cfg, resume=True)
+    assert prepared.trainer.step == 6
+    weights = prepared.trainer.task.train_iter.state_dict()["weights"]
+    assert weights == {"modules": 0.7, "packages": 1.0, "tests": 0.3}  # missing: unchanged
+    cli.train(prepared)
+    code = main(["--resume", str(run), "--corpus", f"x={tmp_path}", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "drop --corpus" in err[-1]

@@ -247,6 +247,7 @@ EXPERIMENT = cli.Experiment(
     presets={"smoke": lambda: preset("smoke"), "base": lambda: preset("base")},
     flags=_flags,
     flag_overrides=_flag_overrides,
+    resume_mutable=frozenset({"data.mix"}),  # --mix may change on resume
     user_errors=(ValueError,),
     description=__doc__.split("\n")[0],
 )
