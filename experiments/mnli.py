@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,13 @@ from experiments.mnli_data import (
     MNLIDataConfig,
     load_mnli,
 )
-from experiments.transformer import EncoderConfig, dense_param_count, encoder_logits, init_encoder
+from experiments.transformer import (
+    EncoderConfig,
+    dense_param_count,
+    encoder_logits,
+    fit_vocab,
+    init_encoder,
+)
 
 __all__ = ["EXPERIMENT", "MNLITask", "Preset", "build", "main", "preset", "run"]
 
@@ -192,13 +197,7 @@ class MNLITask:
         return out
 
 
-def _fit_vocab(model: EncoderConfig, vocab_size: int) -> EncoderConfig:
-    """Set the vocabulary from the tokenizer, re-factoring the TTM vocab modes if needed."""
-    modes = model.emb_vocab_modes
-    if not modes or math.prod(modes) < vocab_size:
-        d = len(model.emb_dim_modes)
-        modes = tuple(sorted(C.propose_modes(vocab_size, d, pad=True), reverse=True))
-    return dataclasses.replace(model, vocab_size=vocab_size, emb_vocab_modes=modes)
+_fit_vocab = fit_vocab  # the old private name
 
 
 def build(
@@ -207,7 +206,7 @@ def build(
     """Data, task and a fresh model for a preset; returns (task, params, state, dense_size)."""
     dense = p.dense if dense is None else dense
     data = load_mnli(p.data)
-    model = _fit_vocab(p.model, data.vocab_size)
+    model = fit_vocab(p.model, data.vocab_size)
     if dense:
         model = dataclasses.replace(model, tt=False)
     it = BatchIterator(data.train, p.batch_size, seed=p.train.seed, rank=rank, world_size=world)

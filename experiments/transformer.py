@@ -10,6 +10,7 @@ Post-LN blocks as in BERT: ``h = LN(x + Drop(Attn(x)))``, ``h = LN(h + Drop(FFN(
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ __all__ = [
     "dense_param_count",
     "encoder_hidden",
     "encoder_logits",
+    "fit_vocab",
     "init_encoder",
 ]
 
@@ -92,6 +94,16 @@ class EncoderConfig:
             name="embed.word",
             std=self.init_std,
         )
+
+
+def fit_vocab(model: EncoderConfig, vocab_size: int) -> EncoderConfig:
+    """``model`` with the tokenizer's vocabulary; TTM vocab modes are re-proposed (padded,
+    balanced) when the configured ones are empty or too small for it."""
+    modes = model.emb_vocab_modes
+    if not modes or math.prod(modes) < vocab_size:
+        d = len(model.emb_dim_modes)
+        modes = tuple(sorted(C.propose_modes(vocab_size, d, pad=True), reverse=True))
+    return dataclasses.replace(model, vocab_size=vocab_size, emb_vocab_modes=modes)
 
 
 def _dense_linear(out_f: int, in_f: int, std: float, gen: torch.Generator) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from experiments import cli
 from experiments.codebert.data import corpus_from_paths, stdlib_corpus
 from experiments.codebert.model import init_mlm
 from experiments.codebert.task import MLMTask
-from experiments.transformer import EncoderConfig, dense_param_count
+from experiments.transformer import EncoderConfig, dense_param_count, fit_vocab
 from loaders import DatasetSpec, LoaderConfig, TokenLoader
 
 __all__ = ["EXPERIMENT", "CorpusConfig", "Preset", "build", "main", "preset"]
@@ -144,14 +143,6 @@ def _cache_root(cfg: CorpusConfig) -> Path:
     return Path(base) / "codebert"
 
 
-def _fit_vocab(model: EncoderConfig, vocab: int) -> EncoderConfig:
-    modes = model.emb_vocab_modes
-    if not modes or math.prod(modes) < vocab:
-        d = len(model.emb_dim_modes)
-        modes = tuple(sorted(C.propose_modes(vocab, d, pad=True), reverse=True))
-    return dataclasses.replace(model, vocab_size=vocab, emb_vocab_modes=modes)
-
-
 def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, dict, int]:
     """Corpus (prepared and cached; rank 0 first), loaders, task and a fresh model."""
     from tokenizers import Tokenizer
@@ -185,7 +176,7 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
     train_iter = TokenLoader(loader_cfg(corpus.train), rank=rank, world_size=world)
     held = iter(TokenLoader(loader_cfg(corpus.heldout, shuffle="none", num_epochs=1),
                             rank=0, world_size=1))  # fmt: skip
-    model = _fit_vocab(p.model, corpus.vocab_size)
+    model = fit_vocab(p.model, corpus.vocab_size)
     if p.dense:
         model = dataclasses.replace(model, tt=False)
     task = MLMTask(model, train_iter, [], mask_id=mask_id, special_ids=special,
