@@ -102,7 +102,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world = rank_world()
-        # a copy: the loop updates its parameters in place, never the caller's tensors
+        # the loop updates its parameters in place: a copy unless the caller hands them over
         self.params = tree_map(
             lambda t: t.detach().to(self.device, copy=copy).requires_grad_(True), params
         )
@@ -207,10 +207,8 @@ class Trainer:
         keys = sorted(metric_sums)
         extra = torch.tensor([count, *(metric_sums[k] for k in keys)], dtype=torch.float64)
         scalars = torch.cat([loss_sum.reshape(1), extra.to(self.device)])
-        present = [i for i, g in enumerate(grads) if g is not None]
-        *reduced, scalars = sum_across_ranks([*(grads[i] for i in present), scalars])
-        for i, g in zip(present, reduced, strict=True):
-            grads[i] = g
+        # alone this is a no-op; with several ranks every gradient is dense and present
+        *grads, scalars = sum_across_ranks([*grads, scalars])  # type: ignore[list-item]
         loss_total, count, *metric_totals = scalars.cpu().tolist()
         if count <= 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss terms (count 0)")
@@ -337,14 +335,13 @@ class Trainer:
         self, log: RunLog, metrics: dict, step_time: float, t0: float, steps0: int
     ) -> dict:
         live = model_size(self.params, self.state)
-        if not hasattr(self, "_itemsize"):
-            self._itemsize = next(iter(tree_flatten(self.params)[0])).element_size()
+        itemsize = tree_flatten(self.params)[0][0].element_size()
         row = {
             "step": self.step,
             "stage": self.stage,
             **{k: float(v) for k, v in metrics.items()},
             "live_params": live,
-            "model_mb": live * self._itemsize / 2**20,
+            "model_mb": live * itemsize / 2**20,
             "compression": self.initial_size / max(live, 1),
             "step_time_s": step_time,
             "steps_per_s": (self.step - steps0) / max(time.perf_counter() - t0, 1e-9),
