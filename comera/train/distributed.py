@@ -13,11 +13,21 @@ shapes, which DDP's reducer cannot follow without being rebuilt.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["broadcast_tensors", "init_distributed", "rank_world", "sum_across_ranks"]
+__all__ = [
+    "broadcast_tensors",
+    "init_distributed",
+    "rank_first",
+    "rank_world",
+    "sum_across_ranks",
+]
+
+T = TypeVar("T")
 
 
 def rank_world() -> tuple[int, int]:
@@ -79,3 +89,14 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
                 n = tensors[i].numel()
                 tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
                 offset += n
+
+
+def rank_first(fn: Callable[[], T], rank: int, world: int) -> T:
+    """Run ``fn`` on rank 0 while the other ranks wait, then on the others: rank 0 builds
+    something shared (a preprocessed cache) once, and the rest find it built."""
+    if world > 1 and rank != 0:
+        dist.barrier()
+    out = fn()
+    if world > 1 and rank == 0:
+        dist.barrier()
+    return out

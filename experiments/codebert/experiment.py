@@ -21,8 +21,10 @@ import torch
 import comera as C
 from comera.optim import AdamWConfig
 from comera.train import ComeraConfig, TrainConfig
+from comera.train.distributed import rank_first
 from experiments import cli
-from experiments.codebert.data import corpus_from_paths, stdlib_corpus
+from experiments.cache import cache_root
+from experiments.codebert.data import Corpus, corpus_from_paths, stdlib_corpus
 from experiments.codebert.model import init_mlm
 from experiments.codebert.task import MLMTask
 from experiments.transformer import EncoderConfig, dense_param_count, fit_vocab
@@ -134,30 +136,20 @@ def preset(name: str) -> Preset:
     raise ValueError(f"unknown preset {name!r}; choose 'smoke' or 'base'")
 
 
-def _cache_root(cfg: CorpusConfig) -> Path:
-    import os
-
-    if cfg.cache_dir:
-        return Path(cfg.cache_dir)
-    base = os.environ.get("COMERA_CACHE") or Path.home() / ".cache" / "comera"
-    return Path(base) / "codebert"
-
-
 def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, dict, int]:
     """Corpus (prepared and cached; rank 0 first), loaders, task and a fresh model."""
     from tokenizers import Tokenizer
 
-    if world > 1 and rank != 0:
-        torch.distributed.barrier()
-    root, progress = _cache_root(p.data), p.train.progress and rank == 0
-    if p.data.source == "stdlib":
-        corpus = stdlib_corpus(root, vocab=p.data.vocab, heldout=p.data.heldout,
-                               max_files=p.data.max_files, progress=progress)  # fmt: skip
-    else:
-        corpus = corpus_from_paths(p.data.paths, root, vocab=p.data.vocab,
-                                   heldout=p.data.heldout, progress=progress)  # fmt: skip
-    if world > 1 and rank == 0:
-        torch.distributed.barrier()
+    root, progress = cache_root("codebert", p.data.cache_dir), p.train.progress and rank == 0
+
+    def corpus_of() -> Corpus:
+        if p.data.source == "stdlib":
+            return stdlib_corpus(root, vocab=p.data.vocab, heldout=p.data.heldout,
+                                 max_files=p.data.max_files, progress=progress)  # fmt: skip
+        return corpus_from_paths(p.data.paths, root, vocab=p.data.vocab,
+                                 heldout=p.data.heldout, progress=progress)  # fmt: skip
+
+    corpus = rank_first(corpus_of, rank, world)
     unknown = sorted(set(p.data.mix) - set(corpus.train))
     if unknown:
         raise ValueError(f"--mix names {unknown}; the corpus has {sorted(corpus.train)}")

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.cache import cache_root
+
 __all__ = [
     "CAT_COLUMNS",
     "DENSE_COLUMNS",
@@ -306,13 +308,6 @@ def fingerprint(path: Path, cfg: CriteoDataConfig) -> str:
     return h.hexdigest()
 
 
-def _cache_root(cfg: CriteoDataConfig) -> Path:
-    if cfg.cache_dir:
-        return Path(cfg.cache_dir)
-    base = os.environ.get("COMERA_CACHE") or Path.home() / ".cache" / "comera"
-    return Path(base) / "criteo"
-
-
 @dataclass
 class CriteoData:
     """A preprocessed Criteo table: memory-mapped columns and the split boundaries."""
@@ -372,7 +367,7 @@ def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> C
         raise CriteoFormatError(
             f"cannot read Criteo file {path}: {e.strerror or e}; pass a readable --data PATH"
         ) from None
-    root = _cache_root(cfg) / fp
+    root = cache_root("criteo", cfg.cache_dir) / fp
     if (root / "meta.json").is_file():
         return _open(root)
     if root.exists():  # no meta.json: never completed; rebuild
@@ -427,7 +422,7 @@ def load_criteo(cfg: CriteoDataConfig, *, progress: bool = True) -> CriteoData:
     if cfg.path == "generated":
         from experiments.dlrm.generate import write_generated
 
-        root = _cache_root(cfg)
+        root = cache_root("criteo", cfg.cache_dir)
         path = root / f"generated-{cfg.generated_rows}.txt"
         if not path.is_file():
             root.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ import comera as C
 import comera.tree
 from comera.optim import AdamWConfig, SGDConfig
 from comera.train import ComeraConfig, TrainConfig
+from comera.train.distributed import rank_first
 from experiments import cli
 from experiments.dlrm.batches import RowBatches
 from experiments.dlrm.data import CriteoDataConfig, CriteoFormatError, load_criteo
@@ -139,11 +140,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
             "this preset reads the raw Criteo Kaggle train.txt: pass --data PATH "
             "(or --data generated for the planted-signal file)"
         )
-    if world > 1 and rank != 0:
-        torch.distributed.barrier()
-    data = load_criteo(p.data, progress=p.train.progress and rank == 0)
-    if world > 1 and rank == 0:
-        torch.distributed.barrier()
+    progress = p.train.progress and rank == 0
+    data = rank_first(lambda: load_criteo(p.data, progress=progress), rank, world)
     model = _fit_model(p, data.cardinalities)
     lo, hi = data.splits["train"]
     it = RowBatches(data, lo, hi, p.batch_size, seed=p.train.seed, rank=rank, world=world)

@@ -1,0 +1,16 @@
+"""Where experiments cache prepared data: one root, overridable per run and per machine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["cache_root"]
+
+
+def cache_root(kind: str, override: str | None = None) -> Path:
+    """``override`` if given, else ``$COMERA_CACHE/<kind>``, else ``~/.cache/comera/<kind>``."""
+    if override:
+        return Path(override)
+    base = os.environ.get("COMERA_CACHE") or Path.home() / ".cache" / "comera"
+    return Path(base) / kind
