@@ -265,13 +265,10 @@ def encoder_logits(
     """Class logits ``(B, num_labels)`` for a batch of ``input_ids``, ``token_type_ids`` and
     ``attention_mask`` (each ``(B, T)``): :func:`encoder_hidden`, then the pooler on the
     first token and the classifier."""
-
-    def plan_of(path: str) -> C.plans.PlanLike:
-        return plans.for_layer(path) if plans is not None else plan
-
     x = encoder_hidden(params, state, batch, cfg, train=train, plan=plan, plans=plans)
     p_drop = cfg.dropout if train else 0.0
+    pooler_plan = plans.for_layer("pooler") if plans is not None else plan
     pooled = torch.tanh(
-        _linear(params["pooler"], state.get("pooler"), x[:, 0], plan_of("pooler"))
+        _linear(params["pooler"], state.get("pooler"), x[:, 0], pooler_plan)
     )  # (B, d)
     return _linear(params["classifier"], None, F.dropout(pooled, p_drop, train), None)
