@@ -17,7 +17,6 @@ from experiments.cli import config_from_dict
 from experiments.dlrm.bench import MMAP_TAG
 from experiments.dlrm.data import CriteoDataConfig, load_criteo
 from experiments.dlrm.generate import planted_logits
-from experiments.dlrm.model import vocab_modes
 from experiments.dlrm.task import roc_auc
 
 __all__ = ["main", "write_report"]
@@ -144,7 +143,7 @@ def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
     ]
     lines += ["", "![curves](dlrm_curves.png)", ""]
     ranks = json.loads((runs_dir / "dlrm-smoke" / "ranks.json").read_text())
-    lines += _rank_table(ranks, config)
+    lines += _rank_table(ranks, config, _evals(runs["CoMERA"])[-1])
     if bench:
         lines += _bench_section(bench)
     text = "\n".join(lines) + "\n"
@@ -152,22 +151,15 @@ def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
     return text
 
 
-def _ttm_params(rows: int, dim_modes: list[int], ranks: list[int]) -> int:
-    """Parameters (cores and gates) of a TTM table with these live ranks."""
-    modes = vocab_modes(rows, len(dim_modes))
-    bonds = [1, *ranks, 1]
-    cores = sum(bonds[k] * modes[k] * dim_modes[k] * bonds[k + 1] for k in range(len(modes)))
-    return cores + sum(ranks)
-
-
-def _rank_table(ranks: dict, config: dict) -> list[str]:
+def _rank_table(ranks: dict, config: dict, last_eval: dict) -> list[str]:
+    """Ranks from ``ranks.json``; each table's compression as the last eval logged it."""
     if "init" not in ranks or "end" not in ranks:
         return []
     init, end = ranks["init"]["ranks"], ranks["end"]["ranks"]
     cards = dict(
         zip([f"tables.C{i + 1}" for i in range(26)], config["cardinalities"], strict=False)
     )
-    dims, width = config["model"]["emb_dim_modes"], config["model"]["emb_dim"]
+    width = config["model"]["emb_dim"]
     out = [
         "## Live ranks per compressed table (smoke, CoMERA)",
         "",
@@ -180,11 +172,10 @@ def _rank_table(ranks: dict, config: dict) -> list[str]:
     for layer in init:
         if layer not in cards:
             continue
-        n = cards[layer]
-        size = _ttm_params(n, dims, end[layer])
+        n, comp = cards[layer], last_eval[f"eval/compression/{layer.removeprefix('tables.')}"]
         out.append(
-            f"| {layer} | {n:,} | {init[layer]} | {end[layer]} | {size:,} | "
-            f"{n * width / size:.0f}x |"
+            f"| {layer} | {n:,} | {init[layer]} | {end[layer]} | {round(n * width / comp):,} "
+            f"| {comp:.0f}x |"
         )
     return [*out, ""]
 
