@@ -43,7 +43,7 @@ import pyarrow as pa
 from loaders.metadata import FORMAT, METADATA_NAME, atomic_write_text
 from loaders.text import TEXT_SUFFIXES, _read_text_table, load_tokenizer
 
-__all__ = ["SPECIAL_TOKENS", "PrepareError", "prepare", "train_tokenizer"]
+__all__ = ["SPECIAL_TOKENS", "Doc", "PrepareError", "heldout_docs", "prepare", "train_tokenizer"]
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, as RoBERTa
 PLAN_NAME = "prepare_plan.json"
@@ -69,9 +69,17 @@ def _hash01(key: str) -> float:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
 
 
-def _heldout(key: str, fraction: float) -> bool:
-    """A fixed, run-independent choice of held-out documents."""
-    return fraction > 0 and _hash01(key) < fraction
+def heldout_docs(docs: list[Doc], fraction: float) -> set[Doc]:
+    """The documents :func:`prepare` holds out: those whose key hashes below ``fraction``
+    (fixed across runs); when that picks none or all of several documents, exactly the one
+    of smallest hash."""
+    if fraction <= 0:
+        return set()
+    key = {d: _hash01(f"{d.path}#{d.row}") for d in docs}
+    held = {d for d in docs if key[d] < fraction}
+    if len(docs) > 1 and len(held) in (0, len(docs)):
+        held = {min(docs, key=key.__getitem__)}
+    return held
 
 
 def list_docs(source: str, *, glob: str | None, text_column: str) -> list[Doc]:
@@ -236,10 +244,7 @@ def prepare(
             docs += list_docs(src, glob=glob, text_column=text_column)
     if not docs:
         raise PrepareError(f"sources {sources} hold no document")
-    held = {d for d in docs if _heldout(f"{d.path}#{d.row}", heldout)}
-    if heldout and len(docs) > 1 and len(held) in (0, len(docs)):
-        # a small source: hold out exactly the document of smallest hash (deterministic)
-        held = {min(docs, key=lambda d: _hash01(f"{d.path}#{d.row}"))}
+    held = heldout_docs(docs, heldout)
     splits = {"train": [d for d in docs if d not in held]}
     if heldout:
         splits["heldout"] = [d for d in docs if d in held]

@@ -16,7 +16,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from loaders.prepare import _heldout, prepare, train_tokenizer
+from loaders.prepare import Doc, heldout_docs, prepare, train_tokenizer
 
 __all__ = ["Corpus", "corpus_from_paths", "stdlib_corpus", "stdlib_groups"]
 
@@ -58,12 +58,17 @@ def _prepare_groups(
     groups: dict[str, list[Path]], root: Path, vocab: int, heldout: float, progress: bool
 ) -> Corpus:
     key = json.dumps({k: [str(p) for p in v] for k, v in groups.items()}, sort_keys=True)
-    digest = hashlib.blake2b(f"{key}|{vocab}|{heldout}".encode(), digest_size=8).hexdigest()
+    key = f"{key}|{vocab}|{heldout}|2"  # 2: the tokenizer never sees a held-out file
+    digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
     root = root / digest
     tok = root / "tokenizer.json"
     if not tok.is_file():
-        files = [p for ps in groups.values() for p in ps if not _heldout(f"{p}#None", heldout)]
-        texts = (p.read_text(encoding="utf-8", errors="replace") for p in files)
+        docs = []  # what prepare will train on: each group minus its held-out files
+        for files in groups.values():
+            group = [Doc(str(p)) for p in files]
+            held = heldout_docs(group, heldout)
+            docs += [d for d in group if d not in held]
+        texts = (Path(d.path).read_text(encoding="utf-8", errors="replace") for d in docs)
         train_tokenizer(texts, vocab, tok)
     for name, files in groups.items():
         if not files:
