@@ -68,12 +68,11 @@ dist.destroy_process_group()
 """
 
 
-def test_unequal_per_rank_counts_match_single_process(tmp_path):
+def test_unequal_per_rank_counts_match_single_process(tmp_path, one_thread):
     """Rank 0 holds 5 examples, rank 1 holds 11: weighting by counts gives the
     single-process model; averaging the per-rank means (the old arithmetic) does not.
     The ranks start from different inits (rank 0's is broadcast) and evaluate their own
     shares of the held-out data (reduced exactly)."""
-    torch.set_num_threads(1)
     single = Trainer(_cfg(tmp_path / "single", steps=25), SumCountTask(), *_toy_model())
     single.fit()
     script = tmp_path / "worker.py"

@@ -257,8 +257,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_process_gloo_matches_single_process(tmp_path):
-    torch.set_num_threads(1)
+def test_two_process_gloo_matches_single_process(tmp_path, one_thread):
     single = Trainer(_cfg(tmp_path / "single", steps=30), ToyTask(), *_toy_model())
     single.fit()
     out = tmp_path / "ddp"
