@@ -42,6 +42,10 @@ class LoaderConfig:
     ``causal=True`` emits rows of ``seq_len + 1`` tokens (inputs and shifted labels).
     ``num_epochs=None`` streams forever; an integer stops after that many passes (the last
     row is padded with ``pad_id`` and segment id 0).
+    ``provenance=True`` adds ``doc_ids`` and ``doc_offsets`` (both ``(B, T)`` int64) to every
+    batch: ``sub-dataset index * 2**32 + document index`` and the token's offset in its
+    document's emitted stream (BOS is offset 0), -1 at padding. They trace every token to
+    its source, for audits of exactly-once delivery; they cost two more arrays per batch.
     """
 
     datasets: list[DatasetSpec]
@@ -58,6 +62,7 @@ class LoaderConfig:
     num_epochs: int | None = None
     cache_dir: str | Path | None = None
     out_dtype: str = "int64"
+    provenance: bool = False
 
     def __post_init__(self) -> None:
         if not self.datasets:

@@ -5,7 +5,8 @@ a cursor's ``offset`` counts tokens of that stream already emitted, so a documen
 across rows (or across a checkpoint, or moved to another reader by a rescale) continues at
 exactly the next token. Rows are filled by slice copies into a preallocated buffer; no
 per-token Python. Each row also gets segment ids: 1, 2, ... per document piece in the row,
-0 for padding, so attention can be masked to stay inside a document.
+0 for padding, so attention can be masked to stay inside a document. With provenance on,
+each token also gets its document's id and its offset in that document's stream.
 """
 
 from __future__ import annotations
@@ -44,11 +45,16 @@ def write_piece(
 class BatchBuffer:
     """A (batch_size, row_len) batch being filled row by row."""
 
-    __slots__ = ("ids", "seg", "row", "pos", "piece", "pad_id")
+    __slots__ = ("ids", "seg", "doc", "off", "row", "pos", "piece", "pad_id")
 
-    def __init__(self, batch_size: int, row_len: int, dtype: np.dtype, pad_id: int) -> None:
+    def __init__(
+        self, batch_size: int, row_len: int, dtype: np.dtype, pad_id: int,
+        provenance: bool = False,
+    ) -> None:  # fmt: skip
         self.ids = np.empty((batch_size, row_len), dtype=dtype)  # (B, T)
         self.seg = np.zeros((batch_size, row_len), dtype=np.int32)  # (B, T)
+        self.doc = np.full((batch_size, row_len), -1, np.int64) if provenance else None
+        self.off = np.full((batch_size, row_len), -1, np.int64) if provenance else None
         self.row = self.pos = self.piece = 0
         self.pad_id = pad_id
 
@@ -56,11 +62,16 @@ class BatchBuffer:
     def full(self) -> bool:
         return self.row == self.ids.shape[0]
 
-    def put(self, toks: np.ndarray, off: int, bos: int | None, eos: int | None) -> int:
-        """Append a piece of one document to the current row; return tokens written."""
+    def put(
+        self, toks: np.ndarray, off: int, bos: int | None, eos: int | None, doc: int = -1
+    ) -> int:
+        """Append a piece of document ``doc`` to the current row; return tokens written."""
         take = write_piece(self.ids[self.row], self.pos, toks, off, bos, eos)
         self.piece += 1
         self.seg[self.row, self.pos : self.pos + take] = self.piece
+        if self.doc is not None:
+            self.doc[self.row, self.pos : self.pos + take] = doc
+            self.off[self.row, self.pos : self.pos + take] = np.arange(off, off + take)
         self.pos += take
         if self.pos == self.ids.shape[1]:
             self.row, self.pos, self.piece = self.row + 1, 0, 0
@@ -72,12 +83,18 @@ class BatchBuffer:
         if self.pos:
             self.ids[self.row, self.pos :] = self.pad_id
             self.seg[self.row, self.pos :] = 0
+            if self.doc is not None:
+                self.doc[self.row, self.pos :] = self.off[self.row, self.pos :] = -1
             rows += 1
         return rows
 
     def tensors(self, rows: int | None = None) -> dict[str, torch.Tensor]:
         rows = self.ids.shape[0] if rows is None else rows
-        return {
+        out = {
             "input_ids": torch.from_numpy(self.ids[:rows]),  # (B, T)
             "segment_ids": torch.from_numpy(self.seg[:rows]),  # (B, T), 0 = padding
         }
+        if self.doc is not None:
+            out["doc_ids"] = torch.from_numpy(self.doc[:rows])  # (B, T), -1 = padding
+            out["doc_offsets"] = torch.from_numpy(self.off[:rows])  # (B, T)
+        return out

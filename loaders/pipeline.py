@@ -96,6 +96,7 @@ class ReaderPipeline:
         self.done = bool(ws.get("done", False))
         self._active = [n for n in sources if self._usable(n)]
         self._np_dtype = np.dtype(config.out_dtype)
+        self._source_index = {d.name: i for i, d in enumerate(config.datasets)}
         self._cur: tuple[str, int, np.ndarray] | None = None
         cur = ws.get("current")
         if cur is not None:
@@ -228,7 +229,8 @@ class ReaderPipeline:
             raise StopIteration
         cfg = self.config
         bos, eos = cfg.bos_id, cfg.eos_id
-        buf = BatchBuffer(cfg.batch_size, cfg.row_len, self._np_dtype, cfg.pad_id)
+        buf = BatchBuffer(cfg.batch_size, cfg.row_len, self._np_dtype, cfg.pad_id,
+                          cfg.provenance)  # fmt: skip
         while not buf.full:
             if self._cur is None:
                 self._cur = self._open()
@@ -238,7 +240,10 @@ class ReaderPipeline:
             name, slot, toks = self._cur
             sc = self.shards[name]
             off = sc.offset[slot]
-            k = buf.put(toks, off, bos, eos)
+            doc = -1
+            if cfg.provenance:
+                doc = (self._source_index[name] << 32) + int(sc.current_doc(slot))
+            k = buf.put(toks, off, bos, eos, doc)
             self.mixer.tokens[name] += k
             if off + k >= stream_len(len(toks), bos, eos):
                 self._roll(sc, slot)

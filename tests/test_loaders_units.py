@@ -99,6 +99,35 @@ def test_packing_exact_lengths_bos_eos_and_segments(tmp_path):
         ).sum() < cfg.row_len  # only the last row pads
 
 
+def test_provenance_traces_every_token_to_its_document_and_offset(tmp_path):
+    """``doc_ids``/``doc_offsets`` name each token's source: over one epoch of two
+    sub-datasets, every (document, offset) of every stream appears exactly once, and the
+    traceable token values agree with the pairs."""
+    docs = make_corpus(tmp_path / "a", 30, seed=5, max_len=40)
+    docs |= make_corpus(tmp_path / "b", 20, first_id=500, seed=6, max_len=40)
+    cfg = config([("a", tmp_path / "a", 0.7), ("b", tmp_path / "b", 0.3)], seq_len=32,
+                 num_epochs=1, provenance=True)  # fmt: skip
+    batches = list(TokenLoader(cfg))
+    ids, doc, off = (np.concatenate([b[k].numpy().reshape(-1) for b in batches])
+                     for k in ("input_ids", "doc_ids", "doc_offsets"))  # fmt: skip
+    assert ((doc == -1) == (ids == 0)).all() and ((off == -1) == (doc == -1)).all()
+    real = doc >= 0
+    pairs = set(zip(doc[real].tolist(), off[real].tolist(), strict=True))
+    assert len(pairs) == real.sum()  # no (document, offset) twice
+    assert (ids[real & (off == 0)] == BOS).all()
+    body = real & (ids >= 1000)
+    assert (ids[body] % 1000 == off[body] - 1).all()  # offset = position + 1 (BOS first)
+    owner: dict[int, int] = {}  # provenance document -> traceable document
+    for d, g in zip(doc[body].tolist(), (ids[body] // 1000).tolist(), strict=True):
+        assert owner.setdefault(d, g) == g
+    assert sorted(owner.values()) == sorted(g + 1 for g, d in docs.items() if len(d))
+    assert {d >> 32 for d in owner} == {0, 1}
+    streams = sum(len(d) + 2 for d in docs.values() if len(d))
+    assert len(pairs) == streams
+    plain = next(TokenLoader(config([("a", tmp_path / "a", 1.0)], seq_len=32)))
+    assert set(plain) == {"input_ids", "segment_ids"}  # off by default
+
+
 def test_segment_ids_restart_per_document(tmp_path):
     make_corpus(tmp_path / "a", 20, seed=4)
     b = next(TokenLoader(config([("a", tmp_path / "a", 1.0)], seq_len=200)))
