@@ -39,7 +39,9 @@ class CorpusConfig:
 
     ``source``: ``"stdlib"`` (the running Python's standard library, three sub-datasets by
     file kind) or ``"paths"`` (``paths``: ``{name: folder}``, from ``--corpus``). ``mix``:
-    sub-dataset weights (default equal). ``vocab``: size of the BPE trained on the corpus."""
+    sub-dataset weights (default equal). ``vocab``: size of the BPE trained on the corpus.
+    ``provenance``: training batches also carry each token's (document, offset)
+    (``doc_ids``, ``doc_offsets``; see ``loaders.LoaderConfig``), for audits."""
 
     source: str = "stdlib"
     paths: dict[str, str] = field(default_factory=dict)
@@ -50,6 +52,7 @@ class CorpusConfig:
     cache_dir: str | None = None
     seq_len: int = 128
     eval_batches: int = 8
+    provenance: bool = False
 
     def __post_init__(self) -> None:
         if self.source not in ("stdlib", "paths"):
@@ -165,7 +168,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                             bos_id=bos, eos_id=eos, pad_id=pad, seed=p.train.seed,
                             num_shards=64, **kw)  # fmt: skip
 
-    train_iter = TokenLoader(loader_cfg(corpus.train), rank=rank, world_size=world)
+    train_iter = TokenLoader(loader_cfg(corpus.train, provenance=p.data.provenance),
+                             rank=rank, world_size=world)  # fmt: skip
     held = iter(TokenLoader(loader_cfg(corpus.heldout, shuffle="none", num_epochs=1),
                             rank=0, world_size=1))  # fmt: skip
     model = fit_vocab(p.model, corpus.vocab_size)
