@@ -15,10 +15,14 @@ The plan (which documents go to which shard) is fixed first and written to
 ``prepare_plan.json``; shards are then tokenized in parallel (``--workers``), each written
 to a temporary name and renamed when complete, so a crash leaves no half-written shard
 visible and a rerun with the same arguments does only the shards that are missing.
-``doc_counts.json`` is written last. With ``--heldout F`` a fixed fraction of documents
-(chosen by a hash of each file path or row number, so it never changes between runs) goes
-to ``DIR/heldout`` and the rest to ``DIR/train``; a source so small that the fraction
-selects none (or all) holds out exactly one document.
+``doc_counts.json`` is written last. ``--max-doc-tokens N`` cuts a longer document into
+consecutive pieces of at most ``N`` tokens, each a document of its own: the loader's mixer
+switches sub-datasets only between documents, so its realized shares are exact to within
+one document's tokens, and a 50k-token file would otherwise swamp a mix. With
+``--heldout F`` a fixed fraction of documents (chosen by a hash of each file path or row
+number, so it never changes between runs) goes to ``DIR/heldout`` and the rest to
+``DIR/train``; a source so small that the fraction selects none (or all) holds out exactly
+one document.
 
 Tokenizer: a local ``tokenizer.json`` (or folder), a hub name, or ``--train-tokenizer V``:
 a byte-level BPE of vocabulary ``V`` trained on the (training) documents with the
@@ -178,11 +182,22 @@ def _init_worker(tokenizer: str, text_column: str, hub: tuple | None) -> None:
     _WORKER["texts"] = _Texts(text_column, ds)
 
 
-def _write_shard(job: tuple[str, list[tuple[str, int | None]]]) -> tuple[str, int, int]:
+def _pieces(tokens: np.ndarray, max_tokens: int | None) -> list[np.ndarray]:
+    """``tokens`` cut into consecutive pieces of at most ``max_tokens`` (None: whole)."""
+    if max_tokens is None or len(tokens) <= max_tokens:
+        return [tokens]
+    return [tokens[i : i + max_tokens] for i in range(0, len(tokens), max_tokens)]
+
+
+def _write_shard(
+    job: tuple[str, list[tuple[str, int | None]], int | None],
+) -> tuple[str, int, int]:
     """Tokenize one shard's documents and write it atomically; returns (path, docs, tokens)."""
-    out, docs = job
+    out, docs, max_tokens = job
     encode, texts = _WORKER["encode"], _WORKER["texts"]
-    rows = [np.asarray(encode(texts(Doc(p, r))), dtype=np.int32) for p, r in docs]
+    rows = [piece for p, r in docs
+            for piece in _pieces(np.asarray(encode(texts(Doc(p, r))), dtype=np.int32),
+                                 max_tokens)]  # fmt: skip
     offsets = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum([len(r) for r in rows], out=offsets[1:])
     values = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
@@ -205,6 +220,12 @@ def _plan(docs: list[Doc], docs_per_shard: int) -> list[dict]:
     return shards
 
 
+def _rows(path: Path) -> int:
+    """Documents in a written shard (pieces count: a cut document is several)."""
+    with pa.memory_map(str(path)) as src:
+        return pa.ipc.open_file(src).read_all().num_rows
+
+
 def prepare(
     sources: list[str],
     out: str | Path,
@@ -218,6 +239,7 @@ def prepare(
     workers: int = 1,
     hub_config: str | None = None,
     hub_split: str = "train",
+    max_doc_tokens: int | None = None,
     progress: bool = True,
 ) -> dict:
     """Prepare ``sources`` into ``out`` (``out/train`` and ``out/heldout`` with ``heldout``);
@@ -231,6 +253,8 @@ def prepare(
             f"--heldout must be in [0, 1), --docs-per-shard and --workers >= 1; got "
             f"{heldout}, {docs_per_shard}, {workers}"
         )
+    if max_doc_tokens is not None and max_doc_tokens < 1:
+        raise PrepareError(f"--max-doc-tokens must be >= 1, got {max_doc_tokens}")
     out = Path(out)
     hub, docs = None, []
     for src in sources:
@@ -254,6 +278,8 @@ def prepare(
         "docs_per_shard": docs_per_shard, "tokenizer": tokenizer, "train_vocab": train_vocab,
         "hub_config": hub_config, "hub_split": hub_split, "docs": len(docs),
     }  # fmt: skip
+    if max_doc_tokens is not None:  # (absent when unset: older plans stay valid)
+        settings["max_doc_tokens"] = max_doc_tokens
     plan_path = out / PLAN_NAME
     if plan_path.is_file():
         saved = json.loads(plan_path.read_text())
@@ -278,7 +304,7 @@ def prepare(
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
         todo = [
-            (str(folder / s["file"]), [tuple(d) for d in s["docs"]])
+            (str(folder / s["file"]), [tuple(d) for d in s["docs"]], max_doc_tokens)
             for s in shards
             if not (folder / s["file"]).is_file()
         ]
@@ -301,7 +327,8 @@ def prepare(
                 for _ in ex.map(_write_shard, todo):
                     bar.update(1)
         bar.close()
-        counts = {s["file"]: {"docs": len(s["docs"]), "bytes": (folder / s["file"]).stat().st_size}
+        counts = {s["file"]: {"docs": _rows(folder / s["file"]),
+                              "bytes": (folder / s["file"]).stat().st_size}
                   for s in shards}  # fmt: skip
         atomic_write_text(
             folder / METADATA_NAME,
@@ -309,7 +336,7 @@ def prepare(
         )
         summary["splits"][name] = {
             "shards": len(shards),
-            "docs": sum(len(s["docs"]) for s in shards),
+            "docs": sum(c["docs"] for c in counts.values()),
         }
     return summary
 
@@ -330,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     ap.add_argument("--hub-config")
     ap.add_argument("--hub-split", default="train")
+    ap.add_argument("--max-doc-tokens", type=int, metavar="N",
+                    help="cut longer documents into pieces of at most N tokens")  # fmt: skip
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -338,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             glob=args.glob, text_column=args.text_column, heldout=args.heldout,
             docs_per_shard=args.docs_per_shard, workers=args.workers,
             hub_config=args.hub_config, hub_split=args.hub_split,
-            progress=not args.no_progress,
+            max_doc_tokens=args.max_doc_tokens, progress=not args.no_progress,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as e:  # PrepareError, bad tokenizer or table
         print(f"{ap.prog}: error: {e}", file=sys.stderr)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import torch
+
 from experiments.codebert.experiment import main
+from loaders import TokenLoader
 
 
 def _argv(tmp_path: Path, run: str, *extra: str) -> list[str]:
@@ -38,6 +42,16 @@ def test_unknown_mix_name_is_one_line(tmp_path: Path, capsys) -> None:
     assert len(err) == 1 and "--mix names ['nope']" in err[0]
 
 
+def strip_weights(state: dict) -> dict:
+    """A loader state without its weights and the mixer's token tally (restarted under
+    new weights): the positions, which must survive a --mix change."""
+    drop = ("weights", "config_weights", "mix_tokens")
+    out = {k: v for k, v in state.items() if k not in drop}
+    if "readers" in out:
+        out["readers"] = [strip_weights(r) for r in out["readers"]]
+    return out
+
+
 def test_mix_may_change_on_resume_and_nothing_else(tmp_path: Path, capsys) -> None:
     import shutil
 
@@ -54,8 +68,24 @@ def test_mix_may_change_on_resume_and_nothing_else(tmp_path: Path, capsys) -> No
     assert cfg.data.mix == {"modules": 0.7, "tests": 0.3}
     prepared = cli.prepare(EXPERIMENT, cfg, resume=True)
     assert prepared.trainer.step == 6
-    weights = prepared.trainer.task.train_iter.state_dict()["weights"]
-    assert weights == {"modules": 0.7, "packages": 1.0, "tests": 0.3}  # missing: unchanged
+    loader = prepared.trainer.task.train_iter
+    state = loader.state_dict()
+    assert state["weights"] == {"modules": 0.7, "packages": 1.0, "tests": 0.3}  # missing: same
+    saved = json.loads((run / "checkpoints" / "step_00000006" / "data_rank00000.json").read_text())
+    assert strip_weights(state) == strip_weights(saved["state"])  # every position kept
+    # the new weights hold over the next million tokens (traced to their sub-dataset)
+    audit = TokenLoader(dataclasses.replace(loader.config, provenance=True, batch_size=64))
+    audit.load_state_dict(state)
+    per_source, total = torch.zeros(3, dtype=torch.long), 0
+    while total < 1_000_000:
+        doc = next(audit)["doc_ids"]
+        source = doc[doc >= 0] >> 32
+        per_source += torch.bincount(source, minlength=3)
+        total += len(source)
+    names = [d.name for d in loader.config.datasets]
+    shares = dict(zip(names, (per_source / total).tolist(), strict=True))
+    for name, want in {"modules": 0.35, "packages": 0.5, "tests": 0.15}.items():
+        assert abs(shares[name] - want) < 0.01, (shares, name)
     cli.train(prepared)
     code = main(["--resume", str(run), "--corpus", f"x={tmp_path}", "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()

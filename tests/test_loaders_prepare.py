@@ -58,6 +58,27 @@ def test_folder_to_shards_round_trips_and_loads(tmp_path: Path) -> None:
     assert batch["input_ids"].shape[0] == 2
 
 
+def test_max_doc_tokens_cuts_long_documents_into_pieces(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    texts = _corpus(tmp_path / "src", n=12)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    prepare([str(tmp_path / "src")], whole, train_vocab=300, glob="**/*.py", progress=False)
+    tok = str(whole / "tokenizer.json")
+    summary = prepare([str(tmp_path / "src")], cut, tokenizer=tok, glob="**/*.py",
+                      max_doc_tokens=16, docs_per_shard=5, progress=False)  # fmt: skip
+    docs, pieces = _docs(whole / "train"), _docs(cut / "train")
+    assert len(docs) == 12 and max(map(len, pieces)) == 16
+    assert summary["splits"]["train"]["docs"] == len(pieces) == sum(-(-len(d) // 16) for d in docs)
+    counts = json.loads((cut / "train" / "doc_counts.json").read_text())["files"]
+    assert sum(e["docs"] for e in counts.values()) == len(pieces)
+    assert np.array_equal(np.concatenate(pieces), np.concatenate(docs))  # same order, no loss
+    decoded = Tokenizer.from_file(tok).decode(np.concatenate(pieces).tolist())
+    assert all(t in decoded for t in texts.values())
+    assert main([str(tmp_path / "src"), "--out", str(cut), "--tokenizer", tok, "--glob",
+                 "**/*.py", "--max-doc-tokens", "0", "--no-progress"]) == 2  # fmt: skip
+
+
 def test_rerun_finishes_a_crashed_run_and_refuses_other_settings(tmp_path: Path) -> None:
     _corpus(tmp_path / "src")
     out = tmp_path / "out"

@@ -5,7 +5,9 @@ every machine, no network) into three sub-datasets by file kind: ``modules`` (to
 ``*.py``), ``packages`` (``*.py`` inside packages) and ``tests`` (files under a ``test`` or
 ``tests`` folder), with one byte-level BPE trained on them all. ``corpus_from_paths``
 prepares any ``NAME=PATH`` folders the same way. Each sub-dataset gets ``train/`` and
-``heldout/`` (a fixed fraction of files, by a hash of the path).
+``heldout/`` (a fixed fraction of files, by a hash of the path). Files longer than
+``max_doc_tokens`` are cut into pieces (documents of their own), so sub-dataset mixing is
+exact to within one piece rather than one whole file.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ def stdlib_groups(max_files: int | None = None) -> dict[str, list[Path]]:
 
 
 def _prepare_groups(
-    groups: dict[str, list[Path]], root: Path, vocab: int, heldout: float, progress: bool
-) -> Corpus:
+    groups: dict[str, list[Path]], root: Path, vocab: int, heldout: float,
+    max_doc_tokens: int | None, progress: bool,
+) -> Corpus:  # fmt: skip
     key = json.dumps({k: [str(p) for p in v] for k, v in groups.items()}, sort_keys=True)
-    key = f"{key}|{vocab}|{heldout}|2"  # 2: the tokenizer never sees a held-out file
+    key = f"{key}|{vocab}|{heldout}|{max_doc_tokens}|2"  # 2: no held-out file in the BPE
     digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
     root = root / digest
     tok = root / "tokenizer.json"
@@ -74,7 +77,8 @@ def _prepare_groups(
         if not files:
             raise ValueError(f"corpus group {name!r} has no file")
         prepare([str(p) for p in files], root / name, tokenizer=str(tok), heldout=heldout,
-                docs_per_shard=200, workers=1, progress=progress)  # fmt: skip
+                docs_per_shard=200, workers=1, max_doc_tokens=max_doc_tokens,
+                progress=progress)  # fmt: skip
     from tokenizers import Tokenizer
 
     size = Tokenizer.from_file(str(tok)).get_vocab_size()
@@ -89,15 +93,16 @@ def _prepare_groups(
 
 def stdlib_corpus(
     root: Path, *, vocab: int, heldout: float = 0.05, max_files: int | None = None,
-    progress: bool = True,
+    max_doc_tokens: int | None = None, progress: bool = True,
 ) -> Corpus:  # fmt: skip
     """The standard library as a pretraining corpus (see the module docstring)."""
-    return _prepare_groups(stdlib_groups(max_files), root, vocab, heldout, progress)
+    groups = stdlib_groups(max_files)
+    return _prepare_groups(groups, root, vocab, heldout, max_doc_tokens, progress)
 
 
 def corpus_from_paths(
     paths: dict[str, str], root: Path, *, vocab: int, heldout: float = 0.05,
-    glob: str = "**/*.py", progress: bool = True,
+    glob: str = "**/*.py", max_doc_tokens: int | None = None, progress: bool = True,
 ) -> Corpus:  # fmt: skip
     """``{name: folder}`` of source files (``glob``) prepared as sub-datasets."""
     groups = {}
@@ -106,4 +111,4 @@ def corpus_from_paths(
         if not path.is_dir():
             raise ValueError(f"--corpus {name}={folder}: not a folder; pass NAME=FOLDER")
         groups[name] = sorted(p for p in path.glob(glob) if p.is_file())
-    return _prepare_groups(groups, root, vocab, heldout, progress)
+    return _prepare_groups(groups, root, vocab, heldout, max_doc_tokens, progress)

@@ -40,6 +40,8 @@ class CorpusConfig:
     ``source``: ``"stdlib"`` (the running Python's standard library, three sub-datasets by
     file kind) or ``"paths"`` (``paths``: ``{name: folder}``, from ``--corpus``). ``mix``:
     sub-dataset weights (default equal). ``vocab``: size of the BPE trained on the corpus.
+    ``max_doc_tokens``: longer files are cut into pieces of this many tokens (the mixer
+    switches sub-dataset between documents, so its shares are exact to one piece).
     ``provenance``: training batches also carry each token's (document, offset)
     (``doc_ids``, ``doc_offsets``; see ``loaders.LoaderConfig``), for audits."""
 
@@ -52,6 +54,7 @@ class CorpusConfig:
     cache_dir: str | None = None
     seq_len: int = 128
     eval_batches: int = 8
+    max_doc_tokens: int | None = 1024
     provenance: bool = False
 
     def __post_init__(self) -> None:
@@ -148,9 +151,12 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
     def corpus_of() -> Corpus:
         if p.data.source == "stdlib":
             return stdlib_corpus(root, vocab=p.data.vocab, heldout=p.data.heldout,
-                                 max_files=p.data.max_files, progress=progress)  # fmt: skip
+                                 max_files=p.data.max_files,
+                                 max_doc_tokens=p.data.max_doc_tokens,
+                                 progress=progress)  # fmt: skip
         return corpus_from_paths(p.data.paths, root, vocab=p.data.vocab,
-                                 heldout=p.data.heldout, progress=progress)  # fmt: skip
+                                 heldout=p.data.heldout, max_doc_tokens=p.data.max_doc_tokens,
+                                 progress=progress)  # fmt: skip
 
     corpus = rank_first(corpus_of, rank, world)
     unknown = sorted(set(p.data.mix) - set(corpus.train))
