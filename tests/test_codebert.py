@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from experiments.codebert.experiment import main
@@ -31,6 +33,10 @@ def test_smoke_cli_runs_on_the_stdlib(tmp_path: Path) -> None:
     evals = [r for r in rows if "eval/heldout/loss" in r]
     assert [r["step"] for r in evals] == [6, 12]
     assert all(0 < r["eval/heldout/loss"] < 7 for r in evals)  # below ln(400) ~ 6.0 + slack
+    for r in evals:
+        assert r["eval/heldout/perplexity"] == pytest.approx(math.exp(r["eval/heldout/loss"]))
+    steps = [r for r in rows if "loss" in r]
+    assert all(r["tokens"] == 4 * 128 and r["tokens_per_s"] > 0 for r in steps)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["data"]["mix"] == {"modules": 0.5, "packages": 0.3, "tests": 0.2}
     assert any(r.get("stage") == "late" for r in rows)

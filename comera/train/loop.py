@@ -109,6 +109,7 @@ class Trainer:
         self.state = tree_map(lambda t: t.to(self.device), state)
         self.opt = adamw_init(self.params) if cfg.optimizer == "adamw" else {"step": 0}
         self.step = 0
+        self._tokens_seen = 0.0
         self.stages = StageController(cfg.comera, cfg.steps)
         self.config_dict = {"train": dataclasses.asdict(cfg), **(extra_config or {})}
         self.initial_size = reference_size or model_size(self.params, self.state)
@@ -189,6 +190,9 @@ class Trainer:
         grads: list[torch.Tensor | None] = [None] * len(leaves)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count, metric_sums = 0.0, {}
+        count_tokens = getattr(self.task, "batch_tokens", None)
+        if count_tokens is not None:
+            metric_sums["tokens"] = float(sum(count_tokens(b) for b in batches))
         for batch in batches:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 out = self.task.loss(self.params, self.state, batch, train=True)
@@ -242,8 +246,9 @@ class Trainer:
             "lr_scale": scale,
             "loss_terms": count,
             **obj.metrics,
-            **{k: v / count for k, v in zip(keys, metric_totals, strict=True)},
-        }
+            **{k: v if k == "tokens" else v / count
+               for k, v in zip(keys, metric_totals, strict=True)},
+        }  # fmt: skip
 
     def _after_step(self) -> None:
         """Carry out the stage controller's rank events for the step just taken."""
@@ -277,7 +282,9 @@ class Trainer:
         pairs = [raw[k] if isinstance(raw[k], tuple) else (float(raw[k]), 1.0) for k in keys]
         flat = torch.tensor([x for p in pairs for x in p], dtype=torch.float64, device=self.device)
         flat = sum_across_ranks([flat])[0].cpu().tolist()
-        return {k: flat[2 * i] / max(flat[2 * i + 1], 1e-12) for i, k in enumerate(keys)}
+        out = {k: flat[2 * i] / max(flat[2 * i + 1], 1e-12) for i, k in enumerate(keys)}
+        derive = getattr(self.task, "derive_eval", None)
+        return {**out, **derive(out)} if derive is not None else out
 
     # ------------------------------------------------------------------ the loop
 
@@ -300,6 +307,7 @@ class Trainer:
         )
         last: dict = {}
         t0, steps0 = time.perf_counter(), self.step
+        self._tokens_seen = 0.0  # this fit's input tokens, all ranks (tasks with batch_tokens)
         it = iter(self.task.train_iter)
         try:
             while self.step < cfg.steps:
@@ -307,6 +315,7 @@ class Trainer:
                 metrics = self.train_step(*(next(it) for _ in range(cfg.accum_steps)))
                 self._after_step()
                 step_time = time.perf_counter() - t_step
+                self._tokens_seen += metrics.get("tokens", 0.0)
                 bar.update(1)
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     last = self._log_row(log, metrics, step_time, t0, steps0)
@@ -345,6 +354,11 @@ class Trainer:
             "compression": self.initial_size / max(live, 1),
             "step_time_s": step_time,
             "steps_per_s": (self.step - steps0) / max(time.perf_counter() - t0, 1e-9),
+            **(
+                {"tokens_per_s": self._tokens_seen / max(time.perf_counter() - t0, 1e-9)}
+                if "tokens" in metrics
+                else {}
+            ),
             "peak_memory_mb": peak_memory_mb(self.device),
             **{f"ranks/{k}": sum(v) for k, v in self.ranks().items()},
         }

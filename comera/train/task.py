@@ -19,7 +19,11 @@ class Task(Protocol):
     ``(sum, count)`` pairs over this rank's share of the held-out data (reduced exactly) or
     plain floats (averaged over ranks). ``train_iter`` has ``state_dict``/``load_state_dict``
     and ``rescalable = True`` when it can load the states of another world size.
-    An optional ``on_compaction(params, state)`` rebuilds anything shape-dependent."""
+    An optional ``on_compaction(params, state)`` rebuilds anything shape-dependent.
+    Optional ``batch_tokens(batch) -> int`` counts a batch's input tokens: the trainer then
+    logs ``tokens`` per step and ``tokens_per_s`` (all ranks together). Optional
+    ``derive_eval(metrics) -> dict`` adds metrics computed from the reduced held-out ones
+    (e.g. perplexity from the mean loss, which no ``(sum, count)`` pair can express)."""
 
     train_iter: Any
 

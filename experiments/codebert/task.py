@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +38,14 @@ class MLMTask:
         self.mask_id, self.special_ids = mask_id, special_ids
         self.plans = plans or C.LayerPlans()
         self.device = torch.device(device)
+
+    def batch_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Input tokens of a batch (padding excluded): the trainer's ``tokens_per_s``."""
+        return int((batch["segment_ids"] > 0).sum())
+
+    def derive_eval(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Held-out perplexity: ``exp`` of the mean masked-token loss (nats)."""
+        return {"heldout/perplexity": math.exp(min(metrics["heldout/loss"], 50.0))}
 
     def mask(
         self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None
