@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo dlrm test bench gpu-check format clean
+.PHONY: setup demo dlrm codebert test bench gpu-check format clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,9 @@ demo: $(STAMP)  ## the main job: CoMERA and dense on MNLI's smoke preset vs the 
 
 dlrm: $(STAMP)  ## DLRM smoke: CoMERA and dense on generated Criteo-format data (CPU, ~1 min), then reports/dlrm.md
 	$(BIN)/python -m experiments.dlrm.report --bench-json reports/dlrm_bench.json
+
+codebert: $(STAMP)  ## CodeBERT smoke: CoMERA and dense MLM on the stdlib (CPU, ~5 min), then reports/codebert.md
+	$(BIN)/python -m experiments.codebert.report --bench-json reports/codebert_bench.json
 
 bench: $(STAMP)  ## core, loader and MNLI-step benchmarks (write reports/)
 	$(BIN)/python -m comera.bench

@@ -4,6 +4,7 @@ experiments other than MNLI) with a PNG.
 
     python -m experiments.ablate contraction --experiment mnli --preset smoke
     python -m experiments.ablate rank --experiment dlrm --preset smoke --values 8,16,32
+    python -m experiments.ablate gamma --experiment codebert --preset smoke
     python -m experiments.ablate objective --experiment mnli --preset smoke --set train.steps=300
     python -m experiments.ablate gamma --values 0,0.02,0.05 --experiment mnli
 
@@ -34,7 +35,7 @@ from experiments import cli
 
 __all__ = ["ABLATIONS", "Variant", "main", "run_ablation", "variants", "write_report"]
 
-EXPERIMENTS = ("mnli", "dlrm")
+EXPERIMENTS = ("mnli", "dlrm", "codebert")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,3 +83,31 @@ def test_dlrm_rank_ablation_on_the_criteo_sample(tmp_path):
             (tmp_path / "runs" / "ablate-dlrm-rank-smoke" / str(rank) / "config.json").read_text()
         )
         assert saved["model"]["emb_rank"] == rank
+
+
+def test_codebert_gamma_ablation_on_the_stdlib(tmp_path):
+    argv = ["gamma", "--experiment", "codebert", "--values", "0,0.1"]
+    for kv in (
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.max_files=6",
+        "data.vocab=400",
+        "data.eval_batches=1",
+        "batch_size=2",
+        "train.steps=4",
+        "train.eval_every=4",
+        "train.warmup_steps=0",
+        "train.comera.reg_start_step=1",
+        "train.comera.early_steps=3",
+        "train.progress=false",
+    ):
+        argv += ["--set", kv]
+    argv += ["--wandb", "disabled", "--runs-dir", str(tmp_path / "runs")]
+    argv += ["--reports", str(tmp_path / "rep")]
+    assert ablate.main(argv) == 0
+    text = (tmp_path / "rep" / "ablation_codebert_gamma.md").read_text()
+    assert "| 0 | 4 |" in text and "| 0.1 | 4 |" in text
+    for gamma in ("0", "0.1"):
+        saved = json.loads(
+            (tmp_path / "runs" / "ablate-codebert-gamma-smoke" / gamma / "config.json").read_text()
+        )
+        assert saved["train"]["comera"]["gamma"] == float(gamma)

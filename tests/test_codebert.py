@@ -96,3 +96,58 @@ def test_mix_may_change_on_resume_and_nothing_else(tmp_path: Path, capsys) -> No
     code = main(["--resume", str(run), "--corpus", f"x={tmp_path}", "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "drop --corpus" in err[-1]
+
+
+def test_a_prepared_folder_is_a_corpus_and_its_tokenizer_serves(tmp_path: Path) -> None:
+    """``--corpus NAME=FOLDER`` takes a folder ``loaders.prepare --heldout`` made as it is
+    (its tokenizer, its split); one made without a held-out split is refused in one line."""
+    import sysconfig
+
+    from loaders.prepare import prepare
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = [str(p) for p in sorted((lib / "json").glob("*.py"))]
+    prepare(files, tmp_path / "json", train_vocab=400, heldout=0.3, progress=False)
+    assert main(_argv(tmp_path, "run", "--corpus", f"js={tmp_path / 'json'}")) == 0
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["data"]["paths"] == {"js": str(tmp_path / "json")}
+    assert config["vocab"] == 400  # the prepared folder's own tokenizer
+    prepare(files, tmp_path / "nosplit", train_vocab=400, progress=False)
+    assert main(_argv(tmp_path, "bad", "--corpus", f"x={tmp_path / 'nosplit'}")) == 2
+
+
+def test_hub_source_needs_a_tokenizer(tmp_path: Path, capsys) -> None:
+    assert main(_argv(tmp_path, "hub", "--set", "data.source=hub")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.tokenizer" in err[0]
+
+
+def test_paper_preset_is_codebert_with_tt_layers() -> None:
+    """The ``paper`` preset's encoder is CodeBERT's published shape; at initial ranks its
+    TT/TTM model is a fraction of the dense one (counted without building the latter)."""
+    import comera as C
+    from experiments.codebert.experiment import preset
+    from experiments.codebert.model import init_mlm
+    from experiments.transformer import dense_param_count
+
+    p = preset("paper")
+    m = p.model
+    assert (m.layers, m.d_model, m.heads, m.ffn, m.vocab_size, m.max_len, m.type_vocab) == (
+        12, 768, 12, 3072, 50265, 514, 1,
+    )  # fmt: skip
+    assert p.data.source == "hub" and p.data.tokenizer == "microsoft/codebert-base"
+    assert p.data.hub_configs == ("python", "java", "javascript", "php", "ruby", "go")
+    params, _ = init_mlm(m, generator=torch.Generator().manual_seed(0))
+    dense = dense_param_count(dataclasses.replace(m, num_labels=0)) + 2 * m.d_model + m.vocab_size
+    assert 124_000_000 < dense < 126_000_000  # CodeBERT: 125M
+    assert C.param_count(params) < dense / 4
+
+
+def test_bench_plumbing_on_a_toy_model(tmp_path: Path) -> None:
+    from experiments.codebert import bench
+
+    r = bench.run_variant("comera_half", 2, steps=1, tiny=True)
+    assert r["params"] > 0 and r["step_s"] > 0 and r["batch"] == 2
+    batch = bench.packed_batch(3, 100, seq=512)
+    assert batch["input_ids"].shape == (3, 512) and (batch["segment_ids"] > 0).all()
+    assert batch["input_ids"].min() >= 5  # no special token among the inputs

@@ -4,7 +4,9 @@
 every machine, no network) into three sub-datasets by file kind: ``modules`` (top-level
 ``*.py``), ``packages`` (``*.py`` inside packages) and ``tests`` (files under a ``test`` or
 ``tests`` folder), with one byte-level BPE trained on them all. ``corpus_from_paths``
-prepares any ``NAME=PATH`` folders the same way. Each sub-dataset gets ``train/`` and
+prepares any ``NAME=PATH`` folders the same way (a folder already prepared by
+``python -m loaders.prepare --heldout F`` is used as it is), and ``corpus_from_hub`` a hub
+dataset's configs (CodeSearchNet's six languages). Each sub-dataset gets ``train/`` and
 ``heldout/`` (a fixed fraction of files, by a hash of the path). Files longer than
 ``max_doc_tokens`` are cut into pieces (documents of their own), so sub-dataset mixing is
 exact to within one piece rather than one whole file.
@@ -14,24 +16,68 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from loaders.prepare import Doc, heldout_docs, prepare, train_tokenizer
+from loaders.prepare import PLAN_NAME, Doc, heldout_docs, prepare, train_tokenizer
 
-__all__ = ["Corpus", "corpus_from_paths", "stdlib_corpus", "stdlib_groups"]
+__all__ = [
+    "CODESEARCHNET_LANGUAGES",
+    "Corpus",
+    "corpus_from_hub",
+    "corpus_from_paths",
+    "stdlib_corpus",
+    "stdlib_groups",
+    "tokenizer_info",
+]
+
+CODESEARCHNET_LANGUAGES = ("python", "java", "javascript", "php", "ruby", "go")
+SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
 
 
 @dataclass
 class Corpus:
-    """Prepared sub-datasets: ``train[name]`` and ``heldout[name]`` folders, a tokenizer."""
+    """Prepared sub-datasets: ``train[name]`` and ``heldout[name]`` folders and the
+    tokenizer (a ``tokenizer.json`` path or a hub name)."""
 
     root: Path
-    tokenizer: Path
+    tokenizer: str
     train: dict[str, Path]
     heldout: dict[str, Path]
-    vocab_size: int
+
+
+def tokenizer_info(tokenizer: str) -> tuple[int, dict[str, int | None]]:
+    """Vocabulary size and the ids of RoBERTa's specials (``None`` when absent) of a local
+    ``tokenizer.json`` (or a folder holding one) or a hub tokenizer (needs the network or
+    a warm cache, and ``transformers`` for repos without a ``tokenizer.json``)."""
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if path.is_file():
+        tok = Tokenizer.from_file(str(path))
+        return tok.get_vocab_size(), {t: tok.token_to_id(t) for t in SPECIALS}
+    try:
+        import transformers
+
+        hf = transformers.AutoTokenizer.from_pretrained(tokenizer)
+        ids = {t: hf.convert_tokens_to_ids(t) for t in SPECIALS}
+        return len(hf), {t: (i if i != hf.unk_token_id or t == "<unk>" else None)
+                         for t, i in ids.items()}  # fmt: skip
+    except ImportError:
+        pass
+    except Exception as exc:
+        raise ValueError(f"data.tokenizer={tokenizer!r}: cannot load it ({exc}); pass a "
+                         "local tokenizer.json") from exc  # fmt: skip
+    try:
+        tok = Tokenizer.from_pretrained(tokenizer)
+    except Exception as exc:
+        raise ValueError(f"data.tokenizer={tokenizer!r}: cannot load it ({exc}); pass a "
+                         "local tokenizer.json") from exc  # fmt: skip
+    return tok.get_vocab_size(), {t: tok.token_to_id(t) for t in SPECIALS}
 
 
 def stdlib_groups(max_files: int | None = None) -> dict[str, list[Path]]:
@@ -56,59 +102,113 @@ def stdlib_groups(max_files: int | None = None) -> dict[str, list[Path]]:
     return groups
 
 
+def _digest(*parts: object) -> str:
+    return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).hexdigest()
+
+
 def _prepare_groups(
     groups: dict[str, list[Path]], root: Path, vocab: int, heldout: float,
-    max_doc_tokens: int | None, progress: bool,
+    max_doc_tokens: int | None, progress: bool, tokenizer: str | None = None,
 ) -> Corpus:  # fmt: skip
+    """Files by group -> prepared sub-datasets; a BPE of ``vocab`` is trained on the
+    training files of all groups unless ``tokenizer`` is given."""
     key = json.dumps({k: [str(p) for p in v] for k, v in groups.items()}, sort_keys=True)
-    key = f"{key}|{vocab}|{heldout}|{max_doc_tokens}|2"  # 2: no held-out file in the BPE
-    digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
-    root = root / digest
-    tok = root / "tokenizer.json"
-    if not tok.is_file():
-        docs = []  # what prepare will train on: each group minus its held-out files
-        for files in groups.values():
-            group = [Doc(str(p)) for p in files]
-            held = heldout_docs(group, heldout)
-            docs += [d for d in group if d not in held]
-        texts = (Path(d.path).read_text(encoding="utf-8", errors="replace") for d in docs)
-        train_tokenizer(texts, vocab, tok)
+    # 2: no held-out file in the BPE
+    root = root / _digest(key, vocab if tokenizer is None else tokenizer, heldout,
+                          max_doc_tokens, 2)  # fmt: skip
+    tok = tokenizer
+    if tok is None:
+        tok = str(root / "tokenizer.json")
+        if not Path(tok).is_file():
+            docs = []  # what prepare will train on: each group minus its held-out files
+            for files in groups.values():
+                group = [Doc(str(p)) for p in files]
+                held = heldout_docs(group, heldout)
+                docs += [d for d in group if d not in held]
+            texts = (Path(d.path).read_text(encoding="utf-8", errors="replace") for d in docs)
+            train_tokenizer(texts, vocab, Path(tok))
     for name, files in groups.items():
         if not files:
             raise ValueError(f"corpus group {name!r} has no file")
-        prepare([str(p) for p in files], root / name, tokenizer=str(tok), heldout=heldout,
+        prepare([str(p) for p in files], root / name, tokenizer=tok, heldout=heldout,
                 docs_per_shard=200, workers=1, max_doc_tokens=max_doc_tokens,
                 progress=progress)  # fmt: skip
-    from tokenizers import Tokenizer
-
-    size = Tokenizer.from_file(str(tok)).get_vocab_size()
     return Corpus(
         root=root,
         tokenizer=tok,
         train={n: root / n / "train" for n in groups},
         heldout={n: root / n / "heldout" for n in groups},
-        vocab_size=size,
     )
 
 
 def stdlib_corpus(
     root: Path, *, vocab: int, heldout: float = 0.05, max_files: int | None = None,
-    max_doc_tokens: int | None = None, progress: bool = True,
+    max_doc_tokens: int | None = None, tokenizer: str | None = None, progress: bool = True,
 ) -> Corpus:  # fmt: skip
     """The standard library as a pretraining corpus (see the module docstring)."""
     groups = stdlib_groups(max_files)
-    return _prepare_groups(groups, root, vocab, heldout, max_doc_tokens, progress)
+    return _prepare_groups(groups, root, vocab, heldout, max_doc_tokens, progress, tokenizer)
+
+
+def _prepared(name: str, folder: Path) -> tuple[str, Path]:
+    """The tokenizer and train/heldout of a folder made by ``python -m loaders.prepare``."""
+    plan = json.loads((folder / PLAN_NAME).read_text())
+    if not (folder / "heldout").is_dir():
+        raise ValueError(f"--corpus {name}={folder}: prepared without --heldout; rerun "
+                         "python -m loaders.prepare with --heldout F")  # fmt: skip
+    tok = plan["tokenizer"]
+    if not Path(tok).is_file() and (folder / "tokenizer.json").is_file():
+        tok = str(folder / "tokenizer.json")  # a trained tokenizer, folder moved since
+    return tok, folder
 
 
 def corpus_from_paths(
     paths: dict[str, str], root: Path, *, vocab: int, heldout: float = 0.05,
-    glob: str = "**/*.py", max_doc_tokens: int | None = None, progress: bool = True,
+    glob: str = "**/*.py", max_doc_tokens: int | None = None, tokenizer: str | None = None,
+    progress: bool = True,
 ) -> Corpus:  # fmt: skip
-    """``{name: folder}`` of source files (``glob``) prepared as sub-datasets."""
-    groups = {}
+    """``{name: folder}`` as sub-datasets: a folder of source files (``glob``) is prepared
+    and cached; a folder ``loaders.prepare`` made is used as it is (its tokenizer then
+    serves every sub-dataset, so all such folders must share one)."""
+    groups, ready, toks = {}, {}, set()
     for name, folder in paths.items():
         path = Path(folder)
         if not path.is_dir():
             raise ValueError(f"--corpus {name}={folder}: not a folder; pass NAME=FOLDER")
-        groups[name] = sorted(p for p in path.glob(glob) if p.is_file())
-    return _prepare_groups(groups, root, vocab, heldout, max_doc_tokens, progress)
+        if (path / PLAN_NAME).is_file():
+            tok, ready[name] = _prepared(name, path)
+            toks.add(tok)
+        else:
+            groups[name] = sorted(p for p in path.glob(glob) if p.is_file())
+    if tokenizer is not None:
+        toks.add(tokenizer)
+    if len(toks) > 1:
+        raise ValueError(f"--corpus folders were prepared with different tokenizers {sorted(toks)}"
+                         "; prepare them with one --tokenizer")  # fmt: skip
+    tok = next(iter(toks), None)
+    if groups:
+        corpus = _prepare_groups(groups, root, vocab, heldout, max_doc_tokens, progress, tok)
+    else:
+        corpus = Corpus(root=root, tokenizer=str(tok), train={}, heldout={})
+    for name, folder in ready.items():
+        corpus.train[name], corpus.heldout[name] = folder / "train", folder / "heldout"
+    return corpus
+
+
+def corpus_from_hub(
+    dataset: str, configs: tuple[str, ...], root: Path, *, tokenizer: str, text_column: str,
+    heldout: float = 0.05, max_doc_tokens: int | None = None, progress: bool = True,
+) -> Corpus:  # fmt: skip
+    """One sub-dataset per hub config (CodeSearchNet: one per language), tokenized with a
+    given tokenizer (e.g. ``microsoft/codebert-base``); needs the network or a warm cache."""
+    root = root / _digest(dataset, configs, tokenizer, text_column, heldout, max_doc_tokens)
+    for name in configs:
+        prepare([f"hub:{dataset}"], root / name, tokenizer=tokenizer, text_column=text_column,
+                heldout=heldout, hub_config=name, max_doc_tokens=max_doc_tokens,
+                workers=max(1, (os.cpu_count() or 2) // 2), progress=progress)  # fmt: skip
+    return Corpus(
+        root=root,
+        tokenizer=tokenizer,
+        train={n: root / n / "train" for n in configs},
+        heldout={n: root / n / "heldout" for n in configs},
+    )
