@@ -50,6 +50,7 @@ from comera.tensor_train import (
     live_ranks,
     prune,
     to_dense,
+    ttm_table,
 )
 
 __all__ = [
@@ -90,6 +91,7 @@ __all__ = [
     "summary_table",
     "table_groups",
     "to_dense",
+    "ttm_table",
     "tt_linear",
     "tt_linear_flops",
     "tt_linear_plan",

@@ -39,6 +39,7 @@ __all__ = [
     "prune",
     "slice_ranks",
     "to_dense",
+    "ttm_table",
 ]
 
 
@@ -221,6 +222,21 @@ def chain(cores: Sequence[torch.Tensor]) -> torch.Tensor:
     return acc
 
 
+def ttm_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The ``(prod v) x (prod d)`` table of TTM cores ``(r, v_k, d_k, r')`` (gated or not).
+
+    Rows follow the vocabulary modes in row-major order, so the cores with the first one
+    sliced to ``[:, a:b]`` give the table's rows ``a * V/v_1`` to ``b * V/v_1``: a table can
+    be built (and used) in row blocks whose total cost is that of the whole."""
+    d = len(cores)
+    vs = [c.shape[1] for c in cores]
+    ds = [c.shape[2] for c in cores]
+    flat = [c.reshape(c.shape[0], c.shape[1] * c.shape[2], c.shape[3]) for c in cores]
+    t = chain(flat).reshape([x for k in range(d) for x in (vs[k], ds[k])])
+    # de-interleave (v1, d1, v2, d2, ...) -> (v1..vd, d1..dd)
+    return t.permute(*range(0, 2 * d, 2), *range(1, 2 * d, 2)).reshape(math.prod(vs), math.prod(ds))
+
+
 def to_dense(params: Params, state: State, spec: Spec | None = None) -> torch.Tensor:
     """Rebuild the dense weight (``out x in``) or table (``V x D``) the train represents.
 
@@ -232,13 +248,7 @@ def to_dense(params: Params, state: State, spec: Spec | None = None) -> torch.Te
         m = math.prod(c.shape[1] for c in cores[:d])
         n = math.prod(c.shape[1] for c in cores[d:])
         return chain(cores).reshape(m, n)
-    d = len(cores)
-    vs = [c.shape[1] for c in cores]
-    ds = [c.shape[2] for c in cores]
-    flat = [c.reshape(c.shape[0], c.shape[1] * c.shape[2], c.shape[3]) for c in cores]
-    t = chain(flat).reshape([x for k in range(d) for x in (vs[k], ds[k])])
-    # de-interleave (v1, d1, v2, d2, ...) -> (v1..vd, d1..dd)
-    t = t.permute(*range(0, 2 * d, 2), *range(1, 2 * d, 2)).reshape(math.prod(vs), math.prod(ds))
+    t = ttm_table(cores)
     if spec is not None:
         t = t[: spec.num_embeddings]  # type: ignore[union-attr]
     return t

@@ -65,7 +65,7 @@ def _summary(run: dict) -> dict:
     }
 
 
-def _rank_table(run: dict) -> list[str]:
+def rank_table(run: dict) -> list[str]:
     snaps = run["ranks"]
     labels = [k for k in ("init", "end_of_early", "end") if k in snaps]
     if not labels:
@@ -83,7 +83,7 @@ def _rank_table(run: dict) -> list[str]:
     return lines
 
 
-def _layer_table(run: dict) -> list[str]:
+def layer_table(run: dict) -> list[str]:
     """Per-layer compression of the final model, read from the run's checkpoint."""
     if run["config"].get("dense") or not complete_checkpoints(run["dir"]):
         return []
@@ -228,10 +228,10 @@ def write_report(run_dirs: list[str], out: Path = REPORTS / "mnli.md") -> Path:
             )
         lines += ["", "Paper (full MNLI, GPU): " + "; ".join(f"{v}" for v in PAPER.values()) + "."]
         for run in runs:
-            table = _rank_table(run)
+            table = rank_table(run)
             if table:
                 lines += ["", f"## Per-layer ranks: {run['dir'].name}", "", *table]
-            layers = _layer_table(run)
+            layers = layer_table(run)
             if layers:
                 lines += [
                     "",

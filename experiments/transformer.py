@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import comera as C
 
@@ -179,6 +180,20 @@ def _layer_norm(p: dict, x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, x.shape[-1:], p["weight"], p["bias"], eps=1e-12)
 
 
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p_drop: float
+) -> torch.Tensor:
+    """Scaled dot-product attention ``(B, H, T, dh)``. On CPU, SDPA has no fused kernel
+    with attention dropout and falls back to one that stores the ``(B, H, T, T)``
+    probabilities for backward (432 MB for CodeBERT at batch 1 x 512); there the core is
+    recomputed in backward instead, as flash attention does on GPU, with the same dropout
+    mask (the RNG state is replayed), so values and gradients are unchanged."""
+    if p_drop > 0 and q.device.type == "cpu" and torch.is_grad_enabled():
+        return checkpoint(F.scaled_dot_product_attention, q, k, v, attn_mask=mask,
+                          dropout_p=p_drop, use_reentrant=False)  # fmt: skip
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p_drop)
+
+
 def encoder_hidden(
     params: dict,
     state: dict,
@@ -230,7 +245,7 @@ def encoder_hidden(
             .transpose(1, 2)  # (B, H, T, dh)
             for n in ("q", "k", "v")
         )
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p_drop)
+        att = _attention(q, k, v, attn_mask, p_drop)
         att = att.transpose(1, 2).reshape(b, t, cfg.d_model)
         x = _layer_norm(
             p["ln1"],

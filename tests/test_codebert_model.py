@@ -84,3 +84,61 @@ def test_dynamic_masking_rates() -> None:
     again = mask_tokens(ids, seg, mask_id=4, vocab_size=1000, special_ids=special,
                         generator=torch.Generator().manual_seed(1))  # fmt: skip
     assert torch.equal(again[0], out) and torch.equal(again[1], labels)
+
+
+def test_tied_logits_in_row_blocks_equal_the_whole_table() -> None:
+    """The TTM decoder built block by block (and rebuilt in backward) gives the logits and
+    gradients of ``h @ to_dense(table).T``, padded vocabulary rows dropped."""
+    import comera as C
+    from experiments.codebert.model import tied_logits
+
+    cfg = _cfg(True)
+    cfg = EncoderConfig(**{**{f: getattr(cfg, f) for f in cfg.__slots__},
+                           "vocab_size": 93})  # 10 x 10 = 100 rows: 7 padded  # fmt: skip
+    params, state = init_mlm(cfg, generator=torch.Generator().manual_seed(0))
+    word = params["embed"]["word"]
+    leaves = [t.requires_grad_() for t in [*word["cores"], *word["gates"]]]
+    h = torch.randn(7, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    w = torch.randn(7, 93, generator=torch.Generator().manual_seed(2))
+    got = tied_logits(params, state, h, cfg)
+    want = h @ C.to_dense(word, state["embed"]["word"], cfg.embedding_spec()).T
+    assert got.shape == (7, 93)
+    torch.testing.assert_close(got, want)
+    g1 = torch.autograd.grad((got * w).sum(), [h, *leaves])
+    g2 = torch.autograd.grad((want * w).sum(), [h, *leaves])
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_attention_recomputed_on_cpu_keeps_values_and_gradients() -> None:
+    """With attention dropout on CPU the encoder recomputes the attention core in backward
+    (replaying the RNG): the loss and gradients equal plain SDPA under the same seed."""
+    import torch.nn.functional as F
+
+    from experiments import transformer
+
+    cfg = EncoderConfig(**{**{f: getattr(_cfg(True), f) for f in _cfg(True).__slots__},
+                           "dropout": 0.3})  # fmt: skip
+    params, state = init_mlm(cfg, generator=torch.Generator().manual_seed(0))
+    leaves = [t.requires_grad_() for t in torch.utils._pytree.tree_leaves(params)]
+    ids = torch.randint(5, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+
+    def run() -> tuple:
+        torch.manual_seed(7)
+        out = encoder_hidden(params, state, {"input_ids": ids,
+                             "attention_mask": torch.ones(2, 16)}, cfg, train=True)  # fmt: skip
+        loss = out.pow(2).mean()
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)  # lm_head: unused
+        return (loss, *(g for g in grads if g is not None))
+
+    recomputed = run()
+    plain = transformer._attention
+    try:
+        transformer._attention = lambda q, k, v, m, p: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, dropout_p=p
+        )
+        direct = run()
+    finally:
+        transformer._attention = plain
+    for a, b in zip(recomputed, direct, strict=True):
+        torch.testing.assert_close(a, b)

@@ -154,6 +154,11 @@ def _bench_section(b: dict) -> list[str]:
         row("step_time_ratio_vs_dense", "base, batch 8"),
         row("step_time_ratio_vs_dense_half_ranks", "base, batch 8, every rank halved"),
         row("peak_memory_ratio_vs_dense", "base, batch 1"),
+        row(
+            "peak_memory_ratio_vs_dense_mmap_threshold_1m",
+            "batch 1, glibc's mmap threshold fixed at 1 MiB",
+        ),
+        row("step_time_ratio_vs_dense_b1_mmap_threshold_1m", "batch 1, same allocator"),
         f"| `compression_ratio` (paper preset at initial ranks: "
         f"{b['paper_params_dense']:,} / {b['paper_params_comera']:,} params) | "
         f"{b['compression_ratio']:.1f}x | | |",
