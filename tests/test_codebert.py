@@ -146,8 +146,39 @@ def test_paper_preset_is_codebert_with_tt_layers() -> None:
 def test_bench_plumbing_on_a_toy_model(tmp_path: Path) -> None:
     from experiments.codebert import bench
 
-    r = bench.run_variant("comera_half", 2, steps=1, tiny=True)
-    assert r["params"] > 0 and r["step_s"] > 0 and r["batch"] == 2
+    assert bench.main(steps=1, tiny=True, out=tmp_path / "b.json") == 0
+    figures = json.loads((tmp_path / "b.json").read_text())
+    for key in ("step_time_ratio_vs_dense", "peak_memory_ratio_vs_dense",
+                "step_time_ratio_vs_dense_half_ranks",
+                "peak_memory_ratio_vs_dense_mmap_threshold_1m"):  # fmt: skip
+        assert figures[key] > 0, key
+    assert len(figures["runs"]) == 7
     batch = bench.packed_batch(3, 100, seq=512)
     assert batch["input_ids"].shape == (3, 512) and (batch["segment_ids"] > 0).all()
     assert batch["input_ids"].min() >= 5  # no special token among the inputs
+
+
+def test_hub_source_prepares_one_sub_dataset_per_config(tmp_path: Path, monkeypatch) -> None:
+    """``data.source=hub`` (the paper preset's CodeSearchNet) prepares one sub-dataset per
+    hub config with the given tokenizer; the hub is replaced by in-memory datasets here."""
+    import datasets
+
+    from loaders import prepare as prep
+
+    texts = {lang: [f"def f{i}(x):\n    return x * {i}  # {lang}\n" * (1 + i % 4)
+                    for i in range(30)] for lang in ("python", "go")}  # fmt: skip
+    calls = []
+
+    def fake_hub(name: str, config: str, split: str, column: str) -> datasets.Dataset:
+        calls.append((name, config, split, column))
+        return datasets.Dataset.from_dict({column: texts[config]})
+
+    monkeypatch.setattr(prep, "_load_hub", fake_hub)
+    tok = prep.train_tokenizer(iter(texts["python"] + texts["go"]), 300, tmp_path / "tok.json")
+    argv = _argv(tmp_path, "run", "--set", f"data.tokenizer={tok}", "--set", "data.source=hub",
+                 "--set", "data.hub_configs=python,go", "--mix", "python=0.7,go=0.3")  # fmt: skip
+    assert main(argv) == 0
+    assert {c[1] for c in calls} == {"python", "go"}
+    assert all(c[0] == "code_search_net" and c[3] == "func_code_string" for c in calls)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/heldout/loss" in r for r in rows)
