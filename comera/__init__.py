@@ -18,6 +18,7 @@ from comera.accounting import (
 )
 from comera.importance import rank_contributions
 from comera.layers import EMBEDDING_IMPLS, tt_linear, ttm_embedding
+from comera.malloc import CPU_MALLOC_POLICIES, set_cpu_malloc
 from comera.modules import TTLinear, TTMEmbedding
 from comera.plans import (
     STRATEGIES,
@@ -54,6 +55,7 @@ from comera.tensor_train import (
 )
 
 __all__ = [
+    "CPU_MALLOC_POLICIES",
     "EMBEDDING_IMPLS",
     "PRUNE_RULES",
     "STRATEGIES",
@@ -90,6 +92,7 @@ __all__ = [
     "summarize",
     "summary_table",
     "table_groups",
+    "set_cpu_malloc",
     "to_dense",
     "ttm_table",
     "tt_linear",

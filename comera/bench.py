@@ -13,7 +13,6 @@ for both the TT and the dense layer, as inside a network.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import statistics
@@ -26,6 +25,7 @@ import torch
 
 from comera.accounting import tt_linear_flops, ttm_embedding_flops
 from comera.layers import tt_linear, ttm_embedding
+from comera.malloc import CPU_MALLOC_POLICIES, set_cpu_malloc
 from comera.memory import peak_memory_bytes
 from comera.plans import STRATEGIES
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
@@ -71,21 +71,13 @@ def _leaves_requiring_grad(params: dict) -> list[torch.Tensor]:
 
 
 def keep_freed_memory() -> bool:
-    """Tell glibc malloc to keep freed memory instead of unmapping it (mallopt).
+    """Tell glibc malloc to keep freed memory (``comera.set_cpu_malloc("keep")``).
 
     Without this every large activation is a fresh ``mmap`` whose pages fault in on first
     touch; for skinny GEMMs that write a (T, M) output the page faults cost more than the
-    arithmetic. jemalloc/tcmalloc, the usual advice for PyTorch on CPU, behave like this.
-    Returns False where it does not apply (not glibc).
+    arithmetic. Returns False where it does not apply (not glibc).
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(
-            libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30)
-        )
-    except (OSError, AttributeError):
-        return False
+    return set_cpu_malloc("keep")
 
 
 def _time_linear(
@@ -126,21 +118,25 @@ def _label(spec: TTLinearSpec) -> str:
     return f"{spec.in_features}->{spec.out_features} [{ins} | {outs}]"
 
 
-def comera_default_malloc(
+def comera_ratios(
     shapes: list[tuple[tuple[int, ...], tuple[int, ...]]],
     rank: int,
     tokens: int,
     repeats: int,
     gen: torch.Generator,
+    label: str = "",
 ) -> dict[str, float]:
-    """``comera`` vs dense time ratio per shape under the allocator as the process found it."""
+    """``comera`` vs dense time ratio per shape under the process's current allocator."""
     out = {}
     for out_modes, in_modes in shapes:
         spec = TTLinearSpec(out_modes=out_modes, in_modes=in_modes, ranks=rank)
         _, med = _time_linear(spec, tokens, repeats, gen, ("comera",))
         out[_label(spec)] = med["comera"] / med["dense"]
-        _log(f"  {_label(spec)}: comera {out[_label(spec)]:.3f}x (default malloc)")
+        _log(f"  {_label(spec)}: comera {out[_label(spec)]:.3f}x {label}")
     return out
+
+
+comera_default_malloc = comera_ratios  # the old name
 
 
 def bench_tt_linear(
@@ -153,8 +149,8 @@ def bench_tt_linear(
 ) -> list[dict]:
     """Time every strategy against ``nn.Linear`` for each TT shape.
 
-    ``baseline`` maps shape labels to a ``comera`` ratio measured before the allocator
-    was tuned; it is carried into the rows for the report.
+    ``baseline`` maps shape labels to a ``comera`` ratio measured under another allocator
+    policy (``keep``); it is carried into the rows for the report.
     """
     rows = []
     for out_modes, in_modes in shapes:
@@ -177,7 +173,7 @@ def bench_tt_linear(
                 }
             )
             if baseline and s == "comera":
-                rows[-1]["time_ratio_vs_dense_default_malloc"] = baseline[shape]
+                rows[-1]["time_ratio_vs_dense_keep_malloc"] = baseline[shape]
         _log(f"  {shape}: " + ", ".join(f"{s} {med[s] / med['dense']:.3f}x" for s in STRATEGIES))
     return rows
 
@@ -252,16 +248,17 @@ def markdown(result: dict) -> str:
         "## TT-linear vs `nn.Linear` (paper MNLI shapes, "
         f"rank {cfg['rank']}, {cfg['tokens']} tokens)",
         "",
-        f"Allocator: {cfg['malloc']}. Where tuned, the `comera` row also shows the ratio "
-        "measured first with the allocator as found (glibc default: large blocks are "
-        "unmapped on free and page-fault back in).",
+        f"Allocator policy: `{cfg['malloc']}` (as `train.cpu_malloc`; training's default is "
+        "`default`, glibc as found). Under `default` the `comera` rows also show the ratio "
+        "under `cpu_malloc=keep` (glibc keeps freed memory: no page faults on reuse, a "
+        "resident set at its high-water mark), measured after the headline columns.",
         "",
         "| shape (in->out, paper modes) | strategy | time ratio vs dense | "
-        "(default malloc) | FLOPs ratio vs dense | TT ms | dense ms |",
+        "(keep malloc) | FLOPs ratio vs dense | TT ms | dense ms |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in result["tt_linear"]:
-        default = r.get("time_ratio_vs_dense_default_malloc")
+        default = r.get("time_ratio_vs_dense_keep_malloc")
         lines.append(
             f"| {r['shape']} | {r['strategy']} | {r['time_ratio_vs_dense']:.3f} | "
             f"{'' if default is None else f'{default:.3f}'} | "
@@ -302,12 +299,14 @@ def run(
     repeats: int | None = None,
     threads: int = 2,
     seed: int = 0,
-    malloc: str = "tuned",
+    malloc: str = "default",
 ) -> dict:
     """Run the whole benchmark and return the result dict (the ``--json`` object).
 
-    ``malloc="tuned"`` first measures ``comera`` vs dense under the allocator as found,
-    then calls :func:`keep_freed_memory` and measures everything; ``"default"`` skips both.
+    Everything is measured under the allocator policy ``malloc`` (the training path's
+    ``TrainConfig.cpu_malloc``, default ``"default"``: glibc as found). Under
+    ``"default"`` the ``comera`` vs dense ratios are measured once more at the end under
+    ``"keep"`` (which cannot be undone), as a second column.
     """
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(seed)
@@ -322,14 +321,14 @@ def run(
         )
         n_ids = 4096
     _log(f"comera.bench: {'quick' if quick else 'paper'} shapes, {reps} repeats, {threads} threads")
-    baseline, tuned = None, False
-    if malloc == "tuned" and not quick:  # quick runs inside test processes: leave malloc be
-        baseline = comera_default_malloc(shapes, rank, tokens, reps, gen)
-        tuned = keep_freed_memory()
-    result = {
-        "tt_linear": bench_tt_linear(shapes, rank, tokens, reps, gen, baseline),
-        "ttm_embedding": bench_ttm(ttm, n_ids, reps, gen),
-    }
+    applied = set_cpu_malloc(malloc)
+    linear = bench_tt_linear(shapes, rank, tokens, reps, gen)
+    result = {"tt_linear": linear, "ttm_embedding": bench_ttm(ttm, n_ids, reps, gen)}
+    if malloc == "default" and not quick and set_cpu_malloc("keep"):
+        keep = comera_ratios(shapes, rank, tokens, reps, gen, "(keep malloc)")
+        for row in linear:
+            if row["strategy"] == "comera":
+                row["time_ratio_vs_dense_keep_malloc"] = keep[row["shape"]]
     result["config"] = {
         "quick": quick,
         "repeats": reps,
@@ -339,7 +338,7 @@ def run(
         "ttm": f"vocab {list(ttm.vocab_modes)} (V={ttm.num_embeddings}), "
         f"dim {list(ttm.dim_modes)}, rank {max(ttm.ranks)}",  # type: ignore[arg-type]
         "torch": torch.__version__,
-        "malloc": "glibc keeps freed memory (mallopt)" if tuned else "as found",
+        "malloc": malloc if applied else f"{malloc} (not applied: not glibc)",
         "machine": f"{torch.get_num_threads()}-thread CPU",
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -354,9 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--malloc",
-        choices=("tuned", "default"),
-        default="tuned",
-        help="tuned: also measure after telling glibc to keep freed memory (default)",
+        choices=CPU_MALLOC_POLICIES,
+        default="default",
+        help="allocator policy, as train.cpu_malloc (default: glibc as found, as training)",
     )
     ap.add_argument("--report", type=Path, default=None, help=f"markdown path (default {REPORT})")
     ap.add_argument("--no-report", action="store_true", help="do not write the markdown report")

@@ -7,8 +7,8 @@ An experiment module defines an :class:`Experiment` (its config dataclass, prese
 * ``--preset NAME`` then, in order, the experiment's own flags, the common flags
   (``--steps``, ``--plan``, ``--dense``, ``--device``...) and ``--set a.b.c=value`` (typed by
   the config's annotations and re-validated; an unknown key lists the valid ones);
-* ``--resume RUN_DIR`` replays ``RUN_DIR/config.json`` (only device, wandb and progress
-  settings may change);
+* ``--resume RUN_DIR`` replays ``RUN_DIR/config.json`` (only where and how it runs may
+  change: device, wandb, progress, the CPU allocator policy, block recomputation);
 * user errors print one line naming the flag to change and exit with status 2.
 """
 
@@ -59,6 +59,8 @@ RESUME_MUTABLE = frozenset(
         "train.wandb_tags",
         "train.run_name",
         "train.progress",
+        "train.cpu_malloc",
+        "model.recompute",
     }
 )
 
@@ -282,6 +284,18 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
     ap.add_argument("--device", help="cpu, cuda, cuda:1 ...")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
     ap.add_argument(
+        "--cpu-malloc",
+        dest="cpu_malloc",
+        choices=C.CPU_MALLOC_POLICIES,
+        help="CPU allocator policy: default (glibc as found), keep (faster, more resident "
+        "memory), release (least memory, slower)",
+    )
+    ap.add_argument(
+        "--recompute",
+        action="store_true",
+        help="recompute each encoder block's activations in backward (less memory)",
+    )
+    ap.add_argument(
         "--wandb",
         choices=("online", "offline", "disabled"),
         help="wandb mode (default: WANDB_MODE, else offline)",
@@ -315,6 +329,7 @@ _COMMON = {  # flag dest -> config key
     "run_dir": "train.run_dir",
     "plan": "plans.default",
     "embedding_impl": "plans.embedding_impl",
+    "cpu_malloc": "train.cpu_malloc",
 }
 
 
@@ -325,6 +340,10 @@ def _common_overrides(args: argparse.Namespace, cfg: Any) -> list[tuple[str, Any
         out.append(("train.wandb_tags", tuple(t for t in args.wandb_tags.split(",") if t)))
     if args.bf16:
         out.append(("train.bf16", True))
+    if args.recompute:
+        if not hasattr(getattr(cfg, "model", None), "recompute"):
+            raise CLIError("--recompute: this experiment's model has no encoder blocks; drop it")
+        out.append(("model.recompute", True))
     if args.no_progress:
         out.append(("train.progress", False))
     if args.plan_for:
@@ -363,7 +382,8 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
             f"resume it with python -m experiments.{saved['experiment']}"
         )
     mutable = RESUME_MUTABLE | exp.resume_mutable
-    flags = {"device": "train.device", "no_progress": "train.progress"}
+    flags = {"device": "train.device", "no_progress": "train.progress",
+             "cpu_malloc": "train.cpu_malloc", "recompute": "model.recompute"}  # fmt: skip
     flags |= {k: v for k, v in _COMMON.items() if k.startswith("wandb")}
     flags |= {"wandb_tags": "train.wandb_tags"}
     own_dests = getattr(ap, "experiment_dests", set())
@@ -377,7 +397,8 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         drop = ["--" + k.replace("_", "-") for k in extra] + [f"--set {k}" for k in bad_sets]
         raise CLIError(
             f"--resume continues {args.resume} with its saved config; drop {', '.join(drop)} "
-            f"(only --device, --wandb* , --no-progress and --set of {', '.join(sorted(mutable))}"
+            f"(only --device, --wandb*, --no-progress, --cpu-malloc, --recompute and --set of "
+            f"{', '.join(sorted(mutable))}"
             " may change on resume)"
         )
     try:

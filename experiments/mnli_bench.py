@@ -7,6 +7,8 @@ regularizer), on a synthetic batch of the paper's shape. Each (variant, batch) r
 a fresh subprocess so its peak memory is its own: on CPU the peak RSS above the
 process's RSS just before the model is built (``ru_maxrss`` delta); on CUDA the
 allocator's peak above what was allocated before the model. Times are medians.
+``comera_recompute`` and ``dense_recompute`` (batch 32) recompute every encoder block in
+backward (``--recompute``); the allocator is glibc as found, the training default.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 
 REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
 BATCHES = (32, 1)
-VARIANTS = ("comera", "dense", "comera_half")
+VARIANTS = ("comera", "dense", "comera_half", "comera_recompute", "dense_recompute")
+RECOMPUTE_BATCH = 32  # the recompute variants run at this batch only
 SEQ = 128
 
 
@@ -62,8 +65,10 @@ def worker(
         torch.cuda.reset_peak_memory_stats()
     else:
         base = _rss_mb()
-    tt = variant != "dense"
+    tt = not variant.startswith("dense")
     cfg = _tiny_config(tt) if tiny else EncoderConfig(tt=tt)
+    if variant.endswith("_recompute"):  # every encoder block recomputed in backward
+        cfg = dataclasses.replace(cfg, recompute=True)
     if variant == "comera_half":  # stand-in for a pruned model: every rank halved
         cfg = dataclasses.replace(cfg, rank=cfg.rank // 2, emb_rank=cfg.emb_rank // 2)
     params, state = init_encoder(cfg, generator=torch.Generator().manual_seed(0))
@@ -132,6 +137,8 @@ def main(
     results = []
     for batch in BATCHES:
         for variant in VARIANTS:
+            if variant.endswith("_recompute") and batch != RECOMPUTE_BATCH:
+                continue
             cmd = [
                 sys.executable, "-m", "experiments.mnli_bench", "--worker", variant,
                 "--batch", str(batch), "--repeats", str(repeats), "--device", device,
@@ -149,6 +156,13 @@ def main(
         "peak_memory_ratio_vs_dense": by["comera", 1]["peak_mb"] / by["dense", 1]["peak_mb"],
         "peak_memory_ratio_vs_dense_b32": by["comera", 32]["peak_mb"] / by["dense", 32]["peak_mb"],
         "compression_ratio": by["dense", 32]["params"] / by["comera", 32]["params"],
+        # --recompute at batch 32: both recomputing, and CoMERA recomputing vs dense not
+        "peak_memory_ratio_vs_dense_b32_recompute": by["comera_recompute", 32]["peak_mb"]
+        / by["dense_recompute", 32]["peak_mb"],
+        "peak_memory_ratio_recompute_vs_dense_b32": by["comera_recompute", 32]["peak_mb"]
+        / by["dense", 32]["peak_mb"],
+        "step_time_ratio_vs_dense_b32_recompute": by["comera_recompute", 32]["step_s"]
+        / by["dense_recompute", 32]["step_s"],
         "half_ranks": {
             "step_time_ratio_vs_dense": by["comera_half", 32]["step_s"] / by["dense", 32]["step_s"],
             "peak_memory_ratio_vs_dense": by["comera_half", 1]["peak_mb"]

@@ -60,6 +60,7 @@ class EncoderConfig:
     emb_vocab_modes: tuple[int, ...] = (16, 20, 10, 10)
     emb_dim_modes: tuple[int, ...] = (4, 4, 8, 6)
     emb_rank: int = 32
+    recompute: bool = False  # recompute each block's activations in backward (training)
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
@@ -238,7 +239,8 @@ def encoder_hidden(
     if attn_mask is None:
         attn_mask = batch["attention_mask"].bool()[:, None, None, :]  # (B, 1, 1, T)
     h, dh = cfg.heads, cfg.d_model // cfg.heads
-    for i, (p, s) in enumerate(zip(params["layers"], state["layers"], strict=True)):
+
+    def block(x: torch.Tensor, i: int, p: dict, s: dict) -> torch.Tensor:
         q, k, v = (
             _linear(p[n], s.get(n), x, plan_of(f"layers.{i}.{n}"))
             .view(b, t, h, dh)
@@ -255,7 +257,7 @@ def encoder_hidden(
         ff = F.gelu(
             _linear(p["ffn_in"], s.get("ffn_in"), x, plan_of(f"layers.{i}.ffn_in"))
         )  # (B, T, ffn)
-        x = _layer_norm(
+        return _layer_norm(
             p["ln2"],
             x
             + F.dropout(
@@ -264,6 +266,13 @@ def encoder_hidden(
                 train,
             ),
         )
+
+    recompute = cfg.recompute and train and torch.is_grad_enabled()
+    for i, (p, s) in enumerate(zip(params["layers"], state["layers"], strict=True)):
+        if recompute:  # keep only the block's input; rerun it in backward (same dropout)
+            x = checkpoint(block, x, i, p, s, use_reentrant=False)
+        else:
+            x = block(x, i, p, s)
     return x
 
 

@@ -146,11 +146,13 @@ def test_step_bench_plumbing(tmp_path, capsys):
         "peak_memory_ratio_vs_dense",
         "peak_memory_ratio_vs_dense_b32",
         "compression_ratio",
+        "peak_memory_ratio_vs_dense_b32_recompute",
+        "peak_memory_ratio_recompute_vs_dense_b32",
     ):
         assert result[key] > 0
     assert {(r["variant"], r["batch"]) for r in result["runs"]} == {
         (v, b) for v in ("comera", "dense", "comera_half") for b in (32, 1)
-    }  # fmt: skip
+    } | {("comera_recompute", 32), ("dense_recompute", 32)}  # fmt: skip
     assert json.loads(out.read_text())["compression_ratio"] == result["compression_ratio"]
 
 

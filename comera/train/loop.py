@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from comera.malloc import set_cpu_malloc
 from comera.optim import adamw_init, adamw_step, sgd_step
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig
@@ -99,6 +100,8 @@ class Trainer:
     ) -> None:
         self.cfg, self.task = cfg, task
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu":
+            set_cpu_malloc(cfg.cpu_malloc)  # process-wide, the same for dense and CoMERA
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world = rank_world()
