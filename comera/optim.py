@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 GROUPS = ("cores", "gates", "rest")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "galore")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,7 +7,9 @@ regularizer), on a synthetic batch of the paper's shape. Each (variant, batch) r
 a fresh subprocess so its peak memory is its own: on CPU the peak RSS above the
 process's RSS just before the model is built (``ru_maxrss`` delta); on CUDA the
 allocator's peak above what was allocated before the model. Times are medians.
-``comera_recompute`` and ``dense_recompute`` (batch 32) recompute every encoder block in
+``galore`` is the dense model under GaLore-AdamW (galore-torch; rank 128, projection
+refreshed every 200 steps, scale 0.25: the GaLore paper's settings, the paper's Figure 1
+baseline). ``comera_recompute`` and ``dense_recompute`` (batch 32) recompute every block in
 backward (``--recompute``); the allocator is glibc as found, the training default.
 """
 
@@ -27,7 +29,7 @@ import torch
 
 REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
 BATCHES = (32, 1)
-VARIANTS = ("comera", "dense", "comera_half", "comera_recompute", "dense_recompute")
+VARIANTS = ("comera", "dense", "comera_half", "galore", "comera_recompute", "dense_recompute")
 RECOMPUTE_BATCH = 32  # the recompute variants run at this batch only
 SEQ = 128
 
@@ -65,7 +67,7 @@ def worker(
         torch.cuda.reset_peak_memory_stats()
     else:
         base = _rss_mb()
-    tt = not variant.startswith("dense")
+    tt = not variant.startswith(("dense", "galore"))
     cfg = _tiny_config(tt) if tiny else EncoderConfig(tt=tt)
     if variant.endswith("_recompute"):  # every encoder block recomputed in backward
         cfg = dataclasses.replace(cfg, recompute=True)
@@ -75,7 +77,14 @@ def worker(
     params = torch.utils._pytree.tree_map(lambda t: t.to(dev).requires_grad_(True), params)
     state = torch.utils._pytree.tree_map(lambda t: t.to(dev), state)
     leaves = torch.utils._pytree.tree_flatten(params)[0]
-    opt = adamw_init(params)
+    opt = adamw_init(params) if variant != "galore" else None
+    galore = None
+    if variant == "galore":  # the dense model under GaLore-AdamW (galore-torch)
+        from comera.galore import GaLore, GaLoreConfig
+
+        oc = AdamWConfig()
+        galore = GaLore(params, GaLoreConfig(rank=min(128, cfg.d_model // 2)), oc.lr_rest,
+                        betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay)  # fmt: skip
     g = torch.Generator().manual_seed(1)
     data = {
         "input_ids": torch.randint(0, cfg.vocab_size, (batch, SEQ), generator=g),
@@ -93,7 +102,10 @@ def worker(
         if tt:
             loss = loss + 1e-2 * gate_regularizer(params, state)
         grads = torch.autograd.grad(loss, leaves)
-        opt = adamw_step(params, list(grads), opt, ocfg)
+        if galore is not None:
+            galore.step(list(grads))
+        else:
+            opt = adamw_step(params, list(grads), opt, ocfg)
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
@@ -121,6 +133,22 @@ def worker(
     }
 
 
+def run_worker(
+    variant: str, batch: int, repeats: int, device: str, threads: int, tiny: bool = False
+) -> dict:
+    """:func:`worker` in a fresh process (so its peak memory is its own)."""
+    cmd = [
+        sys.executable, "-m", "experiments.mnli_bench", "--worker", variant,
+        "--batch", str(batch), "--repeats", str(repeats), "--device", device,
+        "--threads", str(threads), *(["--tiny"] if tiny else []),
+    ]  # fmt: skip
+    print(f"mnli bench: {variant}, batch {batch} x {SEQ} ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"bench worker {variant}/{batch} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(
     *,
     json_out: bool = False,
@@ -139,16 +167,7 @@ def main(
         for variant in VARIANTS:
             if variant.endswith("_recompute") and batch != RECOMPUTE_BATCH:
                 continue
-            cmd = [
-                sys.executable, "-m", "experiments.mnli_bench", "--worker", variant,
-                "--batch", str(batch), "--repeats", str(repeats), "--device", device,
-                "--threads", str(threads), *(["--tiny"] if tiny else []),
-            ]  # fmt: skip
-            print(f"mnli bench: {variant}, batch {batch} x {SEQ} ...", file=sys.stderr, flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode:
-                raise RuntimeError(f"bench worker {variant}/{batch} failed:\n{proc.stderr[-3000:]}")
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            results.append(run_worker(variant, batch, repeats, device, threads, tiny))
     by = {(r["variant"], r["batch"]): r for r in results}
     summary = {
         "step_time_ratio_vs_dense": by["comera", 32]["step_s"] / by["dense", 32]["step_s"],
@@ -163,6 +182,12 @@ def main(
         / by["dense", 32]["peak_mb"],
         "step_time_ratio_vs_dense_b32_recompute": by["comera_recompute", 32]["step_s"]
         / by["dense_recompute", 32]["step_s"],
+        # GaLore (the dense model, GaLore-AdamW rank 128, gap 200, scale 0.25) at batch 1
+        "step_time_ratio_vs_galore": by["comera", 1]["step_s"] / by["galore", 1]["step_s"],
+        "peak_memory_ratio_vs_galore": by["comera", 1]["peak_mb"] / by["galore", 1]["peak_mb"],
+        "step_time_ratio_vs_galore_b32": by["comera", 32]["step_s"] / by["galore", 32]["step_s"],
+        "peak_memory_ratio_vs_galore_b32": by["comera", 32]["peak_mb"]
+        / by["galore", 32]["peak_mb"],
         "half_ranks": {
             "step_time_ratio_vs_dense": by["comera_half", 32]["step_s"] / by["dense", 32]["step_s"],
             "peak_memory_ratio_vs_dense": by["comera_half", 1]["peak_mb"]

@@ -148,10 +148,12 @@ def test_step_bench_plumbing(tmp_path, capsys):
         "compression_ratio",
         "peak_memory_ratio_vs_dense_b32_recompute",
         "peak_memory_ratio_recompute_vs_dense_b32",
+        "step_time_ratio_vs_galore",
+        "peak_memory_ratio_vs_galore",
     ):
         assert result[key] > 0
     assert {(r["variant"], r["batch"]) for r in result["runs"]} == {
-        (v, b) for v in ("comera", "dense", "comera_half") for b in (32, 1)
+        (v, b) for v in ("comera", "dense", "comera_half", "galore") for b in (32, 1)
     } | {("comera_recompute", 32), ("dense_recompute", 32)}  # fmt: skip
     assert json.loads(out.read_text())["compression_ratio"] == result["compression_ratio"]
 

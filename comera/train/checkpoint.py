@@ -206,7 +206,8 @@ def save_trainer(tr: Any) -> Path:
             "initial_size": tr.initial_size,
             "params": cpu(tr.params),
             "state": cpu(tr.state),
-            "opt": {k: cpu(v) if k in ("m", "v") else v for k, v in tr.opt.items()},
+            "opt": {k: cpu(v) if k in ("m", "v") else v for k, v in tr.opt.items()}
+            | ({"galore": tr.galore.state_dict()} if tr.galore is not None else {}),
             "world_size": tr.world,
             "config": tr.config_dict,
         }
@@ -241,12 +242,18 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     to_dev = lambda tree: tree_map(lambda t: t.to(dev), tree)  # noqa: E731
     tr.params = tree_map(lambda t: t.to(dev).requires_grad_(True), ckpt["params"])
     tr.state = to_dev(ckpt["state"])
-    tr.opt = {k: to_dev(v) if k in ("m", "v") else v for k, v in ckpt["opt"].items()}
-    if ("m" in tr.opt) != (tr.cfg.optimizer == "adamw"):
+    opt = dict(ckpt["opt"])
+    galore = opt.pop("galore", None)
+    tr.opt = {k: to_dev(v) if k in ("m", "v") else v for k, v in opt.items()}
+    kind = "adamw" if "m" in tr.opt else "galore" if galore is not None else "sgd"
+    if kind != tr.cfg.optimizer:
         raise CheckpointError(
-            f"checkpoint in {tr.run_dir} holds {'AdamW' if 'm' in tr.opt else 'SGD'} state but "
-            f"this run uses optimizer={tr.cfg.optimizer!r}; resume with the saved optimizer"
+            f"checkpoint in {tr.run_dir} holds {kind} optimizer state but this run uses "
+            f"optimizer={tr.cfg.optimizer!r}; resume with the saved optimizer"
         )
+    if galore is not None:  # a fresh GaLore over the restored leaves, then its state
+        tr.galore = tr._make_galore()
+        tr.galore.load_state_dict(galore)
     tr.step = ckpt["step"]
     tr.stages.load_state_dict(ckpt["stages"])
     tr.initial_size = ckpt["initial_size"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from comera.galore import GaLoreConfig
 from comera.malloc import CPU_MALLOC_POLICIES
 from comera.optim import OPTIMIZERS, AdamWConfig, SGDConfig
 
@@ -96,7 +97,8 @@ class TrainConfig:
     ``accum_steps``: micro-batches per optimizer step, weighted exactly by their counts.
     ``keep_checkpoints``: how many of the newest checkpoints stay on disk.
     ``optimizer``: ``"adamw"`` (``optim``, three learning-rate groups) or ``"sgd"`` (``sgd``;
-    keeps no moments, so sparse embedding gradients stay sparse).
+    keeps no moments, so sparse embedding gradients stay sparse) or ``"galore"`` (``galore``:
+    GaLore-AdamW from the galore-torch package, the dense baseline's; lr ``optim.lr_rest``).
     ``cpu_malloc``: the process's CPU allocator policy (``comera.malloc``): ``"default"``
     (glibc as found), ``"keep"`` (faster steps, resident memory at its high-water mark) or
     ``"release"`` (lowest resident memory, slower steps); applied when training on CPU.
@@ -107,6 +109,7 @@ class TrainConfig:
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     optimizer: str = "adamw"
     sgd: SGDConfig = field(default_factory=SGDConfig)
+    galore: GaLoreConfig = field(default_factory=GaLoreConfig)
     comera: ComeraConfig = field(default_factory=ComeraConfig)
     warmup_steps: int = 0
     schedule: str = "linear"  # linear | cosine | constant decay after warmup
@@ -142,6 +145,11 @@ class TrainConfig:
         if self.wandb is not None and self.wandb not in WANDB_MODES:
             raise ValueError(
                 f"TrainConfig.wandb must be online, offline or disabled, got {self.wandb!r}"
+            )
+        if self.optimizer == "galore" and self.comera.enabled:
+            raise ValueError(
+                "TrainConfig.optimizer='galore' trains the dense baseline (GaLore projects "
+                "dense gradients); pass --dense (or set train.comera.enabled=false)"
             )
         if self.cpu_malloc not in CPU_MALLOC_POLICIES:
             raise ValueError(

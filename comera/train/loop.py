@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from comera.galore import GaLore
 from comera.malloc import set_cpu_malloc
 from comera.optim import adamw_init, adamw_step, sgd_step
 from comera.train import checkpoint as ck
@@ -111,6 +112,7 @@ class Trainer:
         )
         self.state = tree_map(lambda t: t.to(self.device), state)
         self.opt = adamw_init(self.params) if cfg.optimizer == "adamw" else {"step": 0}
+        self.galore = self._make_galore() if cfg.optimizer == "galore" else None
         self.step = 0
         self._tokens_seen = 0.0
         self.stages = StageController(cfg.comera, cfg.steps)
@@ -236,6 +238,9 @@ class Trainer:
         scale = lr_scale(self.cfg, self.step)
         if self.cfg.optimizer == "sgd":
             self.opt = sgd_step(self.params, grads, self.opt, self.cfg.sgd, scale)
+        elif self.galore is not None:
+            self.galore.step(grads, scale)
+            self.opt = {**self.opt, "step": self.opt["step"] + 1}
         else:
             self.opt = adamw_step(self.params, grads, self.opt, self.cfg.optim, scale)
         self.stages.observe(loss_value)
@@ -252,6 +257,12 @@ class Trainer:
             **{k: v if k == "tokens" else v / count
                for k, v in zip(keys, metric_totals, strict=True)},
         }  # fmt: skip
+
+    def _make_galore(self) -> GaLore:
+        """GaLore-AdamW over the current leaves (rebuilt when a checkpoint replaces them)."""
+        o = self.cfg.optim
+        return GaLore(self.params, self.cfg.galore, o.lr_rest, betas=o.betas, eps=o.eps,
+                      weight_decay=o.weight_decay)  # fmt: skip
 
     def _after_step(self) -> None:
         """Carry out the stage controller's rank events for the step just taken."""
