@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo dlrm codebert test bench gpu-check format clean
+.PHONY: setup demo dlrm codebert efficiency test bench gpu-check format clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ dlrm: $(STAMP)  ## DLRM smoke: CoMERA and dense on generated Criteo-format data 
 
 codebert: $(STAMP)  ## CodeBERT smoke: CoMERA and dense MLM on the stdlib (CPU, ~5 min), then reports/codebert.md
 	$(BIN)/python -m experiments.codebert.report --bench-json reports/codebert_bench.json
+
+efficiency: $(STAMP)  ## the paper's Figure 1 on CPU: CoMERA vs dense vs GaLore, batch 1-64 (~20 min), reports/efficiency.md
+	$(BIN)/python -m experiments.efficiency
 
 bench: $(STAMP)  ## core, loader and MNLI-step benchmarks (write reports/)
 	$(BIN)/python -m comera.bench

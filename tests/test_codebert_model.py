@@ -110,12 +110,19 @@ def test_tied_logits_in_row_blocks_equal_the_whole_table() -> None:
         torch.testing.assert_close(a, b)
 
 
-def test_attention_recomputed_on_cpu_keeps_values_and_gradients() -> None:
+def test_attention_recomputed_on_cpu_keeps_values_and_gradients(monkeypatch) -> None:
     """With attention dropout on CPU the encoder recomputes the attention core in backward
     (replaying the RNG): the loss and gradients equal plain SDPA under the same seed."""
     import torch.nn.functional as F
 
     from experiments import transformer
+
+    calls = []
+    inner = transformer.checkpoint
+    monkeypatch.setattr(transformer, "ATTENTION_RECOMPUTE_MIN", 0)  # even this small
+    monkeypatch.setattr(
+        transformer, "checkpoint", lambda *a, **k: calls.append(1) or inner(*a, **k)
+    )
 
     cfg = EncoderConfig(**{**{f: getattr(_cfg(True), f) for f in _cfg(True).__slots__},
                            "dropout": 0.3})  # fmt: skip
@@ -140,5 +147,6 @@ def test_attention_recomputed_on_cpu_keeps_values_and_gradients() -> None:
         direct = run()
     finally:
         transformer._attention = plain
+    assert len(calls) == cfg.layers  # the recomputing path ran, once per layer
     for a, b in zip(recomputed, direct, strict=True):
         torch.testing.assert_close(a, b)
