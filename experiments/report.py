@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from comera.train import load_checkpoint, read_metrics
 from comera.train.checkpoint import complete_checkpoints
@@ -26,6 +27,37 @@ PAPER = {
     "epoch_speed": "2-3x faster per epoch than dense",
     "memory_b1": "9x less memory than GaLore at batch 1 (RTX 3090)",
 }
+
+
+def ensure_smoke_run(exp_main: Any, run_dir: Path, *, dense: bool, label: str) -> None:
+    """Train the ``smoke`` preset into ``run_dir`` (``--dense`` for the baseline), or
+    finish the run already there (a no-op when it is done); exit on failure."""
+    if (run_dir / "config.json").is_file():
+        code = exp_main(["--resume", str(run_dir), "--no-progress"])
+    else:
+        argv = ["--preset", "smoke", "--run-dir", str(run_dir), "--no-progress"]
+        code = exp_main([*argv, "--dense"] if dense else argv)
+    if code:
+        raise SystemExit(f"{label}: the run in {run_dir} failed (exit {code})")
+
+
+def smoke_report_main(
+    name: str, exp_main: Any, write: Any, argv: list[str] | None, description: str
+) -> int:
+    """The ``python -m experiments.<name>.report`` command: the smoke preset's CoMERA and
+    dense runs (``RUNS/<name>-smoke``, ``-smoke-dense``), then ``write(runs, out, bench)``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--runs", default="runs")
+    ap.add_argument("--out", default="reports")
+    ap.add_argument("--bench-json", dest="bench_json")
+    args = ap.parse_args(argv)
+    runs = Path(args.runs)
+    for dense in (False, True):
+        run_dir = runs / f"{name}-smoke{'-dense' if dense else ''}"
+        ensure_smoke_run(exp_main, run_dir, dense=dense, label=f"{name} report")
+    bench = json.loads(Path(args.bench_json).read_text()) if args.bench_json else None
+    print(write(runs, Path(args.out), bench))
+    return 0
 
 
 def load_run(run_dir: str | Path) -> dict:

@@ -112,6 +112,13 @@ def test_demo_learns_beyond_the_cue_baseline_and_matches_dense(tmp_path):
 def test_hub_unreachable_names_the_local_options(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import sys
+
+    for mod, attr in (("huggingface_hub.constants", "HF_HUB_OFFLINE"),
+                      ("datasets.config", "HF_HUB_OFFLINE"),
+                      ("datasets.config", "HF_DATASETS_OFFLINE")):  # fmt: skip
+        if hasattr(sys.modules.get(mod), attr):  # read at import: already imported by now
+            monkeypatch.setattr(sys.modules[mod], attr, True)
     argv = [
         "--preset",
         "smoke",

@@ -10,7 +10,6 @@ from the runs, the loader and the bench JSON; the paper's numbers are quoted bes
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -23,7 +22,7 @@ from comera.train.checkpoint import complete_checkpoints, read_rank_files
 from comera.train.logging import read_metrics
 from experiments import cli
 from experiments.codebert.experiment import EXPERIMENT, build
-from experiments.report import layer_table, load_run, rank_table
+from experiments.report import layer_table, load_run, rank_table, smoke_report_main
 from loaders import TokenLoader
 from loaders.sources import ArrowTokenFile
 
@@ -36,18 +35,6 @@ PAPER = (
     "| training speed | about 2x faster than standard pre-training in parts of training |\n"
     "| loss | close to the dense model's |\n"
 )
-
-
-def _run(run_dir: Path, dense: bool) -> None:
-    from experiments.codebert.experiment import main
-
-    if (run_dir / "config.json").is_file():  # an earlier run: finish it (a no-op if done)
-        code = main(["--resume", str(run_dir), "--no-progress"])
-    else:
-        argv = ["--preset", "smoke", "--run-dir", str(run_dir), "--no-progress"]
-        code = main([*argv, "--dense"] if dense else argv)
-    if code:
-        raise SystemExit(f"codebert report: the run in {run_dir} failed (exit {code})")
 
 
 def _config(run_dir: Path) -> object:
@@ -300,17 +287,9 @@ def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", default="runs")
-    ap.add_argument("--out", default="reports")
-    ap.add_argument("--bench-json", dest="bench_json")
-    args = ap.parse_args(argv)
-    runs = Path(args.runs)
-    _run(runs / "codebert-smoke", dense=False)
-    _run(runs / "codebert-smoke-dense", dense=True)
-    bench = json.loads(Path(args.bench_json).read_text()) if args.bench_json else None
-    print(write_report(runs, Path(args.out), bench))
-    return 0
+    from experiments.codebert.experiment import main as exp_main
+
+    return smoke_report_main("codebert", exp_main, write_report, argv, __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

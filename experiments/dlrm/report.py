@@ -8,7 +8,6 @@ finished runs, then writes the markdown and ``reports/dlrm_curves.png``.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from experiments.dlrm.bench import MMAP_TAG
 from experiments.dlrm.data import CriteoDataConfig, load_criteo
 from experiments.dlrm.generate import planted_logits
 from experiments.dlrm.task import roc_auc
+from experiments.report import smoke_report_main
 
 __all__ = ["main", "write_report"]
 
@@ -28,18 +28,6 @@ PAPER = (
     "| peak training memory | 7x lower than dense | - |\n"
     "| accuracy | comparable to dense | small loss vs dense |\n"
 )
-
-
-def _run(run_dir: Path, dense: bool) -> None:
-    from experiments.dlrm.experiment import main
-
-    if (run_dir / "config.json").is_file():  # an earlier run: finish it (a no-op if done)
-        code = main(["--resume", str(run_dir), "--no-progress"])
-    else:
-        argv = ["--preset", "smoke", "--run-dir", str(run_dir), "--no-progress"]
-        code = main([*argv, "--dense"] if dense else argv)
-    if code:
-        raise SystemExit(f"dlrm report: the run in {run_dir} failed (exit {code})")
 
 
 def _evals(rows: list[dict]) -> list[dict]:
@@ -234,17 +222,9 @@ def _bench_section(b: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", default="runs")
-    ap.add_argument("--out", default="reports")
-    ap.add_argument("--bench-json", dest="bench_json")
-    args = ap.parse_args(argv)
-    runs = Path(args.runs)
-    _run(runs / "dlrm-smoke", dense=False)
-    _run(runs / "dlrm-smoke-dense", dense=True)
-    bench = json.loads(Path(args.bench_json).read_text()) if args.bench_json else None
-    print(write_report(runs, Path(args.out), bench))
-    return 0
+    from experiments.dlrm.experiment import main as exp_main
+
+    return smoke_report_main("dlrm", exp_main, write_report, argv, __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":
