@@ -10,18 +10,21 @@ against it (its Figure 1); here it is the dense model's third optimizer
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten_with_path
 
-__all__ = ["GaLore", "GaLoreConfig"]
+__all__ = ["GaLore", "GaLoreConfig", "MissingExtraError"]
 
 
 @dataclass(kw_only=True, slots=True)
 class GaLoreConfig:
-    """GaLore-AdamW settings. Every 2-D weight with both sides >= ``rank`` gets its
+    """GaLore-AdamW settings. Every 2-D weight under a path matching ``targets`` (globs
+    over dotted pytree paths; default the encoder blocks' linears, as GaLore applies it to
+    attention and MLP layers, not to embeddings) with both sides >= ``rank`` gets its
     gradient projected to ``rank`` (``proj_type`` "std", "reverse_std", "left", "right",
     "full"), the projection refreshed every ``update_proj_gap`` steps and the update scaled
     by ``scale``; every other parameter gets plain AdamW. Defaults: the GaLore paper's
@@ -32,6 +35,7 @@ class GaLoreConfig:
     update_proj_gap: int = 200
     scale: float = 0.25
     proj_type: str = "std"
+    targets: tuple[str, ...] = ("layers.*",)
 
     def __post_init__(self) -> None:
         if self.rank < 1 or self.update_proj_gap < 1 or not self.scale > 0:
@@ -43,6 +47,24 @@ class GaLoreConfig:
             raise ValueError(f"GaLoreConfig.proj_type={self.proj_type!r} is not a GaLore type")
 
 
+class MissingExtraError(ValueError):
+    """An optional package is not installed (the message says which extra to install)."""
+
+
+def _path(keys: tuple) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+
+
+def _move_projector(projector: Any, device: torch.device) -> None:
+    """galore-torch keeps its projection matrix on the projector object, which
+    ``Optimizer.load_state_dict`` does not move: put it next to its parameter."""
+    ortho = getattr(projector, "ortho_matrix", None)
+    if isinstance(ortho, torch.Tensor):
+        projector.ortho_matrix = ortho.to(device)
+    elif isinstance(ortho, list | tuple):
+        projector.ortho_matrix = [t.to(device) for t in ortho]
+
+
 class GaLore:
     """``galore_torch.GaLoreAdamW`` over the leaves of a params pytree, stepped with
     gradients the caller computed (the trainer reduces and clips them first)."""
@@ -51,12 +73,19 @@ class GaLore:
                  eps: float, weight_decay: float) -> None:  # fmt: skip
         try:
             from galore_torch import GaLoreAdamW
-        except ImportError as exc:
-            raise ImportError(
-                "optimizer='galore' needs the galore-torch package: pip install -e '.[galore]'"
-            ) from exc
-        self.leaves = tree_flatten(params)[0]
-        projected = [p.dim() == 2 and min(p.shape) >= cfg.rank for p in self.leaves]
+        except ImportError:
+            raise MissingExtraError(
+                "train.optimizer='galore' needs the galore-torch package: "
+                "pip install -e '.[galore]'"
+            ) from None
+        flat = tree_flatten_with_path(params)[0]
+        self.leaves = [t for _, t in flat]
+        paths = [_path(k) for k, _ in flat]
+        projected = [
+            p.dim() == 2 and min(p.shape) >= cfg.rank
+            and any(fnmatch.fnmatchcase(path, g) for g in cfg.targets)
+            for path, p in zip(paths, self.leaves, strict=True)
+        ]  # fmt: skip
         groups = [{"params": [p for p, j in zip(self.leaves, projected, strict=True) if not j]}]
         low = [p for p, j in zip(self.leaves, projected, strict=True) if j]
         if low:
@@ -86,3 +115,7 @@ class GaLore:
 
     def load_state_dict(self, state: dict) -> None:
         self.torch.load_state_dict(state)
+        for p in self.leaves:  # moments follow their params; the projectors must be moved
+            projector = self.torch.state.get(p, {}).get("projector")
+            if projector is not None:
+                _move_projector(projector, p.device)

@@ -33,12 +33,13 @@ def set_cpu_malloc(policy: str) -> bool:
         raise ValueError(f"cpu_malloc={policy!r}; choose one of {CPU_MALLOC_POLICIES}")
     if policy == "default":
         return True
-    mmap_threshold, trim_threshold = (1 << 30, 1 << 30) if policy == "keep" else (1 << 20, None)
+    # release: blocks >= 1 MiB mapped (and unmapped on free), the heap top trimmed above
+    # 1 MiB; both fixed, which also stops glibc raising them as memory is freed
+    threshold = 1 << 30 if policy == "keep" else 1 << 20
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold))
-        if trim_threshold is not None:
-            ok = ok and bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
-        return ok
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, threshold)
+        )
     except (OSError, AttributeError):
         return False

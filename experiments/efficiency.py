@@ -89,7 +89,9 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
         "as found). The paper-size model: 6 encoders, width 768, TT linears at rank 30, TTM "
         "embedding at rank 32 (CoMERA); the same model dense under AdamW; the dense model "
         "under GaLore-AdamW (galore-torch, rank 128, projection refreshed every 200 steps, "
-        "scale 0.25: the GaLore paper's settings).",
+        "scale 0.25: the GaLore paper's settings, on the encoder blocks' linears; embeddings "
+        "and the pooler get plain AdamW). The timed steps exclude GaLore's SVD refresh, "
+        "which runs once per 200 steps (in the warm-up step here).",
         "",
         "| batch | CoMERA ms | dense ms | GaLore ms | CoMERA MB | dense MB | GaLore MB | "
         "CoMERA / GaLore time | CoMERA / GaLore memory |",

@@ -59,6 +59,8 @@ def worker(
     from comera.optim import AdamWConfig, adamw_init, adamw_step
     from experiments.transformer import EncoderConfig, encoder_logits, init_encoder
 
+    if variant == "galore":  # imports (transformers, bitsandbytes: ~130 MB) before the baseline
+        from comera.galore import GaLore, GaLoreConfig
     torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -80,9 +82,9 @@ def worker(
     opt = adamw_init(params) if variant != "galore" else None
     galore = None
     if variant == "galore":  # the dense model under GaLore-AdamW (galore-torch)
-        from comera.galore import GaLore, GaLoreConfig
-
         oc = AdamWConfig()
+        # GaLore's paper settings on the encoder blocks' linears; the one SVD refresh per
+        # 200 steps falls in the warm-up step, so timed steps do not include its cost
         galore = GaLore(params, GaLoreConfig(rank=min(128, cfg.d_model // 2)), oc.lr_rest,
                         betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay)  # fmt: skip
     g = torch.Generator().manual_seed(1)

@@ -76,10 +76,18 @@ def _hash01(key: str) -> float:
 def heldout_docs(docs: list[Doc], fraction: float) -> set[Doc]:
     """The documents :func:`prepare` holds out: those whose key hashes below ``fraction``
     (fixed across runs); when that picks none or all of several documents, exactly the one
-    of smallest hash."""
+    of smallest hash. The key is a document's path relative to the deepest folder holding
+    every document (plus its row), so the split does not depend on where the corpus lives:
+    the same files held out on every machine and after a move."""
     if fraction <= 0:
         return set()
-    key = {d: _hash01(f"{d.path}#{d.row}") for d in docs}
+    files = sorted({d.path for d in docs if not d.path.startswith("hub:")})
+    root = os.path.dirname(files[0]) if len(files) == 1 else os.path.commonpath(files or ["."])
+
+    def name(d: Doc) -> str:
+        return d.path if d.path.startswith("hub:") else os.path.relpath(d.path, root)
+
+    key = {d: _hash01(f"{name(d)}#{d.row}") for d in docs}
     held = {d for d in docs if key[d] < fraction}
     if len(docs) > 1 and len(held) in (0, len(docs)):
         held = {min(docs, key=key.__getitem__)}
@@ -277,6 +285,7 @@ def prepare(
         "sources": sources, "glob": glob, "text_column": text_column, "heldout": heldout,
         "docs_per_shard": docs_per_shard, "tokenizer": tokenizer, "train_vocab": train_vocab,
         "hub_config": hub_config, "hub_split": hub_split, "docs": len(docs),
+        "heldout_rule": 2,  # 2: keys relative to the corpus root (1: absolute paths)
     }  # fmt: skip
     if max_doc_tokens is not None:  # (absent when unset: older plans stay valid)
         settings["max_doc_tokens"] = max_doc_tokens

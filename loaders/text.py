@@ -29,7 +29,10 @@ def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
         enc = tokenizer.encode
 
         def encode(text: str) -> list[int]:
-            out = enc(text)
+            try:  # the loader adds BOS/EOS itself: never the tokenizer's own specials
+                out = enc(text, add_special_tokens=False)
+            except TypeError:  # an encode without that option
+                out = enc(text)
             return out.ids if hasattr(out, "ids") else list(out)
 
         return encode

@@ -98,7 +98,7 @@ def test_mix_may_change_on_resume_and_nothing_else(tmp_path: Path, capsys) -> No
     assert code == 2 and "drop --corpus" in err[-1]
 
 
-def test_a_prepared_folder_is_a_corpus_and_its_tokenizer_serves(tmp_path: Path) -> None:
+def test_a_prepared_folder_is_a_corpus_and_its_tokenizer_serves(tmp_path: Path, capsys) -> None:
     """``--corpus NAME=FOLDER`` takes a folder ``loaders.prepare --heldout`` made as it is
     (its tokenizer, its split); one made without a held-out split is refused in one line."""
     import sysconfig
@@ -108,12 +108,20 @@ def test_a_prepared_folder_is_a_corpus_and_its_tokenizer_serves(tmp_path: Path) 
     lib = Path(sysconfig.get_paths()["stdlib"])
     files = [str(p) for p in sorted((lib / "json").glob("*.py"))]
     prepare(files, tmp_path / "json", train_vocab=400, heldout=0.3, progress=False)
-    assert main(_argv(tmp_path, "run", "--corpus", f"js={tmp_path / 'json'}")) == 0
+    argv = _argv(tmp_path, "run", "--corpus", f"js={tmp_path / 'json'}", "--set", "data.vocab=900")
+    assert main(argv) == 0
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["data"]["paths"] == {"js": str(tmp_path / "json")}
-    assert config["vocab"] == 400  # the prepared folder's own tokenizer
+    assert config["vocab"] == 400  # the prepared folder's own tokenizer, not data.vocab
     prepare(files, tmp_path / "nosplit", train_vocab=400, progress=False)
+    capsys.readouterr()
     assert main(_argv(tmp_path, "bad", "--corpus", f"x={tmp_path / 'nosplit'}")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prepared without --heldout" in err[0]
+    (tmp_path / "json" / "train" / "doc_counts.json").unlink()  # as if prepare had crashed
+    assert main(_argv(tmp_path, "bad2", "--corpus", f"js={tmp_path / 'json'}")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train split is incomplete" in err[0]
 
 
 def test_hub_source_needs_a_tokenizer(tmp_path: Path, capsys) -> None:

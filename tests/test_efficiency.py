@@ -54,12 +54,17 @@ print(rss() - before)
     assert out["default"] > 12 and out["release"] < 12, out  # 16 MB kept vs 8 MB
 
 
-def test_cli_flags_reach_the_config_and_may_change_on_resume(tmp_path, capsys) -> None:
+def test_cli_flags_reach_the_config_and_may_change_on_resume(tmp_path, capsys, monkeypatch):
+    import comera.train.loop as loop
+
+    applied = []  # a policy cannot be undone: record it instead of changing this process
+    monkeypatch.setattr(loop, "set_cpu_malloc", lambda p: applied.append(p) or True)
     run = tmp_path / "run"
     argv = [*FAST, "--run-dir", str(run), "--cpu-malloc", "keep", "--recompute"]
     assert mnli.main(argv) == 0
     saved = json.loads((run / "config.json").read_text())
     assert saved["train"]["cpu_malloc"] == "keep" and saved["model"]["recompute"] is True
+    assert applied and set(applied) == {"keep"}
     ap = cli.build_parser(mnli.EXPERIMENT)
     args = ap.parse_args(["--resume", str(run), "--cpu-malloc", "default"])
     cfg = cli.resolve_config(mnli.EXPERIMENT, args, ap)
@@ -123,7 +128,7 @@ def _galore_trainer(tmp_path: Path, steps: int, resume: bool = False):
 
     cfg = TrainConfig(
         steps=steps, run_dir=str(tmp_path), optimizer="galore", checkpoint_every=5,
-        galore=GaLoreConfig(rank=8, update_proj_gap=4, scale=1.0),
+        galore=GaLoreConfig(rank=8, update_proj_gap=4, scale=1.0, targets=("w",)),
         optim=AdamWConfig(lr_rest=3e-2, weight_decay=0.0), comera=ComeraConfig(enabled=False),
         wandb="disabled", progress=False, schedule="constant",
     )  # fmt: skip
@@ -156,8 +161,18 @@ def test_galore_trains_the_dense_baseline_and_resumes_exactly(tmp_path: Path) ->
 
 
 def test_galore_is_refused_for_a_comera_run_and_on_resume_from_adamw(tmp_path: Path) -> None:
+    pytest.importorskip("galore_torch")
+    from comera.optim import adamw_init
+    from comera.train import CheckpointError
+
     with pytest.raises(ValueError, match="optimizer='galore' trains the dense baseline"):
         TrainConfig(steps=1, run_dir="x", optimizer="galore")
+    adamw = _galore_trainer(tmp_path, 5)
+    adamw.cfg = dataclasses.replace(adamw.cfg, optimizer="adamw")
+    adamw.opt, adamw.galore = adamw_init(adamw.params), None
+    adamw.fit()  # an AdamW run with a checkpoint at step 5
+    with pytest.raises(CheckpointError, match="holds adamw optimizer state.*'galore'"):
+        _galore_trainer(tmp_path, 5, resume=True)
 
 
 def test_figure_one_sweep_plumbing_on_a_toy_model(tmp_path: Path) -> None:

@@ -58,6 +58,23 @@ def test_folder_to_shards_round_trips_and_loads(tmp_path: Path) -> None:
     assert batch["input_ids"].shape[0] == 2
 
 
+def test_a_tokenizer_never_adds_its_own_specials(tmp_path: Path) -> None:
+    """The loader adds BOS/EOS itself; a RoBERTa-style tokenizer.json whose post-processor
+    wraps every text in <s> ... </s> must not add them a second time."""
+    from tokenizers import Tokenizer, processors
+
+    from loaders.prepare import train_tokenizer
+    from loaders.text import load_tokenizer
+
+    path = train_tokenizer(iter(["def f(x): return x\n"] * 20), 300, tmp_path / "tok.json")
+    tok = Tokenizer.from_file(str(path))
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    tok.save(str(path))
+    assert tok.encode("return x").ids[0] == 0  # the tokenizer itself would add them
+    ids = load_tokenizer(str(path))("return x")
+    assert ids and 0 not in ids and 2 not in ids
+
+
 def test_max_doc_tokens_cuts_long_documents_into_pieces(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 

@@ -13,6 +13,7 @@ import inspect
 import math
 import random
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -101,8 +102,12 @@ class Trainer:
     ) -> None:
         self.cfg, self.task = cfg, task
         self.device = torch.device(cfg.device)
-        if self.device.type == "cpu":
-            set_cpu_malloc(cfg.cpu_malloc)  # process-wide, the same for dense and CoMERA
+        if self.device.type == "cpu" and not set_cpu_malloc(cfg.cpu_malloc):
+            # process-wide, the same for dense and CoMERA; said when it cannot apply
+            warnings.warn(
+                f"train.cpu_malloc={cfg.cpu_malloc!r} has no effect here (not glibc malloc)",
+                stacklevel=2,
+            )
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world = rank_world()

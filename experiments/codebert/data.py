@@ -21,6 +21,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from loaders.metadata import METADATA_NAME
 from loaders.prepare import PLAN_NAME, Doc, heldout_docs, prepare, train_tokenizer
 
 __all__ = [
@@ -102,6 +103,18 @@ def stdlib_groups(max_files: int | None = None) -> dict[str, list[Path]]:
     return groups
 
 
+def _file_key(path: str) -> str:
+    """A tokenizer's identity for cache keys: path, size and mtime of a local file (so a
+    retrained file at the same path is a new key), the name of a hub one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if p.is_file():
+        st = p.stat()
+        return f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return path
+
+
 def _digest(*parts: object) -> str:
     return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).hexdigest()
 
@@ -113,9 +126,9 @@ def _prepare_groups(
     """Files by group -> prepared sub-datasets; a BPE of ``vocab`` is trained on the
     training files of all groups unless ``tokenizer`` is given."""
     key = json.dumps({k: [str(p) for p in v] for k, v in groups.items()}, sort_keys=True)
-    # 2: no held-out file in the BPE
-    root = root / _digest(key, vocab if tokenizer is None else tokenizer, heldout,
-                          max_doc_tokens, 2)  # fmt: skip
+    # 3: no held-out file in the BPE; held-out keys relative to the corpus root
+    root = root / _digest(key, vocab if tokenizer is None else _file_key(tokenizer), heldout,
+                          max_doc_tokens, 3)  # fmt: skip
     tok = tokenizer
     if tok is None:
         tok = str(root / "tokenizer.json")
@@ -153,9 +166,14 @@ def stdlib_corpus(
 def _prepared(name: str, folder: Path) -> tuple[str, Path]:
     """The tokenizer and train/heldout of a folder made by ``python -m loaders.prepare``."""
     plan = json.loads((folder / PLAN_NAME).read_text())
-    if not (folder / "heldout").is_dir():
+    if not plan.get("settings", {}).get("heldout"):
         raise ValueError(f"--corpus {name}={folder}: prepared without --heldout; rerun "
                          "python -m loaders.prepare with --heldout F")  # fmt: skip
+    for split in ("train", "heldout"):  # doc_counts.json is written when a split is complete
+        if not (folder / split / METADATA_NAME).is_file():
+            raise ValueError(f"--corpus {name}={folder}: its {split} split is incomplete (no "
+                             f"{METADATA_NAME}); rerun python -m loaders.prepare with the same "
+                             "arguments to finish it")  # fmt: skip
     tok = plan["tokenizer"]
     if not Path(tok).is_file() and (folder / "tokenizer.json").is_file():
         tok = str(folder / "tokenizer.json")  # a trained tokenizer, folder moved since
