@@ -17,7 +17,7 @@ from comera.accounting import (
     ttm_embedding_flops,
 )
 from comera.importance import rank_contributions
-from comera.layers import EMBEDDING_IMPLS, tt_linear, ttm_embedding
+from comera.layers import EMBEDDING_IMPLS, tt_linear, tt_linear_shared_input, ttm_embedding
 from comera.malloc import CPU_MALLOC_POLICIES, set_cpu_malloc
 from comera.modules import TTLinear, TTMEmbedding
 from comera.plans import (
@@ -96,6 +96,7 @@ __all__ = [
     "to_dense",
     "ttm_table",
     "tt_linear",
+    "tt_linear_shared_input",
     "tt_linear_flops",
     "tt_linear_plan",
     "ttm_embedding",

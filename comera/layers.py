@@ -8,15 +8,16 @@ weight unless the chosen strategy says so.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import opt_einsum as oe
 import torch
 
-from comera.plans import PlanLike, tt_linear_plan
+from comera.plans import PlanLike, shared_input_comera, tt_linear_plan
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
 from comera.tensor_train import Params, State, gated_cores
 
-__all__ = ["EMBEDDING_IMPLS", "tt_linear", "ttm_embedding"]
+__all__ = ["EMBEDDING_IMPLS", "tt_linear", "tt_linear_shared_input", "ttm_embedding"]
 
 EMBEDDING_IMPLS = ("optimized", "naive")
 
@@ -78,6 +79,34 @@ def tt_linear(
     contraction = tt_linear_plan(plan, [c.shape for c in g], x2.shape[0], name)
     y = contraction(x2, g, params.get("bias"))  # (T, M)
     return y.reshape(*lead, m)
+
+
+def tt_linear_shared_input(
+    layers: Sequence[tuple[Params, State]], x: torch.Tensor
+) -> list[torch.Tensor]:
+    """Several TT linears of one input (attention's Q, K, V) on the ``comera`` path, with
+    their input halves contracted in one wider GEMM: the same values and gradients as
+    ``[tt_linear(p, s, x, plan="comera") for p, s in layers]`` up to summation order, one
+    read of ``x`` instead of one per layer, and one ``dx`` GEMM in backward."""
+    if not layers:
+        return []
+    trains, biases, outs = [], [], []
+    for k, (params, state) in enumerate(layers):
+        cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
+        d = len(cores) // 2
+        n = math.prod(c.shape[1] for c in cores[d:])
+        if x.dim() < 1 or x.shape[-1] != n:
+            raise ValueError(
+                f"tt_linear_shared_input: layer {k} expects a last dim of {n}, the input "
+                f"has shape {tuple(x.shape)}"
+            )
+        _check_operand(f"tt_linear_shared_input layer {k}", "x", x, cores[0])
+        trains.append(gated_cores(params, state, f"tt_linear_shared_input layer {k}"))
+        biases.append(params.get("bias"))
+        outs.append(math.prod(c.shape[1] for c in cores[:d]))
+    lead = x.shape[:-1]
+    ys = shared_input_comera(x.reshape(-1, x.shape[-1]), trains, biases)
+    return [y.reshape(*lead, m) for y, m in zip(ys, outs, strict=True)]
 
 
 # --------------------------------------------------------------------------- embedding

@@ -273,25 +273,50 @@ def _two_halves(
     The bias rides in the first padding slot (``h[:, r] = 1``, ``A[:, r] = b``), so it
     costs neither a pass over the ``(T, M)`` output nor a separate gradient reduction.
     """
-    a, b = _halves(cores)  # (M, r), (r, N)
     if strategy == "dense":
+        a, b = _halves(cores)  # (M, r), (r, N)
         w = a @ b  # (M, N)
         return x2d @ w.T if bias is None else torch.addmm(bias, x2d, w.T)
-    m, r = a.shape
-    pad = (-r) % _RANK_ALIGN
-    if pad == 0 or r == 0:  # no free slot, or an empty train
-        h = x2d @ b.T  # (T, r)
-        return h @ a.T if bias is None else torch.addmm(bias, h, a.T)
-    b = F.pad(b, (0, 0, 0, pad))  # (r + pad, N), zero rows
-    h = x2d @ b.T  # (T, r + pad), padding columns exactly 0
-    if bias is None:
-        a = F.pad(a, (0, pad))  # (M, r + pad)
-    else:
-        a = torch.cat([a, bias[:, None].to(a.dtype), a.new_zeros(m, pad - 1)], dim=1)
-        one = h.new_zeros(r + pad)  # a fill, not a host-to-device copy: CUDA-graph safe
-        one[r] = 1
-        h = h + one
-    return h @ a.T  # (T, M)
+    return shared_input_comera(x2d, [cores], [bias])[0]
+
+
+def shared_input_comera(
+    x2d: torch.Tensor,
+    trains: Sequence[Sequence[torch.Tensor]],
+    biases: Sequence[torch.Tensor | None],
+) -> list[torch.Tensor]:
+    """The ``comera`` path for several TT layers that read the same ``x2d (T, N)`` (Q, K
+    and V): their input halves ``B_i`` are stacked so ``x`` meets them in one wider GEMM
+    ``x [B_1; B_2; ...]^T`` (and backward's ``dx`` is one GEMM too), then each output half
+    ``A_i`` is applied to its slice. Each ``B_i``'s rank is zero-padded to a multiple of 8
+    with its bias in the first padding slot, exactly as for one layer."""
+    sides, blocks = [], []
+    for cores, bias in zip(trains, biases, strict=True):
+        a, b = _halves(cores)  # (M, r), (r, N)
+        m, r = a.shape
+        pad = (-r) % _RANK_ALIGN
+        if pad:
+            b = F.pad(b, (0, 0, 0, pad))  # (r + pad, N), zero rows
+            if bias is None:
+                a = F.pad(a, (0, pad))  # (M, r + pad)
+            else:
+                a = torch.cat([a, bias[:, None].to(a.dtype), a.new_zeros(m, pad - 1)], dim=1)
+        sides.append((a, r, pad, bias))
+        blocks.append(b)
+    h_all = x2d @ torch.cat(blocks).T if len(blocks) > 1 else x2d @ blocks[0].T
+    out, start = [], 0
+    for a, r, pad, bias in sides:
+        h = h_all[:, start : start + r + pad]  # (T, r + pad), padding columns exactly 0
+        start += r + pad
+        if pad and bias is not None:
+            one = h.new_zeros(r + pad)  # a fill, not a host-to-device copy: graph safe
+            one[r] = 1
+            h = h + one
+        if bias is not None and (not pad or r == 0):  # no free slot, or an empty train
+            out.append(torch.addmm(bias, h, a.T))
+        else:
+            out.append(h @ a.T)  # (T, M)
+    return out
 
 
 _RANK_ALIGN = 8

@@ -61,6 +61,7 @@ class EncoderConfig:
     emb_dim_modes: tuple[int, ...] = (4, 4, 8, 6)
     emb_rank: int = 32
     recompute: bool = False  # recompute each block's activations in backward (training)
+    fused_qkv: bool = False  # Q, K, V (comera path) read x in one GEMM: tt_linear_shared_input
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
@@ -177,6 +178,11 @@ def _linear(p: dict, s: dict | None, x: torch.Tensor, plan: C.plans.PlanLike) ->
     return F.linear(x, p["weight"], p.get("bias"))
 
 
+def _is_comera(plan: C.plans.PlanLike) -> bool:
+    """Whether a layer's plan is the ``comera`` path (``None``: the process default)."""
+    return (C.get_default_plan() if plan is None else plan) == "comera"
+
+
 def _layer_norm(p: dict, x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, x.shape[-1:], p["weight"], p["bias"], eps=1e-12)
 
@@ -248,12 +254,13 @@ def encoder_hidden(
     h, dh = cfg.heads, cfg.d_model // cfg.heads
 
     def block(x: torch.Tensor, i: int, p: dict, s: dict) -> torch.Tensor:
-        q, k, v = (
-            _linear(p[n], s.get(n), x, plan_of(f"layers.{i}.{n}"))
-            .view(b, t, h, dh)
-            .transpose(1, 2)  # (B, H, T, dh)
-            for n in ("q", "k", "v")
-        )
+        qkv = [(p[n], s.get(n), plan_of(f"layers.{i}.{n}")) for n in ("q", "k", "v")]
+        if cfg.fused_qkv and all(C.is_tt_params(w) and _is_comera(pl) for w, _, pl in qkv):
+            # one GEMM of x with the three input halves (comera.tt_linear_shared_input)
+            outs = C.tt_linear_shared_input([(w, st) for w, st, _ in qkv], x)
+        else:
+            outs = [_linear(w, st, x, pl) for w, st, pl in qkv]
+        q, k, v = (o.view(b, t, h, dh).transpose(1, 2) for o in outs)  # (B, H, T, dh)
         att = _attention(q, k, v, attn_mask, p_drop)
         att = att.transpose(1, 2).reshape(b, t, cfg.d_model)
         x = _layer_norm(

@@ -26,3 +26,6 @@ def test_bench_quick_json(capsys, tmp_path):
     assert set(e) >= {"speedup_vs_naive", "memory_ratio_vs_naive", "time_ratio_vs_dense_embedding"}
     assert 0 < e["memory_ratio_vs_naive"]
     assert "TT-linear vs `nn.Linear`" in report.read_text()
+    fq = out["fused_qkv"]
+    assert fq["time_ratio_vs_dense"] > 0 and fq["time_ratio_vs_separate"] > 0
+    assert "`fused_qkv`" in report.read_text()

@@ -100,6 +100,9 @@ def test_recomputed_blocks_give_the_same_values_and_gradients(tt: bool) -> None:
     assert len(plain) == len(again) > 10
     for a, b in zip(plain, again, strict=True):
         torch.testing.assert_close(a, b)
+    fused = run(dataclasses.replace(cfg, fused_qkv=True))  # Q, K, V in one GEMM (TT only)
+    for a, b in zip(plain, fused, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # summation order only
 
 
 class _DenseToy:
@@ -189,3 +192,32 @@ def test_figure_one_sweep_plumbing_on_a_toy_model(tmp_path: Path) -> None:
     text = (tmp_path / "efficiency.md").read_text()
     assert "CoMERA <= 0.5x GaLore step time" in text and (tmp_path / "efficiency.png").is_file()
     assert efficiency.main(["--batches", "x"]) == 2
+
+
+@pytest.mark.parametrize("ranks", [(30, 30, 30), (32, 8, 5)])
+def test_shared_input_tt_linears_equal_separate_calls(ranks: tuple[int, ...]) -> None:
+    """Q, K, V through one wider GEMM (``tt_linear_shared_input``) give the values and
+    gradients of three ``tt_linear`` calls: padded ranks, an aligned rank (32, no free
+    bias slot) and layers of different ranks, with and without biases."""
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for j, r in enumerate(ranks):
+        spec = C.TTLinearSpec(out_modes=(4, 4, 4), in_modes=(4, 4, 4), ranks=r, bias=j != 1)
+        p, s = C.init(spec, generator=gen)
+        if j != 1:
+            p["bias"] = torch.randn(64, generator=gen)
+        layers.append((p, s))
+    leaves = [t.requires_grad_() for p, _ in layers for t in torch.utils._pytree.tree_leaves(p)]
+    x = torch.randn(5, 7, 64, generator=gen, requires_grad=True)
+    w = [torch.randn(5, 7, 64, generator=gen) for _ in layers]
+
+    def grads(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        loss = sum((o * g).sum() for o, g in zip(outs, w, strict=True))
+        return [*outs, *torch.autograd.grad(loss, [x, *leaves])]
+
+    fused = grads(C.tt_linear_shared_input(layers, x))
+    separate = grads([C.tt_linear(p, s, x, plan="comera") for p, s in layers])
+    for a, b in zip(fused, separate, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="expects a last dim of 64"):
+        C.tt_linear_shared_input(layers, torch.randn(3, 32))
