@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -27,16 +26,13 @@ from pathlib import Path
 
 import torch
 
+from comera.train.measures import peak_memory_mb, rss_mb
+
 REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
 BATCHES = (32, 1)
 VARIANTS = ("comera", "dense", "comera_half", "galore", "comera_recompute", "dense_recompute")
 RECOMPUTE_BATCH = 32  # the recompute variants run at this batch only
 SEQ = 128
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 def _tiny_config(tt: bool) -> object:
@@ -68,7 +64,7 @@ def worker(
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        base = _rss_mb()
+        base = rss_mb()
     tt = not variant.startswith(("dense", "galore"))
     cfg = _tiny_config(tt) if tiny else EncoderConfig(tt=tt)
     if variant.endswith("_recompute"):  # every encoder block recomputed in backward
@@ -121,7 +117,7 @@ def worker(
         peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
         how = "CUDA allocator peak above the pre-model baseline"
     else:
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+        peak_mb = peak_memory_mb(dev) - base
         how = "peak RSS (ru_maxrss) above the RSS before the model was built"
     return {
         "variant": variant,

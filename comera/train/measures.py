@@ -12,7 +12,7 @@ from comera.accounting import live_param_count, param_count
 from comera.train.config import TrainConfig
 from comera.tree import iter_tt
 
-__all__ = ["lr_scale", "model_size", "peak_memory_mb"]
+__all__ = ["lr_scale", "model_size", "peak_memory_mb", "rss_mb"]
 
 
 def model_size(params: object, state: object) -> int:
@@ -34,7 +34,15 @@ def lr_scale(cfg: TrainConfig, step: int) -> float:
     return 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
 
 
+def rss_mb() -> float:
+    """This process's resident memory now (MB): the baseline benchmarks subtract from
+    :func:`peak_memory_mb` so a figure counts what a model and its step added."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory so far (MB): the CUDA allocator's peak, or on CPU the peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from comera.train.measures import peak_memory_mb, rss_mb
 
 __all__ = ["main", "packed_batch", "run_variant"]
 
@@ -50,11 +51,6 @@ MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 MMAP_TAG = "mmap_threshold_1m"
 SPECIAL = (0, 1, 2, 3, 4)  # <s> <pad> </s> <unk> <mask>, as RoBERTa
 MASK_ID = 4
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def packed_batch(batch: int, vocab: int, seq: int = SEQ, seed: int = 0) -> dict:
@@ -100,7 +96,7 @@ def run_variant(variant: str, batch: int, steps: int = 3, tiny: bool = False) ->
     from experiments.codebert.task import MLMTask
 
     torch.manual_seed(0)
-    base = _rss_mb()
+    base = rss_mb()
     model = _model(variant, tiny)
     seq = 64 if tiny else SEQ
     data = packed_batch(batch, model.vocab_size, seq)
@@ -129,7 +125,7 @@ def run_variant(variant: str, batch: int, steps: int = 3, tiny: bool = False) ->
         "params": size,
         "step_s": statistics.median(times[1:]),
         "step_s_all": times[1:],
-        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base,
+        "peak_mb": peak_memory_mb(torch.device("cpu")) - base,
         "tokens_per_s": batch * seq / statistics.median(times[1:]),
     }
 

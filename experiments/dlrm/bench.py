@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -35,20 +34,13 @@ import time
 
 import torch
 
+from comera.train.measures import peak_memory_mb, rss_mb
+
 __all__ = ["main", "run_variant"]
 
 BATCH = 10_000
 VARIANTS = ("comera", "dense_sgd", "dense_adam")
 MMAP_TAG = "@mmap_threshold_1m"
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _batch(cards: tuple[int, ...], n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -69,7 +61,7 @@ def run_variant(variant: str, steps: int = 5) -> dict:
     from experiments.dlrm.task import DLRMTask
 
     torch.manual_seed(0)
-    base = _rss_mb()
+    base = rss_mb()
     dense = variant != "comera"
     model = DLRMConfig(tt=not dense)
     batch = _batch(model.cardinalities, BATCH)
@@ -103,7 +95,7 @@ def run_variant(variant: str, steps: int = 5) -> dict:
         "params": size,
         "compression": dense_param_count(model) / size,
         "step_time_s": statistics.median(times[1:]),
-        "peak_rss_mb": _peak_mb() - base,
+        "peak_rss_mb": peak_memory_mb(torch.device("cpu")) - base,
         "init_s": init_s,
     }
 
