@@ -185,13 +185,8 @@ def bench_tt_linear(
     tokens: int,
     repeats: int,
     gen: torch.Generator,
-    baseline: dict[str, float] | None = None,
 ) -> list[dict]:
-    """Time every strategy against ``nn.Linear`` for each TT shape.
-
-    ``baseline`` maps shape labels to a ``comera`` ratio measured under another allocator
-    policy (``keep``); it is carried into the rows for the report.
-    """
+    """Time every strategy against ``nn.Linear`` for each TT shape."""
     rows = []
     for out_modes, in_modes in shapes:
         spec = TTLinearSpec(out_modes=out_modes, in_modes=in_modes, ranks=rank)
@@ -212,8 +207,6 @@ def bench_tt_linear(
                     "dense_time_ms": med["dense"] * 1e3,
                 }
             )
-            if baseline and s == "comera":
-                rows[-1]["time_ratio_vs_dense_keep_malloc"] = baseline[shape]
         _log(f"  {shape}: " + ", ".join(f"{s} {med[s] / med['dense']:.3f}x" for s in STRATEGIES))
     return rows
 

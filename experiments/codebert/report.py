@@ -23,7 +23,7 @@ from comera.train.logging import read_metrics
 from experiments import cli
 from experiments.codebert.experiment import EXPERIMENT, build
 from experiments.report import layer_table, load_run, rank_table, smoke_report_main
-from loaders import TokenLoader
+from loaders import LoaderConfig, TokenLoader
 from loaders.sources import ArrowTokenFile
 
 __all__ = ["main", "mix_audit", "unigram_baseline", "write_report"]
@@ -57,15 +57,16 @@ def unigram_baseline(train_folders: list[Path], eval_batches: list[dict], vocab:
     return float(-logp[labels].mean())
 
 
-def mix_audit(run_dir: Path, weights: dict[str, float], tokens: int = 1_000_000) -> dict:
+def mix_audit(
+    run_dir: Path, config: LoaderConfig, weights: dict[str, float], tokens: int = 1_000_000
+) -> dict:
     """From the run's newest checkpoint, switch the mix to ``weights`` (as ``--mix`` on
-    resume does) and read ``tokens`` tokens: each sub-dataset's realized share, traced
-    from the loader's provenance."""
-    cfg = _config(run_dir)
-    task = build(cfg)[0]
-    config = dataclasses.replace(task.train_iter.config, provenance=True, batch_size=64)
-    step = int(complete_checkpoints(run_dir)[-1].name.split("_")[-1])
-    _, datas = read_rank_files(complete_checkpoints(run_dir)[-1], step)
+    resume does) and read ``tokens`` tokens of the run's training stream (``config``, its
+    loader's config): each sub-dataset's realized share, traced by the loader's
+    provenance."""
+    config = dataclasses.replace(config, provenance=True, batch_size=64)
+    newest = complete_checkpoints(run_dir)[-1]
+    _, datas = read_rank_files(newest, int(newest.name.split("_")[-1]))
     loader = TokenLoader(config)
     loader.load_state_dict([d["state"] for d in datas])
     loader.set_weights(weights)
@@ -249,7 +250,7 @@ def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
         "",
     ]
     target = {n: w for n, w in zip(names, (0.6, 0.3, 0.1), strict=False)}
-    audit = mix_audit(dirs["CoMERA"], target)
+    audit = mix_audit(dirs["CoMERA"], task.train_iter.config, target)
     worst = max(abs(audit["shares"][n] - audit["targets"][n]) for n in names)
     lines += [
         "## Changing the mix on resume",
