@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import free_port
 
 from comera.train.checkpoint import complete_checkpoints, read_rank_files
 from experiments import cli
@@ -58,12 +58,6 @@ cli.train(run)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sets(cache: Path) -> list[str]:
     sets = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "train.eval_every=100",
             "data.max_files=6", "data.vocab=400", "data.eval_batches=1", "data.seq_len=64",
@@ -76,7 +70,7 @@ def _sets(cache: Path) -> list[str]:
 def _launch(tmp: Path, nproc: int, log: str, die_at: int, *argv: str) -> int:
     (tmp / log).mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(_free_port()), str(tmp / "job.py"), str(tmp / log),
+           "--master_port", str(free_port()), str(tmp / "job.py"), str(tmp / log),
            str(die_at), "--no-progress", "--wandb", "disabled", *argv]  # fmt: skip
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300).returncode
 

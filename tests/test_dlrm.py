@@ -299,9 +299,10 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     trains on its half of every global batch and scores its half of the split, AUC
     gathers every prediction: the run logs what one process logs."""
     import os
-    import socket
     import subprocess
     import sys
+
+    from train_helpers import free_port
 
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
@@ -326,9 +327,7 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     ]
     rows = {}
     for world in (1, 2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         run = tmp_path / f"w{world}"
         cmd = [
             sys.executable,

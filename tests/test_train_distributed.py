@@ -4,7 +4,6 @@ state, and a killed torchrun job resumed at another world size reading every tok
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import torch
 from loaders_helpers import body_tokens, config, expected_tokens, make_corpus
 from torch.utils._pytree import tree_flatten
-from train_helpers import SumCountTask, ToyTask, _cfg, _toy_model
+from train_helpers import SumCountTask, ToyTask, _cfg, _toy_model, free_port
 
 from comera.train import CheckpointError, ComeraConfig, Trainer
 from comera.train.checkpoint import complete_checkpoints, read_rank_files
@@ -25,19 +24,13 @@ TESTS = ROOT / "tests"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "OMP_NUM_THREADS": "1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _leaves(tree):
     return tree_flatten(tree)[0]
 
 
 def _spawn(script: Path, world: int, *args: str) -> list[int]:
     """Run ``script`` as ``world`` gloo ranks (env:// rendezvous); return exit codes."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {**ENV, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
@@ -215,7 +208,7 @@ tr.fit()
 
 def _torchrun(script: Path, nproc: int, *args: str) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(_free_port()), str(script), *args]  # fmt: skip
+           "--master_port", str(free_port()), str(script), *args]  # fmt: skip
     return subprocess.run(cmd, env=ENV, capture_output=True, timeout=300).returncode
 
 

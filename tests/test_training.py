@@ -4,14 +4,13 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import ToyTask, _cfg, _Iter, _toy_model
+from train_helpers import ToyTask, _cfg, _Iter, _toy_model, free_port
 
 import comera as C
 from comera.objectives import gate_regularizer, late_weights, size_surrogate
@@ -251,12 +250,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_process_gloo_matches_single_process(tmp_path, one_thread):
     single = Trainer(_cfg(tmp_path / "single", steps=30), ToyTask(), *_toy_model())
     single.fit()
@@ -264,7 +257,7 @@ def test_two_process_gloo_matches_single_process(tmp_path, one_thread):
     out.mkdir()
     script = tmp_path / "worker.py"
     script.write_text(DDP_WORKER.format(root=str(ROOT), tests=str(ROOT / "tests"), out=str(out)))
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {

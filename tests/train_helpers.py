@@ -1,5 +1,7 @@
 """The toy task of the trainer tests: fit a low-rank linear map with one TT layer."""
 
+import socket
+
 import torch
 
 import comera as C
@@ -128,3 +130,10 @@ class SumCountTask(ToyTask):
         lo, hi = rank * 50 // world, (rank + 1) * 50 // world
         err = (C.tt_linear(params["lin"], state["lin"], x[lo:hi]) - y[lo:hi]).pow(2).mean(-1)
         return {"mse": (float(err.sum()), float(hi - lo)), "rank_mean": float(rank)}
+
+
+def free_port() -> int:
+    """A free localhost TCP port for a gloo / torchrun rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
