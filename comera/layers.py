@@ -10,16 +10,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import opt_einsum as oe
 import torch
 
-from comera.plans import PlanLike, shared_input_comera, tt_linear_plan
+from comera.plans import (
+    PlanLike,
+    _normalize,
+    _two_halves,
+    shared_input_comera,
+    tt_linear_plan,
+)
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
 from comera.tensor_train import Params, State, gated_cores
 
 __all__ = ["EMBEDDING_IMPLS", "tt_linear", "tt_linear_shared_input", "ttm_embedding"]
 
-EMBEDDING_IMPLS = ("optimized", "naive")
+EMBEDDING_IMPLS = ("optimized", "naive", "static")
 
 
 def _is_batched(t: torch.Tensor) -> bool:
@@ -64,8 +69,8 @@ def tt_linear(
     name = spec.label if spec is not None else "tt_linear"
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     d = len(cores) // 2
-    n = math.prod(c.shape[1] for c in cores[d:])
-    m = math.prod(c.shape[1] for c in cores[:d])
+    n = math.prod([c.shape[1] for c in cores[d:]])
+    m = math.prod([c.shape[1] for c in cores[:d]])
     if x.dim() < 1 or x.shape[-1] != n:
         in_modes = [c.shape[1] for c in cores[d:]]
         raise ValueError(
@@ -76,8 +81,12 @@ def tt_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n)  # (T, N)
     g = gated_cores(params, state, name)
-    contraction = tt_linear_plan(plan, [c.shape for c in g], x2.shape[0], name)
-    y = contraction(x2, g, params.get("bias"))  # (T, M)
+    strategy = _normalize(plan, name)
+    if strategy in ("comera", "dense"):  # direct GEMMs: no plan to look up (nor to trace)
+        y = _two_halves(strategy, x2, g, params.get("bias"))
+    else:
+        contraction = tt_linear_plan(strategy, [c.shape for c in g], x2.shape[0], name)
+        y = contraction(x2, g, params.get("bias"))  # (T, M)
     return y.reshape(*lead, m)
 
 
@@ -94,7 +103,7 @@ def tt_linear_shared_input(
     for k, (params, state) in enumerate(layers):
         cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
         d = len(cores) // 2
-        n = math.prod(c.shape[1] for c in cores[d:])
+        n = math.prod([c.shape[1] for c in cores[d:]])
         if x.dim() < 1 or x.shape[-1] != n:
             raise ValueError(
                 f"tt_linear_shared_input: layer {k} expects a last dim of {n}, the input "
@@ -103,7 +112,7 @@ def tt_linear_shared_input(
         _check_operand(f"tt_linear_shared_input layer {k}", "x", x, cores[0])
         trains.append(gated_cores(params, state, f"tt_linear_shared_input layer {k}"))
         biases.append(params.get("bias"))
-        outs.append(math.prod(c.shape[1] for c in cores[:d]))
+        outs.append(math.prod([c.shape[1] for c in cores[:d]]))
     lead = x.shape[:-1]
     ys = shared_input_comera(x.reshape(-1, x.shape[-1]), trains, biases)
     return [y.reshape(*lead, m) for y, m in zip(ys, outs, strict=True)]
@@ -158,7 +167,7 @@ def _pair_cores(cores: list[torch.Tensor], n_rows: int | None = None) -> list[to
         if k + 1 < len(cores) and (
             n_rows is None or cores[k].shape[1] * cores[k + 1].shape[1] <= n_rows
         ):
-            merged = oe.contract("avdb,bwec->avwdec", cores[k], cores[k + 1], backend="torch")
+            merged = torch.einsum("avdb,bwec->avwdec", cores[k], cores[k + 1])  # one pair: no path
             r, v, w, d, e, t = merged.shape
             out.append(merged.reshape(r, v * w, d * e, t))
             k += 2
@@ -168,6 +177,28 @@ def _pair_cores(cores: list[torch.Tensor], n_rows: int | None = None) -> list[to
     return out
 
 
+def _dedup_static(flat: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(flat, return_inverse=True)`` with a fixed output size ``bound``.
+
+    Sort, mark the first of each run, number the runs by a cumulative sum and scatter:
+    no output shape depends on the data, so nothing waits for the device (CUDA graphs and
+    ``torch.compile`` see one static graph). Slots past the real unique count hold id 0;
+    their rows are computed but never gathered, so they get no gradient. ``bound`` must
+    be at least the number of distinct ids; an overflow fails a device-side assert."""
+    sorted_ids, order = torch.sort(flat)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    slot = torch.cumsum(first, 0) - 1
+    if flat.numel() > bound:  # only a caller's max_unique can make a slot overflow
+        torch._assert_async(
+            slot[-1] < bound, "ttm_embedding: more distinct ids than max_unique; raise it"
+        )
+        slot = slot.clamp(max=bound - 1)
+    inverse = torch.empty_like(slot).scatter_(0, order, slot)
+    uniq = torch.zeros(bound, dtype=flat.dtype, device=flat.device).scatter_(0, slot, sorted_ids)
+    return uniq, inverse
+
+
 def ttm_embedding(
     params: Params,
     state: State,
@@ -175,15 +206,21 @@ def ttm_embedding(
     *,
     impl: str = "optimized",
     spec: TTMEmbeddingSpec | None = None,
+    max_unique: int | None = None,
 ) -> torch.Tensor:
     """Look up rows of a TTM embedding table: ``ids (...)`` -> ``(..., D)``.
 
     ``impl="naive"`` contracts a core chain for every id (duplicates included);
     ``impl="optimized"`` deduplicates ids with ``torch.unique``, pre-contracts core
     pairs (those whose merged table is no larger than the unique rows), runs one batched
-    GEMM per remaining core over the unique rows and gathers back. Both give the
-    same values and gradients. With ``spec`` the range check uses the real vocabulary
-    size (ids in the padding are rejected) and errors name the layer.
+    GEMM per remaining core over the unique rows and gathers back. ``impl="static"`` is
+    the optimized lookup without a host sync: the dedup writes into a buffer of a size
+    known before the ids are read (``max_unique``, by default ``min(ids.numel(), V)``,
+    which cannot overflow) and the range check is a device-side assert, so a whole train
+    step can be captured as a CUDA graph or compiled by ``torch.compile`` without a
+    break. All three give the same values and gradients. With ``spec`` the range check
+    uses the real vocabulary size (ids in the padding are rejected) and errors name the
+    layer.
     """
     name = spec.label if spec is not None else "ttm_embedding"
     if impl not in EMBEDDING_IMPLS:
@@ -199,7 +236,15 @@ def ttm_embedding(
             f"move them with ids.to({str(cores[0].device)!r})"
         )
     batched = _is_batched(ids)
-    if not batched and ids.numel():
+    if max_unique is not None and (impl != "static" or max_unique < 1):
+        raise ValueError(f"{name}: max_unique={max_unique} needs impl='static' and a value >= 1")
+    if impl == "static" and not batched:
+        if ids.numel():
+            torch._assert_async(
+                ((ids >= 0) & (ids < vocab)).all(),
+                f"{name}: an id is out of range; ids must be in [0, {vocab})",
+            )
+    elif not batched and ids.numel():
         bad = (ids < 0) | (ids >= vocab)
         if bool(bad.any()):
             value = int(ids[bad].flatten()[0])
@@ -209,7 +254,7 @@ def ttm_embedding(
             )
     flat = ids.reshape(-1).long()
     g = gated_cores(params, state, name)
-    dim = math.prod(c.shape[2] for c in g)
+    dim = math.prod([c.shape[2] for c in g])
     if impl == "naive":
         rows = _chain_rows(g, _digits(flat, vocab_modes))
     else:
@@ -217,7 +262,11 @@ def ttm_embedding(
             groups = _pair_cores(g)
             rows = _chain_rows(groups, _digits(flat, [c.shape[1] for c in groups]))
         else:
-            uniq, inverse = torch.unique(flat, return_inverse=True)
+            if impl == "static":
+                bound = min(flat.numel(), math.prod(vocab_modes))
+                uniq, inverse = _dedup_static(flat, max(1, min(bound, max_unique or bound)))
+            else:
+                uniq, inverse = torch.unique(flat, return_inverse=True)
             groups = _pair_cores(g, len(uniq))
             rows = _chain_rows(groups, _digits(uniq, [c.shape[1] for c in groups]))
             rows = _gather(rows, inverse)

@@ -81,6 +81,7 @@ def set_default_plan(plan: PlanLike) -> None:
     _PROCESS_DEFAULT[0] = _normalize(plan if plan is not None else "comera", "set_default_plan")
 
 
+@torch.compiler.assume_constant_result
 def get_default_plan() -> Strategy:
     """The strategy in force: the innermost ``default_plan`` scope, else the process default."""
     scoped = _SCOPED_PLAN.get()

@@ -34,9 +34,10 @@ def test_naive_equals_optimized_values_and_grads(vocab_modes, dim_modes, ranks):
         torch.testing.assert_close(out, table[ids])
         out.backward(upstream)
         results[impl] = (out.detach(), [t.grad for t in leaves])
-    torch.testing.assert_close(results["naive"][0], results["optimized"][0])
-    for a, b in zip(results["naive"][1], results["optimized"][1], strict=True):
-        torch.testing.assert_close(a, b)
+    for impl in ("optimized", "static"):
+        torch.testing.assert_close(results["naive"][0], results[impl][0])
+        for a, b in zip(results["naive"][1], results[impl][1], strict=True):
+            torch.testing.assert_close(a, b)
 
 
 def test_gradcheck_both_impls():
@@ -75,3 +76,66 @@ def test_module_matches_functional():
     ids = torch.tensor([[1, 2, 49], [0, 0, 7]])
     torch.testing.assert_close(emb(ids), emb.to_dense()[ids])
     assert emb.to_dense().shape == (50, 12)
+
+
+def test_static_dedup_matches_unique():
+    from comera.layers import _dedup_static
+
+    gen = torch.Generator().manual_seed(3)
+    for n, vocab in ((50, 7), (9, 1000), (1, 3)):
+        flat = torch.randint(0, vocab, (n,), generator=gen)
+        uniq, inverse = _dedup_static(flat, min(n, vocab))
+        assert uniq.shape == (min(n, vocab),)  # fixed by the bound, not by the data
+        assert torch.equal(uniq[inverse], flat)
+        ref = torch.unique(flat)
+        assert torch.equal(uniq[: len(ref)], ref)
+
+
+def test_static_impl_bounds_and_range_check():
+    spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5), dim_modes=(2, 3), ranks=3, num_embeddings=18)
+    params, state = C.init(spec, generator=torch.Generator().manual_seed(4))
+    ids = torch.tensor([[1, 1, 2, 17], [2, 2, 2, 1]])  # three distinct ids
+    ref = C.ttm_embedding(params, state, ids, spec=spec)
+    torch.testing.assert_close(
+        C.ttm_embedding(params, state, ids, impl="static", max_unique=3, spec=spec), ref
+    )
+    with pytest.raises(RuntimeError, match="more distinct ids than max_unique"):
+        C.ttm_embedding(params, state, ids, impl="static", max_unique=2)
+    with pytest.raises(RuntimeError, match=r"'tok'.*out of range.*\[0, 18\)"):
+        C.ttm_embedding(
+            params,
+            state,
+            torch.tensor([18]),
+            impl="static",
+            spec=C.TTMEmbeddingSpec(
+                vocab_modes=(4, 5), dim_modes=(2, 3), ranks=3, num_embeddings=18, name="tok"
+            ),
+        )
+    with pytest.raises(ValueError, match="max_unique=4 needs impl='static'"):
+        C.ttm_embedding(params, state, ids, max_unique=4)
+
+
+def test_static_impl_compiles_without_graph_breaks():
+    """fullgraph=True refuses any graph break, and every host sync (``.item()``, ``bool``,
+    a data-dependent shape) is one: compiling the lookup and its backward proves the
+    static path has none. The optimized path's ``torch.unique`` does break the graph."""
+    spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5, 3), dim_modes=(2, 3, 2), ranks=4)
+    params, state = C.init(spec, generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 60, (3, 11), generator=torch.Generator().manual_seed(6))
+
+    def loss(cores, impl):
+        return C.ttm_embedding({**params, "cores": cores}, state, ids, impl=impl).square().sum()
+
+    cores = [c.clone().requires_grad_() for c in params["cores"]]
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    value = compiled(cores, "static")
+    grads = torch.autograd.grad(value, cores)
+    ref = loss(cores, "optimized")
+    ref_grads = torch.autograd.grad(ref, cores)
+    torch.testing.assert_close(value, ref)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="(?i)graph break|unsupported|dynamic"):
+        torch.compile(loss, fullgraph=True, backend="aot_eager")(cores, "optimized")
+    torch._dynamo.reset()

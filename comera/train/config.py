@@ -13,7 +13,16 @@ from comera.galore import GaLoreConfig
 from comera.malloc import CPU_MALLOC_POLICIES
 from comera.optim import OPTIMIZERS, AdamWConfig, SGDConfig
 
-__all__ = ["PRUNE_RULES", "REGULARIZERS", "WANDB_MODES", "ComeraConfig", "TrainConfig"]
+STEP_MODES = ("eager", "sync_free", "compile", "cuda_graph")  # comera.train.sync_free
+
+__all__ = [
+    "PRUNE_RULES",
+    "REGULARIZERS",
+    "STEP_MODES",
+    "WANDB_MODES",
+    "ComeraConfig",
+    "TrainConfig",
+]
 
 REGULARIZERS = ("mean", "l1")
 PRUNE_RULES = ("gate", "contribution")
@@ -102,6 +111,10 @@ class TrainConfig:
     ``cpu_malloc``: the process's CPU allocator policy (``comera.malloc``): ``"default"``
     (glibc as found), ``"keep"`` (faster steps, resident memory at its high-water mark) or
     ``"release"`` (lowest resident memory, slower steps); applied when training on CPU.
+    ``step_mode``: ``"eager"`` (default: the loop's step, reading the loss on the host),
+    ``"sync_free"`` (the same step with every decision on the device), ``"compile"``
+    (that step under ``torch.compile``) or ``"cuda_graph"`` (captured and replayed; CUDA
+    only); see :mod:`comera.train.sync_free`.
     """
 
     steps: int
@@ -123,6 +136,7 @@ class TrainConfig:
     device: str = "cpu"
     bf16: bool = False
     cpu_malloc: str = "default"
+    step_mode: str = "eager"
     wandb: str | None = None  # online | offline | disabled | None (WANDB_MODE, else offline)
     wandb_project: str = "comera"
     wandb_entity: str | None = None
@@ -145,6 +159,10 @@ class TrainConfig:
         if self.wandb is not None and self.wandb not in WANDB_MODES:
             raise ValueError(
                 f"TrainConfig.wandb must be online, offline or disabled, got {self.wandb!r}"
+            )
+        if self.step_mode not in STEP_MODES:
+            raise ValueError(
+                f"TrainConfig.step_mode={self.step_mode!r}; choose one of {STEP_MODES}"
             )
         if self.optimizer == "galore" and self.comera.enabled:
             raise ValueError(

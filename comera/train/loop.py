@@ -30,6 +30,7 @@ from comera.train.distributed import broadcast_tensors, rank_world, sum_across_r
 from comera.train.logging import RunLog, write_json_atomic, write_rank_snapshot
 from comera.train.measures import lr_scale, model_size, peak_memory_mb
 from comera.train.stages import StageController
+from comera.train.sync_free import SyncFreeStep
 from comera.train.task import Task, sum_and_count
 from comera.tree import compact_tree, iter_tt, prune_tree
 
@@ -118,6 +119,7 @@ class Trainer:
         self.state = tree_map(lambda t: t.to(self.device), state)
         self.opt = adamw_init(self.params) if cfg.optimizer == "adamw" else {"step": 0}
         self.galore = self._make_galore() if cfg.optimizer == "galore" else None
+        self.sync_free = SyncFreeStep(self, cfg.step_mode) if cfg.step_mode != "eager" else None
         self.step = 0
         self._tokens_seen = 0.0
         self.stages = StageController(cfg.comera, cfg.steps)
@@ -195,7 +197,13 @@ class Trainer:
         Sparse gradients (``F.embedding(..., sparse=True)``) stay sparse in one process
         under SGD; with several ranks, or under AdamW (whose moments are dense anyway),
         they are made dense. Missing gradients are zeros, except under single-process SGD
-        where a zero update is skipped rather than allocated."""
+        where a zero update is skipped rather than allocated.
+
+        With ``train.step_mode`` other than ``eager`` the step is
+        :class:`comera.train.sync_free.SyncFreeStep`'s: the same update with no host read
+        until its end."""
+        if self.sync_free is not None:
+            return self.sync_free(*batches)
         leaves, _ = tree_flatten(self.params)
         grads: list[torch.Tensor | None] = [None] * len(leaves)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)

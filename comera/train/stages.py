@@ -90,6 +90,39 @@ class StageController:
         metrics = {"size": size.detach(), "focus_size": float(w.focus == "size")}
         return Objective(w.loss, w.size * size, metrics)
 
+    def device_objective(
+        self, loss: torch.Tensor, params: object, state: object, gamma: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+        """:meth:`objective` with no host read, for :mod:`comera.train.sync_free`.
+
+        ``loss`` is the global mean loss as a device scalar and ``gamma`` the regularizer's
+        weight this step (0 before ``reg_start_step``), filled by the host. Returns the
+        loss weight, the parameter term and metrics as tensors; ``metrics["@term"]`` is
+        the term's value (for the logged objective). The late stage's branch is a
+        ``torch.where`` on the device instead of an ``if`` on the host; the branch taken
+        is the same."""
+        c = self.cfg
+        one = torch.ones((), dtype=torch.float64, device=loss.device)
+        if self.stage == "dense":
+            return one, None, {}
+        if self.stage == "early":
+            reg = gate_regularizer(params, state, c.regularizer)
+            if c.gamma <= 0:
+                return one, None, {"gate_reg": reg.detach()}
+            term = gamma.to(reg.dtype) * reg
+            return one, term, {"gate_reg": reg.detach(), "@term": term.detach()}
+        size = size_surrogate(params, state)
+        if self.targets["size"] <= 0:
+            return one, None, {"size": size.detach()}
+        l0, s0 = self.targets["loss"], self.targets["size"]
+        gap_loss = (loss - l0) / l0
+        gap_size = (size.detach().double() - s0) / s0
+        on_size = (gap_loss < gap_size).double()
+        w_loss = c.rho / l0 + (1.0 - on_size) / l0
+        w_size = c.rho / s0 + on_size / s0
+        term = w_size.to(size.dtype) * size
+        return w_loss, term, {"size": size.detach(), "focus_size": on_size, "@term": term.detach()}
+
     def observe(self, loss_value: float) -> None:
         """Track the smoothed loss (the default loss target L0)."""
         self.loss_ema = (

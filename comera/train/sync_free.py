@@ -1,0 +1,340 @@
+"""A train step with no host sync inside it, runnable eagerly, compiled or as a CUDA graph.
+
+:meth:`comera.train.Trainer.train_step` reads the loss and the gradient norm on the host
+in mid-step (the late-stage weights, the non-finite checks, the clip factor), and every such
+read makes the host wait for the device. :class:`SyncFreeStep` does the same step with every
+decision kept on the device:
+
+- the stage objective's weights are tensors (:meth:`StageController.device_objective`);
+- the learning-rate scale and the regularizer's on/off are device scalars the host fills
+  before the step, not constants baked into a graph;
+- a non-finite loss or gradient norm turns the update into a no-op on the device (AdamW's
+  moments, step count and weight decay included) and is raised on the host afterwards, so
+  "nothing was updated" holds as in the eager loop;
+- the step's scalars come back in one tensor, read once after the work is queued.
+
+Modes (``train.step_mode``): ``sync_free`` runs it eagerly (the reference the other two
+are tested against); ``compile`` wraps it in ``torch.compile``; ``cuda_graph`` captures
+it once per set of tensors and batch shapes and replays it. Prunes, compactions and
+checkpoint restores replace the model's tensors: the step notices (it keys its graphs on
+the tensors' identities) and rebuilds, dropping the old graphs.
+
+Supported: AdamW and SGD with dense gradients (a sparse gradient is refused with the flag
+to change), any number of micro-batches, data parallelism (the reduction stays on the
+device). GaLore refreshes its projectors on the host and is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from comera.optim import GROUPS, leaf_groups
+from comera.train.config import STEP_MODES
+from comera.train.distributed import sum_across_ranks
+from comera.train.measures import lr_scale
+
+if TYPE_CHECKING:
+    from comera.train.loop import Trainer
+
+__all__ = ["STEP_MODES", "SyncFreeStep"]
+
+WARMUP_STEPS = 3  # eager steps on a side stream before a CUDA graph is captured
+COMPILE_BACKEND = "inductor"  # tests use "aot_eager": the same capture, no C++ build
+
+
+class SyncFreeStep:
+    """One optimizer step of ``trainer`` with its decisions on the device (module doc)."""
+
+    def __init__(self, trainer: Trainer, mode: str) -> None:
+        if mode not in STEP_MODES[1:]:
+            raise ValueError(f"train.step_mode={mode!r}; choose one of {STEP_MODES}")
+        cfg = trainer.cfg
+        if cfg.optimizer == "galore":
+            raise ValueError(
+                f"train.step_mode={mode!r} cannot run GaLore (its projector refresh runs on "
+                "the host); use train.step_mode='eager' with optimizer='galore'"
+            )
+        if mode == "cuda_graph" and trainer.device.type != "cuda":
+            raise ValueError(
+                "train.step_mode='cuda_graph' needs a CUDA device (train.device); use "
+                "'compile' or 'sync_free' on CPU"
+            )
+        self.tr, self.mode = trainer, mode
+        dev = trainer.device
+        # host-filled inputs: tensors, so graphs read the value of the step they run in
+        self.lr_scale = torch.zeros((), dtype=torch.float64, device=dev)
+        self.gamma = torch.zeros((), dtype=torch.float64, device=dev)
+        self.adam_step = torch.zeros((), dtype=torch.float64, device=dev)
+        self._host = (self.lr_scale, self.gamma, self.adam_step)
+        self._keys: list[str] | None = None
+        self._identity: tuple = ()
+        self._graphs: dict[tuple, tuple] = {}
+        self._warm: dict[tuple, int] = {}
+        self._compiled: Any = None
+        self._alive: list = []
+
+    # ------------------------------------------------------------------ the device work
+
+    def _work(
+        self, params: Any, state: Any, m: Any, v: Any, batches: tuple, host: tuple
+    ) -> tuple[torch.Tensor, list[str]]:
+        """The whole step on the device. ``host`` is ``(lr_scale, gamma, adam_step)``, the
+        scalars the host filled (explicit inputs, so compiled code never bakes them in).
+        Returns ``(scalars, keys)``: float64 ``[loss_sum, count, grad_norm, ok, *metric
+        values]`` and the metric names."""
+        lr_scale_t, gamma_t, adam_step_t = host
+        tr, cfg = self.tr, self.tr.cfg
+        leaves, _ = tree_flatten(params)
+        grads: list[torch.Tensor | None] = [None] * len(leaves)
+        dev = leaves[0].device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        count = torch.zeros((), dtype=torch.float64, device=dev)
+        sums: dict[str, torch.Tensor] = {}
+        count_tokens = getattr(tr.task, "batch_tokens", None)
+        if count_tokens is not None:
+            sums["tokens"] = sum(  # type: ignore[assignment]
+                torch.as_tensor(count_tokens(b), dtype=torch.float64, device=dev) for b in batches
+            )
+        for batch in batches:
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                out = tr.task.loss(params, state, batch, train=True)
+            s, n, metrics = out if len(out) == 3 else (out[0], 1.0, out[1])
+            n = torch.as_tensor(n, dtype=torch.float64, device=dev)
+            for i, g in enumerate(torch.autograd.grad(s, leaves, allow_unused=True)):
+                if g is not None and g.is_sparse:
+                    raise ValueError(
+                        f"train.step_mode={self.mode!r} needs dense gradients and the model "
+                        "produced a sparse one (sparse embedding gradients); use "
+                        "train.step_mode='eager' or dense embedding gradients"
+                    )
+                if g is not None:
+                    grads[i] = g.clone() if grads[i] is None else grads[i].add_(g)
+            loss_sum = loss_sum + s.detach().double()
+            count = count + n
+            for k, val in metrics.items():
+                val = torch.as_tensor(val, dtype=torch.float64, device=dev)
+                sums[k] = sums[k] + val * n if k in sums else val * n
+        grads = [
+            torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves, strict=True)
+        ]
+        keys = sorted(sums)
+        scalars = torch.stack([loss_sum, count, *(sums[k] for k in keys)])
+        *grads, scalars = sum_across_ranks([*grads, scalars])
+        loss_sum, count = scalars[0], scalars[1]
+        loss_mean = loss_sum / count.clamp(min=1e-300)
+        weight, term, obj_metrics = tr.stages.device_objective(loss_mean, params, state, gamma_t)
+        torch._foreach_mul_(grads, (weight / count).float())
+        if term is not None:
+            for g, t in zip(
+                grads, torch.autograd.grad(term, leaves, allow_unused=True), strict=True
+            ):
+                if t is not None:
+                    g.add_(t)
+        norm = torch.stack([n.double() for n in torch._foreach_norm(grads)]).norm()
+        ok = torch.isfinite(loss_mean) & torch.isfinite(norm) & (count > 0)
+        if cfg.grad_clip:
+            torch._foreach_mul_(grads, (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0).float())
+        for g in grads:  # a no-op step must not pull NaN into the moments
+            g.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        self._update(leaves, grads, m, v, ok, lr_scale_t, adam_step_t)
+        obj_keys = sorted(obj_metrics)
+        out = torch.stack(
+            [
+                loss_sum,
+                count,
+                norm,
+                ok.double(),
+                weight.double(),
+                *(torch.as_tensor(obj_metrics[k], device=dev).double() for k in obj_keys),
+                *(scalars[2 + i] for i in range(len(keys))),
+            ]
+        )
+        return out, ["@weight", *obj_keys, *(f"#{k}" for k in keys)]
+
+    @torch.no_grad()
+    def _update(
+        self,
+        leaves: list,
+        grads: list,
+        m: Any,
+        v: Any,
+        ok: torch.Tensor,
+        lr_scale_t: torch.Tensor,
+        adam_step_t: torch.Tensor,
+    ) -> None:
+        """AdamW or SGD with the lr scale and step count as device scalars; ``ok`` False
+        leaves every parameter, moment and the step count as they were."""
+        cfg = self.tr.cfg
+        okf = ok.double()
+        groups = self.tr.opt.get("groups") or leaf_groups(self.tr.params)
+        if cfg.optimizer == "sgd":
+            for p, g, group in zip(leaves, grads, groups, strict=True):
+                sg = cfg.sgd
+                lr = sg.lr_gates if group == "gates" and sg.lr_gates is not None else sg.lr
+                p.sub_(g * (lr * lr_scale_t * okf).to(g.dtype))
+            return
+        o = cfg.optim
+        ms, _ = tree_flatten(m)
+        vs, _ = tree_flatten(v)
+        b1, b2 = o.betas
+        # not adam_step_t.add_: torch.compile (2.13, CPU) loses in-place changes to 0-dim
+        # inputs, within the graph and after it; the host refills the count every step
+        t = (adam_step_t + okf).clamp(min=1.0)
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+        for group in GROUPS:
+            idx = [i for i, gr in enumerate(groups) if gr == group and leaves[i].numel()]
+            if not idx:
+                continue
+            ps, gs = [leaves[i] for i in idx], [grads[i] for i in idx]
+            mg, vg = [ms[i] for i in idx], [vs[i] for i in idx]
+            lr = o.lr(group) * lr_scale_t * okf
+            dt = ps[0].dtype
+            if o.weight_decay and group != "gates":
+                decayed = [p for p in ps if p.dim() >= 2]
+                if decayed:
+                    torch._foreach_mul_(decayed, (1 - lr * o.weight_decay).to(dt))
+            # v += (g^2 - v) (1 - b2) and m += (g - m) (1 - b1), both gated by ok
+            sq = torch._foreach_mul(gs, gs)
+            torch._foreach_sub_(sq, vg)
+            torch._foreach_mul_(sq, ((1 - b2) * okf).to(dt))
+            torch._foreach_add_(vg, sq)
+            torch._foreach_sub_(gs, mg)
+            torch._foreach_mul_(gs, ((1 - b1) * okf).to(dt))
+            torch._foreach_add_(mg, gs)
+            # p -= lr / bc1 * m / (sqrt(v / bc2) + eps), reusing sq for the update
+            torch._foreach_copy_(sq, vg)
+            torch._foreach_mul_(sq, (1 / bc2).to(dt))
+            torch._foreach_sqrt_(sq)
+            torch._foreach_add_(sq, o.eps)
+            torch._foreach_reciprocal_(sq)
+            torch._foreach_mul_(sq, mg)
+            torch._foreach_mul_(sq, (lr / bc1).to(dt))
+            torch._foreach_sub_(ps, sq)
+
+    # ------------------------------------------------------------------ the host side
+
+    def _tensors(self) -> tuple[Any, Any, Any, Any]:
+        opt = self.tr.opt
+        return self.tr.params, self.tr.state, opt.get("m", {}), opt.get("v", {})
+
+    def _run(self, batches: tuple) -> torch.Tensor:
+        params, state, m, v = self._tensors()
+        if self.mode == "sync_free":
+            out, self._keys = self._work(params, state, m, v, batches, self._host)
+            return out
+        if self.mode == "compile":
+            if self._compiled is None:
+                self._compiled = torch.compile(self._work, dynamic=False, backend=COMPILE_BACKEND)
+            # autograd.grad traced into the graph: forward, backward and update in one
+            with torch._dynamo.config.patch(trace_autograd_ops=True):
+                out, self._keys = self._compiled(params, state, m, v, batches, self._host)
+            return out
+        return self._replay(params, state, m, v, batches)
+
+    def _replay(self, params: Any, state: Any, m: Any, v: Any, batches: tuple) -> torch.Tensor:
+        """CUDA graphs: warm up eagerly on a side stream, capture, then replay with the
+        batch copied into the graph's static inputs."""
+        batch_leaves, _ = tree_flatten(batches)
+        shapes = tuple((tuple(b.shape), b.dtype) for b in batch_leaves)
+        key = (self.tr.stage, shapes)
+        if key in self._graphs:
+            graph, static_leaves, out = self._graphs[key]
+            for dst, src in zip(static_leaves, batch_leaves, strict=True):
+                dst.copy_(src, non_blocking=True)
+            graph.replay()
+            return out
+        if self._warm.get(key, 0) < WARMUP_STEPS:
+            self._warm[key] = self._warm.get(key, 0) + 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out, self._keys = self._work(params, state, m, v, batches, self._host)
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        static = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, batches)
+        static_leaves, _ = tree_flatten(static)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out, self._keys = self._work(params, state, m, v, static, self._host)
+        self._graphs[key] = (graph, static_leaves, out)
+        graph.replay()  # capture records the step; replay runs it
+        return out
+
+    def _check_identity(self) -> None:
+        """Drop what was built for tensors that are gone.
+
+        A CUDA graph holds the addresses of the tensors it was captured with, so it is
+        rebuilt whenever one is replaced (a prune's new masks, a compaction, a checkpoint
+        restore) or the late targets change. Compiled code takes the tensors as inputs and
+        only depends on their shapes: it is rebuilt after a compaction (and the stage
+        transition), not after a prune, and old graphs are dropped rather than left to
+        fill dynamo's recompile limit."""
+        params, state, m, v = self._tensors()
+        leaves = [*tree_flatten((params, state, m, v))[0]]
+        if self.mode == "compile":
+            if any(t.dim() == 0 for t in tree_flatten((params, m, v))[0]):
+                raise ValueError(
+                    "train.step_mode='compile' cannot update 0-dim parameters in place "
+                    "(torch.compile drops in-place changes to 0-dim inputs); give them "
+                    "shape (1,) or use train.step_mode='sync_free'"
+                )
+            ident: tuple = (
+                self.tr.stage,
+                tuple((tuple(t.shape), t.dtype) for t in leaves),
+            )
+        else:
+            ident = (tuple(id(t) for t in leaves), tuple(sorted(self.tr.stages.targets.items())))
+        if ident != self._identity:
+            self._graphs.clear()
+            self._warm.clear()
+            if self._compiled is not None:
+                torch._dynamo.reset()
+                self._compiled = None
+            self._identity = ident
+            self._alive = leaves  # held, so no id above can be reused by a new tensor
+
+    def __call__(self, *batches: Any) -> dict:
+        tr, cfg = self.tr, self.tr.cfg
+        self._check_identity()
+        step = tr.step + 1
+        c = cfg.comera
+        self.lr_scale.fill_(lr_scale(cfg, step))
+        self.gamma.fill_(c.gamma if tr.stage == "early" and step > c.reg_start_step else 0.0)
+        if "m" in tr.opt:
+            self.adam_step.fill_(float(tr.opt["step"]))
+        out = self._run(batches).cpu().tolist()  # the step's one read
+        keys = self._keys or []
+        loss_sum, count, gnorm, ok, *rest = out
+        named = dict(zip(keys, rest, strict=True))
+        loss_value = loss_sum / count if count > 0 else float("nan")
+        if count <= 0:
+            raise ValueError(f"step {step}: the global batch has no loss terms (count 0)")
+        if not ok:
+            what, value = (
+                ("loss", loss_value)
+                if not math.isfinite(loss_value)
+                else ("the gradient norm", gnorm)
+            )
+            raise tr._non_finite(what, value)
+        tr.step = step
+        tr.opt = {**tr.opt, "step": tr.opt["step"] + 1}
+        tr.stages.observe(loss_value)
+        weight = named.pop("@weight")
+        obj = {k: v for k, v in named.items() if not k.startswith("#")}
+        term_value = obj.get("@term", 0.0)
+        obj.pop("@term", None)
+        sums = {k[1:]: v for k, v in named.items() if k.startswith("#")}
+        return {
+            "loss": loss_value,
+            "objective": weight * loss_value + term_value,
+            "grad_norm": gnorm,
+            "lr_scale": lr_scale(cfg, step),
+            "loss_terms": count,
+            **obj,
+            **{k: val if k == "tokens" else val / count for k, val in sums.items()},
+        }
