@@ -35,6 +35,13 @@ def _is_batched(t: torch.Tensor) -> bool:
     return bool(torch._C._functorch.is_batchedtensor(t))
 
 
+def _graph_capture() -> bool:
+    """True while ``torch.compile`` traces or a CUDA graph captures this code."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _check_operand(name: str, what: str, t: torch.Tensor, core: torch.Tensor) -> None:
     if t.device != core.device:
         raise ValueError(
@@ -218,7 +225,8 @@ def ttm_embedding(
     known before the ids are read (``max_unique``, by default ``min(ids.numel(), V)``,
     which cannot overflow) and the range check is a device-side assert, so a whole train
     step can be captured as a CUDA graph or compiled by ``torch.compile`` without a
-    break. All three give the same values and gradients. With ``spec`` the range check
+    break; ``optimized`` switches to it by itself under either. All three give the same
+    values and gradients. With ``spec`` the range check
     uses the real vocabulary size (ids in the padding are rejected) and errors name the
     layer.
     """
@@ -235,6 +243,8 @@ def ttm_embedding(
             f"{name}: ids are on {ids.device} but the cores are on {cores[0].device}; "
             f"move them with ids.to({str(cores[0].device)!r})"
         )
+    if impl == "optimized" and _graph_capture():
+        impl = "static"  # torch.unique would sync (CUDA graphs) or break the graph
     batched = _is_batched(ids)
     if max_unique is not None and (impl != "static" or max_unique < 1):
         raise ValueError(f"{name}: max_unique={max_unique} needs impl='static' and a value >= 1")

@@ -31,6 +31,7 @@ import torch
 
 import comera as C
 from comera.train import CheckpointError, NonFiniteLoss, Trainer, init_distributed
+from comera.train.config import STEP_MODES
 from comera.tree import iter_tt
 
 __all__ = [
@@ -60,6 +61,7 @@ RESUME_MUTABLE = frozenset(
         "train.run_name",
         "train.progress",
         "train.cpu_malloc",
+        "train.step_mode",
         "model.recompute",
     }
 )
@@ -291,6 +293,20 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
         "memory), release (least memory, slower)",
     )
     ap.add_argument(
+        "--step-mode",
+        dest="step_mode",
+        choices=STEP_MODES,
+        help="eager (default), sync_free (no host read inside the step), compile "
+        "(torch.compile of that step) or cuda_graph (captured and replayed, CUDA)",
+    )
+    ap.add_argument(
+        "--compile",
+        dest="step_mode",
+        action="store_const",
+        const="compile",
+        help="same as --step-mode compile",
+    )
+    ap.add_argument(
         "--recompute",
         action="store_true",
         help="recompute each encoder block's activations in backward (less memory)",
@@ -330,6 +346,7 @@ _COMMON = {  # flag dest -> config key
     "plan": "plans.default",
     "embedding_impl": "plans.embedding_impl",
     "cpu_malloc": "train.cpu_malloc",
+    "step_mode": "train.step_mode",
 }
 
 
@@ -383,7 +400,8 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         )
     mutable = RESUME_MUTABLE | exp.resume_mutable
     flags = {"device": "train.device", "no_progress": "train.progress",
-             "cpu_malloc": "train.cpu_malloc", "recompute": "model.recompute"}  # fmt: skip
+             "cpu_malloc": "train.cpu_malloc", "recompute": "model.recompute",
+             "step_mode": "train.step_mode"}  # fmt: skip
     flags |= {k: v for k, v in _COMMON.items() if k.startswith("wandb")}
     flags |= {"wandb_tags": "train.wandb_tags"}
     own_dests = getattr(ap, "experiment_dests", set())
@@ -397,7 +415,8 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         drop = ["--" + k.replace("_", "-") for k in extra] + [f"--set {k}" for k in bad_sets]
         raise CLIError(
             f"--resume continues {args.resume} with its saved config; drop {', '.join(drop)} "
-            f"(only --device, --wandb*, --no-progress, --cpu-malloc, --recompute and --set of "
+            f"(only --device, --wandb*, --no-progress, --cpu-malloc, --step-mode, --compile, "
+            f"--recompute and --set of "
             f"{', '.join(sorted(mutable))}"
             " may change on resume)"
         )

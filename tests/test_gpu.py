@@ -102,3 +102,94 @@ def test_dlrm_step_on_cuda(tmp_path):
     trainer = Trainer(cfg, task, params, state)
     metrics = trainer.train_step(_batch(model.cardinalities, 256))
     assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+@cuda
+def test_static_embedding_lookup_never_syncs():
+    """``impl="static"`` forward and backward under CUDA's sync debug mode set to error:
+    any host sync (``.item()``, ``torch.unique``, a boolean check) raises."""
+    spec = C.TTMEmbeddingSpec(vocab_modes=(16, 20, 10, 10), dim_modes=(4, 4, 8, 6), ranks=32)
+    params, state = C.init(spec, generator=torch.Generator().manual_seed(0))
+    p = torch.utils._pytree.tree_map(
+        lambda t: t.cuda().requires_grad_(t.is_floating_point()), params
+    )
+    s = torch.utils._pytree.tree_map(lambda t: t.cuda(), state)
+    ids = torch.randint(0, 32000, (8, 128), device="cuda")
+    ref = C.ttm_embedding(p, s, ids)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = C.ttm_embedding(p, s, ids, impl="static")
+        grads = torch.autograd.grad(out.square().sum(), p["cores"])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out, ref)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def _graph_trainer(tmp_path, mode, steps):
+    """The trainer tests' toy task on CUDA, through prunes, compaction and the late stage."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_sync_free import STAGES, _PureToy
+    from train_helpers import _cfg, _toy_model
+
+    from comera.training import Trainer
+
+    cfg = _cfg(tmp_path / mode, steps=steps, step_mode=mode, comera=STAGES, device="cuda")
+    return Trainer(cfg, _PureToy(), *_toy_model())
+
+
+@cuda
+def test_cuda_graph_step_captures_forward_backward_and_update(tmp_path):
+    """The whole step (forward, backward, stage objective, clipping, AdamW) is captured and
+    replayed; it trains like the uncaptured sync-free step through a prune, the
+    transition's compaction (graphs rebuilt) and the late stage."""
+    runs = {}
+    for mode in ("sync_free", "cuda_graph"):
+        tr = _graph_trainer(tmp_path, mode, 60)
+        it = iter(tr.task.train_iter)
+        rows, captured = [], 0
+        while tr.step < 60:
+            rows.append(tr.train_step(next(it)))
+            if mode == "cuda_graph":
+                captured = max(captured, len(tr.sync_free._graphs))
+            tr._after_step()
+        runs[mode] = (tr, rows, captured)
+    (a, rows_a, _), (b, rows_b, captured) = runs["sync_free"], runs["cuda_graph"]
+    assert captured >= 1
+    assert a.ranks() == b.ranks() and a.stage == b.stage == "late"
+    for x, y in zip(rows_a, rows_b, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4)
+    flat = torch.utils._pytree.tree_flatten
+    for x, y in zip(flat(a.params)[0], flat(b.params)[0], strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+@cuda
+def test_cuda_graph_step_of_the_mnli_encoder(tmp_path):
+    """The MNLI encoder (TT linears, TTM word embedding with dropout) trains under
+    ``cuda_graph``: the optimized lookup turns static inside the capture."""
+    import dataclasses
+
+    from experiments import mnli
+
+    p = mnli.preset("smoke", run_dir=str(tmp_path))
+    p.data = dataclasses.replace(p.data, generated_train=2000, generated_eval=100)
+    p.model = dataclasses.replace(
+        p.model, dropout=0.1, emb_vocab_modes=(), emb_dim_modes=(8, 8), emb_rank=16
+    )
+    p.train = dataclasses.replace(
+        p.train, steps=12, device="cuda", step_mode="cuda_graph", wandb="disabled",
+        progress=False, eval_every=None, checkpoint_every=None,
+    )  # fmt: skip
+    task, params, state, _ = mnli.build(p)
+    from comera.training import Trainer
+
+    tr = Trainer(p.train, task, params, state)
+    it = iter(task.train_iter)
+    losses = [tr.train_step(next(it))["loss"] for _ in range(12)]
+    assert tr.sync_free._graphs, "no graph was captured"
+    assert all(torch.isfinite(torch.tensor(losses)))

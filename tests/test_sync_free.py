@@ -105,3 +105,23 @@ def test_compiled_step_is_one_graph_and_equals_sync_free(tmp_path, monkeypatch):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
     _assert_same(ref, comp, rows_r, rows_c, 1e-4)
     torch._dynamo.reset()
+
+
+def test_cli_step_mode_flags(tmp_path, capsys):
+    from experiments import cli, mnli
+
+    fast = ["--preset", "smoke", "--wandb", "disabled", "--no-progress", "--set",
+            "train.steps=3", "--set", "train.eval_every=None", "--set",
+            "data.generated_train=200", "--set", "data.generated_eval=30"]  # fmt: skip
+    run = tmp_path / "run"
+    assert mnli.main([*fast, "--run-dir", str(run), "--step-mode", "sync_free"]) == 0
+    ap = cli.build_parser(mnli.EXPERIMENT)
+    cfg = cli.resolve_config(
+        mnli.EXPERIMENT, ap.parse_args(["--resume", str(run), "--compile"]), ap
+    )
+    assert cfg.train.step_mode == "compile"  # how the step runs may change on resume
+    assert mnli.main([*fast, "--run-dir", str(tmp_path / "t"), "--step-mode", "turbo"]) == 2
+    assert "invalid choice: 'turbo'" in capsys.readouterr().err.splitlines()[-1]
+    bad = [*fast, "--run-dir", str(tmp_path / "g"), "--dense", "--set", "train.optimizer=galore"]
+    assert mnli.main([*bad, "--step-mode", "sync_free"]) == 2
+    assert "step_mode='sync_free' cannot run GaLore" in capsys.readouterr().err.splitlines()[-1]

@@ -164,6 +164,11 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.step_mode={self.step_mode!r}; choose one of {STEP_MODES}"
             )
+        if self.optimizer == "galore" and self.step_mode != "eager":
+            raise ValueError(
+                f"TrainConfig.step_mode={self.step_mode!r} cannot run GaLore (its projector "
+                "refresh runs on the host); use step_mode='eager' with optimizer='galore'"
+            )
         if self.optimizer == "galore" and self.comera.enabled:
             raise ValueError(
                 "TrainConfig.optimizer='galore' trains the dense baseline (GaLore projects "

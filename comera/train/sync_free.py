@@ -46,18 +46,21 @@ WARMUP_STEPS = 3  # eager steps on a side stream before a CUDA graph is captured
 COMPILE_BACKEND = "inductor"  # tests use "aot_eager": the same capture, no C++ build
 
 
+def _scalar(x: Any, dev: torch.device) -> torch.Tensor:
+    """A float64 device scalar. A Python number becomes a fill, not a host-to-device copy
+    (allowed while a CUDA graph captures, where its value is then fixed: counts that are
+    Python numbers must depend on the batch's shapes only, as ``len(labels)`` does)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device=dev, dtype=torch.float64)
+    return torch.full((), float(x), dtype=torch.float64, device=dev)
+
+
 class SyncFreeStep:
     """One optimizer step of ``trainer`` with its decisions on the device (module doc)."""
 
     def __init__(self, trainer: Trainer, mode: str) -> None:
         if mode not in STEP_MODES[1:]:
             raise ValueError(f"train.step_mode={mode!r}; choose one of {STEP_MODES}")
-        cfg = trainer.cfg
-        if cfg.optimizer == "galore":
-            raise ValueError(
-                f"train.step_mode={mode!r} cannot run GaLore (its projector refresh runs on "
-                "the host); use train.step_mode='eager' with optimizer='galore'"
-            )
         if mode == "cuda_graph" and trainer.device.type != "cuda":
             raise ValueError(
                 "train.step_mode='cuda_graph' needs a CUDA device (train.device); use "
@@ -96,14 +99,12 @@ class SyncFreeStep:
         sums: dict[str, torch.Tensor] = {}
         count_tokens = getattr(tr.task, "batch_tokens", None)
         if count_tokens is not None:
-            sums["tokens"] = sum(  # type: ignore[assignment]
-                torch.as_tensor(count_tokens(b), dtype=torch.float64, device=dev) for b in batches
-            )
+            sums["tokens"] = sum([_scalar(count_tokens(b), dev) for b in batches])  # type: ignore[assignment]
         for batch in batches:
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 out = tr.task.loss(params, state, batch, train=True)
             s, n, metrics = out if len(out) == 3 else (out[0], 1.0, out[1])
-            n = torch.as_tensor(n, dtype=torch.float64, device=dev)
+            n = _scalar(n, dev)
             for i, g in enumerate(torch.autograd.grad(s, leaves, allow_unused=True)):
                 if g is not None and g.is_sparse:
                     raise ValueError(
@@ -116,7 +117,7 @@ class SyncFreeStep:
             loss_sum = loss_sum + s.detach().double()
             count = count + n
             for k, val in metrics.items():
-                val = torch.as_tensor(val, dtype=torch.float64, device=dev)
+                val = _scalar(val, dev)
                 sums[k] = sums[k] + val * n if k in sums else val * n
         grads = [
             torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves, strict=True)
@@ -149,7 +150,7 @@ class SyncFreeStep:
                 norm,
                 ok.double(),
                 weight.double(),
-                *(torch.as_tensor(obj_metrics[k], device=dev).double() for k in obj_keys),
+                *(_scalar(obj_metrics[k], dev) for k in obj_keys),
                 *(scalars[2 + i] for i in range(len(keys))),
             ]
         )
@@ -307,6 +308,11 @@ class SyncFreeStep:
         self.gamma.fill_(c.gamma if tr.stage == "early" and step > c.reg_start_step else 0.0)
         if "m" in tr.opt:
             self.adam_step.fill_(float(tr.opt["step"]))
+        if self.mode == "cuda_graph":  # the graph's inputs live on the device
+            batches = tree_map(
+                lambda t: t.to(tr.device, non_blocking=True) if isinstance(t, torch.Tensor) else t,
+                batches,
+            )
         out = self._run(batches).cpu().tolist()  # the step's one read
         keys = self._keys or []
         loss_sum, count, gnorm, ok, *rest = out
