@@ -33,7 +33,7 @@ import opt_einsum as oe
 import torch
 import torch.nn.functional as F
 
-from comera.tensor_train import chain
+from comera.tensor_train import chain, chain_from_right
 
 __all__ = [
     "STRATEGIES",
@@ -240,23 +240,47 @@ class ContractionPlan:
         return y if bias is None else y + bias
 
     def cost(self, tokens: int) -> tuple[int, int]:
-        """(forward FLOPs, largest intermediate) of this path at ``tokens`` tokens."""
-        shapes = _operand_shapes(self.core_shapes, tokens)
-        info = oe.contract_path(self.equation, *shapes, shapes=True, optimize=list(self.path))[1]
-        return int(info.opt_cost), int(info.largest_intermediate)
+        """(forward FLOPs, largest intermediate) of this path at ``tokens`` tokens, as
+        executed: the ``comera`` path's zero rank padding included."""
+        return _path_cost(self.strategy, self.equation, self.path, self.core_shapes, tokens)
 
     def describe(self) -> str:
+        d = len(self.core_shapes) // 2
+        r = self.core_shapes[d][0]
+        pad = (-r) % _RANK_ALIGN if self.strategy == "comera" else 0
+        padded = f" (middle rank {r} run as {r + pad})" if pad else ""
         return (
-            f"{self.strategy}: {self.equation} path={list(self.path)} "
+            f"{self.strategy}: {self.equation} path={list(self.path)}{padded} "
             f"flops={self.flops:.3e} largest={self.largest_intermediate}"
         )
+
+
+def _path_cost(
+    strategy: str,
+    equation: str,
+    path: Sequence[tuple[int, ...]],
+    core_shapes: Sequence[tuple[int, ...]],
+    tokens: int,
+) -> tuple[int, int]:
+    """opt_einsum's (FLOPs, largest intermediate) of ``path``, plus for ``comera`` the two
+    token GEMMs' extra width from the rank padding (``2 * T * pad * (N + M)``)."""
+    shapes = _operand_shapes(core_shapes, tokens)
+    info = oe.contract_path(equation, *shapes, shapes=True, optimize=list(path))[1]
+    flops = int(info.opt_cost)
+    if strategy == "comera":
+        d = len(core_shapes) // 2
+        pad = (-core_shapes[d][0]) % _RANK_ALIGN
+        n = math.prod(s[1] for s in core_shapes[d:])
+        m = math.prod(s[1] for s in core_shapes[:d])
+        flops += 2 * tokens * pad * (n + m)
+    return flops, int(info.largest_intermediate)
 
 
 def _halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``A`` (M x r): the output-mode cores contracted; ``B`` (r x N): the input-mode ones."""
     d = len(cores) // 2
-    a = chain(cores[:d])  # (1, M, r)
-    b = chain(cores[d:])  # (r, N, 1)
+    a = chain(cores[:d])  # (1, M, r), left to right as the recorded path
+    b = chain_from_right(cores[d:])  # (r, N, 1), right to left as the recorded path
     return a.reshape(a.shape[1], a.shape[2]), b.reshape(b.shape[0], b.shape[1])
 
 
@@ -353,13 +377,14 @@ def _build(
     _, info = oe.contract_path(eq, *shapes, shapes=True, optimize=optimize)
     path = tuple(tuple(p) for p in info.path)
     expr = oe.contract_expression(eq, *shapes, optimize=list(path))
+    flops, largest = _path_cost(label, eq, path, core_shapes, bucket)
     return ContractionPlan(
         strategy=label,
         equation=eq,
         path=path,
         tokens=bucket,
-        flops=int(info.opt_cost),
-        largest_intermediate=int(info.largest_intermediate),
+        flops=flops,
+        largest_intermediate=largest,
         core_shapes=core_shapes,
         _expr=expr,
     )

@@ -222,6 +222,22 @@ def chain(cores: Sequence[torch.Tensor]) -> torch.Tensor:
     return acc
 
 
+def chain_from_right(cores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`chain` contracted right to left: the same ``(r_0, prod(n), r_K)`` result.
+
+    Cheaper when the right end's rank is the small one: a TT linear's input half ends in
+    the edge rank 1, so each step is ``(r n) x r'`` by ``r' x (suffix)`` and the large
+    middle rank ``r_0`` is met only once, in the last step."""
+    acc = cores[-1]
+    r_k, n_all = acc.shape[2], acc.shape[1]
+    acc = acc.reshape(acc.shape[0], n_all * r_k)  # (r, n_K * r_K)
+    for core in reversed(cores[:-1]):
+        r, n, r2 = core.shape
+        n_all *= n
+        acc = (core.reshape(r * n, r2) @ acc).reshape(r, n_all * r_k)  # (r, n * suffix)
+    return acc.reshape(acc.shape[0], n_all, r_k)
+
+
 def ttm_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
     """The ``(prod v) x (prod d)`` table of TTM cores ``(r, v_k, d_k, r')`` (gated or not).
 

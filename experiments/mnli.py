@@ -37,6 +37,7 @@ from experiments.mnli_data import (
 )
 from experiments.transformer import (
     EncoderConfig,
+    check_step_mode,
     dense_param_count,
     encoder_logits,
     fit_vocab,
@@ -60,6 +61,7 @@ class Preset:
     eval_batch_size: int = 128
 
     def __post_init__(self) -> None:
+        check_step_mode(self.model, self.train.step_mode)
         if self.batch_size < 1 or self.eval_batch_size < 1:
             raise ValueError(
                 f"Preset: batch_size and eval_batch_size must be >= 1, got "

@@ -190,6 +190,16 @@ def _layer_norm(p: dict, x: torch.Tensor) -> torch.Tensor:
 ATTENTION_RECOMPUTE_MIN = 1 << 20  # attention probabilities (elements) worth recomputing
 
 
+def check_step_mode(model: EncoderConfig, step_mode: str) -> None:
+    """Refuse ``model.recompute`` with dropout under ``train.step_mode='compile'``:
+    torch.compile cannot replay dropout's RNG inside a recomputed region."""
+    if step_mode == "compile" and model.recompute and model.dropout > 0:
+        raise ValueError(
+            "model.recompute with dropout cannot be compiled (torch.compile refuses RNG in "
+            "recomputed regions); drop --recompute or use --step-mode eager/sync_free"
+        )
+
+
 def _attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p_drop: float
 ) -> torch.Tensor:
@@ -202,7 +212,13 @@ def _attention(
     fixed cost (about 60 MB of resident memory on first use) that small attention never
     pays back (MNLI at batch 1 x 128: 142 -> 200 MB)."""
     big = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= ATTENTION_RECOMPUTE_MIN
-    if p_drop > 0 and big and q.device.type == "cpu" and torch.is_grad_enabled():
+    if (
+        p_drop > 0
+        and big
+        and q.device.type == "cpu"
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()  # compiled code plans its own memory
+    ):
         return checkpoint(F.scaled_dot_product_attention, q, k, v, attn_mask=mask,
                           dropout_p=p_drop, use_reentrant=False)  # fmt: skip
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p_drop)

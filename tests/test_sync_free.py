@@ -125,3 +125,6 @@ def test_cli_step_mode_flags(tmp_path, capsys):
     bad = [*fast, "--run-dir", str(tmp_path / "g"), "--dense", "--set", "train.optimizer=galore"]
     assert mnli.main([*bad, "--step-mode", "sync_free"]) == 2
     assert "step_mode='sync_free' cannot run GaLore" in capsys.readouterr().err.splitlines()[-1]
+    rc = [*fast, "--run-dir", str(tmp_path / "r"), "--compile", "--recompute"]
+    assert mnli.main([*rc, "--set", "model.dropout=0.1"]) == 2
+    assert "model.recompute with dropout cannot be compiled" in capsys.readouterr().err

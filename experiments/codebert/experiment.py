@@ -34,7 +34,7 @@ from experiments.codebert.data import (
 )
 from experiments.codebert.model import init_mlm
 from experiments.codebert.task import MLMTask
-from experiments.transformer import EncoderConfig, dense_param_count, fit_vocab
+from experiments.transformer import EncoderConfig, check_step_mode, dense_param_count, fit_vocab
 from loaders import DatasetSpec, LoaderConfig, TokenLoader
 
 __all__ = ["EXPERIMENT", "CorpusConfig", "Preset", "build", "codebert_model", "main", "preset"]
@@ -97,6 +97,9 @@ class Preset:
     plans: C.LayerPlans = field(default_factory=C.LayerPlans)
     dense: bool = False
     batch_size: int = 16  # rows per rank per micro-batch
+
+    def __post_init__(self) -> None:
+        check_step_mode(self.model, self.train.step_mode)
 
 
 def preset(name: str) -> Preset:

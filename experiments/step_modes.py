@@ -1,0 +1,160 @@
+"""Step modes measured where users run them: the trainer's ``train_step`` on MNLI, CoMERA,
+under ``train.step_mode`` eager, sync_free and compile (``cuda_graph`` needs a GPU).
+
+    python -m experiments.step_modes [--models smoke,paper] [--repeats 10] [--threads 2]
+
+Two models: the ``smoke`` preset as it trains (batch 128 x 16 tokens) and the paper's
+six-encoder model (``EncoderConfig()``) at batch 32 x 128 tokens, both on the generated
+MNLI task. Each (model, mode) point runs in a fresh process: build the task and trainer,
+one step (which compiles, for ``compile``), two more untimed steps, then ``repeats``
+timed steps; the median is reported. Writes ``reports/step_modes.json`` and
+``reports/step_modes.md``. The allocator is glibc as found, as training runs by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from comera.train.measures import peak_memory_mb, rss_mb
+
+__all__ = ["MODES", "main", "worker"]
+
+REPORTS = Path(__file__).resolve().parent.parent / "reports"
+MODES = ("eager", "sync_free", "compile")
+MODELS = ("smoke", "paper")
+
+
+def worker(model: str, mode: str, repeats: int, threads: int, tiny: bool = False) -> dict:
+    """Time the trainer's step for one (model, mode) in this process."""
+    from comera.training import Trainer
+    from experiments import mnli
+    from experiments.transformer import EncoderConfig
+
+    torch.set_num_threads(threads)
+    base = rss_mb()
+    p = mnli.preset("smoke", run_dir=tempfile.mkdtemp(prefix="step_modes_"))
+    if model == "paper":
+        p.model = EncoderConfig()
+        p.data = dataclasses.replace(p.data, max_length=128)
+        p.batch_size = 32
+    if tiny:  # the test's size: a few steps of a small slice
+        p.batch_size = min(p.batch_size, 8)
+    p.data = dataclasses.replace(p.data, generated_train=max(4 * p.batch_size, 256),
+                                 generated_eval=32)  # fmt: skip
+    p.train = dataclasses.replace(p.train, step_mode=mode, wandb="disabled", progress=False)
+    task, params, state, _ = mnli.build(p)
+    trainer = Trainer(p.train, task, params, state, copy=False)
+    it = iter(task.train_iter)
+    t0 = time.perf_counter()
+    trainer.train_step(next(it))
+    first = time.perf_counter() - t0
+    for _ in range(2):
+        trainer.train_step(next(it))
+    times, loss = [], float("nan")
+    for _ in range(repeats):
+        batch = next(it)
+        t0 = time.perf_counter()
+        loss = trainer.train_step(batch)["loss"]
+        times.append(time.perf_counter() - t0)
+    return {
+        "model": model,
+        "mode": mode,
+        "batch": p.batch_size,
+        "seq": p.data.max_length,
+        "first_step_s": first,
+        "step_s": statistics.median(times),
+        "step_s_all": times,
+        "peak_mb": peak_memory_mb(trainer.device) - base,
+        "loss": loss,
+        "threads": threads,
+    }
+
+
+def run_point(model: str, mode: str, repeats: int, threads: int, tiny: bool = False) -> dict:
+    """:func:`worker` in a fresh process."""
+    cmd = [sys.executable, "-m", "experiments.step_modes", "--worker", model, mode,
+           "--repeats", str(repeats), "--threads", str(threads)]  # fmt: skip
+    cmd += ["--tiny"] if tiny else []
+    print(f"step modes: {model} / {mode} ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"step-mode worker {model}/{mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def write_report(result: dict, out_dir: Path = REPORTS) -> str:
+    """``step_modes.json`` and ``step_modes.md``; returns the markdown."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "step_modes.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        "# Step modes: eager vs sync-free vs torch.compile (CPU)",
+        "",
+        f"`python -m experiments.step_modes` on {result['date']}, torch {result['torch']}, "
+        f"{result['threads']} CPU threads, glibc malloc as found. The trainer's `train_step` "
+        "(CoMERA, early stage, AdamW) on the generated MNLI task; a fresh process per row; "
+        f"median of {result['repeats']} steps after three untimed ones.",
+        "",
+        "| model | batch x seq | mode | first step (s) | step (s) | vs eager | peak MB |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in result["runs"]:
+        eager = next(x for x in result["runs"] if x["model"] == r["model"] and x["mode"] == "eager")
+        lines.append(
+            f"| {r['model']} | {r['batch']} x {r['seq']} | {r['mode']} | {r['first_step_s']:.1f} "
+            f"| {r['step_s']:.4f} | {eager['step_s'] / r['step_s']:.2f}x | {r['peak_mb']:.0f} |"
+        )
+    lines += [
+        "",
+        "`vs eager` is eager's step time over this mode's (above 1: faster). `first step` "
+        "includes compilation for `compile`; it is paid again after every compaction (the "
+        "parameter shapes change), not after a prune. `cuda_graph` needs a GPU and is not "
+        "measured here.",
+        "",
+    ]
+    md = "\n".join(lines)
+    (out_dir / "step_modes.md").write_text(md)
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.step_modes", description=__doc__)
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: smoke,paper")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated step modes")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=REPORTS)
+    ap.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(*args.worker, args.repeats, args.threads, args.tiny)))
+        return 0
+    models = [m for m in args.models.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in models if m not in MODELS] + [m for m in modes if m not in MODES]
+    if bad or args.repeats < 1:
+        print(f"step_modes: unknown model or mode {bad} (models {MODELS}, modes {MODES}), "
+              "or --repeats < 1", file=sys.stderr)  # fmt: skip
+        return 2
+    if "eager" not in modes:
+        modes.insert(0, "eager")  # every ratio is against it
+    runs = [run_point(m, mode, args.repeats, args.threads, args.tiny) for m in models
+            for mode in modes]  # fmt: skip
+    result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "threads": args.threads, "repeats": args.repeats, "runs": runs}  # fmt: skip
+    print(write_report(result, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
