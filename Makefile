@@ -25,8 +25,9 @@ dlrm: $(STAMP)  ## DLRM smoke: CoMERA and dense on generated Criteo-format data 
 codebert: $(STAMP)  ## CodeBERT smoke: CoMERA and dense MLM on the stdlib (CPU, ~5 min), then reports/codebert.md
 	$(BIN)/python -m experiments.codebert.report --bench-json reports/codebert_bench.json
 
-efficiency: $(STAMP)  ## the paper's Figure 1 on CPU: CoMERA vs dense vs GaLore, batch 1-64 (~20 min), reports/efficiency.md
+efficiency: $(STAMP)  ## the paper's Figure 1 on CPU (~20 min), then eager vs sync_free vs compile steps (~15 min)
 	$(BIN)/python -m experiments.efficiency
+	$(BIN)/python -m experiments.step_modes
 
 bench: $(STAMP)  ## core, loader and MNLI-step benchmarks (write reports/)
 	$(BIN)/python -m comera.bench
@@ -40,6 +41,7 @@ test: $(STAMP)  ## lint, format check, then the whole test suite
 gpu-check: $(STAMP)  ## on a CUDA machine: GPU-path tests, then the MNLI step benchmark on the GPU
 	$(BIN)/python -m pytest -q tests/test_gpu.py -rs
 	$(BIN)/python -m experiments.mnli --bench --device cuda
+	$(BIN)/python -m experiments.step_modes --device cuda --modes sync_free,compile,cuda_graph --out reports/gpu
 
 format: $(STAMP)
 	$(BIN)/ruff format .

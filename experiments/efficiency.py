@@ -122,6 +122,9 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
         "GaLore keeps the dense weights, their gradients and the activations; it saves only "
         "optimizer state (Adam moments of rank-128 projections instead of full matrices). "
         "CoMERA's weights, gradients and moments are all tensor-train sized.",
+        "",
+        "How a step runs (eager, sync-free, compiled, CUDA graphs) is measured separately: "
+        "[step_modes.md](step_modes.md) (`python -m experiments.step_modes`).",
     ]
     text = "\n".join(lines) + "\n"
     (out_dir / "efficiency.md").write_text(text)

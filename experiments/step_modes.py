@@ -30,11 +30,13 @@ from comera.train.measures import peak_memory_mb, rss_mb
 __all__ = ["MODES", "main", "worker"]
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
-MODES = ("eager", "sync_free", "compile")
+MODES = ("eager", "sync_free", "compile", "cuda_graph")
 MODELS = ("smoke", "paper")
 
 
-def worker(model: str, mode: str, repeats: int, threads: int, tiny: bool = False) -> dict:
+def worker(
+    model: str, mode: str, repeats: int, threads: int, tiny: bool = False, device: str = "cpu"
+) -> dict:
     """Time the trainer's step for one (model, mode) in this process."""
     from comera.training import Trainer
     from experiments import mnli
@@ -51,7 +53,12 @@ def worker(model: str, mode: str, repeats: int, threads: int, tiny: bool = False
         p.batch_size = min(p.batch_size, 8)
     p.data = dataclasses.replace(p.data, generated_train=max(4 * p.batch_size, 256),
                                  generated_eval=32)  # fmt: skip
-    p.train = dataclasses.replace(p.train, step_mode=mode, wandb="disabled", progress=False)
+    p.train = dataclasses.replace(
+        p.train, step_mode=mode, wandb="disabled", progress=False, device=device
+    )
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
     task, params, state, _ = mnli.build(p)
     trainer = Trainer(p.train, task, params, state, copy=False)
     it = iter(task.train_iter)
@@ -75,15 +82,18 @@ def worker(model: str, mode: str, repeats: int, threads: int, tiny: bool = False
         "step_s": statistics.median(times),
         "step_s_all": times,
         "peak_mb": peak_memory_mb(trainer.device) - base,
+        "device": device,
         "loss": loss,
         "threads": threads,
     }
 
 
-def run_point(model: str, mode: str, repeats: int, threads: int, tiny: bool = False) -> dict:
+def run_point(
+    model: str, mode: str, repeats: int, threads: int, tiny: bool = False, device: str = "cpu"
+) -> dict:
     """:func:`worker` in a fresh process."""
     cmd = [sys.executable, "-m", "experiments.step_modes", "--worker", model, mode,
-           "--repeats", str(repeats), "--threads", str(threads)]  # fmt: skip
+           "--repeats", str(repeats), "--threads", str(threads), "--device", device]  # fmt: skip
     cmd += ["--tiny"] if tiny else []
     print(f"step modes: {model} / {mode} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -100,7 +110,8 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
         "# Step modes: eager vs sync-free vs torch.compile (CPU)",
         "",
         f"`python -m experiments.step_modes` on {result['date']}, torch {result['torch']}, "
-        f"{result['threads']} CPU threads, glibc malloc as found. The trainer's `train_step` "
+        f"device {result.get('device', 'cpu')}, {result['threads']} CPU threads, glibc malloc "
+        "as found. The trainer's `train_step` "
         "(CoMERA, early stage, AdamW) on the generated MNLI task; a fresh process per row; "
         f"median of {result['repeats']} steps after three untimed ones.",
         "",
@@ -117,8 +128,14 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
         "",
         "`vs eager` is eager's step time over this mode's (above 1: faster). `first step` "
         "includes compilation for `compile`; it is paid again after every compaction (the "
-        "parameter shapes change), not after a prune. `cuda_graph` needs a GPU and is not "
-        "measured here.",
+        "parameter shapes change), not after a prune. `peak MB` is the process's peak above "
+        "its baseline (CPU: peak RSS, compilation included; CUDA: the allocator's peak). "
+        "`cuda_graph` runs on a GPU only (`--device cuda`).",
+        "",
+        "The trainer's default stays `eager`: `compile` is faster per step, but its "
+        "compilation is paid at the start and after every compaction and it raises the peak "
+        "memory; it pays for itself only in long runs where memory is not the constraint "
+        "(README, Step modes).",
         "",
     ]
     md = "\n".join(lines)
@@ -129,29 +146,35 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.step_modes", description=__doc__)
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: smoke,paper")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated step modes")
+    ap.add_argument("--modes", default="eager,sync_free,compile", help=f"comma-separated: {MODES}")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (for cuda_graph)")
     ap.add_argument("--out", type=Path, default=REPORTS)
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.repeats, args.threads, args.tiny)))
+        result = worker(*args.worker, args.repeats, args.threads, args.tiny, args.device)
+        print(json.dumps(result))
         return 0
     models = [m for m in args.models.split(",") if m]
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in models if m not in MODELS] + [m for m in modes if m not in MODES]
+    if "cuda_graph" in modes and not args.device.startswith("cuda"):
+        print("step_modes: --modes cuda_graph needs --device cuda", file=sys.stderr)
+        return 2
     if bad or args.repeats < 1:
         print(f"step_modes: unknown model or mode {bad} (models {MODELS}, modes {MODES}), "
               "or --repeats < 1", file=sys.stderr)  # fmt: skip
         return 2
     if "eager" not in modes:
         modes.insert(0, "eager")  # every ratio is against it
-    runs = [run_point(m, mode, args.repeats, args.threads, args.tiny) for m in models
-            for mode in modes]  # fmt: skip
+    runs = [run_point(m, mode, args.repeats, args.threads, args.tiny, args.device)
+            for m in models for mode in modes]  # fmt: skip
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-              "threads": args.threads, "repeats": args.repeats, "runs": runs}  # fmt: skip
+              "threads": args.threads, "repeats": args.repeats, "device": args.device,
+              "runs": runs}  # fmt: skip
     print(write_report(result, args.out))
     return 0
 

@@ -221,3 +221,18 @@ def test_shared_input_tt_linears_equal_separate_calls(ranks: tuple[int, ...]) ->
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="expects a last dim of 64"):
         C.tt_linear_shared_input(layers, torch.randn(3, 32))
+
+
+def test_step_modes_bench_writes_its_table(tmp_path) -> None:
+    """The step-mode bench runs the trainer's step per mode in fresh processes and
+    writes the ratios against eager (tiny sizes: this checks the plumbing, not speed)."""
+    from experiments import step_modes
+
+    argv = ["--models", "smoke", "--modes", "sync_free", "--repeats", "1", "--tiny"]
+    assert step_modes.main([*argv, "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "step_modes.json").read_text())
+    assert [r["mode"] for r in result["runs"]] == ["eager", "sync_free"]  # eager added
+    assert all(r["step_s"] > 0 and r["peak_mb"] > 0 for r in result["runs"])
+    md = (tmp_path / "step_modes.md").read_text()
+    assert "| smoke | 8 x 16 | sync_free |" in md
+    assert step_modes.main(["--modes", "turbo"]) == 2
