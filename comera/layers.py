@@ -8,7 +8,8 @@ weight unless the chosen strategy says so.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -22,7 +23,13 @@ from comera.plans import (
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
 from comera.tensor_train import Params, State, gated_cores
 
-__all__ = ["EMBEDDING_IMPLS", "tt_linear", "tt_linear_shared_input", "ttm_embedding"]
+__all__ = [
+    "EMBEDDING_IMPLS",
+    "sync_free_lookups",
+    "tt_linear",
+    "tt_linear_shared_input",
+    "ttm_embedding",
+]
 
 EMBEDDING_IMPLS = ("optimized", "naive", "static")
 
@@ -35,9 +42,24 @@ def _is_batched(t: torch.Tensor) -> bool:
     return bool(torch._C._functorch.is_batchedtensor(t))
 
 
+_SYNC_FREE = [False]  # set by sync_free_lookups(); a list: no ContextVar (dynamo cannot trace it)
+
+
+@contextmanager
+def sync_free_lookups() -> Iterator[None]:
+    """Within this block ``impl="optimized"`` lookups run as ``"static"`` (no host sync):
+    :class:`comera.train.sync_free.SyncFreeStep` wraps its step in it."""
+    before, _SYNC_FREE[0] = _SYNC_FREE[0], True
+    try:
+        yield
+    finally:
+        _SYNC_FREE[0] = before
+
+
 def _graph_capture() -> bool:
-    """True while ``torch.compile`` traces or a CUDA graph captures this code."""
-    if torch.compiler.is_compiling():
+    """True while ``torch.compile`` traces, a CUDA graph captures this code, or a
+    :func:`sync_free_lookups` block is open."""
+    if torch.compiler.is_compiling() or _SYNC_FREE[0]:
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -243,11 +265,11 @@ def ttm_embedding(
             f"{name}: ids are on {ids.device} but the cores are on {cores[0].device}; "
             f"move them with ids.to({str(cores[0].device)!r})"
         )
+    if max_unique is not None and (impl != "static" or max_unique < 1):
+        raise ValueError(f"{name}: max_unique={max_unique} needs impl='static' and a value >= 1")
     if impl == "optimized" and _graph_capture():
         impl = "static"  # torch.unique would sync (CUDA graphs) or break the graph
     batched = _is_batched(ids)
-    if max_unique is not None and (impl != "static" or max_unique < 1):
-        raise ValueError(f"{name}: max_unique={max_unique} needs impl='static' and a value >= 1")
     if impl == "static" and not batched:
         if ids.numel():
             torch._assert_async(

@@ -190,3 +190,9 @@ def test_hub_source_prepares_one_sub_dataset_per_config(tmp_path: Path, monkeypa
     assert all(c[0] == "code_search_net" and c[3] == "func_code_string" for c in calls)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/heldout/loss" in r for r in rows)
+
+
+def test_masked_lm_refuses_compiled_and_graphed_steps(tmp_path: Path, capsys) -> None:
+    for mode in ("compile", "cuda_graph"):
+        assert main(_argv(tmp_path, mode, "--step-mode", mode)) == 2
+        assert "cannot run the masked LM" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -355,3 +356,15 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
             assert a[key] == pytest.approx(b[key], abs=2e-3), key
     losses = {w: [r["loss"] for r in rows[w] if "loss" in r] for w in rows}
     assert losses[1] == pytest.approx(losses[2], rel=1e-4)
+
+
+def test_step_modes_on_dlrm(tmp_path: Path, capsys) -> None:
+    """The reference's SGD under ``sync_free`` trains with dense embedding gradients (the
+    sync-free step refuses sparse ones); CUDA graphs are refused in one line."""
+    run = tmp_path / "sgd"
+    argv = ["--run-dir", str(run), "--dense", "--set", "train.optimizer=sgd"]
+    assert _cli(tmp_path, *argv, "--step-mode", "sync_free") == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    assert _cli(tmp_path, "--run-dir", str(tmp_path / "g"), "--step-mode", "cuda_graph") == 2
+    assert "cannot run DLRM" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -85,9 +85,10 @@ class _PureToy(ToyTask):
     otherwise be specialized to, and recompiled for, every call count)."""
 
     def loss(self, params, state, batch, *, train):
-        x, y = batch
+        dev = params["lin"]["cores"][0].device  # the batches are made on the CPU
+        x, y = (t.to(dev, non_blocking=True) for t in batch)
         pred = C.tt_linear(params["lin"], state["lin"], x)
-        return (pred - y).pow(2).sum(), len(y), {"accuracy": torch.zeros(())}
+        return (pred - y).pow(2).sum(), len(y), {"accuracy": pred.new_zeros(())}
 
 
 def test_compiled_step_is_one_graph_and_equals_sync_free(tmp_path, monkeypatch):
@@ -128,3 +129,29 @@ def test_cli_step_mode_flags(tmp_path, capsys):
     rc = [*fast, "--run-dir", str(tmp_path / "r"), "--compile", "--recompute"]
     assert mnli.main([*rc, "--set", "model.dropout=0.1"]) == 2
     assert "model.recompute with dropout cannot be compiled" in capsys.readouterr().err
+
+
+class _HugeGradTask(_PureToy):
+    """A finite loss whose gradient norm overflows from the fourth call on."""
+
+    calls = 0
+
+    def loss(self, params, state, batch, *, train):
+        s, n, metrics = super().loss(params, state, batch, train=train)
+        type(self).calls += 1
+        return (s * 1e30 if type(self).calls >= 4 else s), n, metrics
+
+
+def test_sync_free_inf_gradient_norm_without_clipping_updates_nothing(tmp_path):
+    """g * g overflows in the second moment: the gated update must still be a no-op."""
+    _HugeGradTask.calls = 0
+    tr = Trainer(_cfg(tmp_path, step_mode="sync_free", grad_clip=None), _HugeGradTask(),
+                 *_toy_model())  # fmt: skip
+    it = iter(tr.task.train_iter)
+    for _ in range(3):
+        tr.train_step(next(it))
+    before = [t.clone() for t in tree_flatten([tr.params, tr.opt["m"], tr.opt["v"]])[0]]
+    with pytest.raises(NonFiniteLoss, match="gradient norm is inf at step 4"):
+        tr.train_step(next(it))
+    after = tree_flatten([tr.params, tr.opt["m"], tr.opt["v"]])[0]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))

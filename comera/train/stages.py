@@ -115,6 +115,8 @@ class StageController:
         if self.targets["size"] <= 0:
             return one, None, {"size": size.detach()}
         l0, s0 = self.targets["loss"], self.targets["size"]
+        if l0 <= 0:  # what late_weights refuses, said here rather than as a NaN later
+            raise ValueError(f"late stage targets must be > 0, got loss_target={l0}")
         gap_loss = (loss - l0) / l0
         gap_size = (size.detach().double() - s0) / s0
         on_size = (gap_loss < gap_size).double()

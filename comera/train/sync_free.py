@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from comera.layers import sync_free_lookups
 from comera.optim import GROUPS, leaf_groups
 from comera.train.config import STEP_MODES
 from comera.train.distributed import sum_across_ranks
@@ -51,6 +52,13 @@ def _scalar(x: Any, dev: torch.device) -> torch.Tensor:
     (allowed while a CUDA graph captures, where its value is then fixed: counts that are
     Python numbers must depend on the batch's shapes only, as ``len(labels)`` does)."""
     if isinstance(x, torch.Tensor):
+        if x.device != dev and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                f"train.step_mode='cuda_graph': the task returned a loss term, count or "
+                f"metric on {x.device}, which a CUDA graph cannot copy; return it on {dev} "
+                "(or as a Python number fixed by the batch's shapes), or use "
+                "train.step_mode='sync_free'"
+            )
         return x.to(device=dev, dtype=torch.float64)
     return torch.full((), float(x), dtype=torch.float64, device=dev)
 
@@ -141,6 +149,8 @@ class SyncFreeStep:
             torch._foreach_mul_(grads, (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0).float())
         for g in grads:  # a no-op step must not pull NaN into the moments
             g.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        # finite but huge entries (g * g overflowing) would still give inf * 0 = NaN there
+        torch._foreach_mul_(grads, ok.to(grads[0].dtype) if grads else ok)
         self._update(leaves, grads, m, v, ok, lr_scale_t, adam_step_t)
         obj_keys = sorted(obj_metrics)
         out = torch.stack(
@@ -223,6 +233,10 @@ class SyncFreeStep:
         return self.tr.params, self.tr.state, opt.get("m", {}), opt.get("v", {})
 
     def _run(self, batches: tuple) -> torch.Tensor:
+        with sync_free_lookups():
+            return self._run_mode(batches)
+
+    def _run_mode(self, batches: tuple) -> torch.Tensor:
         params, state, m, v = self._tensors()
         if self.mode == "sync_free":
             out, self._keys = self._work(params, state, m, v, batches, self._host)
@@ -239,9 +253,15 @@ class SyncFreeStep:
     def _replay(self, params: Any, state: Any, m: Any, v: Any, batches: tuple) -> torch.Tensor:
         """CUDA graphs: warm up eagerly on a side stream, capture, then replay with the
         batch copied into the graph's static inputs."""
-        batch_leaves, _ = tree_flatten(batches)
+        leaves, _ = tree_flatten(batches)
+        batch_leaves = [b for b in leaves if isinstance(b, torch.Tensor)]
         shapes = tuple((tuple(b.shape), b.dtype) for b in batch_leaves)
-        key = (self.tr.stage, shapes)
+        # non-tensor leaves are baked into the graph: a new value is a new graph
+        key = (
+            self.tr.stage,
+            shapes,
+            tuple(repr(b) for b in leaves if not isinstance(b, torch.Tensor)),
+        )
         if key in self._graphs:
             graph, static_leaves, out = self._graphs[key]
             for dst, src in zip(static_leaves, batch_leaves, strict=True):
@@ -257,7 +277,7 @@ class SyncFreeStep:
             torch.cuda.current_stream().wait_stream(side)
             return out
         static = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, batches)
-        static_leaves, _ = tree_flatten(static)
+        static_leaves = [t for t in tree_flatten(static)[0] if isinstance(t, torch.Tensor)]
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
@@ -293,7 +313,7 @@ class SyncFreeStep:
         if ident != self._identity:
             self._graphs.clear()
             self._warm.clear()
-            if self._compiled is not None:
+            if self._compiled is not None:  # process-wide: other compiled code is dropped too
                 torch._dynamo.reset()
                 self._compiled = None
             self._identity = ident

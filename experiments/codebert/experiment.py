@@ -99,6 +99,12 @@ class Preset:
     batch_size: int = 16  # rows per rank per micro-batch
 
     def __post_init__(self) -> None:
+        if self.train.step_mode in ("compile", "cuda_graph"):
+            raise ValueError(
+                f"train.step_mode={self.train.step_mode!r} cannot run the masked LM: the "
+                "masked positions (and so the loss's shapes) change with every batch; use "
+                "--step-mode eager or sync_free"
+            )
         check_step_mode(self.model, self.train.step_mode)
 
 

@@ -48,6 +48,12 @@ class Preset:
     eval_batch_size: int = 16384
 
     def __post_init__(self) -> None:
+        if self.train.step_mode == "cuda_graph":
+            raise ValueError(
+                "train.step_mode='cuda_graph' cannot run DLRM: the table-batched TTM lookup "
+                "sizes its work from the ids on the host; use --step-mode eager, sync_free "
+                "or compile"
+            )
         if self.batch_size < 1 or self.eval_batch_size < 1:
             raise ValueError(
                 f"Preset: batch_size and eval_batch_size must be >= 1, got {self.batch_size}, "
@@ -152,7 +158,9 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
         eval_rows=p.data.eval_rows,
         eval_batch_size=p.eval_batch_size,
         plans=p.plans,
-        sparse=p.train.optimizer == "sgd" and world == 1,
+        # sparse gradients need the eager step; other step modes take dense ones, as
+        # several ranks do
+        sparse=p.train.optimizer == "sgd" and world == 1 and p.train.step_mode == "eager",
         device=p.train.device,
     )
     params, state = init_dlrm(model, generator=torch.Generator().manual_seed(p.train.seed))
