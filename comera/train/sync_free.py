@@ -16,8 +16,8 @@ decision kept on the device:
 Modes (``train.step_mode``): ``sync_free`` runs it eagerly (the reference the other two
 are tested against); ``compile`` wraps it in ``torch.compile``; ``cuda_graph`` captures
 it once per set of tensors and batch shapes and replays it. Prunes, compactions and
-checkpoint restores replace the model's tensors: the step notices (it keys its graphs on
-the tensors' identities) and rebuilds, dropping the old graphs.
+checkpoint restores replace the model's tensors: a CUDA graph is rebuilt when any tensor
+is replaced, compiled code when a shape changes (a compaction, not a prune).
 
 Supported: AdamW and SGD with dense gradients (a sparse gradient is refused with the flag
 to change), any number of micro-batches, data parallelism (the reduction stays on the
