@@ -160,7 +160,11 @@ def test_bench_plumbing_on_a_toy_model(tmp_path: Path) -> None:
                 "step_time_ratio_vs_dense_half_ranks",
                 "peak_memory_ratio_vs_dense_mmap_threshold_1m"):  # fmt: skip
         assert figures[key] > 0, key
-    assert len(figures["runs"]) == 7
+    assert len(figures["runs"]) == 7 + 2 * (bench.MEMORY_REPEATS - 1)
+    peaks = figures["peak_memory_b1_mb_runs"]
+    assert len(peaks["comera"]) == len(peaks["dense"]) == bench.MEMORY_REPEATS
+    median = sorted(peaks["comera"])[1] / sorted(peaks["dense"])[1]  # three runs each
+    assert figures["peak_memory_ratio_vs_dense"] == pytest.approx(median)
     batch = bench.packed_batch(3, 100, seq=512)
     assert batch["input_ids"].shape == (3, 512) and (batch["segment_ids"] > 0).all()
     assert batch["input_ids"].min() >= 5  # no special token among the inputs

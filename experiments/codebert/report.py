@@ -143,7 +143,15 @@ def _bench_section(b: dict) -> list[str]:
         "|---|---|---|---|",
         row("step_time_ratio_vs_dense", "base, batch 8"),
         row("step_time_ratio_vs_dense_half_ranks", "base, batch 8, every rank halved"),
-        row("peak_memory_ratio_vs_dense", "base, batch 1"),
+        row(
+            "peak_memory_ratio_vs_dense",
+            "base, batch 1"
+            + (
+                f", median peaks of {len(b['peak_memory_b1_mb_runs']['comera'])} processes each"
+                if "peak_memory_b1_mb_runs" in b
+                else ""
+            ),
+        ),
         row(
             "peak_memory_ratio_vs_dense_mmap_threshold_1m",
             "batch 1, glibc's mmap threshold fixed at 1 MiB",
