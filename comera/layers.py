@@ -248,9 +248,8 @@ def ttm_embedding(
     which cannot overflow) and the range check is a device-side assert, so a whole train
     step can be captured as a CUDA graph or compiled by ``torch.compile`` without a
     break; ``optimized`` switches to it by itself under either. All three give the same
-    values and gradients. With ``spec`` the range check
-    uses the real vocabulary size (ids in the padding are rejected) and errors name the
-    layer.
+    values and gradients. With ``spec`` the range check uses the real vocabulary size
+    (ids in the padding are rejected) and errors name the layer.
     """
     name = spec.label if spec is not None else "ttm_embedding"
     if impl not in EMBEDDING_IMPLS:

@@ -139,6 +139,10 @@ class SGDConfig:
                 f"{self.lr_gates}"
             )
 
+    def lr_for(self, group: str) -> float:
+        """The learning rate of a leaf group (``gates`` may have its own)."""
+        return self.lr_gates if group == "gates" and self.lr_gates is not None else self.lr
+
 
 @torch.no_grad()
 def sgd_step(
@@ -157,6 +161,5 @@ def sgd_step(
     for p, g, group in zip(leaves, grads, groups, strict=True):
         if g is None or not p.numel():
             continue
-        lr = cfg.lr_gates if group == "gates" and cfg.lr_gates is not None else cfg.lr
-        p.add_(g, alpha=-lr * lr_scale)
+        p.add_(g, alpha=-cfg.lr_for(group) * lr_scale)
     return {**opt, "step": opt["step"] + 1, "groups": groups}

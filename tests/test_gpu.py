@@ -129,11 +129,7 @@ def test_static_embedding_lookup_never_syncs():
 
 def _graph_trainer(tmp_path, mode, steps):
     """The trainer tests' toy task on CUDA, through prunes, compaction and the late stage."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_sync_free import STAGES, _PureToy
+    from test_sync_free import STAGES, _PureToy  # tests/ is on sys.path, as for every test
     from train_helpers import _cfg, _toy_model
 
     from comera.training import Trainer

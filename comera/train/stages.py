@@ -98,9 +98,9 @@ class StageController:
         ``loss`` is the global mean loss as a device scalar and ``gamma`` the regularizer's
         weight this step (0 before ``reg_start_step``), filled by the host. Returns the
         loss weight, the parameter term and metrics as tensors; ``metrics["@term"]`` is
-        the term's value (for the logged objective). The late stage's branch is a
-        ``torch.where`` on the device instead of an ``if`` on the host; the branch taken
-        is the same."""
+        the term's value (for the logged objective). The late stage's branch is a 0/1
+        device scalar weighting both weights instead of an ``if`` on the host; the branch
+        taken is the same."""
         c = self.cfg
         one = torch.ones((), dtype=torch.float64, device=loss.device)
         if self.stage == "dense":

@@ -184,9 +184,7 @@ class SyncFreeStep:
         groups = self.tr.opt.get("groups") or leaf_groups(self.tr.params)
         if cfg.optimizer == "sgd":
             for p, g, group in zip(leaves, grads, groups, strict=True):
-                sg = cfg.sgd
-                lr = sg.lr_gates if group == "gates" and sg.lr_gates is not None else sg.lr
-                p.sub_(g * (lr * lr_scale_t * okf).to(g.dtype))
+                p.sub_(g * (cfg.sgd.lr_for(group) * lr_scale_t * okf).to(g.dtype))
             return
         o = cfg.optim
         ms, _ = tree_flatten(m)
@@ -298,7 +296,7 @@ class SyncFreeStep:
         params, state, m, v = self._tensors()
         leaves = [*tree_flatten((params, state, m, v))[0]]
         if self.mode == "compile":
-            if any(t.dim() == 0 for t in tree_flatten((params, m, v))[0]):
+            if any(t.dim() == 0 for t in leaves):  # rank masks are never 0-dim
                 raise ValueError(
                     "train.step_mode='compile' cannot update 0-dim parameters in place "
                     "(torch.compile drops in-place changes to 0-dim inputs); give them "
@@ -337,9 +335,9 @@ class SyncFreeStep:
         keys = self._keys or []
         loss_sum, count, gnorm, ok, *rest = out
         named = dict(zip(keys, rest, strict=True))
-        loss_value = loss_sum / count if count > 0 else float("nan")
         if count <= 0:
             raise ValueError(f"step {step}: the global batch has no loss terms (count 0)")
+        loss_value = loss_sum / count
         if not ok:
             what, value = (
                 ("loss", loss_value)
