@@ -27,7 +27,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from comera.layers import _gather, _pair_cores
 from comera.spec import TTMEmbeddingSpec
@@ -67,17 +66,86 @@ def _gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 _BLOCK_BYTES = 8 << 20  # gathered core slices per block: cache-sized, not batch-sized
 
 
-def _chain_block(tables: list[torch.Tensor], rows_idx: list[torch.Tensor]) -> torch.Tensor:
-    """Rows for one block of unique rows: gather each core's slices, chain with batched
-    GEMMs -> ``(rows, D)``."""
-    acc = _gather_rows(tables[0], rows_idx[0])  # (U, 1, D_1, r_1)
-    u = acc.shape[0]
-    acc = acc.reshape(u, -1, acc.shape[3])  # (U, D_acc, r)
-    for core, idx in zip(tables[1:], rows_idx[1:], strict=True):
-        sl = _gather_rows(core, idx)  # (U, r, d, r')
-        _, r, d, r2 = sl.shape
-        acc = torch.bmm(acc, sl.reshape(u, r, d * r2)).reshape(u, -1, r2)  # (U, D_acc*d, r')
-    return acc.reshape(u, -1)
+def _block_rows(tables: list[torch.Tensor]) -> int:
+    """Unique rows per block: the largest gathered slice of a block fits in
+    :data:`_BLOCK_BYTES` (at least 256 rows)."""
+    slice_bytes = max(t[0].numel() for t in tables) * tables[0].element_size()
+    return max(256, _BLOCK_BYTES // max(slice_bytes, 1))
+
+
+def _chain_forward(
+    tables: list[torch.Tensor], idx: list[torch.Tensor], *, last: bool = True
+) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
+    """One block: gather each core's slices and chain them with batched GEMMs. Returns
+    the rows ``(U, D)`` (``None`` when ``last`` is False: the backward skips the last
+    GEMM), the gathered slices ``(U, r, d*r')`` and the partial products ``(U, D_acc, r)``
+    that enter each GEMM."""
+    u = len(idx[0])
+    slices = [
+        _gather_rows(t, i).reshape(u, t.shape[1], -1) for t, i in zip(tables, idx, strict=True)
+    ]
+    acc = slices[0].reshape(u, -1, tables[0].shape[3])  # (U, D_1, r_1): r_0 is 1
+    accs = [acc]
+    for sl, core in zip(slices[1:-1], tables[1:-1], strict=True):
+        acc = torch.bmm(acc, sl).reshape(u, -1, core.shape[3])  # (U, D_acc*d, r')
+        accs.append(acc)
+    if not last or len(slices) == 1:
+        return (acc.reshape(u, -1) if last else None), slices, accs
+    return torch.bmm(acc, slices[-1]).reshape(u, -1), slices, accs
+
+
+class _GatheredChain(torch.autograd.Function):
+    """Rows of a TTM chain over gathered core slices, block by block.
+
+    Forward keeps nothing batch-sized: the backward regathers each block's slices
+    (cheap), recomputes its partial products, and adds the slices' gradients straight
+    into one gradient buffer per core with ``index_add_``. Autograd over the same ops
+    would keep the gathered slices of every block (the lookup's largest activations),
+    and recomputing them per block (checkpointing) would build a full-table gradient per
+    block and sum them."""
+
+    @staticmethod
+    def forward(ctx, n_tables: int, *args: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        tables, idx = list(args[:n_tables]), list(args[n_tables:])
+        ctx.n_tables = n_tables
+        ctx.save_for_backward(*tables, *idx)
+        u, block = len(idx[0]), _block_rows(tables)
+        dim = math.prod(int(t.shape[2]) for t in tables)
+        out = tables[0].new_empty(u, dim)
+        for lo in range(0, u, block):
+            rows, _, _ = _chain_forward(tables, [i[lo : lo + block] for i in idx])
+            out[lo : lo + block] = rows
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        n = ctx.n_tables
+        tables, idx = list(saved[:n]), list(saved[n:])
+        grads = [
+            torch.zeros_like(t).reshape(t.shape[0], -1) if ctx.needs_input_grad[1 + k] else None
+            for k, t in enumerate(tables)
+        ]
+        u, block = len(idx[0]), _block_rows(tables)
+        for lo in range(0, u, block):
+            bidx = [i[lo : lo + block] for i in idx]
+            _, slices, accs = _chain_forward(tables, bidx, last=False)
+            g = grad[lo : lo + block]
+            b = g.shape[0]
+            for k in range(n - 1, 0, -1):  # through GEMM k: acc_{k} = acc_{k-1} @ slice_k
+                g = g.reshape(b, accs[k - 1].shape[1], -1)  # (U, D_acc, d*r')
+                if grads[k] is not None:
+                    # acc^T @ g, computed as (g^T @ acc)^T: far faster with these shapes
+                    gs = torch.bmm(g.transpose(1, 2), accs[k - 1]).transpose(1, 2)
+                    grads[k].index_add_(0, bidx[k], gs.reshape(b, -1))
+                g = torch.bmm(g, slices[k].transpose(1, 2))  # (U, D_acc, r)
+            if grads[0] is not None:
+                grads[0].index_add_(0, bidx[0], g.reshape(b, -1))
+        out = [
+            None if gr is None else gr.reshape(t.shape) for gr, t in zip(grads, tables, strict=True)
+        ]
+        return (None, *out, *([None] * len(idx)))
 
 
 def _lookup_group(cores_per_table: list[list[torch.Tensor]], ids: torch.Tensor) -> torch.Tensor:
@@ -111,21 +179,7 @@ def _lookup_group(cores_per_table: list[list[torch.Tensor]], ids: torch.Tensor) 
         sizes = torch.tensor([c.shape[1] for c in mine], device=dev)
         tables.append(_concat_cores(mine))
         rows_idx.append((torch.cumsum(sizes, 0) - sizes)[tab] + digit)
-    u = len(uniq)
-    slice_bytes = max(t[0].numel() for t in tables) * tables[0].element_size()
-    block = max(256, _BLOCK_BYTES // max(slice_bytes, 1))
-    # Recompute each block's gathered slices in backward instead of keeping them: the
-    # slices are the lookup's largest activations (bytes per row x unique rows), the
-    # gathers that rebuild them are cheap.
-    remat = torch.is_grad_enabled() and any(t.requires_grad for t in tables)
-    out = []
-    for lo in range(0, u, block):
-        idx = [i[lo : lo + block] for i in rows_idx]
-        if remat:
-            out.append(checkpoint(_chain_block, tables, idx, use_reentrant=False))
-        else:
-            out.append(_chain_block(tables, idx))
-    acc = torch.cat(out) if len(out) != 1 else out[0]  # (U, D)
+    acc = _GatheredChain.apply(len(tables), *tables, *rows_idx)  # (U, D)
     return _gather(acc, inverse).reshape(n, t, -1)
 
 

@@ -167,7 +167,9 @@ def _mlp(
         else:
             x = F.linear(x, p["weight"], p["bias"])
         if i < len(layers) - 1 or last_relu:
-            x = torch.relu(x)
+            # in place: a linear's backward needs its input, not its output, so the ReLU
+            # can overwrite it (one (B, width) buffer per layer instead of two)
+            x = torch.relu_(x)
     return x
 
 
@@ -197,8 +199,8 @@ def embed(
             cat[:, tt_cols],
             specs=[specs[n] for n in names] if specs else None,
         )  # (B, T_tt, D)
-        for j, i in enumerate(tt_cols):
-            out[i] = rows[:, j]
+        for i, r in zip(tt_cols, rows.unbind(1), strict=True):  # one gradient buffer, not T
+            out[i] = r
     else:
         for i in tt_cols:
             name = cfg.names[i]
