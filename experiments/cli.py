@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 import comera as C
+from comera.malloc import restart_for
 from comera.train import CheckpointError, NonFiniteLoss, Trainer, init_distributed
 from comera.train.config import STEP_MODES
 from comera.tree import iter_tt
@@ -290,7 +291,8 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
         dest="cpu_malloc",
         choices=C.CPU_MALLOC_POLICIES,
         help="CPU allocator policy: default (glibc as found), keep (faster, more resident "
-        "memory), release (least memory, slower)",
+        "memory), release (least memory, slower), lean (release on huge pages; the command "
+        "restarts itself once to enable them)",
     )
     ap.add_argument(
         "--step-mode",
@@ -539,6 +541,7 @@ def summary_table(name: str, kind: str, out: dict, steps: int) -> str:
 
 def main(exp: Experiment, argv: list[str] | None = None) -> int:
     """Parse, resolve, run; user errors become one line on stderr and exit status 2."""
+    from_command_line = argv is None  # only a command may re-execute itself
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser(exp)
     try:
@@ -546,6 +549,8 @@ def main(exp: Experiment, argv: list[str] | None = None) -> int:
         if getattr(args, "bench", False):
             return exp.bench(args)  # type: ignore[misc]
         cfg = resolve_config(exp, args, ap)
+        if from_command_line and torch.device(cfg.train.device).type == "cpu":
+            restart_for(cfg.train.cpu_malloc)  # lean: re-executed with huge pages enabled
         run = prepare(exp, cfg, resume=args.resume is not None, argv=argv)
     except (CLIError, CheckpointError, FileNotFoundError, *exp.user_errors) as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)

@@ -12,3 +12,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_malloc_not_applied(monkeypatch):
+    """Training applies ``train.cpu_malloc`` to the whole process and no policy can be
+    undone, so in the test process it is checked but not applied (the tests of its effect
+    run child processes)."""
+    import comera.train.loop as loop
+    from comera.malloc import CPU_MALLOC_POLICIES
+
+    def check(policy: str) -> bool:
+        if policy not in CPU_MALLOC_POLICIES:
+            raise ValueError(f"cpu_malloc={policy!r}")
+        return True
+
+    monkeypatch.setattr(loop, "set_cpu_malloc", check)

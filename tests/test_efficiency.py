@@ -23,7 +23,7 @@ FAST += ["--set", "data.generated_train=200", "--set", "data.generated_eval=30"]
 
 
 def test_cpu_malloc_policies_and_errors() -> None:
-    assert C.CPU_MALLOC_POLICIES == ("default", "keep", "release")
+    assert C.CPU_MALLOC_POLICIES == ("default", "keep", "release", "lean")
     assert C.set_cpu_malloc("default")  # changes nothing
     with pytest.raises(ValueError, match="cpu_malloc='fast'.*default"):
         C.set_cpu_malloc("fast")
@@ -52,6 +52,53 @@ print(rss() - before)
                               text=True, check=True, cwd=ROOT)  # fmt: skip
         out[policy] = float(proc.stdout.split()[-1])
     assert out["default"] > 12 and out["release"] < 12, out  # 16 MB kept vs 8 MB
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_lean_policy_restarts_a_command_once_with_huge_pages() -> None:
+    """``restart_for("lean")`` re-executes the command (same interpreter and arguments)
+    with glibc's huge-page tunable where glibc and the kernel offer it, exactly once; the
+    restarted process sees the tunable and does not restart again. Other policies and an
+    already-restarted process return without restarting."""
+    from comera import malloc
+
+    code = """
+import os, sys
+from comera import malloc
+print("start", sys.argv[1], flush=True)
+malloc.restart_for("lean")
+print("hugepages", malloc.hugepages_active(), malloc.needs_restart("lean"))
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "GLIBC_TUNABLES"}
+    env.pop("COMERA_MALLOC_RESTARTED", None)
+    proc = subprocess.run([sys.executable, "-c", code, "arg"], capture_output=True, text=True,
+                          check=True, cwd=ROOT, env=env)  # fmt: skip
+    lines = proc.stdout.split("\n")
+    possible = malloc._hugepages_possible()
+    assert lines.count("start arg") == (2 if possible else 1)  # arguments carried over
+    assert f"hugepages {possible} False" in lines
+    for policy in ("default", "keep", "release"):
+        assert not malloc.needs_restart(policy)
+    with pytest.raises(ValueError, match="cpu_malloc='fast'"):
+        malloc.needs_restart("fast")
+
+
+def test_lean_without_huge_pages_warns_and_runs_as_release(tmp_path, monkeypatch) -> None:
+    import comera.train.loop as loop
+    from experiments.dlrm.experiment import CPU_MALLOC
+    from experiments.dlrm.experiment import main as dlrm_main
+
+    assert CPU_MALLOC == "lean"  # what DLRM trains (and benchmarks) under on CPU
+    applied = []
+    monkeypatch.setattr(loop, "set_cpu_malloc", lambda p: applied.append(p) or True)
+    monkeypatch.setattr(loop, "hugepages_active", lambda: False)
+    run = tmp_path / "d"
+    argv = ["--preset", "smoke", "--wandb", "disabled", "--no-progress", "--run-dir", str(run)]
+    argv += ["--set", "train.steps=2", "--set", "train.eval_every=None"]
+    argv += ["--set", "data.generated_rows=3000", "--set", "model.tt_min_rows=500"]
+    with pytest.warns(UserWarning, match="'lean' runs as 'release'.*GLIBC_TUNABLES"):
+        assert dlrm_main(argv) == 0  # in-process (argv given): never re-executed
+    assert applied == ["lean"]
 
 
 def test_cli_flags_reach_the_config_and_may_change_on_resume(tmp_path, capsys, monkeypatch):

@@ -109,8 +109,10 @@ class TrainConfig:
     keeps no moments, so sparse embedding gradients stay sparse) or ``"galore"`` (``galore``:
     GaLore-AdamW from the galore-torch package, the dense baseline's; lr ``optim.lr_rest``).
     ``cpu_malloc``: the process's CPU allocator policy (``comera.malloc``): ``"default"``
-    (glibc as found), ``"keep"`` (faster steps, resident memory at its high-water mark) or
-    ``"release"`` (lowest resident memory, slower steps); applied when training on CPU.
+    (glibc as found), ``"keep"`` (faster steps, resident memory at its high-water mark),
+    ``"release"`` (lowest resident memory, slower steps) or ``"lean"`` (``release`` on
+    transparent huge pages: nearly its memory at a fraction of its page-fault time);
+    applied when training on CPU.
     ``step_mode``: ``"eager"`` (default: the loop's step, reading the loss on the host),
     ``"sync_free"`` (the same step with every decision on the device), ``"compile"``
     (that step under ``torch.compile``) or ``"cuda_graph"`` (captured and replayed; CUDA

@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from comera.galore import GaLore
-from comera.malloc import set_cpu_malloc
+from comera.malloc import hugepages_active, set_cpu_malloc
 from comera.optim import adamw_init, adamw_step, sgd_step
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig
@@ -107,6 +107,13 @@ class Trainer:
             # process-wide, the same for dense and CoMERA; said when it cannot apply
             warnings.warn(
                 f"train.cpu_malloc={cfg.cpu_malloc!r} has no effect here (not glibc malloc)",
+                stacklevel=2,
+            )
+        elif self.device.type == "cpu" and cfg.cpu_malloc == "lean" and not hugepages_active():
+            warnings.warn(
+                "train.cpu_malloc='lean' runs as 'release' here: huge pages need "
+                "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 at process start (the experiment "
+                "commands restart themselves with it)",
                 stacklevel=2,
             )
         self.run_dir = Path(cfg.run_dir)
