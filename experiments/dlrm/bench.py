@@ -11,12 +11,15 @@ baseline taken before the model is built. Variants, all through the shared train
   AdamW, table-batched lookup, CoMERA early stage (gate regularizer on);
 - ``dense_sgd``: the reference's training: dense tables, SGD with sparse gradients;
 - ``dense_adam``: dense tables under the shared AdamW (dense gradients and moments);
-- ``comera`` and ``dense_sgd`` again with ``MALLOC_MMAP_THRESHOLD_=1048576``: glibc's
-  threshold fixed instead of raised as memory is freed, which shows how much of each peak
-  is freed memory kept by the default allocator (the headline keys are the default's).
+- ``comera`` and ``dense_sgd`` again under glibc's allocator as found
+  (``cpu_malloc=default``), for comparison.
+
+The headline variants run under the allocator policy DLRM trains with on CPU (the
+presets' ``train.cpu_malloc``, ``lean``: see :mod:`comera.malloc`); a variant's process
+restarts itself for it exactly as the experiment's command does.
 
 Batch 10,000; ids drawn per table as ``floor(n * u**3)`` (a heavy head, as Criteo's are);
-step time is the median of the timed steps after one warm-up step. The lookup
+step time is the median of 10 timed steps after one warm-up step. The lookup
 comparison (``embedding_time_ratio_batched_vs_separate``) times the embedding stage
 alone, forward and backward, table-batched vs one call per table, in one process.
 """
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -34,13 +36,21 @@ import time
 
 import torch
 
+from comera.malloc import CPU_MALLOC_POLICIES, hugepages_active, restart_for
 from comera.train.measures import peak_memory_mb, rss_mb
 
 __all__ = ["main", "run_variant"]
 
 BATCH = 10_000
 VARIANTS = ("comera", "dense_sgd", "dense_adam")
-MMAP_TAG = "@mmap_threshold_1m"
+GLIBC_TAG = "@glibc_default"
+
+
+def training_policy() -> str:
+    """The CPU allocator policy DLRM training runs under (its presets' default)."""
+    from experiments.dlrm.experiment import preset
+
+    return preset("smoke").train.cpu_malloc
 
 
 def _batch(cards: tuple[int, ...], n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -53,8 +63,9 @@ def _batch(cards: tuple[int, ...], n: int, seed: int = 0) -> dict[str, torch.Ten
     }
 
 
-def run_variant(variant: str, steps: int = 5) -> dict:
-    """Build the Kaggle-size model of ``variant``, take ``steps + 1`` training steps."""
+def run_variant(variant: str, steps: int = 10, malloc: str = "default") -> dict:
+    """Build the Kaggle-size model of ``variant``, take ``steps + 1`` training steps under
+    the allocator policy ``malloc``."""
     from comera.optim import AdamWConfig
     from comera.train import ComeraConfig, TrainConfig, Trainer
     from experiments.dlrm.model import DLRMConfig, dense_param_count, init_dlrm
@@ -73,6 +84,7 @@ def run_variant(variant: str, steps: int = 5) -> dict:
             optim=AdamWConfig(lr_cores=1e-3, lr_gates=1e-3, lr_rest=1e-3, weight_decay=0.0),
             comera=ComeraConfig(enabled=not dense, early_steps=500),
             grad_clip=None,
+            cpu_malloc=malloc,
             wandb="disabled",
             progress=False,
         )
@@ -97,6 +109,8 @@ def run_variant(variant: str, steps: int = 5) -> dict:
         "step_time_s": statistics.median(times[1:]),
         "peak_rss_mb": peak_memory_mb(torch.device("cpu")) - base,
         "init_s": init_s,
+        "malloc": malloc,
+        "hugepages": hugepages_active(),
     }
 
 
@@ -136,18 +150,16 @@ def embedding_times(repeats: int = 5) -> dict:
 def main(json_out: bool = False) -> int:
     """Run every variant in a fresh process, then the lookup comparison; print figures."""
     results = {}
-    runs = [(v, v, {}) for v in VARIANTS]
-    # the same two with glibc's mmap threshold fixed at 1 MiB (no dynamic raising), to
-    # show how much of the peak is freed memory the default allocator keeps
-    fixed = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    runs += [(f"{v}{MMAP_TAG}", v, fixed) for v in ("comera", "dense_sgd")]
-    for label, v, env in runs:
+    policy = training_policy()
+    runs = [(v, v, policy) for v in VARIANTS]
+    if policy != "default":  # the same two under glibc as found, for comparison
+        runs += [(f"{v}{GLIBC_TAG}", v, "default") for v in ("comera", "dense_sgd")]
+    for label, v, malloc in runs:
         proc = subprocess.run(
-            [sys.executable, "-m", "experiments.dlrm.bench", "--variant", v],
+            [sys.executable, "-m", "experiments.dlrm.bench", "--variant", v, "--malloc", malloc],
             capture_output=True,
             text=True,
             check=False,
-            env={**os.environ, **env},
         )
         if proc.returncode:
             print(proc.stderr, file=sys.stderr)
@@ -163,18 +175,22 @@ def main(json_out: bool = False) -> int:
         "step_time_ratio_vs_dense": c["step_time_s"] / d["step_time_s"],
         "embedding_time_ratio_batched_vs_separate": emb["embedding_batched_s"]
         / emb["embedding_separate_s"],
-        "peak_memory_ratio_vs_dense_mmap_threshold_1m": results[f"comera{MMAP_TAG}"]["peak_rss_mb"]
-        / results[f"dense_sgd{MMAP_TAG}"]["peak_rss_mb"],
-        "step_time_ratio_vs_dense_mmap_threshold_1m": results[f"comera{MMAP_TAG}"]["step_time_s"]
-        / results[f"dense_sgd{MMAP_TAG}"]["step_time_s"],
+        "malloc": policy,
         **emb,
         "variants": results,
         "threads": torch.get_num_threads(),
     }
+    if f"comera{GLIBC_TAG}" in results:
+        cg, dg = results[f"comera{GLIBC_TAG}"], results[f"dense_sgd{GLIBC_TAG}"]
+        figures["peak_memory_ratio_vs_dense_glibc_default"] = cg["peak_rss_mb"] / dg["peak_rss_mb"]
+        figures["step_time_ratio_vs_dense_glibc_default"] = cg["step_time_s"] / dg["step_time_s"]
     if json_out:
         print(json.dumps(figures, indent=1))
     else:
-        print(f"DLRM step at Kaggle table sizes, batch {BATCH}, CPU ({figures['threads']} threads)")
+        print(
+            f"DLRM step at Kaggle table sizes, batch {BATCH}, CPU ({figures['threads']} "
+            f"threads), cpu_malloc={policy}"
+        )
         print("| variant | params | compression | step time (s) | peak RSS above baseline (MB) |")
         print("|---|---|---|---|---|")
         for r in results.values():
@@ -196,9 +212,11 @@ def main(json_out: bool = False) -> int:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", choices=VARIANTS)
+    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.variant:
-        print(json.dumps(run_variant(args.variant)))
+        restart_for(args.malloc)  # as the experiment's command does (lean: huge pages)
+        print(json.dumps(run_variant(args.variant, malloc=args.malloc)))
     else:
         raise SystemExit(main(json_out=args.json))
