@@ -352,6 +352,11 @@ _COMMON = {  # flag dest -> config key
 }
 
 
+# --recompute trades time for activation memory; under glibc as found the memory it frees
+# stays resident as heap holes, so it also selects this policy unless --cpu-malloc is given
+RECOMPUTE_CPU_MALLOC = "lean"
+
+
 def _common_overrides(args: argparse.Namespace, cfg: Any) -> list[tuple[str, Any]]:
     out = [(key, getattr(args, dest)) for dest, key in _COMMON.items()]
     out = [(k, v) for k, v in out if v is not None]
@@ -363,6 +368,8 @@ def _common_overrides(args: argparse.Namespace, cfg: Any) -> list[tuple[str, Any
         if not hasattr(getattr(cfg, "model", None), "recompute"):
             raise CLIError("--recompute: this experiment's model has no encoder blocks; drop it")
         out.append(("model.recompute", True))
+        if args.cpu_malloc is None:
+            out.append(("train.cpu_malloc", RECOMPUTE_CPU_MALLOC))
     if args.no_progress:
         out.append(("train.progress", False))
     if args.plan_for:

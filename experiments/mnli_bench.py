@@ -10,7 +10,10 @@ allocator's peak above what was allocated before the model. Times are medians.
 ``galore`` is the dense model under GaLore-AdamW (galore-torch; rank 128, projection
 refreshed every 200 steps, scale 0.25: the GaLore paper's settings, the paper's Figure 1
 baseline). ``comera_recompute`` and ``dense_recompute`` (batch 32) recompute every block in
-backward (``--recompute``); the allocator is glibc as found, the training default.
+backward (``--recompute``). Each variant runs under the CPU allocator policy its training
+command runs under: glibc as found (the default) for the plain variants, ``lean`` for the
+recompute ones (``--recompute`` selects it; the worker restarts itself for it as the
+command does); the recompute variants are also measured as found (``@glibc_default``).
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from pathlib import Path
 
 import torch
 
+from comera.malloc import CPU_MALLOC_POLICIES, hugepages_active, restart_for, set_cpu_malloc
 from comera.train.measures import peak_memory_mb, rss_mb
 
 REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
 BATCHES = (32, 1)
 VARIANTS = ("comera", "dense", "comera_half", "galore", "comera_recompute", "dense_recompute")
 RECOMPUTE_BATCH = 32  # the recompute variants run at this batch only
+GLIBC_TAG = "@glibc_default"
 SEQ = 128
 
 
@@ -46,10 +51,24 @@ def _tiny_config(tt: bool) -> object:
     )  # fmt: skip
 
 
+def training_malloc(variant: str) -> str:
+    """The CPU allocator policy the training command of ``variant`` runs under."""
+    from experiments.cli import RECOMPUTE_CPU_MALLOC
+
+    return RECOMPUTE_CPU_MALLOC if variant.endswith("_recompute") else "default"
+
+
 def worker(
-    variant: str, batch: int, repeats: int, device: str, threads: int, tiny: bool = False
+    variant: str,
+    batch: int,
+    repeats: int,
+    device: str,
+    threads: int,
+    tiny: bool = False,
+    malloc: str = "default",
 ) -> dict:
-    """Build the model in this process and time ``repeats`` steps after one warm-up."""
+    """Build the model in this process and time ``repeats`` steps after one warm-up,
+    under the CPU allocator policy ``malloc``."""
     import comera as C
     from comera.objectives import gate_regularizer
     from comera.optim import AdamWConfig, adamw_init, adamw_step
@@ -59,6 +78,8 @@ def worker(
         from comera.galore import GaLore, GaLoreConfig
     torch.set_num_threads(threads)
     dev = torch.device(device)
+    if dev.type == "cpu":
+        set_cpu_malloc(malloc)
     if dev.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -128,19 +149,31 @@ def worker(
         "peak_memory": how,
         "params": C.param_count(params),
         "device": device,
+        "malloc": malloc if dev.type == "cpu" else None,
+        "hugepages": hugepages_active(),
     }
 
 
 def run_worker(
-    variant: str, batch: int, repeats: int, device: str, threads: int, tiny: bool = False
+    variant: str,
+    batch: int,
+    repeats: int,
+    device: str,
+    threads: int,
+    tiny: bool = False,
+    malloc: str = "default",
 ) -> dict:
     """:func:`worker` in a fresh process (so its peak memory is its own)."""
     cmd = [
         sys.executable, "-m", "experiments.mnli_bench", "--worker", variant,
         "--batch", str(batch), "--repeats", str(repeats), "--device", device,
-        "--threads", str(threads), *(["--tiny"] if tiny else []),
+        "--threads", str(threads), "--malloc", malloc, *(["--tiny"] if tiny else []),
     ]  # fmt: skip
-    print(f"mnli bench: {variant}, batch {batch} x {SEQ} ...", file=sys.stderr, flush=True)
+    print(
+        f"mnli bench: {variant}, batch {batch} x {SEQ}, cpu_malloc={malloc} ...",
+        file=sys.stderr,
+        flush=True,
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise RuntimeError(f"bench worker {variant}/{batch} failed:\n{proc.stderr[-3000:]}")
@@ -165,8 +198,14 @@ def main(
         for variant in VARIANTS:
             if variant.endswith("_recompute") and batch != RECOMPUTE_BATCH:
                 continue
-            results.append(run_worker(variant, batch, repeats, device, threads, tiny))
-    by = {(r["variant"], r["batch"]): r for r in results}
+            malloc = training_malloc(variant) if device == "cpu" else "default"
+            results.append(run_worker(variant, batch, repeats, device, threads, tiny, malloc))
+    extra = []  # the recompute variants under glibc as found, for comparison
+    for variant in ("comera_recompute", "dense_recompute"):
+        if device == "cpu" and training_malloc(variant) != "default":
+            r = run_worker(variant, RECOMPUTE_BATCH, repeats, device, threads, tiny, "default")
+            extra.append({**r, "variant": f"{variant}{GLIBC_TAG}"})
+    by = {(r["variant"], r["batch"]): r for r in results + extra}
     summary = {
         "step_time_ratio_vs_dense": by["comera", 32]["step_s"] / by["dense", 32]["step_s"],
         "step_time_ratio_vs_dense_b1": by["comera", 1]["step_s"] / by["dense", 1]["step_s"],
@@ -186,6 +225,20 @@ def main(
         "step_time_ratio_vs_galore_b32": by["comera", 32]["step_s"] / by["galore", 32]["step_s"],
         "peak_memory_ratio_vs_galore_b32": by["comera", 32]["peak_mb"]
         / by["galore", 32]["peak_mb"],
+        **(
+            {
+                "peak_memory_ratio_vs_dense_b32_recompute_glibc_default": by[
+                    f"comera_recompute{GLIBC_TAG}", 32
+                ]["peak_mb"]
+                / by[f"dense_recompute{GLIBC_TAG}", 32]["peak_mb"],
+                "peak_memory_ratio_recompute_vs_dense_b32_glibc_default": by[
+                    f"comera_recompute{GLIBC_TAG}", 32
+                ]["peak_mb"]
+                / by["dense", 32]["peak_mb"],
+            }
+            if extra
+            else {}
+        ),
         "half_ranks": {
             "step_time_ratio_vs_dense": by["comera_half", 32]["step_s"] / by["dense", 32]["step_s"],
             "peak_memory_ratio_vs_dense": by["comera_half", 1]["peak_mb"]
@@ -197,7 +250,7 @@ def main(
         "repeats": repeats,
         "peak_memory": results[0]["peak_memory"],
         "date": time.strftime("%Y-%m-%d"),
-        "runs": results,
+        "runs": results + extra,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -224,11 +277,14 @@ if __name__ == "__main__":
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="toy model (tests)")
+    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default")
     ap.add_argument("--out", type=Path, default=REPORT_JSON)
     a = ap.parse_args()
     if a.worker:
         dev = a.device or "cpu"
-        print(json.dumps(worker(a.worker, a.batch, a.repeats, dev, a.threads, a.tiny)))
+        if dev == "cpu":
+            restart_for(a.malloc)  # as the training command does (lean: huge pages)
+        print(json.dumps(worker(a.worker, a.batch, a.repeats, dev, a.threads, a.tiny, a.malloc)))
     else:
         raise SystemExit(
             main(

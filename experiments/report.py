@@ -204,8 +204,10 @@ def _bench_section(path: Path) -> list[str]:
         "|---|---:|---:|---:|---:|",
     ]
     for r in b["runs"]:
+        policy = r.get("malloc") or "default"
+        name = r["variant"] if policy == "default" else f"{r['variant']} (cpu_malloc={policy})"
         lines.append(
-            f"| {r['variant']} | {r['batch']} x 128 | {r['step_s'] * 1e3:.1f} | "
+            f"| {name} | {r['batch']} x 128 | {r['step_s'] * 1e3:.1f} | "
             f"{r['peak_mb']:.1f} | {r['params']:,} |"
         )
     lines += [
@@ -226,6 +228,12 @@ def _bench_section(path: Path) -> list[str]:
             f"{b['peak_memory_ratio_recompute_vs_dense_b32']:.3f} | <= 0.25 |",
             f"| step time, batch 32, both `--recompute` | "
             f"{b['step_time_ratio_vs_dense_b32_recompute']:.3f} | |",
+        ]
+    if "peak_memory_ratio_vs_dense_b32_recompute_glibc_default" in b:
+        lines += [
+            "| the same two memory ratios with the recompute runs under glibc as found | "
+            f"{b['peak_memory_ratio_vs_dense_b32_recompute_glibc_default']:.3f}, "
+            f"{b['peak_memory_ratio_recompute_vs_dense_b32_glibc_default']:.3f} | |",
         ]
     if "step_time_ratio_vs_galore" in b:  # the dense model under GaLore-AdamW
         lines += [

@@ -111,6 +111,10 @@ def test_cli_flags_reach_the_config_and_may_change_on_resume(tmp_path, capsys, m
     assert mnli.main(argv) == 0
     saved = json.loads((run / "config.json").read_text())
     assert saved["train"]["cpu_malloc"] == "keep" and saved["model"]["recompute"] is True
+    # --recompute alone also selects the lean allocator (what it frees is then returned)
+    args = cli.build_parser(mnli.EXPERIMENT).parse_args([*FAST, "--recompute"])
+    cfg = cli.resolve_config(mnli.EXPERIMENT, args, cli.build_parser(mnli.EXPERIMENT))
+    assert cfg.train.cpu_malloc == "lean" and cfg.model.recompute is True
     assert applied and set(applied) == {"keep"}
     ap = cli.build_parser(mnli.EXPERIMENT)
     args = ap.parse_args(["--resume", str(run), "--cpu-malloc", "default"])

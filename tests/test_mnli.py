@@ -159,9 +159,12 @@ def test_step_bench_plumbing(tmp_path, capsys):
         "peak_memory_ratio_vs_galore",
     ):
         assert result[key] > 0
-    assert {(r["variant"], r["batch"]) for r in result["runs"]} == {
-        (v, b) for v in ("comera", "dense", "comera_half", "galore") for b in (32, 1)
-    } | {("comera_recompute", 32), ("dense_recompute", 32)}  # fmt: skip
+    assert {(r["variant"], r["batch"], r["malloc"]) for r in result["runs"]} == {
+        (v, b, "default") for v in ("comera", "dense", "comera_half", "galore") for b in (32, 1)
+    } | {("comera_recompute", 32, "lean"), ("dense_recompute", 32, "lean"),
+         ("comera_recompute@glibc_default", 32, "default"),
+         ("dense_recompute@glibc_default", 32, "default")}  # fmt: skip
+    assert result["peak_memory_ratio_vs_dense_b32_recompute_glibc_default"] > 0
     assert json.loads(out.read_text())["compression_ratio"] == result["compression_ratio"]
 
 
