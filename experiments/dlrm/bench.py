@@ -21,7 +21,8 @@ restarts itself for it exactly as the experiment's command does.
 Batch 10,000; ids drawn per table as ``floor(n * u**3)`` (a heavy head, as Criteo's are);
 step time is the median of 10 timed steps after one warm-up step. The lookup
 comparison (``embedding_time_ratio_batched_vs_separate``) times the embedding stage
-alone, forward and backward, table-batched vs one call per table, in one process.
+alone, forward and backward, table-batched vs one call per table, in one fresh process
+under the training policy (and again under glibc as found).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 
 import torch
 
-from comera.malloc import CPU_MALLOC_POLICIES, hugepages_active, restart_for
+from comera.malloc import CPU_MALLOC_POLICIES, hugepages_active, restart_for, set_cpu_malloc
 from comera.train.measures import peak_memory_mb, rss_mb
 
 __all__ = ["main", "run_variant"]
@@ -147,6 +148,20 @@ def embedding_times(repeats: int = 5) -> dict:
     return out
 
 
+def _embedding_in_process(malloc: str) -> dict:
+    """:func:`embedding_times` in a fresh process under the allocator policy ``malloc``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.dlrm.bench", "--embedding", "--malloc", malloc],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode:
+        print(proc.stderr, file=sys.stderr)
+        raise SystemExit(f"dlrm bench: lookup timing failed (exit {proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(json_out: bool = False) -> int:
     """Run every variant in a fresh process, then the lookup comparison; print figures."""
     results = {}
@@ -165,7 +180,8 @@ def main(json_out: bool = False) -> int:
             print(proc.stderr, file=sys.stderr)
             raise SystemExit(f"dlrm bench: variant {label} failed (exit {proc.returncode})")
         results[label] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "variant": label}
-    emb = embedding_times()
+    emb = _embedding_in_process(policy)
+    emb_glibc = _embedding_in_process("default") if policy != "default" else emb
     c, d, a = results["comera"], results["dense_sgd"], results["dense_adam"]
     figures = {
         "batch": BATCH,
@@ -180,6 +196,9 @@ def main(json_out: bool = False) -> int:
         "variants": results,
         "threads": torch.get_num_threads(),
     }
+    figures["embedding_time_ratio_batched_vs_separate_glibc_default"] = (
+        emb_glibc["embedding_batched_s"] / emb_glibc["embedding_separate_s"]
+    )
     if f"comera{GLIBC_TAG}" in results:
         cg, dg = results[f"comera{GLIBC_TAG}"], results[f"dense_sgd{GLIBC_TAG}"]
         figures["peak_memory_ratio_vs_dense_glibc_default"] = cg["peak_rss_mb"] / dg["peak_rss_mb"]
@@ -212,11 +231,16 @@ def main(json_out: bool = False) -> int:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", choices=VARIANTS)
+    ap.add_argument("--embedding", action="store_true", help="time the lookups only")
     ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.variant:
+    if args.variant or args.embedding:
         restart_for(args.malloc)  # as the experiment's command does (lean: huge pages)
+    if args.variant:
         print(json.dumps(run_variant(args.variant, malloc=args.malloc)))
+    elif args.embedding:
+        set_cpu_malloc(args.malloc)
+        print(json.dumps({**embedding_times(), "malloc": args.malloc}))
     else:
         raise SystemExit(main(json_out=args.json))

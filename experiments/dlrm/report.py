@@ -208,21 +208,26 @@ def _bench_section(b: dict) -> list[str]:
         out.append(
             f"- Under glibc as found, CoMERA's peak is {mem_glibc:.3f} of dense's (step time "
             f"{time_glibc:.2f}x): glibc raises its mmap threshold as blocks are freed, so "
-            "freed activations stay resident as heap holes and the peak resident set is "
-            "about 1.5x the live tensors' peak. `lean` returns them; on huge pages a fresh "
-            "block faults once per 2 MiB, not once per 4 KiB page, which keeps the time cost "
-            "small (on 4 KiB pages, with glibc's mmap threshold fixed at 1 MiB, an earlier "
-            "run of this bench measured CoMERA's step at 1.45x dense's)."
+            "freed activations stay resident as heap holes (in one measured step the peak "
+            "resident set was about 1.7x the live tensors' peak). `lean` returns them; on huge "
+            "pages a fresh block faults once per 2 MiB, not once per 4 KiB page, which keeps "
+            "the time cost small (on 4 KiB pages, with glibc's mmap threshold fixed at 1 MiB, "
+            "an earlier run of this bench measured CoMERA's step at 1.45x dense's)."
         )
+    emb_glibc = b.get("embedding_time_ratio_batched_vs_separate_glibc_default")
     out.append(
         "- The table-batched lookup does the same per-row work as separate calls (one "
-        "gather per merged core pair and a 4x32x4 product per unique row). What batching "
-        "saves is per-call overhead, a few ms on a CPU step where that row work dominates; "
-        "it pays some back in rank padding, concatenating the cores on every call and one "
-        "large dedup, so on 2 CPU cores it stays slower than separate calls (the target "
-        "assumed a GPU, where the saved overhead is kernel launches; not measured, no GPU "
-        "was lent). Its backward keeps nothing batch-sized: each block of unique rows is "
-        "regathered and its core gradients are added into one buffer per core."
+        "gather per merged core pair and a 4x32x4 product per unique row). Batching itself "
+        "saves only per-call overhead, a few ms on a CPU step where that row work dominates, "
+        "and pays some back in rank padding, concatenating the cores on every call and one "
+        "large dedup. What makes it faster here is its backward: blocks of unique rows are "
+        "regathered and their core gradients added into one buffer per core, and each "
+        "block's temporaries stay under 1 MiB, so under `lean` they are reused from the heap "
+        "while separate calls map and fault in their batch-sized ones"
+        + (f" (as found the ratio is {emb_glibc:.3f})" if emb_glibc is not None else "")
+        + ". `ttm_embedding` could adopt the same blocked backward, which would bring the "
+        "ratio near 1. The 0.5 target assumed a GPU, where the saved overhead is kernel "
+        "launches; not measured (no GPU was lent)."
     )
     out.append("")
     return out
