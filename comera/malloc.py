@@ -9,15 +9,20 @@ fresh pages) and in resident memory (freed blocks kept in the heap) depends on t
   are faster, and the resident set stays at its high-water mark.
 - ``"release"``: blocks of 1 MiB and more are mapped and unmapped every time: the lowest
   resident memory, paid for in page faults on every step.
-- ``"lean"``: ``release`` on transparent huge pages (glibc's ``glibc.malloc.hugetlb=1``
-  tunable, glibc >= 2.35): a fresh block faults once per 2 MiB instead of once per 4 KiB,
-  so most of ``release``'s page-fault time goes while its low resident memory stays. The
-  tunable is read when a process starts: :func:`restart_for` re-executes the command with
-  it (the experiment CLIs call it before building anything); a process started without it
-  runs ``lean`` as ``release``.
+- ``"lean"``: ``release``'s 1 MiB mmap threshold with a 32 MiB trim threshold (small
+  blocks are reused from the heap top), and blocks of 2 MiB and up on transparent huge
+  pages: a fresh block faults once per 2 MiB instead of once per 4 KiB page, so most of
+  ``release``'s page-fault time goes while its low resident memory stays. Where the
+  kernel's THP mode is ``madvise``, huge pages need glibc's ``glibc.malloc.hugetlb=1``
+  tunable (glibc >= 2.35), which glibc reads only when a process starts: :func:`restart_for`
+  re-executes the command once with it (the experiment commands call it before building
+  anything; ``COMERA_MALLOC_RESTARTED=1`` in the environment turns that off). In mode
+  ``always`` the kernel gives huge pages without it; in mode ``never``, or in a process
+  started without it, ``lean`` runs without huge pages.
 
-Training applies ``TrainConfig.cpu_malloc`` (default ``"default"``) to the whole process;
-dense and CoMERA runs get the same policy, and the benchmarks measure under the same one.
+Training applies ``TrainConfig.cpu_malloc`` (default ``"default"``) to the whole process,
+dense and CoMERA alike. Benchmarks run each variant under the policy its training command
+runs under and name it.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import warnings
 
 __all__ = [
     "CPU_MALLOC_POLICIES",
+    "clean_malloc_env",
     "hugepages_active",
     "needs_restart",
     "restart_for",
@@ -37,6 +44,7 @@ __all__ = [
 CPU_MALLOC_POLICIES = ("default", "keep", "release", "lean")
 HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 _RESTARTED = "COMERA_MALLOC_RESTARTED"  # set in the re-executed process: never loop
+_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
@@ -64,42 +72,61 @@ def set_cpu_malloc(policy: str) -> bool:
         return False
 
 
-def hugepages_active() -> bool:
-    """True when this process was started with glibc's huge-page tunable (what ``lean``
-    adds to ``release``)."""
-    return HUGEPAGE_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
+def _thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise``, ``never``), or
+    None where it cannot be read."""
+    try:
+        with open(_THP) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
 
 
-def _hugepages_possible() -> bool:
-    """glibc >= 2.35 (the tunable exists) and a kernel offering transparent huge pages."""
+def _glibc_tunable_exists() -> bool:
+    """glibc >= 2.35, whose malloc knows ``glibc.malloc.hugetlb``."""
     try:
         name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # type: ignore[union-attr]
         major, minor = (int(x) for x in version.split(".")[:2])
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read()
     except (ValueError, OSError, AttributeError):
         return False
-    return name == "glibc" and (major, minor) >= (2, 35) and "[never]" not in thp
+    return name == "glibc" and (major, minor) >= (2, 35)
+
+
+def hugepages_active() -> bool:
+    """True when this process's large blocks get transparent huge pages: the kernel's
+    mode is ``always``, or it is ``madvise`` and the process was started with glibc's
+    huge-page tunable (what ``lean`` restarts for)."""
+    mode = _thp_mode()
+    tunable = HUGEPAGE_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
+    return mode == "always" or (mode == "madvise" and tunable and _glibc_tunable_exists())
 
 
 def needs_restart(policy: str) -> bool:
     """Whether ``policy`` needs this process restarted to take full effect: ``lean``,
-    where huge pages are possible but were not requested at start (and no restart has
-    been tried already)."""
+    where the kernel gives huge pages only on request (THP mode ``madvise``), glibc can
+    request them, this process was started without the tunable, no restart has been
+    tried already, and the command can be run again (not a script read from stdin)."""
     if policy not in CPU_MALLOC_POLICIES:
         raise ValueError(f"cpu_malloc={policy!r}; choose one of {CPU_MALLOC_POLICIES}")
     return (
         policy == "lean"
-        and not hugepages_active()
         and not os.environ.get(_RESTARTED)
-        and _hugepages_possible()
+        and not hugepages_active()
+        and _thp_mode() == "madvise"
+        and _glibc_tunable_exists()
+        and sys.argv[:1] not in ([""], ["-"])  # stdin (python -, python < file) is spent
+        and len(getattr(sys, "orig_argv", ())) > 0
     )
 
 
 def restart_for(policy: str) -> None:
     """Re-execute this command (same interpreter, same arguments) with the environment
-    ``policy`` needs, when :func:`needs_restart`; return otherwise. Call it first thing
-    in a command's entry point: the process is replaced, so nothing done before is kept."""
+    ``policy`` needs, when :func:`needs_restart`; return otherwise, and also when the
+    re-execution fails (with a warning: the run goes on without huge pages). Call it
+    first thing in a command's entry point: the process is replaced, so nothing done
+    before is kept."""
     if not needs_restart(policy):
         return
     env = dict(os.environ)
@@ -108,4 +135,21 @@ def restart_for(policy: str) -> None:
     env[_RESTARTED] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError as e:
+        warnings.warn(
+            f"cpu_malloc={policy!r}: could not restart with huge pages ({e}); going on "
+            "without them",
+            stacklevel=2,
+        )
+
+
+def clean_malloc_env() -> dict[str, str]:
+    """This process's environment without the huge-page tunable and the restart marker:
+    for a benchmark's child process, whose own policy (and restart) must alone decide."""
+    env = {k: v for k, v in os.environ.items() if k != _RESTARTED}
+    kept = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and t != HUGEPAGE_TUNABLE]
+    if kept:
+        env["GLIBC_TUNABLES"] = ":".join(kept)
+    return env

@@ -311,7 +311,8 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
     ap.add_argument(
         "--recompute",
         action="store_true",
-        help="recompute each encoder block's activations in backward (less memory)",
+        help="recompute each encoder block's activations in backward (less memory, slower); "
+        "also selects --cpu-malloc lean on a new run unless --cpu-malloc is given",
     )
     ap.add_argument(
         "--wandb",
@@ -357,7 +358,9 @@ _COMMON = {  # flag dest -> config key
 RECOMPUTE_CPU_MALLOC = "lean"
 
 
-def _common_overrides(args: argparse.Namespace, cfg: Any) -> list[tuple[str, Any]]:
+def _common_overrides(
+    args: argparse.Namespace, cfg: Any, *, fresh: bool = True
+) -> list[tuple[str, Any]]:
     out = [(key, getattr(args, dest)) for dest, key in _COMMON.items()]
     out = [(k, v) for k, v in out if v is not None]
     if args.wandb_tags is not None:
@@ -368,7 +371,7 @@ def _common_overrides(args: argparse.Namespace, cfg: Any) -> list[tuple[str, Any
         if not hasattr(getattr(cfg, "model", None), "recompute"):
             raise CLIError("--recompute: this experiment's model has no encoder blocks; drop it")
         out.append(("model.recompute", True))
-        if args.cpu_malloc is None:
+        if args.cpu_malloc is None and fresh:  # a resumed run keeps its saved policy
             out.append(("train.cpu_malloc", RECOMPUTE_CPU_MALLOC))
     if args.no_progress:
         out.append(("train.progress", False))
@@ -436,7 +439,7 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
             f"--resume {args.resume}: config.json is not a saved run config ({e})"
         ) from None
     cfg = set_field(cfg, "train.run_dir", str(args.resume))
-    overrides = [(k, v) for k, v in _common_overrides(args, cfg) if k in mutable]
+    overrides = [(k, v) for k, v in _common_overrides(args, cfg, fresh=False) if k in mutable]
     return apply_overrides(cfg, [*own, *overrides], args.sets)
 
 

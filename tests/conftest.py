@@ -18,7 +18,7 @@ def one_thread():
 def _cpu_malloc_not_applied(monkeypatch):
     """Training applies ``train.cpu_malloc`` to the whole process and no policy can be
     undone, so in the test process it is checked but not applied (the tests of its effect
-    run child processes)."""
+    run child processes); nor may ``lean`` re-execute the test process."""
     import comera.train.loop as loop
     from comera.malloc import CPU_MALLOC_POLICIES
 
@@ -28,3 +28,4 @@ def _cpu_malloc_not_applied(monkeypatch):
         return True
 
     monkeypatch.setattr(loop, "set_cpu_malloc", check)
+    monkeypatch.setenv("COMERA_MALLOC_RESTARTED", "1")

@@ -74,9 +74,15 @@ print("hugepages", malloc.hugepages_active(), malloc.needs_restart("lean"))
     proc = subprocess.run([sys.executable, "-c", code, "arg"], capture_output=True, text=True,
                           check=True, cwd=ROOT, env=env)  # fmt: skip
     lines = proc.stdout.split("\n")
-    possible = malloc._hugepages_possible()
+    mode = malloc._thp_mode()
+    possible = mode == "madvise" and malloc._glibc_tunable_exists()
     assert lines.count("start arg") == (2 if possible else 1)  # arguments carried over
-    assert f"hugepages {possible} False" in lines
+    assert f"hugepages {possible or mode == 'always'} False" in lines
+    # a script read from stdin cannot be run again: no restart, the run goes on
+    proc = subprocess.run([sys.executable, "-", "arg"], input=code, capture_output=True,
+                          text=True, check=True, cwd=ROOT, env=env)  # fmt: skip
+    assert proc.stdout.split("\n").count("start arg") == 1
+    assert not malloc.needs_restart("lean")  # the test process: COMERA_MALLOC_RESTARTED
     for policy in ("default", "keep", "release"):
         assert not malloc.needs_restart(policy)
     with pytest.raises(ValueError, match="cpu_malloc='fast'"):
@@ -96,9 +102,30 @@ def test_lean_without_huge_pages_warns_and_runs_as_release(tmp_path, monkeypatch
     argv = ["--preset", "smoke", "--wandb", "disabled", "--no-progress", "--run-dir", str(run)]
     argv += ["--set", "train.steps=2", "--set", "train.eval_every=None"]
     argv += ["--set", "data.generated_rows=3000", "--set", "model.tt_min_rows=500"]
-    with pytest.warns(UserWarning, match="'lean' runs as 'release'.*GLIBC_TUNABLES"):
+    with pytest.warns(UserWarning, match="'lean' runs without huge pages.*GLIBC_TUNABLES"):
         assert dlrm_main(argv) == 0  # in-process (argv given): never re-executed
     assert applied == ["lean"]
+
+
+def test_a_command_restarts_for_its_policy_on_cpu_only(tmp_path, monkeypatch) -> None:
+    """``main()`` run as a command (no argv) calls ``restart_for`` with the resolved
+    policy before building anything, on CPU; with argv given, or on CUDA, it never does."""
+    from experiments.dlrm import experiment as dlrm
+
+    calls = []
+    monkeypatch.setattr(cli, "restart_for", lambda p: calls.append(p))
+    monkeypatch.setattr(cli, "prepare", lambda *a, **k: (_ for _ in ()).throw(SystemExit(7)))
+    base = ["prog", "--preset", "smoke", "--run-dir", str(tmp_path / "r")]
+    monkeypatch.setattr(sys, "argv", base)
+    with pytest.raises(SystemExit):
+        dlrm.main()
+    assert calls == ["lean"]
+    monkeypatch.setattr(sys, "argv", [*base, "--device", "cuda"])
+    with pytest.raises(SystemExit):
+        dlrm.main()
+    with pytest.raises(SystemExit):
+        dlrm.main(base[1:])  # argv given: an in-process call
+    assert calls == ["lean"]
 
 
 def test_cli_flags_reach_the_config_and_may_change_on_resume(tmp_path, capsys, monkeypatch):
@@ -115,6 +142,9 @@ def test_cli_flags_reach_the_config_and_may_change_on_resume(tmp_path, capsys, m
     args = cli.build_parser(mnli.EXPERIMENT).parse_args([*FAST, "--recompute"])
     cfg = cli.resolve_config(mnli.EXPERIMENT, args, cli.build_parser(mnli.EXPERIMENT))
     assert cfg.train.cpu_malloc == "lean" and cfg.model.recompute is True
+    ap = cli.build_parser(mnli.EXPERIMENT)  # resuming with --recompute keeps the saved policy
+    args = ap.parse_args(["--resume", str(run), "--recompute"])
+    assert cli.resolve_config(mnli.EXPERIMENT, args, ap).train.cpu_malloc == "keep"
     assert applied and set(applied) == {"keep"}
     ap = cli.build_parser(mnli.EXPERIMENT)
     args = ap.parse_args(["--resume", str(run), "--cpu-malloc", "default"])

@@ -111,9 +111,9 @@ class Trainer:
             )
         elif self.device.type == "cpu" and cfg.cpu_malloc == "lean" and not hugepages_active():
             warnings.warn(
-                "train.cpu_malloc='lean' runs as 'release' here: huge pages need "
-                "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 at process start (the experiment "
-                "commands restart themselves with it)",
+                "train.cpu_malloc='lean' runs without huge pages here: with the kernel's "
+                "THP mode 'madvise' they need GLIBC_TUNABLES=glibc.malloc.hugetlb=1 at "
+                "process start (the experiment commands restart themselves with it)",
                 stacklevel=2,
             )
         self.run_dir = Path(cfg.run_dir)
