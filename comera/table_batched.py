@@ -63,9 +63,10 @@ def _gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return _gather(table.reshape(v, r * d * r2), idx).reshape(len(idx), r, d, r2)
 
 
-# gathered core slices per block: cache-sized, not batch-sized, and under the 1 MiB mmap
-# threshold of cpu_malloc release/lean, so a block's temporaries are reused from the heap
-# rather than mapped and faulted in anew (fwd+bwd at the Kaggle sizes, 2 CPU threads:
+# gathered core slices per block: cache-sized, not batch-sized, and (for slices up to
+# 3.75 KiB per row; a merged 4x32 pair is 512 B) under the 1 MiB mmap threshold of
+# cpu_malloc release/lean, so a block's temporaries are reused from the heap rather than
+# mapped and faulted in anew (fwd+bwd at the Kaggle sizes, 2 CPU threads:
 # 8 MiB blocks 102 ms as found / 146 ms lean, these 82 / 92 ms)
 _BLOCK_BYTES = 960 << 10
 
@@ -101,9 +102,10 @@ def _chain_forward(
 class _GatheredChain(torch.autograd.Function):
     """Rows of a TTM chain over gathered core slices, block by block.
 
-    Forward keeps nothing batch-sized: the backward regathers each block's slices
-    (cheap), recomputes its partial products, and adds the slices' gradients straight
-    into one gradient buffer per core with ``index_add_``. Autograd over the same ops
+    Forward keeps only each core's row indices: the backward regathers each block's
+    slices (cheap), recomputes its partial products, and adds the slices' gradients
+    straight into one gradient buffer per core with ``index_add_``. First-order only
+    (``once_differentiable``): no double backward through the lookup. Autograd over the same ops
     would keep the gathered slices of every block (the lookup's largest activations),
     and recomputing them per block (checkpointing) would build a full-table gradient per
     block and sum them."""

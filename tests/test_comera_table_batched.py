@@ -83,3 +83,24 @@ def test_many_blocks_and_empty_batches(monkeypatch) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     empty = C.ttm_embedding_batched(params, states, ids[:0], specs=specs)
     assert empty.shape == (0, 5, 16)
+
+
+def test_gradients_only_where_asked() -> None:
+    """Tables (and cores) that do not require grad get none; the others get what separate
+    lookups give."""
+    specs, params, states, ids = _tables()
+    frozen = [{k: [t.detach() for t in v] for k, v in p.items()} for p in params]
+    mixed = [params[0], frozen[1], params[2], frozen[3], params[4]]
+    mixed[2] = {"cores": [mixed[2]["cores"][0].detach(), *mixed[2]["cores"][1:]],
+                "gates": mixed[2]["gates"]}  # fmt: skip
+    out = C.ttm_embedding_batched(mixed, states, ids, specs=specs)
+    ref = torch.stack(
+        [C.ttm_embedding(p, s, ids[:, i], spec=sp)
+         for i, (p, s, sp) in enumerate(zip(mixed, states, specs, strict=True))], 1,
+    )  # fmt: skip
+    leaves = [t for p in mixed for v in p.values() for t in v if t.requires_grad]
+    w = torch.randn_like(out)
+    g_out = torch.autograd.grad((out * w).sum(), leaves)
+    g_ref = torch.autograd.grad((ref * w).sum(), leaves)
+    for a, b in zip(g_out, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
