@@ -163,8 +163,9 @@ def test_step_bench_plumbing(tmp_path, capsys):
         (v, b, "default") for v in ("comera", "dense", "comera_half", "galore") for b in (32, 1)
     } | {("comera_recompute", 32, "lean"), ("dense_recompute", 32, "lean"),
          ("comera_recompute@glibc_default", 32, "default"),
-         ("dense_recompute@glibc_default", 32, "default")}  # fmt: skip
+         ("dense_recompute@glibc_default", 32, "default"), ("dense@lean", 32, "lean")}  # fmt: skip
     assert result["peak_memory_ratio_vs_dense_b32_recompute_glibc_default"] > 0
+    assert result["peak_memory_ratio_recompute_vs_dense_b32_each_own_policy"] > 0
     assert json.loads(out.read_text())["compression_ratio"] == result["compression_ratio"]
 
 

@@ -37,7 +37,13 @@ import time
 
 import torch
 
-from comera.malloc import CPU_MALLOC_POLICIES, hugepages_active, restart_for, set_cpu_malloc
+from comera.malloc import (
+    CPU_MALLOC_POLICIES,
+    clean_malloc_env,
+    hugepages_active,
+    restart_for,
+    set_cpu_malloc,
+)
 from comera.train.measures import peak_memory_mb, rss_mb
 
 __all__ = ["main", "run_variant"]
@@ -155,6 +161,7 @@ def _embedding_in_process(malloc: str) -> dict:
         capture_output=True,
         text=True,
         check=False,
+        env=clean_malloc_env(),
     )
     if proc.returncode:
         print(proc.stderr, file=sys.stderr)
@@ -175,6 +182,7 @@ def main(json_out: bool = False) -> int:
             capture_output=True,
             text=True,
             check=False,
+            env=clean_malloc_env(),  # the child's policy alone decides (restart included)
         )
         if proc.returncode:
             print(proc.stderr, file=sys.stderr)

@@ -179,8 +179,8 @@ def _bench_section(b: dict) -> list[str]:
         "4-core TTMs (dim modes 2x2x2x2) at rank 32, `bottom.1` and `top.1` as TT (rank 16), "
         "AdamW, early-stage objective. "
         f"Allocator: `cpu_malloc={b.get('malloc', 'default')}`, the policy DLRM trains under on "
-        "CPU (its presets' default; dense and CoMERA alike): glibc maps blocks of 1 MiB and "
-        "up on transparent huge pages and returns them when freed. The "
+        "CPU (its presets' default; dense and CoMERA alike): glibc returns blocks of 1 MiB "
+        "and up when freed and puts those of 2 MiB and up on transparent huge pages. The "
         f"`{GLIBC_TAG}` rows run the same step under glibc as found.",
         "",
         "| variant | params | compression | step time (s) | peak RSS (MB) |",
