@@ -234,7 +234,12 @@ def _bench_section(b: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from comera.malloc import restart_for
+    from experiments.dlrm.experiment import CPU_MALLOC
     from experiments.dlrm.experiment import main as exp_main
+
+    if argv is None:  # a command: its smoke runs train in this process, as DLRM does
+        restart_for(CPU_MALLOC)
 
     return smoke_report_main("dlrm", exp_main, write_report, argv, __doc__.split("\n")[0])
 
