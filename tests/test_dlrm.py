@@ -368,3 +368,21 @@ def test_step_modes_on_dlrm(tmp_path: Path, capsys) -> None:
     assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
     assert _cli(tmp_path, "--run-dir", str(tmp_path / "g"), "--step-mode", "cuda_graph") == 2
     assert "cannot run DLRM" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_report_reads_the_rank_ablation(tmp_path: Path) -> None:
+    """The report's rank paragraph compares the ablation's AUCs with dense at the same step
+    and says whether any rank comes within 0.01; without the ablation JSON it says nothing."""
+    from experiments.dlrm.report import _rank_ablation_note
+
+    path = tmp_path / "ablation_dlrm_rank.json"
+    assert _rank_ablation_note(path, []) == []
+    rows = [{"label": str(r), "steps": 400, "eval_auc": a, "compression": c}
+            for r, a, c in ((8, 0.74, 29.0), (32, 0.757, 8.2))]  # fmt: skip
+    path.write_text(json.dumps(rows))
+    dense = [{"step": 200, "eval/val/auc": 0.70}, {"step": 400, "eval/val/auc": 0.786}]
+    text = _rank_ablation_note(path, dense)[0]
+    assert text.startswith("Rank does not close") and "rank 32 0.7570 (8.2x)" in text
+    assert "0.7860" in text
+    dense[1]["eval/val/auc"] = 0.765
+    assert _rank_ablation_note(path, dense)[0].startswith("Enough rank closes")
