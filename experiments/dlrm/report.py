@@ -189,7 +189,7 @@ def _rank_ablation_note(path: Path, dense_rows: list[dict]) -> list[str]:
     return [
         f"{'Enough rank closes' if closes else 'Rank does not close'} the gap: at step {step} "
         f"the rank ablation (`reports/ablation_dlrm_rank.md`) gives val AUC {auc}, against "
-        f"dense's {d_auc:.4f} at the same step."
+        f"the dense smoke run's {d_auc:.4f} at that step (its lr schedule spans the full run)."
         + (
             ""
             if closes
