@@ -55,9 +55,9 @@ GLIBC_TAG = "@glibc_default"
 
 def training_policy() -> str:
     """The CPU allocator policy DLRM training runs under (its presets' default)."""
-    from experiments.dlrm.experiment import preset
+    from experiments.dlrm.experiment import CPU_MALLOC
 
-    return preset("smoke").train.cpu_malloc
+    return CPU_MALLOC
 
 
 def _batch(cards: tuple[int, ...], n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -154,10 +154,11 @@ def embedding_times(repeats: int = 5) -> dict:
     return out
 
 
-def _embedding_in_process(malloc: str) -> dict:
-    """:func:`embedding_times` in a fresh process under the allocator policy ``malloc``."""
+def _in_child(args: list[str], what: str) -> dict:
+    """``python -m experiments.dlrm.bench ARGS`` in a fresh process whose own ``--malloc``
+    policy (and restart) alone decides its allocator; its last stdout line as JSON."""
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.dlrm.bench", "--embedding", "--malloc", malloc],
+        [sys.executable, "-m", "experiments.dlrm.bench", *args],
         capture_output=True,
         text=True,
         check=False,
@@ -165,8 +166,13 @@ def _embedding_in_process(malloc: str) -> dict:
     )
     if proc.returncode:
         print(proc.stderr, file=sys.stderr)
-        raise SystemExit(f"dlrm bench: lookup timing failed (exit {proc.returncode})")
+        raise SystemExit(f"dlrm bench: {what} failed (exit {proc.returncode})")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _embedding_in_process(malloc: str) -> dict:
+    """:func:`embedding_times` in a fresh process under the allocator policy ``malloc``."""
+    return _in_child(["--embedding", "--malloc", malloc], "lookup timing")
 
 
 def main(json_out: bool = False) -> int:
@@ -177,17 +183,8 @@ def main(json_out: bool = False) -> int:
     if policy != "default":  # the same two under glibc as found, for comparison
         runs += [(f"{v}{GLIBC_TAG}", v, "default") for v in ("comera", "dense_sgd")]
     for label, v, malloc in runs:
-        proc = subprocess.run(
-            [sys.executable, "-m", "experiments.dlrm.bench", "--variant", v, "--malloc", malloc],
-            capture_output=True,
-            text=True,
-            check=False,
-            env=clean_malloc_env(),  # the child's policy alone decides (restart included)
-        )
-        if proc.returncode:
-            print(proc.stderr, file=sys.stderr)
-            raise SystemExit(f"dlrm bench: variant {label} failed (exit {proc.returncode})")
-        results[label] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "variant": label}
+        out = _in_child(["--variant", v, "--malloc", malloc], f"variant {label}")
+        results[label] = {**out, "variant": label}
     emb = _embedding_in_process(policy)
     emb_glibc = _embedding_in_process("default") if policy != "default" else emb
     c, d, a = results["comera"], results["dense_sgd"], results["dense_adam"]
