@@ -4,6 +4,7 @@ experiments other than MNLI) with a PNG.
 
     python -m experiments.ablate contraction --experiment mnli --preset smoke
     python -m experiments.ablate rank --experiment dlrm --preset smoke --values 8,16,32
+    python -m experiments.ablate hot_rows --experiment dlrm --preset smoke
     python -m experiments.ablate gamma --experiment codebert --preset smoke
     python -m experiments.ablate objective --experiment mnli --preset smoke --set train.steps=300
     python -m experiments.ablate gamma --values 0,0.02,0.05 --experiment mnli
@@ -12,8 +13,9 @@ Ablations: ``contraction`` (every strategy of ``comera.STRATEGIES``; also report
 strategy's step time and its largest loss difference from the paper's path, which must be
 float-tolerance small), ``rank`` (the initial TT rank; DLRM: the TTM tables' rank),
 ``gamma`` (the gate regularizer weight), ``size_ratio`` (the late-stage size target c),
-``regularizer`` (mean vs L1), ``prune_rule`` (gate vs contribution) and ``objective``
-(both choices crossed).
+``regularizer`` (mean vs L1), ``prune_rule`` (gate vs contribution), ``objective``
+(both choices crossed) and ``hot_rows`` (DLRM: dense hot rows beside each TTM table, 0 to
+4096: what accuracy they buy and what compression they cost).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ ABLATIONS: dict[str, Callable[[Any, cli.Experiment], list[Variant]]] = {
     "regularizer": _regularizer,
     "prune_rule": _choices("train.comera.prune_rule", C.PRUNE_RULES),
     "objective": _objective,
+    "hot_rows": lambda cfg, exp: _dlrm_only(cfg, "hot_rows", (0, 256, 1024, 4096)),
 }
 _KEYS = {
     "contraction": "plans.default",
@@ -99,7 +102,15 @@ _KEYS = {
     "gamma": "train.comera.gamma",
     "size_ratio": "train.comera.size_ratio",
     "prune_rule": "train.comera.prune_rule",
+    "hot_rows": "model.hot_rows",
 }
+
+
+def _dlrm_only(cfg: Any, name: str, values: tuple) -> list[Variant]:
+    """Variants of a DLRM model knob; a clear error for experiments without it."""
+    if not hasattr(cfg.model, name):
+        raise cli.CLIError(f"ablation {name!r} is DLRM's (model.{name}): pass --experiment dlrm")
+    return _choices(f"model.{name}", values)(cfg, None)
 
 
 def _rank_key(cfg: Any) -> str:
@@ -122,6 +133,8 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     if name not in _KEYS:
         raise cli.CLIError(f"--values: ablation {name!r} has fixed variants; drop --values")
     key = _rank_key(cfg) if name == "rank" else _KEYS[name]
+    if name == "hot_rows":
+        _dlrm_only(cfg, name, ())
     return [Variant(v, ((key, v),)) for v in values.split(",") if v]
 
 

@@ -50,6 +50,18 @@ def test_objective_variants_cross_both_choices():
         ablate.variants("objective", cfg, mnli.EXPERIMENT, "a,b")
 
 
+def test_hot_rows_ablation_is_dlrms(capsys):
+    from experiments.dlrm import experiment as dlrm
+
+    cfg = dlrm.preset("smoke")
+    out = ablate.variants("hot_rows", cfg, dlrm.EXPERIMENT, None)
+    assert [dict(v.overrides)["model.hot_rows"] for v in out] == [0, 256, 1024, 4096]
+    assert [v.label for v in ablate.variants("hot_rows", cfg, dlrm.EXPERIMENT, "0,8")] == ["0", "8"]
+    assert ablate.main(["hot_rows", "--experiment", "mnli"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--experiment dlrm" in err[0]
+
+
 def test_bad_input_is_one_line(tmp_path, capsys):
     assert ablate.main(["gamma", "--set", "train.gama=1", "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

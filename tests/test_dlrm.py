@@ -13,7 +13,13 @@ from comera.optim import SGDConfig
 from comera.train import ComeraConfig, TrainConfig, Trainer
 from experiments import cli
 from experiments.dlrm.experiment import main
-from experiments.dlrm.model import DLRMConfig, dense_param_count, dlrm_logits, init_dlrm
+from experiments.dlrm.model import (
+    DLRMConfig,
+    dense_param_count,
+    dlrm_logits,
+    embed,
+    init_dlrm,
+)
 
 CARDS = (3, 50, 4096, 700, 9000, 12, 2000)
 
@@ -58,6 +64,44 @@ def test_architecture_and_lookups_agree() -> None:
     assert dense_param_count(paper) == 33_762_577 * 16 + 475_985  # tables + MLPs
     with pytest.raises(ValueError, match="tt_layers names"):
         _model(tt_layers=("top.7",))
+
+
+def test_hot_rows_add_a_dense_row_to_the_frequent_ids_only() -> None:
+    """``hot_rows``: ids below it in each TTM table read the TTM row plus a dense one (both
+    lookup paths), only those dense rows get gradients, and they count in the model size."""
+    from comera.train.measures import model_size
+
+    cfg = _model(hot_rows=100)
+    params, state = init_dlrm(cfg, generator=torch.Generator().manual_seed(0))
+    assert sorted(params["hot"]) == ["C3", "C4", "C5", "C7"]
+    assert all(h["weight"].shape == (100, 16) for h in params["hot"].values())
+    batch = _batch(256)
+    plain = {k: v for k, v in params.items() if k != "hot"}
+    base = embed(cfg, plain, state, batch["cat"])
+    torch.testing.assert_close(embed(cfg, params, state, batch["cat"]), base)  # zero at init
+    g = torch.Generator().manual_seed(1)
+    for h in params["hot"].values():
+        h["weight"] = torch.randn(h["weight"].shape, generator=g).requires_grad_()
+    for batched in (True, False):
+        c = dataclasses.replace(cfg, batched_lookup=batched)
+        diff = embed(c, params, state, batch["cat"]) - base
+        for j, name in ((2, "C3"), (4, "C5"), (1, "C2")):
+            ids = batch["cat"][:, j]
+            want = torch.zeros(len(ids), 16)
+            if name in params["hot"]:
+                hot = ids < 100
+                assert 0 < int(hot.sum()) < len(ids)  # both kinds of id in the batch
+                want[hot] = params["hot"][name]["weight"].detach()[ids[hot]]
+            torch.testing.assert_close(diff[:, j].detach(), want, rtol=1e-5, atol=1e-5)
+    embed(cfg, params, state, batch["cat"]).sum().backward()
+    grad = params["hot"]["C5"]["weight"].grad
+    read = torch.zeros(100, dtype=torch.bool)
+    read[batch["cat"][:, 4][batch["cat"][:, 4] < 100]] = True
+    assert bool((grad[read] != 0).all()) and bool((grad[~read] == 0).all())
+    assert model_size(params, state) == model_size(plain, state) + 4 * 100 * 16
+    assert "hot" not in init_dlrm(_model(), generator=torch.Generator().manual_seed(0))[0]
+    with pytest.raises(ValueError, match="hot_rows"):
+        _model(hot_rows=-1)
 
 
 class _Task:
@@ -158,6 +202,10 @@ def test_cli_trains_on_the_real_sample_and_resumes(tmp_path: Path) -> None:
     sgd = tmp_path / "sgd"
     assert _cli(tmp_path, "--run-dir", str(sgd), "--dense", "--set", "train.optimizer=sgd") == 0
     assert main(["--resume", str(sgd), "--no-progress"]) == 0  # finished: nothing to redo
+    hot = tmp_path / "hot"
+    assert _cli(tmp_path, "--run-dir", str(hot), "--set", "model.hot_rows=8") == 0
+    rows = [json.loads(x) for x in (hot / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("stage") == "late" for r in rows)  # pruned and compacted with hot rows
 
 
 @pytest.mark.parametrize("kind", ["missing", "csv"])
@@ -182,6 +230,13 @@ def test_cli_bad_data_is_one_line_exit_2(tmp_path: Path, kind: str, capsys) -> N
     assert code == 2 and len(err) == 1
     assert ("does not exist" in err[0]) if kind == "missing" else ("line 1" in err[0])
     assert "--data" in err[0] or "Criteo" in err[0]
+
+
+def test_hot_rows_need_frequency_ordered_ids(tmp_path: Path, capsys) -> None:
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--set", "model.hot_rows=8",
+                "--set", "data.id_order=hash")  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "data.id_order=frequency" in err[0]
 
 
 def test_smoke_preset_learns_and_keeps_the_tables_that_matter(tmp_path: Path) -> None:
@@ -370,19 +425,23 @@ def test_step_modes_on_dlrm(tmp_path: Path, capsys) -> None:
     assert "cannot run DLRM" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_report_reads_the_rank_ablation(tmp_path: Path) -> None:
-    """The report's rank paragraph compares the ablation's AUCs with dense at the same step
-    and says whether any rank comes within 0.01; without the ablation JSON it says nothing."""
-    from experiments.dlrm.report import _rank_ablation_note
+def test_report_reads_the_rank_and_hot_rows_ablations(tmp_path: Path) -> None:
+    """The report's ablation paragraphs compare the AUCs with dense at the same step and
+    say whether any variant comes within 0.01 (for hot rows: at what compression); without
+    the ablation JSON they say nothing."""
+    from experiments.dlrm.report import _ablation_note
 
     path = tmp_path / "ablation_dlrm_rank.json"
-    assert _rank_ablation_note(path, []) == []
+    assert _ablation_note(path, [], "rank") == []
     rows = [{"label": str(r), "steps": 400, "eval_auc": a, "compression": c}
             for r, a, c in ((8, 0.74, 29.0), (32, 0.757, 8.2))]  # fmt: skip
     path.write_text(json.dumps(rows))
     dense = [{"step": 200, "eval/val/auc": 0.70}, {"step": 400, "eval/val/auc": 0.786}]
-    text = _rank_ablation_note(path, dense)[0]
+    text = _ablation_note(path, dense, "rank")[0]
     assert text.startswith("Rank does not close") and "rank 32 0.7570 (8.2x)" in text
     assert "0.7860 at that step" in text
+    assert _ablation_note(path, dense, "hot_rows")[0].startswith("Hot rows do not close")
     dense[1]["eval/val/auc"] = 0.765
-    assert _rank_ablation_note(path, dense)[0].startswith("Enough rank closes")
+    assert _ablation_note(path, dense, "rank")[0].startswith("Enough rank closes")
+    text = _ablation_note(path, dense, "hot_rows")[0]
+    assert text.startswith("Hot rows close") and "(32) keeps 8.2x" in text

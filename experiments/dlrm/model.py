@@ -6,11 +6,14 @@ embedding tables of dim 16; pairwise dot products of the 27 vectors (bottom outp
 26 embeddings, self-products excluded: 351), concatenated with the bottom output (367);
 top MLP 367-512-256-1 (ReLU, then a logit). Tree::
 
-    {"bottom": [layer, ...], "top": [layer, ...], "tables": {"C1": table, ...}}
+    {"bottom": [layer, ...], "top": [layer, ...], "tables": {"C1": table, ...},
+     "hot": {"C3": {"weight"}, ...}}
 
 A dense layer is ``{"weight", "bias"}``, a dense table ``{"weight"}``; in the CoMERA
 model every table with at least ``tt_min_rows`` rows is a TTM (``cores``, ``gates``) and
-the layers named in ``tt_layers`` are TT linears, all with rank gates.
+the layers named in ``tt_layers`` are TT linears, all with rank gates. ``hot`` holds the
+dense hot rows of the TTM tables (``hot_rows``; absent without them), beside the TTMs so
+that the TT accounting and compaction see plain TTM layers.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 
 import comera as C
 
-__all__ = ["DLRMConfig", "dlrm_logits", "init_dlrm", "table_specs"]
+__all__ = ["DLRMConfig", "dlrm_logits", "embed", "init_dlrm", "table_specs"]
 
 KAGGLE_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -39,7 +42,12 @@ class DLRMConfig:
     ``emb_dim_modes`` factor the embedding dim (4 cores: 2x2x2x2 for 16); vocab modes are
     proposed per table (padded). ``tt_layers``: MLP layers held as TT (``bottom.1`` is
     512->256, ``top.1`` 512->256; 367 is prime, so ``top.0`` stays dense).
-    ``batched_lookup``: all TTM tables in one table-batched lookup, else one call each."""
+    ``batched_lookup``: all TTM tables in one table-batched lookup, else one call each.
+    ``hot_rows``: the ids below it in each TTM table (the most frequent ones: the data
+    numbers ids by descending frequency) also get a dense row, added to the TTM's and zero
+    at init: TT-Rec's cache of hot rows, made static by that numbering. Per-value effects
+    of frequent ids are then learned as fast as dense rows learn them; the rows count in
+    the model's size. 0 (the paper's model): none."""
 
     cardinalities: tuple[int, ...] = KAGGLE_CARDINALITIES
     dense_features: int = 13
@@ -54,6 +62,7 @@ class DLRMConfig:
     tt_layer_cores: int = 3
     tt_layer_rank: int = 16
     batched_lookup: bool = True
+    hot_rows: int = 0
     names: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -66,6 +75,8 @@ class DLRMConfig:
             )
         if self.tt_min_rows < 1 or self.emb_rank < 1 or self.tt_layer_rank < 1:
             raise ValueError("DLRMConfig: tt_min_rows, emb_rank and tt_layer_rank must be >= 1")
+        if self.hot_rows < 0:
+            raise ValueError(f"DLRMConfig.hot_rows must be >= 0, got {self.hot_rows}")
         if not self.names:
             self.names = tuple(f"C{i + 1}" for i in range(len(self.cardinalities)))
         layers = self.layer_names()
@@ -151,6 +162,10 @@ def init_dlrm(cfg: DLRMConfig, *, generator: torch.Generator) -> tuple[dict, dic
     for name, n in zip(cfg.names, cfg.cardinalities, strict=True):
         if name in specs:
             params["tables"][name], state["tables"][name] = C.init(specs[name], generator=generator)
+            if cfg.hot_rows:
+                hot = torch.zeros(min(cfg.hot_rows, n), cfg.emb_dim)
+                params.setdefault("hot", {})[name] = {"weight": hot}
+                state.setdefault("hot", {})[name] = {}
         else:
             bound = 1 / math.sqrt(n)
             w = torch.empty(n, cfg.emb_dim).uniform_(-bound, bound, generator=generator)
@@ -183,7 +198,8 @@ def embed(
     specs: dict[str, C.TTMEmbeddingSpec] | None = None,
 ) -> torch.Tensor:
     """``cat (B, T)`` -> ``(B, T, D)``: dense tables by ``F.embedding`` (``sparse``
-    gradients for SGD), TTM tables together (table-batched) or one call each."""
+    gradients for SGD), TTM tables together (table-batched) or one call each, plus their
+    hot rows where the model has them."""
     tables, states = params["tables"], state["tables"]
     specs = specs if specs is not None else table_specs(cfg)
     tt_cols = [i for i, n in enumerate(cfg.names) if "cores" in tables[n]]
@@ -205,6 +221,12 @@ def embed(
         for i in tt_cols:
             name = cfg.names[i]
             out[i] = C.ttm_embedding(tables[name], states[name], cat[:, i], spec=specs.get(name))
+    for name, hot in params.get("hot", {}).items():
+        i = cfg.names.index(name)
+        ids, k = cat[:, i], hot["weight"].shape[0]
+        # ids >= k read row k - 1 and are zeroed, so no gradient reaches it from them
+        row = F.embedding(ids.clamp(max=k - 1), hot["weight"], sparse=sparse)
+        out[i] = out[i] + row * (ids < k).unsqueeze(1).to(row.dtype)  # type: ignore[operator]
     return torch.stack(out, 1)  # type: ignore[arg-type]
 
 

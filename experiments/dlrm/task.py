@@ -129,6 +129,8 @@ class DLRMTask:
         for name, table in params["tables"].items():  # each compressed table's compression
             if "cores" in table:
                 live = C.live_param_count(table, state["tables"][name])
+                hot = params.get("hot", {}).get(name)
+                live += hot["weight"].numel() if hot is not None else 0
                 rows = self.model.cardinalities[self.model.names.index(name)]
                 out[f"compression/{name}"] = (rows * self.model.emb_dim / max(live, 1), 1.0)
         return out
