@@ -31,11 +31,13 @@ import ctypes
 import os
 import sys
 import warnings
+from collections.abc import Iterable, Mapping
 
 __all__ = [
     "CPU_MALLOC_POLICIES",
     "clean_malloc_env",
     "hugepages_active",
+    "lean_without_hugepages",
     "needs_restart",
     "restart_for",
     "set_cpu_malloc",
@@ -101,6 +103,26 @@ def hugepages_active() -> bool:
     mode = _thp_mode()
     tunable = HUGEPAGE_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
     return mode == "always" or (mode == "madvise" and tunable and _glibc_tunable_exists())
+
+
+def lean_without_hugepages(rows: Iterable[Mapping[str, object]]) -> str:
+    """A report sentence naming the benchmark rows (``variant``, ``malloc``,
+    ``hugepages``) that ran under ``lean`` without huge pages, or "" when there are none:
+    their times include a page fault per 4 KiB of every fresh large block, which ``lean``
+    counts on huge pages to avoid, so they overstate what a restarted command runs at."""
+    names = [
+        str(r.get("variant"))
+        for r in rows
+        if r.get("malloc") == "lean" and r.get("hugepages") is False
+    ]
+    if not names:
+        return ""
+    return (
+        f"Warning: {', '.join(names)} ran under `cpu_malloc=lean` without huge pages (the "
+        "kernel's THP mode is `never`, or glibc lacks `glibc.malloc.hugetlb`), so their "
+        "step times include 4 KiB page faults the training command avoids where huge pages "
+        "exist."
+    )
 
 
 def needs_restart(policy: str) -> bool:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from comera.malloc import lean_without_hugepages
 from comera.train import load_checkpoint, read_metrics
 from comera.train.checkpoint import complete_checkpoints
 
@@ -210,6 +211,8 @@ def _bench_section(path: Path) -> list[str]:
             f"| {name} | {r['batch']} x 128 | {r['step_s'] * 1e3:.1f} | "
             f"{r['peak_mb']:.1f} | {r['params']:,} |"
         )
+    warning = lean_without_hugepages(b["runs"])
+    lines += ["", warning] if warning else []
     lines += [
         "",
         "| ratio (CoMERA / dense) | measured | target |",

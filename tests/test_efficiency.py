@@ -107,6 +107,19 @@ def test_lean_without_huge_pages_warns_and_runs_as_release(tmp_path, monkeypatch
     assert applied == ["lean"]
 
 
+def test_reports_flag_lean_rows_measured_without_huge_pages() -> None:
+    from comera.malloc import lean_without_hugepages
+
+    rows = [
+        {"variant": "comera", "malloc": "lean", "hugepages": True},
+        {"variant": "dense", "malloc": "default", "hugepages": False},
+    ]
+    assert lean_without_hugepages(rows) == ""  # as found, or lean on huge pages: fine
+    rows.append({"variant": "dense_sgd", "malloc": "lean", "hugepages": False})
+    text = lean_without_hugepages(rows)
+    assert text.startswith("Warning: dense_sgd ran under `cpu_malloc=lean` without huge")
+
+
 def test_a_command_restarts_for_its_policy_on_cpu_only(tmp_path, monkeypatch) -> None:
     """``main()`` run as a command (no argv) calls ``restart_for`` with the resolved
     policy before building anything, on CPU; with argv given, or on CUDA, it never does."""

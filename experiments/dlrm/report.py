@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from comera.malloc import lean_without_hugepages
 from comera.train.logging import read_metrics
 from experiments.cli import config_from_dict
 from experiments.dlrm.bench import GLIBC_TAG
@@ -242,6 +243,8 @@ def _bench_section(b: dict) -> list[str]:
             f"| {r['variant']} | {r['params']:,} | {r['compression']:.1f}x | "
             f"{r['step_time_s']:.3f} | {r['peak_rss_mb']:.0f} |"
         )
+    warning = lean_without_hugepages(v.values())
+    out += ["", warning] if warning else []
     targets = {
         "compression_ratio": (">= 99", lambda x: x >= 99),
         "peak_memory_ratio_vs_dense": ("<= 0.143 (1/7)", lambda x: x <= 1 / 7),
