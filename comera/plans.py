@@ -314,12 +314,7 @@ def shared_input_comera(
     and V): their input halves ``B_i`` are stacked so ``x`` meets them in one wider GEMM
     ``x [B_1; B_2; ...]^T`` (and backward's ``dx`` is one GEMM too), then each output half
     ``A_i`` is applied to its slice. Each ``B_i``'s rank is zero-padded to a multiple of 8
-    with its bias in the first padding slot, exactly as for one layer.
-
-    In eager autograd (:func:`_eager_autograd`), the GEMMs run in one
-    autograd node (:class:`_SkinnyGemms`): the backward is the same four GEMMs per layer,
-    in the operand orientations CPU BLAS runs fastest for skinny ranks, and the bias slots
-    are set in place rather than by a ``(T, r)`` add."""
+    with its bias in the first padding slot, exactly as for one layer."""
     sides, blocks = [], []
     for cores, bias in zip(trains, biases, strict=True):
         a, b = _halves(cores)  # (M, r), (r, N)
@@ -333,81 +328,24 @@ def shared_input_comera(
                 a = torch.cat([a, bias[:, None].to(a.dtype), a.new_zeros(m, pad - 1)], dim=1)
         sides.append((a, r, pad, bias))
         blocks.append(b)
-    # (N, sum r) made contiguous (a small copy): autograd then forms this GEMM's weight
-    # gradient as x^T dh (the wide side of x in the reduction), not (dh^T x)^T, which is
-    # markedly slower for skinny ranks on CPU BLAS
+    # the stacked halves as a contiguous (N, sum r) (a small copy): autograd then forms this
+    # GEMM's weight gradient as x^T dh rather than (dh^T x)^T, which MKL runs markedly
+    # slower for skinny ranks (2.1-2.5 ms against 1.4 ms at 4096 x 768 x 32, 2 threads)
     bt = (torch.cat(blocks) if len(blocks) > 1 else blocks[0]).T.contiguous()
-    spans, slots, extra = [], [], []
-    start = 0
-    for _a, r, pad, bias in sides:
-        spans.append((start, start + r + pad))
-        if pad and bias is not None:
-            slots.append(start + r)  # h's column there is 1: A's column holds the bias
-            extra.append(None)
-        else:  # no free slot (or an empty train): the bias is added to the output
-            extra.append(bias)
-        start += r + pad
-    operands = [x2d, bt, *(a for a, *_ in sides), *(e for e in extra if e is not None)]
-    if _eager_autograd(operands):
-        return list(_SkinnyGemms.apply(x2d, bt, tuple(spans), tuple(slots), extra, *operands[2:]))
     h_all = x2d @ bt
-    out = []
-    for (a, *_), (lo, hi), bias in zip(sides, spans, extra, strict=True):
-        h = h_all[:, lo:hi]  # (T, r + pad), padding columns exactly 0
-        slot = [c - lo for c in slots if lo <= c < hi]
-        if slot:
-            one = h.new_zeros(hi - lo)  # a fill, not a host-to-device copy: graph safe
-            one[slot[0]] = 1
+    out, start = [], 0
+    for a, r, pad, bias in sides:
+        h = h_all[:, start : start + r + pad]  # (T, r + pad), padding columns exactly 0
+        start += r + pad
+        if pad and bias is not None:
+            one = h.new_zeros(r + pad)  # a fill, not a host-to-device copy: graph safe
+            one[r] = 1
             h = h + one
-        out.append(h @ a.T if bias is None else torch.addmm(bias, h, a.T))  # (T, M)
+        if bias is not None and (not pad or r == 0):  # no free slot, or an empty train
+            out.append(torch.addmm(bias, h, a.T))
+        else:
+            out.append(h @ a.T)  # (T, M)
     return out
-
-
-def _eager_autograd(tensors: Sequence[torch.Tensor]) -> bool:
-    """Autograd records, outside ``torch.compile`` (which fuses the plain ops itself) and
-    outside ``torch.func`` transforms (``grad``, ``vmap``), where a custom Function would
-    need rules of its own."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return False
-    return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
-
-
-class _SkinnyGemms(torch.autograd.Function):
-    """``h = x Bt`` (bias slots set to 1), ``y_i = h[:, span_i] A_i^T (+ b_i)``, in one
-    node. Backward: ``dh_i = dy_i A_i``, ``dA_i = dy_i^T h_i``, ``dBt = x^T dh``, ``dx = dh
-    Bt^T``. A slot column of ``Bt`` is zero, so its nonzero ``dh`` reaches neither ``dx``
-    nor anything but ``Bt``'s padding (which the padding op drops). First-order only."""
-
-    @staticmethod
-    def forward(ctx: Any, x, bt, spans, slots, extra, *rest):  # type: ignore[override]
-        k = len(spans)
-        a_s, biases = rest[:k], iter(rest[k:])
-        h = x @ bt  # (T, sum r)
-        if slots:
-            h[:, list(slots)] = 1.0
-        ys = []
-        for a, (lo, hi), e in zip(a_s, spans, extra, strict=True):
-            hi_ = h[:, lo:hi]
-            ys.append(hi_ @ a.T if e is None else torch.addmm(next(biases), hi_, a.T))
-        ctx.spans, ctx.has_bias = spans, [e is not None for e in extra]
-        ctx.save_for_backward(x, bt, h, *a_s)
-        return tuple(ys)
-
-    @staticmethod
-    def backward(ctx: Any, *dys):  # type: ignore[override]
-        x, bt, h, *a_s = ctx.saved_tensors
-        dhs, das, dbs = [], [], []
-        for dy, a, (lo, hi), has_bias in zip(dys, a_s, ctx.spans, ctx.has_bias, strict=True):
-            if dy is None:
-                dy = h.new_zeros(h.shape[0], a.shape[0])
-            dhs.append(dy @ a)  # (T, r)
-            das.append(dy.T @ h[:, lo:hi])  # (M, r)
-            if has_bias:
-                dbs.append(dy.sum(0))
-        dh = torch.cat(dhs, 1) if len(dhs) > 1 else dhs[0]
-        dbt = x.T @ dh if ctx.needs_input_grad[1] else None  # (N, sum r)
-        dx = dh @ bt.T if ctx.needs_input_grad[0] else None  # (T, N)
-        return (dx, dbt, None, None, None, *das, *dbs)
 
 
 _RANK_ALIGN = 8

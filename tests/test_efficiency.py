@@ -317,40 +317,6 @@ def test_shared_input_tt_linears_equal_separate_calls(ranks: tuple[int, ...]) ->
         C.tt_linear_shared_input(layers, torch.randn(3, 32))
 
 
-def test_skinny_gemm_node_equals_the_plain_autograd_path() -> None:
-    """Eager autograd runs the ``comera`` GEMMs in one custom node; ``torch.func.grad``
-    takes the plain ops. Both give the same gradients, also with an output left unused."""
-    gen = torch.Generator().manual_seed(1)
-    layers = []
-    for j, r in enumerate((6, 8, 3)):  # a free bias slot, none (8), a bias-less train
-        spec = C.TTLinearSpec(
-            out_modes=(3, 4), in_modes=(4, 3), ranks=r, bias=j != 2, dtype=torch.float64
-        )
-        p, s = C.init(spec, generator=gen)
-        if j != 2:
-            p["bias"] = torch.randn(12, generator=gen, dtype=torch.float64)
-        layers.append((p, s))
-    x = torch.randn(9, 12, generator=gen, dtype=torch.float64)
-    w = torch.randn(9, 12, generator=gen, dtype=torch.float64)
-
-    def loss(ps: list[dict], x: torch.Tensor) -> torch.Tensor:
-        q, k, _ = C.tt_linear_shared_input(
-            [(p, s) for p, (_, s) in zip(ps, layers, strict=True)], x
-        )
-        return (q * w).sum() + (k * k).sum()  # V unused
-
-    ps = [p for p, _ in layers]
-    plain = torch.func.grad(loss, argnums=(0, 1))(ps, x)
-    leaves = [t.requires_grad_() for t in torch.utils._pytree.tree_leaves(ps)]
-    xx = x.clone().requires_grad_()
-    node = torch.autograd.grad(loss(ps, xx), [*leaves, xx], allow_unused=True)
-    q = C.tt_linear_shared_input(layers, xx)[0]
-    assert "SkinnyGemms" in q.grad_fn.next_functions[0][0].name()  # the eager path took it
-    want = [*torch.utils._pytree.tree_leaves(plain[0]), plain[1]]
-    for a, b in zip(node, want, strict=True):
-        torch.testing.assert_close(a if a is not None else torch.zeros_like(b), b)
-
-
 def test_step_modes_bench_writes_its_table(tmp_path) -> None:
     """The step-mode bench runs the trainer's step per mode in fresh processes and
     writes the ratios against eager (tiny sizes: this checks the plumbing, not speed)."""
