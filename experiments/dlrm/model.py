@@ -45,9 +45,9 @@ class DLRMConfig:
     ``batched_lookup``: all TTM tables in one table-batched lookup, else one call each.
     ``hot_rows``: the ids below it in each TTM table (the most frequent ones: the data
     numbers ids by descending frequency) also get a dense row, added to the TTM's and zero
-    at init: TT-Rec's cache of hot rows, made static by that numbering. Per-value effects
-    of frequent ids are then learned as fast as dense rows learn them; the rows count in
-    the model's size. 0 (the paper's model): none."""
+    at init: TT-Rec's cache of hot rows, made static by that numbering. The rows count in
+    the model's size; a table of no more than ``hot_rows`` rows gets a dense copy of all
+    of them beside its TTM. 0 (the paper's model): none."""
 
     cardinalities: tuple[int, ...] = KAGGLE_CARDINALITIES
     dense_features: int = 13

@@ -131,8 +131,10 @@ def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
         "the ranks below show where CoMERA keeps its capacity.",
     ]
     lines += ["", "![curves](dlrm_curves.png)", ""]
+    ttm_rows = [n for n in config["cardinalities"] if n >= m["tt_min_rows"]]
     for knob in ("rank", "hot_rows"):
-        lines += _ablation_note(out_dir / f"ablation_dlrm_{knob}.json", runs["dense"], knob)
+        path = out_dir / f"ablation_dlrm_{knob}.json"
+        lines += _ablation_note(path, runs["dense"], knob, ttm_rows)
     ranks = json.loads((runs_dir / "dlrm-smoke" / "ranks.json").read_text())
     lines += _rank_table(ranks, config, _evals(runs["CoMERA"])[-1])
     if bench:
@@ -171,10 +173,13 @@ def _rank_table(ranks: dict, config: dict, last_eval: dict) -> list[str]:
     return [*out, ""]
 
 
-def _ablation_note(path: Path, dense_rows: list[dict], knob: str) -> list[str]:
+def _ablation_note(
+    path: Path, dense_rows: list[dict], knob: str, ttm_rows: list[int] | None = None
+) -> list[str]:
     """One paragraph on a DLRM ablation (``python -m experiments.ablate KNOB --experiment
     dlrm``) when its JSON is there: does any variant come within 0.01 of dense's val AUC at
-    the same step, and at what compression? ``knob``: ``rank`` or ``hot_rows``."""
+    the same step, and at what compression? ``knob``: ``rank`` or ``hot_rows``;
+    ``ttm_rows``: the compressed tables' sizes (hot rows: the share of rows held dense)."""
     if not path.is_file():
         return []
     rows = json.loads(path.read_text())
@@ -205,16 +210,27 @@ def _ablation_note(path: Path, dense_rows: list[dict], knob: str) -> list[str]:
         )
     if knob == "hot_rows":
         text += (
-            " Hot rows (`--set model.hot_rows=K`, TT-Rec's cache of frequent rows made "
-            "static) give the K most frequent ids of each TTM table a dense row beside the "
-            "TTM's, so the frequent values, which carry most of the learnable signal, are "
-            "learned as dense rows learn them."
+            " Hot rows (`--set model.hot_rows=K`, TT-Rec's cache of frequent rows, static "
+            "here) add a dense row for the K most frequent ids of each TTM table."
         )
+        none = next((r for r in rows if r["label"] == "0"), None)
+        worse = [r for r in rows if none and r["label"] != "0" and r["eval_auc"] < none["eval_auc"]]
+        if worse:
+            text += (
+                " A few do not help by themselves: "
+                + ", ".join(f"{r['label']} scored {r['eval_auc']:.4f}" for r in worse)
+                + f" against {none['eval_auc']:.4f} with none."  # type: ignore[index]
+            )
         if close:
             best = max(close, key=lambda r: r["compression"])
+            share = ""
+            if ttm_rows:
+                k = int(best["label"])
+                frac = sum(min(k, n) for n in ttm_rows) / sum(ttm_rows)
+                share = f", with {frac:.0%} of the compressed tables' rows held dense"
             text += (
-                f" The most compressed variant within 0.01 ({best['label']}) keeps "
-                f"{best['compression']:.1f}x: the gap closes as dense rows take the signal over."
+                f" The gap closes only as dense rows take the signal over: the most compressed "
+                f"variant within 0.01 ({best['label']}) keeps {best['compression']:.1f}x{share}."
             )
         text += " The paper's model has none (the presets' default)."
     return [text, ""]
