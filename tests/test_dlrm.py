@@ -202,10 +202,25 @@ def test_cli_trains_on_the_real_sample_and_resumes(tmp_path: Path) -> None:
     sgd = tmp_path / "sgd"
     assert _cli(tmp_path, "--run-dir", str(sgd), "--dense", "--set", "train.optimizer=sgd") == 0
     assert main(["--resume", str(sgd), "--no-progress"]) == 0  # finished: nothing to redo
-    hot = tmp_path / "hot"
-    assert _cli(tmp_path, "--run-dir", str(hot), "--set", "model.hot_rows=8") == 0
+    hot = tmp_path / "hot"  # hot rows under sparse SGD: pruned and compacted beside them
+    hot_sgd = ("--set", "model.hot_rows=8", "--set", "train.optimizer=sgd")
+    assert _cli(tmp_path, "--run-dir", str(hot), *hot_sgd) == 0
     rows = [json.loads(x) for x in (hot / "metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("stage") == "late" for r in rows)  # pruned and compacted with hot rows
+    assert any(r.get("stage") == "late" for r in rows)
+    plain = tmp_path / "plain_sgd"
+    assert _cli(tmp_path, "--run-dir", str(plain), "--set", "train.optimizer=sgd") == 0
+    # step 6 is before any pruning: the same TT ranks, so each table's compression differs
+    # by exactly its hot rows (dense rows x 16 / live params)
+    evals = [
+        next(json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x).get("step") == 6 and "eval/val/auc" in json.loads(x))
+        for d in (hot, plain)
+    ]  # fmt: skip
+    cards = json.loads((hot / "config.json").read_text())["cardinalities"]
+    for key in (k for k in evals[0] if k.startswith("eval/compression/")):
+        n = cards[int(key.rsplit("C", 1)[1]) - 1]
+        extra = n * 16 / evals[0][key] - n * 16 / evals[1][key]
+        assert extra == pytest.approx(min(8, n) * 16, rel=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["missing", "csv"])
