@@ -72,7 +72,7 @@ CPU_MALLOC = "lean"
 def preset(name: str) -> Preset:
     """``kaggle``: the reference's Criteo Kaggle setting (batch 128, one epoch), CoMERA
     on it (GPU; the raw train.txt via --data). ``smoke``: a small DLRM on the generated
-    file with planted signal (CPU, about a minute per run)."""
+    file with planted signal (CPU, about 30 s per run, one epoch)."""
     if name == "kaggle":
         steps = 39_291_958 // 128  # one epoch of the six train days (45,840,617 rows)
         return Preset(
