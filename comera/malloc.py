@@ -50,13 +50,17 @@ _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
+def _check_policy(policy: str) -> None:
+    if policy not in CPU_MALLOC_POLICIES:
+        raise ValueError(f"cpu_malloc={policy!r}; choose one of {CPU_MALLOC_POLICIES}")
+
+
 def set_cpu_malloc(policy: str) -> bool:
     """Apply ``policy`` to this process's glibc malloc; True when it took effect.
 
     ``"default"`` changes nothing (and returns True). Elsewhere than glibc the call does
     nothing and returns False. A policy cannot be undone within the process."""
-    if policy not in CPU_MALLOC_POLICIES:
-        raise ValueError(f"cpu_malloc={policy!r}; choose one of {CPU_MALLOC_POLICIES}")
+    _check_policy(policy)
     if policy == "default":
         return True
     # release and lean: blocks >= 1 MiB mapped (and unmapped on free), both thresholds
@@ -130,8 +134,7 @@ def needs_restart(policy: str) -> bool:
     where the kernel gives huge pages only on request (THP mode ``madvise``), glibc can
     request them, this process was started without the tunable, no restart has been
     tried already, and the command can be run again (not a script read from stdin)."""
-    if policy not in CPU_MALLOC_POLICIES:
-        raise ValueError(f"cpu_malloc={policy!r}; choose one of {CPU_MALLOC_POLICIES}")
+    _check_policy(policy)
     return (
         policy == "lean"
         and not os.environ.get(_RESTARTED)

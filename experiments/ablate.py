@@ -86,6 +86,17 @@ def _gate_count(cfg: Any, exp: cli.Experiment) -> int:
     return sum(int(m.numel()) for _, _, s in C.tree.iter_tt(params, state) for m in s["masks"])
 
 
+def _hot_rows(cfg: Any, exp: cli.Experiment) -> list[Variant]:
+    _require_model_field(cfg, "hot_rows")
+    return _choices("model.hot_rows", (0, 256, 1024, 4096))(cfg, exp)
+
+
+def _require_model_field(cfg: Any, name: str) -> None:
+    """A clear error for an ablation of a model knob this experiment lacks (DLRM's)."""
+    if not hasattr(cfg.model, name):
+        raise cli.CLIError(f"ablation {name!r} is DLRM's (model.{name}): pass --experiment dlrm")
+
+
 ABLATIONS: dict[str, Callable[[Any, cli.Experiment], list[Variant]]] = {
     "contraction": _choices("plans.default", C.STRATEGIES),
     "rank": lambda cfg, exp: _scaled(_rank_key(cfg), (0.5, 1.0, 2.0))(cfg, exp),
@@ -94,7 +105,7 @@ ABLATIONS: dict[str, Callable[[Any, cli.Experiment], list[Variant]]] = {
     "regularizer": _regularizer,
     "prune_rule": _choices("train.comera.prune_rule", C.PRUNE_RULES),
     "objective": _objective,
-    "hot_rows": lambda cfg, exp: _dlrm_only(cfg, "hot_rows", (0, 256, 1024, 4096)),
+    "hot_rows": _hot_rows,
 }
 _KEYS = {
     "contraction": "plans.default",
@@ -104,13 +115,6 @@ _KEYS = {
     "prune_rule": "train.comera.prune_rule",
     "hot_rows": "model.hot_rows",
 }
-
-
-def _dlrm_only(cfg: Any, name: str, values: tuple) -> list[Variant]:
-    """Variants of a DLRM model knob; a clear error for experiments without it."""
-    if not hasattr(cfg.model, name):
-        raise cli.CLIError(f"ablation {name!r} is DLRM's (model.{name}): pass --experiment dlrm")
-    return _choices(f"model.{name}", values)(cfg, None)
 
 
 def _rank_key(cfg: Any) -> str:
@@ -134,7 +138,7 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
         raise cli.CLIError(f"--values: ablation {name!r} has fixed variants; drop --values")
     key = _rank_key(cfg) if name == "rank" else _KEYS[name]
     if name == "hot_rows":
-        _dlrm_only(cfg, name, ())
+        _require_model_field(cfg, name)
     return [Variant(v, ((key, v),)) for v in values.split(",") if v]
 
 

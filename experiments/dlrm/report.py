@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from comera.malloc import lean_without_hugepages
+from comera.malloc import lean_without_hugepages, restart_for
 from comera.train.logging import read_metrics
 from experiments.cli import config_from_dict
 from experiments.dlrm.bench import GLIBC_TAG
@@ -214,13 +214,14 @@ def _ablation_note(
             "here) add a dense row for the K most frequent ids of each TTM table."
         )
         none = next((r for r in rows if r["label"] == "0"), None)
-        worse = [r for r in rows if none and r["label"] != "0" and r["eval_auc"] < none["eval_auc"]]
-        if worse:
-            text += (
-                " A few do not help by themselves: "
-                + ", ".join(f"{r['label']} scored {r['eval_auc']:.4f}" for r in worse)
-                + f" against {none['eval_auc']:.4f} with none."  # type: ignore[index]
-            )
+        if none is not None:
+            worse = [r for r in rows if r["eval_auc"] < none["eval_auc"]]
+            if worse:
+                text += (
+                    " A few do not help by themselves: "
+                    + ", ".join(f"{r['label']} scored {r['eval_auc']:.4f}" for r in worse)
+                    + f" against {none['eval_auc']:.4f} with none."
+                )
         if close:
             best = max(close, key=lambda r: r["compression"])
             share = ""
@@ -304,7 +305,6 @@ def _bench_section(b: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from comera.malloc import restart_for
     from experiments.dlrm.experiment import CPU_MALLOC
     from experiments.dlrm.experiment import main as exp_main
 
