@@ -5,6 +5,7 @@ experiments other than MNLI) with a PNG.
     python -m experiments.ablate contraction --experiment mnli --preset smoke
     python -m experiments.ablate rank --experiment dlrm --preset smoke --values 8,16,32
     python -m experiments.ablate hot_rows --experiment dlrm --preset smoke
+    python -m experiments.ablate steps --experiment dlrm --preset smoke
     python -m experiments.ablate gamma --experiment codebert --preset smoke
     python -m experiments.ablate objective --experiment mnli --preset smoke --set train.steps=300
     python -m experiments.ablate gamma --values 0,0.02,0.05 --experiment mnli
@@ -14,8 +15,9 @@ strategy's step time and its largest loss difference from the paper's path, whic
 float-tolerance small), ``rank`` (the initial TT rank; DLRM: the TTM tables' rank),
 ``gamma`` (the gate regularizer weight), ``size_ratio`` (the late-stage size target c),
 ``regularizer`` (mean vs L1), ``prune_rule`` (gate vs contribution), ``objective``
-(both choices crossed) and ``hot_rows`` (DLRM: dense hot rows beside each TTM table, 0 to
-4096: what accuracy they buy and what compression they cost).
+(both choices crossed), ``steps`` (the recipe trained 1, 2 and 3 times as long, its CoMERA
+schedule scaled along: a plateau or a slow learner?) and ``hot_rows`` (DLRM: dense hot rows
+beside each TTM table, 0 to 4096: what accuracy they buy and what compression they cost).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import comera as C
+from comera.malloc import restart_for
 from comera.train import read_metrics
 from experiments import cli
 
@@ -91,6 +96,25 @@ def _hot_rows(cfg: Any, exp: cli.Experiment) -> list[Variant]:
     return _choices("model.hot_rows", (0, 256, 1024, 4096))(cfg, exp)
 
 
+def _steps(cfg: Any, exp: cli.Experiment) -> list[Variant]:
+    """The same recipe trained 1, 2 and 3 times as long: ``train.steps`` and the CoMERA
+    schedule (``early_steps``, ``reg_start_step``) scaled together, warm-up unchanged (the
+    lr schedule decays over ``train.steps`` by itself). Does more training close a gap, or
+    has the model plateaued? Read each variant's best eval beside its last."""
+    t, c = cfg.train, cfg.train.comera
+    return [
+        Variant(
+            f"steps={t.steps * f}",
+            (
+                ("train.steps", t.steps * f),
+                ("train.comera.early_steps", c.early_steps * f),
+                ("train.comera.reg_start_step", c.reg_start_step * f),
+            ),
+        )
+        for f in (1, 2, 3)
+    ]
+
+
 def _require_model_field(cfg: Any, name: str) -> None:
     """A clear error for an ablation of a model knob this experiment lacks (DLRM's)."""
     if not hasattr(cfg.model, name):
@@ -106,6 +130,7 @@ ABLATIONS: dict[str, Callable[[Any, cli.Experiment], list[Variant]]] = {
     "prune_rule": _choices("train.comera.prune_rule", C.PRUNE_RULES),
     "objective": _objective,
     "hot_rows": _hot_rows,
+    "steps": _steps,
 }
 _KEYS = {
     "contraction": "plans.default",
@@ -177,6 +202,8 @@ def _summary(rec: dict) -> dict:
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     acc_key = next((k for k in (evals[-1] if evals else {}) if k.endswith("accuracy")), None)
     auc_key = next((k for k in (evals[-1] if evals else {}) if k.endswith("/auc")), None)
+    key = auc_key or acc_key  # the headline metric: its best eval, and when
+    best = max((r for r in evals if key in r), key=lambda r: r[key]) if key else None
     times = [r["step_time_s"] for r in train if "step_time_s" in r]
     tail = [r["loss"] for r in train[-5:]]
     return {
@@ -185,6 +212,7 @@ def _summary(rec: dict) -> dict:
         "loss_tail": sum(tail) / max(len(tail), 1),
         "eval_acc": evals[-1][acc_key] if acc_key else None,
         "eval_auc": evals[-1][auc_key] if auc_key else None,
+        "best_eval": (best[key], best["step"]) if best else None,
         "compression": train[-1]["compression"] if train else None,
         "live_params": train[-1]["live_params"] if train else None,
         "step_time_ms": 1e3 * statistics.median(times) if times else None,
@@ -212,6 +240,8 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
     with_auc = any(r["eval_auc"] is not None for r in rows)
     head = "| variant | steps | train loss (last 5 logs) | eval accuracy | "
     head += "eval AUC | " if with_auc else ""
+    with_best = any(r["best_eval"] is not None for r in rows)
+    head += f"best eval {'AUC' if with_auc else 'accuracy'} (step) | " if with_best else ""
     head += "compression "
     head += "| live params | median step (ms) | train time (s) |"
     if name == "contraction":
@@ -224,6 +254,7 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
             f"{r['loss_tail']:.4f}",
             "n/a" if r["eval_acc"] is None else f"{r['eval_acc']:.4f}",
             *([f"{r['eval_auc']:.4f}" if r["eval_auc"] is not None else "n/a"] if with_auc else []),
+            *([_best_cell(r["best_eval"])] if with_best else []),
             f"{r['compression']:.2f}x",
             f"{r['live_params']:,}",
             f"{r['step_time_ms']:.1f}",
@@ -247,6 +278,10 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
         )
     )
     return out
+
+
+def _best_cell(best: tuple[float, int] | None) -> str:
+    return "n/a" if best is None else f"{best[0]:.4f} ({best[1]})"
 
 
 def _plot(name: str, rows: list[dict], png: Path) -> None:
@@ -279,6 +314,7 @@ def _plot(name: str, rows: list[dict], png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_command_line = argv is None  # only a command may re-execute itself
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(
         prog="python -m experiments.ablate", description=__doc__.split("\n")[0]
@@ -300,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
             raise cli.CLIError(f"--preset {preset!r}: choose one of {sorted(exp.presets)}")
         over = [("train.wandb", args.wandb)] if args.wandb else []
         base = cli.apply_overrides(exp.presets[preset](), over, args.sets)
+        on_cpu = torch.device(base.train.device).type == "cpu"
+        if from_command_line and not args.report_only and on_cpu:
+            restart_for(base.train.cpu_malloc)  # as the experiment's command (lean: huge pages)
         chosen = variants(args.ablation, base, exp, args.values)
         tag = "" if args.experiment == "mnli" else f"{args.experiment}-"  # mnli: old names
         root = Path(args.runs_dir) / f"ablate-{tag}{args.ablation}-{preset}"

@@ -62,6 +62,46 @@ def test_hot_rows_ablation_is_dlrms(capsys):
     assert len(err) == 1 and "--experiment dlrm" in err[0]
 
 
+def test_steps_variants_scale_the_comera_schedule():
+    from experiments.dlrm import experiment as dlrm
+
+    cfg = dlrm.preset("smoke")
+    t, c = cfg.train, cfg.train.comera
+    out = ablate.variants("steps", cfg, dlrm.EXPERIMENT, None)
+    assert [v.label for v in out] == [f"steps={t.steps * f}" for f in (1, 2, 3)]
+    for f, v in zip((1, 2, 3), out, strict=True):
+        assert dict(v.overrides) == {
+            "train.steps": t.steps * f,
+            "train.comera.early_steps": c.early_steps * f,
+            "train.comera.reg_start_step": c.reg_start_step * f,
+        }
+        scaled = cli.apply_overrides(cfg, list(v.overrides), [])  # a valid config
+        assert scaled.train.steps == t.steps * f and scaled.train.warmup_steps == t.warmup_steps
+    with pytest.raises(cli.CLIError, match="fixed variants"):
+        ablate.variants("steps", cfg, dlrm.EXPERIMENT, "1,2")
+
+
+def test_summary_reports_the_best_eval_and_its_step(tmp_path):
+    def train(step: int, loss: float, live: int) -> dict:
+        return {"step": step, "loss": loss, "compression": 1e3 / live, "live_params": live,
+                "steps_per_s": 10.0, "step_time_s": 0.1}  # fmt: skip
+
+    rows = [
+        train(10, 0.7, 100),
+        {"step": 10, "eval/val/auc": 0.61, "eval/val/accuracy": 0.7},
+        train(20, 0.6, 90),
+        {"step": 20, "eval/val/auc": 0.66, "eval/val/accuracy": 0.72},
+        train(30, 0.5, 80),
+        {"step": 30, "eval/val/auc": 0.64, "eval/val/accuracy": 0.74},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = ablate._summary({"label": "x", "dir": tmp_path})
+    assert s["eval_auc"] == 0.64 and s["best_eval"] == (0.66, 20)  # AUC first, not accuracy
+    ablate.write_report("steps", [{"label": "x", "dir": tmp_path}], tmp_path / "a.md", "cmd")
+    assert "| best eval AUC (step) |" in (tmp_path / "a.md").read_text()
+    assert "| 0.6400 | 0.6600 (20) |" in (tmp_path / "a.md").read_text()
+
+
 def test_bad_input_is_one_line(tmp_path, capsys):
     assert ablate.main(["gamma", "--set", "train.gama=1", "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -90,6 +130,10 @@ def test_dlrm_rank_ablation_on_the_criteo_sample(tmp_path):
     assert ablate.main(argv) == 0
     text = (tmp_path / "rep" / "ablation_dlrm_rank.md").read_text()
     assert "eval AUC" in text and "| 2 | 6 |" in text and "| 4 | 6 |" in text
+    assert "best eval AUC (step)" in text
+    assert all(r["best_eval"][1] in (3, 6) for r in json.loads(
+        (tmp_path / "rep" / "ablation_dlrm_rank.json").read_text()
+    ))  # fmt: skip
     for rank in (2, 4):
         saved = json.loads(
             (tmp_path / "runs" / "ablate-dlrm-rank-smoke" / str(rank) / "config.json").read_text()
