@@ -464,3 +464,31 @@ def test_report_reads_the_rank_and_hot_rows_ablations(tmp_path: Path) -> None:
     rows.insert(1, {"label": "8", "steps": 400, "eval_auc": 0.73, "compression": 20.0})
     path.write_text(json.dumps(rows))
     assert "8 scored 0.7300 against 0.7400 with none" in _ablation_note(path, dense, "hot_rows")[0]
+
+
+def test_report_reads_the_steps_ablation(tmp_path: Path) -> None:
+    """Trained longer, does CoMERA's best eval reach dense's? The paragraph lists each
+    variant's best AUC and step and calls a gain under 0.005 a plateau."""
+    from experiments.dlrm.report import _ablation_note
+
+    path = tmp_path / "ablation_dlrm_steps.json"
+    rows = [{"label": f"steps={n}", "steps": n, "best_eval": [a, s]}
+            for n, a, s in ((400, 0.750, 400), (800, 0.753, 600), (1200, 0.752, 800))]  # fmt: skip
+    path.write_text(json.dumps(rows))
+    dense = [{"step": 200, "eval/val/auc": 0.70}, {"step": 400, "eval/val/auc": 0.786}]
+    text = _ablation_note(path, dense, "steps")[0]
+    assert text.startswith("Longer training does not close")
+    assert "0.7530 (step 600 of 800)" in text and "0.7860 at step 400" in text
+    assert "raises its best by 0.0030" in text and "level off" in text
+    assert "overfits" not in text  # no last AUC recorded
+    rows[2]["best_eval"], rows[2]["eval_auc"] = [0.770, 800], 0.76  # slow but rising
+    path.write_text(json.dumps(rows))
+    text = _ablation_note(path, dense, "steps")[0]
+    assert "level off" not in text and "by 0.0200" in text and "more slowly" in text
+    assert "peaked at step 800 and ended at 0.7600" in text
+    rows[2]["best_eval"] = [0.780, 1200]  # within 0.01 of dense
+    path.write_text(json.dumps(rows))
+    assert _ablation_note(path, dense, "steps")[0].startswith("Longer training closes")
+    rows[0].pop("best_eval")  # an ablation written before best evals were recorded
+    path.write_text(json.dumps(rows))
+    assert _ablation_note(path, dense, "steps") == []

@@ -132,7 +132,7 @@ def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
     ]
     lines += ["", "![curves](dlrm_curves.png)", ""]
     ttm_rows = [n for n in config["cardinalities"] if n >= m["tt_min_rows"]]
-    for knob in ("rank", "hot_rows"):
+    for knob in ("rank", "steps", "hot_rows"):
         path = out_dir / f"ablation_dlrm_{knob}.json"
         lines += _ablation_note(path, runs["dense"], knob, ttm_rows)
     ranks = json.loads((runs_dir / "dlrm-smoke" / "ranks.json").read_text())
@@ -178,11 +178,14 @@ def _ablation_note(
 ) -> list[str]:
     """One paragraph on a DLRM ablation (``python -m experiments.ablate KNOB --experiment
     dlrm``) when its JSON is there: does any variant come within 0.01 of dense's val AUC at
-    the same step, and at what compression? ``knob``: ``rank`` or ``hot_rows``;
+    the same step, and at what compression? ``knob``: ``rank``, ``steps`` (does training
+    longer reach dense's AUC: each variant's best eval) or ``hot_rows``;
     ``ttm_rows``: the compressed tables' sizes (hot rows: the share of rows held dense)."""
     if not path.is_file():
         return []
     rows = json.loads(path.read_text())
+    if knob == "steps":
+        return _steps_note(rows, dense_rows)
     steps = {r["steps"] for r in rows}
     dense = [r for r in _evals(dense_rows) if r["step"] in steps]
     if len(steps) != 1 or not dense:
@@ -203,11 +206,6 @@ def _ablation_note(
         f"{lead}: at step {step} the {knob} ablation (`reports/ablation_dlrm_{knob}.md`) "
         f"gives val AUC {auc}, against the dense smoke run's {d_auc:.4f} at that step."
     )
-    if knob == "rank" and not close:
-        text += (
-            " The TTM tables learn these independent per-value effects more slowly than "
-            "dense rows, at any of these ranks."
-        )
     if knob == "hot_rows":
         text += (
             " Hot rows (`--set model.hot_rows=K`, TT-Rec's cache of frequent rows, static "
@@ -234,6 +232,41 @@ def _ablation_note(
                 f"variant within 0.01 ({best['label']}) keeps {best['compression']:.1f}x{share}."
             )
         text += " The paper's model has none (the presets' default)."
+    return [text, ""]
+
+
+def _steps_note(rows: list[dict], dense_rows: list[dict]) -> list[str]:
+    """The steps ablation: does CoMERA reach dense's one-run AUC when trained longer, or
+    does its best eval level off?"""
+    dense = _evals(dense_rows)
+    if not dense or any(r.get("best_eval") is None for r in rows):
+        return []
+    d_auc, d_step = dense[-1]["eval/val/auc"], dense[-1]["step"]
+    bests = [(r["best_eval"][0], r["best_eval"][1], r["steps"]) for r in rows]
+    listed = ", ".join(f"{auc:.4f} (step {s:,} of {n:,})" for auc, s, n in bests)
+    close = [b for b in bests if b[0] >= d_auc - 0.01]
+    gain = max(b[0] for b in bests) - bests[0][0]
+    text = (
+        f"{'Longer training closes' if close else 'Longer training does not close'} the "
+        "gap: trained for 1, 2 and 3 times the preset's steps, its CoMERA schedule scaled "
+        "along (the steps ablation, `reports/ablation_dlrm_steps.md`), CoMERA's best val "
+        f"AUC is {listed}, against the dense smoke run's {d_auc:.4f} at step {d_step:,}."
+    )
+    if not close:
+        text += f" Three times the training raises its best by {gain:.4f}: " + (
+            "the TTM tables level off below dense rows on these independent per-value "
+            "effects, a limit of the format at this size rather than a slow start."
+            if gain < 0.005
+            else "the TTM tables learn these independent per-value effects more slowly "
+            "than dense rows, and not to dense's level within these runs."
+        )
+    last = rows[-1]
+    if last.get("eval_auc") is not None and bests[-1][1] < bests[-1][2]:
+        text += (
+            f" The longest run peaked at step {bests[-1][1]:,} and ended at "
+            f"{last['eval_auc']:.4f}: past the first epoch the training rows repeat, and it "
+            "overfits them."
+        )
     return [text, ""]
 
 
