@@ -336,10 +336,10 @@ def main(argv: list[str] | None = None) -> int:
             raise cli.CLIError(f"--preset {preset!r}: choose one of {sorted(exp.presets)}")
         over = [("train.wandb", args.wandb)] if args.wandb else []
         base = cli.apply_overrides(exp.presets[preset](), over, args.sets)
-        on_cpu = torch.device(base.train.device).type == "cpu"
-        if from_command_line and not args.report_only and on_cpu:
-            restart_for(base.train.cpu_malloc)  # as the experiment's command (lean: huge pages)
-        chosen = variants(args.ablation, base, exp, args.values)
+        chosen = variants(args.ablation, base, exp, args.values)  # user errors before a restart
+        if from_command_line and not args.report_only:
+            if torch.device(base.train.device).type == "cpu":  # a valid device: TrainConfig
+                restart_for(base.train.cpu_malloc)  # as the experiment's command (lean: THP)
         tag = "" if args.experiment == "mnli" else f"{args.experiment}-"  # mnli: old names
         root = Path(args.runs_dir) / f"ablate-{tag}{args.ablation}-{preset}"
         if args.report_only:

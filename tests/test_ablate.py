@@ -97,9 +97,29 @@ def test_summary_reports_the_best_eval_and_its_step(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = ablate._summary({"label": "x", "dir": tmp_path})
     assert s["eval_auc"] == 0.64 and s["best_eval"] == (0.66, 20)  # AUC first, not accuracy
+    rows.insert(3, {"step": 15, "eval/val/loss": 0.5})  # an eval row without the metric
+    rows.append({"step": 40, "eval/val/auc": 0.66})  # a tie: the earlier step is kept
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ablate._summary({"label": "x", "dir": tmp_path})["best_eval"] == (0.66, 20)
     ablate.write_report("steps", [{"label": "x", "dir": tmp_path}], tmp_path / "a.md", "cmd")
     assert "| best eval AUC (step) |" in (tmp_path / "a.md").read_text()
-    assert "| 0.6400 | 0.6600 (20) |" in (tmp_path / "a.md").read_text()
+    assert "| 0.6600 | 0.6600 (20) |" in (tmp_path / "a.md").read_text()
+
+
+def test_restart_only_from_the_command_line(tmp_path, monkeypatch):
+    """Only ``python -m experiments.ablate`` re-executes itself for its allocator policy:
+    not a call with ``argv`` (tests, scripts), nor ``--report-only``."""
+    calls: list[str] = []
+    monkeypatch.setattr(ablate, "restart_for", calls.append)
+    monkeypatch.setattr(ablate, "run_ablation", lambda *a, **k: [])
+    monkeypatch.setattr(ablate, "write_report", lambda name, recs, out, cmd: out.write_text(""))
+    args = ["gamma", "--experiment", "dlrm", "--runs-dir", str(tmp_path)]
+    args += ["--reports", str(tmp_path)]
+    assert ablate.main(args) == 0 and calls == []
+    monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
+    assert ablate.main() == 0 and calls == []
+    monkeypatch.setattr("sys.argv", ["ablate", *args])
+    assert ablate.main() == 0 and calls == ["lean"]  # DLRM's presets train under lean
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
@@ -131,9 +151,13 @@ def test_dlrm_rank_ablation_on_the_criteo_sample(tmp_path):
     text = (tmp_path / "rep" / "ablation_dlrm_rank.md").read_text()
     assert "eval AUC" in text and "| 2 | 6 |" in text and "| 4 | 6 |" in text
     assert "best eval AUC (step)" in text
-    assert all(r["best_eval"][1] in (3, 6) for r in json.loads(
-        (tmp_path / "rep" / "ablation_dlrm_rank.json").read_text()
-    ))  # fmt: skip
+    for r in json.loads((tmp_path / "rep" / "ablation_dlrm_rank.json").read_text()):
+        metrics = tmp_path / "runs" / "ablate-dlrm-rank-smoke" / r["label"] / "metrics.jsonl"
+        lines = metrics.read_text().splitlines()
+        evals = [m for m in map(json.loads, lines) if "eval/val/auc" in m]
+        top = max(m["eval/val/auc"] for m in evals)
+        first = next(m["step"] for m in evals if m["eval/val/auc"] == top)
+        assert r["best_eval"] == [top, first]  # the highest AUC, the earliest step on ties
     for rank in (2, 4):
         saved = json.loads(
             (tmp_path / "runs" / "ablate-dlrm-rank-smoke" / str(rank) / "config.json").read_text()

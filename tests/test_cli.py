@@ -167,3 +167,11 @@ def test_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
 def test_trainconfig_accepts_none_wandb():
     assert TrainConfig(steps=1, run_dir="x").wandb is None
     assert C.LayerPlans().for_layer("anything") is None
+
+
+def test_a_device_torch_cannot_parse_is_one_line(capsys):
+    """``--set train.device=gpu`` (or ``--device gpu``) is refused with the field named,
+    before anything runs, rather than a traceback from ``torch.device``."""
+    assert mnli.main(["--preset", "smoke", "--set", "train.device=gpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "TrainConfig.device='gpu' is not a torch device" in err[0]

@@ -467,28 +467,38 @@ def test_report_reads_the_rank_and_hot_rows_ablations(tmp_path: Path) -> None:
 
 
 def test_report_reads_the_steps_ablation(tmp_path: Path) -> None:
-    """Trained longer, does CoMERA's best eval reach dense's? The paragraph lists each
-    variant's best AUC and step and calls a gain under 0.005 a plateau."""
+    """Trained longer, does CoMERA's best eval come within 0.01 of dense's last? The
+    paragraph lists each variant's best AUC, step and compression, measures the longest
+    run's gain over the preset's (a gain under 0.005 is a plateau) and names a late peak."""
     from experiments.dlrm.report import _ablation_note
 
     path = tmp_path / "ablation_dlrm_steps.json"
-    rows = [{"label": f"steps={n}", "steps": n, "best_eval": [a, s]}
-            for n, a, s in ((400, 0.750, 400), (800, 0.753, 600), (1200, 0.752, 800))]  # fmt: skip
+    rows = [{"label": f"steps={n}", "steps": n, "best_eval": [a, s], "compression": c}
+            for n, a, s, c in ((400, 0.750, 400, 30.0), (800, 0.754, 600, 31.0),
+                               (1200, 0.752, 800, 29.0))]  # fmt: skip
     path.write_text(json.dumps(rows))
     dense = [{"step": 200, "eval/val/auc": 0.70}, {"step": 400, "eval/val/auc": 0.786}]
     text = _ablation_note(path, dense, "steps")[0]
     assert text.startswith("Longer training does not close")
-    assert "0.7530 (step 600 of 800)" in text and "0.7860 at step 400" in text
-    assert "raises its best by 0.0030" in text and "level off" in text
-    assert "overfits" not in text  # no last AUC recorded
-    rows[2]["best_eval"], rows[2]["eval_auc"] = [0.770, 800], 0.76  # slow but rising
+    assert "0.7540 (step 600 of 800, 31.0x)" in text and "0.7860 at step 400" in text
+    assert "With 3x the steps its best moves by +0.0020" in text  # longest vs preset's
+    assert "level off" in text and "peaked" not in text  # no last AUC recorded
+    rows[2]["best_eval"], rows[2]["eval_auc"] = [0.770, 800], 0.769  # rising; a tiny dip
     path.write_text(json.dumps(rows))
     text = _ablation_note(path, dense, "steps")[0]
-    assert "level off" not in text and "by 0.0200" in text and "more slowly" in text
-    assert "peaked at step 800 and ended at 0.7600" in text
+    assert "level off" not in text and "by +0.0200" in text and "more slowly" in text
+    assert "peaked" not in text
+    rows[2]["eval_auc"] = 0.76  # a real drop after the peak
+    path.write_text(json.dumps(rows))
+    assert (
+        "peaked at step 800 of 1,200 and ended at 0.7600" in _ablation_note(path, dense, "steps")[0]
+    )
     rows[2]["best_eval"] = [0.780, 1200]  # within 0.01 of dense
     path.write_text(json.dumps(rows))
     assert _ablation_note(path, dense, "steps")[0].startswith("Longer training closes")
+    rows[0]["best_eval"] = [0.777, 400]  # the preset's own length is already close
+    path.write_text(json.dumps(rows))
+    assert _ablation_note(path, dense, "steps")[0].startswith("The preset's own length")
     rows[0].pop("best_eval")  # an ablation written before best evals were recorded
     path.write_text(json.dumps(rows))
     assert _ablation_note(path, dense, "steps") == []

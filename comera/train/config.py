@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from comera.galore import GaLoreConfig
 from comera.malloc import CPU_MALLOC_POLICIES
 from comera.optim import OPTIMIZERS, AdamWConfig, SGDConfig
@@ -180,6 +182,13 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.cpu_malloc={self.cpu_malloc!r}; choose one of {CPU_MALLOC_POLICIES}"
             )
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(
+                f"TrainConfig.device={self.device!r} is not a torch device (cpu, cuda, "
+                f"cuda:1, ...): {e}"
+            ) from None
         if self.bf16 and not self.device.startswith("cuda"):
             raise ValueError("TrainConfig.bf16 autocast is for CUDA devices; set device='cuda'")
         if self.log_every < 1 or self.warmup_steps < 0:
