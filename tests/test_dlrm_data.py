@@ -1,5 +1,6 @@
 """Criteo preprocessing, cache, errors, batches and click metrics."""
 
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -77,6 +78,19 @@ def test_cache_is_reused_and_partial_caches_are_rebuilt(tmp_path: Path) -> None:
     want_ids = {h: k + 1 for k, h in enumerate(kept)}  # rare values: id 0
     assert list(rare.cat[:, 0]) == [want_ids.get(h, 0) for h in first_col]
     assert not list((tmp_path / "cache").glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("settings", [{}, {"min_count": 3}, {"id_order": "hash"}])
+def test_ids_do_not_depend_on_the_lookup_chunk(tmp_path: Path, monkeypatch, settings) -> None:
+    """Pass 2 maps hashes to ids a chunk of rows at a time (bounded memory): chunks of 7
+    rows, which split the 200-row sample unevenly, give the one-chunk result."""
+    from experiments.dlrm import data as criteo_data
+
+    whole = preprocess(SAMPLE, _cfg(tmp_path / "a", **settings), progress=False)
+    monkeypatch.setattr(criteo_data, "_ID_CHUNK", 7)
+    chunked = preprocess(SAMPLE, _cfg(tmp_path / "b", **settings), progress=False)
+    np.testing.assert_array_equal(chunked.cat, whole.cat)
+    assert chunked.cardinalities == whole.cardinalities
 
 
 @pytest.mark.parametrize(
@@ -210,3 +224,26 @@ def test_unreadable_file_is_named(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr("builtins.open", deny)
     with pytest.raises(CriteoFormatError, match="cannot read Criteo file .*train.txt: Perm"):
         preprocess(path, _cfg(tmp_path), progress=False)
+
+
+def test_prep_bench_measures_a_kaggle_shaped_file(tmp_path: Path, capsys) -> None:
+    """``python -m experiments.dlrm.prep_bench``: its generated file is valid Criteo with
+    Kaggle's vocabularies (head-heavy), and preprocessing it in a child process reports
+    the rows, a rate and the memory peaks; bad input is one line, exit 2."""
+    from experiments.dlrm import prep_bench
+    from experiments.dlrm.data import check_line
+
+    path = tmp_path / "train.txt"
+    prep_bench.write_kaggle_like(path, 500, chunk=128)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 500
+    for n, line in enumerate(lines, 1):
+        check_line(line, path, n)
+    c3 = Counter(line.split("\t")[16] for line in lines)  # 10M values, heavy head
+    assert 50 < len(c3) < 500 and c3.most_common(1)[0][1] >= 5
+    assert prep_bench.main(["--file", str(path), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["rows"] == 500 and res["rows_per_s"] > 0 and res["peak_file_mb"] >= 0
+    assert res["peak_anon_mb"] >= res["peak_anon_above_baseline_mb"] >= 0
+    assert prep_bench.main(["--file", str(tmp_path / "missing.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -189,3 +189,14 @@ def test_cuda_graph_step_of_the_mnli_encoder(tmp_path):
     losses = [tr.train_step(next(it))["loss"] for _ in range(12)]
     assert tr.sync_free._graphs, "no graph was captured"
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@cuda
+def test_dlrm_lookup_timing_runs_on_cuda():
+    """``python -m experiments.dlrm.bench --embedding --device cuda`` (``make gpu-check``):
+    the table-batched vs separate lookup comparison at the Kaggle sizes, on the GPU."""
+    from experiments.dlrm.bench import embedding_times
+
+    out = embedding_times(repeats=1, device="cuda")
+    assert out["device"].startswith("cuda") and out["embedding_batched_s"] > 0
+    assert out["embedding_time_ratio_batched_vs_separate"] > 0

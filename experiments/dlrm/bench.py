@@ -22,7 +22,9 @@ Batch 10,000; ids drawn per table as ``floor(n * u**3)`` (a heavy head, as Crite
 step time is the median of 10 timed steps after one warm-up step. The lookup
 comparison (``embedding_time_ratio_batched_vs_separate``) times the embedding stage
 alone, forward and backward, table-batched vs one call per table, in one fresh process
-under the training policy (and again under glibc as found).
+under the training policy (and again under glibc as found). On a GPU machine,
+``python -m experiments.dlrm.bench --embedding --device cuda`` times the same comparison
+on the GPU (``make gpu-check`` runs it).
 """
 
 from __future__ import annotations
@@ -121,21 +123,28 @@ def run_variant(variant: str, steps: int = 10, malloc: str = "default") -> dict:
     }
 
 
-def embedding_times(repeats: int = 5) -> dict:
-    """Forward + backward of the embedding stage: table-batched vs one call per table."""
+def embedding_times(repeats: int = 5, device: str = "cpu") -> dict:
+    """Forward + backward of the embedding stage: table-batched vs one call per table, on
+    ``device`` (on CUDA each timing ends with a synchronize: the kernels, not their
+    launch)."""
     import dataclasses
 
     from experiments.dlrm.model import DLRMConfig, embed, init_dlrm, table_specs
 
+    dev = torch.device(device)
     model = DLRMConfig()
     params, state = init_dlrm(model, generator=torch.Generator().manual_seed(0))
+    move = lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    params = torch.utils._pytree.tree_map(move, params)
+    state = torch.utils._pytree.tree_map(move, state)
     leaves = [
         t.requires_grad_()
         for tab in params["tables"].values()
         for v in tab.values()
         for t in (v if isinstance(v, list) else [v])
     ]
-    cat = _batch(model.cardinalities, BATCH)["cat"]
+    cat = _batch(model.cardinalities, BATCH)["cat"].to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     specs = table_specs(model)
     out = {}
     variants = {
@@ -145,13 +154,18 @@ def embedding_times(repeats: int = 5) -> dict:
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(repeats + 1):
         for name, cfg in variants.items():
+            sync()
             t = time.perf_counter()
             rows = embed(cfg, params, state, cat, sparse=True, specs=specs)
             torch.autograd.grad(rows.sum(), leaves, allow_unused=True)
+            sync()
             times[name].append(time.perf_counter() - t)
     for name, ts in times.items():
         out[f"embedding_{name}_s"] = statistics.median(ts[1:])
-    return out
+    out["embedding_time_ratio_batched_vs_separate"] = (
+        out["embedding_batched_s"] / out["embedding_separate_s"]
+    )
+    return {**out, "device": str(dev)}
 
 
 def _in_child(args: list[str], what: str) -> dict:
@@ -238,14 +252,19 @@ if __name__ == "__main__":
     ap.add_argument("--variant", choices=VARIANTS)
     ap.add_argument("--embedding", action="store_true", help="time the lookups only")
     ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default")
+    ap.add_argument("--device", default="cpu", help="--embedding only: cpu or cuda")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.variant or args.embedding:
+    if args.device != "cpu" and not args.embedding:
+        ap.error("--device: only the lookup timing (--embedding) runs off the CPU")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here")
+    if (args.variant or args.embedding) and args.device == "cpu":
         restart_for(args.malloc)  # as the experiment's command does (lean: huge pages)
     if args.variant:
         print(json.dumps(run_variant(args.variant, malloc=args.malloc)))
     elif args.embedding:
         set_cpu_malloc(args.malloc)
-        print(json.dumps({**embedding_times(), "malloc": args.malloc}))
+        print(json.dumps({**embedding_times(device=args.device), "malloc": args.malloc}))
     else:
         raise SystemExit(main(json_out=args.json))
