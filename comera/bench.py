@@ -3,6 +3,7 @@
     python -m comera.bench            # table on stdout, writes reports/bench_core.md
     python -m comera.bench --json     # one JSON object on stdout (progress on stderr)
     python -m comera.bench --quick    # tiny shapes, one repeat: checks the plumbing only
+    python -m comera.bench --device cuda   # on a GPU: writes reports/gpu/bench_core_cuda.md
 
 Every ratio is measured side by side in one run: each repeat times every variant once
 (round robin, so machine noise hits all of them alike) and the ratio is taken between
@@ -42,21 +43,39 @@ PAPER_LINEAR = [
 ]
 QUICK_LINEAR = [((4, 3), (2, 5)), ((3, 2, 2), (2, 2, 3))]
 REPORT = Path(__file__).resolve().parent.parent / "reports" / "bench_core.md"
+GPU_REPORT = REPORT.parent / "gpu" / "bench_core_cuda.md"  # a GPU run never replaces the CPU one
+CPU = torch.device("cpu")
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _round_robin(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+def _sync(device: torch.device) -> Callable[[], None]:
+    """Wait for the device's queued work (CUDA), so a timing covers kernels, not launches."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _to(tree: object, device: torch.device) -> object:
+    """A params or state pytree with every tensor on ``device``."""
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return torch.utils._pytree.tree_map(move, tree)
+
+
+def _round_robin(
+    fns: dict[str, Callable[[], object]], repeats: int, device: torch.device | None = None
+) -> dict[str, float]:
     """Median seconds per variant, timing every variant once per round."""
-    for fn in fns.values():  # warm-up: plans, allocator, BLAS threads
+    sync = _sync(device or torch.device("cpu"))
+    for fn in fns.values():  # warm-up: plans, allocator, BLAS threads, CUDA kernels
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -86,13 +105,14 @@ def _time_linear(
     repeats: int,
     gen: torch.Generator,
     strategies: tuple[str, ...] = STRATEGIES,
+    device: torch.device = CPU,
 ) -> tuple:
     """Median fwd+bwd seconds of ``nn.Linear`` and of each strategy, side by side."""
-    params, state = init(spec, generator=gen)
+    params, state = _to(init(spec, generator=gen), device)  # type: ignore[misc]
     leaves = _leaves_requiring_grad(params)
-    dense = torch.nn.Linear(spec.in_features, spec.out_features)
-    x = torch.randn(tokens, spec.in_features, generator=gen, requires_grad=True)
-    g = torch.randn(tokens, spec.out_features, generator=gen)
+    dense = torch.nn.Linear(spec.in_features, spec.out_features).to(device)
+    x = torch.randn(tokens, spec.in_features, generator=gen).to(device).requires_grad_()
+    g = torch.randn(tokens, spec.out_features, generator=gen).to(device)
 
     def dense_step() -> None:
         x.grad = dense.weight.grad = dense.bias.grad = None
@@ -108,21 +128,21 @@ def _time_linear(
         return step
 
     fns = {"dense": dense_step, **{s: tt_step(s) for s in strategies}}
-    return params, _round_robin(fns, repeats)
+    return params, _round_robin(fns, repeats, device)
 
 
 def bench_fused_qkv(
     out_modes: tuple[int, ...], in_modes: tuple[int, ...], rank: int, tokens: int,
-    repeats: int, gen: torch.Generator,
+    repeats: int, gen: torch.Generator, device: torch.device = CPU,
 ) -> dict:  # fmt: skip
     """Q, K, V of one attention block, fwd+bwd: ``tt_linear_shared_input`` (one GEMM with
     the three input halves) vs three ``comera`` calls vs three ``nn.Linear``."""
     spec = TTLinearSpec(out_modes=out_modes, in_modes=in_modes, ranks=rank)
-    layers = [init(spec, generator=gen) for _ in range(3)]
-    leaves = [t for p, _ in layers for t in _leaves_requiring_grad(p)]
-    dense = [torch.nn.Linear(spec.in_features, spec.out_features) for _ in range(3)]
-    x = torch.randn(tokens, spec.in_features, generator=gen, requires_grad=True)
-    g = torch.randn(tokens, spec.out_features, generator=gen)
+    layers = [_to(init(spec, generator=gen), device) for _ in range(3)]
+    leaves = [t for p, _ in layers for t in _leaves_requiring_grad(p)]  # type: ignore[misc]
+    dense = [torch.nn.Linear(spec.in_features, spec.out_features).to(device) for _ in range(3)]
+    x = torch.randn(tokens, spec.in_features, generator=gen).to(device).requires_grad_()
+    g = torch.randn(tokens, spec.out_features, generator=gen).to(device)
 
     def clear() -> None:
         x.grad = None
@@ -138,7 +158,7 @@ def bench_fused_qkv(
                                                 for p, s in layers])),
         "fused": lambda: (clear(), backward(tt_linear_shared_input(layers, x))),
     }  # fmt: skip
-    med = _round_robin(fns, repeats)
+    med = _round_robin(fns, repeats, device)
     out = {
         "shape": _label(spec),
         "time_ratio_vs_dense": med["fused"] / med["dense"],
@@ -165,12 +185,13 @@ def comera_ratios(
     repeats: int,
     gen: torch.Generator,
     label: str = "",
+    device: torch.device = CPU,
 ) -> dict[str, float]:
     """``comera`` vs dense time ratio per shape under the process's current allocator."""
     out = {}
     for out_modes, in_modes in shapes:
         spec = TTLinearSpec(out_modes=out_modes, in_modes=in_modes, ranks=rank)
-        _, med = _time_linear(spec, tokens, repeats, gen, ("comera",))
+        _, med = _time_linear(spec, tokens, repeats, gen, ("comera",), device)
         out[_label(spec)] = med["comera"] / med["dense"]
         _log(f"  {_label(spec)}: comera {out[_label(spec)]:.3f}x {label}")
     return out
@@ -185,12 +206,13 @@ def bench_tt_linear(
     tokens: int,
     repeats: int,
     gen: torch.Generator,
+    device: torch.device = CPU,
 ) -> list[dict]:
     """Time every strategy against ``nn.Linear`` for each TT shape."""
     rows = []
     for out_modes, in_modes in shapes:
         spec = TTLinearSpec(out_modes=out_modes, in_modes=in_modes, ranks=rank)
-        params, med = _time_linear(spec, tokens, repeats, gen)
+        params, med = _time_linear(spec, tokens, repeats, gen, STRATEGIES, device)
         shape = _label(spec)
         for s in STRATEGIES:
             fl = tt_linear_flops(params, tokens, s)
@@ -220,14 +242,18 @@ def zipf_ids(vocab: int, n: int, gen: torch.Generator, s: float = 1.1) -> torch.
 
 
 def bench_ttm(
-    spec: TTMEmbeddingSpec, n_ids: int, repeats: int, gen: torch.Generator
+    spec: TTMEmbeddingSpec,
+    n_ids: int,
+    repeats: int,
+    gen: torch.Generator,
+    device: torch.device = CPU,
 ) -> dict[str, float]:
     """Optimized vs naive TTM lookup (time and peak memory), and vs ``nn.Embedding``."""
-    params, state = init(spec, generator=gen)
+    params, state = _to(init(spec, generator=gen), device)  # type: ignore[misc]
     leaves = _leaves_requiring_grad(params)
-    ids = zipf_ids(spec.num_embeddings, n_ids, gen)  # type: ignore[arg-type]
-    g = torch.randn(n_ids, spec.embedding_dim, generator=gen)  # type: ignore[arg-type]
-    dense = torch.nn.Embedding(spec.num_embeddings, spec.embedding_dim)  # type: ignore[arg-type]
+    ids = zipf_ids(spec.num_embeddings, n_ids, gen).to(device)  # type: ignore[arg-type]
+    g = torch.randn(n_ids, spec.embedding_dim, generator=gen).to(device)  # type: ignore[arg-type]
+    dense = torch.nn.Embedding(spec.num_embeddings, spec.embedding_dim).to(device)  # type: ignore[arg-type]
 
     def step(impl: str) -> Callable[[], None]:
         def run() -> None:
@@ -242,9 +268,11 @@ def bench_ttm(
         dense(ids).backward(g)
 
     med = _round_robin(
-        {"optimized": step("optimized"), "naive": step("naive"), "dense": dense_step}, repeats
+        {"optimized": step("optimized"), "naive": step("naive"), "dense": dense_step},
+        repeats,
+        device,
     )
-    mem = {k: peak_memory_bytes(step(k)) for k in ("optimized", "naive")}
+    mem = {k: peak_memory_bytes(step(k), device) for k in ("optimized", "naive")}
     unique = int(torch.unique(ids).numel())
     fl_opt = ttm_embedding_flops(params, n_ids, unique, "optimized")
     fl_naive = ttm_embedding_flops(params, n_ids, impl="naive")
@@ -284,7 +312,10 @@ def markdown(result: dict) -> str:
         f"Allocator policy: `{cfg['malloc']}` (as `train.cpu_malloc`; training's default is "
         "`default`, glibc as found). Under `default` the `comera` rows also show the ratio "
         "under `cpu_malloc=keep` (glibc keeps freed memory: no page faults on reuse, a "
-        "resident set at its high-water mark), measured after the headline columns.",
+        "resident set at its high-water mark), measured after the headline columns."
+        if cfg.get("device", "cpu") == "cpu"
+        else f"Device `{cfg['device']}`: tensors on the GPU, each timing ends with a "
+        "synchronize; memory is the CUDA caching allocator's peak.",
         "",
         "| shape (in->out, paper modes) | strategy | time ratio vs dense | "
         "(keep malloc) | FLOPs ratio vs dense | TT ms | dense ms |",
@@ -352,14 +383,19 @@ def run(
     threads: int = 2,
     seed: int = 0,
     malloc: str = "default",
+    device: str = "cpu",
 ) -> dict:
     """Run the whole benchmark and return the result dict (the ``--json`` object).
 
     Everything is measured under the allocator policy ``malloc`` (the training path's
     ``TrainConfig.cpu_malloc``, default ``"default"``: glibc as found). Under
     ``"default"`` the ``comera`` vs dense ratios are measured once more at the end under
-    ``"keep"`` (which cannot be undone), as a second column.
+    ``"keep"`` (which cannot be undone), as a second column. On ``device="cuda"`` the
+    tensors live on the GPU, every timing ends with a synchronize, memory is the CUDA
+    allocator's peak, and the CPU allocator policy does not apply.
     """
+    dev = torch.device(device)
+    on_cpu = dev.type == "cpu"
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(seed)
     if quick:
@@ -373,14 +409,14 @@ def run(
         )
         n_ids = 4096
     _log(f"comera.bench: {'quick' if quick else 'paper'} shapes, {reps} repeats, {threads} threads")
-    applied = set_cpu_malloc(malloc)
-    linear = bench_tt_linear(shapes, rank, tokens, reps, gen)
+    applied = set_cpu_malloc(malloc) if on_cpu else False
+    linear = bench_tt_linear(shapes, rank, tokens, reps, gen, dev)
     result = {
         "tt_linear": linear,
-        "fused_qkv": bench_fused_qkv(*shapes[0], rank, tokens, reps, gen),
-        "ttm_embedding": bench_ttm(ttm, n_ids, reps, gen),
+        "fused_qkv": bench_fused_qkv(*shapes[0], rank, tokens, reps, gen, dev),
+        "ttm_embedding": bench_ttm(ttm, n_ids, reps, gen, dev),
     }
-    if malloc == "default" and not quick and set_cpu_malloc("keep"):
+    if on_cpu and malloc == "default" and not quick and set_cpu_malloc("keep"):
         keep = comera_ratios(shapes, rank, tokens, reps, gen, "(keep malloc)")
         for row in linear:
             if row["strategy"] == "comera":
@@ -394,8 +430,13 @@ def run(
         "ttm": f"vocab {list(ttm.vocab_modes)} (V={ttm.num_embeddings}), "
         f"dim {list(ttm.dim_modes)}, rank {max(ttm.ranks)}",  # type: ignore[arg-type]
         "torch": torch.__version__,
-        "malloc": malloc if applied else f"{malloc} (not applied: not glibc)",
-        "machine": f"{torch.get_num_threads()}-thread CPU",
+        "malloc": malloc
+        if applied
+        else f"{malloc} (not applied: {'not glibc' if on_cpu else 'CUDA tensors'})",
+        "machine": f"{torch.get_num_threads()}-thread CPU"
+        if on_cpu
+        else torch.cuda.get_device_name(dev),
+        "device": str(dev),
         "date": time.strftime("%Y-%m-%d"),
     }
     return result
@@ -413,14 +454,32 @@ def main(argv: list[str] | None = None) -> int:
         default="default",
         help="allocator policy, as train.cpu_malloc (default: glibc as found, as training)",
     )
-    ap.add_argument("--report", type=Path, default=None, help=f"markdown path (default {REPORT})")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help=f"markdown path (default {REPORT}; on cuda {GPU_REPORT})",
+    )
     ap.add_argument("--no-report", action="store_true", help="do not write the markdown report")
     args = ap.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    result = run(quick=args.quick, repeats=args.repeats, threads=args.threads, malloc=args.malloc)
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device!r}: not a torch device (cpu or cuda)")
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        ap.error(f"--device {args.device}: choose cpu, or cuda on a machine with a CUDA device")
+    result = run(
+        quick=args.quick,
+        repeats=args.repeats,
+        threads=args.threads,
+        malloc=args.malloc,
+        device=args.device,
+    )
     if not args.no_report and not (args.quick and args.report is None):
-        path = args.report or REPORT
+        path = args.report or (REPORT if dev.type == "cpu" else GPU_REPORT)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(markdown(result))

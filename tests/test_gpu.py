@@ -200,3 +200,16 @@ def test_dlrm_lookup_timing_runs_on_cuda():
     out = embedding_times(repeats=1, device="cuda")
     assert out["device"].startswith("cuda") and out["embedding_batched_s"] > 0
     assert out["embedding_time_ratio_batched_vs_separate"] > 0
+
+
+@cuda
+def test_core_bench_runs_on_cuda():
+    """``python -m comera.bench --device cuda`` (``make gpu-check``): every section on the
+    GPU, memory from the CUDA allocator, the report saying which device it measured."""
+    from comera import bench
+
+    result = bench.run(quick=True, device="cuda")
+    assert result["config"]["device"].startswith("cuda")
+    assert result["fused_qkv"]["time_ratio_vs_dense"] > 0
+    assert result["ttm_embedding"]["optimized_peak_bytes"] > 0
+    assert "Device `cuda" in bench.markdown(result)
