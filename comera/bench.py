@@ -57,16 +57,15 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 
 def _to(tree: object, device: torch.device) -> object:
-    """A params or state pytree with every tensor on ``device``."""
-    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-    return torch.utils._pytree.tree_map(move, tree)
+    """A params or state pytree (tensors only, as the trainer moves them) on ``device``."""
+    return torch.utils._pytree.tree_map(lambda t: t.to(device), tree)
 
 
 def _round_robin(
-    fns: dict[str, Callable[[], object]], repeats: int, device: torch.device | None = None
+    fns: dict[str, Callable[[], object]], repeats: int, device: torch.device = CPU
 ) -> dict[str, float]:
     """Median seconds per variant, timing every variant once per round."""
-    sync = _sync(device or torch.device("cpu"))
+    sync = _sync(device)
     for fn in fns.values():  # warm-up: plans, allocator, BLAS threads, CUDA kernels
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
