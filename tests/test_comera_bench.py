@@ -2,8 +2,11 @@
 
 import json
 
-from comera import STRATEGIES
-from comera.bench import main
+import pytest
+
+from comera import STRATEGIES, TTLinearSpec, init
+from comera.bench import main, padded_rank
+from comera.plans import _RANK_ALIGN
 
 
 def test_bench_quick_json(capsys, tmp_path):
@@ -29,3 +32,16 @@ def test_bench_quick_json(capsys, tmp_path):
     fq = out["fused_qkv"]
     assert fq["time_ratio_vs_dense"] > 0 and fq["time_ratio_vs_separate"] > 0
     assert "`fused_qkv`" in report.read_text()
+    # the GEMMs-alone floor is timed beside the comera path, for every shape and for QKV
+    assert all(("gemm_floor_ratio_vs_dense" in r) == (r["strategy"] == "comera") for r in rows)
+    assert fq["gemm_floor_ratio_vs_dense"] > 0
+    assert "its GEMMs alone" in report.read_text()
+
+
+@pytest.mark.parametrize("ranks", [30, 8, 5, (2, 3, 9, 3, 2)])
+def test_floor_gemms_use_the_paths_padded_rank(ranks):
+    """The floor times GEMMs of the inner size the comera path really runs."""
+    spec = TTLinearSpec(out_modes=(4, 3, 4), in_modes=(2, 6, 4), ranks=ranks)
+    params, _ = init(spec)
+    r = params["cores"][3].shape[0]  # the middle bond, between output and input halves
+    assert padded_rank(spec) == r + (-r) % _RANK_ALIGN
