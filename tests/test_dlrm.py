@@ -466,6 +466,26 @@ def test_report_reads_the_rank_and_hot_rows_ablations(tmp_path: Path) -> None:
     assert "8 scored 0.7300 against 0.7400 with none" in _ablation_note(path, dense, "hot_rows")[0]
 
 
+def test_report_reads_the_gamma_ablation(tmp_path: Path) -> None:
+    """With gamma 0 among the variants the paragraph says whether the rank objective is
+    what costs the accuracy: the gap with it off, and what the strongest weight trades."""
+    from experiments.dlrm.report import _ablation_note
+
+    path = tmp_path / "ablation_dlrm_gamma.json"
+    runs = (("0", 0.7593, 19.6), ("0.01", 0.7586, 28.0), ("0.1", 0.753, 35.6))
+    rows = [{"label": g, "steps": 800, "eval_auc": a, "compression": c} for g, a, c in runs]
+    path.write_text(json.dumps(rows))
+    dense = [{"step": 800, "eval/val/auc": 0.7875}]
+    text = _ablation_note(path, dense, "gamma")[0]
+    assert text.startswith("The rank objective does not explain the gap")
+    assert "Gamma 0.1 against 0 costs 0.0063 val AUC" in text
+    assert "from 19.6x to 35.6x" in text and "off the gap to dense is 0.0282" in text
+    dense[0]["eval/val/auc"] = 0.765  # now gamma 0 is within 0.01 of dense
+    assert _ablation_note(path, dense, "gamma")[0].startswith("The rank objective keeps")
+    path.write_text(json.dumps(rows[1:]))  # no gamma 0: only whether a weight comes close
+    assert _ablation_note(path, dense, "gamma")[0].startswith("The rank objective's weight")
+
+
 def test_report_reads_the_steps_ablation(tmp_path: Path) -> None:
     """Trained longer, does CoMERA's best eval come within 0.01 of dense's last? The
     paragraph lists each variant's best AUC, step and compression, measures the longest
