@@ -38,12 +38,8 @@ test: $(STAMP)  ## lint, format check, then the whole test suite
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
 
-gpu-check: $(STAMP)  ## on a CUDA machine: GPU-path tests, the MNLI step, DLRM lookup and core benchmarks on the GPU
-	$(BIN)/python -m pytest -q tests/test_gpu.py -rs
-	$(BIN)/python -m experiments.mnli --bench --device cuda
-	$(BIN)/python -m experiments.dlrm.bench --embedding --device cuda
-	$(BIN)/python -m comera.bench --device cuda
-	$(BIN)/python -m experiments.step_modes --device cuda --modes sync_free,compile,cuda_graph --out reports/gpu
+gpu-check: $(STAMP)  ## on a CUDA machine: GPU-path tests, DLRM lookup, core bench, step modes, MNLI step (reports/gpu/)
+	PY=$(BIN)/python bash scripts/gpu_check.sh
 
 format: $(STAMP)
 	$(BIN)/ruff format .

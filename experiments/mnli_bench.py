@@ -39,6 +39,8 @@ from comera.malloc import (
 from comera.train.measures import peak_memory_mb, rss_mb
 
 REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
+# a GPU run never replaces the CPU figures
+GPU_REPORT_JSON = REPORT_JSON.parent / "gpu" / "mnli_bench_cuda.json"
 BATCHES = (32, 1)
 VARIANTS = ("comera", "dense", "comera_half", "galore", "comera_recompute", "dense_recompute")
 RECOMPUTE_BATCH = 32  # the recompute variants run at this batch only
@@ -194,12 +196,14 @@ def main(
     repeats: int = 5,
     threads: int = 2,
     tiny: bool = False,
-    out: Path = REPORT_JSON,
+    out: Path | None = None,
 ) -> int:
-    """Run every (variant, batch) in its own subprocess and write ``out`` (JSON).
+    """Run every (variant, batch) in its own subprocess and write ``out`` (JSON; default
+    ``reports/mnli_bench.json`` on the CPU, ``reports/gpu/mnli_bench_cuda.json`` on a GPU).
 
     ``tiny`` swaps in a toy model: it checks the plumbing, it measures nothing useful."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = out or (REPORT_JSON if torch.device(device).type == "cpu" else GPU_REPORT_JSON)
     results = []
     for batch in BATCHES:
         for variant in VARIANTS:
@@ -295,7 +299,7 @@ if __name__ == "__main__":
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="toy model (tests)")
     ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default")
-    ap.add_argument("--out", type=Path, default=REPORT_JSON)
+    ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.worker:
         dev = a.device or "cpu"

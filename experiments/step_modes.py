@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (for cuda_graph)")
-    ap.add_argument("--out", type=Path, default=REPORTS)
+    ap.add_argument(
+        "--out", type=Path, default=None, help="report dir (default reports/; cuda: reports/gpu/)"
+    )
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -175,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "threads": args.threads, "repeats": args.repeats, "device": args.device,
               "runs": runs}  # fmt: skip
-    print(write_report(result, args.out))
+    out = args.out or (REPORTS if torch.device(args.device).type == "cpu" else REPORTS / "gpu")
+    out.mkdir(parents=True, exist_ok=True)
+    print(write_report(result, out))
     return 0
 
 

@@ -140,6 +140,26 @@ def test_unknown_preset():
         mnli.preset("huge")
 
 
+def test_gpu_step_bench_never_replaces_the_cpu_figures(tmp_path, monkeypatch):
+    """Without ``out``, a CUDA run writes ``reports/gpu/mnli_bench_cuda.json`` and leaves
+    the CPU JSON alone (workers stubbed: no GPU is needed to check where it writes)."""
+    from experiments import mnli_bench
+
+    cpu, gpu = tmp_path / "mnli_bench.json", tmp_path / "gpu" / "mnli_bench_cuda.json"
+    monkeypatch.setattr(mnli_bench, "REPORT_JSON", cpu)
+    monkeypatch.setattr(mnli_bench, "GPU_REPORT_JSON", gpu)
+
+    def fake_worker(variant, batch, *args):
+        return {"variant": variant, "batch": batch, "step_s": 1.0, "peak_mb": 1.0,
+                "params": 1, "peak_memory": "fake"}  # fmt: skip
+
+    monkeypatch.setattr(mnli_bench, "run_worker", fake_worker)
+    assert mnli_bench.main(device="cuda", repeats=1) == 0
+    assert json.loads(gpu.read_text())["device"] == "cuda" and not cpu.exists()
+    assert mnli_bench.main(device="cpu", repeats=1) == 0
+    assert json.loads(cpu.read_text())["device"] == "cpu"
+
+
 def test_step_bench_plumbing(tmp_path, capsys):
     from experiments import mnli_bench
 
