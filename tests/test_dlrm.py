@@ -467,8 +467,9 @@ def test_report_reads_the_rank_and_hot_rows_ablations(tmp_path: Path) -> None:
 
 
 def test_report_reads_the_gamma_ablation(tmp_path: Path) -> None:
-    """With gamma 0 among the variants the paragraph says whether the rank objective is
-    what costs the accuracy: the gap with it off, and what the strongest weight trades."""
+    """With gamma 0 among the variants the paragraph says how much of the gap the early
+    stage's gate regularizer explains (the late stage's size objective runs at every
+    gamma), what the strongest weight trades, and takes ``gamma=0.05`` labels too."""
     from experiments.dlrm.report import _ablation_note
 
     path = tmp_path / "ablation_dlrm_gamma.json"
@@ -477,13 +478,29 @@ def test_report_reads_the_gamma_ablation(tmp_path: Path) -> None:
     path.write_text(json.dumps(rows))
     dense = [{"step": 800, "eval/val/auc": 0.7875}]
     text = _ablation_note(path, dense, "gamma")[0]
-    assert text.startswith("The rank objective does not explain the gap")
+    assert text.startswith("The early-stage gate regularizer explains 0.0063 of the gap")
     assert "Gamma 0.1 against 0 costs 0.0063 val AUC" in text
-    assert "from 19.6x to 35.6x" in text and "off the gap to dense is 0.0282" in text
-    dense[0]["eval/val/auc"] = 0.765  # now gamma 0 is within 0.01 of dense
-    assert _ablation_note(path, dense, "gamma")[0].startswith("The rank objective keeps")
-    path.write_text(json.dumps(rows[1:]))  # no gamma 0: only whether a weight comes close
-    assert _ablation_note(path, dense, "gamma")[0].startswith("The rank objective's weight")
+    assert "from 19.6x to 35.6x" in text and "the gap to dense is 0.0282 (one seed)" in text
+    assert "size objective runs at every gamma" in text
+    dense[0]["eval/val/auc"] = 0.765  # gamma 0 within 0.01 of dense, gamma 0.1 not
+    assert _ablation_note(path, dense, "gamma")[0].startswith(
+        "The early-stage gate regularizer keeps"
+    )
+    dense[0]["eval/val/auc"] = 0.76  # every variant within 0.01
+    assert _ablation_note(path, dense, "gamma")[0].startswith("Every gamma comes within 0.01")
+    dense[0]["eval/val/auc"] = 0.7875
+    for r in rows:  # the ablation's own labels, and a regularizer that helps
+        r["label"] = f"gamma={float(r['label'])}"
+    rows[2]["eval_auc"] = 0.77
+    path.write_text(json.dumps(rows))
+    text = _ablation_note(path, dense, "gamma")[0]
+    assert text.startswith("The early-stage gate regularizer does not explain the gap")
+    assert "Gamma 0.1 against 0 gains 0.0107 val AUC" in text
+    path.write_text(json.dumps(rows[:1]))  # gamma 0 alone: nothing to trade against
+    text = _ablation_note(path, dense, "gamma")[0]
+    assert text.startswith("No gamma comes within 0.01") and "against 0" not in text
+    path.write_text(json.dumps(rows[1:]))  # no gamma 0
+    assert _ablation_note(path, dense, "gamma")[0].startswith("No gamma comes within 0.01")
 
 
 def test_report_reads_the_steps_ablation(tmp_path: Path) -> None:
