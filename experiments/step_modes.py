@@ -106,12 +106,15 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
     """``step_modes.json`` and ``step_modes.md``; returns the markdown."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "step_modes.json").write_text(json.dumps(result, indent=2) + "\n")
+    device = result.get("device", "cpu")
+    on_cpu = device.startswith("cpu")
     lines = [
-        "# Step modes: eager vs sync-free vs torch.compile (CPU)",
+        f"# Step modes: eager vs sync-free vs torch.compile ({'CPU' if on_cpu else device})",
         "",
         f"`python -m experiments.step_modes` on {result['date']}, torch {result['torch']}, "
-        f"device {result.get('device', 'cpu')}, {result['threads']} CPU threads, glibc malloc "
-        "as found. The trainer's `train_step` "
+        f"device {device}"
+        + (f", {result['threads']} CPU threads, glibc malloc as found. " if on_cpu else ". ")
+        + "The trainer's `train_step` "
         "(CoMERA, early stage, AdamW) on the generated MNLI task; a fresh process per row; "
         f"median of {result['repeats']} steps after three untimed ones.",
         "",

@@ -1,17 +1,20 @@
 """``scripts/gpu_check.sh``, the bounded GPU run, checked where there is no GPU: its
-stages name modules that exist, stage selection works, and without CUDA it refuses."""
+stages name modules that exist, each group fits one remote call, stage and group
+selection work, and without CUDA it refuses."""
 
 import importlib.util
 import shutil
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
-STAGES = ["tests", "dlrm_lookup", "core_bench", "step_modes", "mnli_bench"]
+STAGES = ["tests", "dlrm_lookup", "core_bench", "step_modes_paper", "step_modes_smoke",
+          "mnli_bench"]  # fmt: skip
 bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
@@ -22,29 +25,43 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@bash
-def test_dry_run_lists_every_stage_within_one_remote_call():
-    out = _run("--dry-run")
+def _plan(*args: str) -> list[tuple[str, int, str, list[str]]]:
+    out = _run("--dry-run", *args)
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
-    assert [line.split()[0] for line in lines] == STAGES
-    assert sum(int(line.split()[1].rstrip("s:")) for line in lines) <= 600
-    for line in lines:
-        words = line.split()
-        target = words[words.index("-m") + 1]
+    plan = []
+    for line in out.stdout.strip().splitlines():
+        head, cmd = line.split(": ", 1)
+        name, limit, _, group = head.split()
+        plan.append((name, int(limit.rstrip("s")), group, cmd.split()))
+    return plan
+
+
+@bash
+def test_every_stage_names_a_real_target_and_each_group_fits_one_call():
+    plan = _plan()
+    assert [name for name, *_ in plan] == STAGES
+    per_group = defaultdict(int)
+    for name, limit, group, cmd in plan:
+        per_group[group] += limit
+        assert cmd[0] == sys.executable
+        target = cmd[cmd.index("-m") + 1]
         if target == "pytest":
-            assert (SCRIPT.parent.parent / words[-1]).is_file()
+            assert (SCRIPT.parent.parent / cmd[-1]).is_file()
         else:
             assert importlib.util.find_spec(target) is not None, target
-        assert "cuda" in line or target == "pytest"
+            assert cmd[cmd.index("--device") + 1] == "cuda", name
+    # a remote call allows 600 s: leave room for start-up, kill grace and packing
+    assert set(per_group) == {"1", "2"} and max(per_group.values()) <= 520
 
 
 @bash
-def test_stage_selection_and_errors():
-    out = _run("--dry-run", "core_bench", "tests")
-    assert [line.split()[0] for line in out.stdout.splitlines()] == ["core_bench", "tests"]
+def test_stage_and_group_selection_and_errors():
+    assert [p[0] for p in _plan("core_bench", "tests")] == ["core_bench", "tests"]
+    assert [p[0] for p in _plan("--group", "2")] == ["step_modes_smoke", "mnli_bench"]
     out = _run("--dry-run", "nope")
     assert out.returncode == 2 and "unknown stage 'nope'" in out.stderr
+    out = _run("--dry-run", "--group", "3")
+    assert out.returncode == 2 and "--group takes 1 or 2" in out.stderr
 
 
 @bash
@@ -52,3 +69,34 @@ def test_stage_selection_and_errors():
 def test_refuses_without_cuda():
     out = _run("core_bench")
     assert out.returncode == 2 and "sees no CUDA device" in out.stderr
+
+
+@bash
+def test_a_run_records_every_stage_packs_after_each_and_fails_if_one_failed(tmp_path):
+    """The real (non-dry) path with a stand-in python that 'has CUDA': one stage fails,
+    the next still runs, the summary and $OUT hold both, and the exit status is 1."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "scripts" / "gpu_check.sh")
+    fake = tmp_path / "fakepy"
+    fake.write_text(
+        "#!/bin/bash\n"
+        'if [[ "$1" == "-c" ]]; then echo torch-fake; exit 0; fi\n'
+        'if [[ "$2" == "comera.bench" ]]; then echo broken >&2; exit 3; fi\n'
+        'echo "ran $2"\n'
+    )
+    fake.chmod(0o755)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "PY": str(fake), "OUT": str(out_dir)}
+    proc = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "gpu_check.sh"), "core_bench", "dlrm_lookup"],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = (tmp_path / "reports" / "gpu" / "logs" / "summary.txt").read_text()
+    assert "core_bench rc=3" in summary and "dlrm_lookup rc=0" in summary
+    assert "broken" in proc.stdout  # a failing stage's stderr tail is shown
+    listing = subprocess.run(
+        ["tar", "-tzf", str(out_dir / "gpu_reports.tar.gz")], capture_output=True, text=True
+    ).stdout
+    assert "reports/gpu/logs/dlrm_lookup.out" in listing

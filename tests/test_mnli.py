@@ -158,6 +158,13 @@ def test_gpu_step_bench_never_replaces_the_cpu_figures(tmp_path, monkeypatch):
     assert json.loads(gpu.read_text())["device"] == "cuda" and not cpu.exists()
     assert mnli_bench.main(device="cpu", repeats=1) == 0
     assert json.loads(cpu.read_text())["device"] == "cpu"
+    # without galore-torch the GaLore variant and its ratios are left out, the rest stays
+    monkeypatch.setattr(mnli_bench, "_galore_available", lambda: False)
+    assert mnli_bench.main(device="cuda", repeats=1) == 0
+    result = json.loads(gpu.read_text())
+    assert not any("galore" in k for k in result)
+    assert {r["variant"] for r in result["runs"]} == set(mnli_bench.VARIANTS) - {"galore"}
+    assert "step_time_ratio_vs_dense" in result
 
 
 def test_step_bench_plumbing(tmp_path, capsys):
