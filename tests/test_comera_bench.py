@@ -1,11 +1,14 @@
 """The core benchmark runs end to end in quick mode (output shape only, no timing asserts)."""
 
 import json
+from collections import Counter
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from comera import STRATEGIES, TTLinearSpec, init
-from comera.bench import main, padded_rank
+from comera import STRATEGIES, TTLinearSpec, init, tt_linear, tt_linear_shared_input
+from comera.bench import CPU, _gemms_only, main, padded_rank
 from comera.plans import _RANK_ALIGN
 
 
@@ -45,3 +48,44 @@ def test_floor_gemms_use_the_paths_padded_rank(ranks):
     params, _ = init(spec)
     r = params["cores"][3].shape[0]  # the middle bond, between output and input halves
     assert padded_rank(spec) == r + (-r) % _RANK_ALIGN
+
+
+class _TokenGEMMs(TorchDispatchMode):
+    """Records the (shape, shape) of every matrix product that involves the tokens axis."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        self.tokens, self.seen = tokens, Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            a, b = args[-2], args[-1]
+            if self.tokens in (*a.shape, *b.shape):
+                self.seen[(tuple(a.shape), tuple(b.shape))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_floor_runs_exactly_the_paths_token_sized_gemms(layers):
+    """The GEMMs-alone floor makes the same token-sized products as the ``comera`` path
+    (forward and backward), so the gap between them is the TT code's own cost."""
+    tokens = 40
+    spec = TTLinearSpec(out_modes=(4, 3, 4), in_modes=(2, 6, 4), ranks=5)
+    trains = [init(spec, generator=torch.Generator().manual_seed(k)) for k in range(layers)]
+    for params, _ in trains:
+        for t in [*params["cores"], *params["gates"], params["bias"]]:
+            t.requires_grad_(True)
+    x = torch.randn(tokens, spec.in_features, requires_grad=True)
+    g = torch.randn(tokens, spec.out_features)
+
+    with _TokenGEMMs(tokens) as path:
+        outs = (
+            [tt_linear(*trains[0], x, plan="comera")]
+            if layers == 1
+            else tt_linear_shared_input(trains, x)
+        )
+        torch.autograd.backward(outs, [g] * len(outs))
+    floor_step = _gemms_only([spec] * layers, x, g, CPU)
+    with _TokenGEMMs(tokens) as floor:
+        floor_step()
+    assert path.seen and path.seen == floor.seen
