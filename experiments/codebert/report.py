@@ -287,7 +287,14 @@ def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
     ]
     run = load_run(dirs["CoMERA"])
     lines += ["", "## CoMERA's ranks and per-layer compression (smoke)", "", *rank_table(run)]
-    lines += ["", "The final model, layer by layer:", "", *layer_table(run)]
+    lines += [
+        "",
+        "The final model, layer by layer (the word embedding counted at its padded "
+        "vocabulary, the rows its TTM factors hold, so this table's dense total is above the "
+        "dense run's parameter count by the padding rows):",
+        "",
+        *layer_table(run),
+    ]
     if bench:
         lines += _bench_section(bench)
     text = "\n".join(lines) + "\n"
