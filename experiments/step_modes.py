@@ -175,14 +175,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "eager" not in modes:
         modes.insert(0, "eager")  # every ratio is against it
-    runs = [run_point(m, mode, args.repeats, args.threads, args.tiny, args.device)
-            for m in models for mode in modes]  # fmt: skip
+    out = args.out or (REPORTS if torch.device(args.device).type == "cpu" else REPORTS / "gpu")
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict] = []
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "threads": args.threads, "repeats": args.repeats, "device": args.device,
               "runs": runs}  # fmt: skip
-    out = args.out or (REPORTS if torch.device(args.device).type == "cpu" else REPORTS / "gpu")
-    out.mkdir(parents=True, exist_ok=True)
-    print(write_report(result, out))
+    md = ""
+    for m in models:
+        for mode in modes:  # eager first: every ratio is against it
+            runs.append(run_point(m, mode, args.repeats, args.threads, args.tiny, args.device))
+            md = write_report(result, out)  # after every point: a run cut short keeps them
+    print(md)
     return 0
 
 

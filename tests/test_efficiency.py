@@ -330,3 +330,22 @@ def test_step_modes_bench_writes_its_table(tmp_path) -> None:
     md = (tmp_path / "step_modes.md").read_text()
     assert "| smoke | 8 x 16 | sync_free |" in md
     assert step_modes.main(["--modes", "turbo"]) == 2
+
+
+def test_step_modes_keeps_the_points_of_a_run_cut_short(tmp_path, monkeypatch) -> None:
+    """The report is rewritten after every point, so a run stopped by a time limit (the
+    GPU script's stages) or a failing mode still leaves the points it measured."""
+    from experiments import step_modes
+
+    def point(model, mode, *args):
+        if mode != "eager":
+            raise RuntimeError("cut short")
+        return {"model": model, "mode": mode, "batch": 8, "seq": 16, "first_step_s": 1.0,
+                "step_s": 0.5, "peak_mb": 10.0}  # fmt: skip
+
+    monkeypatch.setattr(step_modes, "run_point", point)
+    with pytest.raises(RuntimeError, match="cut short"):
+        step_modes.main(["--models", "smoke", "--modes", "sync_free", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "step_modes.json").read_text())
+    assert [r["mode"] for r in result["runs"]] == ["eager"]
+    assert "| smoke | 8 x 16 | eager |" in (tmp_path / "step_modes.md").read_text()
