@@ -189,6 +189,14 @@ def run_worker(
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _write_json(path: Path, obj: dict) -> None:
+    """``path`` replaced whole (a temporary file renamed), never left half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
 def _galore_available() -> bool:
     """Whether the GaLore baseline can run here: ``galore_torch`` imports (it imports
     bitsandbytes too), which the ``galore`` extra installs."""
@@ -214,6 +222,9 @@ def main(
     ``tiny`` swaps in a toy model: it checks the plumbing, it measures nothing useful."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = out or (REPORT_JSON if torch.device(device).type == "cpu" else GPU_REPORT_JSON)
+    # the workers' results so far, beside (never over) ``out``: a run stopped by a time
+    # limit keeps what it measured, and the last complete figures stay where they were
+    partial = out.with_name(out.stem + ".partial.json")
     variants = VARIANTS
     if not _galore_available():
         variants = tuple(v for v in VARIANTS if v != "galore")
@@ -229,6 +240,7 @@ def main(
                 continue
             malloc = training_malloc(variant) if device == "cpu" else "default"
             results.append(run_worker(variant, batch, repeats, device, threads, tiny, malloc))
+            _write_json(partial, {"partial": True, "device": device, "runs": results})
     extra = []  # the recompute variants as found, and plain dense under their policy
     for variant in ("comera_recompute", "dense_recompute"):
         if device == "cpu" and training_malloc(variant) != "default":
@@ -299,10 +311,8 @@ def main(
         "date": time.strftime("%Y-%m-%d"),
         "runs": results + extra,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(out)
+    _write_json(out, summary)
+    partial.unlink(missing_ok=True)
     if json_out:
         print(json.dumps(summary))
     else:

@@ -156,6 +156,7 @@ def test_gpu_step_bench_never_replaces_the_cpu_figures(tmp_path, monkeypatch):
     monkeypatch.setattr(mnli_bench, "run_worker", fake_worker)
     assert mnli_bench.main(device="cuda", repeats=1) == 0
     assert json.loads(gpu.read_text())["device"] == "cuda" and not cpu.exists()
+    assert not (gpu.parent / "mnli_bench_cuda.partial.json").exists()  # removed when done
     assert mnli_bench.main(device="cpu", repeats=1) == 0
     assert json.loads(cpu.read_text())["device"] == "cpu"
     # without galore-torch the GaLore variant and its ratios are left out, the rest stays
@@ -165,6 +166,30 @@ def test_gpu_step_bench_never_replaces_the_cpu_figures(tmp_path, monkeypatch):
     assert not any("galore" in k for k in result)
     assert {r["variant"] for r in result["runs"]} == set(mnli_bench.VARIANTS) - {"galore"}
     assert "step_time_ratio_vs_dense" in result
+
+
+def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, monkeypatch):
+    """Each worker's result goes to a ``.partial.json`` beside the output as it comes; a
+    run that stops early leaves that file and the last complete JSON untouched."""
+    from experiments import mnli_bench
+
+    out = tmp_path / "mnli_bench.json"
+    out.write_text('{"last": "complete"}')
+    calls = []
+
+    def worker(variant, batch, *args):
+        calls.append(variant)
+        if len(calls) == 3:
+            raise RuntimeError("time limit")
+        return {"variant": variant, "batch": batch, "step_s": 1.0, "peak_mb": 1.0,
+                "params": 1, "peak_memory": "fake"}  # fmt: skip
+
+    monkeypatch.setattr(mnli_bench, "run_worker", worker)
+    with pytest.raises(RuntimeError, match="time limit"):
+        mnli_bench.main(device="cpu", repeats=1, out=out)
+    assert json.loads(out.read_text()) == {"last": "complete"}
+    partial = json.loads((tmp_path / "mnli_bench.partial.json").read_text())
+    assert partial["partial"] and [r["variant"] for r in partial["runs"]] == calls[:2]
 
 
 def test_step_bench_plumbing(tmp_path, capsys):
