@@ -225,6 +225,7 @@ def main(
     # the workers' results so far, beside (never over) ``out``: a run stopped by a time
     # limit keeps what it measured, and the last complete figures stay where they were
     partial = out.with_name(out.stem + ".partial.json")
+    partial.unlink(missing_ok=True)  # an older run's: never mistaken for this one's
     variants = VARIANTS
     if not _galore_available():
         variants = tuple(v for v in VARIANTS if v != "galore")
@@ -240,7 +241,8 @@ def main(
                 continue
             malloc = training_malloc(variant) if device == "cpu" else "default"
             results.append(run_worker(variant, batch, repeats, device, threads, tiny, malloc))
-            _write_json(partial, {"partial": True, "device": device, "runs": results})
+            _write_json(partial, {"partial": True, "device": device, "torch": torch.__version__,
+                                  "date": time.strftime("%Y-%m-%d"), "runs": results})  # fmt: skip
     extra = []  # the recompute variants as found, and plain dense under their policy
     for variant in ("comera_recompute", "dense_recompute"):
         if device == "cpu" and training_malloc(variant) != "default":

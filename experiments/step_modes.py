@@ -102,10 +102,17 @@ def run_point(
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _write(path: Path, text: str) -> None:
+    """``path`` replaced whole (a temporary file renamed), never left half-written."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def write_report(result: dict, out_dir: Path = REPORTS) -> str:
     """``step_modes.json`` and ``step_modes.md``; returns the markdown."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "step_modes.json").write_text(json.dumps(result, indent=2) + "\n")
+    _write(out_dir / "step_modes.json", json.dumps(result, indent=2) + "\n")
     device = result.get("device", "cpu")
     on_cpu = device.startswith("cpu")
     lines = [
@@ -122,10 +129,13 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
         "|---|---|---|---:|---:|---:|---:|",
     ]
     for r in result["runs"]:
-        eager = next(x for x in result["runs"] if x["model"] == r["model"] and x["mode"] == "eager")
+        eager = next(
+            (x for x in result["runs"] if x["model"] == r["model"] and x["mode"] == "eager"), None
+        )
+        ratio = "-" if eager is None else f"{eager['step_s'] / r['step_s']:.2f}x"
         lines.append(
             f"| {r['model']} | {r['batch']} x {r['seq']} | {r['mode']} | {r['first_step_s']:.1f} "
-            f"| {r['step_s']:.4f} | {eager['step_s'] / r['step_s']:.2f}x | {r['peak_mb']:.0f} |"
+            f"| {r['step_s']:.4f} | {ratio} | {r['peak_mb']:.0f} |"
         )
     lines += [
         "",
@@ -142,7 +152,7 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
         "",
     ]
     md = "\n".join(lines)
-    (out_dir / "step_modes.md").write_text(md)
+    _write(out_dir / "step_modes.md", md)
     return md
 
 
@@ -173,20 +183,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step_modes: unknown model or mode {bad} (models {MODELS}, modes {MODES}), "
               "or --repeats < 1", file=sys.stderr)  # fmt: skip
         return 2
-    if "eager" not in modes:
-        modes.insert(0, "eager")  # every ratio is against it
+    modes = ["eager", *[m for m in modes if m != "eager"]]  # every ratio is against it
     out = args.out or (REPORTS if torch.device(args.device).type == "cpu" else REPORTS / "gpu")
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "threads": args.threads, "repeats": args.repeats, "device": args.device,
               "runs": runs}  # fmt: skip
-    md = ""
+    # the points so far go beside the report, never over it: a run cut short (a time
+    # limit, a failing mode) keeps what it measured and the last complete report stays
+    partial = out / "step_modes.partial.json"
     for m in models:
-        for mode in modes:  # eager first: every ratio is against it
+        for mode in modes:
             runs.append(run_point(m, mode, args.repeats, args.threads, args.tiny, args.device))
-            md = write_report(result, out)  # after every point: a run cut short keeps them
-    print(md)
+            _write(partial, json.dumps({"partial": True, **result}, indent=2) + "\n")
+    print(write_report(result, out))
+    partial.unlink(missing_ok=True)
     return 0
 
 

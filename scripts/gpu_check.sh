@@ -15,15 +15,15 @@
 # leaves room for start-up, the kill grace and packing.
 #
 # Missing Python packages may travel as wheels in .whl/ (installed into /tmp/site, never
-# into the system): the GaLore variant of the MNLI bench needs galore-torch and
-# bitsandbytes (without them the bench leaves GaLore out). Figures land in reports/gpu/
+# into the system): the GaLore variant of the MNLI bench needs galore-torch, which imports
+# bitsandbytes and transformers (the CUDA image has transformers; without galore-torch the
+# bench leaves GaLore out). Figures land in reports/gpu/
 # (the CPU reports are never touched); where $OUT is set, reports/gpu/ is packed into
 # $OUT/gpu_reports.tar.gz after every stage, so a call cut short still returns what ran.
 set -uo pipefail
+set -f  # no globbing of the stage arguments below
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-DRY=0
-if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
 
 G=reports/gpu
 ALL=(
@@ -35,20 +35,32 @@ ALL=(
   "2|240|mnli_bench|-m experiments.mnli --bench --device cuda --json"
 )
 NAMES=$(for s in "${ALL[@]}"; do IFS='|' read -r _ _ name _ <<<"$s"; printf '%s ' "$name"; done)
+usage() { echo "gpu_check: $1 (usage: [--dry-run] [--group 1|2 | STAGE...]; stages: $NAMES)" >&2; exit 2; }
+
+DRY=0 GROUP="" WANT=()
+while (( $# )); do
+  case $1 in
+    --dry-run) DRY=1; shift ;;
+    --group) (( $# >= 2 )) || usage "--group takes 1 or 2"; GROUP=$2; shift 2 ;;
+    -*) usage "unknown option '$1'" ;;
+    *) WANT+=("$1"); shift ;;
+  esac
+done
 STAGES=()
-if (( $# == 0 )); then STAGES=("${ALL[@]}"); fi
-if [[ "${1:-}" == "--group" ]]; then
-  for s in "${ALL[@]}"; do [[ "${s%%|*}" == "${2:-}" ]] && STAGES+=("$s"); done
-  if (( ${#STAGES[@]} == 0 )); then echo "gpu_check: --group takes 1 or 2" >&2; exit 2; fi
-  set --
+if [[ -n "$GROUP" ]]; then
+  (( ${#WANT[@]} == 0 )) || usage "give --group or stage names, not both"
+  for s in "${ALL[@]}"; do if [[ "${s%%|*}" == "$GROUP" ]]; then STAGES+=("$s"); fi; done
+  (( ${#STAGES[@]} )) || usage "--group takes 1 or 2"
+elif (( ${#WANT[@]} == 0 )); then
+  STAGES=("${ALL[@]}")
 fi
-for want in "$@"; do
+for want in ${WANT[@]+"${WANT[@]}"}; do
   found=0
   for s in "${ALL[@]}"; do
     IFS='|' read -r _ _ name _ <<<"$s"
     if [[ "$name" == "$want" ]]; then STAGES+=("$s"); found=1; fi
   done
-  if (( !found )); then echo "gpu_check: unknown stage '$want' (stages: $NAMES)" >&2; exit 2; fi
+  (( found )) || usage "unknown stage '$want'"
 done
 
 if (( DRY )); then
@@ -59,6 +71,10 @@ if (( DRY )); then
   exit 0
 fi
 
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "gpu_check: $PY cannot import torch; set PY to a python that has a CUDA torch" >&2
+  exit 2
+fi
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: $PY's torch sees no CUDA device here; nothing to check" >&2
   exit 2
@@ -72,9 +88,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 
-pack() {
-  if [[ -n "${OUT:-}" ]]; then
-    tar -czf "$OUT/gpu_reports.tar.gz" "$G" || echo "gpu_check: packing into \$OUT failed"
+packed=""
+pack() {  # a new archive replaces the last one only once it is whole
+  [[ -n "${OUT:-}" ]] || return 0
+  if tar -czf "$OUT/.gpu_reports.tmp" "$G" && mv -f "$OUT/.gpu_reports.tmp" "$OUT/gpu_reports.tar.gz"; then
+    packed="packed $G into $OUT/gpu_reports.tar.gz"
+  else
+    packed="gpu_check: packing into \$OUT failed"; failed=1
   fi
 }
 
@@ -85,6 +105,7 @@ pack() {
 } | tee -a "$LOGS/summary.txt"
 
 failed=0
+pack  # the machine's description, before any stage
 for s in "${STAGES[@]}"; do
   IFS='|' read -r _ limit name args <<<"$s"
   echo "== $name (limit ${limit}s): $PY $args"
@@ -93,11 +114,12 @@ for s in "${STAGES[@]}"; do
   timeout --kill-after=10 "$limit" "$PY" $args >"$LOGS/$name.out" 2>"$LOGS/$name.err"
   rc=$?
   line="$name rc=$rc $(( $(date +%s) - start ))s"
-  if (( rc == 124 || rc == 137 )); then line="$line (time limit)"; fi
+  if (( rc == 124 )); then line="$line (time limit)"; fi
+  if (( rc == 137 )); then line="$line (killed: time limit, or out of memory)"; fi
   echo "$line" | tee -a "$LOGS/summary.txt"
   tail -n 3 "$LOGS/$name.out"
   if (( rc != 0 )); then failed=1; tail -n 20 "$LOGS/$name.err"; fi
   pack
 done
-[[ -n "${OUT:-}" ]] && echo "packed $G into $OUT/gpu_reports.tar.gz"
+if [[ -n "$packed" ]]; then echo "$packed"; fi
 exit $failed

@@ -333,19 +333,31 @@ def test_step_modes_bench_writes_its_table(tmp_path) -> None:
 
 
 def test_step_modes_keeps_the_points_of_a_run_cut_short(tmp_path, monkeypatch) -> None:
-    """The report is rewritten after every point, so a run stopped by a time limit (the
-    GPU script's stages) or a failing mode still leaves the points it measured."""
+    """The points go to ``step_modes.partial.json`` as they come, so a run stopped by a
+    time limit (the GPU script's stages) or a failing mode keeps what it measured, and
+    the last complete report stays as it was; eager runs first whatever the order given."""
     from experiments import step_modes
 
+    seen = []
+
     def point(model, mode, *args):
-        if mode != "eager":
+        seen.append((model, mode))
+        if model == "paper" and mode != "eager":
             raise RuntimeError("cut short")
         return {"model": model, "mode": mode, "batch": 8, "seq": 16, "first_step_s": 1.0,
                 "step_s": 0.5, "peak_mb": 10.0}  # fmt: skip
 
     monkeypatch.setattr(step_modes, "run_point", point)
+    (tmp_path / "step_modes.json").write_text('{"last": "complete"}')
+    argv = ["--models", "smoke,paper", "--modes", "sync_free,eager", "--out", str(tmp_path)]
     with pytest.raises(RuntimeError, match="cut short"):
-        step_modes.main(["--models", "smoke", "--modes", "sync_free", "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "step_modes.json").read_text())
-    assert [r["mode"] for r in result["runs"]] == ["eager"]
-    assert "| smoke | 8 x 16 | eager |" in (tmp_path / "step_modes.md").read_text()
+        step_modes.main(argv)
+    assert seen == [("smoke", "eager"), ("smoke", "sync_free"), ("paper", "eager"),
+                    ("paper", "sync_free")]  # fmt: skip
+    assert json.loads((tmp_path / "step_modes.json").read_text()) == {"last": "complete"}
+    partial = json.loads((tmp_path / "step_modes.partial.json").read_text())
+    assert partial["partial"] and len(partial["runs"]) == 3
+    monkeypatch.setattr(step_modes, "run_point", lambda m, mode, *a: point("smoke", mode))
+    assert step_modes.main([*argv[:1], "smoke", *argv[2:]]) == 0  # complete: report, no partial
+    assert len(json.loads((tmp_path / "step_modes.json").read_text())["runs"]) == 2
+    assert not (tmp_path / "step_modes.partial.json").exists()

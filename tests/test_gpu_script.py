@@ -62,6 +62,18 @@ def test_stage_and_group_selection_and_errors():
     assert out.returncode == 2 and "unknown stage 'nope'" in out.stderr
     out = _run("--dry-run", "--group", "3")
     assert out.returncode == 2 and "--group takes 1 or 2" in out.stderr
+    # options in any order: a dry run never turns into a real one
+    assert [p[0] for p in _plan("--group", "2")] == [p[0] for p in _plan_after("--group", "2")]
+    for args in (("--group", "1", "tests"), ("tests", "--group", "1"), ("--bogus",)):
+        out = _run("--dry-run", *args)
+        assert out.returncode == 2 and out.stdout == "", args
+
+
+def _plan_after(*args: str) -> list[tuple[str, ...]]:
+    """``--dry-run`` given last."""
+    out = _run(*args, "--dry-run")
+    assert out.returncode == 0, out.stderr
+    return [tuple(line.split()[:1]) for line in out.stdout.strip().splitlines()]
 
 
 @bash
@@ -82,7 +94,7 @@ def test_a_run_records_every_stage_packs_after_each_and_fails_if_one_failed(tmp_
         "#!/bin/bash\n"
         'if [[ "$1" == "-c" ]]; then echo torch-fake; exit 0; fi\n'
         'if [[ "$2" == "comera.bench" ]]; then echo broken >&2; exit 3; fi\n'
-        'echo "ran $2"\n'
+        'echo "ran $2"; tar -tzf "$OUT/gpu_reports.tar.gz"\n'  # what is packed so far
     )
     fake.chmod(0o755)
     out_dir = tmp_path / "out"
@@ -100,3 +112,11 @@ def test_a_run_records_every_stage_packs_after_each_and_fails_if_one_failed(tmp_
         ["tar", "-tzf", str(out_dir / "gpu_reports.tar.gz")], capture_output=True, text=True
     ).stdout
     assert "reports/gpu/logs/dlrm_lookup.out" in listing
+    # packed after every stage: while the second ran, the first's log was already packed
+    second = (tmp_path / "reports" / "gpu" / "logs" / "dlrm_lookup.out").read_text()
+    assert "reports/gpu/logs/core_bench.out" in second
+    proc = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "gpu_check.sh"), "dlrm_lookup"],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "packed reports/gpu" in proc.stdout  # all passed

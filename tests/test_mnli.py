@@ -175,6 +175,8 @@ def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, m
 
     out = tmp_path / "mnli_bench.json"
     out.write_text('{"last": "complete"}')
+    (tmp_path / "mnli_bench.partial.json").write_text('{"older": "run"}')
+    monkeypatch.setattr(mnli_bench, "_galore_available", lambda: True)
     calls = []
 
     def worker(variant, batch, *args):
@@ -190,6 +192,7 @@ def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, m
     assert json.loads(out.read_text()) == {"last": "complete"}
     partial = json.loads((tmp_path / "mnli_bench.partial.json").read_text())
     assert partial["partial"] and [r["variant"] for r in partial["runs"]] == calls[:2]
+    assert "older" not in partial and partial["torch"] == torch.__version__
 
 
 def test_step_bench_plumbing(tmp_path, capsys):
