@@ -36,6 +36,7 @@ from comera.malloc import (
     restart_for,
     set_cpu_malloc,
 )
+from comera.train.logging import write_json_atomic
 from comera.train.measures import peak_memory_mb, rss_mb
 
 REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
@@ -189,14 +190,6 @@ def run_worker(
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    """``path`` replaced whole (a temporary file renamed), never left half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
-
-
 def _galore_available() -> bool:
     """Whether the GaLore baseline can run here: ``galore_torch`` imports (it imports
     bitsandbytes too), which the ``galore`` extra installs."""
@@ -225,6 +218,7 @@ def main(
     # the workers' results so far, beside (never over) ``out``: a run stopped by a time
     # limit keeps what it measured, and the last complete figures stay where they were
     partial = out.with_name(out.stem + ".partial.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     partial.unlink(missing_ok=True)  # an older run's: never mistaken for this one's
     variants = VARIANTS
     if not _galore_available():
@@ -234,6 +228,8 @@ def main(
             "variant and its ratios are left out (pip install 'comera-framework[galore]')",
             file=sys.stderr,
         )
+    head = {"partial": True, "device": device, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     results = []
     for batch in BATCHES:
         for variant in variants:
@@ -241,8 +237,7 @@ def main(
                 continue
             malloc = training_malloc(variant) if device == "cpu" else "default"
             results.append(run_worker(variant, batch, repeats, device, threads, tiny, malloc))
-            _write_json(partial, {"partial": True, "device": device, "torch": torch.__version__,
-                                  "date": time.strftime("%Y-%m-%d"), "runs": results})  # fmt: skip
+            write_json_atomic(partial, {**head, "runs": results})
     extra = []  # the recompute variants as found, and plain dense under their policy
     for variant in ("comera_recompute", "dense_recompute"):
         if device == "cpu" and training_malloc(variant) != "default":
@@ -313,7 +308,7 @@ def main(
         "date": time.strftime("%Y-%m-%d"),
         "runs": results + extra,
     }
-    _write_json(out, summary)
+    write_json_atomic(out, summary)
     partial.unlink(missing_ok=True)
     if json_out:
         print(json.dumps(summary))

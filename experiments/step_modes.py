@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from comera.train.measures import peak_memory_mb, rss_mb
+from loaders.metadata import atomic_write_text
 
 __all__ = ["MODES", "main", "worker"]
 
@@ -102,17 +103,10 @@ def run_point(
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _write(path: Path, text: str) -> None:
-    """``path`` replaced whole (a temporary file renamed), never left half-written."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def write_report(result: dict, out_dir: Path = REPORTS) -> str:
     """``step_modes.json`` and ``step_modes.md``; returns the markdown."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write(out_dir / "step_modes.json", json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out_dir / "step_modes.json", json.dumps(result, indent=2) + "\n", fsync=False)
     device = result.get("device", "cpu")
     on_cpu = device.startswith("cpu")
     lines = [
@@ -152,7 +146,7 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
         "",
     ]
     md = "\n".join(lines)
-    _write(out_dir / "step_modes.md", md)
+    atomic_write_text(out_dir / "step_modes.md", md, fsync=False)
     return md
 
 
@@ -196,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         for mode in modes:
             runs.append(run_point(m, mode, args.repeats, args.threads, args.tiny, args.device))
-            _write(partial, json.dumps({"partial": True, **result}, indent=2) + "\n")
+            atomic_write_text(
+                partial, json.dumps({"partial": True, **result}, indent=2) + "\n", fsync=False
+            )
     print(write_report(result, out))
     partial.unlink(missing_ok=True)
     return 0
