@@ -197,11 +197,15 @@ def _ablation_note(
     )
     d_auc = dense[0]["eval/val/auc"]
     close = [r for r in rows if r["eval_auc"] >= d_auc - 0.01]
-    gammas = {id(r): _label_value(r["label"]) for r in rows} if knob == "gamma" else {}
-    off = next((r for r in rows if gammas.get(id(r)) == 0), None)
-    top = max((r for r in rows if gammas.get(id(r)) is not None), key=lambda r: gammas[id(r)],
-              default=None)  # fmt: skip
-    if off is not None and top is not off:  # how much of the gap is the gate regularizer's?
+    # gamma: (value, row) of each variant with a numeric label; gamma 0 against the largest
+    valued = sorted(
+        ((v, r) for r in rows if knob == "gamma" and (v := _label_value(r["label"])) is not None),
+        key=lambda vr: vr[0],
+    )
+    off = valued[0][1] if valued and valued[0][0] == 0 else None
+    top_gamma, top = valued[-1] if valued else (None, None)
+    trade = off is not None and top is not off  # how much of the gap is the regularizer's?
+    if trade:
         within = [r["eval_auc"] >= d_auc - 0.01 for r in (off, top)]
         share = off["eval_auc"] - top["eval_auc"]
         lead = (
@@ -223,12 +227,12 @@ def _ablation_note(
         f"{lead}: at step {step} the {knob} ablation (`reports/ablation_dlrm_{knob}.md`) "
         f"gives val AUC {auc}, against the dense smoke run's {d_auc:.4f} at that step."
     )
-    if off is not None and top is not None and top is not off:
+    if trade:
         change = off["eval_auc"] - top["eval_auc"]
         text += (
             " `train.comera.gamma` weighs the early stage's gate regularizer only; the late "
             "stage's size objective runs at every gamma, so ranks shrink at gamma 0 too. "
-            f"Gamma {gammas[id(top)]:g} against 0 {'costs' if change >= 0 else 'gains'} "
+            f"Gamma {top_gamma:g} against 0 {'costs' if change >= 0 else 'gains'} "
             f"{abs(change):.4f} val AUC and takes compression from {off['compression']:.1f}x "
             f"to {top['compression']:.1f}x; without the regularizer the gap to dense is "
             f"{d_auc - off['eval_auc']:.4f} (one seed)."
