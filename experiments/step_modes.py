@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     # the points so far go beside the report, never over it: a run cut short (a time
     # limit, a failing mode) keeps what it measured and the last complete report stays
     partial = out / "step_modes.partial.json"
+    partial.unlink(missing_ok=True)  # an older run's: never mistaken for this one's
     for m in models:
         for mode in modes:
             runs.append(run_point(m, mode, args.repeats, args.threads, args.tiny, args.device))

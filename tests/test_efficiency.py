@@ -361,3 +361,9 @@ def test_step_modes_keeps_the_points_of_a_run_cut_short(tmp_path, monkeypatch) -
     assert step_modes.main([*argv[:1], "smoke", *argv[2:]]) == 0  # complete: report, no partial
     assert len(json.loads((tmp_path / "step_modes.json").read_text())["runs"]) == 2
     assert not (tmp_path / "step_modes.partial.json").exists()
+    # a run failing at its first point leaves no older run's partial file behind
+    (tmp_path / "step_modes.partial.json").write_text('{"older": "run"}')
+    monkeypatch.setattr(step_modes, "run_point", lambda *a: (_ for _ in ()).throw(OSError("x")))
+    with pytest.raises(OSError):
+        step_modes.main(argv)
+    assert not (tmp_path / "step_modes.partial.json").exists()
