@@ -6,6 +6,7 @@ experiments other than MNLI) with a PNG.
     python -m experiments.ablate rank --experiment dlrm --preset smoke --values 8,16,32
     python -m experiments.ablate hot_rows --experiment dlrm --preset smoke
     python -m experiments.ablate steps --experiment dlrm --preset smoke
+    python -m experiments.ablate capacity --experiment dlrm --preset smoke
     python -m experiments.ablate gamma --experiment codebert --preset smoke
     python -m experiments.ablate objective --experiment mnli --preset smoke --set train.steps=300
     python -m experiments.ablate gamma --values 0,0.02,0.05 --experiment mnli
@@ -16,8 +17,11 @@ float-tolerance small), ``rank`` (the initial TT rank; DLRM: the TTM tables' ran
 ``gamma`` (the gate regularizer weight), ``size_ratio`` (the late-stage size target c),
 ``regularizer`` (mean vs L1), ``prune_rule`` (gate vs contribution), ``objective``
 (both choices crossed), ``steps`` (the recipe trained 1, 2 and 3 times as long, its CoMERA
-schedule scaled along: a plateau or a slow learner?) and ``hot_rows`` (DLRM: dense hot rows
-beside each TTM table, 0 to 4096: what accuracy they buy and what compression they cost).
+schedule scaled along: a plateau or a slow learner?), ``hot_rows`` (DLRM: dense hot rows
+beside each TTM table, 0 to 4096: what accuracy they buy and what compression they cost)
+and ``capacity`` (DLRM: CoMERA, fixed-rank TTM tables at 1x and 4x the rank, dense, and
+CoMERA and dense on 3x the generated rows: is the gap to dense capacity, rank
+adaptation or data?).
 """
 
 from __future__ import annotations
@@ -115,6 +119,37 @@ def _steps(cfg: Any, exp: cli.Experiment) -> list[Variant]:
     ]
 
 
+def _capacity(cfg: Any, exp: cli.Experiment) -> list[Variant]:
+    """DLRM: is CoMERA's gap to dense the compressed tables' capacity or the cost of rank
+    adaptation, and does more data close it? The preset; its TTM tables at fixed ranks
+    (``train.comera.enabled=false``: nothing pruned) at the preset's rank and at 4x it;
+    the preset's dense baseline; and, on generated data, CoMERA and dense trained for one
+    epoch of 3x the rows, the steps and the CoMERA schedule scaled along."""
+    if exp.name != "dlrm":
+        raise cli.CLIError("ablation 'capacity' is DLRM's: pass --experiment dlrm")
+    from experiments.dlrm.experiment import dense_overrides
+
+    dense = tuple(dense_overrides(cfg))
+    fixed = (("train.comera.enabled", False),)
+    rank = cfg.model.emb_rank
+    out = [
+        Variant("comera", ()),
+        Variant(f"fixed_rank_{rank}", fixed),
+        Variant(f"fixed_rank_{4 * rank}", (*fixed, ("model.emb_rank", 4 * rank))),
+        Variant("dense", dense),
+    ]
+    if cfg.data.path == "generated":
+        t, c = cfg.train, cfg.train.comera
+        more = (
+            ("data.generated_rows", 3 * cfg.data.generated_rows),
+            ("train.steps", 3 * t.steps),
+            ("train.comera.early_steps", 3 * c.early_steps),
+            ("train.comera.reg_start_step", 3 * c.reg_start_step),
+        )
+        out += [Variant("comera_3x_data", more), Variant("dense_3x_data", (*more, *dense))]
+    return out
+
+
 def _require_model_field(cfg: Any, name: str) -> None:
     """A clear error for an ablation of a model knob this experiment lacks (DLRM's)."""
     if not hasattr(cfg.model, name):
@@ -131,6 +166,7 @@ ABLATIONS: dict[str, Callable[[Any, cli.Experiment], list[Variant]]] = {
     "objective": _objective,
     "hot_rows": _hot_rows,
     "steps": _steps,
+    "capacity": _capacity,
 }
 _KEYS = {
     "contraction": "plans.default",

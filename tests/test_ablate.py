@@ -81,6 +81,38 @@ def test_steps_variants_scale_the_comera_schedule():
         ablate.variants("steps", cfg, dlrm.EXPERIMENT, "1,2")
 
 
+def test_capacity_variants_separate_rank_adaptation_format_and_data(capsys):
+    """The capacity ablation: the preset, its TTM tables at fixed ranks (1x, 4x), the
+    preset's own dense baseline (what --dense trains), and both on 3x the generated rows
+    with the schedule scaled along; a real file has no 3x variants; DLRM's only."""
+    from experiments.dlrm import experiment as dlrm
+
+    cfg = dlrm.preset("smoke")
+    t, c, r = cfg.train, cfg.train.comera, cfg.model.emb_rank
+    out = {
+        v.label: dict(v.overrides) for v in ablate.variants("capacity", cfg, dlrm.EXPERIMENT, None)
+    }
+    assert list(out) == ["comera", f"fixed_rank_{r}", f"fixed_rank_{4 * r}", "dense",
+                         "comera_3x_data", "dense_3x_data"]  # fmt: skip
+    assert out["comera"] == {} and out[f"fixed_rank_{r}"] == {"train.comera.enabled": False}
+    assert out[f"fixed_rank_{4 * r}"]["model.emb_rank"] == 4 * r
+    assert out["dense"] == dict(dlrm.dense_overrides(cfg))
+    assert out["dense"]["dense"] is True and out["dense"]["train.optimizer"] == "adamw"
+    more = {"data.generated_rows": 3 * cfg.data.generated_rows, "train.steps": 3 * t.steps,
+            "train.comera.early_steps": 3 * c.early_steps,
+            "train.comera.reg_start_step": 3 * c.reg_start_step}  # fmt: skip
+    assert out["comera_3x_data"] == more and out["dense_3x_data"] == {**more, **out["dense"]}
+    for over in out.values():  # every variant is a valid config
+        cli.apply_overrides(cfg, list(over.items()), [])
+    real = cli.set_field(cfg, "data.path", "train.txt")
+    assert len(ablate.variants("capacity", real, dlrm.EXPERIMENT, None)) == 4
+    with pytest.raises(cli.CLIError, match="fixed variants"):
+        ablate.variants("capacity", cfg, dlrm.EXPERIMENT, "1,2")
+    assert ablate.main(["capacity", "--experiment", "mnli"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--experiment dlrm" in err[0]
+
+
 def test_summary_reports_the_best_eval_and_its_step(tmp_path):
     def train(step: int, loss: float, live: int) -> dict:
         return {"step": step, "loss": loss, "compression": 1e3 / live, "live_params": live,

@@ -503,6 +503,37 @@ def test_report_reads_the_gamma_ablation(tmp_path: Path) -> None:
     assert _ablation_note(path, dense, "gamma")[0].startswith("No gamma comes within 0.01")
 
 
+def test_report_reads_the_capacity_ablation(tmp_path: Path) -> None:
+    """The capacity paragraph splits the gap into rank adaptation's share (the preset
+    against fixed ranks) and the format's (fixed ranks at 4x against dense), and says
+    whether 3x the data narrows it, each against the dense variant on the same data."""
+    from experiments.dlrm.report import _ablation_note
+
+    path = tmp_path / "ablation_dlrm_capacity.json"
+    runs = (("comera", 0.753, 35.6), ("fixed_rank_16", 0.7596, 13.0),
+            ("fixed_rank_64", 0.7687, 4.1), ("dense", 0.7875, 1.0),
+            ("comera_3x_data", 0.7911, 42.4), ("dense_3x_data", 0.8267, 1.0))  # fmt: skip
+    rows = [{"label": k, "steps": 800, "eval_auc": a, "compression": c} for k, a, c in runs]
+    path.write_text(json.dumps(rows))
+    text = _ablation_note(path, [], "capacity")[0]
+    assert text.startswith("The TTM format, more than rank adaptation, holds the gap")
+    assert "rank 16 0.7596 (13.0x) and rank 64 0.7687 (4.1x)" in text
+    assert "CoMERA's 0.7530 (35.6x) and dense's 0.7875" in text
+    assert "Rank adaptation costs 0.0066" in text and "still 0.0188 below dense" in text
+    assert "dense gains +0.0392 and CoMERA +0.0381: the gap widens from 0.0345 to 0.0356" in text
+    assert "no low-rank structure to find" in text
+    rows[2]["eval_auc"] = 0.78  # 4x the rank within 0.01 of dense
+    path.write_text(json.dumps(rows[:4]))  # a real file: no 3x-data variants
+    text = _ablation_note(path, [], "capacity")[0]
+    assert text.startswith("Capacity sets the gap") and "3x" not in text
+    assert "low-rank structure" not in text
+    rows[1]["eval_auc"], rows[2]["eval_auc"] = 0.775, 0.776  # pruning costs more
+    path.write_text(json.dumps(rows))
+    assert _ablation_note(path, [], "capacity")[0].startswith("Rank adaptation, more than")
+    path.write_text(json.dumps(rows[1:]))  # no CoMERA variant: nothing to say
+    assert _ablation_note(path, [], "capacity") == []
+
+
 def test_report_reads_the_steps_ablation(tmp_path: Path) -> None:
     """Trained longer, does CoMERA's best eval come within 0.01 of dense's last? The
     paragraph lists each variant's best AUC, step and compression, measures the longest

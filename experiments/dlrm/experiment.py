@@ -31,7 +31,7 @@ from experiments.dlrm.data import CriteoDataConfig, CriteoFormatError, load_crit
 from experiments.dlrm.model import DLRMConfig, dense_param_count, init_dlrm
 from experiments.dlrm.task import DLRMTask
 
-__all__ = ["EXPERIMENT", "Preset", "build", "main", "preset", "run"]
+__all__ = ["EXPERIMENT", "Preset", "build", "dense_overrides", "main", "preset", "run"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -257,13 +257,20 @@ EXPERIMENT = cli.Experiment(
 def run(p: Preset, *, dense: bool = False, resume: bool = False, argv: list[str] | None = None):
     """Train (or resume) a preset from Python; returns the final metrics."""
     if dense and not p.dense:
-        for key, value in (
-            ("dense", True),
-            ("train.comera.enabled", False),
-            *_reference_training(p.dense_optimizer),
-        ):
+        for key, value in dense_overrides(p):
             p = cli.set_field(p, key, value)
     return cli.run_experiment(EXPERIMENT, p, resume=resume, argv=argv)
+
+
+def dense_overrides(p: Preset) -> list[tuple[str, Any]]:
+    """The config overrides that turn a CoMERA preset into its dense baseline (what
+    ``--dense`` trains): uncompressed tables, no rank adaptation, the preset's
+    ``dense_optimizer`` trained as the reference trains it."""
+    return [
+        ("dense", True),
+        ("train.comera.enabled", False),
+        *_reference_training(p.dense_optimizer),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
