@@ -19,9 +19,9 @@ float-tolerance small), ``rank`` (the initial TT rank; DLRM: the TTM tables' ran
 (both choices crossed), ``steps`` (the recipe trained 1, 2 and 3 times as long, its CoMERA
 schedule scaled along: a plateau or a slow learner?), ``hot_rows`` (DLRM: dense hot rows
 beside each TTM table, 0 to 4096: what accuracy they buy and what compression they cost)
-and ``capacity`` (DLRM: CoMERA, fixed-rank TTM tables at 1x and 4x the rank, dense, and
-CoMERA and dense on 3x the generated rows: is the gap to dense capacity, rank
-adaptation or data?).
+and ``capacity`` (DLRM: CoMERA, fixed-rank TTM tables at 1x and 4x the rank, dense, dense
+with hashed tables, and CoMERA and dense on 3x the generated rows: is the gap to dense
+capacity, rank adaptation or data, and how does the hashing trick do at the same size?).
 """
 
 from __future__ import annotations
@@ -123,7 +123,9 @@ def _capacity(cfg: Any, exp: cli.Experiment) -> list[Variant]:
     """DLRM: is CoMERA's gap to dense the compressed tables' capacity or the cost of rank
     adaptation, and does more data close it? The preset; its TTM tables at fixed ranks
     (``train.comera.enabled=false``: nothing pruned) at the preset's rank and at 4x it;
-    the preset's dense baseline; and, on generated data, CoMERA and dense trained for one
+    the preset's dense baseline, full and with its large tables hashed to 256 and 1,024
+    rows (``model.hash_rows``: the hashing trick, dense's way to a smaller model); and,
+    on generated data, CoMERA and dense trained for one
     epoch of 3x the rows, the steps and the CoMERA schedule scaled along."""
     if exp.name != "dlrm":
         raise cli.CLIError("ablation 'capacity' is DLRM's: pass --experiment dlrm")
@@ -137,6 +139,7 @@ def _capacity(cfg: Any, exp: cli.Experiment) -> list[Variant]:
         Variant(f"fixed_rank_{rank}", fixed),
         Variant(f"fixed_rank_{4 * rank}", (*fixed, ("model.emb_rank", 4 * rank))),
         Variant("dense", dense),
+        *(Variant(f"dense_hash_rows_{k}", (*dense, ("model.hash_rows", k))) for k in (256, 1024)),
     ]
     if cfg.data.path == "generated":
         t, c = cfg.train, cfg.train.comera

@@ -93,7 +93,9 @@ def test_capacity_variants_separate_rank_adaptation_format_and_data(capsys):
         v.label: dict(v.overrides) for v in ablate.variants("capacity", cfg, dlrm.EXPERIMENT, None)
     }
     assert list(out) == ["comera", f"fixed_rank_{r}", f"fixed_rank_{4 * r}", "dense",
+                         "dense_hash_rows_256", "dense_hash_rows_1024",
                          "comera_3x_data", "dense_3x_data"]  # fmt: skip
+    assert out["dense_hash_rows_256"] == {**out["dense"], "model.hash_rows": 256}
     assert out["comera"] == {} and out[f"fixed_rank_{r}"] == {"train.comera.enabled": False}
     assert out[f"fixed_rank_{4 * r}"]["model.emb_rank"] == 4 * r
     assert out["dense"] == dict(dlrm.dense_overrides(cfg))
@@ -105,7 +107,7 @@ def test_capacity_variants_separate_rank_adaptation_format_and_data(capsys):
     for over in out.values():  # every variant is a valid config
         cli.apply_overrides(cfg, list(over.items()), [])
     real = cli.set_field(cfg, "data.path", "train.txt")
-    assert len(ablate.variants("capacity", real, dlrm.EXPERIMENT, None)) == 4
+    assert len(ablate.variants("capacity", real, dlrm.EXPERIMENT, None)) == 6
     with pytest.raises(cli.CLIError, match="fixed variants"):
         ablate.variants("capacity", cfg, dlrm.EXPERIMENT, "1,2")
     assert ablate.main(["capacity", "--experiment", "mnli"]) == 2

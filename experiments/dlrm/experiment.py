@@ -165,6 +165,11 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
             f"which needs ids numbered by frequency: set data.id_order=frequency (got "
             f"{p.data.id_order!r}) or model.hot_rows=0"
         )
+    if p.model.hash_rows and not p.dense:
+        raise ValueError(
+            f"model.hash_rows={p.model.hash_rows} hashes the dense baseline's tables; train "
+            "it with --dense, or set model.hash_rows=0 for CoMERA"
+        )
     progress = p.train.progress and rank == 0
     data = rank_first(lambda: load_criteo(p.data, progress=progress), rank, world)
     model = _fit_model(p, data.cardinalities)

@@ -47,7 +47,12 @@ class DLRMConfig:
     numbers ids by descending frequency) also get a dense row, added to the TTM's and zero
     at init: TT-Rec's cache of hot rows, made static by that numbering. The rows count in
     the model's size; a table of no more than ``hot_rows`` rows gets a dense copy of all
-    of them beside its TTM. 0 (the paper's model): none."""
+    of them beside its TTM. 0 (the paper's model): none.
+    ``hash_rows``: the dense baseline's large tables (``tt_min_rows`` rows and up, the
+    ones CoMERA compresses) hold only this many rows, id ``i`` reading row ``i % K``: the
+    hashing trick at a chosen size, the uncompressed model's way to shrink. With ids
+    numbered by frequency (``data.id_order``) the K most frequent values get a row each
+    and rarer ones share them. Dense model only (``tt`` False); 0: none."""
 
     cardinalities: tuple[int, ...] = KAGGLE_CARDINALITIES
     dense_features: int = 13
@@ -63,6 +68,7 @@ class DLRMConfig:
     tt_layer_rank: int = 16
     batched_lookup: bool = True
     hot_rows: int = 0
+    hash_rows: int = 0
     names: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -75,8 +81,11 @@ class DLRMConfig:
             )
         if self.tt_min_rows < 1 or self.emb_rank < 1 or self.tt_layer_rank < 1:
             raise ValueError("DLRMConfig: tt_min_rows, emb_rank and tt_layer_rank must be >= 1")
-        if self.hot_rows < 0:
-            raise ValueError(f"DLRMConfig.hot_rows must be >= 0, got {self.hot_rows}")
+        if self.hot_rows < 0 or self.hash_rows < 0:
+            raise ValueError(
+                f"DLRMConfig: hot_rows and hash_rows must be >= 0, got {self.hot_rows}, "
+                f"{self.hash_rows}"
+            )
         if not self.names:
             self.names = tuple(f"C{i + 1}" for i in range(len(self.cardinalities)))
         layers = self.layer_names()
@@ -101,6 +110,13 @@ class DLRMConfig:
 
     def is_ttm(self, i: int) -> bool:
         return self.tt and self.cardinalities[i] >= self.tt_min_rows
+
+    def table_rows(self, i: int) -> int:
+        """Rows table ``i`` holds: its cardinality, or ``hash_rows`` where it is hashed."""
+        n = self.cardinalities[i]
+        if self.hash_rows and not self.tt and n >= self.tt_min_rows:
+            return min(n, self.hash_rows)
+        return n
 
 
 def vocab_modes(n: int, d: int) -> tuple[int, ...]:
@@ -159,7 +175,8 @@ def init_dlrm(cfg: DLRMConfig, *, generator: torch.Generator) -> tuple[dict, dic
             params[part].append(p)
             state[part].append(s)
     specs = table_specs(cfg)
-    for name, n in zip(cfg.names, cfg.cardinalities, strict=True):
+    for i, name in enumerate(cfg.names):
+        n = cfg.table_rows(i)
         if name in specs:
             params["tables"][name], state["tables"][name] = C.init(specs[name], generator=generator)
             if cfg.hot_rows:
@@ -206,7 +223,10 @@ def embed(
     out: list[torch.Tensor | None] = [None] * len(cfg.names)
     for i, name in enumerate(cfg.names):
         if i not in tt_cols:
-            out[i] = F.embedding(cat[:, i], tables[name]["weight"], sparse=sparse)  # (B, D)
+            ids, rows = cat[:, i], tables[name]["weight"].shape[0]
+            if rows < cfg.cardinalities[i]:  # hashed (hash_rows)
+                ids = ids % rows
+            out[i] = F.embedding(ids, tables[name]["weight"], sparse=sparse)  # (B, D)
     if tt_cols and cfg.batched_lookup:
         names = [cfg.names[i] for i in tt_cols]
         rows = C.ttm_embedding_batched(
