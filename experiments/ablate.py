@@ -257,6 +257,7 @@ def _summary(rec: dict) -> dict:
         "step_time_ms": 1e3 * statistics.median(times) if times else None,
         "wall_s": train[-1]["step"] / train[-1]["steps_per_s"] if train else None,
         "curve": [(r["step"], r["loss"]) for r in train],
+        "eval_curve": [(r["step"], r[key]) for r in evals if key in r] if key else [],
         "live": [(r["step"], r["live_params"]) for r in train],
     }
 
@@ -313,7 +314,11 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
     out.write_text("\n".join(lines))
     (out.with_suffix(".json")).write_text(
         json.dumps(
-            [{k: v for k, v in r.items() if k not in ("curve", "live")} for r in rows], indent=1
+            [
+                {k: v for k, v in r.items() if k not in ("curve", "live", "eval_curve")}
+                for r in rows
+            ],
+            indent=1,
         )
     )
     return out
@@ -331,6 +336,12 @@ def _plot(name: str, rows: list[dict], png: Path) -> None:
 
     panels = 2
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4), squeeze=False)
+    if name == "capacity":  # accuracy against size, the question this ablation asks
+        _plot_capacity(rows, axes[0])
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        return
     ax = axes[0][0]
     for r in rows:
         steps, losses = zip(*r["curve"], strict=True) if r["curve"] else ((), ())
@@ -350,6 +361,27 @@ def _plot(name: str, rows: list[dict], png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def _plot_capacity(rows: list[dict], axes: Any) -> None:
+    """Left: each variant's eval curve. Right: its last eval against its compression (log
+    scale), labelled: which formats buy accuracy at which size."""
+    ax = axes[0]
+    for r in rows:
+        if r["eval_curve"]:
+            steps, vals = zip(*r["eval_curve"], strict=True)
+            ax.plot(steps, vals, marker=".", label=r["label"], lw=1.2)
+    ax.set(xlabel="step", ylabel="eval AUC", title="capacity: eval curves")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for r in rows:
+        if r["compression"] and r["eval_auc"] is not None:
+            ax.scatter(r["compression"], r["eval_auc"], s=25)
+            ax.annotate(r["label"], (r["compression"], r["eval_auc"]), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set(xlabel="compression vs dense (x, log)", ylabel="eval AUC at end",
+           title="capacity: accuracy against size")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tag = "" if args.experiment == "mnli" else f"{args.experiment}_"
     out = Path(args.reports) / f"ablation_{tag}{args.ablation}.md"
-    write_report(args.ablation, records, out, "python -m experiments.ablate " + " ".join(argv))
+    # the command that trained the runs: a --report-only rebuild names it, not itself
+    ran = [a for a in argv if a != "--report-only"]
+    write_report(args.ablation, records, out, "python -m experiments.ablate " + " ".join(ran))
     print(out.read_text())
     return 0
 

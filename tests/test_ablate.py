@@ -138,6 +138,10 @@ def test_summary_reports_the_best_eval_and_its_step(tmp_path):
     ablate.write_report("steps", [{"label": "x", "dir": tmp_path}], tmp_path / "a.md", "cmd")
     assert "| best eval AUC (step) |" in (tmp_path / "a.md").read_text()
     assert "| 0.6600 | 0.6600 (20) |" in (tmp_path / "a.md").read_text()
+    assert s["eval_curve"] == [(10, 0.61), (20, 0.66), (30, 0.64)]
+    ablate.write_report("capacity", [{"label": "x", "dir": tmp_path}], tmp_path / "c.md", "cmd")
+    assert (tmp_path / "c.png").stat().st_size > 0  # its own plot: AUC against size
+    assert "eval_curve" not in json.loads((tmp_path / "c.json").read_text())[0]
 
 
 def test_restart_only_from_the_command_line(tmp_path, monkeypatch):
@@ -146,12 +150,16 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch):
     calls: list[str] = []
     monkeypatch.setattr(ablate, "restart_for", calls.append)
     monkeypatch.setattr(ablate, "run_ablation", lambda *a, **k: [])
-    monkeypatch.setattr(ablate, "write_report", lambda name, recs, out, cmd: out.write_text(""))
+    cmds: list[str] = []
+    monkeypatch.setattr(
+        ablate, "write_report", lambda name, recs, out, cmd: cmds.append(cmd) or out.write_text("")
+    )
     args = ["gamma", "--experiment", "dlrm", "--runs-dir", str(tmp_path)]
     args += ["--reports", str(tmp_path)]
     assert ablate.main(args) == 0 and calls == []
     monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
     assert ablate.main() == 0 and calls == []
+    assert cmds[-1] == "python -m experiments.ablate " + " ".join(args)  # what trained them
     monkeypatch.setattr("sys.argv", ["ablate", *args])
     assert ablate.main() == 0 and calls == ["lean"]  # DLRM's presets train under lean
 
