@@ -123,15 +123,16 @@ def _capacity(cfg: Any, exp: cli.Experiment) -> list[Variant]:
     """DLRM: is CoMERA's gap to dense the compressed tables' capacity or the cost of rank
     adaptation, and does more data close it? The preset; its TTM tables at fixed ranks
     (``train.comera.enabled=false``: nothing pruned) at the preset's rank and at 4x it;
-    the preset's dense baseline, full and with its large tables hashed to 256 and 1,024
-    rows (``model.hash_rows``: the hashing trick, dense's way to a smaller model); and,
-    on generated data, CoMERA and dense trained for one
-    epoch of 3x the rows, the steps and the CoMERA schedule scaled along."""
+    the dense baseline, full and with its large tables hashed to 256 and 1,024 rows
+    (``model.hash_rows``: the hashing trick, dense's way to a smaller model), trained with
+    the CoMERA runs' optimizer so that only the tables differ; and, on generated data,
+    CoMERA, the fixed-rank tables and dense trained for one epoch of a fresh draw of 3x
+    the rows, the steps and the CoMERA schedule scaled along."""
     if exp.name != "dlrm":
         raise cli.CLIError("ablation 'capacity' is DLRM's: pass --experiment dlrm")
     from experiments.dlrm.experiment import dense_overrides
 
-    dense = tuple(dense_overrides(cfg))
+    dense = tuple(dense_overrides(cfg, optimizer=cfg.train.optimizer))
     fixed = (("train.comera.enabled", False),)
     rank = cfg.model.emb_rank
     out = [
@@ -149,7 +150,11 @@ def _capacity(cfg: Any, exp: cli.Experiment) -> list[Variant]:
             ("train.comera.early_steps", 3 * c.early_steps),
             ("train.comera.reg_start_step", 3 * c.reg_start_step),
         )
-        out += [Variant("comera_3x_data", more), Variant("dense_3x_data", (*more, *dense))]
+        out += [
+            Variant("comera_3x_data", more),
+            Variant(f"fixed_rank_{rank}_3x_data", (*more, *fixed)),
+            Variant("dense_3x_data", (*more, *dense)),
+        ]
     return out
 
 
@@ -263,12 +268,19 @@ def _summary(rec: dict) -> dict:
 
 
 def write_report(name: str, records: list[dict], out: Path, command: str) -> Path:
-    """``reports/ablation_<name>.md`` and its PNG (loss curves; step times for contraction)."""
+    """``reports/ablation_<name>.md`` and its PNG (loss curves and model size; step times
+    for contraction; eval curves and AUC against compression for capacity)."""
     rows = [_summary(r) for r in records]
     out.parent.mkdir(parents=True, exist_ok=True)
     ref = rows[0]["curve"]
     lines = [f"# Ablation: {name}", "", f"Command: `{command}`", ""]
     lines += ["All variants share the seed, the data order and (where shapes allow) the init."]
+    if name == "capacity" and any(r["label"].endswith("_3x_data") for r in rows):
+        lines += [
+            "The `_3x_data` variants are the exception: they train on a fresh draw of the",
+            "generator with 3x the rows (other rows, another validation split), and their",
+            "compression is against the dense model of that data. Compare them with each other.",
+        ]
     if name == "contraction":
         lines += [
             "",
@@ -370,13 +382,17 @@ def _plot_capacity(rows: list[dict], axes: Any) -> None:
     for r in rows:
         if r["eval_curve"]:
             steps, vals = zip(*r["eval_curve"], strict=True)
-            ax.plot(steps, vals, marker=".", label=r["label"], lw=1.2)
+            style = "--" if r["label"].endswith("_3x_data") else "-"
+            ax.plot(steps, vals, style, marker=".", label=r["label"], lw=1.2)
     ax.set(xlabel="step", ylabel="eval AUC", title="capacity: eval curves")
     ax.legend(fontsize=8)
     ax = axes[1]
     for r in rows:
         if r["compression"] and r["eval_auc"] is not None:
-            ax.scatter(r["compression"], r["eval_auc"], s=25)
+            other_data = r["label"].endswith("_3x_data")  # another draw: hollow squares
+            ax.scatter(r["compression"], r["eval_auc"], s=30, marker="s" if other_data else "o",
+                       facecolors="none" if other_data else None,
+                       edgecolors="k" if other_data else None)  # fmt: skip
             ax.annotate(r["label"], (r["compression"], r["eval_auc"]), fontsize=7,
                         xytext=(4, 3), textcoords="offset points")  # fmt: skip
     ax.set_xscale("log")
@@ -425,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     tag = "" if args.experiment == "mnli" else f"{args.experiment}_"
     out = Path(args.reports) / f"ablation_{tag}{args.ablation}.md"
     # the command that trained the runs: a --report-only rebuild names it, not itself
-    ran = [a for a in argv if a != "--report-only"]
+    ran = [a for a in argv if not (a.startswith("--report-") and "--report-only".startswith(a))]
     write_report(args.ablation, records, out, "python -m experiments.ablate " + " ".join(ran))
     print(out.read_text())
     return 0

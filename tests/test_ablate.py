@@ -94,7 +94,7 @@ def test_capacity_variants_separate_rank_adaptation_format_and_data(capsys):
     }
     assert list(out) == ["comera", f"fixed_rank_{r}", f"fixed_rank_{4 * r}", "dense",
                          "dense_hash_rows_256", "dense_hash_rows_1024",
-                         "comera_3x_data", "dense_3x_data"]  # fmt: skip
+                         "comera_3x_data", f"fixed_rank_{r}_3x_data", "dense_3x_data"]  # fmt: skip
     assert out["dense_hash_rows_256"] == {**out["dense"], "model.hash_rows": 256}
     assert out["comera"] == {} and out[f"fixed_rank_{r}"] == {"train.comera.enabled": False}
     assert out[f"fixed_rank_{4 * r}"]["model.emb_rank"] == 4 * r
@@ -104,6 +104,10 @@ def test_capacity_variants_separate_rank_adaptation_format_and_data(capsys):
             "train.comera.early_steps": 3 * c.early_steps,
             "train.comera.reg_start_step": 3 * c.reg_start_step}  # fmt: skip
     assert out["comera_3x_data"] == more and out["dense_3x_data"] == {**more, **out["dense"]}
+    assert out[f"fixed_rank_{r}_3x_data"] == {**more, "train.comera.enabled": False}
+    kaggle = dlrm.preset("kaggle")  # its reference baseline trains with SGD: here as CoMERA
+    dense = dict(ablate.variants("capacity", kaggle, dlrm.EXPERIMENT, None)[3].overrides)
+    assert kaggle.dense_optimizer == "sgd" and dense["train.optimizer"] == "adamw"
     for over in out.values():  # every variant is a valid config
         cli.apply_overrides(cfg, list(over.items()), [])
     real = cli.set_field(cfg, "data.path", "train.txt")
@@ -142,6 +146,12 @@ def test_summary_reports_the_best_eval_and_its_step(tmp_path):
     ablate.write_report("capacity", [{"label": "x", "dir": tmp_path}], tmp_path / "c.md", "cmd")
     assert (tmp_path / "c.png").stat().st_size > 0  # its own plot: AUC against size
     assert "eval_curve" not in json.loads((tmp_path / "c.json").read_text())[0]
+    bare = tmp_path / "bare"  # a run that logged no eval: plotted without its point
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    recs = [{"label": "x", "dir": tmp_path}, {"label": "y_3x_data", "dir": bare}]
+    ablate.write_report("capacity", recs, tmp_path / "d.md", "cmd")
+    assert "fresh draw" in (tmp_path / "d.md").read_text() and (tmp_path / "d.png").is_file()
 
 
 def test_restart_only_from_the_command_line(tmp_path, monkeypatch):
@@ -160,6 +170,8 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
     assert ablate.main() == 0 and calls == []
     assert cmds[-1] == "python -m experiments.ablate " + " ".join(args)  # what trained them
+    monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-on"])  # an abbreviation
+    assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + " ".join(args)
     monkeypatch.setattr("sys.argv", ["ablate", *args])
     assert ablate.main() == 0 and calls == ["lean"]  # DLRM's presets train under lean
 

@@ -155,3 +155,18 @@ def test_sync_free_inf_gradient_norm_without_clipping_updates_nothing(tmp_path):
         tr.train_step(next(it))
     after = tree_flatten([tr.params, tr.opt["m"], tr.opt["v"]])[0]
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+
+
+def test_compile_mode_names_the_torch_it_needs(monkeypatch) -> None:
+    """``step_mode='compile'`` traces autograd.grad (torch >= 2.11): on an older torch,
+    whose dynamo config lacks ``trace_autograd_ops``, a clear error names the fix."""
+    import types
+
+    import torch._dynamo
+
+    from comera.train.sync_free import require_traceable_grad
+
+    require_traceable_grad()  # this torch has it
+    monkeypatch.setattr(torch._dynamo, "config", types.SimpleNamespace())
+    with pytest.raises(ValueError, match=r"torch >= 2.11 .*--step-mode sync_free"):
+        require_traceable_grad()

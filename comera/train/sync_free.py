@@ -41,7 +41,7 @@ from comera.train.measures import lr_scale
 if TYPE_CHECKING:
     from comera.train.loop import Trainer
 
-__all__ = ["STEP_MODES", "SyncFreeStep"]
+__all__ = ["STEP_MODES", "SyncFreeStep", "require_traceable_grad"]
 
 WARMUP_STEPS = 3  # eager steps on a side stream before a CUDA graph is captured
 COMPILE_BACKEND = "inductor"  # tests use "aot_eager": the same capture, no C++ build
@@ -63,6 +63,20 @@ def _scalar(x: Any, dev: torch.device) -> torch.Tensor:
     return torch.full((), float(x), dtype=torch.float64, device=dev)
 
 
+def require_traceable_grad() -> None:
+    """The ``compile`` step mode traces ``autograd.grad`` into its graph, which needs
+    ``torch._dynamo.config.trace_autograd_ops`` (first in torch 2.11): a clear error on an
+    older torch rather than an AttributeError from inside the first step."""
+    import torch._dynamo
+
+    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        raise ValueError(
+            f"train.step_mode='compile' traces autograd.grad into the compiled step, which "
+            f"needs torch >= 2.11 (this is {torch.__version__}); use --step-mode sync_free "
+            "or eager"
+        )
+
+
 class SyncFreeStep:
     """One optimizer step of ``trainer`` with its decisions on the device (module doc)."""
 
@@ -74,6 +88,8 @@ class SyncFreeStep:
                 "train.step_mode='cuda_graph' needs a CUDA device (train.device); use "
                 "'compile' or 'sync_free' on CPU"
             )
+        if mode == "compile":
+            require_traceable_grad()
         self.tr, self.mode = trainer, mode
         dev = trainer.device
         # host-filled inputs: tensors, so graphs read the value of the step they run in

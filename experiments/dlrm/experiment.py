@@ -173,6 +173,13 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
     progress = p.train.progress and rank == 0
     data = rank_first(lambda: load_criteo(p.data, progress=progress), rank, world)
     model = _fit_model(p, data.cardinalities)
+    hashed = [i for i in range(len(model.names)) if model.table_rows(i) < model.cardinalities[i]]
+    if model.hash_rows and not hashed:
+        raise ValueError(
+            f"model.hash_rows={model.hash_rows} hashes no table: no table has more rows "
+            f"than that among those of model.tt_min_rows={model.tt_min_rows} rows and up "
+            f"(largest {max(model.cardinalities)}); lower model.hash_rows or tt_min_rows"
+        )
     lo, hi = data.splits["train"]
     it = RowBatches(data, lo, hi, p.batch_size, seed=p.train.seed, rank=rank, world=world)
     task = DLRMTask(
@@ -267,14 +274,15 @@ def run(p: Preset, *, dense: bool = False, resume: bool = False, argv: list[str]
     return cli.run_experiment(EXPERIMENT, p, resume=resume, argv=argv)
 
 
-def dense_overrides(p: Preset) -> list[tuple[str, Any]]:
-    """The config overrides that turn a CoMERA preset into its dense baseline (what
-    ``--dense`` trains): uncompressed tables, no rank adaptation, the preset's
-    ``dense_optimizer`` trained as the reference trains it."""
+def dense_overrides(p: Preset, optimizer: str | None = None) -> list[tuple[str, Any]]:
+    """The config overrides that turn a CoMERA preset into its dense baseline: the shared
+    CLI's ``--dense`` switch (uncompressed tables, no rank adaptation) plus this
+    experiment's reference training with ``optimizer`` (default: the preset's
+    ``dense_optimizer``, what ``--dense`` trains with). A test holds the two in step."""
     return [
         ("dense", True),
         ("train.comera.enabled", False),
-        *_reference_training(p.dense_optimizer),
+        *_reference_training(optimizer or p.dense_optimizer),
     ]
 
 

@@ -51,8 +51,9 @@ class DLRMConfig:
     ``hash_rows``: the dense baseline's large tables (``tt_min_rows`` rows and up, the
     ones CoMERA compresses) hold only this many rows, id ``i`` reading row ``i % K``: the
     hashing trick at a chosen size, the uncompressed model's way to shrink. With ids
-    numbered by frequency (``data.id_order``) the K most frequent values get a row each
-    and rarer ones share them. Dense model only (``tt`` False); 0: none."""
+    numbered by frequency (``data.id_order=frequency``, the default) the K most frequent
+    values land in distinct rows, each shared with rarer values. Dense model only (``tt``
+    False); 0: none."""
 
     cardinalities: tuple[int, ...] = KAGGLE_CARDINALITIES
     dense_features: int = 13
@@ -223,7 +224,7 @@ def embed(
     out: list[torch.Tensor | None] = [None] * len(cfg.names)
     for i, name in enumerate(cfg.names):
         if i not in tt_cols:
-            ids, rows = cat[:, i], tables[name]["weight"].shape[0]
+            ids, rows = cat[:, i], cfg.table_rows(i)
             if rows < cfg.cardinalities[i]:  # hashed (hash_rows)
                 ids = ids % rows
             out[i] = F.embedding(ids, tables[name]["weight"], sparse=sparse)  # (B, D)
@@ -273,7 +274,8 @@ def dlrm_logits(
 
 
 def dense_param_count(cfg: DLRMConfig) -> int:
-    """Parameters of the dense model with this architecture (the compression reference)."""
+    """Parameters of the dense model with this architecture (the compression reference):
+    full tables, whatever ``hash_rows`` says."""
     bottom, top = cfg.mlp_sizes()
     mlp = sum(a * b + b for s in (bottom, top) for a, b in zip(s[:-1], s[1:], strict=True))
     return mlp + sum(cfg.cardinalities) * cfg.emb_dim
