@@ -230,14 +230,24 @@ def main(
         )
     head = {"partial": True, "device": device, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    results = []
+    results, failed = [], []
     for batch in BATCHES:
         for variant in variants:
             if variant.endswith("_recompute") and batch != RECOMPUTE_BATCH:
                 continue
             malloc = training_malloc(variant) if device == "cpu" else "default"
-            results.append(run_worker(variant, batch, repeats, device, threads, tiny, malloc))
+            try:
+                results.append(run_worker(variant, batch, repeats, device, threads, tiny, malloc))
+            except RuntimeError as e:  # one point failing stops no other
+                print(e, file=sys.stderr, flush=True)
+                last = [line for line in str(e).splitlines() if line.strip()][-1]
+                results.append({"variant": variant, "batch": batch, "error": last[-500:]})
+                failed.append(f"{variant}/{batch}")
             write_json_atomic(partial, {**head, "runs": results})
+    if failed:  # no summary from an incomplete run: the last complete figures stay
+        print(f"mnli bench: {', '.join(failed)} failed; the other points are in {partial}; "
+              f"{out} was not replaced", file=sys.stderr)  # fmt: skip
+        return 1
     extra = []  # the recompute variants as found, and plain dense under their policy
     for variant in ("comera_recompute", "dense_recompute"):
         if device == "cpu" and training_malloc(variant) != "default":

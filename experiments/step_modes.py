@@ -188,12 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     # limit, a failing mode) keeps what it measured and the last complete report stays
     partial = out / "step_modes.partial.json"
     partial.unlink(missing_ok=True)  # an older run's: never mistaken for this one's
+    failed = []
     for m in models:
         for mode in modes:
-            runs.append(run_point(m, mode, args.repeats, args.threads, args.tiny, args.device))
+            try:
+                runs.append(run_point(m, mode, args.repeats, args.threads, args.tiny, args.device))
+            except RuntimeError as e:  # one mode failing (a compile error, say) stops no other
+                print(e, file=sys.stderr, flush=True)
+                last = [line for line in str(e).splitlines() if line.strip()][-1]
+                runs.append({"model": m, "mode": mode, "error": last[-500:]})
+                failed.append(f"{m}/{mode}")
             atomic_write_text(
                 partial, json.dumps({"partial": True, **result}, indent=2) + "\n", fsync=False
             )
+    if failed:  # not a complete run: the last complete report stays, the points are kept
+        print(f"step_modes: {', '.join(failed)} failed; the other points are in {partial}; "
+              "the report was not replaced", file=sys.stderr)  # fmt: skip
+        return 1
     print(write_report(result, out))
     partial.unlink(missing_ok=True)
     return 0

@@ -170,7 +170,8 @@ def test_gpu_step_bench_never_replaces_the_cpu_figures(tmp_path, monkeypatch):
 
 def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, monkeypatch):
     """Each worker's result goes to a ``.partial.json`` beside the output as it comes; a
-    run that stops early leaves that file and the last complete JSON untouched."""
+    run that stops early leaves that file and the last complete JSON untouched; a failing
+    worker is recorded there and the others still run (exit 1, no summary)."""
     from experiments import mnli_bench
 
     out = tmp_path / "mnli_bench.json"
@@ -182,17 +183,31 @@ def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, m
     def worker(variant, batch, *args):
         calls.append(variant)
         if len(calls) == 3:
-            raise RuntimeError("time limit")
+            raise OSError("time limit")  # the process stopped from outside
         return {"variant": variant, "batch": batch, "step_s": 1.0, "peak_mb": 1.0,
                 "params": 1, "peak_memory": "fake"}  # fmt: skip
 
     monkeypatch.setattr(mnli_bench, "run_worker", worker)
-    with pytest.raises(RuntimeError, match="time limit"):
+    with pytest.raises(OSError, match="time limit"):
         mnli_bench.main(device="cpu", repeats=1, out=out)
     assert json.loads(out.read_text()) == {"last": "complete"}
     partial = json.loads((tmp_path / "mnli_bench.partial.json").read_text())
     assert partial["partial"] and [r["variant"] for r in partial["runs"]] == calls[:2]
     assert "older" not in partial and partial["torch"] == torch.__version__
+
+    def failing(variant, batch, *args):  # one worker fails: the rest still run
+        if variant == "galore":
+            raise RuntimeError("bench worker galore/1 failed:\nTraceback\nValueError: boom")
+        return {"variant": variant, "batch": batch, "step_s": 1.0, "peak_mb": 1.0,
+                "params": 1, "peak_memory": "fake"}  # fmt: skip
+
+    monkeypatch.setattr(mnli_bench, "run_worker", failing)
+    assert mnli_bench.main(device="cpu", repeats=1, out=out) == 1
+    assert json.loads(out.read_text()) == {"last": "complete"}
+    runs = json.loads((tmp_path / "mnli_bench.partial.json").read_text())["runs"]
+    errors = [r for r in runs if "error" in r]
+    assert errors and all(r["error"] == "ValueError: boom" for r in errors)
+    assert len(runs) > len(errors) and {r["batch"] for r in runs} == set(mnli_bench.BATCHES)
 
 
 def test_step_bench_plumbing(tmp_path, capsys):
