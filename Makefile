@@ -29,7 +29,7 @@ efficiency: $(STAMP)  ## the paper's Figure 1 on CPU (~20 min), then eager vs sy
 	$(BIN)/python -m experiments.efficiency
 	$(BIN)/python -m experiments.step_modes
 
-bench: $(STAMP)  ## core, loader and MNLI-step benchmarks (write reports/)
+bench: $(STAMP)  ## core and loader benchmarks (write reports/); the MNLI step: python -m experiments.mnli --bench
 	$(BIN)/python -m comera.bench
 	$(BIN)/python -m loaders.bench
 
