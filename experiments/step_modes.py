@@ -139,6 +139,11 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
         "its baseline (CPU: peak RSS, compilation included; CUDA: the allocator's peak). "
         "`cuda_graph` runs on a GPU only (`--device cuda`).",
         "",
+        "With dropout (the paper model's 0.1) `compile` draws other dropout masks than "
+        "eager (the compiled graph consumes random numbers its own way, with inductor's "
+        "`fallback_random` too), so its loss differs from eager's by that noise; without "
+        "dropout (smoke) the losses agree. Two compiled runs from one seed gave the same losses.",
+        "",
         "The trainer's default stays `eager`: `compile` is faster per step, but its "
         "compilation is paid at the start and after every compaction and it raises the peak "
         "memory; it pays for itself only in long runs where memory is not the constraint "
