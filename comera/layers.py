@@ -266,10 +266,11 @@ def ttm_embedding(
         )
     if max_unique is not None and (impl != "static" or max_unique < 1):
         raise ValueError(f"{name}: max_unique={max_unique} needs impl='static' and a value >= 1")
-    if impl == "optimized" and _graph_capture():
+    capturing = _graph_capture()
+    if impl == "optimized" and capturing:
         impl = "static"  # torch.unique would sync (CUDA graphs) or break the graph
     batched = _is_batched(ids)
-    if impl == "static" and not batched:
+    if (impl == "static" or capturing) and not batched:  # naive too: no host read in a graph
         if ids.numel():
             torch._assert_async(
                 ((ids >= 0) & (ids < vocab)).all(),

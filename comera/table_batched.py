@@ -185,6 +185,13 @@ def _lookup_group(cores_per_table: list[list[torch.Tensor]], ids: torch.Tensor) 
         sizes = torch.tensor([c.shape[1] for c in mine], device=dev)
         tables.append(_concat_cores(mine))
         rows_idx.append((torch.cumsum(sizes, 0) - sizes)[tab] + digit)
+    # one dtype for the chain: autocast makes merged pairs bf16 while lone cores stay
+    # fp32, and the backward (outside autocast) would mix them in one bmm; the cores'
+    # own dtype also keeps the gradient sums out of bf16
+    dtype = cores_per_table[0][0].dtype
+    for tb in tables:
+        dtype = torch.promote_types(dtype, tb.dtype)
+    tables = [tb.to(dtype) for tb in tables]
     acc = _GatheredChain.apply(len(tables), *tables, *rows_idx)  # (U, D)
     return _gather(acc, inverse).reshape(n, t, -1)
 

@@ -73,6 +73,8 @@ def worker(
         batch = next(it)
         t0 = time.perf_counter()
         loss = trainer.train_step(batch)["loss"]
+        if device.startswith("cuda"):  # eager returns with the update still queued
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return {
         "model": model,
@@ -90,14 +92,26 @@ def worker(
 
 
 def run_point(
-    model: str, mode: str, repeats: int, threads: int, tiny: bool = False, device: str = "cpu"
+    model: str,
+    mode: str,
+    repeats: int,
+    threads: int,
+    tiny: bool = False,
+    device: str = "cpu",
+    timeout: float | None = None,
 ) -> dict:
-    """:func:`worker` in a fresh process."""
+    """:func:`worker` in a fresh process; a worker past ``timeout`` seconds (a compile
+    that runs long) is killed and reported as failed, like any failing worker."""
     cmd = [sys.executable, "-m", "experiments.step_modes", "--worker", model, mode,
            "--repeats", str(repeats), "--threads", str(threads), "--device", device]  # fmt: skip
     cmd += ["--tiny"] if tiny else []
     print(f"step modes: {model} / {mode} ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"step-mode worker {model}/{mode} failed:\nstopped after --point-timeout {timeout:g} s"
+        ) from None
     if proc.returncode:
         raise RuntimeError(f"step-mode worker {model}/{mode} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -165,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--out", type=Path, default=None, help="report dir (default reports/; cuda: reports/gpu/)"
     )
+    ap.add_argument(
+        "--point-timeout",
+        type=float,
+        default=None,
+        help="seconds a point may take (failed past it)",
+    )
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -197,7 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         for mode in modes:
             try:
-                runs.append(run_point(m, mode, args.repeats, args.threads, args.tiny, args.device))
+                runs.append(
+                    run_point(
+                        m,
+                        mode,
+                        args.repeats,
+                        args.threads,
+                        args.tiny,
+                        args.device,
+                        args.point_timeout,
+                    )  # fmt: skip
+                )
             except RuntimeError as e:  # one mode failing (a compile error, say) stops no other
                 print(e, file=sys.stderr, flush=True)
                 last = [line for line in str(e).splitlines() if line.strip()][-1]

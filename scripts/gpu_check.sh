@@ -31,7 +31,7 @@ ALL=(
   "1|60|dlrm_lookup|-m experiments.dlrm.bench --embedding --device cuda --json"
   "1|90|core_bench|-m comera.bench --device cuda --json"
   "1|150|step_modes_paper|-m experiments.step_modes --device cuda --models paper --modes sync_free,cuda_graph --out $G/step_modes_paper"
-  "2|240|step_modes_smoke|-m experiments.step_modes --device cuda --models smoke --modes sync_free,compile,cuda_graph --out $G/step_modes_smoke"
+  "2|240|step_modes_smoke|-m experiments.step_modes --device cuda --models smoke --modes sync_free,cuda_graph,compile --point-timeout 150 --out $G/step_modes_smoke"
   "2|240|mnli_bench|-m experiments.mnli --bench --device cuda --json"
 )
 NAMES=$(for s in "${ALL[@]}"; do IFS='|' read -r _ _ name _ <<<"$s"; printf '%s ' "$name"; done)
@@ -81,9 +81,12 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 LOGS=$G/logs
 mkdir -p "$LOGS"
-if compgen -G ".whl/*.whl" >/dev/null; then
+set +f; whls=(.whl/*.whl); set -f  # the wheels, expanded (the rest of the script is -f)
+wanted=0  # only the MNLI bench (GaLore) needs them
+for s in "${STAGES[@]}"; do if [[ "$s" == *"|mnli_bench|"* ]]; then wanted=1; fi; done
+if (( wanted )) && [[ -e "${whls[0]}" ]]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || echo "gpu_check: could not install .whl/ (going on)"
+    --target /tmp/site "${whls[@]}" || echo "gpu_check: could not install .whl/ (going on)"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 WANDB_MODE=disabled
@@ -101,7 +104,8 @@ pack() {  # a new archive replaces the last one only once it is whole
 {
   echo "== gpu_check run $(date -u +%FT%TZ): ${#STAGES[@]} stage(s)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
-  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'tf32 matmul', torch.backends.cuda.matmul.allow_tf32)" 2>&1
+  env | grep -E '^(NVIDIA_TF32_OVERRIDE|TORCH_ALLOW_TF32_CUBLAS_OVERRIDE)=' || true
 } | tee -a "$LOGS/summary.txt"
 
 failed=0

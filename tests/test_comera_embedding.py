@@ -137,3 +137,21 @@ def test_static_impl_compiles_without_graph_breaks():
         for a, b in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(a, b)
     torch._dynamo.reset()
+
+
+def test_naive_lookup_checks_ids_without_a_host_read_inside_a_graph():
+    """Inside a captured or sync-free step even ``impl="naive"`` checks its ids on the
+    device (``_assert_async``: a RuntimeError), not by reading them on the host; outside
+    one it raises the named IndexError."""
+    from comera.layers import sync_free_lookups
+
+    spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5), dim_modes=(2, 3), ranks=3, num_embeddings=18)
+    params, state = C.init(spec, generator=torch.Generator().manual_seed(4))
+    ids = torch.tensor([1, 17, 2])
+    ref = C.ttm_embedding(params, state, ids, impl="naive")
+    with sync_free_lookups():
+        torch.testing.assert_close(C.ttm_embedding(params, state, ids, impl="naive"), ref)
+        with pytest.raises(RuntimeError, match=r"out of range.*\[0, 18\)"):
+            C.ttm_embedding(params, state, torch.tensor([18]), impl="naive", spec=spec)
+    with pytest.raises(IndexError, match="id 18 is out of range"):
+        C.ttm_embedding(params, state, torch.tensor([18]), impl="naive", spec=spec)

@@ -104,3 +104,24 @@ def test_gradients_only_where_asked() -> None:
     g_ref = torch.autograd.grad((ref * w).sum(), leaves)
     for a, b in zip(g_out, g_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_batched_under_bf16_autocast_keeps_one_dtype_and_fp32_gradients() -> None:
+    """Under autocast a merged core pair comes out bf16 while a lone core stays fp32; the
+    chain runs in the cores' own dtype, so the backward mixes nothing and the gradients
+    are fp32 and close to the fp32 ones."""
+    spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5, 6), dim_modes=(2, 2, 4), ranks=4,
+                              num_embeddings=120)  # fmt: skip
+    p, st = C.init(spec, generator=torch.Generator().manual_seed(1))
+    p = {k: [t.detach().requires_grad_() for t in v] for k, v in p.items()}
+    ids = torch.randint(0, 120, (300, 1), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        merged = C.layers._pair_cores(list(p["cores"]))  # what the lookup merges
+        out = C.ttm_embedding_batched([p], [st], ids)
+    assert merged[0].dtype == torch.bfloat16 and merged[-1].dtype == torch.float32  # mixed
+    grads = torch.autograd.grad(out.float().square().sum(), p["cores"])
+    ref_out = C.ttm_embedding_batched([p], [st], ids)
+    ref = torch.autograd.grad(ref_out.square().sum(), p["cores"])
+    for g, r in zip(grads, ref, strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=0.05, atol=0.05 * float(r.abs().max()))

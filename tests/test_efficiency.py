@@ -368,3 +368,14 @@ def test_step_modes_keeps_the_points_of_a_run_cut_short(tmp_path, monkeypatch) -
     with pytest.raises(OSError):
         step_modes.main(argv)
     assert not (tmp_path / "step_modes.partial.json").exists()
+
+
+def test_step_modes_point_past_its_timeout_is_a_failed_point() -> None:
+    """``--point-timeout``: a worker that runs past it (a long compile) is killed and
+    reported like any failing worker, so the stage goes on to the next mode."""
+    from experiments import step_modes
+
+    with pytest.raises(
+        RuntimeError, match=r"smoke/compile failed:\nstopped after --point-timeout 0.01 s"
+    ):
+        step_modes.run_point("smoke", "compile", 1, 1, True, "cpu", timeout=0.01)

@@ -120,3 +120,27 @@ def test_a_run_records_every_stage_packs_after_each_and_fails_if_one_failed(tmp_
         capture_output=True, text=True, env=env, check=False,
     )  # fmt: skip
     assert proc.returncode == 0 and "packed reports/gpu" in proc.stdout  # all passed
+
+
+@bash
+def test_wheels_are_installed_expanded_and_only_for_the_mnli_bench(tmp_path):
+    """``.whl/*.whl`` reaches pip as the files themselves (the script runs with globbing
+    off), and only when the MNLI bench (GaLore) is among the stages."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "scripts" / "gpu_check.sh")
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "pkg-1.0-py3-none-any.whl").write_text("")
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "fakepy"
+    fake.write_text(f'#!/bin/bash\nif [[ "$1" == "-c" ]]; then exit 0; fi\necho "$*" >> {log}\n')
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PY": str(fake)}
+    script = str(tmp_path / "scripts" / "gpu_check.sh")
+    for stage in ("core_bench", "mnli_bench"):
+        proc = subprocess.run(["bash", script, stage], capture_output=True, text=True, env=env,
+                              check=False, cwd=tmp_path)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    pips = [c for c in calls if c.startswith("-m pip install")]
+    assert len(pips) == 1 and pips[0].endswith(".whl/pkg-1.0-py3-none-any.whl")
+    assert calls.index(pips[0]) > next(i for i, c in enumerate(calls) if "comera.bench" in c)
