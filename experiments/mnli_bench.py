@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from comera.malloc import (
 )
 from comera.train.logging import write_json_atomic
 from comera.train.measures import peak_memory_mb, rss_mb
+from experiments.workers import WorkerFailed, run_json_worker
 
 REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
 # a GPU run never replaces the CPU figures
@@ -184,10 +184,7 @@ def run_worker(
         flush=True,
     )
     env = clean_malloc_env()  # the worker's policy alone decides (restart included)
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-    if proc.returncode:
-        raise RuntimeError(f"bench worker {variant}/{batch} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json_worker(cmd, f"bench worker {variant}/{batch}", env=env)
 
 
 def _galore_available() -> bool:
@@ -238,10 +235,9 @@ def main(
             malloc = training_malloc(variant) if device == "cpu" else "default"
             try:
                 results.append(run_worker(variant, batch, repeats, device, threads, tiny, malloc))
-            except RuntimeError as e:  # one point failing stops no other
+            except WorkerFailed as e:  # one point failing stops no other
                 print(e, file=sys.stderr, flush=True)
-                last = [line for line in str(e).splitlines() if line.strip()][-1]
-                results.append({"variant": variant, "batch": batch, "error": last[-500:]})
+                results.append({"variant": variant, "batch": batch, "error": e.reason})
                 failed.append(f"{variant}/{batch}")
             write_json_atomic(partial, {**head, "runs": results})
     galore_error = None

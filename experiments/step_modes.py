@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from comera.train.measures import peak_memory_mb, rss_mb
+from experiments.workers import WorkerFailed, run_json_worker
 from loaders.metadata import atomic_write_text
 
 __all__ = ["MODES", "main", "worker"]
@@ -106,15 +107,11 @@ def run_point(
            "--repeats", str(repeats), "--threads", str(threads), "--device", device]  # fmt: skip
     cmd += ["--tiny"] if tiny else []
     print(f"step modes: {model} / {mode} ...", file=sys.stderr, flush=True)
+    what = f"step-mode worker {model}/{mode}"
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout)
+        return run_json_worker(cmd, what, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise RuntimeError(
-            f"step-mode worker {model}/{mode} failed:\nstopped after --point-timeout {timeout:g} s"
-        ) from None
-    if proc.returncode:
-        raise RuntimeError(f"step-mode worker {model}/{mode} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise WorkerFailed(what, f"stopped after --point-timeout {timeout:g} s") from None
 
 
 def write_report(result: dict, out_dir: Path = REPORTS) -> str:
@@ -217,21 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         for mode in modes:
             try:
-                runs.append(
-                    run_point(
-                        m,
-                        mode,
-                        args.repeats,
-                        args.threads,
-                        args.tiny,
-                        args.device,
-                        args.point_timeout,
-                    )  # fmt: skip
-                )
-            except RuntimeError as e:  # one mode failing (a compile error, say) stops no other
+                runs.append(run_point(m, mode, args.repeats, args.threads, args.tiny,
+                                      args.device, args.point_timeout))  # fmt: skip
+            except WorkerFailed as e:  # one mode failing (a compile error, say) stops no other
                 print(e, file=sys.stderr, flush=True)
-                last = [line for line in str(e).splitlines() if line.strip()][-1]
-                runs.append({"model": m, "mode": mode, "error": last[-500:]})
+                runs.append({"model": m, "mode": mode, "error": e.reason})
                 failed.append(f"{m}/{mode}")
             atomic_write_text(
                 partial, json.dumps({"partial": True, **result}, indent=2) + "\n", fsync=False

@@ -338,13 +338,14 @@ def test_step_modes_keeps_the_points_of_a_run_cut_short(tmp_path, monkeypatch) -
     recorded there with its error and the other modes still run (exit 1); the last
     complete report stays as it was; eager runs first whatever the order given."""
     from experiments import step_modes
+    from experiments.workers import WorkerFailed
 
     seen = []
 
     def point(model, mode, *args):
         seen.append((model, mode))
         if model == "paper" and mode != "eager":
-            raise RuntimeError("cut short")
+            raise WorkerFailed("step-mode worker paper/" + mode, "cut short")
         return {"model": model, "mode": mode, "batch": 8, "seq": 16, "first_step_s": 1.0,
                 "step_s": 0.5, "peak_mb": 10.0}  # fmt: skip
 

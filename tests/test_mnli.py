@@ -173,6 +173,7 @@ def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, m
     run that stops early leaves that file and the last complete JSON untouched; a failing
     worker is recorded there and the others still run (exit 1, no summary)."""
     from experiments import mnli_bench
+    from experiments.workers import WorkerFailed
 
     out = tmp_path / "mnli_bench.json"
     out.write_text('{"last": "complete"}')
@@ -197,7 +198,7 @@ def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, m
 
     def failing(variant, batch, *args):  # one worker fails: the rest still run
         if variant == "galore":
-            raise RuntimeError("bench worker galore/1 failed:\nTraceback\nValueError: boom")
+            raise WorkerFailed("bench worker galore/1", "Traceback\nValueError: boom")
         return {"variant": variant, "batch": batch, "step_s": 1.0, "peak_mb": 1.0,
                 "params": 1, "peak_memory": "fake"}  # fmt: skip
 
@@ -213,7 +214,7 @@ def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, m
 
     def failing_dense(variant, batch, *args):  # a core point fails: no summary at all
         if variant == "dense" and batch == 1:
-            raise RuntimeError("bench worker dense/1 failed:\nTraceback\nValueError: boom")
+            raise WorkerFailed("bench worker dense/1", "Traceback\nValueError: boom")
         return failing("comera", batch) | {"variant": variant}
 
     monkeypatch.setattr(mnli_bench, "run_worker", failing_dense)
