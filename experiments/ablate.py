@@ -350,17 +350,23 @@ def _plot(name: str, rows: list[dict], png: Path) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4), squeeze=False)
     if name == "capacity":  # accuracy against size, the question this ablation asks
         _plot_capacity(rows, axes[0])
-        fig.tight_layout()
-        fig.savefig(png, dpi=110)
-        plt.close(fig)
-        return
-    ax = axes[0][0]
+    else:
+        _plot_curves(name, rows, axes[0])
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def _plot_curves(name: str, rows: list[dict], axes: Any) -> None:
+    """Left: each variant's loss curve. Right: its live parameters (step time per
+    strategy for contraction)."""
+    ax = axes[0]
     for r in rows:
         steps, losses = zip(*r["curve"], strict=True) if r["curve"] else ((), ())
         ax.plot(steps, losses, label=r["label"], lw=1.2)
     ax.set(xlabel="step", ylabel="train loss", title=f"{name}: loss curves")
     ax.legend(fontsize=8)
-    ax = axes[0][1]
+    ax = axes[1]
     if name == "contraction":
         ax.bar([r["label"] for r in rows], [r["step_time_ms"] for r in rows], color="tab:blue")
         ax.set(ylabel="median step time (ms)", title="step time per strategy")
@@ -370,9 +376,6 @@ def _plot(name: str, rows: list[dict], png: Path) -> None:
             ax.plot(steps, live, label=r["label"], lw=1.2)
         ax.set(xlabel="step", ylabel="live parameters", title=f"{name}: model size")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
 
 
 def _plot_capacity(rows: list[dict], axes: Any) -> None:

@@ -173,8 +173,7 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
     progress = p.train.progress and rank == 0
     data = rank_first(lambda: load_criteo(p.data, progress=progress), rank, world)
     model = _fit_model(p, data.cardinalities)
-    hashed = [i for i in range(len(model.names)) if model.table_rows(i) < model.cardinalities[i]]
-    if model.hash_rows and not hashed:
+    if model.hash_rows and not any(model.is_hashed(i) for i in range(len(model.names))):
         raise ValueError(
             f"model.hash_rows={model.hash_rows} hashes no table: no table has more rows "
             f"than that among those of model.tt_min_rows={model.tt_min_rows} rows and up "

@@ -119,6 +119,10 @@ class DLRMConfig:
             return min(n, self.hash_rows)
         return n
 
+    def is_hashed(self, i: int) -> bool:
+        """Whether table ``i`` holds fewer rows than it has ids (``hash_rows``)."""
+        return self.table_rows(i) < self.cardinalities[i]
+
 
 def vocab_modes(n: int, d: int) -> tuple[int, ...]:
     """``d`` vocab modes for ``n`` rows: ``L`` repeated, ``L = ceil(n^(1/d))``, and a last
@@ -224,9 +228,7 @@ def embed(
     out: list[torch.Tensor | None] = [None] * len(cfg.names)
     for i, name in enumerate(cfg.names):
         if i not in tt_cols:
-            ids, rows = cat[:, i], cfg.table_rows(i)
-            if rows < cfg.cardinalities[i]:  # hashed (hash_rows)
-                ids = ids % rows
+            ids = cat[:, i] % cfg.table_rows(i) if cfg.is_hashed(i) else cat[:, i]
             out[i] = F.embedding(ids, tables[name]["weight"], sparse=sparse)  # (B, D)
     if tt_cols and cfg.batched_lookup:
         names = [cfg.names[i] for i in tt_cols]

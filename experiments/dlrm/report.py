@@ -284,9 +284,13 @@ def _capacity_note(rows: list[dict]) -> list[str]:
     3x the rows. Each variant's last eval against the dense variant on the same data."""
     rows = [r for r in rows if r.get("eval_auc") is not None and r.get("compression")]
     by = {r["label"]: r for r in rows}
+
+    def rank_of(r: dict) -> str:  # "16" of "fixed_rank_16"; "16_3x_data" for another draw
+        return r["label"].removeprefix("fixed_rank_")
+
     fixed = sorted(
-        (r for r in rows if r["label"].startswith("fixed_rank_") and r["label"][11:].isdigit()),
-        key=lambda r: int(r["label"][11:]),
+        (r for r in rows if r["label"].startswith("fixed_rank_") and rank_of(r).isdigit()),
+        key=lambda r: int(rank_of(r)),
     )
     if "comera" not in by or "dense" not in by or len(fixed) < 2:
         return []
@@ -300,7 +304,7 @@ def _capacity_note(rows: list[dict]) -> list[str]:
     def at(r: dict) -> str:
         return f"{r['eval_auc']:.4f} at {r['compression']:.1f}x"
 
-    rank_lo, rank_hi = low["label"][11:], high["label"][11:]
+    rank_lo, rank_hi = rank_of(low), rank_of(high)
     if rest <= 0.01:
         lead = f"Capacity sets the gap: at rank {rank_hi} the fixed TTM tables come within 0.01"
     elif fmt > adapt:
