@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from comera.accounting import tt_linear_flops, ttm_embedding_flops
+from comera.host import cpu_model
 from comera.layers import tt_linear, tt_linear_shared_input, ttm_embedding
 from comera.malloc import CPU_MALLOC_POLICIES, set_cpu_malloc
 from comera.memory import peak_memory_bytes
@@ -501,9 +502,7 @@ def run(
         "malloc": malloc
         if applied
         else f"{malloc} (not applied: {'not glibc' if on_cpu else 'CUDA tensors'})",
-        "machine": f"{torch.get_num_threads()}-thread CPU"
-        if on_cpu
-        else torch.cuda.get_device_name(dev),
+        "machine": cpu_model() if on_cpu else torch.cuda.get_device_name(dev),
         "device": str(dev),
         "date": time.strftime("%Y-%m-%d"),
     }

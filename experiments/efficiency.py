@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from comera.host import cpu_model
 from experiments.mnli_bench import SEQ, run_worker
 
 __all__ = ["main", "sweep", "write_report"]
@@ -41,6 +42,7 @@ def sweep(batches: list[int], repeats: int, threads: int, tiny: bool = False) ->
         "batches": batches,
         "repeats": repeats,
         "threads": threads,
+        "cpu": cpu_model(),
         "seq": SEQ,
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
@@ -84,7 +86,8 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
         "## Ours",
         "",
         f"`python -m experiments.efficiency` ({result['date']}, torch {result['torch']}, "
-        f"{result['threads']} CPU threads, median of {result['repeats']} timed steps after a "
+        f"{result['threads']} threads of {result.get('cpu', 'an unrecorded CPU')}, "
+        f"median of {result['repeats']} timed steps after a "
         "warm-up, a fresh process per point, peak RSS above the pre-model baseline, glibc "
         "as found). The paper-size model: 6 encoders, width 768, TT linears at rank 30, TTM "
         "embedding at rank 32 (CoMERA); the same model dense under AdamW; the dense model "

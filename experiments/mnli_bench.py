@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from comera.host import cpu_model
 from comera.malloc import (
     CPU_MALLOC_POLICIES,
     clean_malloc_env,
@@ -319,6 +320,7 @@ def main(
         **({"galore_error": galore_error} if galore_error else {}),
         "device": device,
         "threads": threads,
+        "cpu": cpu_model(),
         "repeats": repeats,
         "peak_memory": results[0]["peak_memory"],
         "date": time.strftime("%Y-%m-%d"),

@@ -196,7 +196,8 @@ def _bench_section(path: Path) -> list[str]:
     b = json.loads(path.read_text())
     lines = [
         "",
-        f"## One training step, paper-size model ({b['device']}, {b['threads']} threads, "
+        f"## One training step, paper-size model ({b['device']}, {b['threads']} threads"
+        f"{' of ' + b['cpu'] if b.get('cpu') and b['device'] == 'cpu' else ''}, "
         f"median of {b['repeats']}, measured {b['date']})",
         "",
         f"Peak memory: {b['peak_memory']}; each variant in a fresh process.",

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from comera.host import cpu_model
 from comera.train.measures import peak_memory_mb, rss_mb
 from experiments.workers import WorkerFailed, run_json_worker
 from loaders.metadata import atomic_write_text
@@ -125,7 +126,12 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
         "",
         f"`python -m experiments.step_modes` on {result['date']}, torch {result['torch']}, "
         f"device {device}"
-        + (f", {result['threads']} CPU threads, glibc malloc as found. " if on_cpu else ". ")
+        + (
+            f", {result['threads']} threads of {result.get('cpu', 'an unrecorded CPU')}, "
+            "glibc malloc as found. "
+            if on_cpu
+            else ". "
+        )
         + "The trainer's `train_step` "
         "(CoMERA, early stage, AdamW) on the generated MNLI task; a fresh process per row; "
         f"median of {result['repeats']} steps after three untimed ones.",
@@ -204,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-              "threads": args.threads, "repeats": args.repeats, "device": args.device,
-              "runs": runs}  # fmt: skip
+              "threads": args.threads, "cpu": cpu_model(), "repeats": args.repeats,
+              "device": args.device, "runs": runs}  # fmt: skip
     # the points so far go beside the report, never over it: a run cut short (a time
     # limit, a failing mode) keeps what it measured and the last complete report stays
     partial = out / "step_modes.partial.json"

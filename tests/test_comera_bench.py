@@ -1,6 +1,7 @@
 """The core benchmark runs end to end in quick mode (output shape only, no timing asserts)."""
 
 import json
+import platform
 from collections import Counter
 
 import pytest
@@ -9,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from comera import STRATEGIES, TTLinearSpec, init, tt_linear, tt_linear_shared_input
 from comera.bench import CPU, _gemms_only, main, padded_rank
+from comera.host import cpu_model
 from comera.plans import _RANK_ALIGN
 
 
@@ -39,6 +41,18 @@ def test_bench_quick_json(capsys, tmp_path):
     assert all(("gemm_floor_ratio_vs_dense" in r) == (r["strategy"] == "comera") for r in rows)
     assert fq["gemm_floor_ratio_vs_dense"] > 0
     assert "its GEMMs alone" in report.read_text()
+    # the report names the CPU that measured it, not only a thread count
+    assert out["config"]["machine"] == cpu_model()
+    assert f"on {cpu_model()}" in report.read_text()
+
+
+def test_cpu_model_reads_cpuinfo_and_falls_back(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t:  AMD   EPYC 7B13\nflags\t: avx2\n")
+    assert cpu_model(info) == "AMD EPYC 7B13"
+    info.write_text("processor\t: 0\nflags\t: neon\n")  # no model name (some ARM kernels)
+    assert cpu_model(info) == (platform.processor() or platform.machine() or "unknown CPU")
+    assert cpu_model(tmp_path / "missing") == cpu_model(info)
 
 
 @pytest.mark.parametrize("ranks", [30, 8, 5, (2, 3, 9, 3, 2)])

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from comera.host import cpu_model
 from comera.train.measures import peak_memory_mb, rss_mb
 
 __all__ = ["main", "packed_batch", "run_variant"]
@@ -198,6 +199,7 @@ def main(
         },
         "seq": SEQ,
         "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
         "steps_timed": steps,
         "date": time.strftime("%Y-%m-%d"),
         "runs": results,
@@ -207,7 +209,7 @@ def main(
     if json_out:
         print(json.dumps(figures, indent=1))
         return 0
-    print(f"CodeBERT step, sequence {SEQ}, CPU ({figures['threads']} threads)")
+    print(f"CodeBERT step, sequence {SEQ}, {figures['cpu']} ({figures['threads']} threads)")
     print("| variant | batch | params | step (s) | tokens/s | peak RSS above baseline (MB) |")
     print("|---|---|---|---|---|---|")
     for x in results.values():

@@ -133,8 +133,9 @@ def _bench_section(b: dict) -> list[str]:
         "",
         "## Benchmark: one training step at sequence 512 (CPU)",
         "",
-        f"`python -m experiments.codebert --bench --json` ({b['date']}, {b['threads']} CPU "
-        f"threads, median of {b['steps_timed']} timed steps after a warm-up, a fresh process "
+        f"`python -m experiments.codebert --bench --json` ({b['date']}, {b['threads']} threads "
+        f"of {b.get('cpu', 'an unrecorded CPU')}, median of {b['steps_timed']} timed steps "
+        "after a warm-up, a fresh process "
         "per variant, peak RSS above the pre-model baseline). The step is the trainer's "
         "`train_step` on the MLM task: masking, document-confined attention, the tied "
         "decoder, the CoMERA early-stage objective and AdamW.",

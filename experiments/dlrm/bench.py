@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from comera.host import cpu_model
 from comera.malloc import (
     CPU_MALLOC_POLICIES,
     clean_malloc_env,
@@ -211,6 +212,7 @@ def main(json_out: bool = False) -> int:
         **emb,
         "variants": results,
         "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
     }
     figures["embedding_time_ratio_batched_vs_separate_glibc_default"] = emb_glibc[
         "embedding_time_ratio_batched_vs_separate"
@@ -223,8 +225,8 @@ def main(json_out: bool = False) -> int:
         print(json.dumps(figures, indent=1))
     else:
         print(
-            f"DLRM step at Kaggle table sizes, batch {BATCH}, CPU ({figures['threads']} "
-            f"threads), cpu_malloc={policy}"
+            f"DLRM step at Kaggle table sizes, batch {BATCH}, {figures['cpu']} "
+            f"({figures['threads']} threads), cpu_malloc={policy}"
         )
         print("| variant | params | compression | step time (s) | peak RSS above baseline (MB) |")
         print("|---|---|---|---|---|")
