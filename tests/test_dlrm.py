@@ -10,12 +10,14 @@ import pytest
 import torch
 from criteo_helpers import SAMPLE
 
+import comera as C
 from comera.optim import SGDConfig
 from comera.train import ComeraConfig, TrainConfig, Trainer
 from experiments import cli
 from experiments.dlrm.experiment import main
 from experiments.dlrm.model import (
     DLRMConfig,
+    _mlp,
     dense_param_count,
     dlrm_logits,
     embed,
@@ -65,6 +67,25 @@ def test_architecture_and_lookups_agree() -> None:
     assert dense_param_count(paper) == 33_762_577 * 16 + 475_985  # tables + MLPs
     with pytest.raises(ValueError, match="tt_layers names"):
         _model(tt_layers=("top.7",))
+
+
+def test_interaction_is_the_references_pairwise_dot_products() -> None:
+    """The top MLP reads the bottom output, then every dot product of two distinct vectors
+    in the reference's order ((1,0), (2,0), (2,1), ...): logits and gradients agree with
+    that written out by hand."""
+    cfg = _model()
+    params, state = init_dlrm(cfg, generator=torch.Generator().manual_seed(0))
+    batch, plans = _batch(8), C.LayerPlans()
+    w = params["top"][0]["weight"].requires_grad_()
+    x = _mlp(params["bottom"], state["bottom"], batch["dense"], plans, "bottom", True)
+    vecs = torch.cat([x.unsqueeze(1), embed(cfg, params, state, batch["cat"])], 1)
+    dots = [(vecs[:, i] * vecs[:, j]).sum(1, keepdim=True) for i in range(8) for j in range(i)]
+    want = _mlp(params["top"], state["top"], torch.cat([x, *dots], 1), plans, "top", False)
+    got = dlrm_logits(cfg, params, state, batch)
+    torch.testing.assert_close(got, want.squeeze(1), rtol=1e-5, atol=1e-5)
+    (g_got,) = torch.autograd.grad(got.sum(), w)
+    (g_want,) = torch.autograd.grad(want.sum(), w)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5)
 
 
 def test_hot_rows_add_a_dense_row_to_the_frequent_ids_only() -> None:
