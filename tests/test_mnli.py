@@ -12,7 +12,7 @@ from experiments.mnli_data import HubUnreachableError
 from experiments.transformer import EncoderConfig, dense_param_count, encoder_logits, init_encoder
 
 # CoMERA within 2 points of dense on the smoke demo at the default thread count (2 cores:
-# 0.996 vs 0.997 on an AMD EPYC; CoMERA 0.990 on a Xeon). The run is sensitive to
+# 0.996 vs 0.997 on an AMD EPYC, 0.990 vs 0.995 on a Xeon). The run is sensitive to
 # summation order: at 1 thread, seeds 0-4 end at 0.962-0.996 (README, the smoke preset).
 DEMO_GAP = 0.02
 
