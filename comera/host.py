@@ -10,7 +10,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-__all__ = ["cpu_model", "cpu_description"]
+__all__ = ["cpu_model"]
 
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
@@ -23,8 +23,3 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def cpu_description(threads: int) -> str:
-    """``"<threads>-thread <model>"``, the form the benchmark reports print."""
-    return f"{threads}-thread {cpu_model()}"

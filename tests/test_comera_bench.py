@@ -46,13 +46,16 @@ def test_bench_quick_json(capsys, tmp_path):
     assert f"on {cpu_model()}" in report.read_text()
 
 
-def test_cpu_model_reads_cpuinfo_and_falls_back(tmp_path):
+def test_cpu_model_reads_cpuinfo_and_falls_back(tmp_path, monkeypatch):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t:  AMD   EPYC 7B13\nflags\t: avx2\n")
     assert cpu_model(info) == "AMD EPYC 7B13"
     info.write_text("processor\t: 0\nflags\t: neon\n")  # no model name (some ARM kernels)
-    assert cpu_model(info) == (platform.processor() or platform.machine() or "unknown CPU")
-    assert cpu_model(tmp_path / "missing") == cpu_model(info)
+    monkeypatch.setattr(platform, "processor", lambda: "proc-name")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert cpu_model(info) == cpu_model(tmp_path / "missing") == "proc-name"
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    assert cpu_model(info) == "aarch64"
 
 
 @pytest.mark.parametrize("ranks", [30, 8, 5, (2, 3, 9, 3, 2)])

@@ -76,16 +76,27 @@ def test_interaction_is_the_references_pairwise_dot_products() -> None:
     cfg = _model()
     params, state = init_dlrm(cfg, generator=torch.Generator().manual_seed(0))
     batch, plans = _batch(8), C.LayerPlans()
-    w = params["top"][0]["weight"].requires_grad_()
+    # gradients through the interaction's backward: the top layer, the bottom MLP's
+    # first layer and a TTM table's cores (below the dot products)
+    leaves = [params["top"][0]["weight"], params["bottom"][0]["weight"]]
+    leaves += params["tables"]["C3"]["cores"]
+    for t in leaves:
+        t.requires_grad_()
     x = _mlp(params["bottom"], state["bottom"], batch["dense"], plans, "bottom", True)
     vecs = torch.cat([x.unsqueeze(1), embed(cfg, params, state, batch["cat"])], 1)
-    dots = [(vecs[:, i] * vecs[:, j]).sum(1, keepdim=True) for i in range(8) for j in range(i)]
+    n = vecs.shape[1]
+    assert n == 1 + len(CARDS)
+    dots = [(vecs[:, i] * vecs[:, j]).sum(1, keepdim=True) for i in range(n) for j in range(i)]
     want = _mlp(params["top"], state["top"], torch.cat([x, *dots], 1), plans, "top", False)
     got = dlrm_logits(cfg, params, state, batch)
     torch.testing.assert_close(got, want.squeeze(1), rtol=1e-5, atol=1e-5)
-    (g_got,) = torch.autograd.grad(got.sum(), w)
-    (g_want,) = torch.autograd.grad(want.sum(), w)
-    torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5)
+    for g_got, g_want in zip(
+        torch.autograd.grad(got.sum(), leaves),
+        torch.autograd.grad(want.sum(), leaves),
+        strict=True,
+    ):
+        assert g_want.abs().sum() > 0
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5)
 
 
 def test_hot_rows_add_a_dense_row_to_the_frequent_ids_only() -> None:
