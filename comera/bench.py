@@ -27,7 +27,7 @@ import torch
 from comera.accounting import tt_linear_flops, ttm_embedding_flops
 from comera.host import cpu_model
 from comera.layers import tt_linear, tt_linear_shared_input, ttm_embedding
-from comera.malloc import CPU_MALLOC_POLICIES, set_cpu_malloc
+from comera.malloc import CPU_MALLOC_POLICIES, hugepages_active, restart_for, set_cpu_malloc
 from comera.memory import peak_memory_bytes
 from comera.plans import _RANK_ALIGN, STRATEGIES
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
@@ -362,7 +362,9 @@ def markdown(result: dict) -> str:
         "## TT-linear vs `nn.Linear` (paper MNLI shapes, "
         f"rank {cfg['rank']}, {cfg['tokens']} tokens)",
         "",
-        f"Allocator policy: `{cfg['malloc']}` (as `train.cpu_malloc`; training's default is "
+        f"Allocator policy: `{cfg['malloc']}`"
+        + (" (huge pages on)" if cfg.get("hugepages") else "")
+        + " (as `train.cpu_malloc`; training's default is "
         "`default`, glibc as found). Under `default` the `comera` rows also show the ratio "
         "under `cpu_malloc=keep` (glibc keeps freed memory: no page faults on reuse, a "
         "resident set at its high-water mark), measured after the headline columns."
@@ -503,6 +505,7 @@ def run(
         if applied
         else f"{malloc} (not applied: {'not glibc' if on_cpu else 'CUDA tensors'})",
         "machine": cpu_model() if on_cpu else torch.cuda.get_device_name(dev),
+        "hugepages": on_cpu and hugepages_active(),
         "device": str(dev),
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -538,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--device {args.device!r}: not a torch device (cpu or cuda)")
     if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
         ap.error(f"--device {args.device}: choose cpu, or cuda on a machine with a CUDA device")
+    if dev.type == "cpu" and argv is None:  # a command, not a call from Python
+        restart_for(args.malloc)  # as the training commands do (lean: huge pages)
     result = run(
         quick=args.quick,
         repeats=args.repeats,

@@ -1,8 +1,12 @@
 """The core benchmark runs end to end in quick mode (output shape only, no timing asserts)."""
 
 import json
+import os
 import platform
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +110,22 @@ def test_floor_runs_exactly_the_paths_token_sized_gemms(layers):
     with _TokenGEMMs(tokens) as floor:
         floor_step()
     assert path.seen and path.seen == floor.seen
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_lean_bench_gets_the_huge_pages_training_gets(tmp_path):
+    """``python -m comera.bench --malloc lean`` restarts itself for huge pages exactly as the
+    training commands do, so its lean figures are the ones training under lean gets."""
+    from comera import malloc
+
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env.pop("COMERA_MALLOC_RESTARTED", None)
+    cmd = [sys.executable, "-m", "comera.bench", "--quick", "--json", "--malloc", "lean"]
+    root = Path(__file__).parents[1]
+    proc = subprocess.run([*cmd, "--report", str(tmp_path / "b.md")], capture_output=True,
+                          text=True, check=True, env=env, cwd=root)  # fmt: skip
+    cfg = json.loads(proc.stdout.strip().splitlines()[-1])["config"]
+    mode = malloc._thp_mode()
+    want = mode == "always" or (mode == "madvise" and malloc._glibc_tunable_exists())
+    assert cfg["malloc"] == "lean" and cfg["hugepages"] is want
+    assert ("(huge pages on)" in (tmp_path / "b.md").read_text()) is want
