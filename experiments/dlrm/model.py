@@ -253,6 +253,24 @@ def embed(
     return torch.stack(out, 1)  # type: ignore[arg-type]
 
 
+class _Pairs(torch.autograd.Function):
+    """``z.flatten(1)[:, flat]`` for distinct ``flat``; the backward writes the gradient
+    into a zero ``z``-shaped buffer with one ``index_copy_`` (no accumulation needed)."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(flat)
+        ctx.shape = z.shape
+        return z.flatten(1).index_select(1, flat)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        (flat,) = ctx.saved_tensors
+        b, n, m = ctx.shape
+        gz = g.new_zeros(b, n * m).index_copy_(1, flat, g)
+        return gz.view(b, n, m), None
+
+
 def dlrm_logits(
     cfg: DLRMConfig,
     params: dict,
@@ -271,7 +289,7 @@ def dlrm_logits(
     z = torch.bmm(vecs, vecs.transpose(1, 2))  # (B, T+1, T+1)
     n = vecs.shape[1]
     li, lj = torch.tril_indices(n, n, offset=-1, device=z.device)
-    r = torch.cat([x, z[:, li, lj]], 1)  # (B, D + (T+1)T/2)
+    r = torch.cat([x, _Pairs.apply(z, li * n + lj)], 1)  # (B, D + (T+1)T/2)
     return _mlp(params["top"], state["top"], r, plans, "top", False).squeeze(1)  # (B,)
 
 
