@@ -703,3 +703,32 @@ def test_report_reads_the_steps_ablation(tmp_path: Path) -> None:
     rows[0].pop("best_eval")  # an ablation written before best evals were recorded
     path.write_text(json.dumps(rows))
     assert _ablation_note(path, dense, "steps") == []
+
+
+def test_bench_alternates_the_headline_pair_and_keeps_medians(monkeypatch, capsys) -> None:
+    """``python -m experiments.dlrm --bench``: comera and dense_sgd run ROUNDS times each,
+    alternating, and the ratios use the medians of their runs (stand-in workers)."""
+    from experiments.dlrm import bench
+
+    calls: list[tuple[str, str]] = []
+    steps = {"comera": iter([0.30, 0.50, 0.31]), "dense_sgd": iter([0.20, 0.40, 0.21])}
+
+    def child(args: list[str], what: str) -> dict:
+        if "--embedding" in args:
+            return {"embedding_time_ratio_batched_vs_separate": 0.9}
+        v, malloc = args[1], args[3]
+        calls.append((v, malloc))
+        step = next(steps[v]) if len(calls) <= 2 * bench.ROUNDS else 1.0  # then the rest
+        return {"params": 10, "compression": 1.0, "step_time_s": step,
+                "peak_rss_mb": 100.0 if v == "comera" else 1000.0 + len(calls)}  # fmt: skip
+
+    monkeypatch.setattr(bench, "_in_child", child)
+    assert bench.main(json_out=True) == 0
+    out = json.loads(capsys.readouterr().out)
+    policy = bench.training_policy()
+    head = [(v, policy) for v in ("comera", "dense_sgd")] * bench.ROUNDS
+    assert calls[: 2 * bench.ROUNDS] == head and calls[2 * bench.ROUNDS] == ("dense_adam", policy)
+    assert out["rounds"] == bench.ROUNDS == 3
+    assert out["variants"]["comera"]["step_time_s_runs"] == [0.30, 0.50, 0.31]
+    assert out["step_time_ratio_vs_dense"] == pytest.approx(0.31 / 0.21)
+    assert out["peak_memory_ratio_vs_dense"] == pytest.approx(100.0 / 1004.0)  # median of 1002/4/6

@@ -429,8 +429,14 @@ def _bench_section(b: dict) -> list[str]:
         "",
         f"`python -m experiments.dlrm --bench --json`: 26 tables (33.76M rows), batch "
         f"{b['batch']:,}, {b.get('cpu', 'an unrecorded CPU')}, {b['threads']} threads, "
-        "every variant in a fresh process; "
-        "peak RSS above the pre-model baseline. CoMERA: the 10 tables of >= 10,000 rows as "
+        "every variant in a fresh process"
+        + (
+            f" (`comera` and `dense_sgd` {b['rounds']} times each, alternating: their "
+            "median step time and peak)"
+            if b.get("rounds", 1) > 1
+            else ""
+        )
+        + "; peak RSS above the pre-model baseline. CoMERA: the 10 tables of >= 10,000 rows as "
         "4-core TTMs (dim modes 2x2x2x2) at rank 32, `bottom.1` and `top.1` as TT (rank 16), "
         "AdamW, early-stage objective. "
         f"Allocator: `cpu_malloc={b.get('malloc', 'default')}`, the policy DLRM trains under on "
