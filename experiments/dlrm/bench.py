@@ -211,6 +211,7 @@ def main(json_out: bool = False) -> int:
     for label, outs in seen.items():
         results[label] = {**outs[0], "variant": label}
         if len(outs) > 1:
+            results[label]["hugepages"] = all(o.get("hugepages", False) for o in outs)
             for key in ("step_time_s", "peak_rss_mb"):
                 results[label][key] = statistics.median(o[key] for o in outs)
                 results[label][f"{key}_runs"] = [o[key] for o in outs]

@@ -289,7 +289,10 @@ def dlrm_logits(
     z = torch.bmm(vecs, vecs.transpose(1, 2))  # (B, T+1, T+1)
     n = vecs.shape[1]
     li, lj = torch.tril_indices(n, n, offset=-1, device=z.device)
-    r = torch.cat([x, _Pairs.apply(z, li * n + lj)], 1)  # (B, D + (T+1)T/2)
+    flat = li * n + lj
+    # under torch.compile the graph's own backward serves (no custom Function to trace)
+    pairs = z.flatten(1).index_select(1, flat) if torch.compiler.is_compiling() else None
+    r = torch.cat([x, _Pairs.apply(z, flat) if pairs is None else pairs], 1)  # (B, D + T(T+1)/2)
     return _mlp(params["top"], state["top"], r, plans, "top", False).squeeze(1)  # (B,)
 
 

@@ -431,7 +431,8 @@ def _bench_section(b: dict) -> list[str]:
         f"{b['batch']:,}, {b.get('cpu', 'an unrecorded CPU')}, {b['threads']} threads, "
         "every variant in a fresh process"
         + (
-            f" (`comera` and `dense_sgd` {b['rounds']} times each, alternating: their "
+            f" (`comera` and `dense_sgd` under `{b.get('malloc', 'default')}` {b['rounds']} "
+            "times each, alternating: their "
             "median step time and peak)"
             if b.get("rounds", 1) > 1
             else ""
@@ -442,7 +443,7 @@ def _bench_section(b: dict) -> list[str]:
         f"Allocator: `cpu_malloc={b.get('malloc', 'default')}`, the policy DLRM trains under on "
         "CPU (its presets' default; dense and CoMERA alike): glibc returns blocks of 1 MiB "
         "and up when freed and puts those of 2 MiB and up on transparent huge pages. The "
-        f"`{GLIBC_TAG}` rows run the same step under glibc as found.",
+        f"`{GLIBC_TAG}` rows run the same step under glibc as found (one run each).",
         "",
         "| variant | params | compression | step time (s) | peak RSS (MB) |",
         "|---|---|---|---|---|",
