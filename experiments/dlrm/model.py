@@ -291,8 +291,11 @@ def dlrm_logits(
     li, lj = torch.tril_indices(n, n, offset=-1, device=z.device)
     flat = li * n + lj
     # under torch.compile the graph's own backward serves (no custom Function to trace)
-    pairs = z.flatten(1).index_select(1, flat) if torch.compiler.is_compiling() else None
-    r = torch.cat([x, _Pairs.apply(z, flat) if pairs is None else pairs], 1)  # (B, D + T(T+1)/2)
+    if torch.compiler.is_compiling():
+        pairs = z.flatten(1).index_select(1, flat)
+    else:
+        pairs = _Pairs.apply(z, flat)
+    r = torch.cat([x, pairs], 1)  # (B, D + T(T+1)/2)
     return _mlp(params["top"], state["top"], r, plans, "top", False).squeeze(1)  # (B,)
 
 
