@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from comera.host import cpu_model  # the benchmark names its CPU, as every report here does
 from loaders.config import DatasetSpec, LoaderConfig
 from loaders.loader import TokenLoader
 
@@ -132,7 +133,7 @@ def run(total_tokens: int, measure_tokens: int, workdir: Path) -> dict:
         "num_shards": cfg.num_shards,
         "seq_len": SEQ_LEN,
         "batch_size": BATCH,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "machine": f"{cpu_model()}, {platform.machine()}, {os.cpu_count()} CPUs",
     }
 
 

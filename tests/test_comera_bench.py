@@ -54,6 +54,10 @@ def test_cpu_model_reads_cpuinfo_and_falls_back(tmp_path, monkeypatch):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t:  AMD   EPYC 7B13\nflags\t: avx2\n")
     assert cpu_model(info) == "AMD EPYC 7B13"
+    # a generic name under a hypervisor: family and model tell the generations apart
+    block = "processor\t: {}\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n\n"
+    info.write_text(block.format(0) + block.format(1))
+    assert cpu_model(info) == "AMD EPYC (family 26, model 2)"
     info.write_text("processor\t: 0\nflags\t: neon\n")  # no model name (some ARM kernels)
     monkeypatch.setattr(platform, "processor", lambda: "proc-name")
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
