@@ -171,9 +171,10 @@ def write_report(res: dict, path: Path) -> None:
         "The corpus is freshly written, so reads come from the page cache (a cold disk would "
         "bound throughput by its read rate). DataLoader first batch includes forking the worker.",
         "",
-        "Peer for scale (same machine, similar corpus): fms-fsdp streams ~1.85M tokens/s "
-        "in-process and 0.7-1.5M through a DataLoader worker; its state is 13-124 MB, saved "
-        "in 1.4-18 s.",
+        "Peer for scale, measured once in an early session on the project's first 2-core "
+        "machine with a similar corpus (not re-run with this report): fms-fsdp streamed "
+        "~1.85M tokens/s in-process and 0.7-1.5M through a DataLoader worker; its state was "
+        "13-124 MB, saved in 1.4-18 s.",
         "",
     ]
     path.write_text("\n".join(lines))
