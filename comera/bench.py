@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -349,6 +350,24 @@ def bench_ttm(
     return out
 
 
+def _per_process(cfg: dict) -> list[str]:
+    """The headline ratios of each process behind the medians (nothing for one process)."""
+    runs = cfg.get("per_process") or []
+    if len(runs) < 2:
+        return []
+    keys = list(runs[0])
+    lines = [
+        "Each process's headline time ratios (the tables above give their medians):",
+        "",
+        "| process | " + " | ".join(f"`comera` {k.split()[0]}" if k != "fused_qkv" else "fused QKV"
+                                     for k in keys) + " |",
+        "|---|" + "---:|" * len(keys),
+    ]  # fmt: skip
+    for i, run in enumerate(runs, 1):
+        lines.append(f"| {i} | " + " | ".join(f"{run[k]:.3f}" for k in keys) + " |")
+    return [*lines, ""]
+
+
 def markdown(result: dict) -> str:
     """The benchmark as the markdown report written to ``reports/bench_core.md``."""
     cfg = result["config"]
@@ -357,7 +376,14 @@ def markdown(result: dict) -> str:
         "",
         f"Measured {cfg['date']} on {cfg['machine']}, torch {cfg['torch']}, "
         f"{cfg['threads']} threads, median of {cfg['repeats']} round-robin repeats "
-        "(every variant timed once per round). Forward + backward, fp32; `x` requires grad.",
+        "(every variant timed once per round)"
+        + (
+            f", then the median over {cfg['processes']} fresh processes (each figure its own "
+            "median: a ratio is the median of the processes' ratios)"
+            if cfg.get("processes", 1) > 1
+            else ""
+        )
+        + ". Forward + backward, fp32; `x` requires grad.",
         "",
         "## TT-linear vs `nn.Linear` (paper MNLI shapes, "
         f"rank {cfg['rank']}, {cfg['tokens']} tokens)",
@@ -426,6 +452,7 @@ def markdown(result: dict) -> str:
         f"Met at {met}/{len(comera)} shapes in this run (its GEMMs alone: at "
         f"{floor}/{len(comera)}).",
         "",
+        *_per_process(cfg),
         f"## TTM embedding lookup ({cfg['ttm']}, {e['ids']} Zipf ids, {e['unique_ids']} unique)",
         "",
         "| metric | value |",
@@ -512,6 +539,62 @@ def run(
     return result
 
 
+PROCESSES = 3  # fresh processes of the full CPU benchmark, alternating nothing but the process
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """One result from several processes' results: every number is the median of its
+    values across the runs (ratios are medians of the per-process ratios, not ratios of
+    medians), everything else is the first run's. ``config["per_process"]`` keeps each
+    run's headline ratios, so the spread stays visible."""
+
+    def merge(values: list) -> object:
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: merge([v[k] for v in values]) if all(k in v for v in values)
+                    else first[k] for k in first}  # fmt: skip
+        if isinstance(first, list) and len(first) and isinstance(first[0], dict):
+            if any(len(v) != len(first) for v in values):
+                raise ValueError("comera.bench: the processes measured different row sets")
+            return [merge([v[i] for v in values]) for i in range(len(first))]
+        if isinstance(first, bool) or not isinstance(first, (int, float)):
+            return first
+        if any(v is None for v in values):
+            return None
+        return statistics.median(values)
+
+    out = merge(runs)
+    assert isinstance(out, dict)
+    out["config"] = dict(runs[0]["config"])
+    out["config"]["processes"] = len(runs)
+    out["config"]["per_process"] = [
+        {
+            **{
+                r["shape"]: round(r["time_ratio_vs_dense"], 4)
+                for r in run["tt_linear"]
+                if r["strategy"] == "comera"
+            },
+            "fused_qkv": round(run["fused_qkv"]["time_ratio_vs_dense"], 4),
+        }
+        for run in runs
+    ]
+    return out
+
+
+def _run_processes(n: int, argv: list[str]) -> dict:
+    """Run the benchmark in ``n`` fresh processes, one after another, and merge them."""
+    runs = []
+    for i in range(n):
+        _log(f"comera.bench: process {i + 1} of {n}")
+        cmd = [sys.executable, "-m", "comera.bench", *argv, "--processes", "1", "--json",
+               "--no-report"]  # fmt: skip
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"comera.bench: process {i + 1} of {n} failed ({done.returncode})")
+        runs.append(json.loads(done.stdout))
+    return merge_runs(runs)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m comera.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -532,7 +615,17 @@ def main(argv: list[str] | None = None) -> int:
         help=f"markdown path (default {REPORT}; on cuda {GPU_REPORT})",
     )
     ap.add_argument("--no-report", action="store_true", help="do not write the markdown report")
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help=f"fresh processes to run the benchmark in, the figures their medians (default "
+        f"{PROCESSES} on CPU, 1 with --quick or on cuda): a shared CPU drifts between "
+        "processes more than within one",
+    )
     args = ap.parse_args(argv)
+    if args.processes is not None and args.processes < 1:
+        ap.error(f"--processes must be >= 1, got {args.processes}")
     if args.repeats is not None and args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     try:
@@ -541,15 +634,22 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--device {args.device!r}: not a torch device (cpu or cuda)")
     if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
         ap.error(f"--device {args.device}: choose cpu, or cuda on a machine with a CUDA device")
-    if dev.type == "cpu" and argv is None:  # a command, not a call from Python
-        restart_for(args.malloc)  # as the training commands do (lean: huge pages)
-    result = run(
-        quick=args.quick,
-        repeats=args.repeats,
-        threads=args.threads,
-        malloc=args.malloc,
-        device=args.device,
-    )
+    processes = args.processes or (1 if args.quick or dev.type != "cpu" else PROCESSES)
+    if processes > 1:
+        passed = ["--threads", str(args.threads), "--malloc", args.malloc, "--device", args.device]
+        passed += ["--quick"] if args.quick else []
+        passed += ["--repeats", str(args.repeats)] if args.repeats is not None else []
+        result = _run_processes(processes, passed)
+    else:
+        if dev.type == "cpu" and argv is None:  # a command, not a call from Python
+            restart_for(args.malloc)  # as the training commands do (lean: huge pages)
+        result = run(
+            quick=args.quick,
+            repeats=args.repeats,
+            threads=args.threads,
+            malloc=args.malloc,
+            device=args.device,
+        )
     if not args.no_report and not (args.quick and args.report is None):
         path = args.report or (REPORT if dev.type == "cpu" else GPU_REPORT)
         path.parent.mkdir(parents=True, exist_ok=True)

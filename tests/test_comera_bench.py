@@ -133,3 +133,47 @@ def test_lean_bench_gets_the_huge_pages_training_gets(tmp_path):
     want = mode == "always" or (mode == "madvise" and malloc._glibc_tunable_exists())
     assert cfg["malloc"] == "lean" and cfg["hugepages"] is want
     assert ("(huge pages on)" in (tmp_path / "b.md").read_text()) is want
+
+
+def test_merge_runs_takes_medians_and_keeps_each_process():
+    """Numbers become the median across processes, ratios included (the median of the
+    processes' ratios), labels stay, and each process's headline ratios are kept."""
+    from comera.bench import merge_runs
+
+    def run(ratio: float, fused: float, ms: float) -> dict:
+        row = {"shape": "768->768", "strategy": "comera", "time_ratio_vs_dense": ratio,
+               "time_ms": ms, "gemm_floor_ratio_vs_dense": None}  # fmt: skip
+        dense = {"shape": "768->768", "strategy": "dense", "time_ratio_vs_dense": 1.0,
+                 "time_ms": 80.0}  # fmt: skip
+        return {
+            "tt_linear": [row, dense],
+            "fused_qkv": {"time_ratio_vs_dense": fused, "shape": "768->768"},
+            "ttm_embedding": {"ids": 4096, "speedup_vs_naive": ms},
+            "config": {"repeats": 9, "quick": False},
+        }
+
+    out = merge_runs([run(0.16, 0.14, 13.0), run(0.14, 0.13, 12.0), run(0.15, 0.15, 20.0)])
+    row = out["tt_linear"][0]
+    assert row["shape"] == "768->768" and row["strategy"] == "comera"
+    assert row["time_ratio_vs_dense"] == 0.15 and row["time_ms"] == 13.0
+    assert row["gemm_floor_ratio_vs_dense"] is None
+    assert out["fused_qkv"]["time_ratio_vs_dense"] == 0.14
+    assert out["ttm_embedding"] == {"ids": 4096, "speedup_vs_naive": 13.0}
+    assert out["config"]["processes"] == 3 and out["config"]["quick"] is False
+    assert [p["768->768"] for p in out["config"]["per_process"]] == [0.16, 0.14, 0.15]
+    with pytest.raises(ValueError, match="different row sets"):
+        merge_runs([run(0.1, 0.1, 1.0), {**run(0.1, 0.1, 1.0), "tt_linear": []}])
+
+
+def test_bench_runs_in_fresh_processes(tmp_path):
+    """``--processes 2`` runs the benchmark twice in child processes and reports medians,
+    with each process's headline ratios in the JSON and the report."""
+    report = tmp_path / "bench.md"
+    cmd = [sys.executable, "-m", "comera.bench", "--quick", "--processes", "2", "--json",
+           "--report", str(report)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300)
+    out = json.loads(done.stdout)
+    assert out["config"]["processes"] == 2 and len(out["config"]["per_process"]) == 2
+    assert done.stderr.count("comera.bench: quick shapes") == 2
+    text = report.read_text()
+    assert "median over 2 fresh processes" in text and "Each process's headline" in text
