@@ -11,7 +11,8 @@ The approximation is the TT-SVD (``comera.from_dense``) of the table whose first
 holds each id's effect times ``sqrt(train count)`` (zero elsewhere), so its Frobenius error
 is the count-weighted squared error of the effects: TT-SVD is within ``sqrt(d - 1)`` of the
 best TT of those ranks in that norm. Ids never seen in training get effect 0 in both
-oracles (no trainer could know them).
+oracles (no trainer could know them). Hot rows (``model.hot_rows``) are not modelled: the
+oracle is for plain TTM tables, the paper's model.
 """
 
 from __future__ import annotations
