@@ -28,7 +28,13 @@ import torch
 from comera.accounting import tt_linear_flops, ttm_embedding_flops
 from comera.host import cpu_model
 from comera.layers import tt_linear, tt_linear_shared_input, ttm_embedding
-from comera.malloc import CPU_MALLOC_POLICIES, hugepages_active, restart_for, set_cpu_malloc
+from comera.malloc import (
+    CPU_MALLOC_POLICIES,
+    clean_malloc_env,
+    hugepages_active,
+    restart_for,
+    set_cpu_malloc,
+)
 from comera.memory import peak_memory_bytes
 from comera.plans import _RANK_ALIGN, STRATEGIES
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
@@ -422,6 +428,7 @@ def markdown(result: dict) -> str:
     ]
     e = result["ttm_embedding"]
     comera = [r for r in result["tt_linear"] if r["strategy"] == "comera"]
+    where = "by the medians" if cfg.get("processes", 1) > 1 else "in this run"
     fq = result.get("fused_qkv")
     if fq:
         lines += [
@@ -441,16 +448,21 @@ def markdown(result: dict) -> str:
             f"| three `nn.Linear` | {fq['dense_ms']:.1f} | 1.000 |",
             "",
             f"Target: fused <= 0.12x three dense. "
-            f"{'Met' if fq['time_ratio_vs_dense'] <= 0.12 else 'Not met'} in this run; "
+            f"{'Met' if fq['time_ratio_vs_dense'] <= 0.12 else 'Not met'} {where}; "
             f"its GEMMs alone are at {fq['gemm_floor_ratio_vs_dense']:.3f}.",
         ]
     met = sum(r["time_ratio_vs_dense"] <= 0.15 for r in comera)
     floor = sum(r.get("gemm_floor_ratio_vs_dense", math.inf) <= 0.15 for r in comera)
+    runs = cfg.get("per_process") or []
+    per_run = ""
+    if len(runs) > 1:  # how often each process met it, beside the medians' verdict
+        counts = [sum(v <= 0.15 for k, v in run.items() if k != "fused_qkv") for run in runs]
+        per_run = f"; per process: {', '.join(f'{c}/{len(comera)}' for c in counts)}"
     lines += [
         "",
         "Target: `comera` at or below 0.15x dense time at every shape. "
-        f"Met at {met}/{len(comera)} shapes in this run (its GEMMs alone: at "
-        f"{floor}/{len(comera)}).",
+        f"Met at {met}/{len(comera)} shapes {where} (its GEMMs alone: at "
+        f"{floor}/{len(comera)}){per_run}.",
         "",
         *_per_process(cfg),
         f"## TTM embedding lookup ({cfg['ttm']}, {e['ids']} Zipf ids, {e['unique_ids']} unique)",
@@ -554,13 +566,16 @@ def merge_runs(runs: list[dict]) -> dict:
             return {k: merge([v[k] for v in values]) if all(k in v for v in values)
                     else first[k] for k in first}  # fmt: skip
         if isinstance(first, list) and len(first) and isinstance(first[0], dict):
-            if any(len(v) != len(first) for v in values):
+            labels = [[(r.get("shape"), r.get("strategy")) for r in v] for v in values]
+            if any(lab != labels[0] for lab in labels):
                 raise ValueError("comera.bench: the processes measured different row sets")
             return [merge([v[i] for v in values]) for i in range(len(first))]
         if isinstance(first, bool) or not isinstance(first, (int, float)):
             return first
         if any(v is None for v in values):
             return None
+        if all(isinstance(v, int) for v in values):  # counts stay counts
+            return statistics.median_low(values)
         return statistics.median(values)
 
     out = merge(runs)
@@ -588,7 +603,8 @@ def _run_processes(n: int, argv: list[str]) -> dict:
         _log(f"comera.bench: process {i + 1} of {n}")
         cmd = [sys.executable, "-m", "comera.bench", *argv, "--processes", "1", "--json",
                "--no-report"]  # fmt: skip
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, check=False)
+        # a clean allocator environment: each child applies its own --malloc policy
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, check=False, env=clean_malloc_env())
         if done.returncode != 0:
             raise SystemExit(f"comera.bench: process {i + 1} of {n} failed ({done.returncode})")
         runs.append(json.loads(done.stdout))

@@ -163,6 +163,13 @@ def test_merge_runs_takes_medians_and_keeps_each_process():
     assert [p["768->768"] for p in out["config"]["per_process"]] == [0.16, 0.14, 0.15]
     with pytest.raises(ValueError, match="different row sets"):
         merge_runs([run(0.1, 0.1, 1.0), {**run(0.1, 0.1, 1.0), "tt_linear": []}])
+    other = run(0.1, 0.1, 1.0)
+    other["tt_linear"][0]["shape"] = "768->3072"
+    with pytest.raises(ValueError, match="different row sets"):
+        merge_runs([run(0.1, 0.1, 1.0), other])
+    # an even number of processes keeps integer counts integers (no "4096.0 ids")
+    two = merge_runs([run(0.16, 0.14, 13.0), run(0.14, 0.13, 12.0)])
+    assert two["ttm_embedding"]["ids"] == 4096 and isinstance(two["ttm_embedding"]["ids"], int)
 
 
 def test_bench_runs_in_fresh_processes(tmp_path):
@@ -177,3 +184,4 @@ def test_bench_runs_in_fresh_processes(tmp_path):
     assert done.stderr.count("comera.bench: quick shapes") == 2
     text = report.read_text()
     assert "median over 2 fresh processes" in text and "Each process's headline" in text
+    assert "shapes by the medians" in text and "; per process: " in text

@@ -247,32 +247,3 @@ def test_prep_bench_measures_a_kaggle_shaped_file(tmp_path: Path, capsys) -> Non
     assert res["peak_anon_mb"] >= res["peak_anon_above_baseline_mb"] >= 0
     assert prep_bench.main(["--file", str(tmp_path / "missing.txt")]) == 2
     assert "no such file" in capsys.readouterr().err
-
-
-def test_capacity_oracle_is_exact_at_full_rank_and_loses_signal_at_low_rank(
-    tmp_path: Path,
-) -> None:
-    """The planted parts add up to the logit; a TTM rank that cannot bind reproduces the
-    uncompressed oracle exactly, and rank 1 holds less of the signal."""
-    import dataclasses
-
-    from experiments.dlrm.capacity import capacity_oracle
-    from experiments.dlrm.generate import planted_logits, planted_parts
-    from experiments.dlrm.model import DLRMConfig
-
-    parts = planted_parts(3000)
-    assert np.allclose(parts["rest"] + sum(parts["effects"].values()), planted_logits(3000))
-    assert sorted(parts["effects"]) == [0, 2, 3, 11, 15, 20]
-    data = load_criteo(
-        CriteoDataConfig(cache_dir=str(tmp_path), generated_rows=3000), progress=False
-    )
-    model = dataclasses.replace(
-        DLRMConfig(cardinalities=tuple(data.cardinalities), tt_min_rows=500),
-        emb_dim_modes=(4, 4),
-    )
-    out = capacity_oracle(data, model, (1, 4, 64))
-    # the effects fill one column of each table, so with 2 cores the rank between them is at
-    # most min(v1, v2) <= 44 here: rank 64 cannot bind
-    assert out["rank_64"] == pytest.approx(out["uncompressed"], abs=1e-9)
-    assert out["rank_1"] < out["rank_4"] < out["uncompressed"] - 0.005
-    assert 0.5 < out["uncompressed"] <= out["bayes"] + 0.02

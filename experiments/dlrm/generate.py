@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["GENERATED_VOCAB", "planted_logits", "planted_parts", "write_generated"]
+__all__ = ["GENERATED_VOCAB", "planted_logits", "write_generated"]
 
 # vocabulary sizes per column: Kaggle's shape, scaled to a file of ~1e5 rows
 GENERATED_VOCAB = (
@@ -29,14 +29,13 @@ def _draw(rows: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     logit = np.full(rows, -1.3)
     cats = np.empty((rows, 26), dtype=np.int64)
-    effects = {}
     for j, vocab in enumerate(GENERATED_VOCAB):
         # heavy head: value k drawn with probability ~ 1 / (k + 10)
         u = rng.random(rows)
         cats[:, j] = np.minimum((np.exp(u * np.log(vocab / 10 + 1)) - 1) * 10, vocab - 1)
         if j in _EFFECT_COLUMNS:
-            effects[j] = rng.normal(0.0, 0.9, size=vocab)[cats[:, j]]
-            logit += effects[j]
+            effect = rng.normal(0.0, 0.9, size=vocab)
+            logit += effect[cats[:, j]]
     dense = np.floor(rng.lognormal(1.0, 1.5, size=(rows, 13))).astype(np.int64)
     dense[rng.random((rows, 13)) < 0.05] -= 3  # a few negatives, as in Criteo
     logit += 0.5 * (np.log1p(np.maximum(dense[:, 1], 0)) - 1.5)
@@ -48,7 +47,6 @@ def _draw(rows: int, seed: int) -> dict[str, np.ndarray]:
     hashed = (cats.astype(np.uint64) * np.uint64(2654435761) + salts) % np.uint64(2**32)
     return {
         "logit": logit,
-        "effects": effects,
         "label": label,
         "dense": dense,
         "hashed": hashed,
@@ -61,15 +59,6 @@ def planted_logits(rows: int, seed: int = 0) -> np.ndarray:
     """The click logit each row was drawn from: the best any model can score (its AUC on
     a split is that split's Bayes limit, up to the dense values later blanked)."""
     return _draw(rows, seed)["logit"]
-
-
-def planted_parts(rows: int, seed: int = 0) -> dict:
-    """The planted logit split into its parts, row by row: ``"effects"`` maps each
-    signal column's index (0-based, C1 is 0) to its rows' per-value effects, ``"rest"`` is
-    the bias plus the dense features' effects, and ``"logit"`` their sum."""
-    d = _draw(rows, seed)
-    rest = d["logit"] - sum(d["effects"].values())
-    return {"logit": d["logit"], "effects": d["effects"], "rest": rest}
 
 
 def write_generated(path: Path, rows: int, seed: int = 0) -> None:

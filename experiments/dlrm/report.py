@@ -8,7 +8,6 @@ finished runs, then writes the markdown and ``reports/dlrm_curves.png``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -16,16 +15,12 @@ from comera.malloc import lean_without_hugepages, restart_for
 from comera.train.logging import read_metrics
 from experiments.cli import config_from_dict
 from experiments.dlrm.bench import GLIBC_TAG
-from experiments.dlrm.capacity import capacity_oracle
 from experiments.dlrm.data import CriteoDataConfig, load_criteo
 from experiments.dlrm.generate import planted_logits
-from experiments.dlrm.model import DLRMConfig
 from experiments.dlrm.task import roc_auc
 from experiments.report import smoke_report_main
 
 __all__ = ["main", "write_report"]
-
-ORACLE_RANKS = (4, 8, 16, 32, 64)  # the capacity bound's ranks
 
 PAPER = (
     "| | paper (CoMERA, Criteo Kaggle, GPU) | TT-Rec (MLSys 2021) |\n"
@@ -77,8 +72,7 @@ def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
     dense_cfg = json.loads((runs_dir / "dlrm-smoke-dense" / "config.json").read_text())
     data = load_criteo(config_from_dict(CriteoDataConfig, config["data"]), progress=False)
     lo, hi = data.splits["val"]
-    eval_rows = config["data"]["eval_rows"]
-    eval_hi = hi if eval_rows is None else lo + eval_rows
+    eval_hi = hi if config["data"]["eval_rows"] is None else lo + config["data"]["eval_rows"]
     bayes = ""
     if config["data"]["path"] == "generated":
         logits = planted_logits(config["data"]["generated_rows"])[lo:eval_hi]
@@ -137,11 +131,6 @@ def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
         "the ranks below show where CoMERA keeps its capacity.",
     ]
     lines += ["", "![curves](dlrm_curves.png)", ""]
-    if config["data"]["path"] == "generated":
-        model = dataclasses.replace(
-            config_from_dict(DLRMConfig, m), cardinalities=tuple(data.cardinalities), names=()
-        )
-        lines += _oracle_note(capacity_oracle(data, model, ORACLE_RANKS, eval_rows=eval_rows), m)
     ttm_rows = [n for n in config["cardinalities"] if n >= m["tt_min_rows"]]
     for knob in ("rank", "gamma", "steps", "capacity", "hot_rows"):
         path = out_dir / f"ablation_dlrm_{knob}.json"
@@ -153,35 +142,6 @@ def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
     text = "\n".join(lines) + "\n"
     (out_dir / "dlrm.md").write_text(text)
     return text
-
-
-def _oracle_note(oracle: dict[str, float], m: dict) -> list[str]:
-    """The capacity bound: the planted effects themselves, compressed at each rank."""
-    full = oracle["uncompressed"]
-    lines = [
-        "Capacity bound, without any training: replace each compressed table's *true* "
-        "planted effects by their best TTM approximation of the model's shape "
-        f"({len(m['emb_dim_modes'])} cores, count-weighted TT-SVD, "
-        "`experiments.dlrm.capacity`) and score the planted logit on the validation rows. "
-        f"Uncompressed (every id's effect as seen in training) it scores {full:.4f} "
-        f"(the planted logit itself {oracle['bayes']:.4f}); what each rank costs any "
-        "trainer, however good, on this signal:",
-        "",
-        "| TTM rank | oracle val AUC | cost vs uncompressed |",
-        "|---|---|---|",
-    ]
-    for r in ORACLE_RANKS:
-        auc = oracle[f"rank_{r}"]
-        lines.append(f"| {r} | {auc:.4f} | {full - auc:.4f} |")
-    lines += [
-        "",
-        "Independent per-value effects have no low-rank structure, so a rank-r table holds "
-        "only part of them. This bounds what a compressed table can represent, not what a "
-        "trainer learns from noisy clicks (dense learns far less than the oracle's signal "
-        "too), so the two gaps are of the same kind, not the same size.",
-        "",
-    ]
-    return lines
 
 
 def _rank_table(ranks: dict, config: dict, last_eval: dict) -> list[str]:
