@@ -175,10 +175,8 @@ def _gemms_only(
         x.grad = bt.grad = None
         for a in sides:
             a.grad = None
-        h, start, outs = x @ bt, 0, []
-        for a, w in zip(sides, widths, strict=True):
-            outs.append(h[:, start : start + w] @ a.T)
-            start += w
+        hs = torch.split(x @ bt, widths, dim=1)  # as the path splits h (one cat in backward)
+        outs = [h @ a.T for h, a in zip(hs, sides, strict=True)]
         torch.autograd.backward(outs, [g] * len(outs))
 
     return step
