@@ -175,7 +175,10 @@ def _gemms_only(
         x.grad = bt.grad = None
         for a in sides:
             a.grad = None
-        hs = torch.split(x @ bt, widths, dim=1)  # as the path splits h (one cat in backward)
+        h = x @ bt
+        # split as the path splits h for several layers (one cat in backward); one layer
+        # reads h whole, as the path does
+        hs = torch.split(h, widths, dim=1) if len(widths) > 1 else [h]
         outs = [h @ a.T for h, a in zip(hs, sides, strict=True)]
         torch.autograd.backward(outs, [g] * len(outs))
 

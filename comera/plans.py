@@ -347,7 +347,7 @@ def shared_input_comera(
     # instead of a zero-filled (T, sum r + pad) per layer summed together
     hs = torch.split(h_all, [a.shape[1] for a, _ in sides], dim=1) if len(sides) > 1 else [h_all]
     out = []
-    for h, (a, bias) in zip(hs, sides, strict=True):  # h: (T, r + pad), padding columns 0
+    for h, (a, bias) in zip(hs, sides, strict=True):  # h: (T, r + pad): padding 0, a bias slot 1
         # a bias with no free slot (r a multiple of 8, or an empty train) is added here
         out.append(h @ a.T if bias is None else torch.addmm(bias, h, a.T))  # (T, M)
     return out
