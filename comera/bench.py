@@ -179,7 +179,7 @@ def _gemms_only(
         # split as the path splits h for several layers (one cat in backward); one layer
         # reads h whole, as the path does
         hs = torch.split(h, widths, dim=1) if len(widths) > 1 else [h]
-        outs = [h @ a.T for h, a in zip(hs, sides, strict=True)]
+        outs = [hi @ a.T for hi, a in zip(hs, sides, strict=True)]
         torch.autograd.backward(outs, [g] * len(outs))
 
     return step

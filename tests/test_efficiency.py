@@ -335,10 +335,11 @@ def test_shared_input_tt_linears_equal_separate_calls(
     separate = grads([C.tt_linear(p, s, x, plan="comera") for p, s in layers])
     reference = grads([dense(p, s) for p, s in layers])
     for a, b, c in zip(fused, separate, reference, strict=True):
-        if c is None:  # a leaf the dense rebuild does not reach (cores of an empty train)
-            continue
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        if c is not None:  # None: a leaf the dense rebuild does not reach (an empty train)
+            torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="expects a last dim of 64"):
         C.tt_linear_shared_input(layers, torch.randn(3, 32))
 
