@@ -732,3 +732,15 @@ def test_bench_alternates_the_headline_pair_and_keeps_medians(monkeypatch, capsy
     assert out["variants"]["comera"]["step_time_s_runs"] == [0.30, 0.50, 0.31]
     assert out["step_time_ratio_vs_dense"] == pytest.approx(0.31 / 0.21)
     assert out["peak_memory_ratio_vs_dense"] == pytest.approx(100.0 / 1004.0)  # median of 1002/4/6
+
+
+def test_bench_child_failure_names_the_point_and_its_error():
+    """A failed fresh-process point ends the bench with one message: which point, and the
+    child's own error (here argparse's, for a variant that does not exist)."""
+    from experiments.dlrm import bench
+
+    with pytest.raises(SystemExit) as e:
+        bench._in_child(["--variant", "no_such_variant"], "variant no_such_variant")
+    msg = str(e.value.code)
+    assert msg.startswith("dlrm bench: variant no_such_variant failed")
+    assert "invalid choice: 'no_such_variant'" in msg

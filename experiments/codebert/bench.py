@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ import torch
 
 from comera.host import cpu_model
 from comera.train.measures import peak_memory_mb, rss_mb
+from experiments.workers import WorkerFailed, run_json_worker
 
 __all__ = ["main", "packed_batch", "run_variant"]
 
@@ -168,12 +168,11 @@ def main(
                *(["--tiny"] if tiny else [])]  # fmt: skip
         print(f"codebert bench: {variant}{tag}, batch {batch} x {SEQ} ...", file=sys.stderr,
               flush=True)  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                              env={**os.environ, **env})  # fmt: skip
-        if proc.returncode:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"codebert bench: {variant}/{batch} failed (exit {proc.returncode})")
-        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        try:
+            got = run_json_worker(cmd, f"codebert bench: {variant}/{batch}",
+                                  env={**os.environ, **env})  # fmt: skip
+        except WorkerFailed as e:
+            raise SystemExit(str(e)) from None
         results[f"{variant}_b{batch}{tag}"] = {**got, "variant": variant + tag}
     r = results
     peaks = {

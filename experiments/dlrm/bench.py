@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ from comera.malloc import (
     set_cpu_malloc,
 )
 from comera.train.measures import peak_memory_mb, rss_mb
+from experiments.workers import WorkerFailed, run_json_worker
 
 __all__ = ["main", "run_variant"]
 
@@ -176,18 +176,13 @@ def embedding_times(repeats: int = 5, device: str = "cpu") -> dict:
 
 def _in_child(args: list[str], what: str) -> dict:
     """``python -m experiments.dlrm.bench ARGS`` in a fresh process whose own ``--malloc``
-    policy (and restart) alone decides its allocator; its last stdout line as JSON."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.dlrm.bench", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=clean_malloc_env(),
-    )
-    if proc.returncode:
-        print(proc.stderr, file=sys.stderr)
-        raise SystemExit(f"dlrm bench: {what} failed (exit {proc.returncode})")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    policy (and restart) alone decides its allocator; its last stdout line as JSON. A
+    failure ends the bench, naming the point and the child's stderr tail."""
+    cmd = [sys.executable, "-m", "experiments.dlrm.bench", *args]
+    try:
+        return run_json_worker(cmd, f"dlrm bench: {what}", env=clean_malloc_env())
+    except WorkerFailed as e:
+        raise SystemExit(str(e)) from None
 
 
 def _embedding_in_process(malloc: str) -> dict:
