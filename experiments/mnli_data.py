@@ -354,12 +354,10 @@ def encode_pairs(
 
 
 def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
-    """Load, validate and encode train and eval splits as `cfg` says (see module docstring)."""
-    if cfg.dataset == GENERATED and cfg.tokenizer == DEFAULT_TOKENIZER:
-        tok, tok_name = build_generated_tokenizer(), GENERATED
-    else:
-        tok, tok_name = load_tokenizer(cfg.tokenizer), cfg.tokenizer
-    pad_id = prepare_tokenizer(tok, cfg.max_length)
+    """Load, validate and encode train and eval splits as `cfg` says (see module docstring).
+
+    Local files are read and checked before the tokenizer loads: a wrong path or column
+    is reported at once, not after the tokenizer's hub retries."""
     raws: dict[str, tuple[str, Raw]] = {}
     if cfg.train_file is not None:
         files = {"train": cfg.train_file, **(cfg.eval_files or {})}
@@ -373,6 +371,11 @@ def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
             )
     else:
         raws = {s: (src, _columns(t, src, cfg)) for s, (src, t) in _load_hub(cfg).items()}
+    if cfg.dataset == GENERATED and cfg.tokenizer == DEFAULT_TOKENIZER:
+        tok, tok_name = build_generated_tokenizer(), GENERATED
+    else:
+        tok, tok_name = load_tokenizer(cfg.tokenizer), cfg.tokenizer
+    pad_id = prepare_tokenizer(tok, cfg.max_length)
     enc = {}
     for split, (src, raw) in raws.items():
         limit = cfg.max_train_examples if split == "train" else cfg.max_eval_examples

@@ -390,3 +390,18 @@ def test_bad_data_is_one_line_naming_the_flag(tmp_path, capsys):
     assert mnli.main([*base, "--train-file", str(bad)]) == 2
     line = _one_error_line(capsys)
     assert "label 7" in line and "--label-column" in line
+
+
+def test_bad_local_data_is_reported_before_the_tokenizer_loads(tmp_path, capsys, monkeypatch):
+    """With a hub tokenizer name (the default) and a wrong --train-file, the file error
+    comes at once: the tokenizer, whose hub retries take about half a minute offline, is
+    never asked for."""
+    from experiments import mnli_data
+
+    def no_hub(name):
+        raise AssertionError(f"tokenizer {name!r} loaded before the data files were checked")
+
+    monkeypatch.setattr(mnli_data, "load_tokenizer", no_hub)
+    argv = ["--train-file", str(tmp_path / "missing.jsonl"), "--wandb", "disabled"]
+    assert mnli.main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
+    assert "does not exist; check --train-file" in _one_error_line(capsys)
