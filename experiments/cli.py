@@ -394,6 +394,23 @@ def _changed(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]
     return [k for k, v in vars(args).items() if v != ap.get_default(k)]
 
 
+def check_device(device: str, what: str = "--device") -> None:
+    """Refuse a CUDA device this process cannot use, naming ``what`` to change: without
+    this a run (or a benchmark's every worker) on a CPU-only machine ends in a traceback
+    at its first ``.to(device)``."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise CLIError(
+            f"{what} {device}: no CUDA device here (this torch {torch.__version__} sees "
+            "none); use --device cpu"
+        )
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise CLIError(f"{what} {device}: this machine has {count} CUDA device(s); use cuda:0")
+
+
 def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.ArgumentParser):
     """The effective config: a preset with every flag and ``--set`` applied, or, with
     ``--resume``, the saved config with the few settings that may change."""
@@ -557,8 +574,11 @@ def main(exp: Experiment, argv: list[str] | None = None) -> int:
     try:
         args = ap.parse_args(argv)
         if getattr(args, "bench", False):
+            if args.device:
+                check_device(args.device)
             return exp.bench(args)  # type: ignore[misc]
         cfg = resolve_config(exp, args, ap)
+        check_device(cfg.train.device, "--device" if args.device else "train.device")
         if from_command_line and torch.device(cfg.train.device).type == "cpu":
             restart_for(cfg.train.cpu_malloc)  # lean: re-executed with huge pages enabled
         run = prepare(exp, cfg, resume=args.resume is not None, argv=argv)

@@ -175,3 +175,28 @@ def test_a_device_torch_cannot_parse_is_one_line(capsys):
     assert mnli.main(["--preset", "smoke", "--set", "train.device=gpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "TrainConfig.device='gpu' is not a torch device" in err[0]
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_line(tmp_path, capsys, monkeypatch):
+    """``--device cuda`` where torch sees no CUDA device (forced here, so the test runs on
+    GPU machines too) is refused before any run dir is made or any bench worker starts,
+    instead of a traceback at the first ``.to()`` or one failed worker per point."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run_dir = tmp_path / "run"
+    argv = ["--preset", "smoke", "--device", "cuda", "--run-dir", str(run_dir)]
+    assert mnli.main([*argv, "--wandb", "disabled"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device cuda: no CUDA device here" in err[0], err
+    assert "use --device cpu" in err[0] and not run_dir.exists()
+
+    def no_bench(args):
+        raise AssertionError("the benchmark started")
+
+    exp = dataclasses.replace(mnli.EXPERIMENT, bench=no_bench)
+    assert cli.main(exp, ["--bench", "--device", "cuda:0"]) == 2
+    assert "--device cuda:0: no CUDA device here" in capsys.readouterr().err
+    assert mnli.main(["--preset", "smoke", "--set", "train.device=cuda", "--run-dir",
+                      str(run_dir)]) == 2  # fmt: skip
+    assert "train.device cuda: no CUDA device here" in capsys.readouterr().err
