@@ -27,6 +27,7 @@ import torch
 
 from comera.host import cpu_model
 from comera.train.measures import peak_memory_mb, rss_mb
+from experiments.cli import CLIError, check_device
 from experiments.workers import WorkerFailed, run_json_worker
 from loaders.metadata import atomic_write_text
 
@@ -204,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad or args.repeats < 1:
         print(f"step_modes: unknown model or mode {bad} (models {MODELS}, modes {MODES}), "
               "or --repeats < 1", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        check_device(args.device)
+    except CLIError as e:
+        print(f"step_modes: {e}", file=sys.stderr)
         return 2
     modes = ["eager", *[m for m in modes if m != "eager"]]  # every ratio is against it
     out = args.out or (REPORTS if torch.device(args.device).type == "cpu" else REPORTS / "gpu")

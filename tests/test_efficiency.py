@@ -359,6 +359,17 @@ def test_step_modes_bench_writes_its_table(tmp_path) -> None:
     assert step_modes.main(["--modes", "turbo"]) == 2
 
 
+def test_step_modes_refuses_a_cuda_device_this_machine_lacks(tmp_path, monkeypatch, capsys):
+    """Refused before any worker runs (it ran every point to failure and left a partial
+    JSON), with the flag named; CUDA is hidden so the test runs on GPU machines too."""
+    from experiments import step_modes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert step_modes.main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "--device cuda: no CUDA device here" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_step_modes_keeps_the_points_of_a_run_cut_short(tmp_path, monkeypatch) -> None:
     """The points go to ``step_modes.partial.json`` as they come, so a run stopped by a
     time limit (the GPU script's stages) keeps what it measured; a failing mode is
