@@ -329,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="*", help="run dirs (CoMERA and/or dense)")
     ap.add_argument("--out", type=Path, default=REPORTS / "mnli.md")
     args = ap.parse_args(argv)
-    path = write_report(args.runs, args.out)
+    try:
+        path = write_report(args.runs, args.out)
+    except FileNotFoundError as e:  # a path that is not a run dir: one line, status 2
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -264,7 +264,7 @@ def test_step_bench_plumbing(tmp_path, capsys):
     assert json.loads(out.read_text())["compression_ratio"] == result["compression_ratio"]
 
 
-def test_report_from_run_dirs(tmp_path):
+def test_report_from_run_dirs(tmp_path, capsys):
     from experiments import report
 
     run_dir = tmp_path / "smoke"
@@ -279,6 +279,9 @@ def test_report_from_run_dirs(tmp_path):
     assert (out.parent / "mnli_ranks.png").stat().st_size > 1000
     with pytest.raises(FileNotFoundError, match="is .* a run dir"):
         report.load_run(tmp_path / "nothing")
+    capsys.readouterr()
+    assert report.main([str(tmp_path / "nothing"), "--out", str(out)]) == 2  # one line
+    assert "is " + str(tmp_path / "nothing") + " a run dir" in _one_error_line(capsys)
 
 
 def test_crash_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
