@@ -211,6 +211,11 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     return [Variant(v, ((key, v),)) for v in values.split(",") if v]
 
 
+def variant_dir(runs_root: Path, label: str) -> Path:
+    """Where the variant ``label`` of an ablation trains (a label may hold a ``/``)."""
+    return runs_root / label.replace("/", "_")
+
+
 def run_ablation(
     name: str,
     exp: cli.Experiment,
@@ -227,7 +232,7 @@ def run_ablation(
         cfg = base
         for key, value in v.overrides:
             cfg = cli.set_field(cfg, key, value, text=text_values, label=f"--values {value}")
-        run_dir = runs_root / v.label.replace("/", "_")
+        run_dir = variant_dir(runs_root, v.label)
         shutil.rmtree(run_dir, ignore_errors=True)  # the ablation's own output: rerun afresh
         over = [("train.run_dir", str(run_dir)), ("train.wandb_group", group)]
         over.append(("train.run_name", f"{name}:{v.label}"))
@@ -433,7 +438,14 @@ def main(argv: list[str] | None = None) -> int:
         tag = "" if args.experiment == "mnli" else f"{args.experiment}-"  # mnli: old names
         root = Path(args.runs_dir) / f"ablate-{tag}{args.ablation}-{preset}"
         if args.report_only:
-            records = [{"label": v.label, "dir": root / v.label.replace("/", "_")} for v in chosen]
+            records = [{"label": v.label, "dir": variant_dir(root, v.label)} for v in chosen]
+            missing = [str(r["dir"]) for r in records if not (r["dir"] / "metrics.jsonl").is_file()]
+            if missing:
+                more = f" (and {len(missing) - 1} more variants)" if len(missing) > 1 else ""
+                raise cli.CLIError(
+                    f"--report-only: no finished run in {missing[0]}{more}; run the ablation "
+                    "without --report-only first (same --runs-dir, --experiment and --preset)"
+                )
         else:
             records = run_ablation(
                 args.ablation, exp, base, chosen, root, text_values=args.values is not None

@@ -159,7 +159,14 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch):
     not a call with ``argv`` (tests, scripts), nor ``--report-only``."""
     calls: list[str] = []
     monkeypatch.setattr(ablate, "restart_for", calls.append)
-    monkeypatch.setattr(ablate, "run_ablation", lambda *a, **k: [])
+
+    def train(name, exp, base, chosen, root, **kw):  # leaves finished runs to report on
+        for v in chosen:
+            ablate.variant_dir(root, v.label).mkdir(parents=True, exist_ok=True)
+            (ablate.variant_dir(root, v.label) / "metrics.jsonl").write_text("")
+        return []
+
+    monkeypatch.setattr(ablate, "run_ablation", train)
     cmds: list[str] = []
     monkeypatch.setattr(
         ablate, "write_report", lambda name, recs, out, cmd: cmds.append(cmd) or out.write_text("")
@@ -180,6 +187,10 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert ablate.main(["gamma", "--set", "train.gama=1", "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown config key 'train.gama'" in err[0]
+    assert ablate.main(["gamma", "--report-only", "--runs-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--report-only: no finished run in" in err[0], err
+    assert "(and 3 more variants)" in err[0] and "without --report-only first" in err[0]
 
 
 def test_dlrm_rank_ablation_on_the_criteo_sample(tmp_path):
