@@ -49,6 +49,10 @@ def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
         path = path / "tokenizer.json"
     if path.is_file():
         return load_tokenizer(tokenizers.Tokenizer.from_file(str(path)))
+    if path.suffix == ".json" or path.is_absolute() or str(tokenizer).startswith((".", "~")):
+        # a path, not a hub name: say so rather than ask the hub for it
+        what = "is a folder without tokenizer.json" if path.is_dir() else "does not exist"
+        raise ValueError(f"tokenizer {str(tokenizer)!r} {what}; pass a tokenizer.json path")
     try:
         import transformers
 

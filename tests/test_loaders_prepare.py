@@ -135,6 +135,14 @@ def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
         (["{src}/nope", "--out", "{out}", "--train-tokenizer", "300"], "does not exist"),
         (["{src}", "--glob", "*.py", "--out", "{out}"], "exactly one of --tokenizer"),
         (["{jsonl}", "--out", "{out}", "--train-tokenizer", "300"], "no column 'text'"),
+        (
+            ["{src}", "--glob", "**/*.py", "--out", "{out}", "--tokenizer", "{src}/tok.json"],
+            "tok.json' does not exist; pass a tokenizer.json path",
+        ),
+        (
+            ["{src}", "--glob", "**/*.py", "--out", "{out}", "--tokenizer", "{src}"],
+            "is a folder without tokenizer.json",
+        ),
     ],
 )
 def test_bad_input_is_one_line(tmp_path: Path, capsys, args: list[str], message: str) -> None:
