@@ -85,7 +85,8 @@ def _constant_under_compile(fn: Callable[[], Strategy]) -> Callable[[], Strategy
     """Mark ``fn`` as ``torch.compiler.assume_constant_result`` marks it (a compiled
     function reads the default plan once, at trace time) without calling that function
     here: it imports ``torch._dynamo``, 1.6 s at the start of every process that imports
-    ``comera``. ``tests/test_comera_plans.py`` checks the mark against torch's own."""
+    ``comera``. ``tests/test_comera_contractions.py`` checks the mark against torch's own and that a
+    compiled call reads it as a constant."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 

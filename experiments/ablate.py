@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             if missing:
                 more = f" (and {len(missing) - 1} more variants)" if len(missing) > 1 else ""
                 raise cli.CLIError(
-                    f"--report-only: no finished run in {missing[0]}{more}; run the ablation "
+                    f"--report-only: no run in {missing[0]}{more}; run the ablation "
                     "without --report-only first (same --runs-dir, --experiment and --preset)"
                 )
         else:

@@ -398,7 +398,12 @@ def check_device(device: str, what: str = "--device") -> None:
     """Refuse a CUDA device this process cannot use, naming ``what`` to change: without
     this a run (or a benchmark's every worker) on a CPU-only machine ends in a traceback
     at its first ``.to(device)``."""
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise CLIError(
+            f"{what} {device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
+        ) from None
     if dev.type != "cuda":
         return
     if not torch.cuda.is_available():
@@ -578,7 +583,9 @@ def main(exp: Experiment, argv: list[str] | None = None) -> int:
                 check_device(args.device)
             return exp.bench(args)  # type: ignore[misc]
         cfg = resolve_config(exp, args, ap)
-        check_device(cfg.train.device, "--device" if args.device else "train.device")
+        check_device(
+            cfg.train.device, "--device" if args.device == cfg.train.device else "train.device"
+        )
         if from_command_line and torch.device(cfg.train.device).type == "cpu":
             restart_for(cfg.train.cpu_malloc)  # lean: re-executed with huge pages enabled
         run = prepare(exp, cfg, resume=args.resume is not None, argv=argv)

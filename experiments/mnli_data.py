@@ -30,6 +30,7 @@ from experiments.mnli_generated import (  # noqa: F401
     save_tokenizer,
     write_generated_files,
 )
+from loaders.text import looks_like_path
 
 log = logging.getLogger(__name__)
 
@@ -183,13 +184,9 @@ def prepare_tokenizer(tok: Tokenizer, max_length: int) -> int:
     return pad_id
 
 
-def _looks_like_path(s: str) -> bool:
-    return s.endswith(".json") or s.startswith(("/", ".", "~")) or Path(s).exists()
-
-
 def load_tokenizer(name_or_path: str) -> Tokenizer:
     """A tokenizer from a local tokenizer.json (or a directory holding one) or the HF hub."""
-    if _looks_like_path(name_or_path):
+    if looks_like_path(name_or_path):
         path = Path(name_or_path).expanduser()
         if path.is_dir():
             path = path / "tokenizer.json"
@@ -356,26 +353,27 @@ def encode_pairs(
 def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
     """Load, validate and encode train and eval splits as `cfg` says (see module docstring).
 
-    Local files are read and checked before the tokenizer loads: a wrong path or column
-    is reported at once, not after the tokenizer's hub retries."""
+    Local data files are read and checked before the tokenizer loads, and a local
+    tokenizer before the hub's dataset: a wrong path or column is reported at once, not
+    after a download or the hub's retries."""
     raws: dict[str, tuple[str, Raw]] = {}
     if cfg.train_file is not None:
         files = {"train": cfg.train_file, **(cfg.eval_files or {})}
         raws = {s: (p, _columns(_read_table(p), p, cfg)) for s, p in files.items()}
-    elif cfg.dataset == GENERATED:
+    if cfg.dataset == GENERATED and cfg.tokenizer == DEFAULT_TOKENIZER:
+        tok, tok_name = build_generated_tokenizer(), GENERATED
+    else:
+        tok, tok_name = load_tokenizer(cfg.tokenizer), cfg.tokenizer
+    pad_id = prepare_tokenizer(tok, cfg.max_length)
+    if cfg.train_file is None and cfg.dataset == GENERATED:
         for split, n in (("train", cfg.generated_train), ("validation", cfg.generated_eval)):
             ex = generate_examples(n, cfg.seed, split, cfg.generated_vocab)
             raws[split] = (
                 f"generated:{split}",
                 (ex["premise"], ex["hypothesis"], np.asarray(ex["label"], dtype=np.int64)),
             )
-    else:
+    elif cfg.train_file is None:  # the hub's after the tokenizer: a bad local one fails first
         raws = {s: (src, _columns(t, src, cfg)) for s, (src, t) in _load_hub(cfg).items()}
-    if cfg.dataset == GENERATED and cfg.tokenizer == DEFAULT_TOKENIZER:
-        tok, tok_name = build_generated_tokenizer(), GENERATED
-    else:
-        tok, tok_name = load_tokenizer(cfg.tokenizer), cfg.tokenizer
-    pad_id = prepare_tokenizer(tok, cfg.max_length)
     enc = {}
     for split, (src, raw) in raws.items():
         limit = cfg.max_train_examples if split == "train" else cfg.max_eval_examples

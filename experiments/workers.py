@@ -17,10 +17,13 @@ class WorkerFailed(RuntimeError):
     """A worker process failed; the message holds its stderr tail, ``reason`` its last
     line."""
 
-    def __init__(self, what: str, stderr: str) -> None:
+    def __init__(self, what: str, stderr: str, returncode: int | None = None) -> None:
         lines = [line for line in stderr.splitlines() if line.strip()]
         self.reason = (lines[-1] if lines else "no output")[-500:]
-        super().__init__(f"{what} failed:\n{stderr[-3000:]}")
+        self.returncode = returncode
+        # a negative code is the signal that ended it (-9: killed, often out of memory)
+        code = f" (exit {returncode})" if returncode is not None else ""
+        super().__init__(f"{what} failed{code}:\n{stderr[-3000:]}")
 
 
 def run_json_worker(
@@ -36,5 +39,5 @@ def run_json_worker(
         list(cmd), capture_output=True, text=True, check=False, env=env, timeout=timeout
     )
     if proc.returncode:
-        raise WorkerFailed(what, proc.stderr)
+        raise WorkerFailed(what, proc.stderr, proc.returncode)
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -18,6 +18,12 @@ import pyarrow as pa
 TEXT_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".ipc", ".feather")
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether a tokenizer argument names something local rather than a hub id: a
+    ``.json`` file, a path starting ``/``, ``.`` or ``~``, or anything that exists."""
+    return name.endswith(".json") or name.startswith(("/", ".", "~")) or Path(name).exists()
+
+
 def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
     """A ``str -> list[int]`` function from a tokenizer object, a local path or a hub name.
 
@@ -40,7 +46,7 @@ def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
         return tokenizer
     if not isinstance(tokenizer, (str, Path)):
         raise ValueError(f"tokenizer {tokenizer!r}: pass a name, a path, or an object with encode")
-    path = Path(tokenizer)
+    path = Path(tokenizer).expanduser()
     try:
         import tokenizers
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -49,17 +55,19 @@ def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
         path = path / "tokenizer.json"
     if path.is_file():
         return load_tokenizer(tokenizers.Tokenizer.from_file(str(path)))
-    if path.suffix == ".json" or path.is_absolute() or str(tokenizer).startswith((".", "~")):
-        # a path, not a hub name: say so rather than ask the hub for it
-        what = "is a folder without tokenizer.json" if path.is_dir() else "does not exist"
-        raise ValueError(f"tokenizer {str(tokenizer)!r} {what}; pass a tokenizer.json path")
+    if looks_like_path(str(tokenizer)) and not path.exists():  # a path: never a hub name
+        raise ValueError(f"tokenizer {str(tokenizer)!r} does not exist; pass a tokenizer.json path")
     try:
         import transformers
 
         tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
         return lambda text: tok(text, add_special_tokens=False)["input_ids"]
     except ImportError:
-        pass
+        if path.is_dir():
+            raise ValueError(
+                f"tokenizer folder {str(tokenizer)!r} has no tokenizer.json (other formats "
+                "need `pip install transformers`); pass a tokenizer.json path"
+            ) from None
     except Exception as exc:
         raise ValueError(f"cannot load tokenizer {tokenizer!r}: {exc}; pass a local path") from exc
     try:

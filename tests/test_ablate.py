@@ -189,7 +189,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and "unknown config key 'train.gama'" in err[0]
     assert ablate.main(["gamma", "--report-only", "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--report-only: no finished run in" in err[0], err
+    assert len(err) == 1 and "--report-only: no run in" in err[0], err
     assert "(and 3 more variants)" in err[0] and "without --report-only first" in err[0]
 
 

@@ -200,3 +200,19 @@ def test_a_cuda_device_this_machine_lacks_is_one_line(tmp_path, capsys, monkeypa
     assert mnli.main(["--preset", "smoke", "--set", "train.device=cuda", "--run-dir",
                       str(run_dir)]) == 2  # fmt: skip
     assert "train.device cuda: no CUDA device here" in capsys.readouterr().err
+
+
+def test_bench_device_errors_are_one_line(capsys, monkeypatch):
+    """``--bench --device gpu`` (not a torch device) is one line, and the DLRM and CodeBERT
+    step benches, which run on the CPU, refuse a CUDA device rather than ignore it."""
+    from experiments.codebert import experiment as codebert
+    from experiments.dlrm import experiment as dlrm
+
+    assert mnli.main(["--bench", "--device", "gpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device 'gpu' is not a torch device" in err[0], err
+    monkeypatch.setattr(cli, "check_device", lambda *a: None)  # as if CUDA were here
+    for exp in (dlrm, codebert):
+        assert exp.main(["--bench", "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "step bench runs on the CPU; drop --device" in err[0], err

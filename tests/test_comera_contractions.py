@@ -157,6 +157,10 @@ def test_default_plan_carries_torch_compiles_constant_mark_and_import_stays_ligh
     marks = {k: v for k, v in vars(probe).items() if not k.startswith("__")}
     assert marks, "torch no longer marks constant functions by attribute: revisit plans.py"
     assert {k: getattr(C.get_default_plan, k, None) for k in marks} == marks
+    # and a compiled call reads the plan as a constant (unmarked, dynamo refuses the call)
+    compiled = torch.compile(lambda x: x + len(C.get_default_plan()), fullgraph=True,
+                             backend="eager")  # fmt: skip
+    assert compiled(torch.zeros(1)).item() == len("comera")
     code = (
         "import sys, comera, loaders, experiments.cli, experiments.mnli; "
         "print('torch._dynamo' in sys.modules)"

@@ -742,5 +742,5 @@ def test_bench_child_failure_names_the_point_and_its_error():
     with pytest.raises(SystemExit) as e:
         bench._in_child(["--variant", "no_such_variant"], "variant no_such_variant")
     msg = str(e.value.code)
-    assert msg.startswith("dlrm bench: variant no_such_variant failed")
+    assert msg.startswith("dlrm bench: variant no_such_variant failed (exit 2):")
     assert "invalid choice: 'no_such_variant'" in msg

@@ -140,8 +140,8 @@ def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
             "tok.json' does not exist; pass a tokenizer.json path",
         ),
         (
-            ["{src}", "--glob", "**/*.py", "--out", "{out}", "--tokenizer", "{src}"],
-            "is a folder without tokenizer.json",
+            ["{src}", "--glob", "**/*.py", "--out", "{out}", "--tokenizer", "~/no/such/tok"],
+            "'~/no/such/tok' does not exist; pass a tokenizer.json path",
         ),
     ],
 )
@@ -154,3 +154,14 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys, args: list[str], message:
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0]
     assert not os.path.exists(tmp_path / "o" / "train")
+
+
+def test_a_local_tokenizer_folder_without_tokenizer_json_still_loads(tmp_path: Path) -> None:
+    """A downloaded model folder with only ``vocab.txt`` (no ``tokenizer.json``) is a path,
+    not a hub id: it loads through transformers, offline."""
+    pytest.importorskip("transformers")
+    from loaders.text import load_tokenizer
+
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nhello\nworld\n")
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "BertTokenizer"}')
+    assert load_tokenizer(str(tmp_path))("hello world") == [5, 6]

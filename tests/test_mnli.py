@@ -408,3 +408,13 @@ def test_bad_local_data_is_reported_before_the_tokenizer_loads(tmp_path, capsys,
     argv = ["--train-file", str(tmp_path / "missing.jsonl"), "--wandb", "disabled"]
     assert mnli.main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
     assert "does not exist; check --train-file" in _one_error_line(capsys)
+    # and a local tokenizer that is not there fails before the hub's dataset is asked for
+    monkeypatch.undo()
+
+    def no_dataset(cfg):
+        raise AssertionError("the hub dataset was loaded before the local tokenizer")
+
+    monkeypatch.setattr(mnli_data, "_load_hub", no_dataset)
+    argv = ["--tokenizer", str(tmp_path / "tok.json"), "--wandb", "disabled"]
+    assert mnli.main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
+    assert "tok.json' does not exist; pass --tokenizer" in _one_error_line(capsys)

@@ -308,6 +308,11 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
 def _bench(args: argparse.Namespace) -> int:
     from experiments.codebert.bench import main as bench_main
 
+    if args.device and torch.device(args.device).type != "cpu":
+        raise cli.CLIError(
+            f"--bench --device {args.device}: the codebert step bench runs on the CPU; drop "
+            "--device"
+        )
     return bench_main(json_out=args.json)
 
 

@@ -249,6 +249,12 @@ def _reference_training(optimizer: str) -> list[tuple[str, Any]]:
 def _bench(args: argparse.Namespace) -> int:
     from experiments.dlrm.bench import main as bench_main
 
+    if args.device and torch.device(args.device).type != "cpu":
+        raise cli.CLIError(
+            f"--bench --device {args.device}: the dlrm step bench runs on the CPU; drop "
+            "--device (the lookup alone runs on a GPU: python -m experiments.dlrm.bench "
+            "--embedding --device cuda)"
+        )
     return bench_main(json_out=args.json)
 
 
