@@ -37,7 +37,7 @@ from comera.malloc import (
     set_cpu_malloc,
 )
 from comera.train.logging import write_json_atomic
-from comera.train.measures import peak_memory_mb, rss_mb
+from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.workers import WorkerFailed, run_json_worker
 
 REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
@@ -95,7 +95,7 @@ def worker(
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        base = rss_mb()
+        base = baseline_rss_mb()
     tt = not variant.startswith(("dense", "galore"))
     cfg = _tiny_config(tt) if tiny else EncoderConfig(tt=tt)
     if variant.endswith("_recompute"):  # every encoder block recomputed in backward

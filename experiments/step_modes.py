@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from comera.host import cpu_model
-from comera.train.measures import peak_memory_mb, rss_mb
+from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
 from experiments.workers import WorkerFailed, run_json_worker
 from loaders.metadata import atomic_write_text
@@ -47,7 +47,7 @@ def worker(
     from experiments.transformer import EncoderConfig
 
     torch.set_num_threads(threads)
-    base = rss_mb()
+    base = baseline_rss_mb()
     p = mnli.preset("smoke", run_dir=tempfile.mkdtemp(prefix="step_modes_"))
     if model == "paper":
         p.model = EncoderConfig()

@@ -235,3 +235,27 @@ def test_aliased_gradients_are_copied_before_in_place_updates(tmp_path, optimize
     if optimizer == "sgd":
         assert trainer.params["a"].tolist() == pytest.approx([0.4] * 3)
         assert trainer.params["b"].tolist() == pytest.approx([1.4] * 3)
+
+
+def test_benchmark_baseline_holds_the_modules_a_step_imports():
+    """A recomputing step's first ``checkpoint`` call imports ``torch._dynamo`` (~70 MB
+    resident). Above ``baseline_rss_mb`` that import is not charged to the step (a tiny
+    step adds a few MB); above a plain ``rss_mb`` it is, which is what the benches'
+    peaks would have counted once ``import comera`` stopped loading dynamo."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.utils.checkpoint as ckpt\n"
+        "from comera.train.measures import {fn} as base_fn, rss_mb\n"
+        "base = base_fn()\n"
+        "x = torch.ones(4, requires_grad=True)\n"
+        "ckpt.checkpoint(torch.sin, x, use_reentrant=False).sum().backward()\n"
+        "print(rss_mb() - base)\n"
+    )
+    added = {}
+    for fn in ("baseline_rss_mb", "rss_mb"):
+        out = subprocess.run([sys.executable, "-c", code.format(fn=fn)], capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        added[fn] = float(out.stdout.strip())
+    assert added["baseline_rss_mb"] < 25 < added["rss_mb"], added

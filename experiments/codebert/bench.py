@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from comera.host import cpu_model
-from comera.train.measures import peak_memory_mb, rss_mb
+from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.workers import WorkerFailed, run_json_worker
 
 __all__ = ["main", "packed_batch", "run_variant"]
@@ -103,7 +103,7 @@ def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False
     from experiments.codebert.task import MLMTask
 
     torch.manual_seed(0)
-    base = rss_mb()
+    base = baseline_rss_mb()
     model = _model(variant, tiny)
     seq = 64 if tiny else SEQ
     data = packed_batch(batch, model.vocab_size, seq)

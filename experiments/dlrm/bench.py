@@ -48,7 +48,7 @@ from comera.malloc import (
     restart_for,
     set_cpu_malloc,
 )
-from comera.train.measures import peak_memory_mb, rss_mb
+from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.workers import WorkerFailed, run_json_worker
 
 __all__ = ["main", "run_variant"]
@@ -88,7 +88,7 @@ def run_variant(variant: str, steps: int = 10, malloc: str = "default") -> dict:
     from experiments.dlrm.task import DLRMTask
 
     torch.manual_seed(0)
-    base = rss_mb()
+    base = baseline_rss_mb()
     dense = variant != "comera"
     model = DLRMConfig(tt=not dense)
     batch = _batch(model.cardinalities, BATCH)
