@@ -239,9 +239,10 @@ def test_aliased_gradients_are_copied_before_in_place_updates(tmp_path, optimize
 
 def test_benchmark_baseline_holds_the_modules_a_step_imports():
     """A recomputing step's first ``checkpoint`` call imports ``torch._dynamo`` (~70 MB
-    resident). Above ``baseline_rss_mb`` that import is not charged to the step (a tiny
-    step adds a few MB); above a plain ``rss_mb`` it is, which is what the benches'
-    peaks would have counted once ``import comera`` stopped loading dynamo."""
+    resident). Above ``baseline_rss_mb`` that import is not charged to the step; above a
+    plain ``rss_mb`` it is, which is what the benches' peaks would have counted once
+    ``import comera`` stopped loading dynamo. (What else a first step loads, 9-32 MB in a
+    fresh environment, is charged either way, as before.)"""
     import subprocess
     import sys
 
@@ -258,4 +259,4 @@ def test_benchmark_baseline_holds_the_modules_a_step_imports():
         out = subprocess.run([sys.executable, "-c", code.format(fn=fn)], capture_output=True,
                              text=True, check=True)  # fmt: skip
         added[fn] = float(out.stdout.strip())
-    assert added["baseline_rss_mb"] < 25 < added["rss_mb"], added
+    assert added["rss_mb"] - added["baseline_rss_mb"] > 40, added  # dynamo: ~70 MB
