@@ -744,3 +744,16 @@ def test_bench_child_failure_names_the_point_and_its_error():
     msg = str(e.value.code)
     assert msg.startswith("dlrm bench: variant no_such_variant failed (exit 2):")
     assert "invalid choice: 'no_such_variant'" in msg
+
+
+def test_lookup_bench_refuses_a_device_it_cannot_use():
+    """``python -m experiments.dlrm.bench --embedding --device D`` checks D as the training
+    CLI does (``experiments.cli.check_device``): a name torch cannot parse is one error
+    line and exit 2, not a traceback."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "experiments.dlrm.bench", "--embedding", "--device", "gpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "error: --device 'gpu' is not a torch device" in proc.stderr

@@ -49,6 +49,7 @@ from comera.malloc import (
     set_cpu_malloc,
 )
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
+from experiments.cli import CLIError, check_device
 from experiments.workers import WorkerFailed, run_json_worker
 
 __all__ = ["main", "run_variant"]
@@ -268,8 +269,10 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.device != "cpu" and not args.embedding:
         ap.error("--device: only the lookup timing (--embedding) runs off the CPU")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error(f"--device {args.device}: no CUDA device here")
+    try:
+        check_device(args.device)
+    except CLIError as e:
+        ap.error(str(e))
     if (args.variant or args.embedding) and args.device == "cpu":
         restart_for(args.malloc)  # as the experiment's command does (lean: huge pages)
     if args.variant:
