@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo dlrm codebert efficiency test bench gpu-check format clean
+.PHONY: setup demo dlrm codebert efficiency test test-fast bench gpu-check format clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)  ## the main job: CoMERA and dense on MNLI's smoke preset vs the cue baseline (CPU)
-	$(BIN)/python -m experiments.mnli_demo
+	$(BIN)/python -m experiments.mnli.demo
 
 dlrm: $(STAMP)  ## DLRM smoke: CoMERA and dense on generated Criteo-format data (CPU, ~1 min), then reports/dlrm.md
 	$(BIN)/python -m experiments.dlrm.report --bench-json reports/dlrm_bench.json
@@ -26,17 +26,21 @@ codebert: $(STAMP)  ## CodeBERT smoke: CoMERA and dense MLM on the stdlib (CPU, 
 	$(BIN)/python -m experiments.codebert.report --bench-json reports/codebert_bench.json
 
 efficiency: $(STAMP)  ## the paper's Figure 1 on CPU (~20 min), then eager vs sync_free vs compile steps (~15 min)
-	$(BIN)/python -m experiments.efficiency
-	$(BIN)/python -m experiments.step_modes
+	$(BIN)/python -m benchmarks.efficiency
+	$(BIN)/python -m benchmarks.step_modes
 
-bench: $(STAMP)  ## core and loader benchmarks (write reports/); the MNLI step: python -m experiments.mnli --bench
-	$(BIN)/python -m comera.bench
-	$(BIN)/python -m loaders.bench
+bench: $(STAMP)  ## core and loader benchmarks (write reports/); every benchmark: docs/benchmarks.md
+	$(BIN)/python -m benchmarks.core
+	$(BIN)/python -m benchmarks.loader
 
 test: $(STAMP)  ## lint, format check, then the whole test suite
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)  ## lint, then every test not marked slow (a few minutes on 2 cores)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -m "not slow"
 
 gpu-check: $(STAMP)  ## on a CUDA machine: GPU-path tests, DLRM lookup, core bench, step modes, MNLI step (reports/gpu/)
 	PY=$(BIN)/python bash scripts/gpu_check.sh

@@ -16,10 +16,8 @@ from comera.accounting import (
     tt_linear_flops,
     ttm_embedding_flops,
 )
-from comera.importance import rank_contributions
 from comera.layers import EMBEDDING_IMPLS, tt_linear, tt_linear_shared_input, ttm_embedding
-from comera.malloc import CPU_MALLOC_POLICIES, set_cpu_malloc
-from comera.modules import TTLinear, TTMEmbedding
+from comera.nn import TTLinear, TTMEmbedding
 from comera.plans import (
     STRATEGIES,
     ContractionPlan,
@@ -29,6 +27,7 @@ from comera.plans import (
     set_default_plan,
     tt_linear_plan,
 )
+from comera.pruning import rank_contributions
 from comera.spec import (
     TTLinearSpec,
     TTMEmbeddingSpec,
@@ -55,7 +54,6 @@ from comera.tensor_train import (
 )
 
 __all__ = [
-    "CPU_MALLOC_POLICIES",
     "EMBEDDING_IMPLS",
     "PRUNE_RULES",
     "STRATEGIES",
@@ -92,7 +90,6 @@ __all__ = [
     "summarize",
     "summary_table",
     "table_groups",
-    "set_cpu_malloc",
     "to_dense",
     "ttm_table",
     "tt_linear",

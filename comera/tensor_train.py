@@ -288,7 +288,7 @@ def prune(params: Params, state: State, tau: float, *, rule: str = "gate") -> St
 
     ``rule="contribution"``: a rank dies when its share of the weight,
     ``|d_k[i]| ||Left_i|| ||Right_i|| / ||W||_F`` from
-    :func:`comera.importance.rank_contributions`, is ``<= tau``. The share is invariant
+    :func:`comera.pruning.rank_contributions`, is ``<= tau``. The share is invariant
     to that symmetry and to the scale of ``W``, so only ranks that really carry little of
     the weight die. On every bond the shares of a non-zero weight add up to at least 1
     (triangle inequality over ``W = sum_i term_i``), so the largest is at least
@@ -308,7 +308,7 @@ def prune(params: Params, state: State, tau: float, *, rule: str = "gate") -> St
     if rule == "gate":
         keep = [g.detach().abs() > tau for g in params["gates"]]  # type: ignore[union-attr]
     else:
-        from comera.importance import rank_contributions  # importance imports this module
+        from comera.pruning import rank_contributions  # importance imports this module
 
         # written as "not <= tau" so NaN shares (a non-finite weight) prune nothing
         keep = [~(s <= tau) for s in rank_contributions(params, state)]

@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 import comera as C
-from comera.malloc import restart_for
 from comera.train import read_metrics
 from experiments import cli
+from experiments.malloc import restart_for
 
 __all__ = ["ABLATIONS", "Variant", "main", "run_ablation", "variants", "write_report"]
 

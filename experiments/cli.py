@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 import comera as C
-from comera.malloc import restart_for
 from comera.train import CheckpointError, NonFiniteLoss, Trainer, init_distributed
-from comera.train.config import STEP_MODES
+from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES
 from comera.tree import iter_tt
+from experiments.malloc import apply_cpu_malloc, restart_for
 
 __all__ = [
     "CLIError",
@@ -289,7 +289,7 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
     ap.add_argument(
         "--cpu-malloc",
         dest="cpu_malloc",
-        choices=C.CPU_MALLOC_POLICIES,
+        choices=CPU_MALLOC_POLICIES,
         help="CPU allocator policy: default (glibc as found), keep (faster, more resident "
         "memory), release (least memory, slower), lean (release on huge pages; the command "
         "restarts itself once to enable them)",
@@ -493,6 +493,8 @@ def prepare(
             "another --run-dir (nothing there is overwritten)"
         )
     rank, world = init_distributed(cfg.train.device)
+    if torch.device(cfg.train.device).type == "cpu":
+        apply_cpu_malloc(cfg.train.cpu_malloc)  # the command's policy: the library sets none
     task, params, state, reference, info = exp.build(cfg, rank, world)
     layers = [path for path, _, _ in iter_tt(params, state)]
     if layers:  # a dense baseline has no TT layer for a plan to name

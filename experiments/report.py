@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from comera.malloc import lean_without_hugepages
 from comera.train import load_checkpoint, read_metrics
 from comera.train.checkpoint import complete_checkpoints
+from experiments.malloc import lean_without_hugepages
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 

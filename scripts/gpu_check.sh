@@ -28,10 +28,10 @@ PY=${PY:-python3}
 G=reports/gpu
 ALL=(
   "1|120|tests|-m pytest -q -rs -p no:cacheprovider tests/test_gpu.py"
-  "1|60|dlrm_lookup|-m experiments.dlrm.bench --embedding --device cuda --json"
-  "1|90|core_bench|-m comera.bench --device cuda --json"
-  "1|150|step_modes_paper|-m experiments.step_modes --device cuda --models paper --modes sync_free,cuda_graph --out $G/step_modes_paper"
-  "2|240|step_modes_smoke|-m experiments.step_modes --device cuda --models smoke --modes sync_free,cuda_graph,compile --point-timeout 150 --out $G/step_modes_smoke"
+  "1|60|dlrm_lookup|-m benchmarks.dlrm_step --embedding --device cuda --json"
+  "1|90|core_bench|-m benchmarks.core --device cuda --json"
+  "1|150|step_modes_paper|-m benchmarks.step_modes --device cuda --models paper --modes sync_free,cuda_graph --out $G/step_modes_paper"
+  "2|240|step_modes_smoke|-m benchmarks.step_modes --device cuda --models smoke --modes sync_free,cuda_graph,compile --point-timeout 150 --out $G/step_modes_smoke"
   "2|240|mnli_bench|-m experiments.mnli --bench --device cuda --json"
 )
 NAMES=$(for s in "${ALL[@]}"; do IFS='|' read -r _ _ name _ <<<"$s"; printf '%s ' "$name"; done)

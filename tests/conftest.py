@@ -16,16 +16,15 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def _cpu_malloc_not_applied(monkeypatch):
-    """Training applies ``train.cpu_malloc`` to the whole process and no policy can be
-    undone, so in the test process it is checked but not applied (the tests of its effect
-    run child processes); nor may ``lean`` re-execute the test process."""
-    import comera.train.loop as loop
-    from comera.malloc import CPU_MALLOC_POLICIES
+    """The experiment commands apply ``train.cpu_malloc`` to the whole process and no
+    policy can be undone, so in the test process it is checked but not applied (the tests
+    of its effect run child processes); nor may ``lean`` re-execute the test process."""
+    import experiments.cli as cli
+    from comera.train.config import CPU_MALLOC_POLICIES
 
-    def check(policy: str) -> bool:
+    def check(policy: str) -> None:
         if policy not in CPU_MALLOC_POLICIES:
             raise ValueError(f"cpu_malloc={policy!r}")
-        return True
 
-    monkeypatch.setattr(loop, "set_cpu_malloc", check)
+    monkeypatch.setattr(cli, "apply_cpu_malloc", check)
     monkeypatch.setenv("COMERA_MALLOC_RESTARTED", "1")

@@ -5,7 +5,7 @@ import socket
 import torch
 
 import comera as C
-from comera.optim import AdamWConfig
+from comera.train.optim import AdamWConfig
 from comera.training import ComeraConfig, TrainConfig
 
 

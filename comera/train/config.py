@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from comera.galore import GaLoreConfig
-from comera.malloc import CPU_MALLOC_POLICIES
-from comera.optim import OPTIMIZERS, AdamWConfig, SGDConfig
+from comera.train.galore import GaLoreConfig
+from comera.train.optim import OPTIMIZERS, AdamWConfig, SGDConfig
 
 STEP_MODES = ("eager", "sync_free", "compile", "cuda_graph")  # comera.train.sync_free
 
 __all__ = [
+    "CPU_MALLOC_POLICIES",
     "PRUNE_RULES",
     "REGULARIZERS",
     "STEP_MODES",
@@ -29,6 +29,7 @@ __all__ = [
 REGULARIZERS = ("mean", "l1")
 PRUNE_RULES = ("gate", "contribution")
 WANDB_MODES = ("online", "offline", "disabled")
+CPU_MALLOC_POLICIES = ("default", "keep", "release", "lean")  # applied by experiments.malloc
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,7 +111,7 @@ class TrainConfig:
     ``optimizer``: ``"adamw"`` (``optim``, three learning-rate groups) or ``"sgd"`` (``sgd``;
     keeps no moments, so sparse embedding gradients stay sparse) or ``"galore"`` (``galore``:
     GaLore-AdamW from the galore-torch package, the dense baseline's; lr ``optim.lr_rest``).
-    ``cpu_malloc``: the process's CPU allocator policy (``comera.malloc``): ``"default"``
+    ``cpu_malloc``: the process's CPU allocator policy (``experiments.malloc``): ``"default"``
     (glibc as found), ``"keep"`` (faster steps, resident memory at its high-water mark),
     ``"release"`` (lowest resident memory, slower steps) or ``"lean"`` (``release`` on
     transparent huge pages: nearly its memory at a fraction of its page-fault time);

@@ -13,7 +13,6 @@ import inspect
 import math
 import random
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,14 +20,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from comera.galore import GaLore
-from comera.malloc import hugepages_active, set_cpu_malloc
-from comera.optim import adamw_init, adamw_step, sgd_step
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig
 from comera.train.distributed import broadcast_tensors, rank_world, sum_across_ranks
+from comera.train.galore import GaLore
 from comera.train.logging import RunLog, write_json_atomic, write_rank_snapshot
 from comera.train.measures import lr_scale, model_size, peak_memory_mb
+from comera.train.optim import adamw_init, adamw_step, sgd_step
 from comera.train.stages import StageController
 from comera.train.sync_free import SyncFreeStep
 from comera.train.task import Task, sum_and_count
@@ -103,19 +101,6 @@ class Trainer:
     ) -> None:
         self.cfg, self.task = cfg, task
         self.device = torch.device(cfg.device)
-        if self.device.type == "cpu" and not set_cpu_malloc(cfg.cpu_malloc):
-            # process-wide, the same for dense and CoMERA; said when it cannot apply
-            warnings.warn(
-                f"train.cpu_malloc={cfg.cpu_malloc!r} has no effect here (not glibc malloc)",
-                stacklevel=2,
-            )
-        elif self.device.type == "cpu" and cfg.cpu_malloc == "lean" and not hugepages_active():
-            warnings.warn(
-                "train.cpu_malloc='lean' runs without huge pages here: with the kernel's "
-                "THP mode 'madvise' they need GLIBC_TUNABLES=glibc.malloc.hugetlb=1 at "
-                "process start (the experiment commands restart themselves with it)",
-                stacklevel=2,
-            )
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world = rank_world()

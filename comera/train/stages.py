@@ -9,7 +9,7 @@ Stages. ``early`` (``early_steps`` steps): ``L + gamma * R(gates)`` (``R`` from
 ``regularizer``; ``gamma`` is 0 before ``reg_start_step``). At the boundary the model is
 pruned and compacted, then the late targets are fixed: ``S0 = c * S`` and ``L0`` (configured,
 or the smoothed loss). ``late``: ``w_L * L + w_S * S`` with the weights of
-:func:`comera.objectives.late_weights`. ``dense``: the loss alone (``enabled=False``).
+:func:`comera.train.objectives.late_weights`. ``dense``: the loss alone (``enabled=False``).
 Events after step ``s``: ``prune`` every ``prune_every`` steps; ``transition`` at the
 boundary; ``compact`` every ``compact_every`` steps and at the last step.
 """
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from comera.objectives import gate_regularizer, late_weights, size_surrogate
 from comera.train.config import ComeraConfig
+from comera.train.objectives import gate_regularizer, late_weights, size_surrogate
 
 __all__ = ["Objective", "StageController"]
 

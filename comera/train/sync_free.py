@@ -33,10 +33,10 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from comera.layers import sync_free_lookups
-from comera.optim import GROUPS, leaf_groups
 from comera.train.config import STEP_MODES
 from comera.train.distributed import sum_across_ranks
 from comera.train.measures import lr_scale
+from comera.train.optim import GROUPS, leaf_groups
 
 if TYPE_CHECKING:
     from comera.train.loop import Trainer

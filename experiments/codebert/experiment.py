@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 import comera as C
-from comera.optim import AdamWConfig
 from comera.train import ComeraConfig, TrainConfig
 from comera.train.distributed import rank_first
+from comera.train.optim import AdamWConfig
 from experiments import cli
 from experiments.cache import cache_root
 from experiments.codebert.data import (
@@ -306,7 +306,7 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from experiments.codebert.bench import main as bench_main
+    from benchmarks.codebert_step import main as bench_main
 
     if args.device and torch.device(args.device).type != "cpu":
         raise cli.CLIError(

@@ -22,9 +22,9 @@ import torch
 
 import comera as C
 import comera.tree
-from comera.optim import AdamWConfig, SGDConfig
 from comera.train import ComeraConfig, TrainConfig
 from comera.train.distributed import rank_first
+from comera.train.optim import AdamWConfig, SGDConfig
 from experiments import cli
 from experiments.dlrm.batches import RowBatches
 from experiments.dlrm.data import CriteoDataConfig, CriteoFormatError, load_criteo
@@ -247,12 +247,12 @@ def _reference_training(optimizer: str) -> list[tuple[str, Any]]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from experiments.dlrm.bench import main as bench_main
+    from benchmarks.dlrm_step import main as bench_main
 
     if args.device and torch.device(args.device).type != "cpu":
         raise cli.CLIError(
             f"--bench --device {args.device}: the dlrm step bench runs on the CPU; drop "
-            "--device (the lookup alone runs on a GPU: python -m experiments.dlrm.bench "
+            "--device (the lookup alone runs on a GPU: python -m benchmarks.dlrm_step "
             "--embedding --device cuda)"
         )
     return bench_main(json_out=args.json)

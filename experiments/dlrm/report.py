@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from comera.malloc import lean_without_hugepages, restart_for
+from benchmarks.dlrm_step import GLIBC_TAG
 from comera.train.logging import read_metrics
 from experiments.cli import config_from_dict
-from experiments.dlrm.bench import GLIBC_TAG
 from experiments.dlrm.data import CriteoDataConfig, load_criteo
 from experiments.dlrm.generate import planted_logits
 from experiments.dlrm.task import roc_auc
+from experiments.malloc import lean_without_hugepages, restart_for
 from experiments.report import smoke_report_main
 
 __all__ = ["main", "write_report"]

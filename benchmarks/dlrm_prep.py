@@ -1,0 +1,160 @@
+"""How fast, and in how much memory, the Criteo preprocessing runs at scale.
+
+    python -m benchmarks.dlrm_prep [--rows 4000000] [--file PATH] [--json]
+
+Writes a Criteo-format file of ``--rows`` rows shaped like Kaggle's (the reference's 26
+cardinalities with heavy-headed ids, 10% of dense and 3% of categorical fields empty; no
+planted signal: this measures the pipeline, not a model), unless ``--file`` names an
+existing Criteo file, then preprocesses it into a fresh cache in a child process while
+sampling the child's resident memory. Prints rows/s, the peak anonymous memory (what the
+process allocated itself; also above its baseline after imports, before the work starts)
+and the peak file-backed memory (pages of the memory-mapped
+output columns, which the kernel can write back and drop), and the time the Kaggle file
+(45,840,617 rows) would take at the same rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["main", "write_kaggle_like"]
+
+KAGGLE_ROWS = 45_840_617
+
+
+def write_kaggle_like(path: Path, rows: int, seed: int = 0, chunk: int = 250_000) -> None:
+    """``rows`` Criteo-format lines with Kaggle's cardinalities, written chunk by chunk."""
+    from experiments.dlrm.model import KAGGLE_CARDINALITIES
+
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for start in range(0, rows, chunk):
+            n = min(chunk, rows - start)
+            label = (rng.random(n) < 0.26).astype(np.int64).astype(str)
+            dense = np.floor(rng.lognormal(1.0, 1.5, size=(n, 13))).astype(np.int64).astype(str)
+            dense[rng.random((n, 13)) < 0.1] = ""
+            cats = np.empty((n, 26), dtype="<U8")
+            for j, vocab in enumerate(KAGGLE_CARDINALITIES):
+                # value k with probability ~ 1 / (k + 10), as the smoke generator draws them
+                u = rng.random(n)
+                k = np.minimum((np.exp(u * np.log(vocab / 10 + 1)) - 1) * 10, vocab - 1)
+                hashed = (k.astype(np.uint64) * np.uint64(2654435761) + np.uint64(j)) % (1 << 32)
+                cats[:, j] = np.char.zfill(np.char.mod("%x", hashed), 8)
+            cats[rng.random((n, 26)) < 0.03] = ""
+            table = np.concatenate([label[:, None], dense, cats], axis=1)
+            f.write("\n".join("\t".join(r) for r in table.tolist()) + "\n")
+
+
+def _child(path: str, cache: str) -> None:
+    from experiments.dlrm.data import CriteoDataConfig, load_criteo
+
+    base = _status_mb(os.getpid())
+    t = time.perf_counter()
+    data = load_criteo(CriteoDataConfig(path=path, cache_dir=cache), progress=False)
+    out = {"rows": len(data), "seconds": time.perf_counter() - t}
+    print(json.dumps({**out, "base_anon_mb": base[0] if base else 0}))
+
+
+def _status_mb(pid: int) -> tuple[int, int] | None:
+    """(RssAnon, RssFile) of ``pid`` in MB from /proc (Linux), or None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    vals = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            vals[key] = int(rest.split()[0]) // 1024
+    return (vals["RssAnon"], vals["RssFile"]) if len(vals) == 2 else None
+
+
+def measure(path: Path) -> dict:
+    """Preprocess ``path`` into a fresh cache in a child process; its time and peaks."""
+    cache = tempfile.mkdtemp(prefix="criteo-prep-")
+    try:
+        cmd = [sys.executable, "-m", "benchmarks.dlrm_prep", "--child", str(path), cache]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        peak_anon = peak_file = 0
+        while proc.poll() is None:
+            mb = _status_mb(proc.pid)
+            if mb:
+                peak_anon, peak_file = max(peak_anon, mb[0]), max(peak_file, mb[1])
+            time.sleep(0.05)
+        out = proc.stdout.read() if proc.stdout else ""
+        if proc.returncode:
+            raise SystemExit(f"prep_bench: preprocessing failed (exit {proc.returncode})")
+        res = json.loads(out.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    rate = res["rows"] / res["seconds"]
+    return {
+        "rows": res["rows"],
+        "file_mb": path.stat().st_size / 2**20,
+        "seconds": res["seconds"],
+        "rows_per_s": rate,
+        "peak_anon_mb": peak_anon,
+        "peak_anon_above_baseline_mb": peak_anon - res["base_anon_mb"],
+        "peak_file_mb": peak_file,
+        "kaggle_minutes_at_this_rate": KAGGLE_ROWS / rate / 60,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.dlrm_prep", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--rows", type=int, default=4_000_000)
+    ap.add_argument("--file", help="an existing Criteo file to preprocess instead")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        _child(*args.child)
+        return 0
+    if args.rows < 100:
+        print(f"{ap.prog}: error: --rows must be >= 100, got {args.rows}", file=sys.stderr)
+        return 2
+    tmp = None
+    if args.file:
+        path = Path(args.file)
+        if not path.is_file():
+            print(f"{ap.prog}: error: --file {path}: no such file", file=sys.stderr)
+            return 2
+    else:
+        tmp = tempfile.mkdtemp(prefix="criteo-gen-")
+        path = Path(tmp) / "train.txt"
+        t = time.perf_counter()
+        write_kaggle_like(path, args.rows)
+        print(f"wrote {args.rows:,} rows in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    try:
+        res = measure(path)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(
+            f"{res['rows']:,} rows ({res['file_mb']:.0f} MB) in {res['seconds']:.1f} s: "
+            f"{res['rows_per_s']:,.0f} rows/s; peak anonymous memory "
+            f"{res['peak_anon_above_baseline_mb']} MB above the process's baseline "
+            f"({res['peak_anon_mb']} MB in all), file-backed {res['peak_file_mb']} MB; the "
+            f"Kaggle file (45.8M rows) would take "
+            f"{res['kaggle_minutes_at_this_rate']:.1f} min at this rate"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

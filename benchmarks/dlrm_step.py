@@ -1,0 +1,284 @@
+"""One DLRM training step at the Kaggle table sizes, CoMERA vs dense, on CPU.
+
+    python -m experiments.dlrm --bench [--json]
+
+Every variant runs in a fresh process (``python -m benchmarks.dlrm_step --variant V``)
+so its peak RSS is its own: the figure is the peak resident memory above the process's
+baseline taken before the model is built. Variants, all through the shared trainer's
+``train_step`` with the experiment's task (what training runs):
+
+- ``comera``: TTM tables (d=4, rank 32) above 10,000 rows, TT ``bottom.1``/``top.1``,
+  AdamW, table-batched lookup, CoMERA early stage (gate regularizer on);
+- ``dense_sgd``: the reference's training: dense tables, SGD with sparse gradients;
+- ``dense_adam``: dense tables under the shared AdamW (dense gradients and moments);
+- ``comera`` and ``dense_sgd`` again under glibc's allocator as found
+  (``cpu_malloc=default``), for comparison.
+
+The headline variants run under the allocator policy DLRM trains with on CPU (the
+presets' ``train.cpu_malloc``, ``lean``: see :mod:`experiments.malloc`); a variant's process
+restarts itself for it exactly as the experiment's command does.
+
+Batch 10,000; ids drawn per table as ``floor(n * u**3)`` (a heavy head, as Criteo's are);
+step time is the median of 10 timed steps after one warm-up step; ``comera`` and
+``dense_sgd`` under the training policy run :data:`ROUNDS` times, alternating, and keep
+the median step time and peak of their runs. The lookup
+comparison (``embedding_time_ratio_batched_vs_separate``) times the embedding stage
+alone, forward and backward, table-batched vs one call per table, in one fresh process
+under the training policy (and again under glibc as found). On a GPU machine,
+``python -m benchmarks.dlrm_step --embedding --device cuda`` times the same comparison
+on the GPU (``make gpu-check`` runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from comera.train.measures import baseline_rss_mb, peak_memory_mb
+from experiments.cli import CLIError, check_device
+from experiments.host import cpu_model
+from experiments.malloc import (
+    CPU_MALLOC_POLICIES,
+    clean_malloc_env,
+    hugepages_active,
+    restart_for,
+    set_cpu_malloc,
+)
+from experiments.workers import WorkerFailed, run_json_worker
+
+__all__ = ["main", "run_variant"]
+
+BATCH = 10_000
+VARIANTS = ("comera", "dense_sgd", "dense_adam")
+GLIBC_TAG = "@glibc_default"
+# the headline pair (comera, dense_sgd) runs this many times, alternating, and each keeps
+# the median of its runs: on a shared CPU a step's time drifts between processes (three
+# single-run benches of the same code gave step ratios 1.10, 1.35 and 1.55)
+ROUNDS = 3
+
+
+def training_policy() -> str:
+    """The CPU allocator policy DLRM training runs under (its presets' default)."""
+    from experiments.dlrm.experiment import CPU_MALLOC
+
+    return CPU_MALLOC
+
+
+def _batch(cards: tuple[int, ...], n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    cat = torch.stack([(torch.rand(n, generator=g) ** 3 * c).long() for c in cards], 1)
+    return {
+        "dense": torch.rand(n, 13, generator=g) * 5,
+        "cat": cat.clamp_max(torch.tensor(cards) - 1),
+        "label": (torch.rand(n, generator=g) < 0.25).float(),
+    }
+
+
+def run_variant(variant: str, steps: int = 10, malloc: str = "default") -> dict:
+    """Build the Kaggle-size model of ``variant``, take ``steps + 1`` training steps under
+    the allocator policy ``malloc``."""
+    from comera.train import ComeraConfig, TrainConfig, Trainer
+    from comera.train.optim import AdamWConfig
+    from experiments.dlrm.model import DLRMConfig, dense_param_count, init_dlrm
+    from experiments.dlrm.task import DLRMTask
+
+    torch.manual_seed(0)
+    base = baseline_rss_mb()
+    dense = variant != "comera"
+    model = DLRMConfig(tt=not dense)
+    batch = _batch(model.cardinalities, BATCH)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TrainConfig(
+            steps=1000,
+            run_dir=tmp,
+            optimizer="sgd" if variant == "dense_sgd" else "adamw",
+            optim=AdamWConfig(lr_cores=1e-3, lr_gates=1e-3, lr_rest=1e-3, weight_decay=0.0),
+            comera=ComeraConfig(enabled=not dense, early_steps=500),
+            grad_clip=None,
+            cpu_malloc=malloc,
+            wandb="disabled",
+            progress=False,
+        )
+        t0 = time.perf_counter()
+        params, state = init_dlrm(model, generator=torch.Generator().manual_seed(0))
+        init_s = time.perf_counter() - t0
+        task = DLRMTask(model, None, None, sparse=variant == "dense_sgd")  # type: ignore[arg-type]
+        trainer = Trainer(cfg, task, params, state, copy=False)
+        del params, state
+        times = []
+        for _ in range(steps + 1):
+            t = time.perf_counter()
+            trainer.train_step(batch)
+            times.append(time.perf_counter() - t)
+        import comera as C
+
+        size = C.param_count(trainer.params)
+    return {
+        "variant": variant,
+        "params": size,
+        "compression": dense_param_count(model) / size,
+        "step_time_s": statistics.median(times[1:]),
+        "peak_rss_mb": peak_memory_mb(torch.device("cpu")) - base,
+        "init_s": init_s,
+        "malloc": malloc,
+        "hugepages": hugepages_active(),
+    }
+
+
+def embedding_times(repeats: int = 5, device: str = "cpu") -> dict:
+    """Forward + backward of the embedding stage: table-batched vs one call per table, on
+    ``device`` (on CUDA each timing ends with a synchronize: the kernels, not their
+    launch)."""
+    import dataclasses
+
+    from experiments.dlrm.model import DLRMConfig, embed, init_dlrm, table_specs
+
+    dev = torch.device(device)
+    model = DLRMConfig()
+    params, state = init_dlrm(model, generator=torch.Generator().manual_seed(0))
+    params = torch.utils._pytree.tree_map(lambda t: t.to(dev), params)
+    state = torch.utils._pytree.tree_map(lambda t: t.to(dev), state)
+    leaves = [
+        t.requires_grad_()
+        for tab in params["tables"].values()
+        for v in tab.values()
+        for t in (v if isinstance(v, list) else [v])
+    ]
+    cat = _batch(model.cardinalities, BATCH)["cat"].to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    specs = table_specs(model)
+    out = {}
+    variants = {
+        "batched": dataclasses.replace(model, batched_lookup=True),
+        "separate": dataclasses.replace(model, batched_lookup=False),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats + 1):
+        for name, cfg in variants.items():
+            sync()
+            t = time.perf_counter()
+            rows = embed(cfg, params, state, cat, sparse=True, specs=specs)
+            torch.autograd.grad(rows.sum(), leaves, allow_unused=True)
+            sync()
+            times[name].append(time.perf_counter() - t)
+    for name, ts in times.items():
+        out[f"embedding_{name}_s"] = statistics.median(ts[1:])
+    out["embedding_time_ratio_batched_vs_separate"] = (
+        out["embedding_batched_s"] / out["embedding_separate_s"]
+    )
+    return {**out, "device": str(dev)}
+
+
+def _in_child(args: list[str], what: str) -> dict:
+    """``python -m benchmarks.dlrm_step ARGS`` in a fresh process whose own ``--malloc``
+    policy (and restart) alone decides its allocator; its last stdout line as JSON. A
+    failure ends the bench, naming the point and the child's stderr tail."""
+    cmd = [sys.executable, "-m", "benchmarks.dlrm_step", *args]
+    try:
+        return run_json_worker(cmd, f"dlrm bench: {what}", env=clean_malloc_env())
+    except WorkerFailed as e:
+        raise SystemExit(str(e)) from None
+
+
+def _embedding_in_process(malloc: str) -> dict:
+    """:func:`embedding_times` in a fresh process under the allocator policy ``malloc``."""
+    return _in_child(["--embedding", "--malloc", malloc], "lookup timing")
+
+
+def main(json_out: bool = False) -> int:
+    """Run every variant in a fresh process, then the lookup comparison; print figures."""
+    results: dict[str, dict] = {}
+    policy = training_policy()
+    pair = [(v, v, policy) for v in ("comera", "dense_sgd")]
+    runs = pair * ROUNDS + [("dense_adam", "dense_adam", policy)]
+    if policy != "default":  # the same two under glibc as found, for comparison
+        runs += [(f"{v}{GLIBC_TAG}", v, "default") for v in ("comera", "dense_sgd")]
+    seen: dict[str, list[dict]] = {}
+    for label, v, malloc in runs:
+        seen.setdefault(label, []).append(
+            _in_child(["--variant", v, "--malloc", malloc], f"variant {label}")
+        )
+    for label, outs in seen.items():
+        results[label] = {**outs[0], "variant": label}
+        if len(outs) > 1:
+            results[label]["hugepages"] = all(o.get("hugepages", False) for o in outs)
+            for key in ("step_time_s", "peak_rss_mb"):
+                results[label][key] = statistics.median(o[key] for o in outs)
+                results[label][f"{key}_runs"] = [o[key] for o in outs]
+    emb = _embedding_in_process(policy)
+    emb_glibc = _embedding_in_process("default") if policy != "default" else emb
+    c, d, a = results["comera"], results["dense_sgd"], results["dense_adam"]
+    figures = {
+        "batch": BATCH,
+        "compression_ratio": c["compression"],
+        "peak_memory_ratio_vs_dense": c["peak_rss_mb"] / d["peak_rss_mb"],
+        "peak_memory_ratio_vs_dense_adam": c["peak_rss_mb"] / a["peak_rss_mb"],
+        "step_time_ratio_vs_dense": c["step_time_s"] / d["step_time_s"],
+        "rounds": ROUNDS,
+        "malloc": policy,
+        **emb,
+        "variants": results,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+    }
+    figures["embedding_time_ratio_batched_vs_separate_glibc_default"] = emb_glibc[
+        "embedding_time_ratio_batched_vs_separate"
+    ]
+    if f"comera{GLIBC_TAG}" in results:
+        cg, dg = results[f"comera{GLIBC_TAG}"], results[f"dense_sgd{GLIBC_TAG}"]
+        figures["peak_memory_ratio_vs_dense_glibc_default"] = cg["peak_rss_mb"] / dg["peak_rss_mb"]
+        figures["step_time_ratio_vs_dense_glibc_default"] = cg["step_time_s"] / dg["step_time_s"]
+    if json_out:
+        print(json.dumps(figures, indent=1))
+    else:
+        print(
+            f"DLRM step at Kaggle table sizes, batch {BATCH}, {figures['cpu']} "
+            f"({figures['threads']} threads), cpu_malloc={policy}"
+        )
+        print("| variant | params | compression | step time (s) | peak RSS above baseline (MB) |")
+        print("|---|---|---|---|---|")
+        for r in results.values():
+            print(
+                f"| {r['variant']} | {r['params']:,} | {r['compression']:.1f}x | "
+                f"{r['step_time_s']:.3f} | {r['peak_rss_mb']:.0f} |"
+            )
+        for k in (
+            "compression_ratio",
+            "peak_memory_ratio_vs_dense",
+            "peak_memory_ratio_vs_dense_adam",
+            "step_time_ratio_vs_dense",
+            "embedding_time_ratio_batched_vs_separate",
+        ):
+            print(f"{k}: {figures[k]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", choices=VARIANTS)
+    ap.add_argument("--embedding", action="store_true", help="time the lookups only")
+    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default")
+    ap.add_argument("--device", default="cpu", help="--embedding only: cpu or cuda")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.device != "cpu" and not args.embedding:
+        ap.error("--device: only the lookup timing (--embedding) runs off the CPU")
+    try:
+        check_device(args.device)
+    except CLIError as e:
+        ap.error(str(e))
+    if (args.variant or args.embedding) and args.device == "cpu":
+        restart_for(args.malloc)  # as the experiment's command does (lean: huge pages)
+    if args.variant:
+        print(json.dumps(run_variant(args.variant, malloc=args.malloc)))
+    elif args.embedding:
+        set_cpu_malloc(args.malloc)
+        print(json.dumps({**embedding_times(device=args.device), "malloc": args.malloc}))
+    else:
+        raise SystemExit(main(json_out=args.json))

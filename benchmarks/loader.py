@@ -1,0 +1,203 @@
+"""Loader benchmark: ``python -m benchmarks.loader [--json]``.
+
+Generates a deterministic pre-tokenized corpus (default ~50M tokens, log-normal document
+lengths around 1,000 tokens, two sub-datasets mixed 0.7/0.3) in a temp dir and measures
+the full pipeline (global shuffle + mix + pack to 4096) on one reader: steady-state
+tokens/s, time to first batch, state size, save and load time; then the same through a
+``DataLoader`` with one worker. Writes ``reports/bench_loader.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from experiments.host import cpu_model  # the benchmark names its CPU, as every report here does
+from loaders.config import DatasetSpec, LoaderConfig
+from loaders.loader import TokenLoader
+
+SEQ_LEN, BATCH = 4096, 8
+
+
+def write_corpus(root: Path, total_tokens: int, *, seed: int = 0, vocab: int = 50_000) -> dict:
+    """Two sub-datasets (``web``, ``code``) of log-normal-length documents, several files each."""
+    rng = np.random.default_rng(seed)
+    stats = {}
+    for name in ("web", "code"):
+        folder = root / name
+        folder.mkdir(parents=True)
+        budget, docs, toks, f = total_tokens // 2, 0, 0, 0
+        while toks < budget:
+            n = min(budget - toks, 4_000_000)  # ~4M tokens per file
+            lengths = np.clip(rng.lognormal(np.log(1000) - 0.32, 0.8, size=n // 900 + 8), 1, 32_768)
+            lengths = lengths.astype(np.int64)
+            lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), n)) + 1]
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            values = rng.integers(3, vocab, size=int(offsets[-1]), dtype=np.int32)
+            arr = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+            table = pa.table({"tokens": arr})
+            with pa.OSFile(str(folder / f"part-{f:03d}.arrow"), "wb") as sink:
+                with pa.ipc.new_file(sink, table.schema) as w:
+                    w.write_table(table, max_chunksize=8192)
+            docs, toks, f = docs + len(lengths), toks + int(offsets[-1]), f + 1
+        stats[name] = {"docs": docs, "tokens": toks, "files": f}
+    return stats
+
+
+def _config(root: Path) -> LoaderConfig:
+    return LoaderConfig(
+        datasets=[
+            DatasetSpec(name="web", path=root / "web", weight=0.7),
+            DatasetSpec(name="code", path=root / "code", weight=0.3),
+        ],
+        seq_len=SEQ_LEN,
+        batch_size=BATCH,
+        bos_id=1,
+        eos_id=2,
+        shuffle="global",
+    )
+
+
+def _throughput(loader: TokenLoader, measure_tokens: int, warmup_batches: int = 20) -> dict:
+    t0 = time.perf_counter()
+    first = next(loader)
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup_batches):
+        next(loader)
+    per_batch = first["input_ids"].numel()
+    n = max(1, measure_tokens // per_batch)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        next(loader)
+    dt = time.perf_counter() - t0
+    return {"tokens_per_s": n * per_batch / dt, "first_batch_s": first_s}
+
+
+def run(total_tokens: int, measure_tokens: int, workdir: Path) -> dict:
+    t0 = time.perf_counter()
+    stats = write_corpus(workdir / "corpus", total_tokens)
+    gen_s = time.perf_counter() - t0
+    os.sync()  # flush the corpus writes so they do not land on the timed fsyncs below
+    cfg = _config(workdir / "corpus")
+    t0 = time.perf_counter()
+    loader = TokenLoader(cfg)  # counts documents and writes doc_counts.json
+    next(loader)
+    cold_first_s = time.perf_counter() - t0
+    inproc = _throughput(loader, measure_tokens)
+    t0 = time.perf_counter()
+    fresh = TokenLoader(cfg)  # a restart: counts come from doc_counts.json
+    next(fresh)
+    first_batch_s = time.perf_counter() - t0
+    state = loader.state_dict()
+    state_bytes = len(json.dumps(state, separators=(",", ":")).encode())
+    ckpt = workdir / "ckpt"
+    saves, loads, bg = [], [], []
+    for _ in range(7):
+        t = time.perf_counter()
+        loader.save(ckpt)
+        saves.append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        fut = loader.save(ckpt, background=True)
+        bg.append((time.perf_counter() - t) * 1e3)
+        fut.result()
+        t = time.perf_counter()
+        fresh.load(ckpt)
+        loads.append((time.perf_counter() - t) * 1e3)
+    assert fresh.state_dict()["readers"] == loader.state_dict()["readers"]
+    dl = TokenLoader(cfg, num_workers=1, prefetch_factor=4)
+    dl_fig = _throughput(dl, measure_tokens)  # first batch includes the worker's start
+    dl._close()
+    return {
+        "tokens_per_s": round(inproc["tokens_per_s"]),
+        "first_batch_s": round(first_batch_s, 4),
+        "first_batch_cold_s": round(cold_first_s, 4),
+        "state_bytes": state_bytes,
+        "save_ms": round(statistics.median(saves), 3),
+        "load_ms": round(statistics.median(loads), 3),
+        "save_background_blocking_ms": round(statistics.median(bg), 3),
+        "dataloader_1worker_tokens_per_s": round(dl_fig["tokens_per_s"]),
+        "dataloader_1worker_first_batch_s": round(dl_fig["first_batch_s"], 4),
+        "corpus_tokens": sum(s["tokens"] for s in stats.values()),
+        "corpus_docs": sum(s["docs"] for s in stats.values()),
+        "corpus_gen_s": round(gen_s, 2),
+        "num_shards": cfg.num_shards,
+        "seq_len": SEQ_LEN,
+        "batch_size": BATCH,
+        "machine": f"{cpu_model()}, {platform.machine()}, {os.cpu_count()} CPUs",
+    }
+
+
+def write_report(res: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [
+        ("tokens/s, in-process reader", f"{res['tokens_per_s']:,}", ">= 4,000,000"),
+        ("tokens/s, DataLoader 1 worker", f"{res['dataloader_1worker_tokens_per_s']:,}", ""),
+        ("first batch (s), in-process, doc counts cached", f"{res['first_batch_s']}", ""),
+        ("first batch (s), in-process, counting documents", f"{res['first_batch_cold_s']}", ""),
+        ("first batch (s), DataLoader 1 worker", f"{res['dataloader_1worker_first_batch_s']}", ""),
+        ("state size (bytes, JSON)", f"{res['state_bytes']:,}", "<= 65,536"),
+        ("save (ms, median of 7, fsync + rename)", f"{res['save_ms']}", "< 10"),
+        (
+            "save on the background thread: time the caller blocks (ms)",
+            f"{res['save_background_blocking_ms']}",
+            "",
+        ),  # fmt: skip
+        ("load (ms, median of 7, read + merge + rebuild readers)", f"{res['load_ms']}", ""),
+    ]
+    lines = [
+        "# Loader benchmark",
+        "",
+        "Generated by `python -m benchmarks.loader`. Corpus: "
+        f"{res['corpus_tokens']:,} tokens in {res['corpus_docs']:,} documents (log-normal "
+        "lengths, mean ~1,000), two sub-datasets mixed 0.7/0.3; global Feistel shuffle, "
+        f"packing to {res['seq_len']} with BOS/EOS, batches of {res['batch_size']} rows, "
+        f"L={res['num_shards']} logical shards. Machine: {res['machine']}, "
+        f"Python {platform.python_version()}.",
+        "",
+        "| measure | value | target |",
+        "| --- | --- | --- |",
+        *[f"| {a} | {b} | {c} |" for a, b, c in rows],
+        "",
+        "The corpus is freshly written, so reads come from the page cache (a cold disk would "
+        "bound throughput by its read rate). DataLoader first batch includes forking the worker.",
+        "",
+        "Peer for scale, measured once in an early session on the project's first 2-core "
+        "machine with a similar corpus (not re-run with this report): fms-fsdp streamed "
+        "~1.85M tokens/s in-process and 0.7-1.5M through a DataLoader worker; its state was "
+        "13-124 MB, saved in 1.4-18 s.",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--tokens", type=int, default=50_000_000, help="corpus size in tokens")
+    p.add_argument("--measure-tokens", type=int, default=40_000_000)
+    p.add_argument("--report", type=Path, default=Path("reports/bench_loader.md"))
+    p.add_argument("--no-report", action="store_true")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="loader-bench-") as tmp:
+        res = run(args.tokens, args.measure_tokens, Path(tmp))
+    if not args.no_report:
+        write_report(res, args.report)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(f"{k:>36}: {v}", file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""One full training step of the paper-size MNLI model, CoMERA vs dense.
+
+    python -m experiments.mnli --bench [--json] [--device cuda]
+
+A step is forward, backward and the AdamW update (CoMERA: with the early-stage gate
+regularizer), on a synthetic batch of the paper's shape. Each (variant, batch) runs in
+a fresh subprocess so its peak memory is its own: on CPU the peak RSS above the
+process's RSS just before the model is built (``ru_maxrss`` delta); on CUDA the
+allocator's peak above what was allocated before the model. Times are medians.
+``galore`` is the dense model under GaLore-AdamW (galore-torch; rank 128, projection
+refreshed every 200 steps, scale 0.25: the GaLore paper's settings, the paper's Figure 1
+baseline). ``comera_recompute`` and ``dense_recompute`` (batch 32) recompute every block in
+backward (``--recompute``). Each variant runs under the CPU allocator policy its training
+command runs under: glibc as found (the default) for the plain variants, ``lean`` for the
+recompute ones (``--recompute`` selects it; the worker restarts itself for it as the
+command does); the recompute variants are also measured as found (``@glibc_default``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from comera.train.logging import write_json_atomic
+from comera.train.measures import baseline_rss_mb, peak_memory_mb
+from experiments.host import cpu_model
+from experiments.malloc import (
+    CPU_MALLOC_POLICIES,
+    clean_malloc_env,
+    hugepages_active,
+    restart_for,
+    set_cpu_malloc,
+)
+from experiments.workers import WorkerFailed, run_json_worker
+
+REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
+# a GPU run never replaces the CPU figures
+GPU_REPORT_JSON = REPORT_JSON.parent / "gpu" / "mnli_bench_cuda.json"
+BATCHES = (32, 1)
+VARIANTS = ("comera", "dense", "comera_half", "galore", "comera_recompute", "dense_recompute")
+RECOMPUTE_BATCH = 32  # the recompute variants run at this batch only
+GLIBC_TAG = "@glibc_default"
+SEQ = 128
+
+
+def _tiny_config(tt: bool) -> object:
+    """A few-thousand-parameter model for tests of the plumbing."""
+    from experiments.transformer import EncoderConfig
+
+    return EncoderConfig(
+        tt=tt, vocab_size=64, max_len=SEQ, d_model=16, heads=2, ffn=32, layers=1, rank=4,
+        attn_modes=((4, 4), (4, 4)), ffn_in_modes=((8, 4), (4, 4)), ffn_out_modes=((4, 4), (4, 8)),
+        emb_vocab_modes=(8, 8), emb_dim_modes=(4, 4), emb_rank=4,
+    )  # fmt: skip
+
+
+def training_malloc(variant: str) -> str:
+    """The CPU allocator policy the training command of ``variant`` runs under."""
+    from experiments.cli import RECOMPUTE_CPU_MALLOC
+
+    return RECOMPUTE_CPU_MALLOC if variant.endswith("_recompute") else "default"
+
+
+def worker(
+    variant: str,
+    batch: int,
+    repeats: int,
+    device: str,
+    threads: int,
+    tiny: bool = False,
+    malloc: str = "default",
+) -> dict:
+    """Build the model in this process and time ``repeats`` steps after one warm-up,
+    under the CPU allocator policy ``malloc``."""
+    import comera as C
+    from comera.train.objectives import gate_regularizer
+    from comera.train.optim import AdamWConfig, adamw_init, adamw_step
+    from experiments.transformer import EncoderConfig, encoder_logits, init_encoder
+
+    if variant == "galore":  # imports (transformers, bitsandbytes: ~130 MB) before the baseline
+        from comera.train.galore import GaLore, GaLoreConfig
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        set_cpu_malloc(malloc)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = baseline_rss_mb()
+    tt = not variant.startswith(("dense", "galore"))
+    cfg = _tiny_config(tt) if tiny else EncoderConfig(tt=tt)
+    if variant.endswith("_recompute"):  # every encoder block recomputed in backward
+        cfg = dataclasses.replace(cfg, recompute=True)
+    if variant == "comera_half":  # stand-in for a pruned model: every rank halved
+        cfg = dataclasses.replace(cfg, rank=cfg.rank // 2, emb_rank=cfg.emb_rank // 2)
+    params, state = init_encoder(cfg, generator=torch.Generator().manual_seed(0))
+    params = torch.utils._pytree.tree_map(lambda t: t.to(dev).requires_grad_(True), params)
+    state = torch.utils._pytree.tree_map(lambda t: t.to(dev), state)
+    leaves = torch.utils._pytree.tree_flatten(params)[0]
+    opt = adamw_init(params) if variant != "galore" else None
+    galore = None
+    if variant == "galore":  # the dense model under GaLore-AdamW (galore-torch)
+        oc = AdamWConfig()
+        # GaLore's paper settings on the encoder blocks' linears; the one SVD refresh per
+        # 200 steps falls in the warm-up step, so timed steps do not include its cost
+        galore = GaLore(params, GaLoreConfig(rank=min(128, cfg.d_model // 2)), oc.lr_rest,
+                        betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    data = {
+        "input_ids": torch.randint(0, cfg.vocab_size, (batch, SEQ), generator=g),
+        "token_type_ids": (torch.arange(SEQ) >= SEQ // 2).long().expand(batch, SEQ).clone(),
+        "attention_mask": torch.ones(batch, SEQ, dtype=torch.bool),
+        "labels": torch.randint(0, 3, (batch,), generator=g),
+    }
+    data = {k: v.to(dev) for k, v in data.items()}
+    ocfg = AdamWConfig()
+
+    def step() -> None:
+        nonlocal opt
+        logits = encoder_logits(params, state, data, cfg, train=True)
+        loss = torch.nn.functional.cross_entropy(logits, data["labels"])
+        if tt:
+            loss = loss + 1e-2 * gate_regularizer(params, state)
+        grads = torch.autograd.grad(loss, leaves)
+        if galore is not None:
+            galore.step(list(grads))
+        else:
+            opt = adamw_step(params, list(grads), opt, ocfg)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    if dev.type == "cuda":
+        peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+        how = "CUDA allocator peak above the pre-model baseline"
+    else:
+        peak_mb = peak_memory_mb(dev) - base
+        how = "peak RSS (ru_maxrss) above the RSS before the model was built"
+    return {
+        "variant": variant,
+        "batch": batch,
+        "step_s": statistics.median(times),
+        "step_s_all": times,
+        "peak_mb": peak_mb,
+        "peak_memory": how,
+        "params": C.param_count(params),
+        "device": device,
+        "malloc": malloc if dev.type == "cpu" else None,
+        "hugepages": hugepages_active(),
+    }
+
+
+def run_worker(
+    variant: str,
+    batch: int,
+    repeats: int,
+    device: str,
+    threads: int,
+    tiny: bool = False,
+    malloc: str = "default",
+) -> dict:
+    """:func:`worker` in a fresh process (so its peak memory is its own)."""
+    cmd = [
+        sys.executable, "-m", "benchmarks.mnli_step", "--worker", variant,
+        "--batch", str(batch), "--repeats", str(repeats), "--device", device,
+        "--threads", str(threads), "--malloc", malloc, *(["--tiny"] if tiny else []),
+    ]  # fmt: skip
+    print(
+        f"mnli bench: {variant}, batch {batch} x {SEQ}, cpu_malloc={malloc} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    env = clean_malloc_env()  # the worker's policy alone decides (restart included)
+    return run_json_worker(cmd, f"bench worker {variant}/{batch}", env=env)
+
+
+def _galore_available() -> bool:
+    """Whether the GaLore baseline can run here: ``galore_torch`` imports (it imports
+    bitsandbytes too), which the ``galore`` extra installs."""
+    try:
+        import galore_torch  # noqa: F401
+    except Exception:  # ImportError, or bitsandbytes failing its own setup
+        return False
+    return True
+
+
+def main(
+    *,
+    json_out: bool = False,
+    device: str | None = None,
+    repeats: int = 5,
+    threads: int = 2,
+    tiny: bool = False,
+    out: Path | None = None,
+) -> int:
+    """Run every (variant, batch) in its own subprocess and write ``out`` (JSON; default
+    ``reports/mnli_bench.json`` on the CPU, ``reports/gpu/mnli_bench_cuda.json`` on a GPU).
+
+    ``tiny`` swaps in a toy model: it checks the plumbing, it measures nothing useful."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = out or (REPORT_JSON if torch.device(device).type == "cpu" else GPU_REPORT_JSON)
+    # the workers' results so far, beside (never over) ``out``: a run stopped by a time
+    # limit keeps what it measured, and the last complete figures stay where they were
+    partial = out.with_name(out.stem + ".partial.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial.unlink(missing_ok=True)  # an older run's: never mistaken for this one's
+    variants = VARIANTS
+    if not _galore_available():
+        variants = tuple(v for v in VARIANTS if v != "galore")
+        print(
+            "mnli bench: galore-torch (or its bitsandbytes) cannot be imported, so the GaLore "
+            "variant and its ratios are left out (pip install 'comera-framework[galore]')",
+            file=sys.stderr,
+        )
+    head = {"partial": True, "device": device, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    results, failed = [], []
+    for batch in BATCHES:
+        for variant in variants:
+            if variant.endswith("_recompute") and batch != RECOMPUTE_BATCH:
+                continue
+            malloc = training_malloc(variant) if device == "cpu" else "default"
+            try:
+                results.append(run_worker(variant, batch, repeats, device, threads, tiny, malloc))
+            except WorkerFailed as e:  # one point failing stops no other
+                print(e, file=sys.stderr, flush=True)
+                results.append({"variant": variant, "batch": batch, "error": e.reason})
+                failed.append(f"{variant}/{batch}")
+            write_json_atomic(partial, {**head, "runs": results})
+    galore_error = None
+    if failed and all(f.startswith("galore/") for f in failed):
+        # GaLore is an optional baseline (an extra package): its failing alone (say,
+        # bitsandbytes on this CUDA) leaves the other figures whole; say why it is missing
+        galore_error = next(r["error"] for r in results if "error" in r)
+        results = [r for r in results if r["variant"] != "galore"]
+        variants = tuple(v for v in variants if v != "galore")
+        print(f"mnli bench: GaLore failed ({galore_error}); its ratios are left out",
+              file=sys.stderr)  # fmt: skip
+    elif failed:  # no summary from an incomplete run: the last complete figures stay
+        print(f"mnli bench: {', '.join(failed)} failed; the other points are in {partial}; "
+              f"{out} was not replaced", file=sys.stderr)  # fmt: skip
+        return 1
+    extra = []  # the recompute variants as found, and plain dense under their policy
+    for variant in ("comera_recompute", "dense_recompute"):
+        if device == "cpu" and training_malloc(variant) != "default":
+            r = run_worker(variant, RECOMPUTE_BATCH, repeats, device, threads, tiny, "default")
+            extra.append({**r, "variant": f"{variant}{GLIBC_TAG}"})
+    lean = training_malloc("comera_recompute")
+    if device == "cpu" and lean != "default":
+        r = run_worker("dense", RECOMPUTE_BATCH, repeats, device, threads, tiny, lean)
+        extra.append({**r, "variant": f"dense@{lean}"})
+    by = {(r["variant"], r["batch"]): r for r in results + extra}
+    summary = {
+        "step_time_ratio_vs_dense": by["comera", 32]["step_s"] / by["dense", 32]["step_s"],
+        "step_time_ratio_vs_dense_b1": by["comera", 1]["step_s"] / by["dense", 1]["step_s"],
+        "peak_memory_ratio_vs_dense": by["comera", 1]["peak_mb"] / by["dense", 1]["peak_mb"],
+        "peak_memory_ratio_vs_dense_b32": by["comera", 32]["peak_mb"] / by["dense", 32]["peak_mb"],
+        "compression_ratio": by["dense", 32]["params"] / by["comera", 32]["params"],
+        # --recompute at batch 32: both recomputing, and CoMERA recomputing vs dense not
+        "peak_memory_ratio_vs_dense_b32_recompute": by["comera_recompute", 32]["peak_mb"]
+        / by["dense_recompute", 32]["peak_mb"],
+        # CoMERA recomputing vs dense not, both under the recompute runs' policy
+        "peak_memory_ratio_recompute_vs_dense_b32": by["comera_recompute", 32]["peak_mb"]
+        / by[(f"dense@{lean}" if extra else "dense"), 32]["peak_mb"],
+        # the same, each under its own command's policy (dense: glibc as found)
+        "peak_memory_ratio_recompute_vs_dense_b32_each_own_policy": by["comera_recompute", 32][
+            "peak_mb"
+        ]
+        / by["dense", 32]["peak_mb"],
+        "step_time_ratio_vs_dense_b32_recompute": by["comera_recompute", 32]["step_s"]
+        / by["dense_recompute", 32]["step_s"],
+        # GaLore (the dense model, GaLore-AdamW rank 128, gap 200, scale 0.25) at batch 1
+        **(
+            {
+                "step_time_ratio_vs_galore": by["comera", 1]["step_s"] / by["galore", 1]["step_s"],
+                "peak_memory_ratio_vs_galore": by["comera", 1]["peak_mb"]
+                / by["galore", 1]["peak_mb"],
+                "step_time_ratio_vs_galore_b32": by["comera", 32]["step_s"]
+                / by["galore", 32]["step_s"],
+                "peak_memory_ratio_vs_galore_b32": by["comera", 32]["peak_mb"]
+                / by["galore", 32]["peak_mb"],
+            }
+            if "galore" in variants
+            else {}
+        ),
+        **(
+            {
+                "peak_memory_ratio_vs_dense_b32_recompute_glibc_default": by[
+                    f"comera_recompute{GLIBC_TAG}", 32
+                ]["peak_mb"]
+                / by[f"dense_recompute{GLIBC_TAG}", 32]["peak_mb"],
+                "peak_memory_ratio_recompute_vs_dense_b32_glibc_default": by[
+                    f"comera_recompute{GLIBC_TAG}", 32
+                ]["peak_mb"]
+                / by["dense", 32]["peak_mb"],
+            }
+            if extra
+            else {}
+        ),
+        "half_ranks": {
+            "step_time_ratio_vs_dense": by["comera_half", 32]["step_s"] / by["dense", 32]["step_s"],
+            "peak_memory_ratio_vs_dense": by["comera_half", 1]["peak_mb"]
+            / by["dense", 1]["peak_mb"],
+            "compression_ratio": by["dense", 32]["params"] / by["comera_half", 32]["params"],
+        },
+        **({"galore_error": galore_error} if galore_error else {}),
+        "device": device,
+        "threads": threads,
+        "cpu": cpu_model(),
+        "repeats": repeats,
+        "peak_memory": results[0]["peak_memory"],
+        "date": time.strftime("%Y-%m-%d"),
+        "runs": results + extra,
+    }
+    write_json_atomic(out, summary)
+    partial.unlink(missing_ok=True)
+    if json_out:
+        print(json.dumps(summary))
+    else:
+        for r in results:
+            print(
+                f"{r['variant']:>7} b{r['batch']:<3} step {r['step_s'] * 1e3:9.1f} ms  "
+                f"peak {r['peak_mb']:8.1f} MB  params {r['params']:,}"
+            )
+        print({k: v for k, v in summary.items() if k.endswith("ratio") or "ratio_vs" in k})
+    return 1 if galore_error else 0  # written, but a point failed: the run says so
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.mnli_step")
+    ap.add_argument("--worker", choices=VARIANTS, default=None)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="toy model (tests)")
+    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    if a.worker:
+        dev = a.device or "cpu"
+        if dev == "cpu":
+            restart_for(a.malloc)  # as the training command does (lean: huge pages)
+        print(json.dumps(worker(a.worker, a.batch, a.repeats, dev, a.threads, a.tiny, a.malloc)))
+    else:
+        raise SystemExit(
+            main(
+                json_out=a.json,
+                device=a.device,
+                repeats=a.repeats,
+                threads=a.threads,
+                tiny=a.tiny,
+                out=a.out,
+            )
+        )

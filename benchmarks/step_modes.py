@@ -1,0 +1,248 @@
+"""Step modes measured where users run them: the trainer's ``train_step`` on MNLI, CoMERA,
+under ``train.step_mode`` eager, sync_free and compile (``cuda_graph`` needs a GPU).
+
+    python -m benchmarks.step_modes [--models smoke,paper] [--repeats 10] [--threads 2]
+
+Two models: the ``smoke`` preset as it trains (batch 128 x 16 tokens) and the paper's
+six-encoder model (``EncoderConfig()``) at batch 32 x 128 tokens, both on the generated
+MNLI task. Each (model, mode) point runs in a fresh process: build the task and trainer,
+one step (which compiles, for ``compile``), two more untimed steps, then ``repeats``
+timed steps; the median is reported. Writes ``reports/step_modes.json`` and
+``reports/step_modes.md``. The allocator is glibc as found, as training runs by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from comera.train.measures import baseline_rss_mb, peak_memory_mb
+from experiments.cli import CLIError, check_device
+from experiments.host import cpu_model
+from experiments.workers import WorkerFailed, run_json_worker
+from loaders.metadata import atomic_write_text
+
+__all__ = ["MODES", "main", "worker"]
+
+REPORTS = Path(__file__).resolve().parent.parent / "reports"
+MODES = ("eager", "sync_free", "compile", "cuda_graph")
+MODELS = ("smoke", "paper")
+
+
+def worker(
+    model: str, mode: str, repeats: int, threads: int, tiny: bool = False, device: str = "cpu"
+) -> dict:
+    """Time the trainer's step for one (model, mode) in this process."""
+    from comera.training import Trainer
+    from experiments.mnli import experiment as mnli
+    from experiments.transformer import EncoderConfig
+
+    torch.set_num_threads(threads)
+    base = baseline_rss_mb()
+    p = mnli.preset("smoke", run_dir=tempfile.mkdtemp(prefix="step_modes_"))
+    if model == "paper":
+        p.model = EncoderConfig()
+        p.data = dataclasses.replace(p.data, max_length=128)
+        p.batch_size = 32
+    if tiny:  # the test's size: a few steps of a small slice
+        p.batch_size = min(p.batch_size, 8)
+    p.data = dataclasses.replace(p.data, generated_train=max(4 * p.batch_size, 256),
+                                 generated_eval=32)  # fmt: skip
+    p.train = dataclasses.replace(
+        p.train, step_mode=mode, wandb="disabled", progress=False, device=device
+    )
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    task, params, state, _ = mnli.build(p)
+    trainer = Trainer(p.train, task, params, state, copy=False)
+    it = iter(task.train_iter)
+    t0 = time.perf_counter()
+    trainer.train_step(next(it))
+    first = time.perf_counter() - t0
+    for _ in range(2):
+        trainer.train_step(next(it))
+    times, loss = [], float("nan")
+    for _ in range(repeats):
+        batch = next(it)
+        t0 = time.perf_counter()
+        loss = trainer.train_step(batch)["loss"]
+        if device.startswith("cuda"):  # eager returns with the update still queued
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return {
+        "model": model,
+        "mode": mode,
+        "batch": p.batch_size,
+        "seq": p.data.max_length,
+        "first_step_s": first,
+        "step_s": statistics.median(times),
+        "step_s_all": times,
+        "peak_mb": peak_memory_mb(trainer.device) - base,
+        "device": device,
+        "loss": loss,
+        "threads": threads,
+    }
+
+
+def run_point(
+    model: str,
+    mode: str,
+    repeats: int,
+    threads: int,
+    tiny: bool = False,
+    device: str = "cpu",
+    timeout: float | None = None,
+) -> dict:
+    """:func:`worker` in a fresh process; a worker past ``timeout`` seconds (a compile
+    that runs long) is killed and reported as failed, like any failing worker."""
+    cmd = [sys.executable, "-m", "benchmarks.step_modes", "--worker", model, mode,
+           "--repeats", str(repeats), "--threads", str(threads), "--device", device]  # fmt: skip
+    cmd += ["--tiny"] if tiny else []
+    print(f"step modes: {model} / {mode} ...", file=sys.stderr, flush=True)
+    what = f"step-mode worker {model}/{mode}"
+    try:
+        return run_json_worker(cmd, what, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise WorkerFailed(what, f"stopped after --point-timeout {timeout:g} s") from None
+
+
+def write_report(result: dict, out_dir: Path = REPORTS) -> str:
+    """``step_modes.json`` and ``step_modes.md``; returns the markdown."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "step_modes.json", json.dumps(result, indent=2) + "\n", fsync=False)
+    device = result.get("device", "cpu")
+    on_cpu = device.startswith("cpu")
+    lines = [
+        f"# Step modes: eager vs sync-free vs torch.compile ({'CPU' if on_cpu else device})",
+        "",
+        f"`python -m benchmarks.step_modes` on {result['date']}, torch {result['torch']}, "
+        f"device {device}"
+        + (
+            f", {result['threads']} threads of {result.get('cpu', 'an unrecorded CPU')}, "
+            "glibc malloc as found. "
+            if on_cpu
+            else ". "
+        )
+        + "The trainer's `train_step` "
+        "(CoMERA, early stage, AdamW) on the generated MNLI task; a fresh process per row; "
+        f"median of {result['repeats']} steps after three untimed ones.",
+        "",
+        "| model | batch x seq | mode | first step (s) | step (s) | vs eager | peak MB |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in result["runs"]:
+        eager = next(
+            (x for x in result["runs"] if x["model"] == r["model"] and x["mode"] == "eager"), None
+        )
+        ratio = "-" if eager is None else f"{eager['step_s'] / r['step_s']:.2f}x"
+        lines.append(
+            f"| {r['model']} | {r['batch']} x {r['seq']} | {r['mode']} | {r['first_step_s']:.1f} "
+            f"| {r['step_s']:.4f} | {ratio} | {r['peak_mb']:.0f} |"
+        )
+    lines += [
+        "",
+        "`vs eager` is eager's step time over this mode's (above 1: faster). `first step` "
+        "includes compilation for `compile`; it is paid again after every compaction (the "
+        "parameter shapes change), not after a prune. `peak MB` is the process's peak above "
+        "its baseline (CPU: peak RSS, compilation included; CUDA: the allocator's peak). "
+        "`cuda_graph` runs on a GPU only (`--device cuda`).",
+        "",
+        "With dropout (the paper model's 0.1) `compile` draws other dropout masks than "
+        "eager (the compiled graph consumes random numbers its own way, with inductor's "
+        "`fallback_random` too), so its loss differs from eager's by that noise; without "
+        "dropout (smoke) the losses agree. Two compiled runs from one seed gave the same losses.",
+        "",
+        "The trainer's default stays `eager`: `compile` is faster per step, but its "
+        "compilation is paid at the start and after every compaction and it raises the peak "
+        "memory; it pays for itself only in long runs where memory is not the constraint "
+        "(README, Step modes).",
+        "",
+    ]
+    md = "\n".join(lines)
+    atomic_write_text(out_dir / "step_modes.md", md, fsync=False)
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.step_modes", description=__doc__)
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: smoke,paper")
+    ap.add_argument("--modes", default="eager,sync_free,compile", help=f"comma-separated: {MODES}")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (for cuda_graph)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="report dir (default reports/; cuda: reports/gpu/)"
+    )
+    ap.add_argument(
+        "--point-timeout",
+        type=float,
+        default=None,
+        help="seconds a point may take (failed past it)",
+    )
+    ap.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        result = worker(*args.worker, args.repeats, args.threads, args.tiny, args.device)
+        print(json.dumps(result))
+        return 0
+    models = [m for m in args.models.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in models if m not in MODELS] + [m for m in modes if m not in MODES]
+    if "cuda_graph" in modes and not args.device.startswith("cuda"):
+        print("step_modes: --modes cuda_graph needs --device cuda", file=sys.stderr)
+        return 2
+    if bad or args.repeats < 1:
+        print(f"step_modes: unknown model or mode {bad} (models {MODELS}, modes {MODES}), "
+              "or --repeats < 1", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        check_device(args.device)
+    except CLIError as e:
+        print(f"step_modes: {e}", file=sys.stderr)
+        return 2
+    modes = ["eager", *[m for m in modes if m != "eager"]]  # every ratio is against it
+    out = args.out or (REPORTS if torch.device(args.device).type == "cpu" else REPORTS / "gpu")
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict] = []
+    result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "threads": args.threads, "cpu": cpu_model(), "repeats": args.repeats,
+              "device": args.device, "runs": runs}  # fmt: skip
+    # the points so far go beside the report, never over it: a run cut short (a time
+    # limit, a failing mode) keeps what it measured and the last complete report stays
+    partial = out / "step_modes.partial.json"
+    partial.unlink(missing_ok=True)  # an older run's: never mistaken for this one's
+    failed = []
+    for m in models:
+        for mode in modes:
+            try:
+                runs.append(run_point(m, mode, args.repeats, args.threads, args.tiny,
+                                      args.device, args.point_timeout))  # fmt: skip
+            except WorkerFailed as e:  # one mode failing (a compile error, say) stops no other
+                print(e, file=sys.stderr, flush=True)
+                runs.append({"model": m, "mode": mode, "error": e.reason})
+                failed.append(f"{m}/{mode}")
+            atomic_write_text(
+                partial, json.dumps({"partial": True, **result}, indent=2) + "\n", fsync=False
+            )
+    if failed:  # not a complete run: the last complete report stays, the points are kept
+        print(f"step_modes: {', '.join(failed)} failed; the other points are in {partial}; "
+              "the report was not replaced", file=sys.stderr)  # fmt: skip
+        return 1
+    print(write_report(result, out))
+    partial.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

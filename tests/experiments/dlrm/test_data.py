@@ -1,0 +1,249 @@
+"""Criteo preprocessing, cache, errors, batches and click metrics."""
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments.dlrm.batches import RowBatches
+from experiments.dlrm.data import (
+    CriteoDataConfig,
+    CriteoFormatError,
+    load_criteo,
+    preprocess,
+)
+from experiments.dlrm.task import click_metrics, roc_auc
+from tests.criteo_helpers import SAMPLE
+
+
+def _cfg(tmp_path: Path, **kw) -> CriteoDataConfig:
+    return CriteoDataConfig(path="x", cache_dir=str(tmp_path / "cache"), **kw)
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("criteo")
+    return preprocess(SAMPLE, _cfg(tmp), progress=False)
+
+
+def test_sample_parses_like_the_reference(sample) -> None:
+    lines = SAMPLE.read_text().splitlines()
+    assert len(sample) == len(lines) == 200
+    assert sample.splits == {"train": (0, 172), "test": (172, 186), "val": (186, 200)}
+    for i in (0, 57, 199):
+        f = lines[i].split("\t")
+        assert sample.label[i] == int(f[0])
+        want = [math.log1p(max(int(v), 0)) if v else 0.0 for v in f[1:14]]
+        np.testing.assert_allclose(sample.dense[i], want, rtol=1e-6)
+    for j in range(26):  # ids: contiguous, most frequent first, ties by hash, empty = 0
+        hashes = [int(line.split("\t")[14 + j] or "0", 16) for line in lines]
+        freq = Counter(hashes)
+        order = {h: k for k, h in enumerate(sorted(freq, key=lambda h: (-freq[h], h)))}
+        assert sample.cardinalities[j] == len(order)
+        assert list(sample.cat[:, j]) == [order[h] for h in hashes]
+
+
+def test_cache_is_reused_and_partial_caches_are_rebuilt(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    first = preprocess(SAMPLE, cfg, progress=False)
+    meta = first.root / "meta.json"
+    stamp = meta.stat().st_mtime_ns
+    assert preprocess(SAMPLE, cfg, progress=False).root == first.root
+    assert meta.stat().st_mtime_ns == stamp  # not rebuilt
+    want, root, cards = np.array(first.cat), first.root, first.cardinalities
+    del first  # drop the memory maps before damaging the files under them
+    meta.unlink()  # as if a build died before completing
+    (root / "cat.i32").unlink()
+    (root / "cat.i32").write_bytes(b"junk")
+    again = preprocess(SAMPLE, cfg, progress=False)
+    assert (again.root / "meta.json").is_file()
+    np.testing.assert_array_equal(again.cat, want)
+    # other settings: another cache entry
+    hashed = preprocess(SAMPLE, _cfg(tmp_path, max_ind_range=50), progress=False)
+    assert hashed.root != root
+    assert all(c <= min(50, n) for c, n in zip(hashed.cardinalities, cards, strict=True))
+    assert max(hashed.cardinalities) == 50 and int(hashed.cat.max()) < 50
+    by_hash = preprocess(SAMPLE, _cfg(tmp_path, id_order="hash"), progress=False)
+    first_col = [int(line.split("\t")[14] or "0", 16) for line in SAMPLE.read_text().splitlines()]
+    ranks = {h: k for k, h in enumerate(sorted(set(first_col)))}
+    assert list(by_hash.cat[:, 0]) == [ranks[h] for h in first_col]
+    rare = preprocess(SAMPLE, _cfg(tmp_path, min_count=3), progress=False)
+    assert all(r <= c + 1 for r, c in zip(rare.cardinalities, cards, strict=True))  # + id 0
+    assert sum(rare.cardinalities) < sum(cards) / 2
+    freq = Counter(first_col)
+    kept = sorted((h for h in freq if freq[h] >= 3), key=lambda h: (-freq[h], h))
+    want_ids = {h: k + 1 for k, h in enumerate(kept)}  # rare values: id 0
+    assert list(rare.cat[:, 0]) == [want_ids.get(h, 0) for h in first_col]
+    assert not list((tmp_path / "cache").glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("settings", [{}, {"min_count": 3}, {"id_order": "hash"}])
+def test_ids_do_not_depend_on_the_lookup_chunk(tmp_path: Path, monkeypatch, settings) -> None:
+    """Pass 2 maps hashes to ids a chunk of rows at a time (bounded memory): chunks of 7
+    rows, which split the 200-row sample unevenly, give the one-chunk result."""
+    from experiments.dlrm import data as criteo_data
+
+    whole = preprocess(SAMPLE, _cfg(tmp_path / "a", **settings), progress=False)
+    monkeypatch.setattr(criteo_data, "_ID_CHUNK", 7)
+    chunked = preprocess(SAMPLE, _cfg(tmp_path / "b", **settings), progress=False)
+    np.testing.assert_array_equal(chunked.cat, whole.cat)
+    assert chunked.cardinalities == whole.cardinalities
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda f: f[:-1], "line 5: expected 40 tab-separated fields"),
+        (lambda f: f[:3] + ["12x"] + f[4:], "line 5, field I3: expected a 64-bit integer"),
+        (lambda f: f[:20] + ["zz12"] + f[21:], "line 5, field C7: expected a hex hash"),
+        (lambda f: ["2"] + f[1:], "line 5, field label: expected 0 or 1"),
+    ],
+)
+def test_bad_lines_are_named(tmp_path: Path, mutate, message: str) -> None:
+    lines = SAMPLE.read_text().splitlines()
+    lines[4] = "\t".join(mutate(lines[4].split("\t")))
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(CriteoFormatError, match=message):
+        preprocess(bad, _cfg(tmp_path), progress=False)
+    assert not list((tmp_path / "cache").glob("*")), "a failed build leaves nothing behind"
+
+
+def test_bad_line_deep_in_the_file_is_found_by_the_fast_reader(tmp_path: Path) -> None:
+    lines = SAMPLE.read_text().splitlines()
+    lines[150] = lines[150].replace("\t", "\t9q", 1)  # label ok, I1 = "9q..."
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(CriteoFormatError, match=r"bad.txt, line 151, field I1"):
+        preprocess(bad, _cfg(tmp_path), progress=False)
+
+
+def _set_field(lines: list[str], i: int, field: int, value: str) -> None:
+    fields = lines[i].split("\t")
+    fields[field] = value
+    lines[i] = "\t".join(fields)
+
+
+@pytest.mark.parametrize("case", ["blank", "overflow"])
+def test_blank_lines_and_overflow_are_named(tmp_path: Path, case: str) -> None:
+    lines = SAMPLE.read_text().splitlines()
+    if case == "blank":
+        _set_field(lines, 151, 1, "9q")  # a later bad line: the blank one comes first
+        lines.insert(120, "")
+        message = "line 121: expected 40 tab-separated fields"
+    else:
+        _set_field(lines, 151, 2, "9" * 20)  # does not fit in int64
+        message = "line 152, field I2: expected a 64-bit integer"
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(CriteoFormatError, match=message):
+        preprocess(bad, _cfg(tmp_path), progress=False)
+
+
+def test_stale_partial_builds_are_removed(tmp_path: Path) -> None:
+    from experiments.dlrm.data import fingerprint
+
+    cfg = _cfg(tmp_path)
+    stale = tmp_path / "cache" / f"{fingerprint(SAMPLE, cfg)}.tmp-999999999"  # no such pid
+    stale.mkdir(parents=True)
+    (stale / "hash.u32").write_bytes(b"\0" * 64)
+    preprocess(SAMPLE, cfg, progress=False)
+    assert not stale.exists()
+
+
+def test_non_criteo_and_missing_files(tmp_path: Path) -> None:
+    csv = tmp_path / "data.csv"
+    csv.write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(CriteoFormatError, match="line 1: expected 40 tab-separated"):
+        preprocess(csv, _cfg(tmp_path), progress=False)
+    with pytest.raises(FileNotFoundError, match="--data PATH"):
+        preprocess(tmp_path / "nope.txt", _cfg(tmp_path), progress=False)
+
+
+def test_generated_file_has_learnable_signal(tmp_path: Path) -> None:
+    data = load_criteo(
+        CriteoDataConfig(cache_dir=str(tmp_path), generated_rows=3000), progress=False
+    )
+    assert len(data) == 3000 and len(data.cardinalities) == 26
+    assert 0.2 < data.meta["base_rate"] < 0.45
+
+
+def test_row_batches_resume_and_rescale(sample) -> None:
+    lo, hi = sample.splits["train"]
+
+    def rows(it, n):
+        return [tuple(next(it)["row"].tolist()) for _ in range(n)]
+
+    one = RowBatches(sample, lo, hi, 16, seed=3)
+    first = rows(one, 30)  # crosses epochs (10 batches per epoch)
+    epoch = sum(first[:10], ())
+    assert len(set(epoch)) == 160 and lo <= min(epoch) and max(epoch) < hi  # no repeats
+    assert sorted(sum(first[10:20], ())) != sorted(epoch)  # a new order each epoch
+    it = RowBatches(sample, lo, hi, 16, seed=3)
+    rows(it, 13)
+    state = it.state_dict()
+    # resumed on 2 ranks: each takes half of every global batch, in the same order
+    halves = []
+    for rank in range(2):
+        r = RowBatches(sample, lo, hi, 16, seed=3, rank=rank, world=2)
+        r.load_state_dict([state, state])
+        halves.append(rows(r, 17))
+    for k in range(17):
+        assert sorted(halves[0][k] + halves[1][k]) == sorted(first[13 + k])
+    with pytest.raises(ValueError, match="batch_size=16"):
+        RowBatches(sample, lo, hi, 32, seed=3).load_state_dict(state)
+
+
+def test_auc_is_exact_with_ties() -> None:
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 5, 300).astype(float)  # many ties
+    labels = rng.random(300) < 0.3
+    pos, neg = scores[labels], scores[~labels]
+    brute = ((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (
+        len(pos) * len(neg)
+    )
+    assert roc_auc(scores, labels) == pytest.approx(brute, abs=1e-12)
+    m = click_metrics(np.zeros(300), labels.astype(float))  # logit 0: p = 0.5
+    assert m["auc"] == 0.5 and m["logloss"] == pytest.approx(math.log(2))
+    assert m["nce"] > 1  # worse than predicting the base rate
+
+
+def test_unreadable_file_is_named(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "train.txt"
+    path.write_text(SAMPLE.read_text())
+    real_open = open
+
+    def deny(file, *a, **kw):  # as a file without read permission (tests may run as root)
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *a, **kw)
+
+    monkeypatch.setattr("builtins.open", deny)
+    with pytest.raises(CriteoFormatError, match="cannot read Criteo file .*train.txt: Perm"):
+        preprocess(path, _cfg(tmp_path), progress=False)
+
+
+def test_prep_bench_measures_a_kaggle_shaped_file(tmp_path: Path, capsys) -> None:
+    """``python -m benchmarks.dlrm_prep``: its generated file is valid Criteo with
+    Kaggle's vocabularies (head-heavy), and preprocessing it in a child process reports
+    the rows, a rate and the memory peaks; bad input is one line, exit 2."""
+    from benchmarks import dlrm_prep as prep_bench
+    from experiments.dlrm.data import check_line
+
+    path = tmp_path / "train.txt"
+    prep_bench.write_kaggle_like(path, 500, chunk=128)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 500
+    for n, line in enumerate(lines, 1):
+        check_line(line, path, n)
+    c3 = Counter(line.split("\t")[16] for line in lines)  # 10M values, heavy head
+    assert 50 < len(c3) < 500 and c3.most_common(1)[0][1] >= 5
+    assert prep_bench.main(["--file", str(path), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["rows"] == 500 and res["rows_per_s"] > 0 and res["peak_file_mb"] >= 0
+    assert res["peak_anon_mb"] >= res["peak_anon_above_baseline_mb"] >= 0
+    assert prep_bench.main(["--file", str(tmp_path / "missing.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -1,0 +1,759 @@
+"""DLRM model, sparse SGD in the trainer, and the experiment's command line."""
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import comera as C
+from comera.train import ComeraConfig, TrainConfig, Trainer
+from comera.train.optim import SGDConfig
+from experiments import cli
+from experiments.dlrm.experiment import main
+from experiments.dlrm.model import (
+    DLRMConfig,
+    _mlp,
+    dense_param_count,
+    dlrm_logits,
+    embed,
+    init_dlrm,
+)
+from tests.criteo_helpers import SAMPLE
+
+CARDS = (3, 50, 4096, 700, 9000, 12, 2000)
+
+
+def _model(**kw) -> DLRMConfig:
+    base = dict(
+        cardinalities=CARDS,
+        bottom=(32,),
+        top=(16,),
+        tt_min_rows=500,
+        emb_rank=4,
+        tt_layers=("bottom.1",),
+        tt_layer_rank=4,
+    )
+    return DLRMConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _batch(n: int = 64, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    cat = torch.stack([torch.randint(0, c, (n,), generator=g) for c in CARDS], 1)
+    return {
+        "dense": torch.rand(n, 13, generator=g),
+        "cat": cat,
+        "label": (torch.rand(n, generator=g) < 0.3).float(),
+    }
+
+
+def test_architecture_and_lookups_agree() -> None:
+    cfg = _model()
+    params, state = init_dlrm(cfg, generator=torch.Generator().manual_seed(0))
+    assert [n for n, t in params["tables"].items() if "cores" in t] == ["C3", "C4", "C5", "C7"]
+    assert "cores" in params["bottom"][1] and "weight" in params["top"][0]
+    assert params["top"][0]["weight"].shape == (16, 16 + 8 * 7 // 2)  # 16 + 28 dot products
+    batch = _batch()
+    a = dlrm_logits(cfg, params, state, batch)
+    b = dlrm_logits(dataclasses.replace(cfg, batched_lookup=False), params, state, batch)
+    assert a.shape == (64,)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    paper = DLRMConfig()  # the Kaggle architecture
+    bottom, top = paper.mlp_sizes()
+    assert bottom == [13, 512, 256, 64, 16] and top == [367, 512, 256, 1]
+    assert dense_param_count(paper) == 33_762_577 * 16 + 475_985  # tables + MLPs
+    with pytest.raises(ValueError, match="tt_layers names"):
+        _model(tt_layers=("top.7",))
+
+
+def test_interaction_is_the_references_pairwise_dot_products() -> None:
+    """The top MLP reads the bottom output, then every dot product of two distinct vectors
+    in the reference's order ((1,0), (2,0), (2,1), ...): logits and gradients agree with
+    that written out by hand."""
+    cfg = _model()
+    params, state = init_dlrm(cfg, generator=torch.Generator().manual_seed(0))
+    batch, plans = _batch(8), C.LayerPlans()
+    # gradients through the interaction's backward: the top layer, the bottom MLP's
+    # first layer and a TTM table's cores (below the dot products)
+    leaves = [params["top"][0]["weight"], params["bottom"][0]["weight"]]
+    leaves += params["tables"]["C3"]["cores"]
+    for t in leaves:
+        t.requires_grad_()
+    x = _mlp(params["bottom"], state["bottom"], batch["dense"], plans, "bottom", True)
+    vecs = torch.cat([x.unsqueeze(1), embed(cfg, params, state, batch["cat"])], 1)
+    n = vecs.shape[1]
+    assert n == 1 + len(CARDS)
+    dots = [(vecs[:, i] * vecs[:, j]).sum(1, keepdim=True) for i in range(n) for j in range(i)]
+    want = _mlp(params["top"], state["top"], torch.cat([x, *dots], 1), plans, "top", False)
+    got = dlrm_logits(cfg, params, state, batch)
+    torch.testing.assert_close(got, want.squeeze(1), rtol=1e-5, atol=1e-5)
+    for g_got, g_want in zip(
+        torch.autograd.grad(got.sum(), leaves),
+        torch.autograd.grad(want.sum(), leaves),
+        strict=True,
+    ):
+        assert g_want.abs().sum() > 0
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5)
+
+
+def test_hot_rows_add_a_dense_row_to_the_frequent_ids_only() -> None:
+    """``hot_rows``: ids below it in each TTM table read the TTM row plus a dense one (both
+    lookup paths), only those dense rows get gradients, and they count in the model size."""
+    from comera.train.measures import model_size
+
+    cfg = _model(hot_rows=100)
+    params, state = init_dlrm(cfg, generator=torch.Generator().manual_seed(0))
+    assert sorted(params["hot"]) == ["C3", "C4", "C5", "C7"]
+    assert all(h["weight"].shape == (100, 16) for h in params["hot"].values())
+    batch = _batch(256)
+    plain = {k: v for k, v in params.items() if k != "hot"}
+    base = embed(cfg, plain, state, batch["cat"])
+    torch.testing.assert_close(embed(cfg, params, state, batch["cat"]), base)  # zero at init
+    g = torch.Generator().manual_seed(1)
+    for h in params["hot"].values():
+        h["weight"] = torch.randn(h["weight"].shape, generator=g).requires_grad_()
+    for batched in (True, False):
+        c = dataclasses.replace(cfg, batched_lookup=batched)
+        diff = embed(c, params, state, batch["cat"]) - base
+        for j, name in ((2, "C3"), (4, "C5"), (1, "C2")):
+            ids = batch["cat"][:, j]
+            want = torch.zeros(len(ids), 16)
+            if name in params["hot"]:
+                hot = ids < 100
+                assert 0 < int(hot.sum()) < len(ids)  # both kinds of id in the batch
+                want[hot] = params["hot"][name]["weight"].detach()[ids[hot]]
+            torch.testing.assert_close(diff[:, j].detach(), want, rtol=1e-5, atol=1e-5)
+    embed(cfg, params, state, batch["cat"]).sum().backward()
+    grad = params["hot"]["C5"]["weight"].grad
+    read = torch.zeros(100, dtype=torch.bool)
+    read[batch["cat"][:, 4][batch["cat"][:, 4] < 100]] = True
+    assert bool((grad[read] != 0).all()) and bool((grad[~read] == 0).all())
+    assert model_size(params, state) == model_size(plain, state) + 4 * 100 * 16
+    assert "hot" not in init_dlrm(_model(), generator=torch.Generator().manual_seed(0))[0]
+    with pytest.raises(ValueError, match="hot_rows"):
+        _model(hot_rows=-1)
+
+
+def test_hash_rows_shrink_the_dense_models_large_tables() -> None:
+    """``hash_rows=K``: the dense model's tables of ``tt_min_rows`` rows and up hold K rows
+    and id ``i`` reads row ``i % K`` (sparse gradients too); smaller tables and the CoMERA
+    model are untouched; the CLI refuses it without --dense."""
+    from comera.train.measures import model_size
+
+    cfg = _model(tt=False, hash_rows=300)
+    params, state = init_dlrm(cfg, generator=torch.Generator().manual_seed(0))
+    rows = {n: t["weight"].shape[0] for n, t in params["tables"].items()}
+    assert rows == {
+        n: (min(c, 300) if c >= 500 else c) for n, c in zip(cfg.names, CARDS, strict=True)
+    }
+    assert any(c > 300 for c in CARDS if c >= 500) and any(c < 500 for c in CARDS)
+    full = init_dlrm(_model(tt=False), generator=torch.Generator().manual_seed(0))[0]
+    assert model_size(params, state) < model_size(full, state)
+    batch = _batch(256)
+    for sparse in (False, True):
+        out = embed(cfg, params, state, batch["cat"], sparse=sparse)
+        for j, name in enumerate(cfg.names):
+            w = params["tables"][name]["weight"]
+            torch.testing.assert_close(out[:, j], w[batch["cat"][:, j] % w.shape[0]])
+    weights = [t["weight"].requires_grad_() for t in params["tables"].values()]
+    grads = torch.autograd.grad(embed(cfg, params, state, batch["cat"], sparse=True).sum(), weights)
+    for j, (w, g) in enumerate(zip(weights, grads, strict=True)):  # sparse, at the hashed rows
+        assert g.is_sparse and g.shape == w.shape
+        want = torch.zeros(w.shape[0]).index_add_(0, batch["cat"][:, j] % w.shape[0],
+                                                  torch.ones(len(batch["cat"])))  # fmt: skip
+        torch.testing.assert_close(g.to_dense()[:, 0], want)  # d(sum)/d(row) = times read
+    wide = init_dlrm(_model(tt=False, hash_rows=1000), generator=torch.Generator().manual_seed(0))
+    assert wide[0]["tables"]["C4"]["weight"].shape[0] == 700  # no more rows than it has
+    assert wide[0]["tables"]["C3"]["weight"].shape[0] == 1000
+    comera = init_dlrm(_model(hash_rows=300), generator=torch.Generator().manual_seed(0))[0]
+    assert [n for n, t in comera["tables"].items() if "cores" in t] == ["C3", "C4", "C5", "C7"]
+    with pytest.raises(ValueError, match="hash_rows"):
+        _model(hash_rows=-1)
+
+
+def test_hash_rows_need_the_dense_model(tmp_path: Path, capsys) -> None:
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--set", "model.hash_rows=8")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--dense" in err[0] and "hash_rows" in err[0]
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--dense", "--set",
+                "model.hash_rows=100000")  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()  # the sample's tables are far smaller
+    assert code == 2 and len(err) == 1 and "hashes no table" in err[0]
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_hashed_dense_trains_and_resumes_on_the_sample(tmp_path: Path) -> None:
+    """``--dense --set model.hash_rows=K`` trains end to end on the real Criteo rows,
+    counts its size against the full dense model and resumes from its checkpoint."""
+    args = ["--run-dir", str(tmp_path / "r"), "--dense", "--set", "model.hash_rows=16",
+            "--set", "model.tt_min_rows=40", "--set", "train.steps=4",
+            "--set", "train.checkpoint_every=2", "--set", "batch_size=32"]  # fmt: skip
+    assert _cli(tmp_path, *args) == 0
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "compression" in r][-1]
+    assert last["step"] == 4 and last["compression"] > 1.5
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["model"]["hash_rows"] == 16 and config["dense"]
+    shutil.rmtree(tmp_path / "r" / "checkpoints" / "step_00000004")  # died after step 2
+    assert main(["--resume", str(tmp_path / "r"), "--no-progress"]) == 0  # hashed shapes load
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert (tmp_path / "r" / "checkpoints" / "step_00000004").is_dir()
+    assert [r["step"] for r in rows if "loss" in r][-1] == 4
+
+
+class _Task:
+    def __init__(self, cfg: DLRMConfig, sparse: bool) -> None:
+        self.cfg, self.sparse, self.train_iter = cfg, sparse, iter(())
+
+    def loss(self, params, state, batch, *, train=True):
+        logits = dlrm_logits(self.cfg, params, state, batch, sparse=self.sparse)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            logits, batch["label"], reduction="sum"
+        )
+        return loss, len(logits), {}
+
+    def evaluate(self, params, state):
+        return {}
+
+
+def test_sparse_sgd_step_equals_dense_sgd_step(tmp_path: Path) -> None:
+    cfg = _model(tt=False)
+    params, state = init_dlrm(cfg, generator=torch.Generator().manual_seed(0))
+    batch = _batch()
+    out = []
+    for sparse in (True, False):
+        train = TrainConfig(
+            steps=5,
+            run_dir=str(tmp_path / str(sparse)),
+            optimizer="sgd",
+            comera=ComeraConfig(enabled=False),
+            sgd=SGDConfig(lr=0.5),
+            grad_clip=1.0,
+            wandb="disabled",
+        )
+        tr = Trainer(train, _Task(cfg, sparse), params, state)
+        m = tr.train_step(batch)
+        out.append((tr.params, m["grad_norm"]))
+    (sp, g_sparse), (dp, g_dense) = out
+    assert g_sparse == pytest.approx(g_dense, rel=1e-5)
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(sp), torch.utils._pytree.tree_leaves(dp), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    w0, w1 = params["tables"]["C5"]["weight"], sp["tables"]["C5"]["weight"]
+    untouched = torch.ones(CARDS[4], dtype=torch.bool)
+    untouched[batch["cat"][:, 4]] = False
+    assert torch.equal(w1.detach()[untouched], w0[untouched])  # rows not read never move
+    assert not torch.equal(w1.detach()[~untouched], w0[~untouched])
+
+
+def _cli(tmp_path: Path, *extra: str) -> int:
+    return main(
+        [
+            "--preset",
+            "smoke",
+            "--data",
+            str(SAMPLE),
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--no-progress",
+            "--wandb",
+            "disabled",
+            "--set",
+            "batch_size=32",
+            "--set",
+            "train.steps=12",
+            "--set",
+            "train.eval_every=6",
+            "--set",
+            "train.checkpoint_every=6",
+            "--set",
+            "train.comera.reg_start_step=2",
+            "--set",
+            "train.comera.early_steps=8",
+            "--set",
+            "train.comera.prune_every=2",
+            "--set",
+            "model.tt_min_rows=100",
+            *extra,
+        ]
+    )
+
+
+def test_cli_trains_on_the_real_sample_and_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert _cli(tmp_path, "--run-dir", str(run)) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/val/auc" in r]
+    assert [r["step"] for r in evals] == [6, 12]
+    assert {"eval/val/nce", "eval/val/logloss", "eval/val/accuracy"} <= set(evals[-1])
+    per_table = {k: v for k, v in evals[-1].items() if k.startswith("eval/compression/")}
+    assert per_table and all(v > 1 for v in per_table.values())
+    assert any(r.get("stage") == "late" for r in rows)
+    config = json.loads((run / "config.json").read_text())
+    assert config["ttm_tables"] > 0 and config["train"]["optimizer"] == "adamw"
+    dense = tmp_path / "dense"
+    assert _cli(tmp_path, "--run-dir", str(dense), "--dense") == 0
+    config = json.loads((dense / "config.json").read_text())
+    assert config["ttm_tables"] == 0 and config["train"]["optimizer"] == "adamw"  # smoke's
+    sgd = tmp_path / "sgd"
+    assert _cli(tmp_path, "--run-dir", str(sgd), "--dense", "--set", "train.optimizer=sgd") == 0
+    assert main(["--resume", str(sgd), "--no-progress"]) == 0  # finished: nothing to redo
+    hot = tmp_path / "hot"  # hot rows under sparse SGD: pruned and compacted beside them
+    hot_sgd = ("--set", "model.hot_rows=8", "--set", "train.optimizer=sgd")
+    assert _cli(tmp_path, "--run-dir", str(hot), *hot_sgd) == 0
+    rows = [json.loads(x) for x in (hot / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("stage") == "late" for r in rows)
+    plain = tmp_path / "plain_sgd"
+    assert _cli(tmp_path, "--run-dir", str(plain), "--set", "train.optimizer=sgd") == 0
+    # step 6 is before any pruning: the same TT ranks, so each table's compression differs
+    # by exactly its hot rows (dense rows x 16 / live params)
+    evals = [
+        next(json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x).get("step") == 6 and "eval/val/auc" in json.loads(x))
+        for d in (hot, plain)
+    ]  # fmt: skip
+    cards = json.loads((hot / "config.json").read_text())["cardinalities"]
+    for key in (k for k in evals[0] if k.startswith("eval/compression/")):
+        n = cards[int(key.rsplit("C", 1)[1]) - 1]
+        extra = n * 16 / evals[0][key] - n * 16 / evals[1][key]
+        assert extra == pytest.approx(min(8, n) * 16, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["missing", "csv"])
+def test_cli_bad_data_is_one_line_exit_2(tmp_path: Path, kind: str, capsys) -> None:
+    path = tmp_path / "data.csv"
+    if kind == "csv":
+        path.write_text("label,a,b\n1,2,3\n")
+    code = main(
+        [
+            "--preset",
+            "smoke",
+            "--data",
+            str(path),
+            "--cache-dir",
+            str(tmp_path),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert ("does not exist" in err[0]) if kind == "missing" else ("line 1" in err[0])
+    assert "--data" in err[0] or "Criteo" in err[0]
+
+
+def test_hot_rows_need_frequency_ordered_ids(tmp_path: Path, capsys) -> None:
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--set", "model.hot_rows=8",
+                "--set", "data.id_order=hash")  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "data.id_order=frequency" in err[0]
+
+
+def test_smoke_preset_learns_and_keeps_the_tables_that_matter(tmp_path: Path) -> None:
+    """The smoke preset as shipped (generated data, 800 steps): both models learn the
+    planted signal, CoMERA compresses and its rank adaptation keeps more rank in each of
+    the large tables that carry signal (C3, C4, C12, C16, C21) than in any other."""
+    from experiments.dlrm.experiment import preset, run
+
+    out = {}
+    for dense in (False, True):
+        p = preset("smoke")
+        for key, value in (
+            ("data.cache_dir", str(tmp_path / "cache")),
+            ("train.run_dir", str(tmp_path / f"run-{dense}")),
+            ("train.progress", False),
+            ("train.wandb", "disabled"),
+        ):
+            p = cli.set_field(p, key, value)
+        out[dense] = run(p, dense=dense)
+    comera, dense = out[False], out[True]
+    assert comera["eval/val/auc"] > 0.74 and dense["eval/val/auc"] > 0.7
+    assert comera["compression"] > 15
+    ranks = json.loads((tmp_path / "run-False" / "ranks.json").read_text())["end"]["ranks"]
+    planted = {f"tables.C{i}" for i in (3, 4, 12, 16, 21)}
+    kept = [sum(r) for k, r in ranks.items() if k in planted]
+    shrunk = [sum(r) for k, r in ranks.items() if k not in planted]
+    assert len(kept) == 5 and min(kept) > max(shrunk)
+
+
+def test_dense_kaggle_trains_like_the_reference() -> None:
+    from experiments.dlrm.experiment import EXPERIMENT
+
+    ap = cli.build_parser(EXPERIMENT)
+    args = ap.parse_args(["--preset", "kaggle", "--dense", "--data", "train.txt"])
+    cfg = cli.resolve_config(EXPERIMENT, args, ap)
+    t = cfg.train
+    assert (t.optimizer, t.sgd.lr, t.schedule, t.warmup_steps, t.grad_clip) == (
+        "sgd", 0.1, "constant", 0, None
+    )  # fmt: skip
+    assert cfg.dense and not t.comera.enabled and t.steps == 39_291_958 // 128
+    args = ap.parse_args(["--preset", "kaggle", "--dense", "--set", "train.optimizer=adamw"])
+    assert cli.resolve_config(EXPERIMENT, args, ap).train.optimizer == "adamw"
+    # dense_overrides (the ablations' dense baseline) is what --dense trains
+    from experiments.dlrm.experiment import dense_overrides, preset
+
+    want = cli.set_field(preset("kaggle"), "data.path", "train.txt")
+    for key, value in dense_overrides(want):
+        want = cli.set_field(want, key, value)
+    want = cli.set_field(want, "train.run_name", t.run_name)  # --dense names the run too
+    assert want == cfg
+
+
+def _sample_trainer(tmp_path: Path, run: str, *, accum: int = 1, batch: int = 32, **kw):
+    from experiments.dlrm.batches import RowBatches
+    from experiments.dlrm.data import CriteoDataConfig, preprocess
+    from experiments.dlrm.task import DLRMTask
+
+    data = preprocess(
+        SAMPLE, CriteoDataConfig(path="x", cache_dir=str(tmp_path / "c")), progress=False
+    )
+    model = DLRMConfig(cardinalities=tuple(data.cardinalities), bottom=(16,), top=(16,), tt=False)
+    lo, hi = data.splits["train"]
+    it = RowBatches(data, lo, hi, batch, seed=1)
+    task = DLRMTask(model, data, it, sparse=True)
+    cfg = TrainConfig(
+        steps=6,
+        run_dir=str(tmp_path / run),
+        optimizer="sgd",
+        sgd=SGDConfig(lr=0.5),
+        comera=ComeraConfig(enabled=False),
+        grad_clip=None,
+        schedule="constant",
+        accum_steps=accum,
+        checkpoint_every=3,
+        wandb="disabled",
+        progress=False,
+        **kw,
+    )
+    params, state = init_dlrm(model, generator=torch.Generator().manual_seed(0))
+    return cfg, task, params, state
+
+
+def test_sparse_sgd_resumes_bit_identically(tmp_path: Path) -> None:
+    cfg, task, params, state = _sample_trainer(tmp_path, "straight")
+    straight = Trainer(cfg, task, params, state)
+    straight.fit()
+    cfg, task, params, state = _sample_trainer(tmp_path, "cut")
+    first = Trainer(cfg, task, params, state)
+    for _ in range(3):  # then the process dies
+        first.train_step(next(task.train_iter))
+    first.checkpoint()
+    cfg, task, params, state = _sample_trainer(tmp_path, "cut")
+    resumed = Trainer(cfg, task, params, state, resume=True)
+    assert resumed.step == 3
+    resumed.fit()
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(straight.params),
+        torch.utils._pytree.tree_leaves(resumed.params),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+
+
+def test_sparse_gradient_accumulation_equals_the_full_batch(tmp_path: Path) -> None:
+    cfg, task, params, state = _sample_trainer(tmp_path, "full", batch=32)
+    full = Trainer(cfg, task, params, state)
+    full.train_step(next(task.train_iter))
+    cfg2, task2, _, _ = _sample_trainer(tmp_path, "halves", batch=16, accum=2)
+    halves = Trainer(cfg2, task2, params, state)
+    # the two halves of the same 32 rows, one micro-batch each
+    batch = next(_sample_trainer(tmp_path, "x", batch=32)[1].train_iter)
+    half = [{k: v[i::2] for k, v in batch.items()} for i in range(2)]
+    halves.train_step(*half)
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(full.params),
+        torch.utils._pytree.tree_leaves(halves.params),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_two_ranks_match_one_process(tmp_path: Path) -> None:
+    """torchrun with 2 gloo ranks: rank 0 preprocesses while rank 1 waits, each rank
+    trains on its half of every global batch and scores its half of the split, AUC
+    gathers every prediction: the run logs what one process logs."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.train_helpers import free_port
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    common = [
+        "--data",
+        str(SAMPLE),
+        "--no-progress",
+        "--set",
+        "batch_size=32",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "train.eval_every=3",
+        "--set",
+        "model.tt_min_rows=100",
+        "--set",
+        "train.comera.reg_start_step=1",
+        "--set",
+        "train.comera.early_steps=4",
+        "--set",
+        "train.comera.prune_every=2",
+    ]
+    rows = {}
+    for world in (1, 2):
+        port = free_port()
+        run = tmp_path / f"w{world}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(world),
+            "--master_port",
+            str(port),
+            "-m",
+            "experiments.dlrm",
+            *common,
+            "--cache-dir",
+            str(tmp_path / f"cache{world}"),
+            "--run-dir",
+            str(run),
+        ]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows[world] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = {w: [r for r in rows[w] if "eval/val/auc" in r] for w in rows}
+    assert [r["step"] for r in evals[2]] == [3, 6]
+    for a, b in zip(evals[1], evals[2], strict=True):
+        for key in ("eval/val/auc", "eval/val/logloss", "eval/val/accuracy", "eval/val/nce"):
+            assert a[key] == pytest.approx(b[key], abs=2e-3), key
+    losses = {w: [r["loss"] for r in rows[w] if "loss" in r] for w in rows}
+    assert losses[1] == pytest.approx(losses[2], rel=1e-4)
+
+
+def test_step_modes_on_dlrm(tmp_path: Path, capsys) -> None:
+    """The reference's SGD under ``sync_free`` trains with dense embedding gradients (the
+    sync-free step refuses sparse ones); CUDA graphs are refused in one line."""
+    run = tmp_path / "sgd"
+    argv = ["--run-dir", str(run), "--dense", "--set", "train.optimizer=sgd"]
+    assert _cli(tmp_path, *argv, "--step-mode", "sync_free") == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    assert _cli(tmp_path, "--run-dir", str(tmp_path / "g"), "--step-mode", "cuda_graph") == 2
+    assert "cannot run DLRM" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_report_reads_the_rank_and_hot_rows_ablations(tmp_path: Path) -> None:
+    """The report's ablation paragraphs compare the AUCs with dense at the same step and
+    say whether any variant comes within 0.01 (for hot rows: at what compression); without
+    the ablation JSON they say nothing."""
+    from experiments.dlrm.report import _ablation_note
+
+    path = tmp_path / "ablation_dlrm_rank.json"
+    assert _ablation_note(path, [], "rank") == []
+    rows = [{"label": str(r), "steps": 400, "eval_auc": a, "compression": c}
+            for r, a, c in ((8, 0.74, 29.0), (32, 0.757, 8.2))]  # fmt: skip
+    path.write_text(json.dumps(rows))
+    dense = [{"step": 200, "eval/val/auc": 0.70}, {"step": 400, "eval/val/auc": 0.786}]
+    text = _ablation_note(path, dense, "rank")[0]
+    assert text.startswith("Rank does not close") and "rank 32 0.7570 (8.2x)" in text
+    assert "0.7860 at that step" in text
+    assert _ablation_note(path, dense, "hot_rows")[0].startswith("Hot rows do not close")
+    dense[1]["eval/val/auc"] = 0.765
+    assert _ablation_note(path, dense, "rank")[0].startswith("Enough rank closes")
+    text = _ablation_note(path, dense, "hot_rows", [100, 100])[0]
+    assert text.startswith("Hot rows close") and "(32) keeps 8.2x, with 32% of" in text
+    rows[0]["label"] = "0"  # the no-hot-rows variant: 8 scored less than none
+    rows.insert(1, {"label": "8", "steps": 400, "eval_auc": 0.73, "compression": 20.0})
+    path.write_text(json.dumps(rows))
+    assert "8 scored 0.7300 against 0.7400 with none" in _ablation_note(path, dense, "hot_rows")[0]
+
+
+def test_report_reads_the_gamma_ablation(tmp_path: Path) -> None:
+    """With gamma 0 among the variants the paragraph says how much of the gap the early
+    stage's gate regularizer explains (the late stage's size objective runs at every
+    gamma), what the strongest weight trades, and takes ``gamma=0.05`` labels too."""
+    from experiments.dlrm.report import _ablation_note
+
+    path = tmp_path / "ablation_dlrm_gamma.json"
+    runs = (("0", 0.7593, 19.6), ("0.01", 0.7586, 28.0), ("0.1", 0.753, 35.6))
+    rows = [{"label": g, "steps": 800, "eval_auc": a, "compression": c} for g, a, c in runs]
+    path.write_text(json.dumps(rows))
+    dense = [{"step": 800, "eval/val/auc": 0.7875}]
+    text = _ablation_note(path, dense, "gamma")[0]
+    assert text.startswith("The early-stage gate regularizer explains 0.0063 of the gap")
+    assert "Gamma 0.1 against 0 costs 0.0063 val AUC" in text
+    assert "from 19.6x to 35.6x" in text and "the gap to dense is 0.0282 (one seed)" in text
+    assert "size objective runs at every gamma" in text
+    dense[0]["eval/val/auc"] = 0.765  # gamma 0 within 0.01 of dense, gamma 0.1 not
+    assert _ablation_note(path, dense, "gamma")[0].startswith(
+        "The early-stage gate regularizer keeps"
+    )
+    dense[0]["eval/val/auc"] = 0.76  # every variant within 0.01
+    assert _ablation_note(path, dense, "gamma")[0].startswith("Every gamma comes within 0.01")
+    dense[0]["eval/val/auc"] = 0.7875
+    for r in rows:  # the ablation's own labels, and a regularizer that helps
+        r["label"] = f"gamma={float(r['label'])}"
+    rows[2]["eval_auc"] = 0.77
+    path.write_text(json.dumps(rows))
+    text = _ablation_note(path, dense, "gamma")[0]
+    assert text.startswith("The early-stage gate regularizer does not explain the gap")
+    assert "Gamma 0.1 against 0 gains 0.0107 val AUC" in text
+    path.write_text(json.dumps(rows[:1]))  # gamma 0 alone: nothing to trade against
+    text = _ablation_note(path, dense, "gamma")[0]
+    assert text.startswith("No gamma comes within 0.01") and "against 0" not in text
+    path.write_text(json.dumps(rows[1:]))  # no gamma 0
+    assert _ablation_note(path, dense, "gamma")[0].startswith("No gamma comes within 0.01")
+
+
+def test_report_reads_the_capacity_ablation(tmp_path: Path) -> None:
+    """The capacity paragraph splits CoMERA's gap to dense three ways (rank adaptation,
+    what 4x the rank buys back, what stays), pairs each hashed dense variant with the TTM
+    variant nearest its size that is at least as compressed, and compares the gaps on the
+    3x-data draw within that draw; variants without figures are skipped."""
+    from experiments.dlrm.report import _ablation_note
+
+    path = tmp_path / "ablation_dlrm_capacity.json"
+    runs = (("comera", 0.753, 35.6), ("fixed_rank_16", 0.7596, 16.5),
+            ("fixed_rank_64", 0.7687, 4.1), ("dense", 0.7875, 1.0),
+            ("dense_hash_rows_256", 0.7097, 30.5), ("dense_hash_rows_1024", 0.7399, 13.4),
+            ("comera_3x_data", 0.7884, 45.6), ("fixed_rank_16_3x_data", 0.79, 18.0),
+            ("dense_3x_data", 0.8267, 1.0))  # fmt: skip
+    rows = [{"label": k, "steps": 800, "eval_auc": a, "compression": c} for k, a, c in runs]
+    path.write_text(json.dumps(rows))
+    text = _ablation_note(path, [], "capacity")[0]
+    assert text.startswith("The TTM format, more than rank adaptation, holds the gap")
+    assert (
+        "the gap of 0.0345 between CoMERA (0.7530 at 35.6x) and dense (0.7875) splits into "
+        "0.0066 for rank adaptation (the TTM tables at fixed rank 16, nothing pruned: 0.7596 "
+        "at 16.5x), 0.0091 that rank 64 buys back (0.7687 at 4.1x) and 0.0188 that stays"
+    ) in text
+    assert (
+        "At the same size or smaller, the TTM tables beat the hashing trick: the dense "
+        "model's large tables hashed to 256 rows 0.7097 (30.5x) against CoMERA's 0.7530 "
+        "(35.6x), to 1,024 rows 0.7399 (13.4x) against rank 16's 0.7596 (16.5x)."
+    ) in text
+    assert "dense scores 0.8267; CoMERA's gap to it widens from 0.0345 to 0.0383" in text
+    assert "(at 45.6x against 35.6x) and fixed rank 16's widens from 0.0279 to 0.0367" in text
+    assert "independent per value" in text
+    by = {r["label"]: r for r in rows}
+    by["fixed_rank_16_3x_data"]["eval_auc"] = 0.805  # fixed rank's gap narrows: no story
+    by["dense_hash_rows_1024"]["eval_auc"] = 0.77  # hashing wins at one size
+    by["comera_3x_data"]["eval_auc"] = 0.7904  # CoMERA's gap holds (within 0.002)
+    path.write_text(json.dumps(rows))
+    text = _ablation_note(path, [], "capacity")[0]
+    assert "fixed rank 16's narrows from 0.0279 to 0.0217" in text
+    assert "CoMERA's gap to it stays at about 0.0345 (0.0363)" in text
+    assert "independent per value" not in text
+    assert "The hashing trick matches or beats the TTM tables at some size" in text
+    by["dense_hash_rows_256"]["compression"] = by["dense_hash_rows_1024"]["compression"] = 99.0
+    by["fixed_rank_16_3x_data"]["eval_auc"] = None  # a run without figures
+    path.write_text(json.dumps(rows))
+    text = _ablation_note(path, [], "capacity")[0]
+    assert "hashing" not in text and "3x the rows" not in text  # nothing as compressed
+    by["fixed_rank_64"]["eval_auc"] = 0.78  # 4x the rank within 0.01 of dense
+    path.write_text(json.dumps(rows))
+    assert _ablation_note(path, [], "capacity")[0].startswith("Capacity sets the gap: at rank 64")
+    by["fixed_rank_64"]["eval_auc"] = 0.7687
+    by["fixed_rank_16"]["eval_auc"] = 0.775  # pruning costs more than the format
+    path.write_text(json.dumps(rows))
+    assert _ablation_note(path, [], "capacity")[0].startswith("Rank adaptation, more than")
+    path.write_text(json.dumps(rows[1:]))  # no CoMERA variant: nothing to say
+    assert _ablation_note(path, [], "capacity") == []
+
+
+def test_report_reads_the_steps_ablation(tmp_path: Path) -> None:
+    """Trained longer, does CoMERA's best eval come within 0.01 of dense's last? The
+    paragraph lists each variant's best AUC, step and compression, measures the longest
+    run's gain over the preset's (a gain under 0.005 is a plateau) and names a late peak."""
+    from experiments.dlrm.report import _ablation_note
+
+    path = tmp_path / "ablation_dlrm_steps.json"
+    rows = [{"label": f"steps={n}", "steps": n, "best_eval": [a, s], "compression": c}
+            for n, a, s, c in ((400, 0.750, 400, 30.0), (800, 0.754, 600, 31.0),
+                               (1200, 0.752, 800, 29.0))]  # fmt: skip
+    path.write_text(json.dumps(rows))
+    dense = [{"step": 200, "eval/val/auc": 0.70}, {"step": 400, "eval/val/auc": 0.786}]
+    text = _ablation_note(path, dense, "steps")[0]
+    assert text.startswith("Longer training does not close")
+    assert "0.7540 (step 600 of 800, 31.0x)" in text and "0.7860 at step 400" in text
+    assert "With 3x the steps its best moves by +0.0020" in text  # longest vs preset's
+    assert "level off" in text and "peaked" not in text  # no last AUC recorded
+    rows[2]["best_eval"], rows[2]["eval_auc"] = [0.770, 800], 0.769  # rising; a tiny dip
+    path.write_text(json.dumps(rows))
+    text = _ablation_note(path, dense, "steps")[0]
+    assert "level off" not in text and "by +0.0200" in text and "more slowly" in text
+    assert "peaked" not in text
+    rows[2]["eval_auc"] = 0.76  # a real drop after the peak
+    path.write_text(json.dumps(rows))
+    assert (
+        "peaked at step 800 of 1,200 and ended at 0.7600" in _ablation_note(path, dense, "steps")[0]
+    )
+    rows[2]["best_eval"] = [0.780, 1200]  # within 0.01 of dense
+    path.write_text(json.dumps(rows))
+    assert _ablation_note(path, dense, "steps")[0].startswith("Longer training closes")
+    rows[0]["best_eval"] = [0.777, 400]  # the preset's own length is already close
+    path.write_text(json.dumps(rows))
+    assert _ablation_note(path, dense, "steps")[0].startswith("The preset's own length")
+    rows[0].pop("best_eval")  # an ablation written before best evals were recorded
+    path.write_text(json.dumps(rows))
+    assert _ablation_note(path, dense, "steps") == []
+
+
+def test_bench_alternates_the_headline_pair_and_keeps_medians(monkeypatch, capsys) -> None:
+    """``python -m experiments.dlrm --bench``: comera and dense_sgd run ROUNDS times each,
+    alternating, and the ratios use the medians of their runs (stand-in workers)."""
+    from benchmarks import dlrm_step as bench
+
+    calls: list[tuple[str, str]] = []
+    steps = {"comera": iter([0.30, 0.50, 0.31]), "dense_sgd": iter([0.20, 0.40, 0.21])}
+
+    def child(args: list[str], what: str) -> dict:
+        if "--embedding" in args:
+            return {"embedding_time_ratio_batched_vs_separate": 0.9}
+        v, malloc = args[1], args[3]
+        calls.append((v, malloc))
+        step = next(steps[v]) if len(calls) <= 2 * bench.ROUNDS else 1.0  # then the rest
+        return {"params": 10, "compression": 1.0, "step_time_s": step,
+                "peak_rss_mb": 100.0 if v == "comera" else 1000.0 + len(calls)}  # fmt: skip
+
+    monkeypatch.setattr(bench, "_in_child", child)
+    assert bench.main(json_out=True) == 0
+    out = json.loads(capsys.readouterr().out)
+    policy = bench.training_policy()
+    head = [(v, policy) for v in ("comera", "dense_sgd")] * bench.ROUNDS
+    assert calls[: 2 * bench.ROUNDS] == head and calls[2 * bench.ROUNDS] == ("dense_adam", policy)
+    assert out["rounds"] == bench.ROUNDS == 3
+    assert out["variants"]["comera"]["step_time_s_runs"] == [0.30, 0.50, 0.31]
+    assert out["step_time_ratio_vs_dense"] == pytest.approx(0.31 / 0.21)
+    assert out["peak_memory_ratio_vs_dense"] == pytest.approx(100.0 / 1004.0)  # median of 1002/4/6
+
+
+def test_bench_child_failure_names_the_point_and_its_error():
+    """A failed fresh-process point ends the bench with one message: which point, and the
+    child's own error (here argparse's, for a variant that does not exist)."""
+    from benchmarks import dlrm_step as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench._in_child(["--variant", "no_such_variant"], "variant no_such_variant")
+    msg = str(e.value.code)
+    assert msg.startswith("dlrm bench: variant no_such_variant failed (exit 2):")
+    assert "invalid choice: 'no_such_variant'" in msg
+
+
+def test_lookup_bench_refuses_a_device_it_cannot_use():
+    """``python -m benchmarks.dlrm_step --embedding --device D`` checks D as the training
+    CLI does (``experiments.cli.check_device``): a name torch cannot parse is one error
+    line and exit 2, not a traceback."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "benchmarks.dlrm_step", "--embedding", "--device", "gpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "error: --device 'gpu' is not a torch device" in proc.stderr

@@ -1,0 +1,359 @@
+"""MNLI data: encoding layout, local files, errors, hub-offline message, batching, generated task.
+
+Everything here is local and fast: the data is the generated task or tiny files the tests
+write; the hub tests force offline mode so they fail at once instead of waiting on the network.
+"""
+
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from experiments.mnli import data as md
+from experiments.mnli.data import (
+    BatchIterator,
+    EncodedSplit,
+    MNLIDataConfig,
+    eval_batches,
+    load_mnli,
+)
+
+L = 32
+
+
+def _tok(max_length: int = L):
+    tok = md.build_generated_tokenizer()
+    return tok, md.prepare_tokenizer(tok, max_length)
+
+
+def _split(n: int) -> EncodedSplit:
+    """A split whose input_ids[i, 0] == i, so batches reveal which examples they hold."""
+    ids = torch.arange(n, dtype=torch.int32)[:, None].expand(n, 4).contiguous()
+    return EncodedSplit(
+        ids,
+        torch.zeros(n, 4, dtype=torch.int8),
+        torch.ones(n, 4, dtype=torch.bool),
+        torch.arange(n) % 3,
+    )
+
+
+def _rows(batch: dict) -> list[int]:
+    return batch["input_ids"][:, 0].tolist()
+
+
+def _write(path, rows: list[dict]) -> str:
+    table = pa.Table.from_pylist(rows)
+    if path.suffix == ".parquet":
+        pq.write_table(table, path)
+    elif path.suffix == ".csv":
+        pcsv.write_csv(table, path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+ROWS = [
+    {"premise": "baba bade", "hypothesis": "baba", "label": 0},
+    {"premise": "bada babe badi", "hypothesis": "bobo", "label": 1},
+    {"premise": "babi bado", "hypothesis": "not babi", "label": 2},
+]
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def test_encode_layout_cls_sep_types_and_padding():
+    tok, pad = _tok()
+    enc = md.encode_pairs(tok, ["baba bade badi", "babe"], ["bado", "not babe babi"], [0, 2])
+    v = tok.get_vocab()
+    assert enc.input_ids.shape == enc.token_type_ids.shape == enc.attention_mask.shape == (2, L)
+    assert pad == v["[PAD]"] == 0
+    # row 0: [CLS] baba bade badi [SEP] bado [SEP] [PAD]...
+    words = ["[CLS]", "baba", "bade", "badi", "[SEP]", "bado", "[SEP]"]
+    assert enc.input_ids[0, :7].tolist() == [v[w] for w in words]
+    assert enc.token_type_ids[0, :7].tolist() == [0, 0, 0, 0, 0, 1, 1]
+    assert enc.attention_mask[0].tolist() == [True] * 7 + [False] * (L - 7)
+    assert (enc.input_ids[0, 7:] == pad).all() and (enc.token_type_ids[0, 7:] == 0).all()
+    assert enc.input_ids[1, :7].tolist() == [
+        v[w] for w in ["[CLS]", "babe", "[SEP]", "not", "babe", "babi", "[SEP]"]
+    ]
+    assert enc.labels.tolist() == [0, 2] and enc.labels.dtype == torch.int64
+    batch = next(eval_batches(enc, 2))
+    assert batch["input_ids"].dtype == batch["token_type_ids"].dtype == torch.int64
+
+
+def test_prepare_tokenizer_adds_bert_template_when_missing():
+    tok = md.build_generated_tokenizer()
+    tok.post_processor = None
+    md.prepare_tokenizer(tok, 12)
+    enc = md.encode_pairs(tok, ["baba"], ["bade"], [0])
+    assert enc.input_ids[0, :5].tolist() == [
+        2,
+        tok.token_to_id("baba"),
+        3,
+        tok.token_to_id("bade"),
+        3,
+    ]
+    assert enc.token_type_ids[0, :5].tolist() == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="prepare_tokenizer"):
+        md.encode_pairs(md.build_generated_tokenizer(), ["a"], ["b"], [0])
+
+
+def test_truncation_longest_first_keeps_both_segments_and_final_sep():
+    tok, _ = _tok(max_length=10)
+    enc = md.encode_pairs(tok, [" ".join(md.GENERATED_WORDS[:20])], ["baba bade"], [1])
+    sep = tok.token_to_id("[SEP]")
+    assert enc.attention_mask.all() and enc.input_ids[0, -1] == sep
+    assert enc.token_type_ids[0].tolist() == [0] * 7 + [1] * 3  # premise cut, hypothesis kept
+
+
+# ---------------------------------------------------------------- local files and generated
+
+
+@pytest.fixture(scope="module")
+def gen_files(tmp_path_factory):
+    return md.write_generated_files(tmp_path_factory.mktemp("gen"), 60, 30, seed=3)
+
+
+def test_generated_and_local_files_give_the_same_tensors(gen_files):
+    train, val, tok_path = gen_files
+    gen = load_mnli(
+        MNLIDataConfig(
+            dataset="generated", generated_train=60, generated_eval=30, seed=3, max_length=L
+        )
+    )
+    for tok in (str(tok_path), str(tok_path.parent)):  # file or directory
+        local = load_mnli(
+            MNLIDataConfig(
+                train_file=str(train),
+                eval_files={"validation": str(val)},
+                tokenizer=tok,
+                max_length=L,
+            )
+        )
+        assert list(local.eval) == list(gen.eval) == ["validation"]
+        for a, b in ((local.train, gen.train), (local.eval["validation"], gen.eval["validation"])):
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+            assert torch.equal(a.token_type_ids, b.token_type_ids)
+        assert local.vocab_size == gen.vocab_size == 5 + 1 + 150 and local.pad_id == 0
+        assert local.num_labels == 3 and local.tokenizer_path_or_name == tok
+    assert len(gen.train) == 60 and gen.train.input_ids.shape[1] == L
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".csv", ".json"])
+@pytest.mark.parametrize("renamed", [False, True])
+def test_local_formats_with_default_and_renamed_columns(tmp_path, gen_files, suffix, renamed):
+    names = {"premise": "sentence1", "hypothesis": "sentence2", "label": "gold"}
+    rows = [{names[k] if renamed else k: v for k, v in r.items()} for r in ROWS]
+    path = tmp_path / f"d{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        _write(path, rows)
+    kw = (
+        {"premise_column": "sentence1", "hypothesis_column": "sentence2", "label_column": "gold"}
+        if renamed
+        else {}
+    )
+    data = load_mnli(
+        MNLIDataConfig(
+            train_file=str(path),
+            eval_files={"dev": str(path)},
+            tokenizer=str(gen_files[2]),
+            max_length=16,
+            **kw,
+        )
+    )
+    assert data.train.labels.tolist() == [0, 1, 2] and list(data.eval) == ["dev"]
+    assert data.train.input_ids.shape == (3, 16)
+    assert data.train.attention_mask.sum(1).tolist() == [6, 7, 7]
+
+
+def test_missing_column_error_names_file_column_present_and_field(tmp_path, gen_files):
+    path = _write(tmp_path / "t.jsonl", [{"sentence1": "a", "hypothesis": "b", "label": 0}])
+    with pytest.raises(ValueError) as err:
+        load_mnli(MNLIDataConfig(train_file=path, tokenizer=str(gen_files[2])))
+    msg = str(err.value)
+    assert "t.jsonl" in msg and "'premise'" in msg and "sentence1" in msg
+    assert "premise_column" in msg
+
+
+def test_bad_label_error_names_file_and_value(tmp_path, gen_files):
+    path = _write(tmp_path / "bad.csv", [*ROWS, {"premise": "a", "hypothesis": "b", "label": 7}])
+    with pytest.raises(ValueError, match=r"bad\.csv.*label 7"):
+        load_mnli(MNLIDataConfig(train_file=path, tokenizer=str(gen_files[2])))
+
+
+def test_label_minus_one_dropped_and_logged(tmp_path, gen_files, caplog):
+    path = _write(tmp_path / "t.jsonl", [*ROWS, {"premise": "a", "hypothesis": "b", "label": -1}])
+    with caplog.at_level(logging.INFO, logger=md.__name__):
+        data = load_mnli(
+            MNLIDataConfig(
+                train_file=path,
+                eval_files={"v": path},
+                tokenizer=str(gen_files[2]),
+                max_eval_examples=2,
+            )
+        )
+    assert data.train.labels.tolist() == [0, 1, 2] and len(data.eval["v"]) == 2
+    assert any("dropped 1 of 4" in r.getMessage() for r in caplog.records)
+
+
+def test_label_names_accepted(tmp_path, gen_files):
+    rows = [dict(r, label=md.LABEL_NAMES[r["label"]]) for r in ROWS]
+    path = _write(tmp_path / "n.jsonl", rows)
+    data = load_mnli(MNLIDataConfig(train_file=path, tokenizer=str(gen_files[2])))
+    assert data.train.labels.tolist() == [0, 1, 2] and data.eval == {}
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"max_length": 4}, "max_length"),
+        ({"max_train_examples": 0}, "max_train_examples"),
+        ({"eval_files": {"v": "x.jsonl"}}, "eval_files"),
+        ({"train_file": "t.jsonl", "eval_files": {"train": "x.jsonl"}}, "eval_files"),
+        ({"train_file": "x.txt"}, "train_file"),
+        ({"dataset": "generated", "train_file": "x.jsonl"}, "train_file"),
+        ({"premise_column": ""}, "premise_column"),
+        ({"generated_vocab": 10}, "generated_vocab"),
+    ],
+)
+def test_config_errors_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"MNLIDataConfig.{field}="):
+        MNLIDataConfig(**kw)
+
+
+def test_missing_local_tokenizer_file():
+    with pytest.raises(FileNotFoundError, match="--tokenizer"):
+        md.load_tokenizer("/nonexistent/dir/tokenizer.json")
+
+
+# ---------------------------------------------------------------- hub offline
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """Force HF offline mode in every test (no test may touch the network), also in modules
+    that read the variables at import time."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+
+
+def _assert_offline_message(msg: str, what: str) -> None:
+    assert "could not reach the hugging face hub" in msg.lower() and what in msg
+    for option in ("--train-file", "--eval-file", "--dataset generated", "--tokenizer"):
+        assert option in msg
+
+
+def test_hub_dataset_unreachable_error(offline, gen_files):
+    name = "comera-tests-not-cached/mnli-absent"  # never in any cache
+    with pytest.raises(md.HubUnreachableError) as err:
+        load_mnli(MNLIDataConfig(dataset=name, tokenizer=str(gen_files[2])))
+    assert isinstance(err.value, RuntimeError)
+    _assert_offline_message(str(err.value), name)
+
+
+def test_hub_tokenizer_unreachable_error(offline):
+    name = "comera-tests-not-cached/tokenizer-absent"
+    with pytest.raises(md.HubUnreachableError) as err:
+        load_mnli(MNLIDataConfig(dataset="generated", tokenizer=name))
+    _assert_offline_message(str(err.value), name)
+
+
+def test_hub_path_with_a_stubbed_load_dataset(monkeypatch, gen_files):
+    """The hub code path on an in-memory GLUE-shaped DatasetDict (test split labels are -1)."""
+    import datasets
+
+    calls = []
+    rows = {k: [r[k] for r in ROWS] for k in ROWS[0]}
+    unlabelled = dict(rows, label=[-1, -1, -1])
+    dsd = datasets.DatasetDict(
+        train=datasets.Dataset.from_dict(rows),
+        validation_matched=datasets.Dataset.from_dict(rows),
+        validation_mismatched=datasets.Dataset.from_dict(rows).select([2, 0]),
+        test_matched=datasets.Dataset.from_dict(unlabelled),
+    )
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a: calls.append(a) or dsd)
+    data = load_mnli(MNLIDataConfig(tokenizer=str(gen_files[2]), max_length=16))
+    assert calls == [("nyu-mll/glue", "mnli")]
+    assert sorted(data.eval) == ["validation_matched", "validation_mismatched"]
+    assert data.eval["validation_mismatched"].labels.tolist() == [2, 0]
+    assert data.train.labels.tolist() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- batching
+
+
+def test_epoch_visits_each_example_at_most_once_and_reshuffles():
+    it = BatchIterator(_split(103), 10, seed=5)
+    assert it.steps_per_epoch == 10
+    e0 = [i for b in it.epoch_batches() for i in _rows(b)]
+    assert len(e0) == len(set(e0)) == 100 and it.state_dict()["epoch"] == 1
+    e1 = [i for b in it.epoch_batches() for i in _rows(b)]
+    assert e1 != e0 and len(set(e1)) == 100
+    g = torch.Generator().manual_seed(5)
+    assert e0 == torch.randperm(103, generator=g)[:100].tolist()
+    it = BatchIterator(_split(103), 10, seed=5, shuffle=False, drop_last=False)
+    rows = [_rows(b) for b in it.epoch_batches()]
+    assert it.steps_per_epoch == 11 and sum(rows, []) == list(range(103)) and len(rows[-1]) == 3
+
+
+def test_resume_at_every_step_continues_identically():
+    split, total = _split(23), 14  # 5 steps per epoch: crosses two epoch boundaries
+    ref_it = BatchIterator(split, 4, seed=1)
+    ref, states = [], []
+    for _ in range(total):
+        states.append(ref_it.state_dict())
+        ref.append(_rows(next(ref_it)))
+    for k, state in enumerate(states):
+        state = json.loads(json.dumps(state))  # JSON round trip, as in a checkpoint
+        it = BatchIterator(split, 4, seed=1)
+        it.load_state_dict(state)
+        assert [_rows(next(it)) for _ in range(total - k)] == ref[k:], k
+
+
+def test_ranks_union_equals_single_process_batch_and_rescale_resume():
+    split = _split(50)
+    single = BatchIterator(split, 8, seed=2)
+    ranks = [BatchIterator(split, 8, seed=2, rank=r, world_size=2) for r in range(2)]
+    for _ in range(9):  # crosses an epoch boundary (6 steps per epoch)
+        parts = [_rows(next(it)) for it in ranks]
+        assert len(parts[0]) == len(parts[1]) == 4
+        assert parts[0] + parts[1] == _rows(next(single))
+    four = [BatchIterator(split, 8, seed=2, rank=r, world_size=4) for r in range(4)]
+    for it in four:  # resume a 2-rank run on 4 ranks: same global stream
+        it.load_state_dict(ranks[0].state_dict())
+    assert sum((_rows(next(it)) for it in four), []) == _rows(next(single))
+
+
+def test_state_mismatch_and_argument_errors():
+    it = BatchIterator(_split(20), 4, seed=0)
+    for key, value in (("n", 21), ("seed", 9), ("batch_size", 2)):
+        with pytest.raises(ValueError, match=f"{key}={value}"):
+            it.load_state_dict({**it.state_dict(), key: value})
+    with pytest.raises(ValueError, match="out of range"):
+        it.load_state_dict({**it.state_dict(), "batch_in_epoch": 5})
+    with pytest.raises(ValueError, match="multiple of world_size=4"):
+        BatchIterator(_split(20), 6, world_size=4)
+    with pytest.raises(ValueError, match="smaller than batch_size"):
+        BatchIterator(_split(3), 4)
+
+
+def test_eval_batches_in_order_without_dropping():
+    sizes = [len(b["labels"]) for b in eval_batches(_split(10), 4)]
+    assert sizes == [4, 4, 2]
+    assert sum((_rows(b) for b in eval_batches(_split(10), 4)), []) == list(range(10))
+
+
+# The generated task itself (rules, balance, cue baselines, files): test_mnli_generated.py

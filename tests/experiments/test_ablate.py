@@ -1,0 +1,259 @@
+"""``python -m experiments.ablate``: variants, runs, the report and its plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import ablate, cli
+from experiments.mnli import experiment as mnli
+
+SMALL = ["--set", "data.generated_train=200", "--set", "data.generated_eval=30"]
+SMALL += ["--set", "train.eval_every=3", "--set", "train.log_every=1", "--wandb", "disabled"]
+SMALL += ["--set", "train.progress=false"]
+
+
+def test_contraction_ablation_writes_report_and_plot(tmp_path):
+    argv = ["contraction", "--experiment", "mnli", "--preset", "smoke", "--set", "train.steps=6"]
+    argv += [*SMALL, "--values", "comera,dp,dense"]
+    argv += ["--runs-dir", str(tmp_path / "runs"), "--reports", str(tmp_path / "rep")]
+    assert ablate.main(argv) == 0
+    text = (tmp_path / "rep" / "ablation_contraction.md").read_text()
+    assert "| comera | 6 |" in text and "| dp | 6 |" in text and "| dense | 6 |" in text
+    assert (tmp_path / "rep" / "ablation_contraction.png").stat().st_size > 5000
+    rows = json.loads((tmp_path / "rep" / "ablation_contraction.json").read_text())
+    assert [r["label"] for r in rows] == ["comera", "dp", "dense"]
+    assert all(r["first_diff"] < 1e-5 for r in rows)  # every strategy computes the same model
+    assert all(r["early_diff"] < 1e-3 for r in rows)
+    for label in ("comera", "dp", "dense"):
+        saved = json.loads(
+            (tmp_path / "runs" / "ablate-contraction-smoke" / label / "config.json").read_text()
+        )
+        assert saved["plans"]["default"] == label
+        assert saved["train"]["wandb_group"] == "ablate-contraction-mnli-smoke"
+
+
+def test_objective_variants_cross_both_choices():
+    cfg = mnli.preset("smoke")
+    out = ablate.variants("objective", cfg, mnli.EXPERIMENT, None)
+    assert [v.label for v in out] == [
+        "mean+gate",
+        "mean+contribution",
+        "l1+gate",
+        "l1+contribution",
+    ]
+    gammas = [dict(v.overrides).get("train.comera.gamma", cfg.train.comera.gamma) for v in out]
+    n_gates = cfg.train.comera.gamma / gammas[2]
+    assert gammas[:2] == [cfg.train.comera.gamma] * 2 and n_gates > 50  # l1 scaled by the count
+    assert [v.label for v in ablate.variants("gamma", cfg, mnli.EXPERIMENT, None)][0] == "gamma=0.0"
+    with pytest.raises(cli.CLIError, match="fixed variants"):
+        ablate.variants("objective", cfg, mnli.EXPERIMENT, "a,b")
+
+
+def test_hot_rows_ablation_is_dlrms(capsys):
+    from experiments.dlrm import experiment as dlrm
+
+    cfg = dlrm.preset("smoke")
+    out = ablate.variants("hot_rows", cfg, dlrm.EXPERIMENT, None)
+    assert [dict(v.overrides)["model.hot_rows"] for v in out] == [0, 256, 1024, 4096]
+    assert [v.label for v in ablate.variants("hot_rows", cfg, dlrm.EXPERIMENT, "0,8")] == ["0", "8"]
+    assert ablate.main(["hot_rows", "--experiment", "mnli"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--experiment dlrm" in err[0]
+
+
+def test_steps_variants_scale_the_comera_schedule():
+    from experiments.dlrm import experiment as dlrm
+
+    cfg = dlrm.preset("smoke")
+    t, c = cfg.train, cfg.train.comera
+    out = ablate.variants("steps", cfg, dlrm.EXPERIMENT, None)
+    assert [v.label for v in out] == [f"steps={t.steps * f}" for f in (1, 2, 3)]
+    for f, v in zip((1, 2, 3), out, strict=True):
+        assert dict(v.overrides) == {
+            "train.steps": t.steps * f,
+            "train.comera.early_steps": c.early_steps * f,
+            "train.comera.reg_start_step": c.reg_start_step * f,
+        }
+        scaled = cli.apply_overrides(cfg, list(v.overrides), [])  # a valid config
+        assert scaled.train.steps == t.steps * f and scaled.train.warmup_steps == t.warmup_steps
+    with pytest.raises(cli.CLIError, match="fixed variants"):
+        ablate.variants("steps", cfg, dlrm.EXPERIMENT, "1,2")
+
+
+def test_capacity_variants_separate_rank_adaptation_format_and_data(capsys):
+    """The capacity ablation: the preset, its TTM tables at fixed ranks (1x, 4x), the
+    preset's own dense baseline (what --dense trains), and both on 3x the generated rows
+    with the schedule scaled along; a real file has no 3x variants; DLRM's only."""
+    from experiments.dlrm import experiment as dlrm
+
+    cfg = dlrm.preset("smoke")
+    t, c, r = cfg.train, cfg.train.comera, cfg.model.emb_rank
+    out = {
+        v.label: dict(v.overrides) for v in ablate.variants("capacity", cfg, dlrm.EXPERIMENT, None)
+    }
+    assert list(out) == ["comera", f"fixed_rank_{r}", f"fixed_rank_{4 * r}", "dense",
+                         "dense_hash_rows_256", "dense_hash_rows_1024",
+                         "comera_3x_data", f"fixed_rank_{r}_3x_data", "dense_3x_data"]  # fmt: skip
+    assert out["dense_hash_rows_256"] == {**out["dense"], "model.hash_rows": 256}
+    assert out["comera"] == {} and out[f"fixed_rank_{r}"] == {"train.comera.enabled": False}
+    assert out[f"fixed_rank_{4 * r}"]["model.emb_rank"] == 4 * r
+    assert out["dense"] == dict(dlrm.dense_overrides(cfg))
+    assert out["dense"]["dense"] is True and out["dense"]["train.optimizer"] == "adamw"
+    more = {"data.generated_rows": 3 * cfg.data.generated_rows, "train.steps": 3 * t.steps,
+            "train.comera.early_steps": 3 * c.early_steps,
+            "train.comera.reg_start_step": 3 * c.reg_start_step}  # fmt: skip
+    assert out["comera_3x_data"] == more and out["dense_3x_data"] == {**more, **out["dense"]}
+    assert out[f"fixed_rank_{r}_3x_data"] == {**more, "train.comera.enabled": False}
+    kaggle = dlrm.preset("kaggle")  # its reference baseline trains with SGD: here as CoMERA
+    dense = dict(ablate.variants("capacity", kaggle, dlrm.EXPERIMENT, None)[3].overrides)
+    assert kaggle.dense_optimizer == "sgd" and dense["train.optimizer"] == "adamw"
+    for over in out.values():  # every variant is a valid config
+        cli.apply_overrides(cfg, list(over.items()), [])
+    real = cli.set_field(cfg, "data.path", "train.txt")
+    assert len(ablate.variants("capacity", real, dlrm.EXPERIMENT, None)) == 6
+    with pytest.raises(cli.CLIError, match="fixed variants"):
+        ablate.variants("capacity", cfg, dlrm.EXPERIMENT, "1,2")
+    assert ablate.main(["capacity", "--experiment", "mnli"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--experiment dlrm" in err[0]
+
+
+def test_summary_reports_the_best_eval_and_its_step(tmp_path):
+    def train(step: int, loss: float, live: int) -> dict:
+        return {"step": step, "loss": loss, "compression": 1e3 / live, "live_params": live,
+                "steps_per_s": 10.0, "step_time_s": 0.1}  # fmt: skip
+
+    rows = [
+        train(10, 0.7, 100),
+        {"step": 10, "eval/val/auc": 0.61, "eval/val/accuracy": 0.7},
+        train(20, 0.6, 90),
+        {"step": 20, "eval/val/auc": 0.66, "eval/val/accuracy": 0.72},
+        train(30, 0.5, 80),
+        {"step": 30, "eval/val/auc": 0.64, "eval/val/accuracy": 0.74},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = ablate._summary({"label": "x", "dir": tmp_path})
+    assert s["eval_auc"] == 0.64 and s["best_eval"] == (0.66, 20)  # AUC first, not accuracy
+    rows.insert(3, {"step": 15, "eval/val/loss": 0.5})  # an eval row without the metric
+    rows.append({"step": 40, "eval/val/auc": 0.66})  # a tie: the earlier step is kept
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ablate._summary({"label": "x", "dir": tmp_path})["best_eval"] == (0.66, 20)
+    ablate.write_report("steps", [{"label": "x", "dir": tmp_path}], tmp_path / "a.md", "cmd")
+    assert "| best eval AUC (step) |" in (tmp_path / "a.md").read_text()
+    assert "| 0.6600 | 0.6600 (20) |" in (tmp_path / "a.md").read_text()
+    assert s["eval_curve"] == [(10, 0.61), (20, 0.66), (30, 0.64)]
+    ablate.write_report("capacity", [{"label": "x", "dir": tmp_path}], tmp_path / "c.md", "cmd")
+    assert (tmp_path / "c.png").stat().st_size > 0  # its own plot: AUC against size
+    assert "eval_curve" not in json.loads((tmp_path / "c.json").read_text())[0]
+    bare = tmp_path / "bare"  # a run that logged no eval: plotted without its point
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    recs = [{"label": "x", "dir": tmp_path}, {"label": "y_3x_data", "dir": bare}]
+    ablate.write_report("capacity", recs, tmp_path / "d.md", "cmd")
+    assert "fresh draw" in (tmp_path / "d.md").read_text() and (tmp_path / "d.png").is_file()
+
+
+def test_restart_only_from_the_command_line(tmp_path, monkeypatch):
+    """Only ``python -m experiments.ablate`` re-executes itself for its allocator policy:
+    not a call with ``argv`` (tests, scripts), nor ``--report-only``."""
+    calls: list[str] = []
+    monkeypatch.setattr(ablate, "restart_for", calls.append)
+
+    def train(name, exp, base, chosen, root, **kw):  # leaves finished runs to report on
+        for v in chosen:
+            ablate.variant_dir(root, v.label).mkdir(parents=True, exist_ok=True)
+            (ablate.variant_dir(root, v.label) / "metrics.jsonl").write_text("")
+        return []
+
+    monkeypatch.setattr(ablate, "run_ablation", train)
+    cmds: list[str] = []
+    monkeypatch.setattr(
+        ablate, "write_report", lambda name, recs, out, cmd: cmds.append(cmd) or out.write_text("")
+    )
+    args = ["gamma", "--experiment", "dlrm", "--runs-dir", str(tmp_path)]
+    args += ["--reports", str(tmp_path)]
+    assert ablate.main(args) == 0 and calls == []
+    monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
+    assert ablate.main() == 0 and calls == []
+    assert cmds[-1] == "python -m experiments.ablate " + " ".join(args)  # what trained them
+    monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-on"])  # an abbreviation
+    assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + " ".join(args)
+    monkeypatch.setattr("sys.argv", ["ablate", *args])
+    assert ablate.main() == 0 and calls == ["lean"]  # DLRM's presets train under lean
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    assert ablate.main(["gamma", "--set", "train.gama=1", "--runs-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown config key 'train.gama'" in err[0]
+    assert ablate.main(["gamma", "--report-only", "--runs-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--report-only: no run in" in err[0], err
+    assert "(and 3 more variants)" in err[0] and "without --report-only first" in err[0]
+
+
+def test_dlrm_rank_ablation_on_the_criteo_sample(tmp_path):
+    from tests.criteo_helpers import SAMPLE as sample
+
+    argv = ["rank", "--experiment", "dlrm", "--preset", "smoke", "--values", "2,4"]
+    for kv in (
+        f"data.path={sample}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model.tt_min_rows=100",
+        "batch_size=32",
+        "train.steps=6",
+        "train.eval_every=3",
+        "train.log_every=1",
+        "train.comera.reg_start_step=1",
+        "train.comera.early_steps=4",
+        "train.progress=false",
+    ):
+        argv += ["--set", kv]
+    argv += ["--wandb", "disabled", "--runs-dir", str(tmp_path / "runs")]
+    argv += ["--reports", str(tmp_path / "rep")]
+    assert ablate.main(argv) == 0
+    text = (tmp_path / "rep" / "ablation_dlrm_rank.md").read_text()
+    assert "eval AUC" in text and "| 2 | 6 |" in text and "| 4 | 6 |" in text
+    assert "best eval AUC (step)" in text
+    for r in json.loads((tmp_path / "rep" / "ablation_dlrm_rank.json").read_text()):
+        metrics = tmp_path / "runs" / "ablate-dlrm-rank-smoke" / r["label"] / "metrics.jsonl"
+        lines = metrics.read_text().splitlines()
+        evals = [m for m in map(json.loads, lines) if "eval/val/auc" in m]
+        top = max(m["eval/val/auc"] for m in evals)
+        first = next(m["step"] for m in evals if m["eval/val/auc"] == top)
+        assert r["best_eval"] == [top, first]  # the highest AUC, the earliest step on ties
+    for rank in (2, 4):
+        saved = json.loads(
+            (tmp_path / "runs" / "ablate-dlrm-rank-smoke" / str(rank) / "config.json").read_text()
+        )
+        assert saved["model"]["emb_rank"] == rank
+
+
+def test_codebert_gamma_ablation_on_the_stdlib(tmp_path):
+    argv = ["gamma", "--experiment", "codebert", "--values", "0,0.1"]
+    for kv in (
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.max_files=6",
+        "data.vocab=400",
+        "data.eval_batches=1",
+        "batch_size=2",
+        "train.steps=4",
+        "train.eval_every=4",
+        "train.warmup_steps=0",
+        "train.comera.reg_start_step=1",
+        "train.comera.early_steps=3",
+        "train.progress=false",
+    ):
+        argv += ["--set", kv]
+    argv += ["--wandb", "disabled", "--runs-dir", str(tmp_path / "runs")]
+    argv += ["--reports", str(tmp_path / "rep")]
+    assert ablate.main(argv) == 0
+    text = (tmp_path / "rep" / "ablation_codebert_gamma.md").read_text()
+    assert "| 0 | 4 |" in text and "| 0.1 | 4 |" in text
+    for gamma in ("0", "0.1"):
+        saved = json.loads(
+            (tmp_path / "runs" / "ablate-codebert-gamma-smoke" / gamma / "config.json").read_text()
+        )
+        assert saved["train"]["comera"]["gamma"] == float(gamma)

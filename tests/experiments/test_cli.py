@@ -1,0 +1,218 @@
+"""The shared experiment CLI: typed --set overrides, plans that really run, resume, wandb."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+
+import pytest
+
+import comera as C
+from comera.train import TrainConfig, resolve_wandb_mode
+from experiments import cli
+from experiments.mnli import experiment as mnli
+
+FAST = ["--preset", "smoke", "--wandb", "disabled", "--no-progress"]
+FAST += ["--set", "train.steps=3", "--set", "train.eval_every=None"]
+FAST += ["--set", "data.generated_train=200", "--set", "data.generated_eval=30"]
+
+
+def test_set_parses_by_annotation_and_revalidates():
+    cfg = mnli.preset("smoke")
+    cfg = cli.apply_overrides(
+        cfg,
+        [],
+        [
+            "train.comera.gamma=0.02",
+            "train.eval_every=None",
+            "train.bf16=false",
+            "model.attn_modes=((4, 4, 4), (4, 4, 4))",
+            "train.wandb_tags=a,b",
+            "plans.per_layer=[('layers.*', 'dp')]",
+        ],
+    )
+    assert cfg.train.comera.gamma == 0.02 and cfg.train.eval_every is None
+    assert cfg.model.attn_modes == ((4, 4, 4), (4, 4, 4)) and cfg.train.wandb_tags == ("a", "b")
+    assert cfg.plans.for_layer("layers.1.q") == "dp"
+    with pytest.raises(cli.CLIError, match=r"unknown config key 'train\.comera\.gama'.*gamma"):
+        cli.apply_overrides(cfg, [], ["train.comera.gama=1"])
+    with pytest.raises(cli.CLIError, match="expected a value of type int"):
+        cli.apply_overrides(cfg, [], ["train.steps=1.5"])
+    with pytest.raises(cli.CLIError, match="train.steps cannot be None"):
+        cli.apply_overrides(cfg, [], ["train.steps=None"])
+    with pytest.raises(cli.CLIError, match="size_ratio"):  # the dataclass check runs again
+        cli.apply_overrides(cfg, [], ["train.comera.size_ratio=2"])
+    with pytest.raises(cli.CLIError, match="expected KEY=VALUE"):
+        cli.apply_overrides(cfg, [], ["train.steps"])
+
+
+def test_config_round_trips_through_config_json():
+    cfg = cli.apply_overrides(mnli.preset("paper"), [("plans.per_layer", (("pooler", "dp"),))], [])
+    text = json.dumps(dataclasses.asdict(cfg))
+    assert cli.config_from_dict(mnli.Preset, json.loads(text)) == cfg
+
+
+def _record_plans(monkeypatch) -> list[tuple[str, tuple]]:
+    import comera.layers
+
+    seen = []
+    original = comera.layers.tt_linear_plan
+
+    def recording(plan, core_shapes, tokens, name="tt_linear"):
+        out = original(plan, core_shapes, tokens, name)
+        seen.append((out.strategy, tuple(s[1] for s in out.core_shapes)))
+        return out
+
+    monkeypatch.setattr(comera.layers, "tt_linear_plan", recording)
+    return seen
+
+
+def test_plan_chosen_on_the_cli_is_the_plan_that_runs(tmp_path, monkeypatch):
+    seen = _record_plans(monkeypatch)
+    run_dir = tmp_path / "run"
+    argv = [*FAST, "--run-dir", str(run_dir), "--plan", "greedy"]
+    argv += ["--plan-for", "layers.*.ffn_*=dp", "--embedding-impl", "naive"]
+    assert mnli.main(argv) == 0
+    ffn_modes = {(16, 8, 8, 8), (8, 8, 16, 8)}  # smoke ffn_in, ffn_out (out | in modes)
+    assert seen and {s for s, modes in seen if modes in ffn_modes} == {"dp"}
+    assert {s for s, modes in seen if modes not in ffn_modes} == {"greedy"}
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["plans"] == {
+        "default": "greedy",
+        "per_layer": [["layers.*.ffn_*", "dp"]],
+        "embedding_impl": "naive",
+    }
+    # resume replays the saved config: the same plans run again
+    seen.clear()
+    assert mnli.main(["--resume", str(run_dir), "--no-progress"]) == 0
+
+
+def test_resume_replays_config_and_allows_only_reporting_changes(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert mnli.main([*FAST, "--run-dir", str(run_dir), "--set", "train.comera.gamma=0.07"]) == 0
+    capsys.readouterr()
+    args = cli.build_parser(mnli.EXPERIMENT).parse_args(
+        ["--resume", str(run_dir), "--device", "cpu", "--wandb-group", "g"]
+    )
+    cfg = cli.resolve_config(mnli.EXPERIMENT, args, cli.build_parser(mnli.EXPERIMENT))
+    assert cfg.train.comera.gamma == 0.07 and cfg.train.steps == 3
+    assert cfg.train.wandb_group == "g" and cfg.train.run_dir == str(run_dir)
+    assert mnli.main(["--resume", str(run_dir), "--set", "train.comera.gamma=0.1"]) == 2
+    assert "drop --set train.comera.gamma" in capsys.readouterr().err
+
+
+def test_dense_flag_and_legacy_flags_still_work(tmp_path):
+    run_dir = tmp_path / "dense"
+    argv = ["--preset", "smoke", "--wandb", "disabled", "--set", "data.generated_train=200"]
+    argv += ["--dense", "--run-dir", str(run_dir), "--steps", "2", "--eval-every", "2"]
+    assert mnli.main(argv) == 0
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["dense"] is True and saved["train"]["comera"]["enabled"] is False
+    assert saved["train"]["steps"] == 2 and saved["train"]["run_name"] == "mnli-smoke-dense"
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/validation/accuracy" in r for r in rows)
+
+
+# ----------------------------------------------------------------------------- wandb
+
+
+def test_wandb_mode_follows_flag_then_environment(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert resolve_wandb_mode(None) == ("offline", None)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert resolve_wandb_mode(None) == ("disabled", None)
+    assert resolve_wandb_mode("online") == ("online", None)  # the flag wins
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    assert resolve_wandb_mode(None) == ("offline", None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    mode, note = resolve_wandb_mode(None)
+    assert mode == "disabled" and "not installed" in note
+
+
+class _FakeWandb(types.ModuleType):
+    """Records init calls; stands in for wandb so the test needs no service."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.inits, self.logged = [], []
+
+    def init(self, **kw):
+        self.inits.append(kw)
+        return types.SimpleNamespace(log=lambda row, step: self.logged.append(step),
+                                     finish=lambda: None)  # fmt: skip
+
+
+def test_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    from comera.train import Trainer
+    from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5, wandb="offline", wandb_group="abl",
+               wandb_tags=("x",), wandb_entity="me", run_name="toy")  # fmt: skip
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    Trainer(dataclasses.replace(cfg), ToyTask(), *_toy_model(), resume=True).fit()
+    first, second = fake.inits
+    assert first["id"] == second["id"] == (tmp_path / "run" / "wandb_run_id").read_text().strip()
+    assert second["resume"] == "allow" and first["group"] == "abl" and first["tags"] == ["x"]
+    assert first["entity"] == "me" and first["name"] == "toy" and first["mode"] == "offline"
+    assert first["config"]["train"]["comera"]["gamma"] == cfg.comera.gamma
+
+
+def test_trainconfig_accepts_none_wandb():
+    assert TrainConfig(steps=1, run_dir="x").wandb is None
+    assert C.LayerPlans().for_layer("anything") is None
+
+
+def test_a_device_torch_cannot_parse_is_one_line(capsys):
+    """``--set train.device=gpu`` (or ``--device gpu``) is refused with the field named,
+    before anything runs, rather than a traceback from ``torch.device``."""
+    assert mnli.main(["--preset", "smoke", "--set", "train.device=gpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "TrainConfig.device='gpu' is not a torch device" in err[0]
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_line(tmp_path, capsys, monkeypatch):
+    """``--device cuda`` where torch sees no CUDA device (forced here, so the test runs on
+    GPU machines too) is refused before any run dir is made or any bench worker starts,
+    instead of a traceback at the first ``.to()`` or one failed worker per point."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run_dir = tmp_path / "run"
+    argv = ["--preset", "smoke", "--device", "cuda", "--run-dir", str(run_dir)]
+    assert mnli.main([*argv, "--wandb", "disabled"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device cuda: no CUDA device here" in err[0], err
+    assert "use --device cpu" in err[0] and not run_dir.exists()
+
+    def no_bench(args):
+        raise AssertionError("the benchmark started")
+
+    exp = dataclasses.replace(mnli.EXPERIMENT, bench=no_bench)
+    assert cli.main(exp, ["--bench", "--device", "cuda:0"]) == 2
+    assert "--device cuda:0: no CUDA device here" in capsys.readouterr().err
+    assert mnli.main(["--preset", "smoke", "--set", "train.device=cuda", "--run-dir",
+                      str(run_dir)]) == 2  # fmt: skip
+    assert "train.device cuda: no CUDA device here" in capsys.readouterr().err
+
+
+def test_bench_device_errors_are_one_line(capsys, monkeypatch):
+    """``--bench --device gpu`` (not a torch device) is one line, and the DLRM and CodeBERT
+    step benches, which run on the CPU, refuse a CUDA device rather than ignore it."""
+    from experiments.codebert import experiment as codebert
+    from experiments.dlrm import experiment as dlrm
+
+    assert mnli.main(["--bench", "--device", "gpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device 'gpu' is not a torch device" in err[0], err
+    monkeypatch.setattr(cli, "check_device", lambda *a: None)  # as if CUDA were here
+    for exp in (dlrm, codebert):
+        assert exp.main(["--bench", "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "step bench runs on the CPU; drop --device" in err[0], err

@@ -1,0 +1,149 @@
+"""Real multi-process DataLoader workers, checkpoint files, and the torch.distributed glue."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import loaders.checkpoint as ckpt
+from loaders import TokenLoader, load_states, resolve_rank_world, state_path
+from tests.loaders_helpers import body_tokens, config, expected_tokens, make_corpus, take
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    a = make_corpus(root / "a", 157, first_id=0, seed=21, files=3)
+    b = make_corpus(root / "b", 89, first_id=5000, seed=22, files=2)
+    return root, {**a, **b}
+
+
+def _cfg(root, **kw):
+    return config([("a", root / "a", 0.6), ("b", root / "b", 0.4)], **kw)
+
+
+def test_multiprocess_dataloader_epoch_is_exactly_once(corpus):
+    root, docs = corpus
+    cfg = _cfg(root, num_epochs=1)
+    batches = [b for r in range(2) for b in TokenLoader(cfg, rank=r, world_size=2, num_workers=2)]
+    assert all(set(b) == {"input_ids", "segment_ids"} for b in batches)
+    assert np.array_equal(np.sort(body_tokens(batches)), expected_tokens(docs))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_dataloader_resume_is_identical_and_worker_count_can_change(corpus):
+    root, docs = corpus
+    cfg = _cfg(root)
+    ld = TokenLoader(cfg, num_workers=2, prefetch_factor=3)
+    take(ld, 7)  # odd: the next batch is due from worker 1, and workers have prefetched ahead
+    state = json.loads(json.dumps(ld.state_dict()))
+    assert state["next_worker"] == 1 and len(state["readers"]) == 2
+    ref = take(ld, 6)
+    ld._close()
+    again = TokenLoader(cfg, num_workers=2)
+    again.load_state_dict(state)
+    got = take(again, 6)
+    again._close()
+    assert all(
+        bool((a["input_ids"] == b["input_ids"]).all()) for a, b in zip(got, ref, strict=True)
+    )
+    # 2 workers -> 3 workers and 0 workers mid-epoch: still exactly once
+    fin = _cfg(root, num_epochs=1)
+    first = TokenLoader(fin, num_workers=2)
+    seen = take(first, 5)
+    state = json.loads(json.dumps(first.state_dict()))
+    first._close()
+    second = TokenLoader(fin, num_workers=3)
+    second.load_state_dict(state)
+    seen += take(second, 4)
+    state = json.loads(json.dumps(second.state_dict()))
+    second._close()
+    third = TokenLoader(fin, num_workers=0)
+    third.load_state_dict(state)
+    seen += list(third)
+    assert np.array_equal(np.sort(body_tokens(seen)), expected_tokens(docs))
+
+
+def test_set_weights_with_workers_restarts_exactly(corpus):
+    root, docs = corpus
+    ld = TokenLoader(_cfg(root, num_epochs=1), num_workers=2)
+    seen = take(ld, 3)
+    ld.set_weights({"a": 0.1, "b": 0.9})
+    seen += list(ld)
+    assert ld.state_dict()["weights"] == {"a": 0.1, "b": 0.9}
+    assert np.array_equal(np.sort(body_tokens(seen)), expected_tokens(docs))
+
+
+def test_atomic_save_keeps_previous_file_on_crash(corpus, tmp_path, monkeypatch):
+    root, _ = corpus
+    ld = TokenLoader(_cfg(root))
+    take(ld, 2)
+    ld.save(tmp_path, step=2)
+    good = state_path(tmp_path, 0).read_text()
+    take(ld, 2)
+
+    def crash(*a, **k):
+        raise OSError("disk died mid-save")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="mid-save"):
+        ld.save(tmp_path, step=4)
+    monkeypatch.undo()
+    assert state_path(tmp_path, 0).read_text() == good  # previous checkpoint intact
+    assert [p.name for p in tmp_path.iterdir()] == ["loader_rank00000.json"]  # no temp left
+
+
+def test_background_save_and_stale_rank_files(corpus, tmp_path):
+    root, _ = corpus
+    cfg = _cfg(root)
+    for r in range(3):
+        ld = TokenLoader(cfg, rank=r, world_size=3)
+        take(ld, 1 + r)
+        fut = ld.save(tmp_path, background=True, step=7)
+        assert fut.result() == state_path(tmp_path, r)
+    assert len(load_states(tmp_path)) == 3
+    small = TokenLoader(cfg, rank=0, world_size=1)
+    small.load(tmp_path)  # 3 -> 1
+    small.save(tmp_path, step=8)  # rank 0 drops the now stale files of ranks 1 and 2
+    assert [s["world_size"] for s in load_states(tmp_path)] == [1]
+
+
+def test_incomplete_checkpoint_folder_is_refused(corpus, tmp_path):
+    root, _ = corpus
+    for r in range(3):
+        TokenLoader(_cfg(root), rank=r, world_size=3).save(tmp_path, step=1)
+    state_path(tmp_path, 1).unlink()
+    with pytest.raises(ValueError, match="ranks \\[0, 2\\] but world_size=3.*previous checkpoint"):
+        TokenLoader(_cfg(root)).load(tmp_path)
+    TokenLoader(_cfg(root), rank=1, world_size=3).save(tmp_path, step=2)
+    with pytest.raises(ValueError, match="different steps"):
+        TokenLoader(_cfg(root)).load(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no loader state files"):
+        TokenLoader(_cfg(root)).load(tmp_path / "nothing")
+    assert ckpt.STATE_VERSION == 1
+
+
+def test_rank_and_world_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    assert resolve_rank_world() == (2, 5)
+    assert resolve_rank_world(1, 3) == (1, 3)
+    with pytest.raises(ValueError, match="rank 5 is outside world_size 5"):
+        resolve_rank_world(5)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert resolve_rank_world() == (0, 1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setenv("RANK", "3")
+        monkeypatch.setenv("WORLD_SIZE", "9")
+        assert resolve_rank_world() == (0, 1)  # the process group wins over env vars
+    finally:
+        dist.destroy_process_group()
+    assert torch.distributed.is_available()

@@ -1,0 +1,167 @@
+"""``python -m loaders.prepare``: text -> token shards the loader reads, resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaders import DatasetSpec, LoaderConfig, TokenLoader
+from loaders.prepare import PrepareError, main, prepare
+from loaders.sources import ArrowTokenFile
+from tests.loaders_helpers import BOS, EOS, PAD
+
+
+def _corpus(root: Path, n: int = 40) -> dict[str, str]:
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "x", "(", ")", ":", "\n"]
+    texts = {}
+    for i in range(n):
+        text = " ".join(rng.choice(words, size=int(rng.integers(5, 60)))) + f"\n# file {i} é\n"
+        path = root / f"pkg{i % 3}" / f"mod{i:03d}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        texts[str(path)] = text
+    (root / "README.txt").write_text("not matched by the glob")
+    return texts
+
+
+def _docs(folder: Path) -> list[np.ndarray]:
+    files = sorted(folder.glob("part-*.arrow"))
+    return [f.doc(i) for f in map(ArrowTokenFile, files) for i in range(f.num_docs)]
+
+
+def test_folder_to_shards_round_trips_and_loads(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    texts = _corpus(tmp_path / "src")
+    out = tmp_path / "out"
+    summary = prepare([str(tmp_path / "src")], out, train_vocab=300, glob="**/*.py",
+                      heldout=0.25, docs_per_shard=7, progress=False)  # fmt: skip
+    train, held = summary["splits"]["train"]["docs"], summary["splits"]["heldout"]["docs"]
+    assert train + held == 40 and 0 < held < 20
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert [tok.token_to_id(t) for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")] == [
+        0, 1, 2, 3, 4
+    ]  # fmt: skip
+    plan = json.loads((out / "train" / "doc_counts.json").read_text())
+    assert sum(e["docs"] for e in plan["files"].values()) == train
+    # every document decodes back to its file, exactly (byte-level BPE)
+    decoded = {tok.decode(d.tolist()) for split in ("train", "heldout") for d in _docs(out / split)}
+    assert decoded == set(texts.values())
+    cfg = LoaderConfig(datasets=[DatasetSpec(name="py", path=str(out / "train"))], seq_len=32,
+                       batch_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD, num_shards=4)  # fmt: skip
+    batch = next(iter(TokenLoader(cfg, rank=0, world_size=1)))
+    assert batch["input_ids"].shape[0] == 2
+
+
+def test_a_tokenizer_never_adds_its_own_specials(tmp_path: Path) -> None:
+    """The loader adds BOS/EOS itself; a RoBERTa-style tokenizer.json whose post-processor
+    wraps every text in <s> ... </s> must not add them a second time."""
+    from tokenizers import Tokenizer, processors
+
+    from loaders.prepare import train_tokenizer
+    from loaders.text import load_tokenizer
+
+    path = train_tokenizer(iter(["def f(x): return x\n"] * 20), 300, tmp_path / "tok.json")
+    tok = Tokenizer.from_file(str(path))
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    tok.save(str(path))
+    assert tok.encode("return x").ids[0] == 0  # the tokenizer itself would add them
+    ids = load_tokenizer(str(path))("return x")
+    assert ids and 0 not in ids and 2 not in ids
+
+
+def test_max_doc_tokens_cuts_long_documents_into_pieces(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    texts = _corpus(tmp_path / "src", n=12)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    prepare([str(tmp_path / "src")], whole, train_vocab=300, glob="**/*.py", progress=False)
+    tok = str(whole / "tokenizer.json")
+    summary = prepare([str(tmp_path / "src")], cut, tokenizer=tok, glob="**/*.py",
+                      max_doc_tokens=16, docs_per_shard=5, progress=False)  # fmt: skip
+    docs, pieces = _docs(whole / "train"), _docs(cut / "train")
+    assert len(docs) == 12 and max(map(len, pieces)) == 16
+    assert summary["splits"]["train"]["docs"] == len(pieces) == sum(-(-len(d) // 16) for d in docs)
+    counts = json.loads((cut / "train" / "doc_counts.json").read_text())["files"]
+    assert sum(e["docs"] for e in counts.values()) == len(pieces)
+    assert np.array_equal(np.concatenate(pieces), np.concatenate(docs))  # same order, no loss
+    decoded = Tokenizer.from_file(tok).decode(np.concatenate(pieces).tolist())
+    assert all(t in decoded for t in texts.values())
+    assert main([str(tmp_path / "src"), "--out", str(cut), "--tokenizer", tok, "--glob",
+                 "**/*.py", "--max-doc-tokens", "0", "--no-progress"]) == 2  # fmt: skip
+
+
+def test_rerun_finishes_a_crashed_run_and_refuses_other_settings(tmp_path: Path) -> None:
+    _corpus(tmp_path / "src")
+    out = tmp_path / "out"
+    kw = dict(train_vocab=300, glob="**/*.py", docs_per_shard=6, progress=False)
+    prepare([str(tmp_path / "src")], out, **kw)
+    shards = sorted((out / "train").glob("part-*.arrow"))
+    before = {p.name: p.read_bytes() for p in shards}
+    stamps = {p.name: p.stat().st_mtime_ns for p in shards}
+    shards[2].unlink()  # as if the run died before this shard was renamed into place
+    (out / "train" / f".{shards[2].name}.tmp-12345").write_bytes(b"half")
+    prepare([str(tmp_path / "src")], out, **kw)
+    assert shards[2].read_bytes() == before[shards[2].name]
+    assert all(p.stat().st_mtime_ns == stamps[p.name] for p in shards if p != shards[2])
+    with pytest.raises(PrepareError, match="other settings"):
+        prepare([str(tmp_path / "src")], out, **{**kw, "docs_per_shard": 5})
+
+
+def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
+    texts = _corpus(tmp_path / "src")
+    kw = dict(train_vocab=300, glob="**/*.py", docs_per_shard=5, progress=False)
+    prepare([str(tmp_path / "src")], tmp_path / "one", workers=1, **kw)
+    prepare([str(tmp_path / "src")], tmp_path / "two", workers=2, **kw)
+    one, two = (sorted((tmp_path / d / "train").glob("part-*")) for d in ("one", "two"))
+    assert [p.read_bytes() for p in one] == [p.read_bytes() for p in two]
+    jsonl = tmp_path / "funcs.jsonl"
+    jsonl.write_text("".join(json.dumps({"code": t, "id": i}) + "\n"
+                             for i, t in enumerate(texts.values())))  # fmt: skip
+    tok = str(tmp_path / "one" / "tokenizer.json")
+    prepare([str(jsonl)], tmp_path / "tab", tokenizer=tok, text_column="code", progress=False)
+    assert len(_docs(tmp_path / "tab" / "train")) == 40
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["{src}", "--out", "{out}", "--train-tokenizer", "300"], "pass --glob"),
+        (["{src}/nope", "--out", "{out}", "--train-tokenizer", "300"], "does not exist"),
+        (["{src}", "--glob", "*.py", "--out", "{out}"], "exactly one of --tokenizer"),
+        (["{jsonl}", "--out", "{out}", "--train-tokenizer", "300"], "no column 'text'"),
+        (
+            ["{src}", "--glob", "**/*.py", "--out", "{out}", "--tokenizer", "{src}/tok.json"],
+            "tok.json' does not exist; pass a tokenizer.json path",
+        ),
+        (
+            ["{src}", "--glob", "**/*.py", "--out", "{out}", "--tokenizer", "~/no/such/tok"],
+            "'~/no/such/tok' does not exist; pass a tokenizer.json path",
+        ),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path: Path, capsys, args: list[str], message: str) -> None:
+    _corpus(tmp_path / "src", n=3)
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text('{"code": "x = 1"}\n')
+    fill = {"src": str(tmp_path / "src"), "out": str(tmp_path / "o"), "jsonl": str(jsonl)}
+    code = main([a.format(**fill) for a in args] + ["--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0]
+    assert not os.path.exists(tmp_path / "o" / "train")
+
+
+def test_a_local_tokenizer_folder_without_tokenizer_json_still_loads(tmp_path: Path) -> None:
+    """A downloaded model folder with only ``vocab.txt`` (no ``tokenizer.json``) is a path,
+    not a hub id: it loads through transformers, offline."""
+    pytest.importorskip("transformers")
+    from loaders.text import load_tokenizer
+
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nhello\nworld\n")
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "BertTokenizer"}')
+    assert load_tokenizer(str(tmp_path))("hello world") == [5, 6]

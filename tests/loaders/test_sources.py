@@ -1,0 +1,263 @@
+"""Sources, document-count metadata, text + tokenizer, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from loaders import (
+    ArrowTokenFile,
+    DatasetSpec,
+    LoaderConfig,
+    TokenFolder,
+    TokenLoader,
+    datasets_from_root,
+)
+from loaders.metadata import METADATA_NAME
+from tests.loaders_helpers import body_tokens, config, expected_tokens, make_corpus, write_arrow
+
+
+def test_arrow_file_slices_documents_without_copying(tmp_path):
+    docs = [np.arange(n, dtype=np.int32) + 1000 for n in (5, 0, 3, 9, 1, 4, 2, 8)]
+    write_arrow(tmp_path / "x.arrow", docs, rows_per_batch=3)
+    f = ArrowTokenFile(tmp_path / "x.arrow")
+    assert f.num_docs == 8
+    for i, d in enumerate(docs):
+        got = f.doc(i)
+        assert np.array_equal(got, d)
+        if len(d):
+            assert not got.flags.owndata  # a view into the memory map
+
+
+def test_stream_format_and_int64_large_list(tmp_path):
+    arr = pa.array([[1, 2, 3], [4], []], type=pa.large_list(pa.int64()))
+    table = pa.table({"ids": arr})
+    with (
+        pa.OSFile(str(tmp_path / "s.arrow"), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema) as w,
+    ):
+        w.write_table(table)
+    f = ArrowTokenFile(tmp_path / "s.arrow", column="ids")
+    assert [f.doc(i).tolist() for i in range(3)] == [[1, 2, 3], [4], []]
+
+
+def test_doc_counts_metadata_written_then_used(tmp_path):
+    make_corpus(tmp_path / "a", 41, files=4)
+    folder = TokenFolder(tmp_path / "a")
+    assert folder.num_docs == 41
+    meta = json.loads((tmp_path / "a" / METADATA_NAME).read_text())
+    assert (
+        meta["format"] == "loaders.doc_counts"
+        and sum(e["docs"] for e in meta["files"].values()) == 41
+    )
+    assert "sub1/part-001.arrow" in meta["files"]  # nested folders, relative paths
+    # a hand-written metadata file without sizes is trusted (no file is opened to count)
+    for e in meta["files"].values():
+        del e["bytes"]
+    (tmp_path / "a" / METADATA_NAME).write_text(json.dumps(meta))
+    assert TokenFolder(tmp_path / "a").num_docs == 41
+
+
+def test_stale_metadata_is_recounted_and_wrong_counts_are_caught(tmp_path):
+    make_corpus(tmp_path / "a", 20, files=2)
+    TokenFolder(tmp_path / "a")
+    path = tmp_path / "a" / METADATA_NAME
+    meta = json.loads(path.read_text())
+    first = sorted(meta["files"])[0]
+    meta["files"][first]["bytes"] += 1  # stale size: recount
+    meta["files"][first]["docs"] += 5
+    path.write_text(json.dumps(meta))
+    assert TokenFolder(tmp_path / "a").num_docs == 20
+    meta = json.loads(path.read_text())
+    del meta["files"][first]["bytes"]
+    meta["files"][first]["docs"] += 5  # a wrong hand-written count
+    path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="has 10 rows but the doc-count metadata says 15"):
+        TokenFolder(tmp_path / "a")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores read-only permissions")
+def test_read_only_folder_uses_cache_dir(tmp_path):
+    make_corpus(tmp_path / "a", 10, files=1)
+    os.chmod(tmp_path / "a" / "sub0", 0o555)
+    os.chmod(tmp_path / "a", 0o555)
+    try:
+        assert TokenFolder(tmp_path / "a", cache_dir=tmp_path / "cache").num_docs == 10
+        assert list((tmp_path / "cache").glob(f"*{METADATA_NAME}"))
+    finally:
+        os.chmod(tmp_path / "a", 0o755)
+
+
+def test_cache_dir_metadata_is_read(tmp_path, monkeypatch):
+    make_corpus(tmp_path / "a", 10, files=1)
+    # simulate a read-only data folder: writing next to the data fails
+    import loaders.metadata as md
+
+    real = md.atomic_write_text
+
+    def refuse(path, text, **kw):
+        if path.parent == tmp_path / "a":
+            raise PermissionError("read-only")
+        return real(path, text, **kw)
+
+    monkeypatch.setattr(md, "atomic_write_text", refuse)
+    assert TokenFolder(tmp_path / "a", cache_dir=tmp_path / "cache").num_docs == 10
+    assert not (tmp_path / "a" / METADATA_NAME).exists()
+    cached = list((tmp_path / "cache").glob(f"*{METADATA_NAME}"))
+    assert len(cached) == 1
+    calls = []
+    monkeypatch.setattr("loaders.sources.count_arrow_docs", lambda p, c: calls.append(p) or 0)
+    assert TokenFolder(tmp_path / "a", cache_dir=tmp_path / "cache").num_docs == 10
+    assert calls == []  # counts came from the cache
+
+
+def _tokenizer_file(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["[UNK]"] + [f"w{i}" for i in range(50)]
+    model = tokenizers.models.WordLevel(
+        {w: i + 1000 for i, w in enumerate(words)}, unk_token="[UNK]"
+    )
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    path = tmp_path / "tok" / "tokenizer.json"
+    path.parent.mkdir()
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow", "datasets"])
+def test_text_sources_tokenized_on_the_fly(tmp_path, kind):
+    tok_path = _tokenizer_file(tmp_path)
+    texts = [" ".join(f"w{(i * 7 + j) % 50}" for j in range(i % 13)) for i in range(37)]
+    folder = tmp_path / "text"
+    folder.mkdir()
+    table = pa.table({"text": texts})
+    if kind == "jsonl":
+        (folder / "x.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        data = folder
+    elif kind == "parquet":
+        pq.write_table(table, folder / "x.parquet")
+        data = folder
+    elif kind == "arrow":
+        with pa.OSFile(str(folder / "x.arrow"), "wb") as s, pa.ipc.new_file(s, table.schema) as w:
+            w.write_table(table)
+        data = folder / "x.arrow"
+    else:
+        datasets = pytest.importorskip("datasets")
+        data = datasets.Dataset.from_dict({"text": texts}).shuffle(seed=0).select(range(37))
+    spec = DatasetSpec(name="t", path=data, tokenizer=str(tok_path.parent))
+    cfg = LoaderConfig(
+        datasets=[spec], seq_len=16, batch_size=2, bos_id=1, eos_id=2, num_shards=5, num_epochs=1
+    )
+    got = body_tokens(list(TokenLoader(cfg)))
+    expected = [1000 + 1 + int(w[1:]) for t in texts for w in t.split()]
+    assert sorted(got.tolist()) == sorted(expected)
+
+
+# -- bad input -------------------------------------------------------------------------
+
+
+def test_truncated_arrow_file_names_the_file(tmp_path):
+    make_corpus(tmp_path / "a", 30, files=1)
+    path = next((tmp_path / "a").rglob("*.arrow"))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    (tmp_path / "a" / METADATA_NAME).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=f"{path.name}.*truncated or corrupt"):
+        TokenFolder(tmp_path / "a")
+
+
+def test_corrupt_arrow_file_names_the_file(tmp_path):
+    make_corpus(tmp_path / "a", 30, files=1)
+    path = next((tmp_path / "a").rglob("*.arrow"))
+    path.write_bytes(b"this is not arrow at all" * 10)
+    with pytest.raises(ValueError, match=f"{path.name}.*truncated or corrupt"):
+        TokenFolder(tmp_path / "a")
+
+
+def test_missing_token_column(tmp_path):
+    write_arrow(tmp_path / "a" / "x.arrow", [np.arange(3)], column="input_ids")
+    with pytest.raises(ValueError, match="no token column 'tokens'.*input_ids.*token_column"):
+        TokenLoader(config([("a", tmp_path / "a", 1.0)]))
+    cfg = config([("a", tmp_path / "a", 1.0)])
+    cfg.datasets[0].token_column = "input_ids"
+    assert TokenLoader(cfg).fingerprint["docs"] == {"a": 1}
+
+
+def test_non_integer_tokens(tmp_path):
+    table = pa.table({"tokens": pa.array([[1.5, 2.0]], type=pa.list_(pa.float32()))})
+    (tmp_path / "a").mkdir()
+    with (
+        pa.OSFile(str(tmp_path / "a" / "x.arrow"), "wb") as s,
+        pa.ipc.new_file(s, table.schema) as w,
+    ):
+        w.write_table(table)
+    with pytest.raises(ValueError, match="x.arrow has type list<item: float>.*list of integers"):
+        TokenLoader(config([("a", tmp_path / "a", 1.0)]))
+
+
+def test_empty_folder_and_missing_path(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty holds no Arrow files"):
+        TokenLoader(config([("e", tmp_path / "empty", 1.0)]))
+    with pytest.raises(FileNotFoundError, match="nope does not exist"):
+        TokenLoader(config([("e", tmp_path / "nope", 1.0)]))
+
+
+def test_unknown_weight_and_bad_config(tmp_path):
+    make_corpus(tmp_path / "a", 10)
+    ld = TokenLoader(config([("a", tmp_path / "a", 1.0)]))
+    with pytest.raises(
+        ValueError, match="unknown sub-datasets \\['b'\\].*known sub-datasets: \\['a'\\]"
+    ):
+        ld.set_weights({"b": 0.5})
+    with pytest.raises(ValueError, match="unknown sub-datasets \\['zz'\\]; folders are \\['a'\\]"):
+        datasets_from_root(tmp_path, {"zz": 0.5})
+    assert [d.name for d in datasets_from_root(tmp_path, {"a": 0.5})] == ["a"]
+    with pytest.raises(ValueError, match="duplicate names"):
+        config([("a", tmp_path / "a", 1.0), ("a", tmp_path / "a", 1.0)])
+    with pytest.raises(ValueError, match="shuffle='random'"):
+        config([("a", tmp_path / "a", 1.0)], shuffle="random")
+    with pytest.raises(ValueError, match="weight must be >= 0"):
+        DatasetSpec(name="x", path=tmp_path, weight=-1)
+    with pytest.raises(ValueError, match="36 readers but only num_shards=35"):
+        TokenLoader(config([("a", tmp_path / "a", 1.0)]), rank=0, world_size=12, num_workers=3)
+
+
+def test_state_from_incompatible_config(tmp_path):
+    make_corpus(tmp_path / "a", 40)
+    make_corpus(tmp_path / "b", 41)
+    ld = TokenLoader(config([("a", tmp_path / "a", 1.0)]))
+    next(ld)
+    state = ld.state_dict()
+    with pytest.raises(ValueError, match="num_shards=35 but the config has 36"):
+        TokenLoader(config([("a", tmp_path / "a", 1.0)], num_shards=36)).load_state_dict(state)
+    with pytest.raises(ValueError, match="'a' had 40 documents when saved but has 41 now"):
+        TokenLoader(config([("a", tmp_path / "b", 1.0)])).load_state_dict(state)
+    with pytest.raises(ValueError, match="sub-dataset 'a' that the config lacks"):
+        TokenLoader(config([("b", tmp_path / "b", 1.0)])).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=0 but the config has 1"):
+        TokenLoader(config([("a", tmp_path / "a", 1.0)], seed=1)).load_state_dict(state)
+    with pytest.raises(ValueError, match="not a loader state"):
+        ld.load_state_dict({"hello": 1})
+
+
+def test_zero_length_and_short_documents_are_skipped_without_hanging(tmp_path):
+    docs = make_corpus(tmp_path / "a", 61, zero_every=3, max_len=9)
+    cfg = config([("a", tmp_path / "a", 1.0)], num_epochs=2, min_doc_len=4)
+    got = np.sort(body_tokens(list(TokenLoader(cfg))))
+    kept = {g: d for g, d in docs.items() if len(d) >= 4}
+    assert np.array_equal(got, expected_tokens(kept, 2))
+    # a sub-dataset with only empty documents: infinite mode must not hang, the other one streams
+    write_arrow(tmp_path / "z" / "x.arrow", [np.zeros(0, dtype=np.int32)] * 50)
+    cfg = config([("a", tmp_path / "a", 0.5), ("z", tmp_path / "z", 0.5)])
+    batches = [next(iter(ld)) for ld in [TokenLoader(cfg)] for _ in range(5)]
+    assert len(body_tokens(batches)) > 0
+    only_empty = TokenLoader(config([("z", tmp_path / "z", 1.0)]))
+    with pytest.raises(StopIteration):
+        next(only_empty)

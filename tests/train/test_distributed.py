@@ -1,0 +1,248 @@
+"""Exact data-parallel arithmetic: unequal per-rank counts, accumulation, per-rank data
+state, and a killed torchrun job resumed at another world size reading every token once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+from comera.train import CheckpointError, ComeraConfig, Trainer
+from comera.train.checkpoint import complete_checkpoints, read_rank_files
+from loaders import TokenLoader
+from tests.loaders_helpers import body_tokens, config, expected_tokens, make_corpus
+from tests.train_helpers import SumCountTask, ToyTask, _cfg, _toy_model, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _leaves(tree):
+    return tree_flatten(tree)[0]
+
+
+def _spawn(script: Path, world: int, *args: str) -> list[int]:
+    """Run ``script`` as ``world`` gloo ranks (env:// rendezvous); return exit codes."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**ENV, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env))
+    return [p.wait(timeout=180) for p in procs]
+
+
+UNEQUAL = """
+import sys, torch, torch.distributed as dist
+from pathlib import Path
+from tests.train_helpers import SumCountTask, _cfg, _toy_model
+from comera.train import Trainer
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+out = Path(sys.argv[1])
+for legacy in (False, True):
+    # each rank starts from its own init: the trainer broadcasts rank 0's
+    tr = Trainer(_cfg(out / str(legacy), steps=25), SumCountTask(rank, world, legacy=legacy),
+                 *_toy_model(seed=rank))
+    tr.fit()
+    ev = tr.evaluate()  # a collective: every rank evaluates its share
+    if rank == 0:
+        torch.save(tr.params, out / f"params_{legacy}.pt")
+        torch.save(ev, out / f"eval_{legacy}.pt")
+dist.destroy_process_group()
+"""
+
+
+def test_unequal_per_rank_counts_match_single_process(tmp_path, one_thread):
+    """Rank 0 holds 5 examples, rank 1 holds 11: weighting by counts gives the
+    single-process model; averaging the per-rank means (the old arithmetic) does not.
+    The ranks start from different inits (rank 0's is broadcast) and evaluate their own
+    shares of the held-out data (reduced exactly)."""
+    single = Trainer(_cfg(tmp_path / "single", steps=25), SumCountTask(), *_toy_model())
+    single.fit()
+    script = tmp_path / "worker.py"
+    script.write_text(UNEQUAL)
+    assert _spawn(script, 2, str(tmp_path)) == [0, 0]
+    exact = torch.load(tmp_path / "params_False.pt", weights_only=False)
+    legacy = torch.load(tmp_path / "params_True.pt", weights_only=False)
+    worst = 0.0
+    for a, b, c in zip(_leaves(single.params), _leaves(exact), _leaves(legacy), strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        if a.shape == c.shape:
+            worst = max(worst, float((a - c).detach().abs().max()))
+    assert worst > 1e-3  # the test can tell the exact weighting from the old one
+    ev = torch.load(tmp_path / "eval_False.pt", weights_only=False)
+    assert ev["mse"] == pytest.approx(single.evaluate()["mse"], rel=1e-5)
+    assert ev["rank_mean"] == 0.5  # plain floats are averaged over ranks
+
+
+def test_accumulated_micro_batches_equal_the_full_batch(tmp_path):
+    """Two uneven micro-batches (5 + 11 examples) per step equal one batch of 16."""
+    comera = ComeraConfig(gamma=0.5, tau=0.05, early_steps=10, prune_every=5)
+    full = Trainer(_cfg(tmp_path / "a", steps=20, comera=comera), SumCountTask(), *_toy_model())
+    full.fit()
+
+    class Micro(SumCountTask):
+        def __init__(self):
+            super().__init__()
+            self.train_iter = _MicroIter(self.train_iter)
+
+    cfg = _cfg(tmp_path / "b", steps=20, comera=comera, accum_steps=2)
+    acc = Trainer(cfg, Micro(), *_toy_model())
+    acc.fit()
+    for a, b in zip(_leaves(full.params), _leaves(acc.params), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+class _MicroIter:
+    """Cuts each batch of 16 into micro-batches of 5 and 11."""
+
+    def __init__(self, inner):
+        self.inner, self.pending = inner, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.pending:
+            x, y = next(self.inner)
+            self.pending = [(x[5:], y[5:]), (x[:5], y[:5])]
+        return self.pending.pop()
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, s):
+        self.inner.load_state_dict(s)
+
+
+def test_data_state_from_another_step_is_refused(tmp_path):
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    newest = complete_checkpoints(cfg.run_dir)[-1]
+    data = newest / "data_rank00000.json"
+    data.write_text(data.read_text().replace('"step": 10', '"step": 7'))
+    with pytest.raises(CheckpointError, match="data state of rank 0 .* from step 7 but the model"):
+        Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
+
+
+def test_iterator_that_cannot_rescale_is_refused_at_another_world_size(tmp_path):
+    cfg = _cfg(tmp_path, steps=10)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    newest = complete_checkpoints(cfg.run_dir)[-1]
+    text = (
+        (newest / "data_rank00000.json").read_text().replace('"world_size": 1', '"world_size": 2')
+    )
+    (newest / "data_rank00000.json").write_text(text)
+    (newest / "data_rank00001.json").write_text(text.replace('"rank": 0', '"rank": 1'))
+    torch.save(torch.load(newest / "rank00000.pt", weights_only=False), newest / "rank00001.pt")
+    model = torch.load(newest / "model.pt", weights_only=False)
+    torch.save({**model, "world_size": 2}, newest / "model.pt")
+    with pytest.raises(CheckpointError, match="saved by 2 ranks .* _Iter cannot resume"):
+        Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
+    assert len(read_rank_files(newest, 10)[1]) == 2
+
+
+# ----------------------------------------------------------------------- TokenLoader end to end
+
+TOKEN_JOB = """
+import os, signal, sys, torch
+from pathlib import Path
+import comera as C
+from comera.train.optim import AdamWConfig
+from comera.train import ComeraConfig, TrainConfig, Trainer, init_distributed
+from loaders import TokenLoader
+from tests.loaders_helpers import config
+
+root, run_dir, total, die_at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+resume = sys.argv[5] == "1"
+torch.set_num_threads(1)
+rank, world = init_distributed("cpu")
+
+
+class TokenTask:
+    '''Predict nothing useful: a TT layer over one-hot(token % 16); loss terms = real tokens.'''
+
+    def __init__(self):
+        self.train_iter = TokenLoader(config([("a", root / "a", 0.6), ("b", root / "b", 0.4)],
+                                             seq_len=16, batch_size=2))
+        self.trainer = None
+        self.log = open(Path(run_dir) / f"tokens_{os.getpid()}.txt", "a")
+
+    def loss(self, params, state, batch, *, train):
+        step = self.trainer.step + 1
+        ids = batch["input_ids"]
+        self.log.write(f"{step} " + " ".join(map(str, ids.reshape(-1).tolist())) + "\\n")
+        self.log.flush()
+        if rank == 0 and step == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = torch.nn.functional.one_hot(ids % 16, 16).float()  # (B, T, 16)
+        y = C.tt_linear(params["lin"], state["lin"], x)
+        real = (ids != 0).float()
+        return (y.pow(2).mean(-1) * real).sum(), real.sum(), {}
+
+    def evaluate(self, params, state):
+        return {}
+
+
+spec = C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=4)
+p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+cfg = TrainConfig(steps=total, run_dir=run_dir, checkpoint_every=5, wandb="disabled",
+                  progress=False, optim=AdamWConfig(lr_cores=1e-2),
+                  comera=ComeraConfig(early_steps=10, prune_every=5))
+task = TokenTask()
+tr = Trainer(cfg, task, {"lin": p}, {"lin": s}, resume=resume)
+task.trainer = tr
+tr.fit()
+"""
+
+
+def _torchrun(script: Path, nproc: int, *args: str) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), str(script), *args]  # fmt: skip
+    return subprocess.run(cmd, env=ENV, capture_output=True, timeout=300).returncode
+
+
+def test_torchrun_killed_then_resumed_on_one_process_reads_every_token_once(tmp_path):
+    """2 ranks, SIGKILL at step 13 (last checkpoint: step 10), resume with 1 process to step
+    30, then drain the rest of the epoch from the final checkpoint: the tokens the training
+    consumed (up to the checkpoint before the kill, then after the resume) plus the rest of
+    the epoch are the corpus, every token exactly once."""
+    root = tmp_path / "corpus"
+    docs = make_corpus(root / "a", 40, first_id=0, seed=1, max_len=60)
+    docs |= make_corpus(root / "b", 30, first_id=5000, seed=2, max_len=60)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    script = tmp_path / "job.py"
+    script.write_text(TOKEN_JOB)
+    assert _torchrun(script, 2, str(root), str(run_dir), "30", "13", "0") != 0  # killed
+    first = sorted(run_dir.glob("tokens_*.txt"))
+    assert len(first) == 2
+    assert complete_checkpoints(run_dir)[-1].name == "step_00000010"
+    for f in first:
+        f.rename(f.with_name("first_" + f.name))
+    assert _torchrun(script, 1, str(root), str(run_dir), "30", "0", "1") == 0
+    consumed = []
+    for f in run_dir.glob("*tokens_*.txt"):
+        for line in f.read_text().splitlines():
+            step, *ids = map(int, line.split())
+            if not f.name.startswith("first_") or step <= 10:  # lost steps 11-13 were redone
+                consumed.append(np.array(ids))
+    assert len(consumed) == 10 * 2 + 20  # 10 steps on 2 ranks, then 20 on one
+    # the rest of the epoch, from the final checkpoint's per-rank data state
+    _, datas = read_rank_files(complete_checkpoints(run_dir)[-1], 30)
+    rest = TokenLoader(config([("a", root / "a", 0.6), ("b", root / "b", 0.4)], seq_len=16,
+                              batch_size=2, num_epochs=1))  # fmt: skip
+    rest.load_state_dict([d["state"] for d in datas])
+    tail = [b["input_ids"].numpy().reshape(-1) for b in rest]
+    got = np.sort(np.concatenate([body_tokens([{"input_ids": torch.from_numpy(np.concatenate(
+        consumed + tail))}])]))  # fmt: skip
+    assert np.array_equal(got, expected_tokens(docs))

@@ -1,0 +1,364 @@
+"""CoMERA training: objectives, pruning/compaction during training, checkpoints, DDP."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import comera as C
+from comera.train.objectives import gate_regularizer, late_weights, size_surrogate
+from comera.train.optim import AdamWConfig, adamw_init, adamw_step
+from comera.training import (
+    CheckpointError,
+    ComeraConfig,
+    NonFiniteLoss,
+    TrainConfig,
+    Trainer,
+    load_checkpoint,
+    model_size,
+)
+from comera.tree import compact_tree, prune_tree
+from tests.train_helpers import ToyTask, _cfg, _Iter, _toy_model, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------- objectives
+
+
+def test_regularizer_and_size_surrogate_match_formulas():
+    params, state = _toy_model()
+    assert float(gate_regularizer(params, state)) == pytest.approx(1.0)
+    # all gates one: the surrogate is the stored core parameter count
+    assert float(size_surrogate(params, state)) == C.param_count(params["lin"]["cores"])
+    state = prune_tree(params, {"lin": {"masks": [m.clone() for m in state["lin"]["masks"]]}}, 0.5)
+    state["lin"]["masks"][1][:3] = False
+    live = [int(m.sum()) for m in state["lin"]["masks"]]
+    full = [1, *live, 1]
+    expected = sum(full[k] * 4 * full[k + 1] for k in range(4))
+    assert float(size_surrogate(params, state)) == expected
+    # dead gates do not count in the mean
+    params["lin"]["gates"][1][:3] = 100.0
+    assert float(gate_regularizer(params, state)) == pytest.approx(1.0)
+
+
+def test_late_weights_follow_the_objective_further_from_target():
+    w = late_weights(loss=2.0, size=100.0, loss_target=1.0, size_target=90.0, rho=0.1)
+    assert w.focus == "loss" and w.loss == pytest.approx(1.1) and w.size == pytest.approx(0.1 / 90)
+    w = late_weights(loss=1.05, size=200.0, loss_target=1.0, size_target=100.0, rho=0.1)
+    assert w.focus == "size" and w.size == pytest.approx(1.1 / 100)
+    with pytest.raises(ValueError, match="targets must be > 0"):
+        late_weights(1.0, 1.0, 0.0, 1.0, 0.1)
+
+
+def test_optimizer_state_follows_compaction_rank_for_rank():
+    params, state = _toy_model()
+    opt = adamw_init(params)
+    for leaf, m in zip(params["lin"]["cores"], opt["m"]["lin"]["cores"], strict=True):
+        m.copy_(torch.arange(leaf.numel(), dtype=leaf.dtype).view_as(leaf))
+    params["lin"]["gates"][1][[0, 2]] = 0.0
+    state = prune_tree(params, state, 0.01)
+    new_p, new_s, new_m, new_v = compact_tree(params, state, opt["m"], opt["v"])
+    keep = torch.tensor([1, 3, 4, 5])
+    torch.testing.assert_close(new_m["lin"]["cores"][1], opt["m"]["lin"]["cores"][1][..., keep])
+    torch.testing.assert_close(new_m["lin"]["cores"][2], opt["m"]["lin"]["cores"][2][keep])
+    assert new_v["lin"]["gates"][1].shape == (4,)
+    grads = [torch.ones_like(t) for t in torch.utils._pytree.tree_flatten(new_p)[0]]
+    adamw_step(new_p, grads, {**opt, "m": new_m, "v": new_v}, AdamWConfig())  # shapes agree
+
+
+def test_adamw_matches_torch():
+    torch.manual_seed(0)
+    p = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    ref = [torch.nn.Parameter(p["w"].clone()), torch.nn.Parameter(p["b"].clone())]
+    torch_opt = torch.optim.AdamW(
+        [{"params": [ref[0]], "weight_decay": 0.01}, {"params": [ref[1]], "weight_decay": 0.0}],
+        lr=5e-5,
+    )
+    opt = adamw_init(p)
+    for _ in range(5):
+        gw, gb = torch.randn(4, 3), torch.randn(3)
+        ref[0].grad, ref[1].grad = gw.clone(), gb.clone()
+        torch_opt.step()
+        opt = adamw_step(p, [gw, gb], opt, AdamWConfig())
+    torch.testing.assert_close(p["w"], ref[0].detach())
+    torch.testing.assert_close(p["b"], ref[1].detach())
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_run_reduces_loss_and_dense_stage(tmp_path):
+    params, state = _toy_model()
+    cfg = _cfg(tmp_path, comera=ComeraConfig(enabled=False))
+    Trainer(cfg, ToyTask(), params, state).fit()
+    rows = [r for r in _metrics(cfg.run_dir) if "loss" in r]
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    assert {r["stage"] for r in rows} == {"dense"}
+
+
+def test_gamma_shrinks_gates(tmp_path):
+    def gate_l1(gamma):
+        comera = ComeraConfig(gamma=gamma, tau=0.0, early_steps=1000, prune_every=1000)
+        cfg = _cfg(tmp_path / str(gamma), steps=40, comera=comera)
+        tr = Trainer(cfg, ToyTask(), *_toy_model())
+        tr.fit()
+        return sum(float(g.detach().abs().sum()) for g in tr.params["lin"]["gates"])
+
+    assert gate_l1(0.5) < 0.5 * gate_l1(0.0)
+
+
+def test_pruning_removes_ranks_and_compacts(tmp_path):
+    params, state = _toy_model()
+    cfg = _cfg(tmp_path)
+    tr = Trainer(cfg, ToyTask(), params, state)
+    before = model_size(tr.params, tr.state)
+    tr.fit()
+    rows = [r for r in _metrics(cfg.run_dir) if "loss" in r]
+    assert rows[-1]["ranks/lin"] < rows[0]["ranks/lin"]
+    # the target map has rank 2: pruning removes middle ranks, compaction drops them
+    assert C.bond_ranks(tr.params["lin"])[1] < 6
+    assert model_size(tr.params, tr.state) < before
+    assert all(bool(m.all()) for m in tr.state["lin"]["masks"])  # compacted at the end
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    snaps = json.loads((Path(cfg.run_dir) / "ranks.json").read_text())
+    assert list(snaps) == ["init", "end_of_early", "end"]
+    assert snaps["init"]["ranks"]["lin"] == [4, 6, 4]
+    assert snaps["end"]["ranks"]["lin"] == C.bond_ranks(tr.params["lin"])
+
+
+def test_late_stage_reaches_size_target(tmp_path):
+    params, state = _toy_model()
+    comera = ComeraConfig(
+        gamma=0.0, tau=0.02, early_steps=30, prune_every=5, size_ratio=0.5, rho=0.05
+    )
+    cfg = _cfg(tmp_path, steps=150, comera=comera)
+    tr = Trainer(cfg, ToyTask(), params, state)
+    tr.fit()
+    target = tr.targets["size"]
+    final = float(size_surrogate(tr.params, tr.state).detach())
+    assert final <= 1.1 * target, (final, target)
+    assert model_size(tr.params, tr.state) < model_size(*_toy_model())
+
+
+def test_compaction_mid_training_leaves_loss_unchanged(tmp_path):
+    params, state = _toy_model()
+    tr = Trainer(_cfg(tmp_path), ToyTask(), params, state)
+    it = iter(tr.task.train_iter)
+    for _ in range(20):
+        tr.train_step(next(it))
+    with torch.no_grad():
+        tr.params["lin"]["gates"][2][:2] = 0.0  # make some ranks dead
+    tr.prune()
+    batch = next(_Iter(tr.task.w, seed=7))
+    with torch.no_grad():
+        before, _ = tr.task.loss(tr.params, tr.state, batch, train=False)
+    stored = C.param_count(tr.params)
+    tr.compact()
+    with torch.no_grad():
+        after, _ = tr.task.loss(tr.params, tr.state, batch, train=False)
+    assert C.param_count(tr.params) < stored
+    torch.testing.assert_close(after, before)
+    tr.train_step(next(it))  # optimizer state was sliced along: the step runs
+
+
+def test_resume_is_bit_identical(tmp_path):
+    def run(cfg, resume=False):
+        params, state = _toy_model()
+        tr = Trainer(cfg, ToyTask(noise=0.1), params, state, resume=resume)
+        tr.fit()
+        return tr
+
+    full = run(_cfg(tmp_path / "a", steps=60, checkpoint_every=25))
+    # an interrupted twin: same config, stopped after its step-25 checkpoint
+    part_cfg = _cfg(tmp_path / "b", steps=60, checkpoint_every=25)
+    params, state = _toy_model()
+    tr = Trainer(part_cfg, ToyTask(noise=0.1), params, state)
+    it = iter(tr.task.train_iter)
+    while tr.step < 25:
+        tr.train_step(next(it))
+        tr._after_step()
+    tr.checkpoint()
+    resumed = run(part_cfg, resume=True)
+    for a, b in zip(
+        torch.utils._pytree.tree_flatten(full.params)[0],
+        torch.utils._pytree.tree_flatten(resumed.params)[0],
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    rows_a = [r["loss"] for r in _metrics(tmp_path / "a" / "run") if "loss" in r and r["step"] > 25]
+    rows_b = [r["loss"] for r in _metrics(tmp_path / "b" / "run") if "loss" in r and r["step"] > 25]
+    assert rows_a == rows_b
+
+
+def test_nan_stops_with_step_and_keeps_last_checkpoint(tmp_path):
+    params, state = _toy_model()
+    cfg = _cfg(tmp_path, checkpoint_every=10)
+    with pytest.raises(NonFiniteLoss, match=r"loss is nan at step 15"):
+        Trainer(cfg, ToyTask(nan_at=15), params, state).fit()
+    ckpt = load_checkpoint(cfg.run_dir)
+    assert ckpt["step"] == 10
+    assert all(torch.isfinite(t).all() for t in torch.utils._pytree.tree_flatten(ckpt["params"])[0])
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        load_checkpoint(tmp_path)
+    params, state = _toy_model()
+    cfg = _cfg(tmp_path / "x", steps=5)
+    Trainer(cfg, ToyTask(), params, state).fit()
+    with pytest.raises(CheckpointError, match="steps=5.*steps=6"):
+        Trainer(dataclasses.replace(cfg, steps=6), ToyTask(), *_toy_model(), resume=True)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="size_ratio"):
+        ComeraConfig(size_ratio=0.0)
+    with pytest.raises(ValueError, match="wandb must be online, offline or disabled"):
+        TrainConfig(steps=1, run_dir="x", wandb="maybe")
+    with pytest.raises(ValueError, match="bf16 autocast is for CUDA"):
+        TrainConfig(steps=1, run_dir="x", bf16=True)
+
+
+# ----------------------------------------------------------------------------- DDP
+
+DDP_WORKER = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+from tests.train_helpers import ToyTask, _toy_model, _cfg
+from comera.training import Trainer
+from pathlib import Path
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+params, state = _toy_model()
+tr = Trainer(_cfg(Path({out!r}), steps=30), ToyTask(rank=rank, world=world), params, state)
+tr.fit()
+if rank == 0:
+    torch.save(tr.params, {out!r} + "/params.pt")
+dist.destroy_process_group()
+"""
+
+
+def test_two_process_gloo_matches_single_process(tmp_path, one_thread):
+    single = Trainer(_cfg(tmp_path / "single", steps=30), ToyTask(), *_toy_model())
+    single.fit()
+    out = tmp_path / "ddp"
+    out.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(DDP_WORKER.format(root=str(ROOT), out=str(out)))
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env))
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    ddp = torch.load(out / "params.pt", weights_only=False)
+    for a, b in zip(
+        torch.utils._pytree.tree_flatten(single.params)[0],
+        torch.utils._pytree.tree_flatten(ddp)[0],
+        strict=True,
+    ):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert math.isfinite(float(single.loss_ema))
+
+
+# ----------------------------------------------------------------------------- review fixes
+
+
+def test_late_stage_from_the_start_needs_and_uses_a_loss_target(tmp_path):
+    with pytest.raises(ValueError, match="early_steps=0 starts in the late stage"):
+        ComeraConfig(early_steps=0)
+    comera = ComeraConfig(early_steps=0, loss_target=0.1, tau=0.02, prune_every=5)
+    tr = Trainer(_cfg(tmp_path, steps=20, comera=comera), ToyTask(), *_toy_model())
+    assert tr.stage == "late" and tr.targets["loss"] == 0.1 and tr.targets["size"] > 0
+    tr.fit()
+
+
+class _InfGradTask(ToyTask):
+    def loss(self, params, state, batch, *, train):
+        loss, extra = super().loss(params, state, batch, train=train)
+        if self.calls >= 4:  # finite value, infinite gradient
+            loss = loss + torch.sqrt(params["lin"]["bias"][0] * 0)
+        return loss, extra
+
+
+def test_non_finite_gradient_stops_before_any_update(tmp_path):
+    cfg = _cfg(tmp_path, checkpoint_every=1)
+    tr = Trainer(cfg, _InfGradTask(), *_toy_model())
+    with pytest.raises(NonFiniteLoss, match="gradient norm is (inf|nan) at step 4"):
+        tr.fit()
+    assert tr.step == 3
+    ckpt = load_checkpoint(cfg.run_dir)
+    assert ckpt["step"] == 3
+    for t in torch.utils._pytree.tree_flatten([ckpt["params"], tr.params])[0]:
+        assert torch.isfinite(t).all()
+
+
+def test_resume_tolerates_a_metrics_line_cut_by_a_kill(tmp_path):
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    path = Path(cfg.run_dir) / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"step": 21, "lo')
+    tr = Trainer(dataclasses.replace(cfg), ToyTask(), *_toy_model(), resume=True)
+    assert all(r["step"] <= 20 for r in _metrics(cfg.run_dir))
+    assert tr.step == 20
+
+
+def test_stale_state_after_compaction_is_named():
+    params, state = _toy_model()
+    params["lin"]["gates"][1][:3] = 0.0
+    pruned = prune_tree(params, state, 0.01)
+    new_params, _ = compact_tree(params, pruned)[:2]
+    x = torch.randn(2, 16)
+    with pytest.raises(
+        ValueError, match=r"does not match the params: masks of \[4, 6, 4\].*\[4, 3, 4\]"
+    ):
+        C.tt_linear(new_params["lin"], state["lin"], x)
+    with pytest.raises(ValueError, match=r"lin: the rank state must be a dict"):
+        gate_regularizer(params, {})
+
+
+def test_lr_schedule_ends_above_zero_and_starts_at_one_after_warmup():
+    from comera.training import _lr_scale
+
+    cfg = TrainConfig(steps=10, run_dir="x", warmup_steps=2, schedule="linear")
+    scales = [_lr_scale(cfg, s) for s in range(1, 11)]
+    assert scales[:3] == [0.5, 1.0, 1.0] and scales[-1] == pytest.approx(1 / 8)
+    cos = TrainConfig(steps=10, run_dir="x", schedule="cosine")
+    assert _lr_scale(cos, 1) == 1.0 and _lr_scale(cos, 10) > 0
+
+
+def test_more_config_errors():
+    with pytest.raises(ValueError, match="log_every >= 1"):
+        TrainConfig(steps=1, run_dir="x", log_every=0)
+    with pytest.raises(ValueError, match="grad_clip must be None"):
+        TrainConfig(steps=1, run_dir="x", grad_clip=-1.0)
+    with pytest.raises(ValueError, match="reg_start_step=50 must be"):
+        ComeraConfig(early_steps=50, reg_start_step=50)
+
+
+def test_trainer_does_not_touch_the_callers_tensors(tmp_path):
+    params, state = _toy_model()
+    before = [t.clone() for t in torch.utils._pytree.tree_flatten(params)[0]]
+    Trainer(_cfg(tmp_path, steps=5), ToyTask(), params, state).fit()
+    after = torch.utils._pytree.tree_flatten(params)[0]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
