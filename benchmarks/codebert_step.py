@@ -1,6 +1,7 @@
 """One CodeBERT masked-LM training step, CoMERA vs dense, on CPU at sequence 512.
 
-    python -m experiments.codebert --bench [--json]
+    python -m benchmarks.codebert_step [--json]     # writes reports/codebert_bench.json
+    python -m benchmarks.codebert_step --render reports/codebert_bench.json   # its tables
 
 Every variant runs in a fresh process (``python -m benchmarks.codebert_step --variant V
 --batch B``), so its peak memory is its own: the peak resident memory above the RSS the
@@ -35,11 +36,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.reporting import read_result
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
-from experiments.host import cpu_model
+from experiments.host import cpu_model, report_header
 from experiments.workers import WorkerFailed, run_json_worker
 
-__all__ = ["main", "packed_batch", "run_variant"]
+__all__ = ["main", "packed_batch", "render", "run", "run_variant"]
 
 REPORT_JSON = Path(__file__).resolve().parents[1] / "reports" / "codebert_bench.json"
 SEQ = 512
@@ -99,10 +101,14 @@ def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False
     import comera as C
     from comera.train import ComeraConfig, TrainConfig, Trainer
     from comera.train.optim import AdamWConfig
+    from experiments.codebert.experiment import preset
     from experiments.codebert.model import init_mlm
     from experiments.codebert.task import MLMTask
+    from experiments.malloc import apply_cpu_malloc
 
     torch.manual_seed(0)
+    cpu_malloc = preset("paper").train.cpu_malloc  # what the command trains this model under
+    apply_cpu_malloc(cpu_malloc)  # as the training command does before it builds the model
     base = baseline_rss_mb()
     model = _model(variant, tiny)
     seq = 64 if tiny else SEQ
@@ -113,6 +119,7 @@ def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False
             run_dir=tmp,
             optim=AdamWConfig(),
             comera=ComeraConfig(enabled=variant != "dense", early_steps=500),
+            cpu_malloc=cpu_malloc,
             wandb="disabled",
             progress=False,
         )
@@ -152,10 +159,11 @@ def paper_compression() -> dict:
     return {"paper_params_dense": n, "paper_params_comera": tt, "compression_ratio": n / tt}
 
 
-def main(
+def run(
     *, json_out: bool = False, steps: int = STEPS, tiny: bool = False, out: Path = REPORT_JSON
 ) -> int:
-    """Run every (variant, batch) in a fresh process; print the figures, write ``out``.
+    """Run every (variant, batch) in a fresh process; print the figures, write ``out``;
+    return the exit status.
 
     ``tiny`` swaps in a toy model: it checks the plumbing, it measures nothing useful."""
     results = {}
@@ -201,34 +209,88 @@ def main(
         "cpu": cpu_model(),
         "steps_timed": steps,
         "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
         "runs": results,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=1) + "\n")
-    if json_out:
-        print(json.dumps(figures, indent=1))
-        return 0
-    print(f"CodeBERT step, sequence {SEQ}, {figures['cpu']} ({figures['threads']} threads)")
-    print("| variant | batch | params | step (s) | tokens/s | peak RSS above baseline (MB) |")
-    print("|---|---|---|---|---|---|")
-    for x in results.values():
-        print(f"| {x['variant']} | {x['batch']} | {x['params']:,} | {x['step_s']:.2f} | "
-              f"{x['tokens_per_s']:,.0f} | {x['peak_mb']:.0f} |")  # fmt: skip
-    for k in ("step_time_ratio_vs_dense", "step_time_ratio_vs_dense_half_ranks",
-              "peak_memory_ratio_vs_dense", "compression_ratio"):  # fmt: skip
-        print(f"{k}: {figures[k]:.3f}")
+    print(json.dumps(figures, indent=1) if json_out else render(figures))
     return 0
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.codebert_step")
-    ap.add_argument("--variant", choices=VARIANTS)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=STEPS)
+def render(figures: dict) -> str:
+    """The tables of a result (the ``--json`` object), from the result alone;
+    ``--render JSON`` prints them for a saved result."""
+    meta = {"cpu": figures.get("cpu"), "torch": figures.get("torch"), "date": figures.get("date")}
+    cmd = "python -m benchmarks.codebert_step"
+    if figures.get("steps_timed", STEPS) != STEPS:
+        cmd += f" --steps {figures['steps_timed']}"
+    lines = report_header("CodeBERT masked-LM training step: CoMERA vs dense", cmd, meta)
+    lines += [
+        f"Sequence {figures.get('seq', SEQ)}, {figures.get('threads', '?')} threads, "
+        f"median of {figures.get('steps_timed', '?')} timed steps after one.",
+        "",
+        "| variant | batch | params | step (s) | tokens/s | peak RSS above baseline (MB) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for x in figures.get("runs", {}).values():
+        lines.append(
+            f"| {x['variant']} | {x['batch']} | {x['params']:,} | {x['step_s']:.2f} | "
+            f"{x['tokens_per_s']:,.0f} | {x['peak_mb']:.0f} |"
+        )
+    thresholds = figures.get("targets", {})
+    lines += ["", "| figure | value | threshold |", "|---|---:|---:|"]
+    for k, v in figures.items():
+        if "ratio" in k and isinstance(v, int | float):
+            lines.append(f"| `{k}` | {v:.3f} | {thresholds.get(k, '')} |")
+    return "\n".join([*lines, ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.codebert_step``: the whole bench, one variant in this process
+    (``--variant``, what the bench runs in each fresh process), or the tables of a saved
+    result (``--render``)."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.codebert_step",
+                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--device", default="cpu", help="cpu (the only device this bench runs on)")
+    ap.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant")
+    ap.add_argument("--out", type=Path, default=REPORT_JSON, help="the JSON written")
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="measure nothing: print the tables of a saved result")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="toy model (tests of the plumbing)")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    ap.add_argument("--variant", choices=VARIANTS, help="one variant in this process")
+    ap.add_argument("--batch", type=int, default=8, help="with --variant: its batch")
+    a = ap.parse_args(argv)
+
+    def error(msg: str) -> int:
+        print(f"{ap.prog}: error: {msg}", file=sys.stderr)
+        return 2
+
+    if a.render is not None:
+        try:
+            print(render(read_result(a.render)))
+        except ValueError as e:
+            return error(str(e))
+        return 0
+    if a.device != "cpu":  # named only to be refused: a worker never imports the CLI
+        from experiments.cli import CLIError, check_device
+
+        try:
+            check_device(a.device)
+        except CLIError as e:
+            return error(str(e))
+        if torch.device(a.device).type != "cpu":
+            return error(
+                f"--device {a.device}: the codebert step bench runs on the CPU; drop --device"
+            )
+    if a.steps < 1:
+        return error(f"--steps must be >= 1, got {a.steps}")
     if a.variant:
         print(json.dumps(run_variant(a.variant, a.batch, a.steps, a.tiny)))
-    else:
-        raise SystemExit(main(json_out=a.json, steps=a.steps, tiny=a.tiny))
+        return 0
+    return run(json_out=a.json, steps=a.steps, tiny=a.tiny, out=a.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,7 @@
 """How fast, and in how much memory, the Criteo preprocessing runs at scale.
 
     python -m benchmarks.dlrm_prep [--rows 4000000] [--file PATH] [--json]
+    python -m benchmarks.dlrm_prep --render RESULT.json   # the table of a saved --json
 
 Writes a Criteo-format file of ``--rows`` rows shaped like Kaggle's (the reference's 26
 cardinalities with heavy-headed ids, 10% of dense and 3% of categorical fields empty; no
@@ -27,7 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["main", "write_kaggle_like"]
+from benchmarks.reporting import read_result
+from experiments.host import host_meta, report_header
+
+__all__ = ["main", "measure", "render", "write_kaggle_like"]
 
 KAGGLE_ROWS = 45_840_617
 
@@ -93,7 +97,7 @@ def measure(path: Path) -> dict:
             time.sleep(0.05)
         out = proc.stdout.read() if proc.stdout else ""
         if proc.returncode:
-            raise SystemExit(f"prep_bench: preprocessing failed (exit {proc.returncode})")
+            raise SystemExit(f"benchmarks.dlrm_prep: preprocessing failed (exit {proc.returncode})")
         res = json.loads(out.strip().splitlines()[-1])
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -107,7 +111,28 @@ def measure(path: Path) -> dict:
         "peak_anon_above_baseline_mb": peak_anon - res["base_anon_mb"],
         "peak_file_mb": peak_file,
         "kaggle_minutes_at_this_rate": KAGGLE_ROWS / rate / 60,
+        **host_meta(),  # cpu, torch, date: the header of its table
     }
+
+
+def render(res: dict, command: str = "python -m benchmarks.dlrm_prep --json") -> str:
+    """The table of a result (the ``--json`` object), from the result alone."""
+    meta = {"cpu": res.get("cpu"), "torch": res.get("torch"), "date": res.get("date")}
+    rows = [
+        ("rows", f"{res['rows']:,}"),
+        ("file (MB)", f"{res['file_mb']:.0f}"),
+        ("seconds", f"{res['seconds']:.1f}"),
+        ("rows/s", f"{res['rows_per_s']:,.0f}"),
+        ("peak anonymous memory above the process's baseline (MB)",
+         f"{res['peak_anon_above_baseline_mb']}"),
+        ("peak anonymous memory in all (MB)", f"{res['peak_anon_mb']}"),
+        ("peak file-backed memory (MB)", f"{res['peak_file_mb']}"),
+        (f"the Kaggle file ({KAGGLE_ROWS:,} rows) at this rate (min)",
+         f"{res['kaggle_minutes_at_this_rate']:.1f}"),
+    ]  # fmt: skip
+    lines = report_header("Criteo preprocessing at scale", command, meta)
+    lines += ["| measure | value |", "|---|---:|", *[f"| {a} | {b} |" for a, b in rows], ""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,11 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--file", help="an existing Criteo file to preprocess instead")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="measure nothing: print the table of a saved --json result")  # fmt: skip
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         _child(*args.child)
+        return 0
+    if args.render is not None:
+        try:
+            print(render(read_result(args.render)))
+        except ValueError as e:
+            print(f"{ap.prog}: error: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.rows < 100:
         print(f"{ap.prog}: error: --rows must be >= 100, got {args.rows}", file=sys.stderr)
@@ -145,14 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res, indent=1))
     else:
-        print(
-            f"{res['rows']:,} rows ({res['file_mb']:.0f} MB) in {res['seconds']:.1f} s: "
-            f"{res['rows_per_s']:,.0f} rows/s; peak anonymous memory "
-            f"{res['peak_anon_above_baseline_mb']} MB above the process's baseline "
-            f"({res['peak_anon_mb']} MB in all), file-backed {res['peak_file_mb']} MB; the "
-            f"Kaggle file (45.8M rows) would take "
-            f"{res['kaggle_minutes_at_this_rate']:.1f} min at this rate"
-        )
+        flags = ["--file", str(path)] if args.file else ["--rows", str(args.rows)]
+        print(render(res, " ".join(["python -m benchmarks.dlrm_prep", *flags])))
     return 0
 
 

@@ -1,6 +1,7 @@
 """One DLRM training step at the Kaggle table sizes, CoMERA vs dense, on CPU.
 
-    python -m experiments.dlrm --bench [--json]
+    python -m benchmarks.dlrm_step [--json]              # every variant, then the lookups
+    python -m benchmarks.dlrm_step --render FIGURES.json  # the tables of a saved --json
 
 Every variant runs in a fresh process (``python -m benchmarks.dlrm_step --variant V``)
 so its peak RSS is its own: the figure is the peak resident memory above the process's
@@ -37,22 +38,24 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+from benchmarks.reporting import read_result
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
-from experiments.host import cpu_model
+from experiments.host import cpu_model, report_header
 from experiments.malloc import (
     CPU_MALLOC_POLICIES,
+    apply_cpu_malloc,
     clean_malloc_env,
     hugepages_active,
     restart_for,
-    set_cpu_malloc,
 )
 from experiments.workers import WorkerFailed, run_json_worker
 
-__all__ = ["main", "run_variant"]
+__all__ = ["main", "render", "run", "run_variant"]
 
 BATCH = 10_000
 VARIANTS = ("comera", "dense_sgd", "dense_adam")
@@ -89,6 +92,7 @@ def run_variant(variant: str, steps: int = 10, malloc: str = "default") -> dict:
     from experiments.dlrm.task import DLRMTask
 
     torch.manual_seed(0)
+    apply_cpu_malloc(malloc)  # as the training command does before it builds the model
     base = baseline_rss_mb()
     dense = variant != "comera"
     model = DLRMConfig(tt=not dense)
@@ -191,8 +195,9 @@ def _embedding_in_process(malloc: str) -> dict:
     return _in_child(["--embedding", "--malloc", malloc], "lookup timing")
 
 
-def main(json_out: bool = False) -> int:
-    """Run every variant in a fresh process, then the lookup comparison; print figures."""
+def run(json_out: bool = False) -> int:
+    """Run every variant in a fresh process, then the lookup comparison; print the figures
+    (``json_out``: as one JSON object) and return the exit status."""
     results: dict[str, dict] = {}
     policy = training_policy()
     pair = [(v, v, policy) for v in ("comera", "dense_sgd")]
@@ -226,6 +231,8 @@ def main(json_out: bool = False) -> int:
         "variants": results,
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
     }
     figures["embedding_time_ratio_batched_vs_separate_glibc_default"] = emb_glibc[
         "embedding_time_ratio_batched_vs_separate"
@@ -234,51 +241,86 @@ def main(json_out: bool = False) -> int:
         cg, dg = results[f"comera{GLIBC_TAG}"], results[f"dense_sgd{GLIBC_TAG}"]
         figures["peak_memory_ratio_vs_dense_glibc_default"] = cg["peak_rss_mb"] / dg["peak_rss_mb"]
         figures["step_time_ratio_vs_dense_glibc_default"] = cg["step_time_s"] / dg["step_time_s"]
-    if json_out:
-        print(json.dumps(figures, indent=1))
-    else:
-        print(
-            f"DLRM step at Kaggle table sizes, batch {BATCH}, {figures['cpu']} "
-            f"({figures['threads']} threads), cpu_malloc={policy}"
-        )
-        print("| variant | params | compression | step time (s) | peak RSS above baseline (MB) |")
-        print("|---|---|---|---|---|")
-        for r in results.values():
-            print(
-                f"| {r['variant']} | {r['params']:,} | {r['compression']:.1f}x | "
-                f"{r['step_time_s']:.3f} | {r['peak_rss_mb']:.0f} |"
-            )
-        for k in (
-            "compression_ratio",
-            "peak_memory_ratio_vs_dense",
-            "peak_memory_ratio_vs_dense_adam",
-            "step_time_ratio_vs_dense",
-            "embedding_time_ratio_batched_vs_separate",
-        ):
-            print(f"{k}: {figures[k]:.3f}")
+    print(json.dumps(figures, indent=1) if json_out else render(figures))
     return 0
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variant", choices=VARIANTS)
+def render(figures: dict) -> str:
+    """The tables of a result (the ``--json`` object), from the result alone;
+    ``--render JSON`` prints them for a saved result."""
+    meta = {"cpu": figures.get("cpu"), "torch": figures.get("torch"), "date": figures.get("date")}
+    lines = report_header("DLRM training step at Kaggle table sizes: CoMERA vs dense",
+                          "python -m benchmarks.dlrm_step --json", meta)  # fmt: skip
+    lines += [
+        f"Batch {figures.get('batch', BATCH)}, {figures.get('threads', '?')} threads, "
+        f"cpu_malloc={figures.get('malloc', 'not recorded')}.",
+        "",
+        "| variant | params | compression | step time (s) | peak RSS above baseline (MB) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in figures.get("variants", {}).values():
+        lines.append(
+            f"| {r['variant']} | {r['params']:,} | {r['compression']:.1f}x | "
+            f"{r['step_time_s']:.3f} | {r['peak_rss_mb']:.0f} |"
+        )
+    lines += ["", "| figure | value |", "|---|---:|"]
+    lines += [
+        f"| `{k}` | {v:.3f} |"
+        for k, v in figures.items()
+        if ("ratio" in k or k.startswith("embedding_")) and isinstance(v, int | float)
+    ]
+    return "\n".join([*lines, ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.dlrm_step``: the whole bench, one variant or the lookup
+    timing in this process (what the bench runs in each fresh process), or the tables of
+    a saved result (``--render``)."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.dlrm_step",
+                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu; cuda only for the lookup timing (--embedding)")  # fmt: skip
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="measure nothing: print the tables of a saved --json result")  # fmt: skip
+    ap.add_argument("--variant", choices=VARIANTS, help="one variant in this process")
     ap.add_argument("--embedding", action="store_true", help="time the lookups only")
-    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default")
-    ap.add_argument("--device", default="cpu", help="--embedding only: cpu or cuda")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    if args.device != "cpu" and not args.embedding:
-        ap.error("--device: only the lookup timing (--embedding) runs off the CPU")
+    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default",
+                    help="with --variant or --embedding: the allocator policy")  # fmt: skip
+    args = ap.parse_args(argv)
+
+    def error(msg: str) -> int:
+        print(f"{ap.prog}: error: {msg}", file=sys.stderr)
+        return 2
+
+    if args.render is not None:
+        try:
+            print(render(read_result(args.render)))
+        except ValueError as e:
+            return error(str(e))
+        return 0
     try:
         check_device(args.device)
     except CLIError as e:
-        ap.error(str(e))
-    if (args.variant or args.embedding) and args.device == "cpu":
+        return error(str(e))
+    if torch.device(args.device).type != "cpu" and not args.embedding:
+        return error(
+            f"--device {args.device}: the dlrm step bench runs on the CPU; drop --device (the "
+            "lookup alone runs on a GPU: python -m benchmarks.dlrm_step --embedding --device "
+            "cuda)"
+        )
+    if (args.variant or args.embedding) and args.device == "cpu" and argv is None:
         restart_for(args.malloc)  # as the experiment's command does (lean: huge pages)
     if args.variant:
         print(json.dumps(run_variant(args.variant, malloc=args.malloc)))
     elif args.embedding:
-        set_cpu_malloc(args.malloc)
+        if torch.device(args.device).type == "cpu":
+            apply_cpu_malloc(args.malloc)
         print(json.dumps({**embedding_times(device=args.device), "malloc": args.malloc}))
     else:
-        raise SystemExit(main(json_out=args.json))
+        return run(json_out=args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

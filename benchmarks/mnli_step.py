@@ -1,6 +1,7 @@
 """One full training step of the paper-size MNLI model, CoMERA vs dense.
 
-    python -m experiments.mnli --bench [--json] [--device cuda]
+    python -m benchmarks.mnli_step [--json] [--device cuda]   # writes reports/mnli_bench.json
+    python -m benchmarks.mnli_step --render reports/mnli_bench.json   # its tables, no run
 
 A step is forward, backward and the AdamW update (CoMERA: with the early-stage gate
 regularizer), on a synthetic batch of the paper's shape. Each (variant, batch) runs in
@@ -28,15 +29,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.reporting import read_result
 from comera.train.logging import write_json_atomic
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
-from experiments.host import cpu_model
+from experiments.host import cpu_model, report_header
 from experiments.malloc import (
     CPU_MALLOC_POLICIES,
+    apply_cpu_malloc,
     clean_malloc_env,
     hugepages_active,
     restart_for,
-    set_cpu_malloc,
 )
 from experiments.workers import WorkerFailed, run_json_worker
 
@@ -63,7 +65,7 @@ def _tiny_config(tt: bool) -> object:
 
 def training_malloc(variant: str) -> str:
     """The CPU allocator policy the training command of ``variant`` runs under."""
-    from experiments.cli import RECOMPUTE_CPU_MALLOC
+    from experiments.cli import RECOMPUTE_CPU_MALLOC  # not at import: workers stay lean
 
     return RECOMPUTE_CPU_MALLOC if variant.endswith("_recompute") else "default"
 
@@ -89,7 +91,7 @@ def worker(
     torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cpu":
-        set_cpu_malloc(malloc)
+        apply_cpu_malloc(malloc)  # as the training command does before it builds the model
     if dev.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -198,7 +200,7 @@ def _galore_available() -> bool:
     return True
 
 
-def main(
+def run(
     *,
     json_out: bool = False,
     device: str | None = None,
@@ -208,7 +210,8 @@ def main(
     out: Path | None = None,
 ) -> int:
     """Run every (variant, batch) in its own subprocess and write ``out`` (JSON; default
-    ``reports/mnli_bench.json`` on the CPU, ``reports/gpu/mnli_bench_cuda.json`` on a GPU).
+    ``reports/mnli_bench.json`` on the CPU, ``reports/gpu/mnli_bench_cuda.json`` on a GPU);
+    print it (``json_out``) or its tables. Returns the exit status.
 
     ``tiny`` swaps in a toy model: it checks the plumbing, it measures nothing useful."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -324,47 +327,113 @@ def main(
         "repeats": repeats,
         "peak_memory": results[0]["peak_memory"],
         "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
         "runs": results + extra,
     }
     write_json_atomic(out, summary)
     partial.unlink(missing_ok=True)
-    if json_out:
-        print(json.dumps(summary))
-    else:
-        for r in results:
-            print(
-                f"{r['variant']:>7} b{r['batch']:<3} step {r['step_s'] * 1e3:9.1f} ms  "
-                f"peak {r['peak_mb']:8.1f} MB  params {r['params']:,}"
-            )
-        print({k: v for k, v in summary.items() if k.endswith("ratio") or "ratio_vs" in k})
+    print(json.dumps(summary) if json_out else render(summary))
     return 1 if galore_error else 0  # written, but a point failed: the run says so
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.mnli_step")
-    ap.add_argument("--worker", choices=VARIANTS, default=None)
-    ap.add_argument("--batch", type=int, default=32)
+def command(result: dict) -> str:
+    """The command line that measured ``result``: the flags that differ from the defaults
+    (the device is always named: its default depends on the machine)."""
+    parts = ["python -m benchmarks.mnli_step", "--device", str(result.get("device", "cpu"))]
+    parts += ["--repeats", str(result["repeats"])] if result.get("repeats", 5) != 5 else []
+    parts += ["--threads", str(result["threads"])] if result.get("threads", 2) != 2 else []
+    return " ".join(parts)
+
+
+def _ratio_rows(result: dict, prefix: str = "") -> list[str]:
+    """``| key | value |`` for every ratio in ``result`` (nested dicts under ``prefix.``)."""
+    rows = []
+    for k, v in result.items():
+        if isinstance(v, dict) and k != "runs":
+            rows += _ratio_rows(v, f"{prefix}{k}.")
+        elif "ratio" in k and isinstance(v, int | float):
+            rows.append(f"| `{prefix}{k}` | {v:.3f} |")
+    return rows
+
+
+def render(result: dict) -> str:
+    """The tables of a result (the ``--json`` object: every point and every ratio), from
+    the result alone; ``--render JSON`` prints them for a saved result."""
+    meta = {"cpu": result.get("cpu"), "torch": result.get("torch"), "date": result.get("date")}
+    lines = report_header("MNLI training step: CoMERA vs dense", command(result), meta)
+    lines += [
+        f"Device {result.get('device', 'not recorded')}, {result.get('threads', '?')} threads; "
+        f"step time the median of {result.get('repeats', '?')} steps after a warm-up; peak "
+        f"memory: {result.get('peak_memory', 'not recorded')}.",
+        "",
+        "| variant | batch | step (ms) | peak (MB) | params | cpu_malloc |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in result.get("runs", []):
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['batch']} | failed: {r['error']} | | | |")
+            continue
+        lines.append(
+            f"| {r['variant']} | {r['batch']} | {r['step_s'] * 1e3:.1f} | {r['peak_mb']:.1f} | "
+            f"{r['params']:,} | {r.get('malloc') or ''} |"
+        )
+    lines += ["", "| ratio | value |", "|---|---:|", *_ratio_rows(result), ""]
+    if "galore_error" in result:
+        lines += [f"GaLore failed: {result['galore_error']}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.mnli_step``: the whole bench, one worker (``--worker``, what
+    the bench runs in each fresh process) or the tables of a saved result (``--render``)."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.mnli_step",
+                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where present)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON written (default reports/mnli_bench.json; on cuda "
+        "reports/gpu/mnli_bench_cuda.json)",
+    )
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="measure nothing: print the tables of a saved result")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="toy model (tests)")
-    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default")
-    ap.add_argument("--out", type=Path, default=None)
-    a = ap.parse_args()
+    ap.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=32, help=argparse.SUPPRESS)
+    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default",
+                    help=argparse.SUPPRESS)  # fmt: skip
+    a = ap.parse_args(argv)
+    if a.render is not None:
+        try:
+            print(render(read_result(a.render)))
+        except ValueError as e:
+            print(f"{ap.prog}: error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if a.repeats < 1:
+        print(f"{ap.prog}: error: --repeats must be >= 1, got {a.repeats}", file=sys.stderr)
+        return 2
+    if a.device is not None and not a.worker:  # the bench checked its workers' device
+        from experiments.cli import CLIError, check_device
+
+        try:
+            check_device(a.device)
+        except CLIError as e:
+            print(f"{ap.prog}: error: {e}", file=sys.stderr)
+            return 2
     if a.worker:
         dev = a.device or "cpu"
-        if dev == "cpu":
-            restart_for(a.malloc)  # as the training command does (lean: huge pages)
+        if dev == "cpu" and argv is None:  # a command: re-executed as the training one is
+            restart_for(a.malloc)  # (lean: huge pages)
         print(json.dumps(worker(a.worker, a.batch, a.repeats, dev, a.threads, a.tiny, a.malloc)))
-    else:
-        raise SystemExit(
-            main(
-                json_out=a.json,
-                device=a.device,
-                repeats=a.repeats,
-                threads=a.threads,
-                tiny=a.tiny,
-                out=a.out,
-            )
-        )
+        return 0
+    return run(json_out=a.json, device=a.device, repeats=a.repeats, threads=a.threads,
+               tiny=a.tiny, out=a.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,13 +2,15 @@
 under ``train.step_mode`` eager, sync_free and compile (``cuda_graph`` needs a GPU).
 
     python -m benchmarks.step_modes [--models smoke,paper] [--repeats 10] [--threads 2]
+    python -m benchmarks.step_modes --render reports/step_modes.json   # the report, no run
 
 Two models: the ``smoke`` preset as it trains (batch 128 x 16 tokens) and the paper's
 six-encoder model (``EncoderConfig()``) at batch 32 x 128 tokens, both on the generated
 MNLI task. Each (model, mode) point runs in a fresh process: build the task and trainer,
 one step (which compiles, for ``compile``), two more untimed steps, then ``repeats``
 timed steps; the median is reported. Writes ``reports/step_modes.json`` and
-``reports/step_modes.md``. The allocator is glibc as found, as training runs by default.
+``reports/step_modes.md``, rendered from it alone. Each worker applies the preset's
+``train.cpu_malloc`` as the training command does (glibc as found, the default).
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.reporting import read_result, write_text
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
-from experiments.host import cpu_model
+from experiments.host import cpu_model, report_header
 from experiments.workers import WorkerFailed, run_json_worker
-from loaders.metadata import atomic_write_text
 
-__all__ = ["MODES", "main", "worker"]
+__all__ = ["MODES", "main", "render", "worker", "write_report"]
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 MODES = ("eager", "sync_free", "compile", "cuda_graph")
@@ -42,7 +44,8 @@ def worker(
     model: str, mode: str, repeats: int, threads: int, tiny: bool = False, device: str = "cpu"
 ) -> dict:
     """Time the trainer's step for one (model, mode) in this process."""
-    from comera.training import Trainer
+    from comera.train import Trainer
+    from experiments.malloc import apply_cpu_malloc
     from experiments.mnli import experiment as mnli
     from experiments.transformer import EncoderConfig
 
@@ -63,6 +66,8 @@ def worker(
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
+    else:
+        apply_cpu_malloc(p.train.cpu_malloc)  # as the training command does before building
     task, params, state, _ = mnli.build(p)
     trainer = Trainer(p.train, task, params, state, copy=False)
     it = iter(task.train_iter)
@@ -116,23 +121,35 @@ def run_point(
         raise WorkerFailed(what, f"stopped after --point-timeout {timeout:g} s") from None
 
 
-def write_report(result: dict, out_dir: Path = REPORTS) -> str:
-    """``step_modes.json`` and ``step_modes.md``; returns the markdown."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out_dir / "step_modes.json", json.dumps(result, indent=2) + "\n", fsync=False)
+def command(result: dict) -> str:
+    """The command line that measured ``result`` (models and modes read off its rows)."""
+    runs = [r for r in result.get("runs", []) if "mode" in r]
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
+    parts = ["python -m benchmarks.step_modes"]
+    parts += ["--tiny"] if result.get("tiny") else []
+    if models and models != list(MODELS):
+        parts += ["--models", ",".join(models)]
+    if modes and modes != ["eager", "sync_free", "compile"]:
+        parts += ["--modes", ",".join(modes)]
+    for key, default in (("repeats", 10), ("threads", 2)):
+        if result.get(key, default) != default:
+            parts += [f"--{key}", str(result[key])]
+    if result.get("device", "cpu") != "cpu":
+        parts += ["--device", str(result["device"])]
+    return " ".join(parts)
+
+
+def render(result: dict) -> str:
+    """The markdown report of a result (``step_modes.json``), from the result alone: after
+    a run, and with ``--render JSON`` for a saved one."""
     device = result.get("device", "cpu")
     on_cpu = device.startswith("cpu")
+    title = f"Step modes: eager vs sync-free vs torch.compile ({'CPU' if on_cpu else device})"
     lines = [
-        f"# Step modes: eager vs sync-free vs torch.compile ({'CPU' if on_cpu else device})",
-        "",
-        f"`python -m benchmarks.step_modes` on {result['date']}, torch {result['torch']}, "
-        f"device {device}"
-        + (
-            f", {result['threads']} threads of {result.get('cpu', 'an unrecorded CPU')}, "
-            "glibc malloc as found. "
-            if on_cpu
-            else ". "
-        )
+        *report_header(title, command(result), result),
+        f"Device {device}"
+        + (f", {result['threads']} threads, glibc malloc as found. " if on_cpu else ". ")
         + "The trainer's `train_step` "
         "(CoMERA, early stage, AdamW) on the generated MNLI task; a fresh process per row; "
         f"median of {result['repeats']} steps after three untimed ones.",
@@ -155,21 +172,19 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
         "includes compilation for `compile`; it is paid again after every compaction (the "
         "parameter shapes change), not after a prune. `peak MB` is the process's peak above "
         "its baseline (CPU: peak RSS, compilation included; CUDA: the allocator's peak). "
-        "`cuda_graph` runs on a GPU only (`--device cuda`).",
-        "",
-        "With dropout (the paper model's 0.1) `compile` draws other dropout masks than "
-        "eager (the compiled graph consumes random numbers its own way, with inductor's "
-        "`fallback_random` too), so its loss differs from eager's by that noise; without "
-        "dropout (smoke) the losses agree. Two compiled runs from one seed gave the same losses.",
-        "",
-        "The trainer's default stays `eager`: `compile` is faster per step, but its "
-        "compilation is paid at the start and after every compaction and it raises the peak "
-        "memory; it pays for itself only in long runs where memory is not the constraint "
-        "(README, Step modes).",
+        "`cuda_graph` runs on a GPU only (`--device cuda`). With dropout (the paper model's "
+        "0.1) `compile` draws other dropout masks than eager, so its losses are not "
+        "comparable with eager's.",
         "",
     ]
-    md = "\n".join(lines)
-    atomic_write_text(out_dir / "step_modes.md", md, fsync=False)
+    return "\n".join(lines)
+
+
+def write_report(result: dict, out_dir: Path = REPORTS) -> str:
+    """``step_modes.json`` and ``step_modes.md`` (rendered from it); returns the markdown."""
+    write_text(out_dir / "step_modes.json", json.dumps(result, indent=2) + "\n")
+    md = render(result)
+    write_text(out_dir / "step_modes.md", md)
     return md
 
 
@@ -189,9 +204,22 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="seconds a point may take (failed past it)",
     )
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="measure nothing: render step_modes.md into --out (default reports/) "
+                    "from a saved step_modes.json")  # fmt: skip
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.render is not None:
+        try:
+            result = read_result(args.render)
+        except ValueError as e:
+            print(f"step_modes: error: {e}", file=sys.stderr)
+            return 2
+        md = render(result)
+        write_text((args.out or REPORTS) / "step_modes.md", md)
+        print(md)
+        return 0
     if args.worker:
         result = worker(*args.worker, args.repeats, args.threads, args.tiny, args.device)
         print(json.dumps(result))
@@ -218,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "threads": args.threads, "cpu": cpu_model(), "repeats": args.repeats,
               "device": args.device, "runs": runs}  # fmt: skip
+    if args.tiny:  # a toy size: the report's command says so
+        result["tiny"] = True
     # the points so far go beside the report, never over it: a run cut short (a time
     # limit, a failing mode) keeps what it measured and the last complete report stays
     partial = out / "step_modes.partial.json"
@@ -232,9 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(e, file=sys.stderr, flush=True)
                 runs.append({"model": m, "mode": mode, "error": e.reason})
                 failed.append(f"{m}/{mode}")
-            atomic_write_text(
-                partial, json.dumps({"partial": True, **result}, indent=2) + "\n", fsync=False
-            )
+            write_text(partial, json.dumps({"partial": True, **result}, indent=2) + "\n")
     if failed:  # not a complete run: the last complete report stays, the points are kept
         print(f"step_modes: {', '.join(failed)} failed; the other points are in {partial}; "
               "the report was not replaced", file=sys.stderr)  # fmt: skip

@@ -1,87 +1,64 @@
 """CoMERA-style tensor-compressed training in functional PyTorch.
 
-Weights live as tensor-train (TT) / tensor-train-matrix (TTM) cores in plain dict
-pytrees, with trainable rank gates and an explicit rank-mask state. See README.md.
+Weights live as tensor-train (TT) / tensor-train-matrix (TTM) cores in plain dict pytrees
+``(params, state)``, with trainable rank gates and an explicit rank-mask state. This package
+exports the core a user needs; helpers stay in their submodules:
+
+- ``comera.spec``: layer specs (TTLinearSpec, TTMEmbeddingSpec) and mode/rank proposals.
+- ``comera.tensor_train``: init, from_dense / to_dense, gated cores, core chains.
+- ``comera.pruning``: prune, compact, live ranks and each rank's share of the weight.
+- ``comera.plans``: contraction strategies, the default plan, per-layer LayerPlans.
+- ``comera.layers``: the functional layers tt_linear and ttm_embedding.
+- ``comera.table_batched``: many TTM tables looked up in one pass.
+- ``comera.nn``: nn.Module adapters TTLinear and TTMEmbedding.
+- ``comera.accounting``: parameter counts, compression, FLOPs, per-layer summaries.
+- ``comera.tree``: walking a model's params pytree, pruning/compacting every layer.
+- ``comera.errors``: what bad input raises (UserError and its kinds).
+- ``comera.train``: the shared trainer (config, stages, loop, checkpoints, ...).
+- ``comera.bench``: forwards the old ``python -m comera.bench`` to ``benchmarks.core``.
 """
 
-from comera.accounting import (
-    LayerSummary,
-    compression_ratio,
-    dense_param_count,
-    live_param_count,
-    param_bytes,
-    param_count,
-    summarize,
-    summary_table,
-    tt_linear_flops,
-    ttm_embedding_flops,
-)
-from comera.layers import EMBEDDING_IMPLS, tt_linear, tt_linear_shared_input, ttm_embedding
+from importlib.metadata import PackageNotFoundError, version
+
+from comera.accounting import compression_ratio, param_count, summarize, summary_table
+from comera.layers import tt_linear, ttm_embedding
 from comera.nn import TTLinear, TTMEmbedding
 from comera.plans import (
+    EMBEDDING_IMPLS,
     STRATEGIES,
-    ContractionPlan,
     LayerPlans,
     default_plan,
     get_default_plan,
     set_default_plan,
-    tt_linear_plan,
 )
-from comera.pruning import rank_contributions
-from comera.spec import (
-    TTLinearSpec,
-    TTMEmbeddingSpec,
-    cap_ranks,
-    factorize,
-    propose_modes,
-    propose_tt_linear,
-    propose_ttm_embedding,
-)
-from comera.table_batched import table_groups, ttm_embedding_batched
-from comera.tensor_train import (
-    PRUNE_RULES,
-    bond_ranks,
-    compact,
-    from_dense,
-    gated_cores,
-    init,
-    is_tt_params,
-    kept_indices,
-    live_ranks,
-    prune,
-    to_dense,
-    ttm_table,
-)
+from comera.pruning import PRUNE_RULES, compact, live_ranks, prune, rank_contributions
+from comera.spec import TTLinearSpec, TTMEmbeddingSpec, propose_tt_linear, propose_ttm_embedding
+from comera.table_batched import ttm_embedding_batched
+from comera.tensor_train import from_dense, init, to_dense
+
+try:
+    __version__ = version("comera-framework")
+except PackageNotFoundError:  # a source checkout that is not installed
+    __version__ = "0.1.0"
 
 __all__ = [
     "EMBEDDING_IMPLS",
     "PRUNE_RULES",
     "STRATEGIES",
-    "ContractionPlan",
     "LayerPlans",
-    "LayerSummary",
     "TTLinear",
     "TTLinearSpec",
     "TTMEmbedding",
     "TTMEmbeddingSpec",
-    "bond_ranks",
-    "cap_ranks",
+    "__version__",
     "compact",
     "compression_ratio",
     "default_plan",
-    "dense_param_count",
-    "factorize",
     "from_dense",
-    "gated_cores",
     "get_default_plan",
     "init",
-    "is_tt_params",
-    "kept_indices",
-    "live_param_count",
     "live_ranks",
-    "param_bytes",
     "param_count",
-    "propose_modes",
     "propose_tt_linear",
     "propose_ttm_embedding",
     "prune",
@@ -89,14 +66,8 @@ __all__ = [
     "set_default_plan",
     "summarize",
     "summary_table",
-    "table_groups",
     "to_dense",
-    "ttm_table",
     "tt_linear",
-    "tt_linear_shared_input",
-    "tt_linear_flops",
-    "tt_linear_plan",
     "ttm_embedding",
     "ttm_embedding_batched",
-    "ttm_embedding_flops",
 ]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from comera.plans import PlanLike, tt_linear_plan
-from comera.tensor_train import Params, State, is_tt_params, live_ranks
+from comera.pruning import live_ranks
+from comera.tensor_train import Params, State, is_tt_params
 
 __all__ = [
     "LayerSummary",

@@ -8,15 +8,16 @@ weight unless the chosen strategy says so.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import threading
+from collections.abc import Sequence
 
 import torch
 
 from comera.plans import (
+    EMBEDDING_IMPLS,
     PlanLike,
-    _normalize,
-    _two_halves,
+    contract_halves,
+    resolve_plan,
     shared_input_comera,
     tt_linear_plan,
 )
@@ -24,14 +25,13 @@ from comera.spec import TTLinearSpec, TTMEmbeddingSpec
 from comera.tensor_train import Params, State, gated_cores
 
 __all__ = [
-    "EMBEDDING_IMPLS",
-    "sync_free_lookups",
+    "SyncFreeLookups",
+    "gather_rows",
+    "pair_cores",
     "tt_linear",
     "tt_linear_shared_input",
     "ttm_embedding",
 ]
-
-EMBEDDING_IMPLS = ("optimized", "naive", "static")
 
 
 def _is_batched(t: torch.Tensor) -> bool:
@@ -42,24 +42,36 @@ def _is_batched(t: torch.Tensor) -> bool:
     return bool(torch._C._functorch.is_batchedtensor(t))
 
 
-_SYNC_FREE = [False]  # set by sync_free_lookups(); a list: no ContextVar (dynamo cannot trace it)
+class SyncFreeLookups:
+    """A scope in which every :func:`ttm_embedding` call on this thread runs as if it passed
+    ``sync_free=True``, as ``torch.no_grad()`` is a scope for autograd.
+
+    For a caller that cannot reach the lookups' arguments: a train step runs a task's loss,
+    and the model inside calls the lookup. :class:`comera.train.sync_free.SyncFreeStep`
+    enters one around each step (``with SyncFreeLookups():``). Scopes nest and are per
+    thread; what is open is read as a plain attribute, which ``torch.compile`` traces (it
+    cannot trace a ``ContextVar``).
+    """
+
+    _open = threading.local()  # .depth: scopes open on this thread
+
+    @classmethod
+    def is_open(cls) -> bool:
+        """True inside a scope entered on this thread."""
+        return getattr(cls._open, "depth", 0) > 0
+
+    def __enter__(self) -> SyncFreeLookups:
+        SyncFreeLookups._open.depth = getattr(SyncFreeLookups._open, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        SyncFreeLookups._open.depth -= 1
 
 
-@contextmanager
-def sync_free_lookups() -> Iterator[None]:
-    """Within this block ``impl="optimized"`` lookups run as ``"static"`` (no host sync):
-    :class:`comera.train.sync_free.SyncFreeStep` wraps its step in it."""
-    before, _SYNC_FREE[0] = _SYNC_FREE[0], True
-    try:
-        yield
-    finally:
-        _SYNC_FREE[0] = before
-
-
-def _graph_capture() -> bool:
-    """True while ``torch.compile`` traces, a CUDA graph captures this code, or a
-    :func:`sync_free_lookups` block is open."""
-    if torch.compiler.is_compiling() or _SYNC_FREE[0]:
+def _no_host_sync(sync_free: bool) -> bool:
+    """Whether a lookup must avoid every host sync: asked for (``sync_free``, an open
+    :class:`SyncFreeLookups`), or while ``torch.compile`` traces or a CUDA graph captures."""
+    if sync_free or torch.compiler.is_compiling() or SyncFreeLookups.is_open():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -110,9 +122,9 @@ def tt_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n)  # (T, N)
     g = gated_cores(params, state, name)
-    strategy = _normalize(plan, name)
+    strategy = resolve_plan(plan, name)
     if strategy in ("comera", "dense"):  # direct GEMMs: no plan to look up (nor to trace)
-        y = _two_halves(strategy, x2, g, params.get("bias"))
+        y = contract_halves(strategy, x2, g, params.get("bias"))
     else:
         contraction = tt_linear_plan(strategy, [c.shape for c in g], x2.shape[0], name)
         y = contraction(x2, g, params.get("bias"))  # (T, M)
@@ -160,7 +172,7 @@ def _digits(ids: torch.Tensor, modes: list[int]) -> list[torch.Tensor]:
     return out
 
 
-def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Rows ``table[idx]``. Uses the embedding kernel: its CPU backward accumulates
     duplicate indices about 4x faster than ``index_select``'s scatter-add."""
     return torch.nn.functional.embedding(idx, table)
@@ -174,17 +186,17 @@ def _chain_rows(groups: list[torch.Tensor], digits: list[torch.Tensor]) -> torch
     """
     _, v, d1, r1 = groups[0].shape
     b = digits[0].shape[0]
-    acc = _gather(groups[0].reshape(v, d1 * r1), digits[0]).reshape(b, d1, r1)  # (B, D_1, r_1)
+    acc = gather_rows(groups[0].reshape(v, d1 * r1), digits[0]).reshape(b, d1, r1)  # (B, D_1, r_1)
     for core, dig in zip(groups[1:], digits[1:], strict=True):
         r, v, dg, r2 = core.shape
         table = core.permute(1, 0, 2, 3).reshape(v, r * dg * r2)  # (V_g, r * D_g * r')
-        sl = _gather(table, dig).reshape(b, r, dg * r2)  # (B, r, D_g * r')
+        sl = gather_rows(table, dig).reshape(b, r, dg * r2)  # (B, r, D_g * r')
         acc = torch.bmm(acc, sl)  # (B, D_acc, D_g * r')
         acc = acc.reshape(b, acc.shape[1] * dg, r2)  # (B, D_acc * D_g, r')
     return acc.reshape(acc.shape[0], acc.shape[1] * acc.shape[2])
 
 
-def _pair_cores(cores: list[torch.Tensor], n_rows: int | None = None) -> list[torch.Tensor]:
+def pair_cores(cores: list[torch.Tensor], n_rows: int | None = None) -> list[torch.Tensor]:
     """Pre-contract neighbouring cores two by two: ``(r, v, d, s), (s, w, e, t)`` ->
     ``(r, v*w, d*e, t)``.
 
@@ -236,6 +248,7 @@ def ttm_embedding(
     impl: str = "optimized",
     spec: TTMEmbeddingSpec | None = None,
     max_unique: int | None = None,
+    sync_free: bool = False,
 ) -> torch.Tensor:
     """Look up rows of a TTM embedding table: ``ids (...)`` -> ``(..., D)``.
 
@@ -247,9 +260,15 @@ def ttm_embedding(
     known before the ids are read (``max_unique``, by default ``min(ids.numel(), V)``,
     which cannot overflow) and the range check is a device-side assert, so a whole train
     step can be captured as a CUDA graph or compiled by ``torch.compile`` without a
-    break; ``optimized`` switches to it by itself under either. All three give the same
-    values and gradients. With ``spec`` the range check uses the real vocabulary size
-    (ids in the padding are rejected) and errors name the layer.
+    break. All three give the same values and gradients. With ``spec`` the range check
+    uses the real vocabulary size (ids in the padding are rejected) and errors name the
+    layer.
+
+    ``sync_free=True`` makes the call read nothing back on the host: ``optimized`` runs as
+    ``static`` and every impl checks the ids with a device-side assert (a bad id fails it
+    with a RuntimeError rather than raising the IndexError). It is on by itself under
+    ``torch.compile``, during a CUDA-graph capture and inside a :class:`SyncFreeLookups`
+    scope.
     """
     name = spec.label if spec is not None else "ttm_embedding"
     if impl not in EMBEDDING_IMPLS:
@@ -266,11 +285,11 @@ def ttm_embedding(
         )
     if max_unique is not None and (impl != "static" or max_unique < 1):
         raise ValueError(f"{name}: max_unique={max_unique} needs impl='static' and a value >= 1")
-    capturing = _graph_capture()
-    if impl == "optimized" and capturing:
+    no_sync = _no_host_sync(sync_free)
+    if impl == "optimized" and no_sync:
         impl = "static"  # torch.unique would sync (CUDA graphs) or break the graph
     batched = _is_batched(ids)
-    if (impl == "static" or capturing) and not batched:  # naive too: no host read in a graph
+    if (impl == "static" or no_sync) and not batched:  # naive too: no host read in a graph
         if ids.numel():
             torch._assert_async(
                 ((ids >= 0) & (ids < vocab)).all(),
@@ -291,7 +310,7 @@ def ttm_embedding(
         rows = _chain_rows(g, _digits(flat, vocab_modes))
     else:
         if batched:  # torch.unique is data dependent: no dedup under vmap
-            groups = _pair_cores(g)
+            groups = pair_cores(g)
             rows = _chain_rows(groups, _digits(flat, [c.shape[1] for c in groups]))
         else:
             if impl == "static":
@@ -299,7 +318,7 @@ def ttm_embedding(
                 uniq, inverse = _dedup_static(flat, max(1, min(bound, max_unique or bound)))
             else:
                 uniq, inverse = torch.unique(flat, return_inverse=True)
-            groups = _pair_cores(g, len(uniq))
+            groups = pair_cores(g, len(uniq))
             rows = _chain_rows(groups, _digits(uniq, [c.shape[1] for c in groups]))
-            rows = _gather(rows, inverse)
+            rows = gather_rows(rows, inverse)
     return rows.reshape(*ids.shape, dim)

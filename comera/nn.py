@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from comera import tensor_train as tt
+from comera import pruning, tensor_train
 from comera.layers import tt_linear, ttm_embedding
 from comera.plans import PlanLike
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
@@ -47,7 +47,7 @@ class _TTModule(nn.Module):
         super().__init__()
         self.spec = spec
         if params is None:
-            params, state = tt.init(spec, generator=generator, device=device)
+            params, state = tensor_train.init(spec, generator=generator, device=device)
         elif state is None:
             raise ValueError(f"{spec.label}: pass state together with params")
         self._load(params, state)
@@ -73,23 +73,23 @@ class _TTModule(nn.Module):
     @torch.no_grad()
     def prune(self, tau: float) -> list[int]:
         """Kill ranks whose gate magnitude is <= tau; returns live ranks per bond."""
-        new = tt.prune(self.params(), self.state(), tau)
+        new = pruning.prune(self.params(), self.state(), tau)
         for k, m in enumerate(new["masks"]):  # type: ignore[arg-type]
             getattr(self.masks, str(k)).copy_(m)
-        return tt.live_ranks(new)
+        return pruning.live_ranks(new)
 
     @torch.no_grad()
     def compact(self) -> None:
         """Physically remove dead ranks. Parameters are replaced: rebuild the optimizer
         (or use ``comera`` training utilities, which carry optimizer state over)."""
-        params, state = tt.compact(self.params(), self.state())
+        params, state = pruning.compact(self.params(), self.state())
         self._load(params, state)
 
     def to_dense(self) -> torch.Tensor:
-        return tt.to_dense(self.params(), self.state(), self.spec)
+        return tensor_train.to_dense(self.params(), self.state(), self.spec)
 
     def extra_repr(self) -> str:
-        ranks = tt.bond_ranks(self.params())
+        ranks = tensor_train.bond_ranks(self.params())
         return f"name={self.spec.name!r}, dense={self.spec.dense_shape}, ranks={ranks}"
 
 
@@ -112,7 +112,7 @@ class TTLinear(_TTModule):
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: TTLinearSpec, **kw: object) -> TTLinear:
         """Compress an existing ``nn.Linear`` by TT-SVD (ranks capped by ``spec.ranks``)."""
-        params, state = tt.from_dense(linear.weight, spec, linear.bias)
+        params, state = tensor_train.from_dense(linear.weight, spec, linear.bias)
         return cls(spec, params=params, state=state, **kw)  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

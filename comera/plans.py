@@ -15,7 +15,8 @@ per layer (``TTLinear.plan``) or globally (:func:`set_default_plan` /
 - an explicit list of ``(i, j)`` pairs in opt_einsum's path format over
   ``[x, G_1, ..., G_2d]`` (contracted operands are removed, the result is appended).
 
-Every strategy computes the same function; only cost and memory differ.
+Every strategy computes the same function; only cost and memory differ. :class:`LayerPlans`
+also records which TTM lookup implementation (:data:`EMBEDDING_IMPLS`) a model uses.
 """
 
 from __future__ import annotations
@@ -33,20 +34,31 @@ import opt_einsum as oe
 import torch
 import torch.nn.functional as F
 
+from comera.errors import ConfigError
 from comera.tensor_train import chain, chain_from_right
 
 __all__ = [
+    "EMBEDDING_IMPLS",
+    "RANK_ALIGN",
     "STRATEGIES",
     "ContractionPlan",
     "LayerPlans",
     "PlanLike",
+    "contract_halves",
     "default_plan",
     "get_default_plan",
+    "resolve_plan",
     "set_default_plan",
+    "shared_input_comera",
+    "token_bucket",
     "tt_linear_plan",
 ]
 
 STRATEGIES = ("comera", "optimal", "dp", "greedy", "dense")
+# TTM lookup implementations (see comera.layers.ttm_embedding), chosen per model by LayerPlans
+EMBEDDING_IMPLS = ("optimized", "naive", "static")
+# the comera path zero-pads its middle rank to a multiple of this (aligned BLAS inner size)
+RANK_ALIGN = 8
 PlanLike = str | Sequence[Sequence[int]] | None
 
 Strategy = str | tuple[tuple[int, ...], ...]
@@ -55,13 +67,14 @@ _PROCESS_DEFAULT: list[Strategy] = ["comera"]
 _SCOPED_PLAN: ContextVar[Strategy | None] = ContextVar("comera_default_plan", default=None)
 
 
-def _normalize(plan: PlanLike, name: str) -> Strategy:
-    """Validate a plan argument: a known strategy name or a list of index pairs."""
+def resolve_plan(plan: PlanLike, name: str) -> Strategy:
+    """Validate a plan argument (a known strategy name or a list of index pairs) and resolve
+    ``None`` to the default in force (:func:`get_default_plan`); ``name`` labels errors."""
     if plan is None:
         return get_default_plan()
     if isinstance(plan, str):
         if plan not in STRATEGIES:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: unknown contraction strategy {plan!r}; expected one of "
                 f"{', '.join(STRATEGIES)} or an explicit list of (i, j) contraction pairs"
             )
@@ -69,7 +82,7 @@ def _normalize(plan: PlanLike, name: str) -> Strategy:
     try:
         pairs = tuple(tuple(int(i) for i in step) for step in plan)
     except TypeError:
-        raise ValueError(
+        raise ConfigError(
             f"{name}: a plan must be a strategy name or a list of (i, j) pairs, got {plan!r}"
         ) from None
     return pairs
@@ -78,15 +91,15 @@ def _normalize(plan: PlanLike, name: str) -> Strategy:
 def set_default_plan(plan: PlanLike) -> None:
     """Set the process-wide default strategy (all threads) used when a call and its layer
     name none; ``None`` restores ``"comera"``."""
-    _PROCESS_DEFAULT[0] = _normalize(plan if plan is not None else "comera", "set_default_plan")
+    _PROCESS_DEFAULT[0] = resolve_plan(plan if plan is not None else "comera", "set_default_plan")
 
 
 def _constant_under_compile(fn: Callable[[], Strategy]) -> Callable[[], Strategy]:
     """Mark ``fn`` as ``torch.compiler.assume_constant_result`` marks it (a compiled
     function reads the default plan once, at trace time) without calling that function
     here: it imports ``torch._dynamo``, 1.6 s at the start of every process that imports
-    ``comera``. ``tests/test_comera_contractions.py`` checks the mark against torch's own and that a
-    compiled call reads it as a constant."""
+    ``comera``. ``tests/comera/test_contractions.py`` checks the mark against torch's own and
+    that a compiled call reads it as a constant."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 
@@ -101,7 +114,7 @@ def get_default_plan() -> Strategy:
 @contextlib.contextmanager
 def default_plan(plan: PlanLike) -> Iterator[None]:
     """Change the default strategy for this thread/context only (``with default_plan("dp"):``)."""
-    token = _SCOPED_PLAN.set(_normalize(plan, "default_plan"))
+    token = _SCOPED_PLAN.set(resolve_plan(plan, "default_plan"))
     try:
         yield
     finally:
@@ -122,18 +135,16 @@ class LayerPlans:
     embedding_impl: str = "optimized"
 
     def __post_init__(self) -> None:
-        from comera.layers import EMBEDDING_IMPLS
-
         rules = tuple(tuple(r) for r in self.per_layer)
         object.__setattr__(self, "per_layer", rules)
         if self.default is not None:
-            _normalize(self.default, "LayerPlans.default")
+            resolve_plan(self.default, "LayerPlans.default")
         for rule in rules:
             if len(rule) != 2:
-                raise ValueError(f"LayerPlans.per_layer: {rule!r} is not a (glob, strategy) pair")
-            _normalize(rule[1], f"LayerPlans.per_layer[{rule[0]!r}]")
+                raise ConfigError(f"LayerPlans.per_layer: {rule!r} is not a (glob, strategy) pair")
+            resolve_plan(rule[1], f"LayerPlans.per_layer[{rule[0]!r}]")
         if self.embedding_impl not in EMBEDDING_IMPLS:
-            raise ValueError(
+            raise ConfigError(
                 f"LayerPlans.embedding_impl={self.embedding_impl!r}; choose one of "
                 f"{', '.join(EMBEDDING_IMPLS)}"
             )
@@ -150,7 +161,7 @@ class LayerPlans:
         """Refuse a per-layer rule that matches no layer: a typo would silently do nothing."""
         for pattern, _ in self.per_layer:
             if not any(fnmatch.fnmatchcase(p, pattern) for p in paths):
-                raise ValueError(
+                raise ConfigError(
                     f"plan rule {pattern!r} matches no TT layer; layers are: {', '.join(paths)}"
                 )
 
@@ -240,7 +251,7 @@ class ContractionPlan:
     ) -> torch.Tensor:
         """``x2d (T, N)`` -> ``(T, M)``, adding ``bias`` if given."""
         if self.strategy in ("comera", "dense"):
-            return _two_halves(self.strategy, x2d, cores, bias)
+            return contract_halves(self.strategy, x2d, cores, bias)
         d = len(cores) // 2
         n_modes = [c.shape[1] for c in cores[d:]]
         m = math.prod(c.shape[1] for c in cores[:d])
@@ -257,7 +268,7 @@ class ContractionPlan:
     def describe(self) -> str:
         d = len(self.core_shapes) // 2
         r = self.core_shapes[d][0]
-        pad = (-r) % _RANK_ALIGN if self.strategy == "comera" else 0
+        pad = (-r) % RANK_ALIGN if self.strategy == "comera" else 0
         padded = f" (middle rank {r} run as {r + pad})" if pad else ""
         return (
             f"{self.strategy}: {self.equation} path={list(self.path)}{padded} "
@@ -279,7 +290,7 @@ def _path_cost(
     flops = int(info.opt_cost)
     if strategy == "comera":
         d = len(core_shapes) // 2
-        pad = (-core_shapes[d][0]) % _RANK_ALIGN
+        pad = (-core_shapes[d][0]) % RANK_ALIGN
         n = math.prod(s[1] for s in core_shapes[d:])
         m = math.prod(s[1] for s in core_shapes[:d])
         flops += 2 * tokens * pad * (n + m)
@@ -294,7 +305,7 @@ def _halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return a.reshape(a.shape[1], a.shape[2]), b.reshape(b.shape[0], b.shape[1])
 
 
-def _two_halves(
+def contract_halves(
     strategy: str,
     x2d: torch.Tensor,
     cores: Sequence[torch.Tensor],
@@ -302,9 +313,9 @@ def _two_halves(
 ) -> torch.Tensor:
     """The ``comera`` and ``dense`` paths as direct GEMMs (the same path the plan records).
 
-    For ``comera`` the middle rank is zero-padded to a multiple of 8: the extra terms
-    are exact zeros, so the result is the same up to summation order, and BLAS runs
-    skinny GEMMs with an aligned inner size markedly faster (r=32 beats r=30 on MKL).
+    For ``comera`` the middle rank is zero-padded to a multiple of :data:`RANK_ALIGN` (8): the
+    extra terms are exact zeros, so the result is the same up to summation order, and BLAS
+    runs skinny GEMMs with an aligned inner size markedly faster (r=32 beats r=30 on MKL).
     The bias rides in the first padding slot (``h[:, r] = 1``, ``A[:, r] = b``), so it
     costs neither a pass over the ``(T, M)`` output nor a separate gradient reduction.
     """
@@ -329,7 +340,7 @@ def shared_input_comera(
     for cores, bias in zip(trains, biases, strict=True):
         a, b = _halves(cores)  # (M, r), (r, N)
         m, r = a.shape
-        pad = (-r) % _RANK_ALIGN
+        pad = (-r) % RANK_ALIGN
         if pad:
             b = F.pad(b, (0, 0, 0, pad))  # (r + pad, N), zero rows
             if bias is None:
@@ -361,9 +372,6 @@ def shared_input_comera(
         # a bias with no free slot (r a multiple of 8, or an empty train) is added here
         out.append(h @ a.T if bias is None else torch.addmm(bias, h, a.T))  # (T, M)
     return out
-
-
-_RANK_ALIGN = 8
 
 
 def _operand_shapes(core_shapes: Sequence[tuple[int, ...]], tokens: int) -> list[tuple[int, ...]]:
@@ -413,14 +421,14 @@ def _check_pairs(path: Sequence[tuple[int, ...]], num_operands: int, name: str) 
     n = num_operands
     for step, pair in enumerate(path):
         if len(pair) < 1 or len(set(pair)) != len(pair) or any(not 0 <= i < n for i in pair):
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: explicit contraction path step {step} is {pair}, but only operands "
                 f"0..{n - 1} exist at that point (operand 0 is x, k is core G_k; each "
                 "contraction removes its operands and appends the result)"
             )
         n -= len(pair) - 1
     if n != 1:
-        raise ValueError(
+        raise ConfigError(
             f"{name}: explicit contraction path {list(path)} leaves {n} operands; it must "
             f"contract all {num_operands} operands (x and every core) into one"
         )
@@ -433,7 +441,7 @@ def tt_linear_plan(
     name: str = "tt_linear",
 ) -> ContractionPlan:
     """The cached plan for a TT-linear call with these core shapes and token count."""
-    strategy = _normalize(plan, name)
+    strategy = resolve_plan(plan, name)
     shapes = tuple(tuple(int(s) for s in sh) for sh in core_shapes)
     if isinstance(strategy, tuple):
         _check_pairs(strategy, len(shapes) + 1, name)

@@ -14,6 +14,8 @@ from functools import lru_cache
 
 import torch
 
+from comera.errors import ConfigError
+
 __all__ = [
     "TTLinearSpec",
     "TTMEmbeddingSpec",
@@ -30,17 +32,17 @@ def _as_tuple(name: str, what: str, value: object) -> tuple[int, ...]:
     try:
         out = tuple(int(v) for v in value)  # type: ignore[union-attr]
     except TypeError:
-        raise ValueError(f"{name}: {what} must be a sequence of ints, got {value!r}") from None
+        raise ConfigError(f"{name}: {what} must be a sequence of ints, got {value!r}") from None
     if any(v < 1 for v in out):
-        raise ValueError(f"{name}: every entry of {what} must be >= 1, got {list(out)}")
+        raise ConfigError(f"{name}: every entry of {what} must be >= 1, got {list(out)}")
     return out
 
 
 def _check_dtype_std(name: str, dtype: object, std: float | None) -> None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{name}: dtype must be a floating torch.dtype, got {dtype!r}")
+        raise ConfigError(f"{name}: dtype must be a floating torch.dtype, got {dtype!r}")
     if std is not None and not std > 0:
-        raise ValueError(f"{name}: std must be > 0, got {std}")
+        raise ConfigError(f"{name}: std must be > 0, got {std}")
 
 
 def cap_ranks(
@@ -59,12 +61,12 @@ def cap_ranks(
     else:
         requested = tuple(int(r) for r in ranks)
         if len(requested) != n_bonds:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: expected {n_bonds} internal ranks for {len(modes)} cores "
                 f"(one per bond), got {len(requested)}: {list(requested)}"
             )
     if any(r < 1 for r in requested):
-        raise ValueError(f"{name}: ranks must be >= 1, got {list(requested)}")
+        raise ConfigError(f"{name}: ranks must be >= 1, got {list(requested)}")
     out = []
     for k, r in enumerate(requested):
         left = math.prod(modes[: k + 1])
@@ -99,7 +101,7 @@ class TTLinearSpec:
         out_modes = _as_tuple(name, "out_modes", self.out_modes)
         in_modes = _as_tuple(name, "in_modes", self.in_modes)
         if len(out_modes) != len(in_modes) or len(out_modes) < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: out_modes and in_modes must have the same length d >= 1 "
                 f"(the TT has 2d cores), got {list(out_modes)} and {list(in_modes)}"
             )
@@ -108,10 +110,10 @@ class TTLinearSpec:
             ("in_modes", in_modes, self.in_features),
         ):
             if dim is not None and math.prod(modes) != dim:
-                raise ValueError(
+                raise ConfigError(
                     f"{name}: the product of {what} {list(modes)} is {math.prod(modes)}, "
                     f"but the layer has {dim} {what.split('_')[0]}put features; choose modes "
-                    f"whose product is {dim} (see comera.propose_modes)"
+                    f"whose product is {dim} (see comera.spec.propose_modes)"
                 )
         _check_dtype_std(name, self.dtype, self.std)
         object.__setattr__(self, "out_modes", out_modes)
@@ -159,21 +161,21 @@ class TTMEmbeddingSpec:
         vocab_modes = _as_tuple(name, "vocab_modes", self.vocab_modes)
         dim_modes = _as_tuple(name, "dim_modes", self.dim_modes)
         if len(vocab_modes) != len(dim_modes) or len(vocab_modes) < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: vocab_modes and dim_modes must have the same length d >= 2, "
                 f"got {list(vocab_modes)} and {list(dim_modes)}"
             )
         padded = math.prod(vocab_modes)
         num = padded if self.num_embeddings is None else int(self.num_embeddings)
         if not 1 <= num <= padded:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: num_embeddings={num} must be in [1, prod(vocab_modes)={padded}]; "
                 f"vocab_modes {list(vocab_modes)} cannot hold the vocabulary "
-                "(see comera.propose_modes(..., pad=True))"
+                "(see comera.spec.propose_modes(..., pad=True))"
             )
         dim = math.prod(dim_modes)
         if self.embedding_dim is not None and self.embedding_dim != dim:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: the product of dim_modes {list(dim_modes)} is {dim}, but "
                 f"embedding_dim is {self.embedding_dim}; choose dim_modes whose product is "
                 f"{self.embedding_dim}"
@@ -232,7 +234,7 @@ def factorize(n: int, d: int) -> tuple[int, ...] | None:
     """Split ``n`` into ``d`` factors as evenly as possible (ascending), or None if the
     only splits contain a factor far above ``n ** (1/d)`` (e.g. a large prime factor)."""
     if n < 1 or d < 1:
-        raise ValueError(f"factorize: need n >= 1 and d >= 1, got n={n}, d={d}")
+        raise ConfigError(f"factorize: need n >= 1 and d >= 1, got n={n}, d={d}")
     if d == 1:
         return (n,)
     # Allow factors up to 2x the ideal size; beyond that a mode dominates the TT cost.
@@ -249,11 +251,11 @@ def propose_modes(dim: int, d: int, *, pad: bool = False, max_pad: float = 0.1) 
     30522 becomes e.g. (12, 16, 16, 10)-like splits instead of 2 x 3 x 5087.
     """
     if dim < 1 or d < 1:
-        raise ValueError(f"propose_modes: need dim >= 1 and d >= 1, got dim={dim}, d={d}")
+        raise ConfigError(f"propose_modes: need dim >= 1 and d >= 1, got dim={dim}, d={d}")
     if not pad:
         modes = factorize(dim, d)
         if modes is None:
-            raise ValueError(
+            raise ConfigError(
                 f"propose_modes: {dim} has no balanced factorization into {d} modes "
                 "(it has a large prime factor); pass pad=True to pad it to a size that factors"
             )
@@ -268,7 +270,7 @@ def propose_modes(dim: int, d: int, *, pad: bool = False, max_pad: float = 0.1) 
         if best_key is None or key < best_key:
             best, best_key = modes, key
     if best is None:  # pragma: no cover - powers of two always factor
-        raise ValueError(
+        raise ConfigError(
             f"propose_modes: no balanced {d}-factorization within {max_pad:.0%} of {dim}"
         )
     return best

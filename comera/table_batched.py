@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from comera.layers import _gather, _pair_cores
+from comera.layers import gather_rows, pair_cores
 from comera.spec import TTMEmbeddingSpec
 from comera.tensor_train import Params, State, gated_cores
 
@@ -57,10 +57,10 @@ def _concat_cores(cores: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(rows)  # (sum v, r, d, r')
 
 
-def _gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def _gather_core_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``table[idx]`` for a row-form core ``(V, r, d, r')`` via the embedding kernel."""
     v, r, d, r2 = table.shape
-    return _gather(table.reshape(v, r * d * r2), idx).reshape(len(idx), r, d, r2)
+    return gather_rows(table.reshape(v, r * d * r2), idx).reshape(len(idx), r, d, r2)
 
 
 # gathered core slices per block: cache-sized, not batch-sized, and (for slices up to
@@ -87,7 +87,7 @@ def _chain_forward(
     that enter each GEMM."""
     u = len(idx[0])
     slices = [
-        _gather_rows(t, i).reshape(u, t.shape[1], -1) for t, i in zip(tables, idx, strict=True)
+        _gather_core_rows(t, i).reshape(u, t.shape[1], -1) for t, i in zip(tables, idx, strict=True)
     ]
     acc = slices[0].reshape(u, -1, tables[0].shape[3])  # (U, D_1, r_1): r_0 is 1
     accs = [acc]
@@ -176,7 +176,7 @@ def _lookup_group(cores_per_table: list[list[torch.Tensor]], ids: torch.Tensor) 
         mine = [cs[k] for cs in cores_per_table]
         merged_rows = sum(m[k] * m[k + 1] for m in modes) if k + 1 < ncores else None
         if merged_rows is not None and merged_rows <= len(uniq):  # merging pays off
-            mine = [_pair_cores([cs[k], cs[k + 1]])[0] for cs in cores_per_table]
+            mine = [pair_cores([cs[k], cs[k + 1]])[0] for cs in cores_per_table]
             digit = digits[k] * vm[tab, k + 1] + digits[k + 1]
             k += 2
         else:
@@ -193,7 +193,7 @@ def _lookup_group(cores_per_table: list[list[torch.Tensor]], ids: torch.Tensor) 
         dtype = torch.promote_types(dtype, tb.dtype)
     tables = [tb.to(dtype) for tb in tables]
     acc = _GatheredChain.apply(len(tables), *tables, *rows_idx)  # (U, D)
-    return _gather(acc, inverse).reshape(n, t, -1)
+    return gather_rows(acc, inverse).reshape(n, t, -1)
 
 
 def ttm_embedding_batched(

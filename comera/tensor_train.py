@@ -9,7 +9,7 @@ Layout shared by both formats::
 
 The effective weight is the train with ``diag(d_k * m_k)`` inserted on every internal
 bond. Current ranks are always read from the core shapes, so nothing static needs to
-change when :func:`compact` removes dead ranks.
+change when :func:`comera.pruning.compact` removes dead ranks.
 """
 
 from __future__ import annotations
@@ -26,18 +26,14 @@ State = dict[str, object]
 Spec = TTLinearSpec | TTMEmbeddingSpec
 
 __all__ = [
-    "PRUNE_RULES",
     "bond_ranks",
+    "chain",
+    "chain_from_right",
     "check_state",
-    "compact",
     "from_dense",
     "gated_cores",
     "init",
     "is_tt_params",
-    "kept_indices",
-    "live_ranks",
-    "prune",
-    "slice_ranks",
     "to_dense",
     "ttm_table",
 ]
@@ -169,11 +165,6 @@ def bond_ranks(params: Params) -> list[int]:
     return [int(c.shape[-1]) for c in params["cores"][:-1]]  # type: ignore[index]
 
 
-def live_ranks(state: State) -> list[int]:
-    """Number of live ranks per internal bond."""
-    return [int(m.sum()) for m in state["masks"]]  # type: ignore[union-attr]
-
-
 def check_state(params: Params, state: State, name: str = "TT layer") -> None:
     """Raise a clear error when ``state`` is not this layer's rank state (missing, or from
     before a compaction): one bool mask per bond, as long as that bond's gate."""
@@ -268,91 +259,3 @@ def to_dense(params: Params, state: State, spec: Spec | None = None) -> torch.Te
     if spec is not None:
         t = t[: spec.num_embeddings]  # type: ignore[union-attr]
     return t
-
-
-PRUNE_RULES = ("gate", "contribution")
-
-
-def _check_rule(rule: str) -> None:
-    if rule not in PRUNE_RULES:
-        raise ValueError(f"unknown prune rule {rule!r}; valid rules: {', '.join(PRUNE_RULES)}")
-
-
-def prune(params: Params, state: State, tau: float, *, rule: str = "gate") -> State:
-    """New state where every rank judged dispensable under ``rule`` is dead.
-
-    ``rule="gate"`` (the paper's rule, the default): a rank dies when its gate magnitude
-    ``|d_k[i]| <= tau``. Cheap, but blind to the scale symmetry between gates and cores:
-    a rank whose gate was scaled down while its core slice grew carries as much of the
-    weight as before and still dies, changing the function.
-
-    ``rule="contribution"``: a rank dies when its share of the weight,
-    ``|d_k[i]| ||Left_i|| ||Right_i|| / ||W||_F`` from
-    :func:`comera.pruning.rank_contributions`, is ``<= tau``. The share is invariant
-    to that symmetry and to the scale of ``W``, so only ranks that really carry little of
-    the weight die. On every bond the shares of a non-zero weight add up to at least 1
-    (triangle inequality over ``W = sum_i term_i``), so the largest is at least
-    ``1 / live_rank``: with ``tau < 1 / max live rank`` every bond keeps a live rank and
-    :func:`compact` can never turn the layer into the zero map, unless ``W`` is already
-    zero (then every share is 0 and every rank dies, which changes nothing). Pruning one
-    bond moves ``W`` by at most the sum of the shares removed there, times ``||W||_F``.
-    Random cores give nearly orthogonal terms with shares about ``1 / sqrt(r)``
-    (0.18 at rank 30), so ``tau = 1e-2`` is a safe threshold. Costs ``O(n r^3)`` per
-    core (float64 Gram matrices, no dense weight).
-
-    Pure: ``params`` are untouched and ranks already dead stay dead. Unknown ``rule``
-    raises ``ValueError``.
-    """
-    _check_rule(rule)
-    check_state(params, state)
-    if rule == "gate":
-        keep = [g.detach().abs() > tau for g in params["gates"]]  # type: ignore[union-attr]
-    else:
-        from comera.pruning import rank_contributions  # importance imports this module
-
-        # written as "not <= tau" so NaN shares (a non-finite weight) prune nothing
-        keep = [~(s <= tau) for s in rank_contributions(params, state)]
-    masks = [
-        m & k.to(m.device)
-        for k, m in zip(keep, state["masks"], strict=True)  # type: ignore[arg-type]
-    ]
-    return {**state, "masks": masks}
-
-
-def compact(params: Params, state: State) -> tuple[Params, State]:
-    """Physically drop dead ranks so cores, gates and FLOPs shrink; the function is unchanged.
-
-    If any bond has no live rank the whole train is the zero map, so every bond is
-    emptied and the layer keeps zero TT parameters (a bias, if any, remains).
-    """
-    check_state(params, state)
-    keep = kept_indices(state)
-    masks: list[torch.Tensor] = list(state["masks"])  # type: ignore[arg-type]
-    new_state = {**state, "masks": [m.index_select(0, i) for m, i in zip(masks, keep, strict=True)]}
-    return slice_ranks(params, keep), new_state
-
-
-def slice_ranks(tree: Params, keep: list[torch.Tensor]) -> Params:
-    """Keep only ranks ``keep[k]`` on every bond of a params-shaped dict.
-
-    Works on the params themselves and on anything shaped like them (optimizer moments),
-    so optimizer state follows compaction exactly, rank for rank.
-    """
-    cores: list[torch.Tensor] = list(tree["cores"])  # type: ignore[arg-type]
-    new_cores = []
-    for k, core in enumerate(cores):
-        if k > 0:
-            core = core.index_select(0, keep[k - 1])
-        if k < len(cores) - 1:
-            core = core.index_select(core.dim() - 1, keep[k])
-        new_cores.append(core.detach().contiguous())
-    gates = [g.detach().index_select(0, i) for g, i in zip(tree["gates"], keep, strict=True)]  # type: ignore[arg-type]
-    return {**tree, "cores": new_cores, "gates": gates}
-
-
-def kept_indices(state: State) -> list[torch.Tensor]:
-    """Indices of the live ranks of every bond: what :func:`compact` keeps."""
-    masks: list[torch.Tensor] = list(state["masks"])  # type: ignore[arg-type]
-    if any(not bool(m.any()) for m in masks):
-        return [m.new_zeros(0, dtype=torch.long) for m in masks]
-    return [m.nonzero().squeeze(-1) for m in masks]

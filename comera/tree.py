@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from comera import tensor_train as tt
+from comera.pruning import check_prune_rule, compact, kept_indices, prune, slice_ranks
+from comera.tensor_train import is_tt_params
 
 __all__ = [
     "compact_tree",
@@ -32,7 +33,7 @@ def iter_tt(
     params: object, state: object = None, path: str = ""
 ) -> Iterator[tuple[str, dict, dict]]:
     """Yield ``(path, layer_params, layer_state)`` for every TT/TTM layer, in tree order."""
-    if tt.is_tt_params(params):
+    if is_tt_params(params):
         yield path, params, state  # type: ignore[misc]
     elif isinstance(params, dict):
         for k, v in params.items():
@@ -50,7 +51,7 @@ def map_tt(
 ) -> tuple:
     """Rebuild ``(params, state, *others)`` with ``fn(p, s, *o) -> (p, s, *o)`` applied at
     every TT/TTM layer; ``others`` are trees shaped like ``params`` (optimizer moments)."""
-    if tt.is_tt_params(params):
+    if is_tt_params(params):
         return fn(params, state, *others)
     if isinstance(params, dict):
         outs: list[dict] = [{} for _ in range(2 + len(others))]
@@ -74,19 +75,20 @@ def map_tt(
 
 
 def prune_tree(params: object, state: object, tau: float, rule: str = "gate") -> object:
-    """:func:`comera.prune` with ``rule`` (one of ``comera.PRUNE_RULES``) at every TT/TTM
-    layer; returns the new state tree. An unknown rule raises even for a tree without layers."""
-    tt._check_rule(rule)
-    return map_tt(lambda p, s: (p, tt.prune(p, s, tau, rule=rule)), params, state)[1]
+    """:func:`comera.pruning.prune` with ``rule`` (one of ``comera.pruning.PRUNE_RULES``) at
+    every TT/TTM layer; returns the new state tree. An unknown rule raises even for a tree
+    without layers."""
+    check_prune_rule(rule)
+    return map_tt(lambda p, s: (p, prune(p, s, tau, rule=rule)), params, state)[1]
 
 
 def compact_tree(params: object, state: object, *others: object) -> tuple:
-    """:func:`comera.compact` at every layer, slicing ``others`` (params-shaped trees such
+    """:func:`comera.pruning.compact` at every layer, slicing ``others`` (params-shaped trees such
     as optimizer moments) rank for rank like the cores and gates."""
 
     def one(p: dict, s: dict, *o: dict) -> tuple:
-        keep = tt.kept_indices(s)
-        new_p, new_s = tt.compact(p, s)
-        return (new_p, new_s, *[tt.slice_ranks(x, keep) for x in o])
+        keep = kept_indices(s)
+        new_p, new_s = compact(p, s)
+        return (new_p, new_s, *[slice_ranks(x, keep) for x in o])
 
     return map_tt(one, params, state, *others)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import shutil
 import statistics
 import sys
@@ -41,10 +40,22 @@ import torch
 
 import comera as C
 from comera.train import read_metrics
+from comera.tree import iter_tt
 from experiments import cli
+from experiments.host import report_header
 from experiments.malloc import restart_for
+from experiments.report import record_host, runs_host, write_report_json
 
-__all__ = ["ABLATIONS", "Variant", "main", "run_ablation", "variants", "write_report"]
+__all__ = [
+    "ABLATIONS",
+    "Variant",
+    "gather",
+    "main",
+    "render_report",
+    "run_ablation",
+    "variants",
+    "write_report",
+]
 
 EXPERIMENTS = ("mnli", "dlrm", "codebert")
 
@@ -92,7 +103,7 @@ def _regularizer(cfg: Any, exp: cli.Experiment) -> list[Variant]:
 
 def _gate_count(cfg: Any, exp: cli.Experiment) -> int:
     _, params, state, _, _ = exp.build(cfg, 0, 1)
-    return sum(int(m.numel()) for _, _, s in C.tree.iter_tt(params, state) for m in s["masks"])
+    return sum(int(m.numel()) for _, _, s in iter_tt(params, state) for m in s["masks"])
 
 
 def _hot_rows(cfg: Any, exp: cli.Experiment) -> list[Variant]:
@@ -241,6 +252,7 @@ def run_ablation(
         cfg = cli.apply_overrides(cfg, over, [])
         print(f"ablate {name}: {v.label} -> {run_dir}", file=sys.stderr)
         final = cli.run_experiment(exp, cfg, argv=None)
+        record_host(run_dir)  # the machine, torch and date the report's header names
         records.append({"label": v.label, "dir": run_dir, "final": final})
     return records
 
@@ -272,19 +284,33 @@ def _summary(rec: dict) -> dict:
     }
 
 
-def write_report(name: str, records: list[dict], out: Path, command: str) -> Path:
-    """``reports/ablation_<name>.md`` and its PNG (loss curves and model size; step times
-    for contraction; eval curves and AUC against compression for capacity)."""
+def gather(name: str, records: list[dict], command: str) -> dict:
+    """The ablation report's data: the host that made the runs, the command, and one
+    summary per variant with its curves (for ``contraction`` also its loss differences
+    from the first variant: at step 1, over steps 1-10 and over the whole run)."""
     rows = [_summary(r) for r in records]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    ref = rows[0]["curve"]
-    lines = [f"# Ablation: {name}", "", f"Command: `{command}`", ""]
+    if name == "contraction":
+        ref = rows[0]["curve"]
+        for r in rows:
+            diffs = [(a[0], abs(a[1] - b[1])) for a, b in zip(ref, r["curve"], strict=False)]
+            r["first_diff"] = diffs[0][1] if diffs and diffs[0][0] == 1 else None
+            r["early_diff"] = max((d for s, d in diffs if s <= 10), default=0.0)
+            r["max_diff"] = max((d for _, d in diffs), default=0.0)
+    host = runs_host(Path(r["dir"]) for r in records)
+    return {"meta": {"command": command, **host}, "ablation": name, "variants": rows}
+
+
+def render_report(data: dict, out: Path) -> str:
+    """Write ``out`` (markdown) and its PNG from the ablation's JSON (:func:`gather`);
+    returns the markdown."""
+    name, rows = data["ablation"], data["variants"]
+    lines = report_header(f"Ablation: {name}", data["meta"]["command"], data["meta"])
     lines += ["All variants share the seed, the data order and (where shapes allow) the init."]
     if name == "capacity" and any(r["label"].endswith("_3x_data") for r in rows):
         lines += [
             "The `_3x_data` variants are the exception: they train on a fresh draw of the",
             "generator with 3x the rows (other rows, another validation split), and their",
-            "compression is against the dense model of that data. Compare them with each other.",
+            "compression is against the dense model of that data.",
         ]
     if name == "contraction":
         lines += [
@@ -318,30 +344,29 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
             f"{r['wall_s']:.1f}",
         ]
         if name == "contraction":
-            diffs = [(a[0], abs(a[1] - b[1])) for a, b in zip(ref, r["curve"], strict=False)]
-            r["first_diff"] = diffs[0][1] if diffs and diffs[0][0] == 1 else None
-            r["early_diff"] = max((d for s, d in diffs if s <= 10), default=0.0)
-            r["max_diff"] = max((d for _, d in diffs), default=0.0)
             first = "n/a" if r["first_diff"] is None else f"{r['first_diff']:.1e}"
             cells += [first, f"{r['early_diff']:.1e}", f"{r['max_diff']:.1e}"]
         lines.append("| " + " | ".join(cells) + " |")
     png = out.with_suffix(".png")
     _plot(name, rows, png)
     lines += ["", f"![{name}]({png.name})", ""]
-    out.write_text("\n".join(lines))
-    (out.with_suffix(".json")).write_text(
-        json.dumps(
-            [
-                {k: v for k, v in r.items() if k not in ("curve", "live", "eval_curve")}
-                for r in rows
-            ],
-            indent=1,
-        )
-    )
+    text = "\n".join(lines)
+    out.write_text(text)
+    return text
+
+
+def write_report(name: str, records: list[dict], out: Path, command: str) -> Path:
+    """``reports/ablation_<name>.md``, its JSON (the data it is rendered from: one summary
+    and the curves per variant, the host, the command) and its PNG (loss curves and model
+    size; step times for contraction; eval curves and AUC against compression for
+    capacity)."""
+    data = gather(name, records, command)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    render_report(write_report_json(out.with_suffix(".json"), data), out)
     return out
 
 
-def _best_cell(best: tuple[float, int] | None) -> str:
+def _best_cell(best: tuple[float, int] | list | None) -> str:
     return "n/a" if best is None else f"{best[0]:.4f} ({best[1]})"
 
 
@@ -450,9 +475,8 @@ def main(argv: list[str] | None = None) -> int:
             records = run_ablation(
                 args.ablation, exp, base, chosen, root, text_values=args.values is not None
             )
-    except (cli.CLIError, *exp.user_errors) as e:
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
-        return 2
+    except cli.USER_ERRORS as e:  # bad input: one line; anything else keeps its traceback
+        return cli.user_error(ap.prog, e)
     tag = "" if args.experiment == "mnli" else f"{args.experiment}_"
     out = Path(args.reports) / f"ablation_{tag}{args.ablation}.md"
     # the command that trained the runs: a --report-only rebuild names it, not itself

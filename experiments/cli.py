@@ -9,7 +9,9 @@ An experiment module defines an :class:`Experiment` (its config dataclass, prese
   the config's annotations and re-validated; an unknown key lists the valid ones);
 * ``--resume RUN_DIR`` replays ``RUN_DIR/config.json`` (only where and how it runs may
   change: device, wandb, progress, the CPU allocator policy, block recomputation);
-* user errors print one line naming the flag to change and exit with status 2.
+* bad input (a :class:`comera.errors.UserError` or :class:`loaders.errors.LoaderInputError`)
+  prints one line naming the flag to change and exits with status 2; any other exception is
+  a bug and keeps its traceback (exit status 1).
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ from typing import Any
 import torch
 
 import comera as C
-from comera.train import CheckpointError, NonFiniteLoss, Trainer, init_distributed
+from comera.errors import UserError
+from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES
 from comera.tree import iter_tt
 from experiments.malloc import apply_cpu_malloc, restart_for
+from loaders.errors import LoaderInputError
 
 __all__ = [
     "CLIError",
+    "USER_ERRORS",
     "Experiment",
     "apply_overrides",
     "build_parser",
@@ -48,6 +53,7 @@ __all__ = [
     "run_experiment",
     "set_field",
     "train",
+    "user_error",
 ]
 
 # keys a resumed run may change: where it runs and how it reports, never what it computes
@@ -71,8 +77,12 @@ RESUME_MUTABLE = frozenset(
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints")  # a run dir already in use
 
 
-class CLIError(Exception):
-    """A user error: printed as one line, exit status 2."""
+class CLIError(UserError):
+    """A bad flag or ``--set`` item (or a run dir in use): printed as one line, exit status 2."""
+
+
+# what a command prints as one line and exit status 2: bad input, never a bug
+USER_ERRORS: tuple[type[Exception], ...] = (UserError, LoaderInputError)
 
 
 @dataclass(kw_only=True)
@@ -82,7 +92,7 @@ class Experiment:
     ``build(cfg, rank, world) -> (task, params, state, reference_size, info)``: ``info`` is
     printed at start and stored in ``config.json``. ``flags`` adds experiment-specific
     arguments; ``flag_overrides(args) -> [(key, value)]`` maps them onto config keys.
-    ``user_errors`` are exception types that mean bad input (one line, exit 2)."""
+    Bad input raises a :data:`USER_ERRORS` kind (one line, exit 2)."""
 
     name: str
     config_type: type
@@ -91,9 +101,9 @@ class Experiment:
     default_preset: str = "smoke"
     flags: Callable[[argparse.ArgumentParser], None] | None = None
     flag_overrides: Callable[[argparse.Namespace], list[tuple[str, Any]]] | None = None
+    # ``--bench`` (the old command of a benchmark): ``bench(args)`` forwards to it
     bench: Callable[[argparse.Namespace], int] | None = None
     resume_mutable: frozenset[str] = frozenset()
-    user_errors: tuple[type[BaseException], ...] = ()
     description: str = ""
     epilog: str = ""
 
@@ -221,7 +231,7 @@ def _set(cfg: Any, parts: list[str], value: Any, text: bool, label: str, key: st
         new = parse_value(value, hint, key) if text else _convert(value, hint)
     try:
         return dataclasses.replace(cfg, **{head: new})
-    except (ValueError, TypeError) as e:
+    except (*USER_ERRORS, TypeError) as e:  # a config's check, or a value of the wrong type
         raise CLIError(f"{label}: {e}") from None
 
 
@@ -324,7 +334,12 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
     ap.add_argument("--wandb-tags", help="comma-separated tags")
     ap.add_argument("--no-progress", dest="no_progress", action="store_true")
     if exp.bench is not None:
-        ap.add_argument("--bench", action="store_true", help="benchmark one training step")
+        ap.add_argument(
+            "--bench",
+            action="store_true",
+            help=f"moved: runs python -m benchmarks.{exp.name}_step (one training step); "
+            "this flag goes in a later release",
+        )
         ap.add_argument("--json", action="store_true", help="with --bench: JSON on stdout")
     if exp.flags is not None:
         before = {a.dest for a in ap._actions}
@@ -426,7 +441,12 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
     path = Path(args.resume) / "config.json"
     if not path.is_file():
         raise CLIError(f"--resume {args.resume}: no config.json there; is it a run dir?")
-    saved = json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text())
+    except ValueError as e:  # JSONDecodeError, bad UTF-8
+        raise CLIError(f"--resume {args.resume}: config.json is not JSON ({e})") from None
+    if not isinstance(saved, dict):
+        raise CLIError(f"--resume {args.resume}: config.json is not a saved run config")
     if saved.get("experiment", exp.name) != exp.name:
         raise CLIError(
             f"--resume {args.resume}: that run is a {saved['experiment']!r} experiment; "
@@ -456,7 +476,7 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         )
     try:
         cfg = config_from_dict(exp.config_type, saved)
-    except (TypeError, ValueError) as e:
+    except (*USER_ERRORS, TypeError) as e:  # missing fields, or values the checks refuse
         raise CLIError(
             f"--resume {args.resume}: config.json is not a saved run config ({e})"
         ) from None
@@ -574,15 +594,18 @@ def summary_table(name: str, kind: str, out: dict, steps: int) -> str:
 
 
 def main(exp: Experiment, argv: list[str] | None = None) -> int:
-    """Parse, resolve, run; user errors become one line on stderr and exit status 2."""
+    """Parse, resolve, run. Bad input (:data:`USER_ERRORS`, argparse's errors included)
+    becomes one line on stderr and exit status 2, before or during training; a loss that
+    stops being finite, one line and status 1; anything else is a bug and keeps its
+    traceback (status 1)."""
     from_command_line = argv is None  # only a command may re-execute itself
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser(exp)
     try:
         args = ap.parse_args(argv)
-        if getattr(args, "bench", False):
+        if getattr(args, "bench", False):  # a forward to the benchmark's own command
             if args.device:
-                check_device(args.device)
+                check_device(args.device)  # first: a device error stays one line
             return exp.bench(args)  # type: ignore[misc]
         cfg = resolve_config(exp, args, ap)
         check_device(
@@ -591,12 +614,20 @@ def main(exp: Experiment, argv: list[str] | None = None) -> int:
         if from_command_line and torch.device(cfg.train.device).type == "cpu":
             restart_for(cfg.train.cpu_malloc)  # lean: re-executed with huge pages enabled
         run = prepare(exp, cfg, resume=args.resume is not None, argv=argv)
-    except (CLIError, CheckpointError, FileNotFoundError, *exp.user_errors) as e:
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:
+        return user_error(ap.prog, e)
     try:
         train(run)
-    except NonFiniteLoss as e:
+    except NonFiniteLoss as e:  # a training outcome, not a bug
         print(f"{ap.prog}: stopped: {e}", file=sys.stderr)
         return 1
+    except USER_ERRORS as e:  # e.g. a corrupt data file met mid-epoch
+        return user_error(ap.prog, e)
     return 0
+
+
+def user_error(prog: str, error: BaseException) -> int:
+    """Print ``error`` as the one line ``PROG: error: MESSAGE`` on stderr; the exit status
+    (2) of bad input, as argparse's own errors have."""
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    return 2

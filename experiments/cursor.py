@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from comera.errors import DataError
+
 __all__ = ["EpochCursor"]
 
 
@@ -44,17 +46,17 @@ class EpochCursor:
         name = type(self).__name__
         if isinstance(state, list):
             if not state or any(s != state[0] for s in state):
-                raise ValueError(f"{name}: the saved ranks disagree on the position")
+                raise DataError(f"{name}: the saved ranks disagree on the position")
             state = state[0]
         for key, mine in (("n", self.n), ("seed", self.seed), ("batch_size", self.batch_size)):
             if key in state and int(state[key]) != mine:
-                raise ValueError(
+                raise DataError(
                     f"{name} state has {key}={state[key]} but this iterator has {key}={mine}; "
                     "resume with the same data and settings"
                 )
         epoch, step = int(state["epoch"]), int(state["batch_in_epoch"])
         if epoch < 0 or not 0 <= step < self.steps_per_epoch:
-            raise ValueError(
+            raise DataError(
                 f"{name} state epoch={epoch}, batch_in_epoch={step} is out of range "
                 f"(steps_per_epoch={self.steps_per_epoch})"
             )

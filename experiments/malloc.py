@@ -34,6 +34,7 @@ import sys
 import warnings
 from collections.abc import Iterable, Mapping
 
+from comera.errors import ConfigError
 from comera.train.config import CPU_MALLOC_POLICIES
 
 __all__ = [
@@ -55,7 +56,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 def _check_policy(policy: str) -> None:
     if policy not in CPU_MALLOC_POLICIES:
-        raise ValueError(f"cpu_malloc={policy!r}; choose one of {CPU_MALLOC_POLICIES}")
+        raise ConfigError(f"cpu_malloc={policy!r}; choose one of {CPU_MALLOC_POLICIES}")
 
 
 def set_cpu_malloc(policy: str) -> bool:

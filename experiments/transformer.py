@@ -19,6 +19,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import comera as C
+from comera.errors import ConfigError
+from comera.layers import tt_linear_shared_input
+from comera.spec import propose_modes
+from comera.tensor_train import is_tt_params
 
 __all__ = [
     "EncoderConfig",
@@ -65,11 +69,11 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
-            raise ValueError(
+            raise ConfigError(
                 f"EncoderConfig: d_model={self.d_model} is not divisible by heads={self.heads}"
             )
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"EncoderConfig.dropout must be in [0, 1), got {self.dropout}")
+            raise ConfigError(f"EncoderConfig.dropout must be in [0, 1), got {self.dropout}")
         if self.tt:
             for name, (out_m, in_m), (o, i) in (
                 ("attn_modes", self.attn_modes, (self.d_model, self.d_model)),
@@ -77,7 +81,7 @@ class EncoderConfig:
                 ("ffn_out_modes", self.ffn_out_modes, (self.d_model, self.ffn)),
             ):
                 if math.prod(out_m) != o or math.prod(in_m) != i:
-                    raise ValueError(
+                    raise ConfigError(
                         f"EncoderConfig.{name}={(out_m, in_m)} multiplies to "
                         f"{math.prod(out_m)} x {math.prod(in_m)}, expected {o} x {i} (out x in)"
                     )
@@ -105,7 +109,7 @@ def fit_vocab(model: EncoderConfig, vocab_size: int) -> EncoderConfig:
     modes = model.emb_vocab_modes
     if not modes or math.prod(modes) < vocab_size:
         d = len(model.emb_dim_modes)
-        modes = tuple(sorted(C.propose_modes(vocab_size, d, pad=True), reverse=True))
+        modes = tuple(sorted(propose_modes(vocab_size, d, pad=True), reverse=True))
     return dataclasses.replace(model, vocab_size=vocab_size, emb_vocab_modes=modes)
 
 
@@ -173,7 +177,7 @@ def dense_param_count(cfg: EncoderConfig) -> int:
 
 
 def _linear(p: dict, s: dict | None, x: torch.Tensor, plan: C.plans.PlanLike) -> torch.Tensor:
-    if C.is_tt_params(p):
+    if is_tt_params(p):
         return C.tt_linear(p, s, x, plan=plan)  # type: ignore[arg-type]
     return F.linear(x, p["weight"], p.get("bias"))
 
@@ -194,7 +198,7 @@ def check_step_mode(model: EncoderConfig, step_mode: str) -> None:
     """Refuse ``model.recompute`` with dropout under ``train.step_mode='compile'``:
     torch.compile cannot replay dropout's RNG inside a recomputed region."""
     if step_mode == "compile" and model.recompute and model.dropout > 0:
-        raise ValueError(
+        raise ConfigError(
             "model.recompute with dropout cannot be compiled (torch.compile refuses RNG in "
             "recomputed regions); drop --recompute or use --step-mode eager/sync_free"
         )
@@ -253,7 +257,7 @@ def encoder_hidden(
         raise ValueError(f"encoder: sequence length {t} exceeds max_len={cfg.max_len}")
     p_drop = cfg.dropout if train else 0.0
     emb = params["embed"]
-    if C.is_tt_params(emb["word"]):
+    if is_tt_params(emb["word"]):
         impl = plans.embedding_impl if plans is not None else "optimized"
         x = C.ttm_embedding(emb["word"], state["embed"]["word"], ids, impl=impl)  # (B, T, d)
     else:
@@ -271,9 +275,9 @@ def encoder_hidden(
 
     def block(x: torch.Tensor, i: int, p: dict, s: dict) -> torch.Tensor:
         qkv = [(p[n], s.get(n), plan_of(f"layers.{i}.{n}")) for n in ("q", "k", "v")]
-        if cfg.fused_qkv and all(C.is_tt_params(w) and _is_comera(pl) for w, _, pl in qkv):
+        if cfg.fused_qkv and all(is_tt_params(w) and _is_comera(pl) for w, _, pl in qkv):
             # one GEMM of x with the three input halves (comera.tt_linear_shared_input)
-            outs = C.tt_linear_shared_input([(w, st) for w, st, _ in qkv], x)
+            outs = tt_linear_shared_input([(w, st) for w, st, _ in qkv], x)
         else:
             outs = [_linear(w, st, x, pl) for w, st, pl in qkv]
         q, k, v = (o.view(b, t, h, dh).transpose(1, 2) for o in outs)  # (B, H, T, dh)

@@ -1,39 +1,43 @@
-"""Stateful, rescalable, shuffled, mixed streaming token loader (see loaders/README.md)."""
+"""Stateful, rescalable, shuffled, mixed streaming token loader (see loaders/README.md).
 
-from loaders.checkpoint import load_states, merge_states, save_state, state_path
+The stages, in the order a token passes them:
+
+- ``sources``: memory-mapped Arrow IPC token files and folders of them.
+- ``text``: text columns tokenized on the fly; tokenizers from a file, object or the hub.
+- ``metadata``: per-file document counts (``doc_counts.json``), atomic writes.
+- ``permute``: ``IndexCipher``, the keyed bijection that shuffles without storing an order.
+- ``shards``: logical shards, which reader owns which, and their cursors.
+- ``mixing``: the deterministic rule picking the next sub-dataset by weight.
+- ``packing``: documents laid end to end into fixed-size rows with segment ids.
+- ``pipeline``: one (rank, worker) reader from sources through packing, and its state.
+- ``loader``: ``TokenLoader``, a rank's iterator, in process or over DataLoader workers.
+- ``checkpoint``: one state file per rank, merged back at any world size.
+- ``config``: ``LoaderConfig`` and ``DatasetSpec``, checked when built.
+- ``prepare``: ``python -m loaders.prepare``, text corpora to Arrow token shards.
+- ``errors``: ``LoaderInputError`` and ``LoaderPathError``, what bad input raises.
+
+The loader never imports ``comera``: it serves any trainer.
+"""
+
+from loaders.checkpoint import load_states, save_state, state_path
 from loaders.config import DatasetSpec, LoaderConfig, datasets_from_root
-from loaders.loader import TokenLoader, resolve_rank_world
-from loaders.mixing import Mixer
-from loaders.packing import write_piece
-from loaders.permute import IndexCipher, derive_key
-from loaders.pipeline import Layout, ReaderPipeline, open_source
-from loaders.shards import ShardCursors, logical_shard_of, owned_shards, shard_bounds
+from loaders.errors import LoaderInputError, LoaderPathError
+from loaders.loader import TokenLoader
 from loaders.sources import ArrowTokenFile, TokenFolder
 from loaders.text import TextSource, load_tokenizer
 
 __all__ = [
     "ArrowTokenFile",
     "DatasetSpec",
-    "IndexCipher",
-    "Layout",
     "LoaderConfig",
-    "Mixer",
-    "ReaderPipeline",
-    "ShardCursors",
+    "LoaderInputError",
+    "LoaderPathError",
     "TextSource",
     "TokenFolder",
     "TokenLoader",
     "datasets_from_root",
-    "derive_key",
     "load_states",
     "load_tokenizer",
-    "logical_shard_of",
-    "merge_states",
-    "open_source",
-    "owned_shards",
-    "resolve_rank_world",
     "save_state",
-    "shard_bounds",
     "state_path",
-    "write_piece",
 ]

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loaders.errors import LoaderInputError, LoaderPathError
 from loaders.metadata import atomic_write_text
 
 STATE_FORMAT = "loaders.rank_state"
@@ -65,7 +66,7 @@ def load_states(directory: str | Path) -> list[dict]:
     directory = Path(directory)
     files = sorted(p for p in directory.glob("loader_rank*.json") if _FILE_RE.match(p.name))
     if not files:
-        raise FileNotFoundError(
+        raise LoaderPathError(
             f"no loader state files (loader_rank*.json) in {directory}; check the checkpoint path"
         )
     states = []
@@ -73,25 +74,25 @@ def load_states(directory: str | Path) -> list[dict]:
         try:
             states.append(json.loads(p.read_text()))
         except (OSError, ValueError) as exc:
-            raise ValueError(
+            raise LoaderInputError(
                 f"loader state {p} is unreadable ({exc}); use an older checkpoint"
             ) from exc
     worlds = {int(s.get("world_size", -1)) for s in states}
     if len(worlds) != 1:
-        raise ValueError(
+        raise LoaderInputError(
             f"loader states in {directory} come from different world sizes {sorted(worlds)}; "
             "save each checkpoint into its own folder"
         )
     world = worlds.pop()
     ranks = sorted(int(s["rank"]) for s in states)
     if ranks != list(range(world)):
-        raise ValueError(
+        raise LoaderInputError(
             f"{directory} holds loader states for ranks {ranks} but world_size={world}; "
             "a rank file is missing (the save was interrupted): use the previous checkpoint"
         )
     steps = {s.get("step") for s in states}
     if len(steps) > 1:
-        raise ValueError(f"loader states in {directory} are from different steps {steps}")
+        raise LoaderInputError(f"loader states in {directory} are from different steps {steps}")
     return states
 
 
@@ -118,25 +119,25 @@ def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True
     L = fingerprint["num_shards"]
     for s in states:
         if s.get("format") != STATE_FORMAT or s.get("version") != STATE_VERSION:
-            raise ValueError(
+            raise LoaderInputError(
                 f"not a loader state (format={s.get('format')!r}, version={s.get('version')!r}); "
                 f"expected format={STATE_FORMAT!r} version {STATE_VERSION}"
             )
         fp = s["fingerprint"]
         for key in ("num_shards", "seed", "shuffle"):
             if fp[key] != fingerprint[key]:
-                raise ValueError(
+                raise LoaderInputError(
                     f"loader state has {key}={fp[key]!r} but the config has {fingerprint[key]!r}; "
                     f"{key} is fixed for a run: restore it in the config (or start a new run)"
                 )
         for name, n in fp["docs"].items():
             if name not in fingerprint["docs"]:
-                raise ValueError(
+                raise LoaderInputError(
                     f"loader state has sub-dataset {name!r} that the config lacks; add it back "
                     "(weight 0 keeps it paused)"
                 )
             if fingerprint["docs"][name] != n:
-                raise ValueError(
+                raise LoaderInputError(
                     f"sub-dataset {name!r} had {n} documents when saved but has "
                     f"{fingerprint['docs'][name]} now: the corpus changed; restore it or start "
                     "a new run"
@@ -146,7 +147,7 @@ def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True
     ranks = sorted(int(s["rank"]) for s in states)
     world = next(iter(worlds))
     if len(worlds) != 1 or len(workers) != 1 or (complete and ranks != list(range(world))):
-        raise ValueError(
+        raise LoaderInputError(
             f"incomplete or mixed loader states (ranks {ranks}, world sizes {sorted(worlds)}, "
             f"workers {sorted(workers)}); pass every rank's state of one checkpoint"
         )
@@ -161,12 +162,14 @@ def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True
                 got = cursors[name]
                 for i, shard in enumerate(range(lo, hi)):
                     if shard in got:
-                        raise ValueError(f"shard {shard} of {name!r} appears in two loader states")
+                        raise LoaderInputError(
+                            f"shard {shard} of {name!r} appears in two loader states"
+                        )
                     got[shard] = (sh["epoch"][i], sh["counter"][i], sh["offset"][i])
     for name, got in cursors.items():
         if complete and len(got) != L:
             missing = sorted(set(range(L)) - set(got))[:8]
-            raise ValueError(
+            raise LoaderInputError(
                 f"loader states cover {len(got)} of {L} shards of {name!r} (missing {missing}...); "
                 "pass every rank's state of one checkpoint"
             )

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loaders.errors import LoaderInputError, LoaderPathError
+
 SHUFFLE_MODES = ("global", "local", "none")
 
 
@@ -26,9 +28,11 @@ class DatasetSpec:
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
-            raise ValueError(f"DatasetSpec.name must be a non-empty string, got {self.name!r}")
+            raise LoaderInputError(
+                f"DatasetSpec.name must be a non-empty string, got {self.name!r}"
+            )
         if not (self.weight >= 0.0):
-            raise ValueError(f"dataset {self.name!r}: weight must be >= 0, got {self.weight}")
+            raise LoaderInputError(f"dataset {self.name!r}: weight must be >= 0, got {self.weight}")
         if isinstance(self.path, str):
             self.path = Path(self.path)
 
@@ -66,23 +70,31 @@ class LoaderConfig:
 
     def __post_init__(self) -> None:
         if not self.datasets:
-            raise ValueError("LoaderConfig.datasets is empty; give at least one DatasetSpec")
+            raise LoaderInputError("LoaderConfig.datasets is empty; give at least one DatasetSpec")
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
-            raise ValueError(f"LoaderConfig.datasets has duplicate names: {names}")
+            raise LoaderInputError(f"LoaderConfig.datasets has duplicate names: {names}")
         if sum(d.weight for d in self.datasets) <= 0:
-            raise ValueError("LoaderConfig: all dataset weights are 0; give one a positive weight")
+            raise LoaderInputError(
+                "LoaderConfig: all dataset weights are 0; give one a positive weight"
+            )
         for key in ("seq_len", "batch_size", "num_shards"):
             if getattr(self, key) < 1:
-                raise ValueError(f"LoaderConfig.{key} must be >= 1, got {getattr(self, key)}")
+                raise LoaderInputError(f"LoaderConfig.{key} must be >= 1, got {getattr(self, key)}")
         if self.min_doc_len < 1:
-            raise ValueError(f"LoaderConfig.min_doc_len must be >= 1, got {self.min_doc_len}")
+            raise LoaderInputError(f"LoaderConfig.min_doc_len must be >= 1, got {self.min_doc_len}")
         if self.shuffle not in SHUFFLE_MODES:
-            raise ValueError(f"LoaderConfig.shuffle={self.shuffle!r}; use one of {SHUFFLE_MODES}")
+            raise LoaderInputError(
+                f"LoaderConfig.shuffle={self.shuffle!r}; use one of {SHUFFLE_MODES}"
+            )
         if self.num_epochs is not None and self.num_epochs < 1:
-            raise ValueError(f"LoaderConfig.num_epochs must be >= 1 or None, got {self.num_epochs}")
+            raise LoaderInputError(
+                f"LoaderConfig.num_epochs must be >= 1 or None, got {self.num_epochs}"
+            )
         if self.out_dtype not in ("int64", "int32"):
-            raise ValueError(f"LoaderConfig.out_dtype={self.out_dtype!r}; use 'int64' or 'int32'")
+            raise LoaderInputError(
+                f"LoaderConfig.out_dtype={self.out_dtype!r}; use 'int64' or 'int32'"
+            )
 
     @property
     def row_len(self) -> int:
@@ -100,12 +112,12 @@ def datasets_from_root(
     """One ``DatasetSpec`` per sub-folder of ``root`` (sorted), weighted by ``weights``."""
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"corpus root {root} is not a folder")
+        raise LoaderPathError(f"corpus root {root} is not a folder")
     names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not names:
-        raise FileNotFoundError(f"corpus root {root} has no sub-dataset folders")
+        raise LoaderPathError(f"corpus root {root} has no sub-dataset folders")
     weights = dict(weights or {})
     unknown = sorted(set(weights) - set(names))
     if unknown:
-        raise ValueError(f"weights name unknown sub-datasets {unknown}; folders are {names}")
+        raise LoaderInputError(f"weights name unknown sub-datasets {unknown}; folders are {names}")
     return [DatasetSpec(name=n, path=root / n, weight=weights.get(n, 1.0)) for n in names]

@@ -28,6 +28,7 @@ from loaders.checkpoint import (
     save_state,
 )
 from loaders.config import LoaderConfig
+from loaders.errors import LoaderInputError
 from loaders.pipeline import Layout, ReaderPipeline, open_source
 
 _STATE_KEY = "_reader_state"
@@ -44,7 +45,7 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
         rank = r if rank is None else rank
         world_size = w if world_size is None else world_size
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        raise LoaderInputError(f"rank {rank} is outside world_size {world_size}")
     return int(rank), int(world_size)
 
 
@@ -105,7 +106,7 @@ class TokenLoader:
         self.config = config
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+            raise LoaderInputError(f"num_workers must be >= 0, got {num_workers}")
         self.num_workers = num_workers
         self._readers = max(1, num_workers)
         self._dl_kwargs = {

@@ -19,6 +19,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from loaders.errors import LoaderInputError
+
 METADATA_NAME = "doc_counts.json"
 FORMAT = "loaders.doc_counts"
 
@@ -27,11 +29,11 @@ def _read(path: Path) -> dict[str, dict]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(
+        raise LoaderInputError(
             f"doc-count metadata {path} is unreadable ({exc}); fix it or delete it to recount"
         ) from exc
     if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
-        raise ValueError(
+        raise LoaderInputError(
             f"doc-count metadata {path} lacks a 'files' mapping; expected "
             '{"format": "loaders.doc_counts", "version": 1, "files": {"rel/path": {"docs": N}}}'
         )

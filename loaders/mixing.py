@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from loaders.errors import LoaderInputError
+
 
 class Mixer:
     """Token counters per sub-dataset and the deficit rule over them."""
@@ -31,15 +33,17 @@ class Mixer:
         """New targets; unknown names are an error, missing names keep their weight."""
         unknown = sorted(set(weights) - set(self.names))
         if unknown:
-            raise ValueError(
+            raise LoaderInputError(
                 f"weights for unknown sub-datasets {unknown}; known sub-datasets: {self.names}"
             )
         bad = {k: v for k, v in weights.items() if not (float(v) >= 0.0)}
         if bad:
-            raise ValueError(f"weights must be >= 0, got {bad}")
+            raise LoaderInputError(f"weights must be >= 0, got {bad}")
         new = {**self.weights, **{k: float(v) for k, v in weights.items()}}
         if sum(new.values()) <= 0:
-            raise ValueError(f"weights {new} are all 0; give one sub-dataset a positive weight")
+            raise LoaderInputError(
+                f"weights {new} are all 0; give one sub-dataset a positive weight"
+            )
         self.weights = new
         self.tokens = dict.fromkeys(self.names, 0)
 

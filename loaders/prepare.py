@@ -44,8 +44,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from loaders.errors import LoaderInputError
 from loaders.metadata import FORMAT, METADATA_NAME, atomic_write_text
-from loaders.text import TEXT_SUFFIXES, _read_text_table, load_tokenizer
+from loaders.text import TEXT_SUFFIXES, load_tokenizer, read_text_table
 
 __all__ = ["SPECIAL_TOKENS", "Doc", "PrepareError", "heldout_docs", "prepare", "train_tokenizer"]
 
@@ -53,7 +54,7 @@ SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, as RoB
 PLAN_NAME = "prepare_plan.json"
 
 
-class PrepareError(ValueError):
+class PrepareError(LoaderInputError):
     """Bad input to ``loaders.prepare``: the message names the source and the fix."""
 
 
@@ -107,7 +108,7 @@ def list_docs(source: str, *, glob: str | None, text_column: str) -> list[Doc]:
     if path.is_file():
         if path.suffix not in TEXT_SUFFIXES:  # a source file: one document
             return [Doc(str(path))]
-        table = _read_text_table(path)
+        table = read_text_table(path)
         if text_column not in table.column_names:
             raise PrepareError(
                 f"{source} has no column {text_column!r} (columns: {table.column_names}); "
@@ -130,7 +131,7 @@ class _Texts:
         if doc.row is None:
             return Path(doc.path).read_text(encoding="utf-8", errors="replace")
         if doc.path not in self._tables:
-            self._tables[doc.path] = _read_text_table(Path(doc.path)).column(self.text_column)
+            self._tables[doc.path] = read_text_table(Path(doc.path)).column(self.text_column)
         value = self._tables[doc.path][doc.row].as_py()
         return "" if value is None else str(value)
 
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             hub_config=args.hub_config, hub_split=args.hub_split,
             max_doc_tokens=args.max_doc_tokens, progress=not args.no_progress,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError) as e:  # PrepareError, bad tokenizer or table
+    except LoaderInputError as e:  # PrepareError, a bad tokenizer, table or folder
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=1))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from loaders.errors import LoaderInputError
 from loaders.permute import IndexCipher, derive_key
 
 _BLOCK = 64  # document ids computed per cipher call (a cache, never state)
@@ -29,7 +30,7 @@ def owned_shards(num_shards: int, rank: int, world: int, worker: int, num_worker
     """Contiguous range of logical shards owned by (rank, worker); disjoint, covering."""
     total = world * num_workers
     if total > num_shards:
-        raise ValueError(
+        raise LoaderInputError(
             f"{world} ranks x {num_workers} workers = {total} readers but only num_shards="
             f"{num_shards} logical shards; raise num_shards (fixed at first run) or use fewer"
         )

@@ -16,17 +16,20 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from loaders.errors import LoaderInputError, LoaderPathError
 from loaders.metadata import file_doc_counts
 
 ARROW_SUFFIXES = (".arrow", ".ipc", ".feather")
 
 
-def _open_table(path: Path) -> pa.Table:
-    """Memory-map an Arrow IPC file (file or stream format) as a zero-copy table."""
+def open_arrow_table(path: Path) -> pa.Table:
+    """Memory-map an Arrow IPC file (file or stream format) as a zero-copy table.
+
+    Shared by token files and text files stored as Arrow (:mod:`loaders.text`)."""
     try:
         source = pa.memory_map(str(path), "r")
     except (OSError, pa.ArrowException) as exc:
-        raise FileNotFoundError(f"cannot open Arrow file {path}: {exc}") from exc
+        raise LoaderPathError(f"cannot open Arrow file {path}: {exc}") from exc
     try:
         try:
             return pa.ipc.open_file(source).read_all()
@@ -34,7 +37,7 @@ def _open_table(path: Path) -> pa.Table:
             source.seek(0)
             return pa.ipc.open_stream(source).read_all()
     except (pa.ArrowException, OSError) as exc:
-        raise ValueError(
+        raise LoaderInputError(
             f"Arrow file {path} is truncated or corrupt ({exc}); re-write or remove the file"
         ) from exc
 
@@ -51,9 +54,9 @@ class ArrowTokenFile:
 
     def __init__(self, path: str | Path, column: str = "tokens") -> None:
         self.path = Path(path)
-        table = _open_table(self.path)
+        table = open_arrow_table(self.path)
         if column not in table.column_names:
-            raise ValueError(
+            raise LoaderInputError(
                 f"Arrow file {self.path} has no token column {column!r} "
                 f"(columns: {table.column_names}); pass token_column=<one of them>"
             )
@@ -62,7 +65,7 @@ class ArrowTokenFile:
         if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) or not pa.types.is_integer(
             typ.value_type
         ):
-            raise ValueError(
+            raise LoaderInputError(
                 f"column {column!r} of {self.path} has type {typ}; expected a list of integers "
                 "(pre-tokenize it, or use a text source with a tokenizer)"
             )
@@ -75,7 +78,7 @@ class ArrowTokenFile:
                 continue
             values = chunk.values
             if values.null_count:
-                raise ValueError(
+                raise LoaderInputError(
                     f"column {column!r} of {self.path} has null tokens; drop or fix those rows"
                 )
             offsets = chunk.offsets.to_numpy(zero_copy_only=False)
@@ -110,9 +113,9 @@ class TokenFolder:
             files = sorted(p for p in self.path.rglob("*") if p.suffix in ARROW_SUFFIXES)
             root = self.path
         else:
-            raise FileNotFoundError(f"data path {self.path} does not exist; check the dataset path")
+            raise LoaderPathError(f"data path {self.path} does not exist; check the dataset path")
         if not files:
-            raise FileNotFoundError(
+            raise LoaderPathError(
                 f"folder {self.path} holds no Arrow files ({', '.join(ARROW_SUFFIXES)}); "
                 "point the dataset at a folder of pre-tokenized Arrow IPC files"
             )
@@ -135,7 +138,7 @@ class TokenFolder:
             f = ArrowTokenFile(self.files[k], self.column)
             expected = self._cum[k + 1] - self._cum[k]
             if f.num_docs != expected:
-                raise ValueError(
+                raise LoaderInputError(
                     f"{f.path} has {f.num_docs} rows but the doc-count metadata says {expected}; "
                     "delete the stale doc_counts.json (or cache entry) and restart"
                 )

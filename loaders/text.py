@@ -15,6 +15,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from loaders.errors import LoaderInputError, LoaderPathError
+from loaders.sources import open_arrow_table
+
 TEXT_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".ipc", ".feather")
 
 
@@ -45,7 +48,9 @@ def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
     if callable(tokenizer):
         return tokenizer
     if not isinstance(tokenizer, (str, Path)):
-        raise ValueError(f"tokenizer {tokenizer!r}: pass a name, a path, or an object with encode")
+        raise LoaderInputError(
+            f"tokenizer {tokenizer!r}: pass a name, a path, or an object with encode"
+        )
     path = Path(tokenizer).expanduser()
     try:
         import tokenizers
@@ -56,7 +61,9 @@ def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
     if path.is_file():
         return load_tokenizer(tokenizers.Tokenizer.from_file(str(path)))
     if looks_like_path(str(tokenizer)) and not path.exists():  # a path: never a hub name
-        raise ValueError(f"tokenizer {str(tokenizer)!r} does not exist; pass a tokenizer.json path")
+        raise LoaderInputError(
+            f"tokenizer {str(tokenizer)!r} does not exist; pass a tokenizer.json path"
+        )
     try:
         import transformers
 
@@ -64,21 +71,24 @@ def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
         return lambda text: tok(text, add_special_tokens=False)["input_ids"]
     except ImportError:
         if path.is_dir():
-            raise ValueError(
+            raise LoaderInputError(
                 f"tokenizer folder {str(tokenizer)!r} has no tokenizer.json (other formats "
                 "need `pip install transformers`); pass a tokenizer.json path"
             ) from None
     except Exception as exc:
-        raise ValueError(f"cannot load tokenizer {tokenizer!r}: {exc}; pass a local path") from exc
+        raise LoaderInputError(
+            f"cannot load tokenizer {tokenizer!r}: {exc}; pass a local path"
+        ) from exc
     try:
         return load_tokenizer(tokenizers.Tokenizer.from_pretrained(str(tokenizer)))
     except Exception as exc:
-        raise ValueError(
+        raise LoaderInputError(
             f"cannot load tokenizer {tokenizer!r} ({exc}); pass a local tokenizer.json path"
         ) from exc
 
 
-def _read_text_table(path: Path) -> pa.Table:
+def read_text_table(path: Path) -> pa.Table:
+    """The table of one text file: parquet (memory-mapped), jsonl/json, or Arrow IPC."""
     suffix = path.suffix
     try:
         if suffix == ".parquet":
@@ -89,11 +99,9 @@ def _read_text_table(path: Path) -> pa.Table:
             import pyarrow.json as pj
 
             return pj.read_json(path)
-        from loaders.sources import _open_table
-
-        return _open_table(path)
+        return open_arrow_table(path)
     except (pa.ArrowException, OSError) as exc:
-        raise ValueError(f"text file {path} is unreadable ({exc}); fix or remove it") from exc
+        raise LoaderInputError(f"text file {path} is unreadable ({exc}); fix or remove it") from exc
 
 
 class TextSource:
@@ -109,12 +117,12 @@ class TextSource:
             elif path.is_file():
                 files = [path]
             else:
-                raise FileNotFoundError(f"text data path {path} does not exist")
+                raise LoaderPathError(f"text data path {path} does not exist")
             if not files:
-                raise FileNotFoundError(
+                raise LoaderPathError(
                     f"folder {path} holds no text files ({', '.join(TEXT_SUFFIXES)})"
                 )
-            tables = [(p, _read_text_table(p)) for p in files]
+            tables = [(p, read_text_table(p)) for p in files]
         elif isinstance(data, pa.Table):
             tables = [("<table>", data)]
         else:  # a datasets.Dataset (duck-typed to avoid importing datasets)
@@ -124,13 +132,15 @@ class TextSource:
         columns = []
         for where, table in tables:
             if text_column not in table.column_names:
-                raise ValueError(
+                raise LoaderInputError(
                     f"{where} has no text column {text_column!r} (columns: "
                     f"{table.column_names}); pass text_column=<one of them>"
                 )
             col = table.column(text_column)
             if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
-                raise ValueError(f"column {text_column!r} of {where} has type {col.type}, not text")
+                raise LoaderInputError(
+                    f"column {text_column!r} of {where} has type {col.type}, not text"
+                )
             columns.extend(c for c in col.chunks if len(c))
         self._chunks = columns
         self._starts = list(np.cumsum([0] + [len(c) for c in columns])[:-1].tolist())

@@ -27,12 +27,12 @@ PY=${PY:-python3}
 
 G=reports/gpu
 ALL=(
-  "1|120|tests|-m pytest -q -rs -p no:cacheprovider tests/test_gpu.py"
+  "1|120|tests|-m pytest -q -rs -p no:cacheprovider tests/gpu/test_gpu.py"
   "1|60|dlrm_lookup|-m benchmarks.dlrm_step --embedding --device cuda --json"
   "1|90|core_bench|-m benchmarks.core --device cuda --json"
   "1|150|step_modes_paper|-m benchmarks.step_modes --device cuda --models paper --modes sync_free,cuda_graph --out $G/step_modes_paper"
   "2|240|step_modes_smoke|-m benchmarks.step_modes --device cuda --models smoke --modes sync_free,cuda_graph,compile --point-timeout 150 --out $G/step_modes_smoke"
-  "2|240|mnli_bench|-m experiments.mnli --bench --device cuda --json"
+  "2|240|mnli_bench|-m benchmarks.mnli_step --device cuda --json"
 )
 NAMES=$(for s in "${ALL[@]}"; do IFS='|' read -r _ _ name _ <<<"$s"; printf '%s ' "$name"; done)
 usage() { echo "gpu_check: $1 (usage: [--dry-run] [--group 1|2 | STAGE...]; stages: $NAMES)" >&2; exit 2; }

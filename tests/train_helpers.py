@@ -5,8 +5,7 @@ import socket
 import torch
 
 import comera as C
-from comera.train.optim import AdamWConfig
-from comera.training import ComeraConfig, TrainConfig
+from comera.train import AdamWConfig, ComeraConfig, TrainConfig
 
 
 class _Iter:
@@ -39,7 +38,9 @@ class _Iter:
 
 
 class ToyTask:
-    """Fit a low-rank linear map with one TT layer (dropout-free, but uses RNG noise)."""
+    """Fit a low-rank linear map with one TT layer (dropout-free, but uses RNG noise).
+
+    Its loss is the batch mean, returned as one loss term: ``(mean, 1, metrics)``."""
 
     def __init__(
         self, rank: int = 0, world: int = 1, noise: float = 0.0, nan_at: int | None = None
@@ -58,7 +59,7 @@ class ToyTask:
         loss = (pred - y).pow(2).mean()
         if self.nan_at is not None and self.calls >= self.nan_at:
             loss = loss * float("nan")
-        return loss, {"accuracy": torch.tensor(0.0)}
+        return loss, 1, {"accuracy": torch.tensor(0.0)}
 
     def evaluate(self, params, state):
         x, y = next(_Iter(self.w, batch=64, seed=99))
@@ -109,8 +110,9 @@ class SplitIter(_Iter):
 class SumCountTask(ToyTask):
     """The toy task returning ``(sum, count, metrics)``: each example is one loss term.
 
-    With ``legacy=True`` it returns the per-rank mean instead, which weights ranks equally
-    (the arithmetic the trainer used before exact counts): wrong under an uneven split."""
+    With ``legacy=True`` it returns the per-rank mean as one term instead, which weights
+    ranks equally (the arithmetic the trainer used before exact counts): wrong under an
+    uneven split."""
 
     def __init__(self, rank=0, world=1, split=(5, 11), legacy=False):
         super().__init__()
@@ -121,7 +123,7 @@ class SumCountTask(ToyTask):
         x, y = batch
         per_example = (C.tt_linear(params["lin"], state["lin"], x) - y).pow(2).mean(-1)  # (b,)
         if self.legacy:
-            return per_example.mean(), {}
+            return per_example.mean(), 1, {}
         return per_example.sum(), per_example.numel(), {"mse": per_example.detach().mean()}
 
     def evaluate(self, params, state, *, rank=0, world=1):

@@ -1,36 +1,40 @@
 """The shared trainer, one module per concern.
 
-``config`` (ComeraConfig, TrainConfig), ``stages`` (the CoMERA stage controller),
-``distributed`` (exact reduction), ``checkpoint`` (model single-writer, data state per
-rank), ``logging`` (metrics.jsonl, wandb, ranks.json) and ``loop`` (the Trainer that wires
-them).
+- ``config``: ``TrainConfig`` and ``ComeraConfig``, the run's settings, checked on creation.
+- ``task``: the ``Task`` protocol an experiment implements (loss, evaluate, data iterator).
+- ``loop``: the ``Trainer`` that runs a task for ``cfg.steps`` optimizer steps.
+- ``stages``: the CoMERA stage controller (objective per step, prune/compact events).
+- ``objectives``: the gate regularizer, the size surrogate and the late-stage weights.
+- ``optim``: AdamW and SGD over params pytrees, with the paper's three lr groups.
+- ``galore``: GaLore-AdamW, the dense baseline's optimizer.
+- ``sync_free``: the same step with no host read inside (``train.step_mode``).
+- ``distributed``: exact data-parallel sums, broadcasts and process-group setup.
+- ``checkpoint``: model single-writer, data and RNG state per rank, atomic and versioned.
+- ``logging``: ``metrics.jsonl``, wandb and ``ranks.json``.
+- ``measures``: live model size, learning-rate schedule, peak memory.
 """
 
-from comera.train.checkpoint import CheckpointError, load_checkpoint
-from comera.train.config import PRUNE_RULES, REGULARIZERS, ComeraConfig, TrainConfig
-from comera.train.distributed import init_distributed, rank_world
-from comera.train.logging import read_metrics, resolve_wandb_mode
+from comera.errors import CheckpointError
+from comera.train.checkpoint import load_checkpoint
+from comera.train.config import ComeraConfig, TrainConfig
+from comera.train.distributed import init_distributed
+from comera.train.galore import GaLoreConfig
+from comera.train.logging import read_metrics
 from comera.train.loop import NonFiniteLoss, Trainer
-from comera.train.measures import lr_scale, model_size
-from comera.train.stages import Objective, StageController
+from comera.train.optim import AdamWConfig, SGDConfig
 from comera.train.task import Task
 
 __all__ = [
-    "PRUNE_RULES",
-    "REGULARIZERS",
+    "AdamWConfig",
     "CheckpointError",
     "ComeraConfig",
+    "GaLoreConfig",
     "NonFiniteLoss",
-    "Objective",
-    "StageController",
+    "SGDConfig",
     "Task",
     "TrainConfig",
     "Trainer",
     "init_distributed",
     "load_checkpoint",
-    "lr_scale",
-    "model_size",
-    "rank_world",
     "read_metrics",
-    "resolve_wandb_mode",
 ]

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from comera.errors import CheckpointError
+from comera.train.galore import GaLore
 from comera.train.logging import truncate_metrics
 
 __all__ = [
@@ -46,10 +48,6 @@ CHECKPOINTS = "checkpoints"
 MODEL = "model.pt"
 DATA_FORMAT = "comera.data_state"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupt, incomplete or from an incompatible run."""
 
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -252,7 +250,7 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
             f"optimizer={tr.cfg.optimizer!r}; resume with the saved optimizer"
         )
     if galore is not None:  # a fresh GaLore over the restored leaves, then its state
-        tr.galore = tr._make_galore()
+        tr.galore = GaLore.with_adamw(tr.params, tr.cfg.galore, tr.cfg.optim)
         tr.galore.load_state_dict(galore)
     tr.step = ckpt["step"]
     tr.stages.load_state_dict(ckpt["stages"])

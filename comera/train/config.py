@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from comera.errors import ConfigError
 from comera.train.galore import GaLoreConfig
 from comera.train.optim import OPTIMIZERS, AdamWConfig, SGDConfig
 
@@ -60,41 +61,41 @@ class ComeraConfig:
 
     def __post_init__(self) -> None:
         if self.gamma < 0 or self.tau < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"ComeraConfig: gamma and tau must be >= 0, got {self.gamma}, {self.tau}"
             )
         if self.regularizer not in REGULARIZERS:
-            raise ValueError(
+            raise ConfigError(
                 f"ComeraConfig.regularizer={self.regularizer!r}; choose one of {REGULARIZERS}"
             )
         if self.prune_rule not in PRUNE_RULES:
-            raise ValueError(
+            raise ConfigError(
                 f"ComeraConfig.prune_rule={self.prune_rule!r}; choose one of {PRUNE_RULES}"
             )
         if self.early_steps < 0 or self.prune_every < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"ComeraConfig: early_steps >= 0 and prune_every >= 1 required, got "
                 f"{self.early_steps}, {self.prune_every}"
             )
         if self.compact_every is not None and self.compact_every < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"ComeraConfig.compact_every must be None or >= 1, got {self.compact_every}"
             )
         if not 0 < self.size_ratio <= 1:
-            raise ValueError(
+            raise ConfigError(
                 f"ComeraConfig.size_ratio (c) must be in (0, 1], got {self.size_ratio}"
             )
         if self.loss_target is not None and self.loss_target <= 0:
-            raise ValueError(f"ComeraConfig.loss_target must be > 0, got {self.loss_target}")
+            raise ConfigError(f"ComeraConfig.loss_target must be > 0, got {self.loss_target}")
         if self.enabled and self.early_steps == 0 and self.loss_target is None:
-            raise ValueError(
+            raise ConfigError(
                 "ComeraConfig: early_steps=0 starts in the late stage, which needs a loss "
                 "target; set loss_target (L0) or give the early stage some steps"
             )
         if self.reg_start_step < 0 or (
             self.gamma > 0 and 0 < self.early_steps <= self.reg_start_step
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"ComeraConfig.reg_start_step={self.reg_start_step} must be >= 0 and below "
                 f"early_steps={self.early_steps}, or the gate regularizer never runs"
             )
@@ -152,63 +153,63 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.steps < 1:
-            raise ValueError(f"TrainConfig.steps must be >= 1, got {self.steps}")
+            raise ConfigError(f"TrainConfig.steps must be >= 1, got {self.steps}")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
+            raise ConfigError(
                 f"TrainConfig.optimizer={self.optimizer!r}; choose one of {OPTIMIZERS}"
             )
         if self.schedule not in ("linear", "cosine", "constant"):
-            raise ValueError(
+            raise ConfigError(
                 f"TrainConfig.schedule must be linear, cosine or constant, got {self.schedule!r}"
             )
         if self.wandb is not None and self.wandb not in WANDB_MODES:
-            raise ValueError(
+            raise ConfigError(
                 f"TrainConfig.wandb must be online, offline or disabled, got {self.wandb!r}"
             )
         if self.step_mode not in STEP_MODES:
-            raise ValueError(
+            raise ConfigError(
                 f"TrainConfig.step_mode={self.step_mode!r}; choose one of {STEP_MODES}"
             )
         if self.optimizer == "galore" and self.step_mode != "eager":
-            raise ValueError(
+            raise ConfigError(
                 f"TrainConfig.step_mode={self.step_mode!r} cannot run GaLore (its projector "
                 "refresh runs on the host); use step_mode='eager' with optimizer='galore'"
             )
         if self.optimizer == "galore" and self.comera.enabled:
-            raise ValueError(
+            raise ConfigError(
                 "TrainConfig.optimizer='galore' trains the dense baseline (GaLore projects "
                 "dense gradients); pass --dense (or set train.comera.enabled=false)"
             )
         if self.cpu_malloc not in CPU_MALLOC_POLICIES:
-            raise ValueError(
+            raise ConfigError(
                 f"TrainConfig.cpu_malloc={self.cpu_malloc!r}; choose one of {CPU_MALLOC_POLICIES}"
             )
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as e:
-            raise ValueError(
+            raise ConfigError(
                 f"TrainConfig.device={self.device!r} is not a torch device (cpu, cuda, "
                 f"cuda:1, ...): {e}"
             ) from None
         if self.bf16 and not self.device.startswith("cuda"):
-            raise ValueError("TrainConfig.bf16 autocast is for CUDA devices; set device='cuda'")
+            raise ConfigError("TrainConfig.bf16 autocast is for CUDA devices; set device='cuda'")
         if self.log_every < 1 or self.warmup_steps < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"TrainConfig: log_every >= 1 and warmup_steps >= 0 required, got "
                 f"{self.log_every}, {self.warmup_steps}"
             )
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(
+                raise ConfigError(
                     f"TrainConfig.{name} must be None or >= 1, got {getattr(self, name)}"
                 )
         if self.accum_steps < 1 or self.keep_checkpoints < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"TrainConfig: accum_steps >= 1 and keep_checkpoints >= 1 required, got "
                 f"{self.accum_steps}, {self.keep_checkpoints}"
             )
         if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(
+            raise ConfigError(
                 f"TrainConfig.grad_clip must be None (off) or > 0, got {self.grad_clip}"
             )
         self.wandb_tags = tuple(self.wandb_tags)

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten_with_path
 
+from comera.errors import ConfigError
+from comera.train.optim import AdamWConfig
+
 __all__ = ["GaLore", "GaLoreConfig", "MissingExtraError"]
 
 
@@ -39,15 +42,15 @@ class GaLoreConfig:
 
     def __post_init__(self) -> None:
         if self.rank < 1 or self.update_proj_gap < 1 or not self.scale > 0:
-            raise ValueError(
+            raise ConfigError(
                 f"GaLoreConfig: rank and update_proj_gap >= 1, scale > 0 required, got "
                 f"{self.rank}, {self.update_proj_gap}, {self.scale}"
             )
         if self.proj_type not in ("std", "reverse_std", "left", "right", "full"):
-            raise ValueError(f"GaLoreConfig.proj_type={self.proj_type!r} is not a GaLore type")
+            raise ConfigError(f"GaLoreConfig.proj_type={self.proj_type!r} is not a GaLore type")
 
 
-class MissingExtraError(ValueError):
+class MissingExtraError(ConfigError):
     """An optional package is not installed (the message says which extra to install)."""
 
 
@@ -98,6 +101,14 @@ class GaLore:
             groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
             no_deprecation_warning=True,
         )  # fmt: skip
+
+    @classmethod
+    def with_adamw(cls, params: Any, cfg: GaLoreConfig, adamw: AdamWConfig) -> GaLore:
+        """GaLore-AdamW over ``params`` with the trainer's AdamW settings: ``lr_rest``,
+        ``betas``, ``eps`` and ``weight_decay`` (how the trainer builds it, and rebuilds
+        it over the leaves a checkpoint restores)."""
+        return cls(params, cfg, adamw.lr_rest, betas=adamw.betas, eps=adamw.eps,
+                   weight_decay=adamw.weight_decay)  # fmt: skip
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor | None], lr_scale: float = 1.0) -> None:

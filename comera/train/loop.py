@@ -29,7 +29,7 @@ from comera.train.measures import lr_scale, model_size, peak_memory_mb
 from comera.train.optim import adamw_init, adamw_step, sgd_step
 from comera.train.stages import StageController
 from comera.train.sync_free import SyncFreeStep
-from comera.train.task import Task, sum_and_count
+from comera.train.task import Task, loss_terms
 from comera.tree import compact_tree, iter_tt, prune_tree
 
 __all__ = ["NonFiniteLoss", "Trainer"]
@@ -85,7 +85,14 @@ class Trainer:
     parameter count); by default the model's size at the start. ``on_compact`` holds
     callbacks run after every compaction (the task's ``on_compaction`` is one).
     ``copy=False`` hands the tensors of ``params`` to the trainer, which then updates them
-    in place instead of copying them first (the CLI does this: it built them for the run)."""
+    in place instead of copying them first (the CLI does this: it built them for the run).
+
+    What it changes outside itself, on purpose: the run dir, and the global RNGs of Python's
+    ``random`` and torch, seeded with ``cfg.seed + rank`` (restored from the checkpoint on
+    resume), because tasks draw dropout and noise from them. Nothing else: no environment
+    variable, allocator policy (``train.cpu_malloc`` is applied by the entry point, see
+    ``experiments.malloc``), thread count or torch setting. (``step_mode='compile'`` resets
+    dynamo's compiled code after a compaction, see :mod:`comera.train.sync_free`.)"""
 
     def __init__(
         self,
@@ -110,11 +117,19 @@ class Trainer:
         )
         self.state = tree_map(lambda t: t.to(self.device), state)
         self.opt = adamw_init(self.params) if cfg.optimizer == "adamw" else {"step": 0}
-        self.galore = self._make_galore() if cfg.optimizer == "galore" else None
-        self.sync_free = SyncFreeStep(self, cfg.step_mode) if cfg.step_mode != "eager" else None
+        self.galore = (
+            GaLore.with_adamw(self.params, cfg.galore, cfg.optim)
+            if cfg.optimizer == "galore"
+            else None
+        )
         self.step = 0
         self._tokens_seen = 0.0
         self.stages = StageController(cfg.comera, cfg.steps)
+        self.sync_free = (
+            SyncFreeStep(cfg.step_mode, cfg, task, self.stages, non_finite=self._non_finite)
+            if cfg.step_mode != "eager"
+            else None
+        )
         self.config_dict = {"train": dataclasses.asdict(cfg), **(extra_config or {})}
         self.initial_size = reference_size or model_size(self.params, self.state)
         self.on_compact: list[Callable[[Trainer], None]] = []
@@ -195,7 +210,11 @@ class Trainer:
         :class:`comera.train.sync_free.SyncFreeStep`'s: the same update with no host read
         until its end."""
         if self.sync_free is not None:
-            return self.sync_free(*batches)
+            metrics, self.opt = self.sync_free(
+                self.params, self.state, self.opt, self.step + 1, *batches
+            )
+            self.step += 1
+            return metrics
         leaves, _ = tree_flatten(self.params)
         grads: list[torch.Tensor | None] = [None] * len(leaves)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -206,7 +225,8 @@ class Trainer:
         for batch in batches:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 out = self.task.loss(self.params, self.state, batch, train=True)
-            s, n, metrics = sum_and_count(out)
+            s, n, metrics = loss_terms(out)
+            n = float(n)
             _accumulate(grads, torch.autograd.grad(s, leaves, allow_unused=True))
             loss_sum += s.detach().double()
             count += n
@@ -262,12 +282,6 @@ class Trainer:
             **{k: v if k == "tokens" else v / count
                for k, v in zip(keys, metric_totals, strict=True)},
         }  # fmt: skip
-
-    def _make_galore(self) -> GaLore:
-        """GaLore-AdamW over the current leaves (rebuilt when a checkpoint replaces them)."""
-        o = self.cfg.optim
-        return GaLore(self.params, self.cfg.galore, o.lr_rest, betas=o.betas, eps=o.eps,
-                      weight_decay=o.weight_decay)  # fmt: skip
 
     def _after_step(self) -> None:
         """Carry out the stage controller's rank events for the step just taken."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
+from comera.errors import ConfigError
+
 __all__ = [
     "OPTIMIZERS",
     "AdamWConfig",
@@ -41,9 +43,9 @@ class AdamWConfig:
     def __post_init__(self) -> None:
         for name in ("lr_cores", "lr_gates", "lr_rest", "eps", "weight_decay"):
             if getattr(self, name) < 0:
-                raise ValueError(f"AdamWConfig.{name} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"AdamWConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"AdamWConfig.betas must be in [0, 1), got {self.betas}")
+            raise ConfigError(f"AdamWConfig.betas must be in [0, 1), got {self.betas}")
 
     def lr(self, group: str) -> float:
         return {"cores": self.lr_cores, "gates": self.lr_gates, "rest": self.lr_rest}[group]
@@ -134,7 +136,7 @@ class SGDConfig:
 
     def __post_init__(self) -> None:
         if not self.lr > 0 or (self.lr_gates is not None and self.lr_gates < 0):
-            raise ValueError(
+            raise ConfigError(
                 f"SGDConfig: lr must be > 0 and lr_gates None or >= 0, got {self.lr}, "
                 f"{self.lr_gates}"
             )

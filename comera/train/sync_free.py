@@ -27,19 +27,20 @@ device). GaLore refreshes its projectors on the host and is refused.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from comera.layers import sync_free_lookups
-from comera.train.config import STEP_MODES
+from comera.errors import ConfigError
+from comera.layers import SyncFreeLookups
+from comera.train.config import STEP_MODES, TrainConfig
 from comera.train.distributed import sum_across_ranks
 from comera.train.measures import lr_scale
 from comera.train.optim import GROUPS, leaf_groups
-
-if TYPE_CHECKING:
-    from comera.train.loop import Trainer
+from comera.train.stages import StageController
+from comera.train.task import Task, loss_terms
 
 __all__ = ["STEP_MODES", "SyncFreeStep", "require_traceable_grad"]
 
@@ -70,7 +71,7 @@ def require_traceable_grad() -> None:
     import torch._dynamo
 
     if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
-        raise ValueError(
+        raise ConfigError(
             f"train.step_mode='compile' traces autograd.grad into the compiled step, which "
             f"needs torch >= 2.11 (this is {torch.__version__}); use --step-mode sync_free "
             "or eager"
@@ -78,26 +79,44 @@ def require_traceable_grad() -> None:
 
 
 class SyncFreeStep:
-    """One optimizer step of ``trainer`` with its decisions on the device (module doc)."""
+    """One optimizer step with its decisions on the device (module doc).
 
-    def __init__(self, trainer: Trainer, mode: str) -> None:
+    Built from what the step needs, not from a trainer: ``mode`` (``train.step_mode``),
+    the run's ``cfg``, the ``task`` whose ``loss`` (and optional ``batch_tokens``) it runs,
+    the ``stages`` controller it asks for the objective and tells the loss, and
+    ``non_finite(what, value)``, the exception to raise when the loss or gradient norm is
+    not finite (the caller's, so both step paths say the same). Each call,
+    ``(params, state, opt, step, *batches)``, takes the model's current tensors: a prune,
+    a compaction or a restore replaces them between calls."""
+
+    def __init__(
+        self,
+        mode: str,
+        cfg: TrainConfig,
+        task: Task,
+        stages: StageController,
+        *,
+        non_finite: Callable[[str, float], Exception],
+    ) -> None:
         if mode not in STEP_MODES[1:]:
-            raise ValueError(f"train.step_mode={mode!r}; choose one of {STEP_MODES}")
-        if mode == "cuda_graph" and trainer.device.type != "cuda":
-            raise ValueError(
+            raise ConfigError(f"train.step_mode={mode!r}; choose one of {STEP_MODES}")
+        dev = torch.device(cfg.device)
+        if mode == "cuda_graph" and dev.type != "cuda":
+            raise ConfigError(
                 "train.step_mode='cuda_graph' needs a CUDA device (train.device); use "
                 "'compile' or 'sync_free' on CPU"
             )
         if mode == "compile":
             require_traceable_grad()
-        self.tr, self.mode = trainer, mode
-        dev = trainer.device
+        self.mode, self.cfg, self.task, self.stages = mode, cfg, task, stages
+        self.device, self.non_finite = dev, non_finite
         # host-filled inputs: tensors, so graphs read the value of the step they run in
         self.lr_scale = torch.zeros((), dtype=torch.float64, device=dev)
         self.gamma = torch.zeros((), dtype=torch.float64, device=dev)
         self.adam_step = torch.zeros((), dtype=torch.float64, device=dev)
         self._host = (self.lr_scale, self.gamma, self.adam_step)
         self._keys: list[str] | None = None
+        self._groups: list[str] = []  # each leaf's learning-rate group, set every call
         self._identity: tuple = ()
         self._graphs: dict[tuple, tuple] = {}
         self._warm: dict[tuple, int] = {}
@@ -114,24 +133,23 @@ class SyncFreeStep:
         Returns ``(scalars, keys)``: float64 ``[loss_sum, count, grad_norm, ok, *metric
         values]`` and the metric names."""
         lr_scale_t, gamma_t, adam_step_t = host
-        tr, cfg = self.tr, self.tr.cfg
+        cfg = self.cfg
         leaves, _ = tree_flatten(params)
         grads: list[torch.Tensor | None] = [None] * len(leaves)
         dev = leaves[0].device
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         count = torch.zeros((), dtype=torch.float64, device=dev)
         sums: dict[str, torch.Tensor] = {}
-        count_tokens = getattr(tr.task, "batch_tokens", None)
+        count_tokens = getattr(self.task, "batch_tokens", None)
         if count_tokens is not None:
             sums["tokens"] = sum([_scalar(count_tokens(b), dev) for b in batches])  # type: ignore[assignment]
         for batch in batches:
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                out = tr.task.loss(params, state, batch, train=True)
-            s, n, metrics = out if len(out) == 3 else (out[0], 1.0, out[1])
+                s, n, metrics = loss_terms(self.task.loss(params, state, batch, train=True))
             n = _scalar(n, dev)
             for i, g in enumerate(torch.autograd.grad(s, leaves, allow_unused=True)):
                 if g is not None and g.is_sparse:
-                    raise ValueError(
+                    raise ConfigError(
                         f"train.step_mode={self.mode!r} needs dense gradients and the model "
                         "produced a sparse one (sparse embedding gradients); use "
                         "train.step_mode='eager' or dense embedding gradients"
@@ -151,7 +169,7 @@ class SyncFreeStep:
         *grads, scalars = sum_across_ranks([*grads, scalars])
         loss_sum, count = scalars[0], scalars[1]
         loss_mean = loss_sum / count.clamp(min=1e-300)
-        weight, term, obj_metrics = tr.stages.device_objective(loss_mean, params, state, gamma_t)
+        weight, term, obj_metrics = self.stages.device_objective(loss_mean, params, state, gamma_t)
         torch._foreach_mul_(grads, (weight / count).float())
         if term is not None:
             for g, t in zip(
@@ -195,9 +213,9 @@ class SyncFreeStep:
     ) -> None:
         """AdamW or SGD with the lr scale and step count as device scalars; ``ok`` False
         leaves every parameter, moment and the step count as they were."""
-        cfg = self.tr.cfg
+        cfg = self.cfg
         okf = ok.double()
-        groups = self.tr.opt.get("groups") or leaf_groups(self.tr.params)
+        groups = self._groups
         if cfg.optimizer == "sgd":
             for p, g, group in zip(leaves, grads, groups, strict=True):
                 p.sub_(g * (cfg.sgd.lr_for(group) * lr_scale_t * okf).to(g.dtype))
@@ -242,16 +260,11 @@ class SyncFreeStep:
 
     # ------------------------------------------------------------------ the host side
 
-    def _tensors(self) -> tuple[Any, Any, Any, Any]:
-        opt = self.tr.opt
-        return self.tr.params, self.tr.state, opt.get("m", {}), opt.get("v", {})
+    def _run(self, params: Any, state: Any, m: Any, v: Any, batches: tuple) -> torch.Tensor:
+        with SyncFreeLookups():  # the model's TTM lookups: no host sync inside the step
+            return self._run_mode(params, state, m, v, batches)
 
-    def _run(self, batches: tuple) -> torch.Tensor:
-        with sync_free_lookups():
-            return self._run_mode(batches)
-
-    def _run_mode(self, batches: tuple) -> torch.Tensor:
-        params, state, m, v = self._tensors()
+    def _run_mode(self, params: Any, state: Any, m: Any, v: Any, batches: tuple) -> torch.Tensor:
         if self.mode == "sync_free":
             out, self._keys = self._work(params, state, m, v, batches, self._host)
             return out
@@ -272,7 +285,7 @@ class SyncFreeStep:
         shapes = tuple((tuple(b.shape), b.dtype) for b in batch_leaves)
         # non-tensor leaves are baked into the graph: a new value is a new graph
         key = (
-            self.tr.stage,
+            self.stages.stage,
             shapes,
             tuple(repr(b) for b in leaves if not isinstance(b, torch.Tensor)),
         )
@@ -300,7 +313,7 @@ class SyncFreeStep:
         graph.replay()  # capture records the step; replay runs it
         return out
 
-    def _check_identity(self) -> None:
+    def _check_identity(self, params: Any, state: Any, m: Any, v: Any) -> None:
         """Drop what was built for tensors that are gone.
 
         A CUDA graph holds the addresses of the tensors it was captured with, so it is
@@ -309,21 +322,20 @@ class SyncFreeStep:
         only depends on their shapes: it is rebuilt after a compaction (and the stage
         transition), not after a prune, and old graphs are dropped rather than left to
         fill dynamo's recompile limit."""
-        params, state, m, v = self._tensors()
         leaves = [*tree_flatten((params, state, m, v))[0]]
         if self.mode == "compile":
             if any(t.dim() == 0 for t in leaves):  # rank masks are never 0-dim
-                raise ValueError(
+                raise ConfigError(
                     "train.step_mode='compile' cannot update 0-dim parameters in place "
                     "(torch.compile drops in-place changes to 0-dim inputs); give them "
                     "shape (1,) or use train.step_mode='sync_free'"
                 )
             ident: tuple = (
-                self.tr.stage,
+                self.stages.stage,
                 tuple((tuple(t.shape), t.dtype) for t in leaves),
             )
         else:
-            ident = (tuple(id(t) for t in leaves), tuple(sorted(self.tr.stages.targets.items())))
+            ident = (tuple(id(t) for t in leaves), tuple(sorted(self.stages.targets.items())))
         if ident != self._identity:
             self._graphs.clear()
             self._warm.clear()
@@ -333,21 +345,32 @@ class SyncFreeStep:
             self._identity = ident
             self._alive = leaves  # held, so no id above can be reused by a new tensor
 
-    def __call__(self, *batches: Any) -> dict:
-        tr, cfg = self.tr, self.tr.cfg
-        self._check_identity()
-        step = tr.step + 1
+    def __call__(
+        self, params: Any, state: Any, opt: dict, step: int, *batches: Any
+    ) -> tuple[dict, dict]:
+        """Take optimizer step ``step`` (1-based) over ``batches`` (micro-batches), updating
+        ``params`` and ``opt``'s moments in place. Returns the step's metrics and the
+        optimizer state with its step count advanced; raises ``non_finite(...)`` with
+        nothing updated when the loss or gradient norm is not finite."""
+        cfg = self.cfg
+        m, v = opt.get("m", {}), opt.get("v", {})
+        self._check_identity(params, state, m, v)
+        groups = opt.get("groups") or leaf_groups(params)
+        if groups != self._groups:  # the same list while it holds the same: a stable input
+            self._groups = groups
         c = cfg.comera
         self.lr_scale.fill_(lr_scale(cfg, step))
-        self.gamma.fill_(c.gamma if tr.stage == "early" and step > c.reg_start_step else 0.0)
-        if "m" in tr.opt:
-            self.adam_step.fill_(float(tr.opt["step"]))
+        early = self.stages.stage == "early"
+        self.gamma.fill_(c.gamma if early and step > c.reg_start_step else 0.0)
+        if "m" in opt:
+            self.adam_step.fill_(float(opt["step"]))
         if self.mode == "cuda_graph":  # the graph's inputs live on the device
+            dev = self.device
             batches = tree_map(
-                lambda t: t.to(tr.device, non_blocking=True) if isinstance(t, torch.Tensor) else t,
+                lambda t: t.to(dev, non_blocking=True) if isinstance(t, torch.Tensor) else t,
                 batches,
             )
-        out = self._run(batches).cpu().tolist()  # the step's one read
+        out = self._run(params, state, m, v, batches).cpu().tolist()  # the step's one read
         keys = self._keys or []
         loss_sum, count, gnorm, ok, *rest = out
         named = dict(zip(keys, rest, strict=True))
@@ -360,16 +383,14 @@ class SyncFreeStep:
                 if not math.isfinite(loss_value)
                 else ("the gradient norm", gnorm)
             )
-            raise tr._non_finite(what, value)
-        tr.step = step
-        tr.opt = {**tr.opt, "step": tr.opt["step"] + 1}
-        tr.stages.observe(loss_value)
+            raise self.non_finite(what, value)
+        self.stages.observe(loss_value)
         weight = named.pop("@weight")
         obj = {k: v for k, v in named.items() if not k.startswith("#")}
         term_value = obj.get("@term", 0.0)
         obj.pop("@term", None)
         sums = {k[1:]: v for k, v in named.items() if k.startswith("#")}
-        return {
+        metrics = {
             "loss": loss_value,
             "objective": weight * loss_value + term_value,
             "grad_norm": gnorm,
@@ -378,3 +399,4 @@ class SyncFreeStep:
             **obj,
             **{k: val if k == "tokens" else val / count for k, val in sums.items()},
         }
+        return metrics, {**opt, "step": opt["step"] + 1}

@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Task", "sum_and_count"]
+__all__ = ["Task", "loss_terms"]
 
 
 class Task(Protocol):
@@ -14,11 +14,12 @@ class Task(Protocol):
 
     ``loss`` returns ``(sum, count, metrics)``: the sum of the batch's loss terms, how many
     there are (examples, masked tokens...) and per-batch means to log; the trainer divides
-    by the global count, so data-parallel averaging is exact. (A legacy ``(mean, metrics)``
-    pair counts as one term.) ``evaluate(params, state, rank=, world=)`` returns metrics as
-    ``(sum, count)`` pairs over this rank's share of the held-out data (reduced exactly) or
-    plain floats (averaged over ranks). ``train_iter`` has ``state_dict``/``load_state_dict``
-    and ``rescalable = True`` when it can load the states of another world size.
+    by the global count, so data-parallel averaging is exact. A task whose loss is a batch
+    mean returns ``(mean, 1, metrics)`` (one term). ``evaluate(params, state, rank=,
+    world=)`` returns metrics as ``(sum, count)`` pairs over this rank's share of the
+    held-out data (reduced exactly) or plain floats (averaged over ranks). ``train_iter``
+    has ``state_dict``/``load_state_dict`` and ``rescalable = True`` when it can load the
+    states of another world size.
     An optional ``on_compaction(params, state)`` rebuilds anything shape-dependent.
     Optional ``batch_tokens(batch) -> int`` counts a batch's input tokens: the trainer then
     logs ``tokens`` per step and ``tokens_per_s`` (all ranks together). Optional
@@ -32,10 +33,16 @@ class Task(Protocol):
     def evaluate(self, params: Any, state: Any) -> dict: ...
 
 
-def sum_and_count(out: tuple) -> tuple[torch.Tensor, float, dict]:
-    """Normalize a task's loss output to ``(sum, count, metrics)``."""
-    if len(out) == 3:
-        s, n, metrics = out
-        return s, float(n), metrics
-    mean, metrics = out  # legacy: a mean over the batch counts as one term
-    return mean, 1.0, metrics
+def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
+    """``(sum, count, metrics)`` from what a task's ``loss`` returned, or a TypeError that
+    names the form expected (a bug in the task, so a traceback, not a one-line error)."""
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        got = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise TypeError(
+            f"Task.loss returned {got}; it must return (sum, count, metrics): the sum of the "
+            "batch's loss terms, how many terms there are and a dict of per-batch metrics. "
+            "The old (mean, metrics) form is gone: return (mean, 1, metrics) to count a "
+            "batch mean as one term"
+        )
+    s, n, metrics = out
+    return s, n, metrics

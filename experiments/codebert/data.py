@@ -21,6 +21,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from comera.errors import DataError
 from loaders.metadata import METADATA_NAME
 from loaders.prepare import PLAN_NAME, Doc, heldout_docs, prepare, train_tokenizer
 
@@ -71,13 +72,13 @@ def tokenizer_info(tokenizer: str) -> tuple[int, dict[str, int | None]]:
     except ImportError:
         pass
     except Exception as exc:
-        raise ValueError(f"data.tokenizer={tokenizer!r}: cannot load it ({exc}); pass a "
-                         "local tokenizer.json") from exc  # fmt: skip
+        raise DataError(f"data.tokenizer={tokenizer!r}: cannot load it ({exc}); pass a "
+                        "local tokenizer.json") from exc  # fmt: skip
     try:
         tok = Tokenizer.from_pretrained(tokenizer)
     except Exception as exc:
-        raise ValueError(f"data.tokenizer={tokenizer!r}: cannot load it ({exc}); pass a "
-                         "local tokenizer.json") from exc  # fmt: skip
+        raise DataError(f"data.tokenizer={tokenizer!r}: cannot load it ({exc}); pass a "
+                        "local tokenizer.json") from exc  # fmt: skip
     return tok.get_vocab_size(), {t: tok.token_to_id(t) for t in SPECIALS}
 
 
@@ -142,7 +143,7 @@ def _prepare_groups(
             train_tokenizer(texts, vocab, Path(tok))
     for name, files in groups.items():
         if not files:
-            raise ValueError(f"corpus group {name!r} has no file")
+            raise DataError(f"corpus group {name!r} has no file")
         prepare([str(p) for p in files], root / name, tokenizer=tok, heldout=heldout,
                 docs_per_shard=200, workers=1, max_doc_tokens=max_doc_tokens,
                 progress=progress)  # fmt: skip
@@ -167,13 +168,13 @@ def _prepared(name: str, folder: Path) -> tuple[str, Path]:
     """The tokenizer and train/heldout of a folder made by ``python -m loaders.prepare``."""
     plan = json.loads((folder / PLAN_NAME).read_text())
     if not plan.get("settings", {}).get("heldout"):
-        raise ValueError(f"--corpus {name}={folder}: prepared without --heldout; rerun "
-                         "python -m loaders.prepare with --heldout F")  # fmt: skip
+        raise DataError(f"--corpus {name}={folder}: prepared without --heldout; rerun "
+                        "python -m loaders.prepare with --heldout F")  # fmt: skip
     for split in ("train", "heldout"):  # doc_counts.json is written when a split is complete
         if not (folder / split / METADATA_NAME).is_file():
-            raise ValueError(f"--corpus {name}={folder}: its {split} split is incomplete (no "
-                             f"{METADATA_NAME}); rerun python -m loaders.prepare with the same "
-                             "arguments to finish it")  # fmt: skip
+            raise DataError(f"--corpus {name}={folder}: its {split} split is incomplete (no "
+                            f"{METADATA_NAME}); rerun python -m loaders.prepare with the same "
+                            "arguments to finish it")  # fmt: skip
     tok = plan["tokenizer"]
     if not Path(tok).is_file() and (folder / "tokenizer.json").is_file():
         tok = str(folder / "tokenizer.json")  # a trained tokenizer, folder moved since
@@ -192,7 +193,7 @@ def corpus_from_paths(
     for name, folder in paths.items():
         path = Path(folder)
         if not path.is_dir():
-            raise ValueError(f"--corpus {name}={folder}: not a folder; pass NAME=FOLDER")
+            raise DataError(f"--corpus {name}={folder}: not a folder; pass NAME=FOLDER")
         if (path / PLAN_NAME).is_file():
             tok, ready[name] = _prepared(name, path)
             toks.add(tok)
@@ -201,8 +202,8 @@ def corpus_from_paths(
     if tokenizer is not None:
         toks.add(tokenizer)
     if len(toks) > 1:
-        raise ValueError(f"--corpus folders were prepared with different tokenizers {sorted(toks)}"
-                         "; prepare them with one --tokenizer")  # fmt: skip
+        raise DataError(f"--corpus folders were prepared with different tokenizers {sorted(toks)}"
+                        "; prepare them with one --tokenizer")  # fmt: skip
     tok = next(iter(toks), None)
     if groups:
         corpus = _prepare_groups(groups, root, vocab, heldout, max_doc_tokens, progress, tok)

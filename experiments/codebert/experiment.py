@@ -5,7 +5,7 @@ python -m experiments.codebert --preset smoke --dense
 python -m experiments.codebert --corpus app=./src --corpus lib=./vendor --mix app=0.7,lib=0.3
 
 python -m experiments.codebert --preset paper                # GPU, CodeSearchNet from the hub
-python -m experiments.codebert --bench [--json]
+python -m benchmarks.codebert_step [--json]                  # one step (was --bench)
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import comera as C
+from comera.errors import ConfigError, DataError
 from comera.train import ComeraConfig, TrainConfig
 from comera.train.distributed import rank_first
 from comera.train.optim import AdamWConfig
@@ -75,15 +76,15 @@ class CorpusConfig:
 
     def __post_init__(self) -> None:
         if self.source not in ("stdlib", "paths", "hub"):
-            raise ValueError(f"data.source={self.source!r}; choose 'stdlib', 'paths' or 'hub'")
+            raise ConfigError(f"data.source={self.source!r}; choose 'stdlib', 'paths' or 'hub'")
         if self.source == "paths" and not self.paths:
-            raise ValueError("data.source='paths' needs --corpus NAME=FOLDER")
+            raise ConfigError("data.source='paths' needs --corpus NAME=FOLDER")
         if self.source == "hub" and self.tokenizer is None:
-            raise ValueError(
+            raise ConfigError(
                 "data.source='hub' needs data.tokenizer (e.g. microsoft/codebert-base)"
             )
         if self.vocab < 300 or not 0 < self.heldout < 1 or self.seq_len < 8:
-            raise ValueError(
+            raise ConfigError(
                 f"CorpusConfig: need vocab >= 300, 0 < heldout < 1, seq_len >= 8; got "
                 f"{self.vocab}, {self.heldout}, {self.seq_len}"
             )
@@ -100,7 +101,7 @@ class Preset:
 
     def __post_init__(self) -> None:
         if self.train.step_mode in ("compile", "cuda_graph"):
-            raise ValueError(
+            raise ConfigError(
                 f"train.step_mode={self.train.step_mode!r} cannot run the masked LM: the "
                 "masked positions (and so the loss's shapes) change with every batch; use "
                 "--step-mode eager or sync_free"
@@ -196,7 +197,7 @@ def preset(name: str) -> Preset:
                 run_name=f"codebert-{name}",
             ),
         )
-    raise ValueError(f"unknown preset {name!r}; choose 'paper', 'base' or 'smoke'")
+    raise ConfigError(f"unknown preset {name!r}; choose 'paper', 'base' or 'smoke'")
 
 
 def codebert_model(**changes: Any) -> EncoderConfig:
@@ -231,12 +232,12 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
     corpus = rank_first(corpus_of, rank, world)
     unknown = sorted(set(p.data.mix) - set(corpus.train))
     if unknown:
-        raise ValueError(f"--mix names {unknown}; the corpus has {sorted(corpus.train)}")
+        raise ConfigError(f"--mix names {unknown}; the corpus has {sorted(corpus.train)}")
     vocab_size, ids = tokenizer_info(corpus.tokenizer)
     bos, pad, eos, mask_id = ids["<s>"], ids["<pad>"], ids["</s>"], ids["<mask>"]
     if mask_id is None or pad is None:
-        raise ValueError(f"tokenizer {corpus.tokenizer} has no <mask> or <pad> token; MLM "
-                         "needs both (a RoBERTa-style tokenizer)")  # fmt: skip
+        raise DataError(f"tokenizer {corpus.tokenizer} has no <mask> or <pad> token; MLM "
+                        "needs both (a RoBERTa-style tokenizer)")  # fmt: skip
     special = tuple(i for i in ids.values() if i is not None)
 
     def loader_cfg(folders: dict[str, Path], **kw: Any) -> LoaderConfig:
@@ -306,14 +307,11 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from benchmarks.codebert_step import main as bench_main
+    """``--bench``: a forward to ``python -m benchmarks.codebert_step`` (``--json`` and ``--device``
+    passed on), which goes in a later release."""
+    from experiments.moved import bench_forward
 
-    if args.device and torch.device(args.device).type != "cpu":
-        raise cli.CLIError(
-            f"--bench --device {args.device}: the codebert step bench runs on the CPU; drop "
-            "--device"
-        )
-    return bench_main(json_out=args.json)
+    return bench_forward("experiments.codebert", "benchmarks.codebert_step", args)
 
 
 EXPERIMENT = cli.Experiment(
@@ -325,7 +323,6 @@ EXPERIMENT = cli.Experiment(
     flag_overrides=_flag_overrides,
     bench=_bench,
     resume_mutable=frozenset({"data.mix"}),  # --mix may change on resume
-    user_errors=(ValueError,),
     description=__doc__.split("\n")[0],
 )
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import comera as C
+from comera.tensor_train import gated_cores, is_tt_params, ttm_table
 from experiments.transformer import EncoderConfig, encoder_hidden, init_encoder
 
 __all__ = ["document_mask", "init_mlm", "mlm_logits", "segment_positions", "tied_logits"]
@@ -55,7 +56,7 @@ def init_mlm(cfg: EncoderConfig, *, generator: torch.Generator) -> tuple[dict, d
 
 
 def _rows_logits(h: torch.Tensor, *cores: torch.Tensor) -> torch.Tensor:
-    return F.linear(h, C.ttm_table(cores))  # (M, rows of this block)
+    return F.linear(h, ttm_table(cores))  # (M, rows of this block)
 
 
 def tied_logits(params: dict, state: dict, h: torch.Tensor, cfg: EncoderConfig) -> torch.Tensor:
@@ -68,9 +69,9 @@ def tied_logits(params: dict, state: dict, h: torch.Tensor, cfg: EncoderConfig) 
     instead of the table, its gradient and the chain's partial products (about 460 MB at
     CodeBERT's 50,265 x 768)."""
     word = params["embed"]["word"]
-    if not C.is_tt_params(word):
+    if not is_tt_params(word):
         return F.linear(h, word["weight"])
-    cores = C.gated_cores(word, state["embed"]["word"], "embed.word")
+    cores = gated_cores(word, state["embed"]["word"], "embed.word")
     first, rest = cores[0], cores[1:]
     blocks = [
         checkpoint(_rows_logits, h, first[:, a : a + 1], *rest, use_reentrant=False)

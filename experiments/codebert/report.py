@@ -1,17 +1,18 @@
 """``reports/codebert.md``: the smoke runs (CoMERA vs dense), the mix audit, the bench.
 
     python -m experiments.codebert.report [--runs runs] [--bench-json reports/codebert_bench.json]
+    python -m experiments.codebert.report --from-json reports/codebert.json   # re-render only
 
 Trains the ``smoke`` preset twice (CoMERA, dense) unless the run dirs already hold
-finished runs (an unfinished one is resumed), then writes the markdown,
-``reports/codebert_curves.png`` and ``reports/codebert_ranks.png``. Every figure is read
-from the runs, the loader and the bench JSON; the paper's numbers are quoted beside them.
+finished runs (an unfinished one is resumed), gathers what the report shows into
+``reports/codebert.json`` (from the runs, the loader and the bench JSON), then renders the
+markdown and ``reports/codebert_curves.png`` from that JSON; the paper's figures are
+quoted beside the measurements.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
@@ -22,19 +23,43 @@ from comera.train.checkpoint import complete_checkpoints, read_rank_files
 from comera.train.logging import read_metrics
 from experiments import cli
 from experiments.codebert.experiment import EXPERIMENT, build
-from experiments.report import layer_table, load_run, rank_table, smoke_report_main
+from experiments.host import report_header
+from experiments.report import (
+    layer_summary,
+    layer_table,
+    load_run,
+    rank_table,
+    runs_host,
+    series,
+    smoke_report_main,
+    write_report_json,
+)
 from loaders import LoaderConfig, TokenLoader
 from loaders.sources import ArrowTokenFile
 
-__all__ = ["main", "mix_audit", "unigram_baseline", "write_report"]
+__all__ = [
+    "AUDIT_MIX",
+    "AUDIT_TOKENS",
+    "PAPER",
+    "gather",
+    "main",
+    "mix_audit",
+    "render",
+    "unigram_baseline",
+    "write_report",
+]
 
-PAPER = (
-    "| | paper (CoMERA, CodeBERT pre-training, GPU) |\n"
-    "|---|---|\n"
-    "| overall compression | 4.23x |\n"
-    "| training speed | about 2x faster than standard pre-training in parts of training |\n"
-    "| loss | close to the dense model's |\n"
-)
+TITLE = "CodeBERT pre-training with CoMERA"
+PAPER = {
+    "source": "Yang et al., CoMERA, NeurIPS 2024 (arXiv 2405.14377), abstract",
+    "rows": [
+        ["overall compression", "4.23x"],
+        ["training speed", "about 2x faster than standard pre-training in parts of training"],
+        ["loss", "close to the dense model's"],
+    ],
+}
+AUDIT_MIX = (0.6, 0.3, 0.1)  # the weights the mix audit switches to, in sub-dataset order
+AUDIT_TOKENS = 1_000_000  # how many tokens the mix audit reads after the switch
 
 
 def _config(run_dir: Path) -> object:
@@ -86,30 +111,32 @@ def mix_audit(
     }
 
 
-def _plot(runs: dict[str, list[dict]], early_end: int | None, out: Path) -> None:
+def _plot(runs: dict[str, dict], early_end: int | None, out: Path) -> None:
+    """Training loss (mean of 20 logs) and held-out loss against tokens seen; CoMERA's live
+    ranks per layer against steps (the JSON's curves)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for name, rows in runs.items():
-        train = [r for r in rows if "loss" in r]
-        per_step = train[0]["tokens"] / 1e6  # every step reads full rows
-        loss = np.convolve([r["loss"] for r in train], np.ones(20) / 20, mode="valid")
-        axes[0].plot([r["step"] * per_step for r in train[19:]], loss, lw=1, label=name)
-        ev = [r for r in rows if "eval/heldout/loss" in r]
-        axes[1].plot([r["step"] * per_step for r in ev], [r["eval/heldout/loss"] for r in ev],
-                     "o-", label=name)  # fmt: skip
+    for name, run in runs.items():
+        per_step = run["tokens_per_step"] / 1e6  # every step reads full rows
+        steps, losses = zip(*run["curves"]["loss"], strict=True)
+        window = min(20, len(losses))
+        mean = np.convolve(losses, np.ones(window) / window, mode="valid")
+        axes[0].plot([s * per_step for s in steps[window - 1 :]], mean, lw=1, label=name)
+        held = run["curves"]["heldout_loss"]
+        axes[1].plot([s * per_step for s, _ in held], [v for _, v in held], "o-", label=name)
     titles = ("training MLM loss (mean of 20 logs)", "held-out MLM loss")
     for ax, title in zip(axes[:2], titles, strict=True):
         ax.set(xlabel="tokens seen (millions)", ylabel="nats per masked token", title=title)
         ax.grid(alpha=0.3)
         ax.legend()
-    train = [r for r in runs["CoMERA"] if "loss" in r]
-    for key in sorted({k for r in train for k in r if k.startswith("ranks/")}):
-        axes[2].plot([r["step"] for r in train], [r.get(key, 0) for r in train], lw=0.8,
-                     label=key[6:])  # fmt: skip
+    ranks = runs["CoMERA"]["curves"]
+    for key in sorted(k for k in ranks if k.startswith("ranks/")):
+        if ranks[key]:
+            axes[2].plot(*zip(*ranks[key], strict=True), lw=0.8, label=key[6:])
     if early_end:
         axes[2].axvline(early_end, color="grey", ls="--", lw=1)
     axes[2].set(xlabel="step", ylabel="sum of live ranks", title="CoMERA live ranks per layer")
@@ -121,27 +148,28 @@ def _plot(runs: dict[str, list[dict]], early_end: int | None, out: Path) -> None
 
 
 def _bench_section(b: dict) -> list[str]:
-    t = b["targets"]
+    """The step benchmark's ratios and variants, beside the paper's figure where it has one."""
+    paper = {  # the paper's figure for a key, where it states one
+        "step_time_ratio_vs_dense": "about 2x faster in parts of training",
+        "compression_ratio": "4.23x overall, after training",
+    }
 
     def row(key: str, what: str) -> str:
-        target = t.get(key)
-        met = "" if target is None else ("yes" if b[key] <= target else "**no**")
-        shown = "" if target is None else f"<= {target}"
-        return f"| `{key}` ({what}) | {b[key]:.3f} | {shown} | {met} |"
+        return f"| `{key}` ({what}) | {b[key]:.3f} | {paper.get(key, '')} |"
 
     lines = [
         "",
         "## Benchmark: one training step at sequence 512 (CPU)",
         "",
-        f"`python -m experiments.codebert --bench --json` ({b['date']}, {b['threads']} threads "
-        f"of {b.get('cpu', 'an unrecorded CPU')}, median of {b['steps_timed']} timed steps "
-        "after a warm-up, a fresh process "
-        "per variant, peak RSS above the pre-model baseline). The step is the trainer's "
-        "`train_step` on the MLM task: masking, document-confined attention, the tied "
-        "decoder, the CoMERA early-stage objective and AdamW.",
+        f"`python -m benchmarks.codebert_step --json` ({b['date']}, {b['threads']} threads "
+        f"of {b.get('cpu', 'CPU not recorded')}, median of {b['steps_timed']} timed steps "
+        "after a warm-up, a fresh process per variant, peak RSS above the pre-model "
+        "baseline). The step is the trainer's `train_step` on the MLM task: masking, "
+        "document-confined attention, the tied decoder, the CoMERA early-stage objective "
+        "and AdamW.",
         "",
-        "| key | measured | target | met |",
-        "|---|---|---|---|",
+        f"| key | measured | paper ({PAPER['source']}) |",
+        "|---|---|---|",
         row("step_time_ratio_vs_dense", "base, batch 8"),
         row("step_time_ratio_vs_dense_half_ranks", "base, batch 8, every rank halved"),
         row(
@@ -160,7 +188,7 @@ def _bench_section(b: dict) -> list[str]:
         row("step_time_ratio_vs_dense_b1_mmap_threshold_1m", "batch 1, same allocator"),
         f"| `compression_ratio` (paper preset at initial ranks: "
         f"{b['paper_params_dense']:,} / {b['paper_params_comera']:,} params) | "
-        f"{b['compression_ratio']:.1f}x | | |",
+        f"{b['compression_ratio']:.1f}x | {paper['compression_ratio']} |",
         "",
         "| variant | batch | params | step (s) | tokens/s | peak RSS above baseline (MB) |",
         "|---|---|---|---|---|---|",
@@ -173,35 +201,103 @@ def _bench_section(b: dict) -> list[str]:
     return lines
 
 
-def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
-    """Write ``codebert.md`` and ``codebert_curves.png`` from the two smoke runs."""
+def _run(rows: list[dict]) -> dict:
+    """One run's last held-out eval, its speed and size at the end, and its curves."""
+    ev = [r for r in rows if "eval/heldout/loss" in r]
+    tr = [r for r in rows if "loss" in r]
+    rank_keys = sorted({k for r in tr for k in r if k.startswith("ranks/")})
+    return {
+        "final": {
+            "step": ev[-1]["step"],
+            **{k: ev[-1][f"eval/heldout/{k}"] for k in ("loss", "perplexity", "accuracy")},
+        },
+        "tokens_per_s": tr[-1]["tokens_per_s"],
+        "tokens_per_step": tr[0]["tokens"],
+        "live_params": int(tr[-1]["live_params"]),
+        "compression": tr[-1]["compression"],
+        "curves": {
+            "loss": series(tr, "loss"),
+            "heldout_loss": series(ev, "eval/heldout/loss"),
+            **{k: series(tr, k) for k in rank_keys},
+        },
+    }
+
+
+def gather(runs_dir: Path, bench: dict | None, command: str) -> dict:
+    """The report's data from the two smoke runs (``RUNS/codebert-smoke``,
+    ``-smoke-dense``): the host that made them, the setup, each run's held-out figures and
+    curves, the unigram baseline on the same held-out tokens, a mix audit from the CoMERA
+    run's last checkpoint, its ranks and per-layer sizes, and the bench JSON."""
     dirs = {"CoMERA": runs_dir / "codebert-smoke", "dense": runs_dir / "codebert-smoke-dense"}
-    runs = {k: read_metrics(d / "metrics.jsonl") for k, d in dirs.items()}
+    rows = {k: read_metrics(d / "metrics.jsonl") for k, d in dirs.items()}
     cfg = _config(dirs["CoMERA"])
     task = build(cfg)[0]
     vocab = task.model.vocab_size
     train_folders = [d.path for d in task.train_iter.config.datasets]
-    baseline = unigram_baseline(train_folders, task.eval_batches, vocab)
-    ranks = json.loads((dirs["CoMERA"] / "ranks.json").read_text())
-    early_end = ranks.get("end_of_early", {}).get("step")
-    _plot(runs, early_end, out_dir / "codebert_curves.png")
-    m, d, t = cfg.model, cfg.data, cfg.train
     names = list(task.train_iter.config.weights)
-    lines = ["# CodeBERT pre-training with CoMERA", "", "## The paper", "", PAPER]
+    weights = dict(zip(names, AUDIT_MIX, strict=False))
+    audit = mix_audit(dirs["CoMERA"], task.train_iter.config, weights, AUDIT_TOKENS)
+    audit["largest_gap"] = max(abs(audit["shares"][n] - audit["targets"][n]) for n in names)
+    run = load_run(dirs["CoMERA"])
+    m, d, t = cfg.model, cfg.data, cfg.train
+    return {
+        "meta": {"command": command, **runs_host(dirs.values())},
+        "paper": PAPER,
+        "setup": {
+            "sub_datasets": names,
+            "max_files": d.max_files,
+            "heldout": d.heldout,
+            "vocab": vocab,
+            "max_doc_tokens": d.max_doc_tokens,
+            "seq_len": d.seq_len,
+            "layers": m.layers,
+            "d_model": m.d_model,
+            "heads": m.heads,
+            "ffn": m.ffn,
+            "rank": m.rank,
+            "emb_rank": m.emb_rank,
+            "early_steps": t.comera.early_steps,
+            "reg_start_step": t.comera.reg_start_step,
+            "steps": t.steps,
+            "batch_size": cfg.batch_size,
+            "lr_cores": t.optim.lr_cores,
+            "lr_rest": t.optim.lr_rest,
+            "warmup_steps": t.warmup_steps,
+        },
+        "unigram_baseline": unigram_baseline(train_folders, task.eval_batches, vocab),
+        "runs": {k: _run(r) for k, r in rows.items()},
+        "early_end": run["ranks"].get("end_of_early", {}).get("step"),
+        "mix_audit": {"weights": weights, **audit},
+        "ranks": run["ranks"],
+        "layers": layer_summary(run),
+        "bench": bench,
+    }
+
+
+def render(data: dict, out_dir: Path) -> str:
+    """Write ``OUT_DIR/codebert.md`` and ``codebert_curves.png`` from the report's JSON;
+    returns the markdown."""
+    _plot(data["runs"], data["early_end"], out_dir / "codebert_curves.png")
+    s, paper = data["setup"], data["paper"]
+    names = s["sub_datasets"]
+    lines = report_header(TITLE, data["meta"]["command"], data["meta"])
+    lines += ["## The paper", "", f"Source: {paper['source']}.", ""]
+    lines += ["| | paper (CoMERA, CodeBERT pre-training, GPU) |", "|---|---|"]
+    lines += [f"| {what} | {figure} |" for what, figure in paper["rows"]]
     lines += [
-        "The paper's text we could reach (its abstract) gives 4.23x overall compression "
-        "and about 2x speed-up over standard pre-training; it does not name CodeBERT's "
-        "size, its tensor shapes and ranks, the sequence length or the hardware. Our "
-        "`paper` preset is CodeBERT as published (`microsoft/codebert-base`: 12 layers, "
-        "width 768, 12 heads, FFN 3072, vocabulary 50,265, 514 positions, one token type, "
-        "125M parameters with the tied MLM head) on CodeSearchNet's six languages with "
-        "CodeBERT's tokenizer. Every encoder linear is a TT with the paper's MNLI shapes "
-        "for a 768-wide encoder (rank 30), the word embedding a TTM (vocab modes "
-        "20x16x16x10, dim modes 4x4x8x6, rank 32), the MLM decoder tied to it.",
         "",
-        "The `paper` preset needs a GPU and the hub, so it has not run here; its compression "
-        "at initial ranks is in the benchmark below. How far rank adaptation takes it "
-        "after the stages is not measured. On a CUDA machine:",
+        "The paper's abstract gives 4.23x overall compression and about 2x speed-up over "
+        "standard pre-training; it does not name CodeBERT's size, its tensor shapes and "
+        "ranks, the sequence length or the hardware. Our `paper` preset is CodeBERT as "
+        "published (`microsoft/codebert-base`: 12 layers, width 768, 12 heads, FFN 3072, "
+        "vocabulary 50,265, 514 positions, one token type, 125M parameters with the tied MLM "
+        "head) on CodeSearchNet's six languages with CodeBERT's tokenizer. Every encoder "
+        "linear is a TT with the paper's MNLI shapes for a 768-wide encoder (rank 30), the "
+        "word embedding a TTM (vocab modes 20x16x16x10, dim modes 4x4x8x6, rank 32), the "
+        "MLM decoder tied to it.",
+        "",
+        "The `paper` preset needs a GPU and the hub; its compression at initial ranks is in "
+        "the benchmark below. On a CUDA machine:",
         "",
         "```",
         "python -m experiments.codebert --preset paper --wandb online           # CoMERA",
@@ -214,99 +310,95 @@ def write_report(runs_dir: Path, out_dir: Path, bench: dict | None) -> str:
         "## Ours: the smoke preset (CPU, the Python standard library)",
         "",
         f"Corpus: this interpreter's standard library as {len(names)} sub-datasets by file "
-        f"kind ({', '.join(names)}; {d.max_files} files each, {d.heldout:.0%} of files held "
-        f"out by a hash of the path), a byte-level BPE of {vocab:,} tokens trained on the "
-        f"training files, files cut into pieces of at most {d.max_doc_tokens} tokens, "
-        f"packed into rows of {d.seq_len}. Model: {m.layers} layers, width {m.d_model}, "
-        f"{m.heads} heads, FFN {m.ffn}; CoMERA: TT linears at rank {m.rank}, TTM embedding "
-        f"at rank {m.emb_rank}, early stage {t.comera.early_steps} steps (gate regularizer "
-        f"from step {t.comera.reg_start_step}), then the late stage. {t.steps} steps of "
-        f"{cfg.batch_size} x {d.seq_len} tokens, AdamW (CoMERA cores {t.optim.lr_cores}, "
-        f"others {t.optim.lr_rest}; the dense run uses {t.optim.lr_rest} throughout), "
-        f"{t.warmup_steps} warm-up steps, linear decay. Command: "
-        "`python -m experiments.codebert.report` (`make codebert`). At this width (64) a TT "
-        "layer's few small contractions cost more than one small GEMM, so the CoMERA run "
-        "is the slower one here; at CodeBERT's width the benchmark below shows the reverse.",
+        f"kind ({', '.join(names)}; {s['max_files']} files each, {s['heldout']:.0%} of files "
+        f"held out by a hash of the path), a byte-level BPE of {s['vocab']:,} tokens trained "
+        f"on the training files, files cut into pieces of at most {s['max_doc_tokens']} "
+        f"tokens, packed into rows of {s['seq_len']}. Model: {s['layers']} layers, width "
+        f"{s['d_model']}, {s['heads']} heads, FFN {s['ffn']}; CoMERA: TT linears at rank "
+        f"{s['rank']}, TTM embedding at rank {s['emb_rank']}, early stage {s['early_steps']} "
+        f"steps (gate regularizer from step {s['reg_start_step']}), then the late stage. "
+        f"{s['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens, AdamW (CoMERA "
+        f"cores {s['lr_cores']}, others {s['lr_rest']}; the dense run uses {s['lr_rest']} "
+        f"throughout), {s['warmup_steps']} warm-up steps, linear decay.",
         "",
         "| run | held-out MLM loss | perplexity | masked-token accuracy | tokens/s | "
         "params at end | compression |",
         "|---|---|---|---|---|---|---|",
     ]
-    final = {}
-    for name, rows in runs.items():
-        ev = [r for r in rows if "eval/heldout/loss" in r][-1]
-        tr = [r for r in rows if "loss" in r][-1]
-        final[name] = ev["eval/heldout/loss"]
+    for name, r in data["runs"].items():
+        f = r["final"]
         lines.append(
-            f"| {name} | {ev['eval/heldout/loss']:.4f} | {ev['eval/heldout/perplexity']:.1f} "
-            f"| {ev['eval/heldout/accuracy']:.4f} | {tr['tokens_per_s']:,.0f} | "
-            f"{int(tr['live_params']):,} | {tr['compression']:.2f}x |"
+            f"| {name} | {f['loss']:.4f} | {f['perplexity']:.1f} | {f['accuracy']:.4f} | "
+            f"{r['tokens_per_s']:,.0f} | {r['live_params']:,} | {r['compression']:.2f}x |"
         )
-    ratio = final["CoMERA"] / final["dense"]
-    below = baseline - max(final.values())
+    base = data["unigram_baseline"]
     lines += [
-        f"| unigram baseline (train frequencies) | {baseline:.4f} | {math.exp(baseline):.1f} "
-        "| | | | |",
+        f"| unigram baseline (train frequencies) | {base:.4f} | {math.exp(base):.1f} | | | | |",
         "",
-        "| smoke target (issue) | measured | met |",
-        "|---|---|---|",
-        f"| MLM loss well below the unigram baseline | both at least {below:.2f} nats below "
-        f"{baseline:.2f} | {'yes' if below > 0.3 else 'no'} |",
-        f"| CoMERA within 5% of dense at equal tokens | CoMERA / dense = {ratio:.3f} | "
-        f"{'yes' if ratio <= 1.05 else '**no**'} |",
+        "The unigram baseline predicts every masked token from the training tokens' "
+        "frequencies (add-one smoothed), on the same held-out masked tokens.",
         "",
         "![curves](codebert_curves.png)",
         "",
     ]
-    target = {n: w for n, w in zip(names, (0.6, 0.3, 0.1), strict=False)}
-    audit = mix_audit(dirs["CoMERA"], task.train_iter.config, target)
-    worst = max(abs(audit["shares"][n] - audit["targets"][n]) for n in names)
+    audit = data["mix_audit"]
     lines += [
         "## Changing the mix on resume",
         "",
         f"From the CoMERA run's last checkpoint the weights were switched to "
-        f"{', '.join(f'{n}={w}' for n, w in target.items())} (what `--resume RUN --mix ...` "
-        f"does) and the loader read {audit['tokens']:,} tokens, each traced to its "
-        "sub-dataset by the loader's provenance:",
+        f"{', '.join(f'{n}={w}' for n, w in audit['weights'].items())} (what "
+        f"`--resume RUN --mix ...` does) and the loader read {audit['tokens']:,} tokens, each "
+        "traced to its sub-dataset by the loader's provenance:",
         "",
         "| sub-dataset | target share | realized share |",
         "|---|---|---|",
         *(f"| {n} | {audit['targets'][n]:.4f} | {audit['shares'][n]:.4f} |" for n in names),
         "",
-        f"Largest gap: {100 * worst:.2f} points (the issue asks for at most 1). Every "
-        "position is kept across the change (tested: the loader state after the change "
-        "equals the checkpoint's, weights aside).",
+        f"Largest gap between a target and a realized share: "
+        f"{100 * audit['largest_gap']:.2f} points.",
         "",
         "## Exactness under kill and rescale",
         "",
-        "`tests/test_codebert_exact.py` runs this experiment's CLI under `torchrun` with "
-        "token provenance on, SIGKILLs it mid-run and resumes it on another number of "
-        "processes (2 -> 1 and 1 -> 3): the (document, offset) pairs trained on before the "
-        "last checkpoint and after the resume, plus what is left of the epoch, are every "
-        "pair of the corpus exactly once. Resumed on the same 2 processes, the final model "
-        "is bit-identical to an unbroken run.",
+        "`tests/experiments/codebert/test_exact.py` runs this experiment's CLI under "
+        "`torchrun` with token provenance on, SIGKILLs it mid-run and resumes it on another "
+        "number of processes (2 -> 1 and 1 -> 3): it checks that the (document, offset) "
+        "pairs trained on before the last checkpoint and after the resume, plus what is left "
+        "of the epoch, are every pair of the corpus exactly once, and that a run resumed on "
+        "the same 2 processes ends bit-identical to an unbroken run.",
     ]
-    run = load_run(dirs["CoMERA"])
-    lines += ["", "## CoMERA's ranks and per-layer compression (smoke)", "", *rank_table(run)]
     lines += [
         "",
-        "The final model, layer by layer (the word embedding counted at its padded "
-        "vocabulary, the rows its TTM factors hold, so this table's dense total is above the "
-        "dense run's parameter count by the padding rows):",
+        "## CoMERA's ranks and per-layer compression (smoke)",
         "",
-        *layer_table(run),
+        *rank_table(data["ranks"]),
+        "",
+        "The final model, layer by layer (the word embedding counted at its padded "
+        "vocabulary, the rows its TTM factors hold):",
+        "",
+        *layer_table(data["layers"]),
     ]
-    if bench:
-        lines += _bench_section(bench)
+    if data["bench"]:
+        lines += _bench_section(data["bench"])
     text = "\n".join(lines) + "\n"
     (out_dir / "codebert.md").write_text(text)
     return text
 
 
+def write_report(
+    runs_dir: Path, out_dir: Path, bench: dict | None, command: str | None = None
+) -> str:
+    """Gather the two smoke runs and the bench into ``codebert.json``, then render
+    ``codebert.md`` and ``codebert_curves.png`` from it; returns the markdown."""
+    data = gather(runs_dir, bench, command or "python -m experiments.codebert.report")
+    return render(write_report_json(out_dir / "codebert.json", data), out_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     from experiments.codebert.experiment import main as exp_main
 
-    return smoke_report_main("codebert", exp_main, write_report, argv, __doc__.split("\n")[0])
+    return smoke_report_main(
+        "codebert", exp_main, write_report, argv, __doc__.split("\n")[0], render=render
+    )
 
 
 if __name__ == "__main__":

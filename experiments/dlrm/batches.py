@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from comera.errors import ConfigError
 from experiments.cursor import EpochCursor
 from experiments.dlrm.data import CriteoData
 from loaders.permute import IndexCipher
@@ -45,13 +46,13 @@ class RowBatches(EpochCursor):
         world: int = 1,
     ) -> None:
         if batch_size < 1 or batch_size % world:
-            raise ValueError(
+            raise ConfigError(
                 f"batch_size={batch_size} (global) must be a positive multiple of the world "
                 f"size {world}; round it to a multiple (--set batch_size=...)"
             )
         self.n = hi - lo
         if self.n < batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"the training split has {self.n} rows, fewer than batch_size={batch_size}; "
                 "lower batch_size or use more data"
             )

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from comera.errors import ConfigError, DataError, MissingFileError
 from experiments.cache import cache_root
 
 __all__ = [
@@ -62,7 +63,7 @@ for _i, _c in enumerate(b"ABCDEF"):
     _HEX[_c] = 10 + _i
 
 
-class CriteoFormatError(ValueError):
+class CriteoFormatError(DataError):
     """The file is not in Criteo's format; the message names file, line and field."""
 
 
@@ -87,16 +88,16 @@ class CriteoDataConfig:
 
     def __post_init__(self) -> None:
         if self.max_ind_range < 0 or self.min_count < 1 or self.days < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"CriteoDataConfig: need max_ind_range >= 0, min_count >= 1, days >= 2; got "
                 f"{self.max_ind_range}, {self.min_count}, {self.days} (--set data.*)"
             )
         if self.id_order not in ("frequency", "hash"):
-            raise ValueError(f"data.id_order={self.id_order!r}; choose 'frequency' or 'hash'")
+            raise ConfigError(f"data.id_order={self.id_order!r}; choose 'frequency' or 'hash'")
         if self.path == "generated" and self.generated_rows < 100:
-            raise ValueError(f"data.generated_rows={self.generated_rows} must be >= 100")
+            raise ConfigError(f"data.generated_rows={self.generated_rows} must be >= 100")
         if self.eval_rows is not None and self.eval_rows < 1:
-            raise ValueError(f"data.eval_rows={self.eval_rows} must be None or >= 1")
+            raise ConfigError(f"data.eval_rows={self.eval_rows} must be None or >= 1")
 
 
 # --------------------------------------------------------------------------- validation
@@ -370,7 +371,7 @@ def _remove_stale_builds(parent: Path, fp: str) -> None:
 def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> CriteoData:
     """The cached table for ``path`` under ``cfg``'s settings, built if missing."""
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"Criteo file {path} does not exist or is not a file; pass a Criteo-format "
             "train.txt with --data PATH"
         )

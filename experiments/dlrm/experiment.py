@@ -4,7 +4,7 @@
     python -m experiments.dlrm --preset smoke --dense          # the dense reference (SGD)
     python -m experiments.dlrm --preset kaggle --data train.txt            # the paper (GPU)
     python -m experiments.dlrm --preset kaggle --data train.txt --dense    # reference DLRM
-    python -m experiments.dlrm --bench [--json]                # one step at Kaggle sizes
+    python -m benchmarks.dlrm_step [--json]                    # one step (was --bench)
 
 ``--dense`` trains the dense model as the reference does (SGD, constant lr 0.1, sparse
 embedding gradients, no clipping) in the ``kaggle`` preset; ``--set train.optimizer=adamw`` selects
@@ -21,13 +21,14 @@ from typing import Any
 import torch
 
 import comera as C
-import comera.tree
+from comera.errors import ConfigError
 from comera.train import ComeraConfig, TrainConfig
 from comera.train.distributed import rank_first
 from comera.train.optim import AdamWConfig, SGDConfig
+from comera.tree import iter_tt
 from experiments import cli
 from experiments.dlrm.batches import RowBatches
-from experiments.dlrm.data import CriteoDataConfig, CriteoFormatError, load_criteo
+from experiments.dlrm.data import CriteoDataConfig, load_criteo
 from experiments.dlrm.model import DLRMConfig, dense_param_count, init_dlrm
 from experiments.dlrm.task import DLRMTask
 
@@ -49,13 +50,13 @@ class Preset:
 
     def __post_init__(self) -> None:
         if self.train.step_mode == "cuda_graph":
-            raise ValueError(
+            raise ConfigError(
                 "train.step_mode='cuda_graph' cannot run DLRM: the table-batched TTM lookup "
                 "sizes its work from the ids on the host; use --step-mode eager, sync_free "
                 "or compile"
             )
         if self.batch_size < 1 or self.eval_batch_size < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"Preset: batch_size and eval_batch_size must be >= 1, got {self.batch_size}, "
                 f"{self.eval_batch_size}"
             )
@@ -136,7 +137,7 @@ def preset(name: str) -> Preset:
                 run_name="dlrm-smoke",
             ),
         )
-    raise ValueError(f"unknown preset {name!r}; choose 'kaggle' or 'smoke'")
+    raise ConfigError(f"unknown preset {name!r}; choose 'kaggle' or 'smoke'")
 
 
 def _fit_model(p: Preset, cardinalities: list[int]) -> DLRMConfig:
@@ -155,18 +156,18 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
 
     Under torchrun rank 0 preprocesses (and caches) the data while the others wait."""
     if not p.data.path:
-        raise ValueError(
+        raise ConfigError(
             "this preset reads the raw Criteo Kaggle train.txt: pass --data PATH "
             "(or --data generated for the planted-signal file)"
         )
     if p.model.hot_rows and p.data.id_order != "frequency":
-        raise ValueError(
+        raise ConfigError(
             f"model.hot_rows={p.model.hot_rows} keeps the most frequent ids of each table, "
             f"which needs ids numbered by frequency: set data.id_order=frequency (got "
             f"{p.data.id_order!r}) or model.hot_rows=0"
         )
     if p.model.hash_rows and not p.dense:
-        raise ValueError(
+        raise ConfigError(
             f"model.hash_rows={p.model.hash_rows} hashes the dense baseline's tables; train "
             "it with --dense, or set model.hash_rows=0 for CoMERA"
         )
@@ -174,7 +175,7 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
     data = rank_first(lambda: load_criteo(p.data, progress=progress), rank, world)
     model = _fit_model(p, data.cardinalities)
     if model.hash_rows and not any(model.is_hashed(i) for i in range(len(model.names))):
-        raise ValueError(
+        raise ConfigError(
             f"model.hash_rows={model.hash_rows} hashes no table: no table has more rows "
             f"than that among those of model.tt_min_rows={model.tt_min_rows} rows and up "
             f"(largest {max(model.cardinalities)}); lower model.hash_rows or tt_min_rows"
@@ -194,8 +195,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
         device=p.train.device,
     )
     params, state = init_dlrm(model, generator=torch.Generator().manual_seed(p.train.seed))
-    if p.train.comera.enabled and not any(True for _ in C.tree.iter_tt(params, state)):
-        raise ValueError(
+    if p.train.comera.enabled and not any(True for _ in iter_tt(params, state)):
+        raise ConfigError(
             f"the CoMERA model has no compressed layer: every table has fewer than "
             f"model.tt_min_rows={model.tt_min_rows} rows (largest {max(model.cardinalities)}) "
             "and model.tt_layers is empty; lower --set model.tt_min_rows=N or train --dense"
@@ -247,15 +248,11 @@ def _reference_training(optimizer: str) -> list[tuple[str, Any]]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from benchmarks.dlrm_step import main as bench_main
+    """``--bench``: a forward to ``python -m benchmarks.dlrm_step`` (``--json`` and ``--device``
+    passed on), which goes in a later release."""
+    from experiments.moved import bench_forward
 
-    if args.device and torch.device(args.device).type != "cpu":
-        raise cli.CLIError(
-            f"--bench --device {args.device}: the dlrm step bench runs on the CPU; drop "
-            "--device (the lookup alone runs on a GPU: python -m benchmarks.dlrm_step "
-            "--embedding --device cuda)"
-        )
-    return bench_main(json_out=args.json)
+    return bench_forward("experiments.dlrm", "benchmarks.dlrm_step", args)
 
 
 EXPERIMENT = cli.Experiment(
@@ -266,7 +263,6 @@ EXPERIMENT = cli.Experiment(
     flags=_flags,
     flag_overrides=_flag_overrides,
     bench=_bench,
-    user_errors=(ValueError, CriteoFormatError),
     description=__doc__.split("\n")[0],
 )
 

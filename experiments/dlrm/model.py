@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import comera as C
+from comera.errors import ConfigError
 
 __all__ = ["DLRMConfig", "dlrm_logits", "embed", "init_dlrm", "table_specs"]
 
@@ -74,16 +75,16 @@ class DLRMConfig:
 
     def __post_init__(self) -> None:
         if len(self.cardinalities) < 1 or min(self.cardinalities) < 1:
-            raise ValueError(f"DLRMConfig.cardinalities must be >= 1, got {self.cardinalities}")
+            raise ConfigError(f"DLRMConfig.cardinalities must be >= 1, got {self.cardinalities}")
         if math.prod(self.emb_dim_modes) != self.emb_dim:
-            raise ValueError(
+            raise ConfigError(
                 f"DLRMConfig.emb_dim_modes {self.emb_dim_modes} multiply to "
                 f"{math.prod(self.emb_dim_modes)}, not emb_dim={self.emb_dim}"
             )
         if self.tt_min_rows < 1 or self.emb_rank < 1 or self.tt_layer_rank < 1:
-            raise ValueError("DLRMConfig: tt_min_rows, emb_rank and tt_layer_rank must be >= 1")
+            raise ConfigError("DLRMConfig: tt_min_rows, emb_rank and tt_layer_rank must be >= 1")
         if self.hot_rows < 0 or self.hash_rows < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"DLRMConfig: hot_rows and hash_rows must be >= 0, got {self.hot_rows}, "
                 f"{self.hash_rows}"
             )
@@ -92,7 +93,7 @@ class DLRMConfig:
         layers = self.layer_names()
         unknown = [n for n in self.tt_layers if n not in layers]
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"DLRMConfig.tt_layers names {unknown}, not layers of this model; "
                 f"choose from {layers}"
             )
@@ -127,7 +128,7 @@ class DLRMConfig:
 def vocab_modes(n: int, d: int) -> tuple[int, ...]:
     """``d`` vocab modes for ``n`` rows: ``L`` repeated, ``L = ceil(n^(1/d))``, and a last
     mode just large enough (padding below ``L^(d-1)`` rows). Instant for 10M-row tables,
-    where a search over padded sizes (``comera.propose_modes``) takes about a minute."""
+    where a search over padded sizes (``comera.spec.propose_modes``) takes about a minute."""
     big = max(2, math.ceil(n ** (1 / d) - 1e-9))
     while big**d < n:  # float rounding
         big += 1

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import comera as C
+from comera.accounting import live_param_count
 from experiments.dlrm.batches import RowBatches, rows_to_batch
 from experiments.dlrm.data import CriteoData, entropy
 from experiments.dlrm.model import DLRMConfig, dlrm_logits, table_specs
@@ -128,7 +129,7 @@ class DLRMTask:
                 out[f"{split}/{key}"] = (value, 1.0)
         for name, table in params["tables"].items():  # each compressed table's compression
             if "cores" in table:
-                live = C.live_param_count(table, state["tables"][name])
+                live = live_param_count(table, state["tables"][name])
                 hot = params.get("hot", {}).get(name)
                 live += hot["weight"].numel() if hot is not None else 0
                 rows = self.model.cardinalities[self.model.names.index(name)]

@@ -1,20 +1,58 @@
-"""Batching MNLI splits: a deterministic, resumable, rank-aware training iterator and
-in-order evaluation batches (re-exported by :mod:`experiments.mnli.data`)."""
+"""Encoded MNLI splits as tensors and their batching: a deterministic, resumable,
+rank-aware training iterator and in-order evaluation batches."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from comera.errors import ConfigError
 from experiments.cursor import EpochCursor
 
-if TYPE_CHECKING:
-    from experiments.mnli.data import EncodedSplit
+__all__ = ["BatchIterator", "EncodedSplit", "eval_batches"]
 
-__all__ = ["BatchIterator", "eval_batches"]
+
+@dataclass(slots=True)
+class EncodedSplit:
+    """Encoded pairs as tensors: ids int32 (N, L), token types int8, mask bool, labels int64 (N,).
+
+    Compact dtypes keep full MNLI (393k x 128) near 300 MB; batches are widened to int64.
+    """
+
+    input_ids: torch.Tensor  # (N, L) int32
+    token_type_ids: torch.Tensor  # (N, L) int8
+    attention_mask: torch.Tensor  # (N, L) bool, True = real token
+    labels: torch.Tensor  # (N,) int64
+
+    def __post_init__(self) -> None:
+        n, shape = self.labels.shape[0], tuple(self.input_ids.shape)
+        for name in ("token_type_ids", "attention_mask"):
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(
+                    f"EncodedSplit.{name} has shape {tuple(getattr(self, name).shape)}"
+                    f", expected {shape} like input_ids"
+                )
+        if shape[0] != n:
+            raise ValueError(f"EncodedSplit has {shape[0]} rows of input_ids but {n} labels")
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def batch(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows `index` as a model batch: input_ids/token_type_ids/labels int64, mask bool.
+
+        index_select, not `t[index]`: advanced indexing is ~500x slower here on CPU.
+        """
+        take = lambda t: t.index_select(0, index)  # noqa: E731
+        return {
+            "input_ids": take(self.input_ids).long(),  # (B, L)
+            "token_type_ids": take(self.token_type_ids).long(),  # (B, L)
+            "attention_mask": take(self.attention_mask),  # (B, L)
+            "labels": take(self.labels),  # (B,)
+        }
 
 
 class BatchIterator(EpochCursor):
@@ -39,7 +77,7 @@ class BatchIterator(EpochCursor):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
         if batch_size < 1 or batch_size % world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"batch_size={batch_size} (global) must be a positive multiple of "
                 f"world_size={world_size}; round it to a multiple"
             )
@@ -53,7 +91,7 @@ class BatchIterator(EpochCursor):
         self.n = len(split)
         self.steps_per_epoch = self.n // batch_size if drop_last else math.ceil(self.n / batch_size)
         if self.steps_per_epoch == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"split of {self.n} examples is smaller than batch_size={batch_size}"
                 " with drop_last=True; lower batch_size"
             )

@@ -18,17 +18,12 @@ import pyarrow as pa
 import torch
 from tokenizers import Tokenizer, processors
 
-# The generated task lives in its own module; its names stay importable from here.
-from experiments.mnli.batches import BatchIterator, eval_batches  # noqa: F401
-from experiments.mnli.generated import (  # noqa: F401
+from comera.errors import ConfigError, DataError, MissingFileError, UserError
+from experiments.mnli.batches import EncodedSplit
+from experiments.mnli.generated import (
     GENERATED_WORDS,
-    SPECIAL_TOKENS,
-    best_single_cue_accuracy,
     build_generated_tokenizer,
-    cue_baselines,
     generate_examples,
-    save_tokenizer,
-    write_generated_files,
 )
 from loaders.text import looks_like_path
 
@@ -46,8 +41,9 @@ _OFFLINE_HELP = (
 )
 
 
-class HubUnreachableError(RuntimeError):
-    """The Hugging Face Hub could not be reached (offline, no network, or offline mode set)."""
+class HubUnreachableError(UserError, RuntimeError):
+    """The Hugging Face Hub could not be reached (offline, no network, or offline mode set):
+    a condition of this machine, not a bug, so the message names the local options."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,8 +67,8 @@ class MNLIDataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        def bad(name: str, fix: str) -> ValueError:
-            return ValueError(f"MNLIDataConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
+        def bad(name: str, fix: str) -> ConfigError:
+            return ConfigError(f"MNLIDataConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
 
         if self.max_length < 8:
             raise bad("max_length", "use at least 8 (3 special tokens plus both sentences)")
@@ -100,46 +96,6 @@ class MNLIDataConfig:
         for name, path in paths:
             if Path(path).suffix.lower() not in _FORMATS:
                 raise bad(name, f"{path!r} must end in one of {sorted(_FORMATS)}")
-
-
-@dataclass(slots=True)
-class EncodedSplit:
-    """Encoded pairs as tensors: ids int32 (N, L), token types int8, mask bool, labels int64 (N,).
-
-    Compact dtypes keep full MNLI (393k x 128) near 300 MB; batches are widened to int64.
-    """
-
-    input_ids: torch.Tensor  # (N, L) int32
-    token_type_ids: torch.Tensor  # (N, L) int8
-    attention_mask: torch.Tensor  # (N, L) bool, True = real token
-    labels: torch.Tensor  # (N,) int64
-
-    def __post_init__(self) -> None:
-        n, shape = self.labels.shape[0], tuple(self.input_ids.shape)
-        for name in ("token_type_ids", "attention_mask"):
-            if tuple(getattr(self, name).shape) != shape:
-                raise ValueError(
-                    f"EncodedSplit.{name} has shape {tuple(getattr(self, name).shape)}"
-                    f", expected {shape} like input_ids"
-                )
-        if shape[0] != n:
-            raise ValueError(f"EncodedSplit has {shape[0]} rows of input_ids but {n} labels")
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    def batch(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Rows `index` as a model batch: input_ids/token_type_ids/labels int64, mask bool.
-
-        index_select, not `t[index]`: advanced indexing is ~500x slower here on CPU.
-        """
-        take = lambda t: t.index_select(0, index)  # noqa: E731
-        return {
-            "input_ids": take(self.input_ids).long(),  # (B, L)
-            "token_type_ids": take(self.token_type_ids).long(),  # (B, L)
-            "attention_mask": take(self.attention_mask),  # (B, L)
-            "labels": take(self.labels),  # (B,)
-        }
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,11 +128,11 @@ def prepare_tokenizer(tok: Tokenizer, max_length: int) -> int:
     """
     pad = next((t for t in ("[PAD]", "<pad>") if tok.token_to_id(t) is not None), None)
     if pad is None:
-        raise ValueError("tokenizer has no [PAD] or <pad> token; use a BERT-style tokenizer")
+        raise DataError("tokenizer has no [PAD] or <pad> token; use a BERT-style tokenizer")
     if tok.post_processor is None:
         cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
         if cls_id is None or sep_id is None:
-            raise ValueError("tokenizer has no post-processor and no [CLS]/[SEP] tokens to add one")
+            raise DataError("tokenizer has no post-processor and no [CLS]/[SEP] tokens to add one")
         tok.post_processor = _bert_pair_template(cls_id, sep_id)
     pad_id = tok.token_to_id(pad)
     tok.enable_truncation(max_length, strategy="longest_first")
@@ -191,7 +147,7 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"tokenizer file {str(path)!r} does not exist; pass --tokenizer a tokenizer.json "
                 "or a directory holding one (write_generated_files writes one)"
             )
@@ -218,7 +174,12 @@ def _is_unreachable(exc: BaseException) -> bool:
 
 
 def _hub_error(exc: Exception, what: str) -> Exception:
+    """The error to raise for a failed hub load: unreachable hub, a name the hub does not
+    have (``datasets`` raises a ``FileNotFoundError`` kind), or ``exc`` itself."""
     if not _is_unreachable(exc):
+        if isinstance(exc, FileNotFoundError):
+            return DataError(f"cannot load {what} from the hub ({exc}); check the name. "
+                             f"{_OFFLINE_HELP}")  # fmt: skip
         return exc
     return HubUnreachableError(
         f"Could not reach the Hugging Face Hub to load {what} "
@@ -234,9 +195,19 @@ Raw = tuple[list[str], list[str], np.ndarray]  # premises, hypotheses, labels
 def _read_table(path: str) -> pa.Table:
     fmt = _FORMATS[Path(path).suffix.lower()]
     if not Path(path).is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"data file {path!r} does not exist; check --train-file / --eval-file"
         )
+    try:
+        return _parse_table(path, fmt)
+    except (pa.ArrowException, ValueError, TypeError, OSError) as exc:  # JSON/CSV/Parquet
+        raise DataError(
+            f"data file {path!r} cannot be read as {fmt} ({type(exc).__name__}: {exc}); "
+            "fix the file or check --train-file / --eval-file"
+        ) from exc
+
+
+def _parse_table(path: str, fmt: str) -> pa.Table:
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -257,7 +228,7 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
     for name in fields:
         col = getattr(cfg, name)
         if col not in table.column_names:
-            raise ValueError(
+            raise DataError(
                 f"{source}: missing column {col!r}; columns present: {table.column_names}. "
                 f"Pass --{name.replace('_', '-')} NAME (MNLIDataConfig.{name}) to name the "
                 "column that holds it."
@@ -273,7 +244,7 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
         if isinstance(v, str) and v.lstrip("-").isdigit():
             v = int(v)
         if not isinstance(v, int) or v not in (-1, 0, 1, 2):
-            raise ValueError(
+            raise DataError(
                 f"{source}: label {v!r} in column {cfg.label_column!r} (row {i}) is not one of "
                 f"0/1/2 ({'/'.join(LABEL_NAMES)}) or -1 (unlabelled, dropped); fix the file or "
                 "point --label-column at the right column"
@@ -305,7 +276,7 @@ def _load_hub(cfg: MNLIDataConfig) -> dict[str, tuple[str, pa.Table]]:
         raise _hub_error(exc, f"dataset {cfg.dataset!r} (config {cfg.dataset_config!r})") from exc
     evals = sorted(s for s in dsd if s.startswith("validation"))
     if "train" not in dsd or not evals:
-        raise ValueError(
+        raise DataError(
             f"hub dataset {cfg.dataset!r} has splits {list(dsd)}; need 'train' and "
             "'validation*'. Use --train-file/--eval-file for other layouts."
         )

@@ -11,7 +11,6 @@ runs (see ``python -m experiments.mnli --help``).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -68,9 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         out = run_demo(args.sets, args.runs_dir)
-    except (cli.CLIError, *mnli.EXPERIMENT.user_errors) as e:
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
-        return 2
+    except cli.USER_ERRORS as e:  # bad input: one line; anything else keeps its traceback
+        return cli.user_error(ap.prog, e)
     print(summary(out))
     return 0
 

@@ -4,7 +4,7 @@
     python -m experiments.mnli --preset paper              # the paper's config (GPU)
     python -m experiments.mnli --preset paper --dense      # the dense baseline
     python -m experiments.mnli --resume runs/mnli-smoke    # continue a run bit-identically
-    python -m experiments.mnli --bench [--json]            # one training step, CoMERA vs dense
+    python -m benchmarks.mnli_step [--json]                # one training step (was --bench)
     python -m experiments.mnli --plan dp --plan-for 'layers.*.ffn_*=greedy' --set train.steps=40
 
 Data: GLUE MNLI from the hub by default; ``--train-file/--eval-file`` and ``--tokenizer``
@@ -24,17 +24,12 @@ import torch
 import torch.nn.functional as F
 
 import comera as C
+from comera.errors import ConfigError
 from comera.train import ComeraConfig, TrainConfig
 from comera.train.optim import AdamWConfig
 from experiments import cli
-from experiments.mnli.data import (
-    GENERATED,
-    BatchIterator,
-    HubUnreachableError,
-    MNLIData,
-    MNLIDataConfig,
-    load_mnli,
-)
+from experiments.mnli.batches import BatchIterator
+from experiments.mnli.data import GENERATED, MNLIData, MNLIDataConfig, load_mnli
 from experiments.transformer import (
     EncoderConfig,
     check_step_mode,
@@ -63,7 +58,7 @@ class Preset:
     def __post_init__(self) -> None:
         check_step_mode(self.model, self.train.step_mode)
         if self.batch_size < 1 or self.eval_batch_size < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"Preset: batch_size and eval_batch_size must be >= 1, got "
                 f"{self.batch_size}, {self.eval_batch_size}"
             )
@@ -139,7 +134,7 @@ def preset(name: str, run_dir: str | None = None) -> Preset:
                 run_name="mnli-smoke",
             ),
         )
-    raise ValueError(f"unknown preset {name!r}; choose 'paper' or 'smoke'")
+    raise ConfigError(f"unknown preset {name!r}; choose 'paper' or 'smoke'")
 
 
 class MNLITask:
@@ -272,9 +267,11 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from benchmarks.mnli_step import main as bench_main
+    """``--bench``: a forward to ``python -m benchmarks.mnli_step`` (``--json`` and ``--device``
+    passed on), which goes in a later release."""
+    from experiments.moved import bench_forward
 
-    return bench_main(json_out=args.json, device=args.device)
+    return bench_forward("experiments.mnli", "benchmarks.mnli_step", args)
 
 
 EXPERIMENT = cli.Experiment(
@@ -285,7 +282,6 @@ EXPERIMENT = cli.Experiment(
     flags=_flags,
     flag_overrides=_flag_overrides,
     bench=_bench,
-    user_errors=(ValueError, HubUnreachableError),
     description=__doc__.split("\n")[0],
 )
 

@@ -140,18 +140,71 @@ def test_static_impl_compiles_without_graph_breaks():
 
 
 def test_naive_lookup_checks_ids_without_a_host_read_inside_a_graph():
-    """Inside a captured or sync-free step even ``impl="naive"`` checks its ids on the
-    device (``_assert_async``: a RuntimeError), not by reading them on the host; outside
-    one it raises the named IndexError."""
-    from comera.layers import sync_free_lookups
+    """With ``sync_free=True``, or inside a :class:`SyncFreeLookups` scope (what a sync-free
+    train step opens), even ``impl="naive"`` checks its ids on the device
+    (``_assert_async``: a RuntimeError), not by reading them on the host; otherwise it
+    raises the named IndexError, also after a scope has closed."""
+    from comera.layers import SyncFreeLookups
 
     spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5), dim_modes=(2, 3), ranks=3, num_embeddings=18)
     params, state = C.init(spec, generator=torch.Generator().manual_seed(4))
-    ids = torch.tensor([1, 17, 2])
+    ids, bad = torch.tensor([1, 17, 2]), torch.tensor([18])
     ref = C.ttm_embedding(params, state, ids, impl="naive")
-    with sync_free_lookups():
-        torch.testing.assert_close(C.ttm_embedding(params, state, ids, impl="naive"), ref)
+    out = C.ttm_embedding(params, state, ids, impl="naive", sync_free=True)
+    torch.testing.assert_close(out, ref)
+    with pytest.raises(RuntimeError, match=r"out of range.*\[0, 18\)"):
+        C.ttm_embedding(params, state, bad, impl="naive", spec=spec, sync_free=True)
+    with SyncFreeLookups():
+        with SyncFreeLookups():
+            pass
+        assert SyncFreeLookups.is_open()  # scopes nest: the inner one's exit keeps this open
         with pytest.raises(RuntimeError, match=r"out of range.*\[0, 18\)"):
-            C.ttm_embedding(params, state, torch.tensor([18]), impl="naive", spec=spec)
+            C.ttm_embedding(params, state, bad, impl="naive", spec=spec)
+    assert not SyncFreeLookups.is_open()
     with pytest.raises(IndexError, match="id 18 is out of range"):
-        C.ttm_embedding(params, state, torch.tensor([18]), impl="naive", spec=spec)
+        C.ttm_embedding(params, state, bad, impl="naive", spec=spec)
+
+
+def test_sync_free_optimized_lookup_runs_static(monkeypatch):
+    """``impl="optimized"`` with ``sync_free=True`` or in a :class:`SyncFreeLookups` scope
+    never calls ``torch.unique`` (a host sync on CUDA): it runs as ``static``, same values."""
+    from comera.layers import SyncFreeLookups
+
+    spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5, 3), dim_modes=(2, 3, 2), ranks=4)
+    params, state = C.init(spec, generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 60, (3, 11), generator=torch.Generator().manual_seed(6))
+    ref = C.ttm_embedding(params, state, ids)
+
+    def no_unique(*args, **kwargs):
+        raise AssertionError("torch.unique called in a sync-free lookup")
+
+    monkeypatch.setattr(torch, "unique", no_unique)
+    torch.testing.assert_close(C.ttm_embedding(params, state, ids, sync_free=True), ref)
+    with SyncFreeLookups():
+        torch.testing.assert_close(C.ttm_embedding(params, state, ids), ref)
+    with pytest.raises(AssertionError, match="torch.unique called"):
+        C.ttm_embedding(params, state, ids)  # outside: the optimized lookup's own dedup
+
+
+def test_sync_free_scope_is_per_thread():
+    """A scope opened on one thread (a train step) leaves another thread's lookups as they
+    are: the other still reads its ids on the host and raises the IndexError."""
+    import threading
+
+    from comera.layers import SyncFreeLookups
+
+    spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5), dim_modes=(2, 3), ranks=3, num_embeddings=18)
+    params, state = C.init(spec, generator=torch.Generator().manual_seed(4))
+    seen: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            C.ttm_embedding(params, state, torch.tensor([18]), impl="naive", spec=spec)
+        except BaseException as e:  # noqa: BLE001 - recorded for the main thread
+            seen.append(e)
+
+    with SyncFreeLookups():
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert len(seen) == 1 and isinstance(seen[0], IndexError), seen

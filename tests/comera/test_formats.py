@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import comera as C
+from comera.spec import cap_ranks, factorize, propose_modes
 
 
 def test_cap_ranks_caps_edges_by_mode_products():
-    assert C.cap_ranks((12, 8, 8, 8, 8, 12), 30) == (12, 30, 30, 30, 12)
-    assert C.cap_ranks((2, 3, 4), (100, 100)) == (2, 4)
+    assert cap_ranks((12, 8, 8, 8, 8, 12), 30) == (12, 30, 30, 30, 12)
+    assert cap_ranks((2, 3, 4), (100, 100)) == (2, 4)
     spec = C.TTLinearSpec(out_modes=(12, 8, 8), in_modes=(8, 8, 12), ranks=30)
     assert spec.ranks == (12, 30, 30, 30, 12)
     assert spec.dense_shape == (768, 768)
@@ -18,19 +19,19 @@ def test_cap_ranks_caps_edges_by_mode_products():
 
 @pytest.mark.parametrize("n,d", [(768, 3), (3072, 3), (1024, 2), (30, 3), (7, 1)])
 def test_factorize_exact(n, d):
-    modes = C.factorize(n, d)
+    modes = factorize(n, d)
     assert modes is not None and math.prod(modes) == n and len(modes) == d
     assert max(modes) <= 2 * n ** (1 / d) + 1
 
 
 def test_factorize_rejects_large_prime_factor():
-    assert C.factorize(2 * 3 * 5087, 3) is None
+    assert factorize(2 * 3 * 5087, 3) is None
     with pytest.raises(ValueError, match="pad=True"):
-        C.propose_modes(30522, 4)
+        propose_modes(30522, 4)
 
 
 def test_vocab_padding_is_balanced():
-    modes = C.propose_modes(30522, 4, pad=True)
+    modes = propose_modes(30522, 4, pad=True)
     padded = math.prod(modes)
     assert 30522 <= padded <= 30522 * 1.1
     assert max(modes) <= 16, modes  # not 2 x 3 x 5087

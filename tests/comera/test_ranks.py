@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import comera as C
+from comera.accounting import live_param_count
+from comera.tensor_train import bond_ranks
 
 
 def _expected_live_params(spec_modes, live, bias, ttm_dims=None):
@@ -57,9 +59,9 @@ def test_compact_preserves_function_and_shrinks_by_formula(seed):
     x = torch.randn(7, spec.in_features, generator=gen, dtype=torch.float64)
     before = C.tt_linear(params, state, x)
     live = C.live_ranks(state)
-    predicted = C.live_param_count(params, state)
+    predicted = live_param_count(params, state)
     new_params, new_state = C.compact(params, state)
-    assert C.bond_ranks(new_params) == live
+    assert bond_ranks(new_params) == live
     assert predicted == _expected_live_params(spec.modes, live, spec.out_features)
     assert C.param_count(new_params) == predicted
     for strategy in C.STRATEGIES:
@@ -91,9 +93,9 @@ def test_dead_bond_makes_zero_map_with_zero_params():
     assert spec.ranks == (3, 3, 2)
     params = _kill(params, {2: [0, 1]})
     state = C.prune(params, state, tau=1e-3)
-    assert C.live_param_count(params, state) == spec.out_features  # bias only
+    assert live_param_count(params, state) == spec.out_features  # bias only
     new_params, new_state = C.compact(params, state)
-    assert C.bond_ranks(new_params) == [0, 0, 0]
+    assert bond_ranks(new_params) == [0, 0, 0]
     assert sum(c.numel() for c in new_params["cores"]) == 0
     assert sum(g.numel() for g in new_params["gates"]) == 0
     x = torch.randn(5, 8, dtype=torch.float64)
@@ -116,9 +118,9 @@ def test_ttm_compact_preserves_lookup_and_counts():
     before = C.ttm_embedding(params, state, ids)
     new_params, new_state = C.compact(params, state)
     live = C.live_ranks(state)
-    assert C.bond_ranks(new_params) == live
+    assert bond_ranks(new_params) == live
     expected = _expected_live_params(spec.vocab_modes, live, 0, spec.dim_modes)
-    assert C.param_count(new_params) == C.live_param_count(params, state) == expected
+    assert C.param_count(new_params) == live_param_count(params, state) == expected
     for impl in C.EMBEDDING_IMPLS:
         torch.testing.assert_close(C.ttm_embedding(new_params, new_state, ids, impl=impl), before)
 
@@ -133,7 +135,7 @@ def test_module_prune_compact():
     assert layer.prune(1e-2) == [4, 2, 4]
     torch.testing.assert_close(layer(x), before)
     layer.compact()
-    assert C.bond_ranks(layer.params()) == [4, 2, 4]
+    assert bond_ranks(layer.params()) == [4, 2, 4]
     assert tuple(layer.masks.as_list()[1].shape) == (2,)
     torch.testing.assert_close(layer(x), before)
 

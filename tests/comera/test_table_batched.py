@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import comera as C
+from comera.layers import pair_cores
+from comera.table_batched import table_groups
 
 
 def _tables(seed: int = 0):
@@ -55,7 +57,7 @@ def test_batched_equals_separate(rows: int) -> None:
 
 def test_groups_and_errors() -> None:
     specs, params, states, ids = _tables()
-    assert C.table_groups(params) == [[0, 1, 2, 3], [4]]
+    assert table_groups(params) == [[0, 1, 2, 3], [4]]
     bad = ids.clone()
     bad[3, 4] = 97  # table 4 has 97 rows (its modes hold 100)
     with pytest.raises(IndexError, match="id 97 is out of range"):
@@ -116,7 +118,7 @@ def test_batched_under_bf16_autocast_keeps_one_dtype_and_fp32_gradients() -> Non
     p = {k: [t.detach().requires_grad_() for t in v] for k, v in p.items()}
     ids = torch.randint(0, 120, (300, 1), generator=torch.Generator().manual_seed(2))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        merged = C.layers._pair_cores(list(p["cores"]))  # what the lookup merges
+        merged = pair_cores(list(p["cores"]))  # what the lookup merges
         out = C.ttm_embedding_batched([p], [st], ids)
     assert merged[0].dtype == torch.bfloat16 and merged[-1].dtype == torch.float32  # mixed
     grads = torch.autograd.grad(out.float().square().sum(), p["cores"])

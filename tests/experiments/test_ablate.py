@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from experiments import ablate, cli
 from experiments.mnli import experiment as mnli
@@ -19,11 +20,13 @@ def test_contraction_ablation_writes_report_and_plot(tmp_path):
     argv += [*SMALL, "--values", "comera,dp,dense"]
     argv += ["--runs-dir", str(tmp_path / "runs"), "--reports", str(tmp_path / "rep")]
     assert ablate.main(argv) == 0
-    text = (tmp_path / "rep" / "ablation_contraction.md").read_text()
-    assert "| comera | 6 |" in text and "| dp | 6 |" in text and "| dense | 6 |" in text
     assert (tmp_path / "rep" / "ablation_contraction.png").stat().st_size > 5000
-    rows = json.loads((tmp_path / "rep" / "ablation_contraction.json").read_text())
-    assert [r["label"] for r in rows] == ["comera", "dp", "dense"]
+    data = json.loads((tmp_path / "rep" / "ablation_contraction.json").read_text())
+    assert data["meta"]["command"] == "python -m experiments.ablate " + " ".join(argv)
+    assert data["meta"]["torch"] == torch.__version__ and data["meta"]["cpu"]
+    assert data["ablation"] == "contraction"
+    rows = data["variants"]
+    assert [(r["label"], r["steps"]) for r in rows] == [("comera", 6), ("dp", 6), ("dense", 6)]
     assert all(r["first_diff"] < 1e-5 for r in rows)  # every strategy computes the same model
     assert all(r["early_diff"] < 1e-3 for r in rows)
     for label in ("comera", "dp", "dense"):
@@ -32,6 +35,14 @@ def test_contraction_ablation_writes_report_and_plot(tmp_path):
         )
         assert saved["plans"]["default"] == label
         assert saved["train"]["wandb_group"] == "ablate-contraction-mnli-smoke"
+        host = json.loads(
+            (tmp_path / "runs" / "ablate-contraction-smoke" / label / "host.json").read_text()
+        )
+        assert host == {k: data["meta"][k] for k in ("cpu", "torch", "date")}
+    # the markdown is a function of the JSON alone
+    md = tmp_path / "rep" / "ablation_contraction.md"
+    (tmp_path / "again").mkdir()
+    assert ablate.render_report(data, tmp_path / "again" / md.name) == md.read_text()
 
 
 def test_objective_variants_cross_both_choices():
@@ -141,18 +152,25 @@ def test_summary_reports_the_best_eval_and_its_step(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert ablate._summary({"label": "x", "dir": tmp_path})["best_eval"] == (0.66, 20)
     ablate.write_report("steps", [{"label": "x", "dir": tmp_path}], tmp_path / "a.md", "cmd")
-    assert "| best eval AUC (step) |" in (tmp_path / "a.md").read_text()
-    assert "| 0.6600 | 0.6600 (20) |" in (tmp_path / "a.md").read_text()
+    (row,) = json.loads((tmp_path / "a.json").read_text())["variants"]
+    assert row["eval_auc"] == 0.66 and row["best_eval"] == [0.66, 20]
     assert s["eval_curve"] == [(10, 0.61), (20, 0.66), (30, 0.64)]
     ablate.write_report("capacity", [{"label": "x", "dir": tmp_path}], tmp_path / "c.md", "cmd")
     assert (tmp_path / "c.png").stat().st_size > 0  # its own plot: AUC against size
-    assert "eval_curve" not in json.loads((tmp_path / "c.json").read_text())[0]
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["variants"][0]["eval_curve"] == [[10, 0.61], [20, 0.66], [30, 0.64], [40, 0.66]]
+    assert data["meta"]["command"] == "cmd" and data["ablation"] == "capacity"
+    (tmp_path / "again").mkdir()
+    again = ablate.render_report(data, tmp_path / "again" / "c.md")
+    assert again == (tmp_path / "c.md").read_text()
     bare = tmp_path / "bare"  # a run that logged no eval: plotted without its point
     bare.mkdir()
     (bare / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
     recs = [{"label": "x", "dir": tmp_path}, {"label": "y_3x_data", "dir": bare}]
     ablate.write_report("capacity", recs, tmp_path / "d.md", "cmd")
-    assert "fresh draw" in (tmp_path / "d.md").read_text() and (tmp_path / "d.png").is_file()
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert [r["label"] for r in data["variants"]] == ["x", "y_3x_data"]
+    assert data["variants"][1]["eval_curve"] == [] and (tmp_path / "d.png").is_file()
 
 
 def test_restart_only_from_the_command_line(tmp_path, monkeypatch):
@@ -214,10 +232,9 @@ def test_dlrm_rank_ablation_on_the_criteo_sample(tmp_path):
     argv += ["--wandb", "disabled", "--runs-dir", str(tmp_path / "runs")]
     argv += ["--reports", str(tmp_path / "rep")]
     assert ablate.main(argv) == 0
-    text = (tmp_path / "rep" / "ablation_dlrm_rank.md").read_text()
-    assert "eval AUC" in text and "| 2 | 6 |" in text and "| 4 | 6 |" in text
-    assert "best eval AUC (step)" in text
-    for r in json.loads((tmp_path / "rep" / "ablation_dlrm_rank.json").read_text()):
+    rows = json.loads((tmp_path / "rep" / "ablation_dlrm_rank.json").read_text())["variants"]
+    assert [(r["label"], r["steps"]) for r in rows] == [("2", 6), ("4", 6)]
+    for r in rows:
         metrics = tmp_path / "runs" / "ablate-dlrm-rank-smoke" / r["label"] / "metrics.jsonl"
         lines = metrics.read_text().splitlines()
         evals = [m for m in map(json.loads, lines) if "eval/val/auc" in m]
@@ -250,8 +267,9 @@ def test_codebert_gamma_ablation_on_the_stdlib(tmp_path):
     argv += ["--wandb", "disabled", "--runs-dir", str(tmp_path / "runs")]
     argv += ["--reports", str(tmp_path / "rep")]
     assert ablate.main(argv) == 0
-    text = (tmp_path / "rep" / "ablation_codebert_gamma.md").read_text()
-    assert "| 0 | 4 |" in text and "| 0.1 | 4 |" in text
+    rows = json.loads((tmp_path / "rep" / "ablation_codebert_gamma.json").read_text())["variants"]
+    assert [(r["label"], r["steps"]) for r in rows] == [("0", 4), ("0.1", 4)]
+    assert all(r["eval_acc"] is not None and r["compression"] for r in rows)
     for gamma in ("0", "0.1"):
         saved = json.loads(
             (tmp_path / "runs" / "ablate-codebert-gamma-smoke" / gamma / "config.json").read_text()

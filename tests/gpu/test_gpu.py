@@ -129,7 +129,7 @@ def test_static_embedding_lookup_never_syncs():
 
 def _graph_trainer(tmp_path, mode, steps):
     """The trainer tests' toy task on CUDA, through prunes, compaction and the late stage."""
-    from comera.training import Trainer
+    from comera.train import Trainer
     from tests.train.test_sync_free import STAGES, _PureToy
     from tests.train_helpers import _cfg, _toy_model
 
@@ -181,7 +181,7 @@ def test_cuda_graph_step_of_the_mnli_encoder(tmp_path):
         progress=False, eval_every=None, checkpoint_every=None,
     )  # fmt: skip
     task, params, state, _ = mnli.build(p)
-    from comera.training import Trainer
+    from comera.train import Trainer
 
     tr = Trainer(p.train, task, params, state)
     it = iter(task.train_iter)

@@ -50,6 +50,8 @@ def test_every_stage_names_a_real_target_and_each_group_fits_one_call():
         else:
             assert importlib.util.find_spec(target) is not None, target
             assert cmd[cmd.index("--device") + 1] == "cuda", name
+            # the benchmarks' own commands, not the old names that forward to them
+            assert target.startswith("benchmarks.") and "--bench" not in cmd, name
     # a remote call allows 600 s: leave room for start-up, kill grace and packing
     assert set(per_group) == {"1", "2"} and max(per_group.values()) <= 520
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import loaders.checkpoint as ckpt
-from loaders import TokenLoader, load_states, resolve_rank_world, state_path
+from loaders import TokenLoader, load_states, state_path
+from loaders.loader import resolve_rank_world
 from tests.loaders_helpers import body_tokens, config, expected_tokens, make_corpus, take
 
 

@@ -7,17 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from loaders import (
-    DatasetSpec,
-    IndexCipher,
-    LoaderConfig,
-    Mixer,
-    TokenLoader,
-    logical_shard_of,
-    owned_shards,
-    shard_bounds,
-    write_piece,
-)
+from loaders import DatasetSpec, LoaderConfig, TokenLoader
+from loaders.mixing import Mixer
+from loaders.packing import write_piece
+from loaders.permute import IndexCipher
+from loaders.shards import logical_shard_of, owned_shards, shard_bounds
 from tests.loaders_helpers import BOS, EOS, config, make_corpus
 
 

@@ -12,9 +12,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import comera as C
-from comera.train import CheckpointError, ComeraConfig, StageController, Trainer, load_checkpoint
+from comera.tensor_train import bond_ranks
+from comera.train import CheckpointError, ComeraConfig, Trainer, load_checkpoint
 from comera.train.checkpoint import complete_checkpoints
 from comera.train.objectives import gate_regularizer
+from comera.train.stages import StageController
 from comera.tree import compact_tree, prune_tree
 from tests.train_helpers import SumCountTask, ToyTask, _cfg, _toy_model
 
@@ -120,7 +122,7 @@ def test_compacted_model_steps_like_its_uncompacted_twin(tmp_path):
              "v": torch.utils._pytree.tree_map(torch.clone, a.opt["v"])}  # fmt: skip
     b.step = a.step
     a.compact()
-    assert C.bond_ranks(a.params["lin"])[1] == 4 and C.bond_ranks(b.params["lin"])[1] == 6
+    assert bond_ranks(a.params["lin"])[1] == 4 and bond_ranks(b.params["lin"])[1] == 6
     batch = next(it)
     a.train_step(batch)
     b.train_step(batch)
@@ -147,7 +149,7 @@ def test_resume_from_a_compacted_late_stage_checkpoint_is_bit_identical(tmp_path
     part.checkpoint()
     ckpt = load_checkpoint(tmp_path / "part" / "run")
     assert ckpt["stages"]["stage"] == "late" and ckpt["stages"]["targets"]["size"] > 0
-    assert C.bond_ranks(ckpt["params"]["lin"]) != [4, 6, 4]  # compacted before the save
+    assert bond_ranks(ckpt["params"]["lin"]) != [4, 6, 4]  # compacted before the save
     assert ckpt["opt"]["m"]["lin"]["cores"][1].shape == ckpt["params"]["lin"]["cores"][1].shape
     resumed = Trainer(make("part"), ToyTask(noise=0.1), *_toy_model(), resume=True)
     assert resumed.stage == "late" and resumed.targets == part.targets
@@ -162,7 +164,9 @@ def test_resume_from_a_compacted_late_stage_checkpoint_is_bit_identical(tmp_path
 
 
 def test_prune_rule_reaches_the_trainer(tmp_path):
-    """With weight on a rank hidden behind a tiny gate, the contribution rule keeps it."""
+    """With weight on a rank hidden behind a tiny gate, the contribution rule keeps it; the
+    trainer's prune is ``prune_tree`` with the configured rule, and neither touches the
+    state it was given."""
     params, state = _toy_model()
     with torch.no_grad():
         params["lin"]["gates"][1][0] *= 1e-3
@@ -172,7 +176,14 @@ def test_prune_rule_reaches_the_trainer(tmp_path):
         tr = Trainer(_cfg(tmp_path / rule, comera=comera), ToyTask(), params, state)
         tr.prune()
         assert int(tr.state["lin"]["masks"][1].sum()) == alive
-    assert prune_tree(params, state, 0.01, rule="contribution") is not None
+        pruned = prune_tree(params, state, 0.01, rule=rule)
+        assert [m.tolist() for m in pruned["lin"]["masks"]] == [
+            m.tolist() for m in tr.state["lin"]["masks"]
+        ]
+        assert pruned["lin"]["masks"][1].tolist() == [rule == "contribution"] + [True] * 5
+    assert all(bool(m.all()) for m in state["lin"]["masks"])  # the input state is unchanged
+    with pytest.raises(ValueError, match="norm"):
+        prune_tree(params, state, 0.01, rule="norm")
 
 
 def test_compaction_raises_an_event_for_the_task(tmp_path):
@@ -181,14 +192,14 @@ def test_compaction_raises_an_event_for_the_task(tmp_path):
 
     class Rebuilding(ToyTask):
         def on_compaction(self, params, state):
-            seen.append(C.bond_ranks(params["lin"]))
+            seen.append(bond_ranks(params["lin"]))
 
     tr = Trainer(_cfg(tmp_path, steps=45), Rebuilding(), *_toy_model())
     extra = []
     tr.on_compact.append(lambda t: extra.append(t.step))
     tr.fit()
     assert len(seen) == len(extra) >= 2  # the stage boundary and the end
-    assert seen[-1] == C.bond_ranks(tr.params["lin"]) and extra[-1] == 45
+    assert seen[-1] == bond_ranks(tr.params["lin"]) and extra[-1] == 45
 
 
 def test_stale_rank_files_of_a_larger_world_are_ignored(tmp_path):

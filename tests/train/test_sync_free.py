@@ -6,10 +6,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import comera as C
-from comera.train import sync_free
-from comera.train.loop import NonFiniteLoss
-from comera.train.optim import SGDConfig
-from comera.training import ComeraConfig, Trainer
+from comera.train import ComeraConfig, NonFiniteLoss, SGDConfig, Trainer, sync_free
 from tests.train_helpers import SumCountTask, ToyTask, _cfg, _toy_model
 
 STAGES = ComeraConfig(

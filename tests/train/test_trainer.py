@@ -12,17 +12,18 @@ import pytest
 import torch
 
 import comera as C
-from comera.train.objectives import gate_regularizer, late_weights, size_surrogate
-from comera.train.optim import AdamWConfig, adamw_init, adamw_step
-from comera.training import (
+from comera.tensor_train import bond_ranks
+from comera.train import (
     CheckpointError,
     ComeraConfig,
     NonFiniteLoss,
     TrainConfig,
     Trainer,
     load_checkpoint,
-    model_size,
 )
+from comera.train.measures import lr_scale, model_size
+from comera.train.objectives import gate_regularizer, late_weights, size_surrogate
+from comera.train.optim import AdamWConfig, adamw_init, adamw_step
 from comera.tree import compact_tree, prune_tree
 from tests.train_helpers import ToyTask, _cfg, _Iter, _toy_model, free_port
 
@@ -127,14 +128,14 @@ def test_pruning_removes_ranks_and_compacts(tmp_path):
     rows = [r for r in _metrics(cfg.run_dir) if "loss" in r]
     assert rows[-1]["ranks/lin"] < rows[0]["ranks/lin"]
     # the target map has rank 2: pruning removes middle ranks, compaction drops them
-    assert C.bond_ranks(tr.params["lin"])[1] < 6
+    assert bond_ranks(tr.params["lin"])[1] < 6
     assert model_size(tr.params, tr.state) < before
     assert all(bool(m.all()) for m in tr.state["lin"]["masks"])  # compacted at the end
     assert rows[-1]["loss"] < rows[0]["loss"]
     snaps = json.loads((Path(cfg.run_dir) / "ranks.json").read_text())
     assert list(snaps) == ["init", "end_of_early", "end"]
     assert snaps["init"]["ranks"]["lin"] == [4, 6, 4]
-    assert snaps["end"]["ranks"]["lin"] == C.bond_ranks(tr.params["lin"])
+    assert snaps["end"]["ranks"]["lin"] == bond_ranks(tr.params["lin"])
 
 
 def test_late_stage_reaches_size_target(tmp_path):
@@ -162,11 +163,11 @@ def test_compaction_mid_training_leaves_loss_unchanged(tmp_path):
     tr.prune()
     batch = next(_Iter(tr.task.w, seed=7))
     with torch.no_grad():
-        before, _ = tr.task.loss(tr.params, tr.state, batch, train=False)
+        before, _, _ = tr.task.loss(tr.params, tr.state, batch, train=False)
     stored = C.param_count(tr.params)
     tr.compact()
     with torch.no_grad():
-        after, _ = tr.task.loss(tr.params, tr.state, batch, train=False)
+        after, _, _ = tr.task.loss(tr.params, tr.state, batch, train=False)
     assert C.param_count(tr.params) < stored
     torch.testing.assert_close(after, before)
     tr.train_step(next(it))  # optimizer state was sliced along: the step runs
@@ -236,7 +237,7 @@ DDP_WORKER = """
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 from tests.train_helpers import ToyTask, _toy_model, _cfg
-from comera.training import Trainer
+from comera.train import Trainer
 from pathlib import Path
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
@@ -295,10 +296,10 @@ def test_late_stage_from_the_start_needs_and_uses_a_loss_target(tmp_path):
 
 class _InfGradTask(ToyTask):
     def loss(self, params, state, batch, *, train):
-        loss, extra = super().loss(params, state, batch, train=train)
+        loss, n, extra = super().loss(params, state, batch, train=train)
         if self.calls >= 4:  # finite value, infinite gradient
             loss = loss + torch.sqrt(params["lin"]["bias"][0] * 0)
-        return loss, extra
+        return loss, n, extra
 
 
 def test_non_finite_gradient_stops_before_any_update(tmp_path):
@@ -338,13 +339,11 @@ def test_stale_state_after_compaction_is_named():
 
 
 def test_lr_schedule_ends_above_zero_and_starts_at_one_after_warmup():
-    from comera.training import _lr_scale
-
     cfg = TrainConfig(steps=10, run_dir="x", warmup_steps=2, schedule="linear")
-    scales = [_lr_scale(cfg, s) for s in range(1, 11)]
+    scales = [lr_scale(cfg, s) for s in range(1, 11)]
     assert scales[:3] == [0.5, 1.0, 1.0] and scales[-1] == pytest.approx(1 / 8)
     cos = TrainConfig(steps=10, run_dir="x", schedule="cosine")
-    assert _lr_scale(cos, 1) == 1.0 and _lr_scale(cos, 10) > 0
+    assert lr_scale(cos, 1) == 1.0 and lr_scale(cos, 10) > 0
 
 
 def test_more_config_errors():
@@ -361,4 +360,24 @@ def test_trainer_does_not_touch_the_callers_tensors(tmp_path):
     before = [t.clone() for t in torch.utils._pytree.tree_flatten(params)[0]]
     Trainer(_cfg(tmp_path, steps=5), ToyTask(), params, state).fit()
     after = torch.utils._pytree.tree_flatten(params)[0]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+class _MeanAndMetricsTask(ToyTask):
+    """The removed ``(mean, metrics)`` form of a task's loss."""
+
+    def loss(self, params, state, batch, *, train):
+        mean, _, metrics = super().loss(params, state, batch, train=train)
+        return mean, metrics
+
+
+@pytest.mark.parametrize("mode", ["eager", "sync_free"])
+def test_a_loss_of_two_values_names_the_form_expected(tmp_path, mode):
+    tr = Trainer(_cfg(tmp_path, step_mode=mode), _MeanAndMetricsTask(), *_toy_model())
+    before = [t.clone() for t in torch.utils._pytree.tree_flatten(tr.params)[0]]
+    with pytest.raises(TypeError, match=r"returned 2 values; it must return \(sum, count, "
+                       r"metrics\).*return \(mean, 1, metrics\)"):  # fmt: skip
+        tr.train_step(next(iter(tr.task.train_iter)))
+    assert tr.step == 0
+    after = torch.utils._pytree.tree_flatten(tr.params)[0]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

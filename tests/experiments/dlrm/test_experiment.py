@@ -548,212 +548,45 @@ def test_step_modes_on_dlrm(tmp_path: Path, capsys) -> None:
     assert "cannot run DLRM" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_report_reads_the_rank_and_hot_rows_ablations(tmp_path: Path) -> None:
-    """The report's ablation paragraphs compare the AUCs with dense at the same step and
-    say whether any variant comes within 0.01 (for hot rows: at what compression); without
-    the ablation JSON they say nothing."""
-    from experiments.dlrm.report import _ablation_note
+def test_report_is_rendered_from_its_json(tmp_path: Path) -> None:
+    """The report gathers the two smoke runs, the bench and the ablation reports beside it
+    into ``dlrm.json`` and renders the markdown and plot from that JSON alone."""
+    from experiments.dlrm import report
+    from experiments.report import REPORTS
 
-    path = tmp_path / "ablation_dlrm_rank.json"
-    assert _ablation_note(path, [], "rank") == []
-    rows = [{"label": str(r), "steps": 400, "eval_auc": a, "compression": c}
-            for r, a, c in ((8, 0.74, 29.0), (32, 0.757, 8.2))]  # fmt: skip
-    path.write_text(json.dumps(rows))
-    dense = [{"step": 200, "eval/val/auc": 0.70}, {"step": 400, "eval/val/auc": 0.786}]
-    text = _ablation_note(path, dense, "rank")[0]
-    assert text.startswith("Rank does not close") and "rank 32 0.7570 (8.2x)" in text
-    assert "0.7860 at that step" in text
-    assert _ablation_note(path, dense, "hot_rows")[0].startswith("Hot rows do not close")
-    dense[1]["eval/val/auc"] = 0.765
-    assert _ablation_note(path, dense, "rank")[0].startswith("Enough rank closes")
-    text = _ablation_note(path, dense, "hot_rows", [100, 100])[0]
-    assert text.startswith("Hot rows close") and "(32) keeps 8.2x, with 32% of" in text
-    rows[0]["label"] = "0"  # the no-hot-rows variant: 8 scored less than none
-    rows.insert(1, {"label": "8", "steps": 400, "eval_auc": 0.73, "compression": 20.0})
-    path.write_text(json.dumps(rows))
-    assert "8 scored 0.7300 against 0.7400 with none" in _ablation_note(path, dense, "hot_rows")[0]
-
-
-def test_report_reads_the_gamma_ablation(tmp_path: Path) -> None:
-    """With gamma 0 among the variants the paragraph says how much of the gap the early
-    stage's gate regularizer explains (the late stage's size objective runs at every
-    gamma), what the strongest weight trades, and takes ``gamma=0.05`` labels too."""
-    from experiments.dlrm.report import _ablation_note
-
-    path = tmp_path / "ablation_dlrm_gamma.json"
-    runs = (("0", 0.7593, 19.6), ("0.01", 0.7586, 28.0), ("0.1", 0.753, 35.6))
-    rows = [{"label": g, "steps": 800, "eval_auc": a, "compression": c} for g, a, c in runs]
-    path.write_text(json.dumps(rows))
-    dense = [{"step": 800, "eval/val/auc": 0.7875}]
-    text = _ablation_note(path, dense, "gamma")[0]
-    assert text.startswith("The early-stage gate regularizer explains 0.0063 of the gap")
-    assert "Gamma 0.1 against 0 costs 0.0063 val AUC" in text
-    assert "from 19.6x to 35.6x" in text and "the gap to dense is 0.0282 (one seed)" in text
-    assert "size objective runs at every gamma" in text
-    dense[0]["eval/val/auc"] = 0.765  # gamma 0 within 0.01 of dense, gamma 0.1 not
-    assert _ablation_note(path, dense, "gamma")[0].startswith(
-        "The early-stage gate regularizer keeps"
+    runs = tmp_path / "runs"
+    assert _cli(tmp_path, "--run-dir", str(runs / "dlrm-smoke")) == 0
+    assert _cli(tmp_path, "--run-dir", str(runs / "dlrm-smoke-dense"), "--dense") == 0
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "ablation_dlrm_rank.md").write_text("")
+    bench = json.loads((REPORTS / "dlrm_bench.json").read_text())
+    text = report.write_report(runs, out, bench, command="python -m experiments.dlrm.report")
+    data = json.loads((out / "dlrm.json").read_text())
+    assert data["meta"]["command"] == "python -m experiments.dlrm.report"
+    assert data["meta"]["torch"] == torch.__version__ and data["meta"]["cpu"]
+    assert data["bench"] == bench and data["ablations"] == ["ablation_dlrm_rank.md"]
+    assert data["setup"]["data"] == str(SAMPLE) and data["planted_auc"] is None
+    for name, d in (("CoMERA", "dlrm-smoke"), ("dense", "dlrm-smoke-dense")):
+        rows = [json.loads(x) for x in (runs / d / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in rows if "eval/val/auc" in r]
+        run = data["runs"][name]
+        assert run["final"] == {"step": 12, "auc": evals[-1]["eval/val/auc"],
+                                "nce": evals[-1]["eval/val/nce"],
+                                "logloss": evals[-1]["eval/val/logloss"],
+                                "accuracy": evals[-1]["eval/val/accuracy"]}  # fmt: skip
+        best = max(evals, key=lambda r: r["eval/val/auc"])
+        assert run["best"] == {"step": best["step"], "auc": best["eval/val/auc"]}
+        assert run["curves"]["auc"] == [[r["step"], r["eval/val/auc"]] for r in evals]
+    assert data["runs"]["dense"]["compression"] == 1.0 < data["runs"]["CoMERA"]["compression"]
+    last = [r for r in map(json.loads, (runs / "dlrm-smoke" / "metrics.jsonl").open())
+            if "eval/val/auc" in r][-1]  # fmt: skip
+    assert data["ranks"] and all(
+        r["compression"] == last[f"eval/compression/{r['table'].removeprefix('tables.')}"]
+        for r in data["ranks"]
     )
-    dense[0]["eval/val/auc"] = 0.76  # every variant within 0.01
-    assert _ablation_note(path, dense, "gamma")[0].startswith("Every gamma comes within 0.01")
-    dense[0]["eval/val/auc"] = 0.7875
-    for r in rows:  # the ablation's own labels, and a regularizer that helps
-        r["label"] = f"gamma={float(r['label'])}"
-    rows[2]["eval_auc"] = 0.77
-    path.write_text(json.dumps(rows))
-    text = _ablation_note(path, dense, "gamma")[0]
-    assert text.startswith("The early-stage gate regularizer does not explain the gap")
-    assert "Gamma 0.1 against 0 gains 0.0107 val AUC" in text
-    path.write_text(json.dumps(rows[:1]))  # gamma 0 alone: nothing to trade against
-    text = _ablation_note(path, dense, "gamma")[0]
-    assert text.startswith("No gamma comes within 0.01") and "against 0" not in text
-    path.write_text(json.dumps(rows[1:]))  # no gamma 0
-    assert _ablation_note(path, dense, "gamma")[0].startswith("No gamma comes within 0.01")
-
-
-def test_report_reads_the_capacity_ablation(tmp_path: Path) -> None:
-    """The capacity paragraph splits CoMERA's gap to dense three ways (rank adaptation,
-    what 4x the rank buys back, what stays), pairs each hashed dense variant with the TTM
-    variant nearest its size that is at least as compressed, and compares the gaps on the
-    3x-data draw within that draw; variants without figures are skipped."""
-    from experiments.dlrm.report import _ablation_note
-
-    path = tmp_path / "ablation_dlrm_capacity.json"
-    runs = (("comera", 0.753, 35.6), ("fixed_rank_16", 0.7596, 16.5),
-            ("fixed_rank_64", 0.7687, 4.1), ("dense", 0.7875, 1.0),
-            ("dense_hash_rows_256", 0.7097, 30.5), ("dense_hash_rows_1024", 0.7399, 13.4),
-            ("comera_3x_data", 0.7884, 45.6), ("fixed_rank_16_3x_data", 0.79, 18.0),
-            ("dense_3x_data", 0.8267, 1.0))  # fmt: skip
-    rows = [{"label": k, "steps": 800, "eval_auc": a, "compression": c} for k, a, c in runs]
-    path.write_text(json.dumps(rows))
-    text = _ablation_note(path, [], "capacity")[0]
-    assert text.startswith("The TTM format, more than rank adaptation, holds the gap")
-    assert (
-        "the gap of 0.0345 between CoMERA (0.7530 at 35.6x) and dense (0.7875) splits into "
-        "0.0066 for rank adaptation (the TTM tables at fixed rank 16, nothing pruned: 0.7596 "
-        "at 16.5x), 0.0091 that rank 64 buys back (0.7687 at 4.1x) and 0.0188 that stays"
-    ) in text
-    assert (
-        "At the same size or smaller, the TTM tables beat the hashing trick: the dense "
-        "model's large tables hashed to 256 rows 0.7097 (30.5x) against CoMERA's 0.7530 "
-        "(35.6x), to 1,024 rows 0.7399 (13.4x) against rank 16's 0.7596 (16.5x)."
-    ) in text
-    assert "dense scores 0.8267; CoMERA's gap to it widens from 0.0345 to 0.0383" in text
-    assert "(at 45.6x against 35.6x) and fixed rank 16's widens from 0.0279 to 0.0367" in text
-    assert "independent per value" in text
-    by = {r["label"]: r for r in rows}
-    by["fixed_rank_16_3x_data"]["eval_auc"] = 0.805  # fixed rank's gap narrows: no story
-    by["dense_hash_rows_1024"]["eval_auc"] = 0.77  # hashing wins at one size
-    by["comera_3x_data"]["eval_auc"] = 0.7904  # CoMERA's gap holds (within 0.002)
-    path.write_text(json.dumps(rows))
-    text = _ablation_note(path, [], "capacity")[0]
-    assert "fixed rank 16's narrows from 0.0279 to 0.0217" in text
-    assert "CoMERA's gap to it stays at about 0.0345 (0.0363)" in text
-    assert "independent per value" not in text
-    assert "The hashing trick matches or beats the TTM tables at some size" in text
-    by["dense_hash_rows_256"]["compression"] = by["dense_hash_rows_1024"]["compression"] = 99.0
-    by["fixed_rank_16_3x_data"]["eval_auc"] = None  # a run without figures
-    path.write_text(json.dumps(rows))
-    text = _ablation_note(path, [], "capacity")[0]
-    assert "hashing" not in text and "3x the rows" not in text  # nothing as compressed
-    by["fixed_rank_64"]["eval_auc"] = 0.78  # 4x the rank within 0.01 of dense
-    path.write_text(json.dumps(rows))
-    assert _ablation_note(path, [], "capacity")[0].startswith("Capacity sets the gap: at rank 64")
-    by["fixed_rank_64"]["eval_auc"] = 0.7687
-    by["fixed_rank_16"]["eval_auc"] = 0.775  # pruning costs more than the format
-    path.write_text(json.dumps(rows))
-    assert _ablation_note(path, [], "capacity")[0].startswith("Rank adaptation, more than")
-    path.write_text(json.dumps(rows[1:]))  # no CoMERA variant: nothing to say
-    assert _ablation_note(path, [], "capacity") == []
-
-
-def test_report_reads_the_steps_ablation(tmp_path: Path) -> None:
-    """Trained longer, does CoMERA's best eval come within 0.01 of dense's last? The
-    paragraph lists each variant's best AUC, step and compression, measures the longest
-    run's gain over the preset's (a gain under 0.005 is a plateau) and names a late peak."""
-    from experiments.dlrm.report import _ablation_note
-
-    path = tmp_path / "ablation_dlrm_steps.json"
-    rows = [{"label": f"steps={n}", "steps": n, "best_eval": [a, s], "compression": c}
-            for n, a, s, c in ((400, 0.750, 400, 30.0), (800, 0.754, 600, 31.0),
-                               (1200, 0.752, 800, 29.0))]  # fmt: skip
-    path.write_text(json.dumps(rows))
-    dense = [{"step": 200, "eval/val/auc": 0.70}, {"step": 400, "eval/val/auc": 0.786}]
-    text = _ablation_note(path, dense, "steps")[0]
-    assert text.startswith("Longer training does not close")
-    assert "0.7540 (step 600 of 800, 31.0x)" in text and "0.7860 at step 400" in text
-    assert "With 3x the steps its best moves by +0.0020" in text  # longest vs preset's
-    assert "level off" in text and "peaked" not in text  # no last AUC recorded
-    rows[2]["best_eval"], rows[2]["eval_auc"] = [0.770, 800], 0.769  # rising; a tiny dip
-    path.write_text(json.dumps(rows))
-    text = _ablation_note(path, dense, "steps")[0]
-    assert "level off" not in text and "by +0.0200" in text and "more slowly" in text
-    assert "peaked" not in text
-    rows[2]["eval_auc"] = 0.76  # a real drop after the peak
-    path.write_text(json.dumps(rows))
-    assert (
-        "peaked at step 800 of 1,200 and ended at 0.7600" in _ablation_note(path, dense, "steps")[0]
-    )
-    rows[2]["best_eval"] = [0.780, 1200]  # within 0.01 of dense
-    path.write_text(json.dumps(rows))
-    assert _ablation_note(path, dense, "steps")[0].startswith("Longer training closes")
-    rows[0]["best_eval"] = [0.777, 400]  # the preset's own length is already close
-    path.write_text(json.dumps(rows))
-    assert _ablation_note(path, dense, "steps")[0].startswith("The preset's own length")
-    rows[0].pop("best_eval")  # an ablation written before best evals were recorded
-    path.write_text(json.dumps(rows))
-    assert _ablation_note(path, dense, "steps") == []
-
-
-def test_bench_alternates_the_headline_pair_and_keeps_medians(monkeypatch, capsys) -> None:
-    """``python -m experiments.dlrm --bench``: comera and dense_sgd run ROUNDS times each,
-    alternating, and the ratios use the medians of their runs (stand-in workers)."""
-    from benchmarks import dlrm_step as bench
-
-    calls: list[tuple[str, str]] = []
-    steps = {"comera": iter([0.30, 0.50, 0.31]), "dense_sgd": iter([0.20, 0.40, 0.21])}
-
-    def child(args: list[str], what: str) -> dict:
-        if "--embedding" in args:
-            return {"embedding_time_ratio_batched_vs_separate": 0.9}
-        v, malloc = args[1], args[3]
-        calls.append((v, malloc))
-        step = next(steps[v]) if len(calls) <= 2 * bench.ROUNDS else 1.0  # then the rest
-        return {"params": 10, "compression": 1.0, "step_time_s": step,
-                "peak_rss_mb": 100.0 if v == "comera" else 1000.0 + len(calls)}  # fmt: skip
-
-    monkeypatch.setattr(bench, "_in_child", child)
-    assert bench.main(json_out=True) == 0
-    out = json.loads(capsys.readouterr().out)
-    policy = bench.training_policy()
-    head = [(v, policy) for v in ("comera", "dense_sgd")] * bench.ROUNDS
-    assert calls[: 2 * bench.ROUNDS] == head and calls[2 * bench.ROUNDS] == ("dense_adam", policy)
-    assert out["rounds"] == bench.ROUNDS == 3
-    assert out["variants"]["comera"]["step_time_s_runs"] == [0.30, 0.50, 0.31]
-    assert out["step_time_ratio_vs_dense"] == pytest.approx(0.31 / 0.21)
-    assert out["peak_memory_ratio_vs_dense"] == pytest.approx(100.0 / 1004.0)  # median of 1002/4/6
-
-
-def test_bench_child_failure_names_the_point_and_its_error():
-    """A failed fresh-process point ends the bench with one message: which point, and the
-    child's own error (here argparse's, for a variant that does not exist)."""
-    from benchmarks import dlrm_step as bench
-
-    with pytest.raises(SystemExit) as e:
-        bench._in_child(["--variant", "no_such_variant"], "variant no_such_variant")
-    msg = str(e.value.code)
-    assert msg.startswith("dlrm bench: variant no_such_variant failed (exit 2):")
-    assert "invalid choice: 'no_such_variant'" in msg
-
-
-def test_lookup_bench_refuses_a_device_it_cannot_use():
-    """``python -m benchmarks.dlrm_step --embedding --device D`` checks D as the training
-    CLI does (``experiments.cli.check_device``): a name torch cannot parse is one error
-    line and exit 2, not a traceback."""
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "benchmarks.dlrm_step", "--embedding", "--device", "gpu"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "error: --device 'gpu' is not a torch device" in proc.stderr
+    assert (out / "dlrm_curves.png").stat().st_size > 1000
+    shutil.rmtree(runs)  # re-rendered from the JSON alone: the same report
+    again = tmp_path / "again"
+    assert report.main(["--from-json", str(out / "dlrm.json"), "--out", str(again)]) == 0
+    assert (again / "dlrm.md").read_text() == text

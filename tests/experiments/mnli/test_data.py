@@ -14,19 +14,15 @@ import pytest
 import torch
 
 from experiments.mnli import data as md
-from experiments.mnli.data import (
-    BatchIterator,
-    EncodedSplit,
-    MNLIDataConfig,
-    eval_batches,
-    load_mnli,
-)
+from experiments.mnli import generated as mg
+from experiments.mnli.batches import BatchIterator, EncodedSplit, eval_batches
+from experiments.mnli.data import MNLIDataConfig, load_mnli
 
 L = 32
 
 
 def _tok(max_length: int = L):
-    tok = md.build_generated_tokenizer()
+    tok = mg.build_generated_tokenizer()
     return tok, md.prepare_tokenizer(tok, max_length)
 
 
@@ -87,7 +83,7 @@ def test_encode_layout_cls_sep_types_and_padding():
 
 
 def test_prepare_tokenizer_adds_bert_template_when_missing():
-    tok = md.build_generated_tokenizer()
+    tok = mg.build_generated_tokenizer()
     tok.post_processor = None
     md.prepare_tokenizer(tok, 12)
     enc = md.encode_pairs(tok, ["baba"], ["bade"], [0])
@@ -100,12 +96,12 @@ def test_prepare_tokenizer_adds_bert_template_when_missing():
     ]
     assert enc.token_type_ids[0, :5].tolist() == [0, 0, 0, 1, 1]
     with pytest.raises(ValueError, match="prepare_tokenizer"):
-        md.encode_pairs(md.build_generated_tokenizer(), ["a"], ["b"], [0])
+        md.encode_pairs(mg.build_generated_tokenizer(), ["a"], ["b"], [0])
 
 
 def test_truncation_longest_first_keeps_both_segments_and_final_sep():
     tok, _ = _tok(max_length=10)
-    enc = md.encode_pairs(tok, [" ".join(md.GENERATED_WORDS[:20])], ["baba bade"], [1])
+    enc = md.encode_pairs(tok, [" ".join(mg.GENERATED_WORDS[:20])], ["baba bade"], [1])
     sep = tok.token_to_id("[SEP]")
     assert enc.attention_mask.all() and enc.input_ids[0, -1] == sep
     assert enc.token_type_ids[0].tolist() == [0] * 7 + [1] * 3  # premise cut, hypothesis kept
@@ -116,7 +112,7 @@ def test_truncation_longest_first_keeps_both_segments_and_final_sep():
 
 @pytest.fixture(scope="module")
 def gen_files(tmp_path_factory):
-    return md.write_generated_files(tmp_path_factory.mktemp("gen"), 60, 30, seed=3)
+    return mg.write_generated_files(tmp_path_factory.mktemp("gen"), 60, 30, seed=3)
 
 
 def test_generated_and_local_files_give_the_same_tensors(gen_files):

@@ -149,145 +149,67 @@ def test_unknown_preset():
         mnli.preset("huge")
 
 
-def test_gpu_step_bench_never_replaces_the_cpu_figures(tmp_path, monkeypatch):
-    """Without ``out``, a CUDA run writes ``reports/gpu/mnli_bench_cuda.json`` and leaves
-    the CPU JSON alone (workers stubbed: no GPU is needed to check where it writes)."""
-    from benchmarks import mnli_step as mnli_bench
-
-    cpu, gpu = tmp_path / "mnli_bench.json", tmp_path / "gpu" / "mnli_bench_cuda.json"
-    monkeypatch.setattr(mnli_bench, "REPORT_JSON", cpu)
-    monkeypatch.setattr(mnli_bench, "GPU_REPORT_JSON", gpu)
-
-    def fake_worker(variant, batch, *args):
-        return {"variant": variant, "batch": batch, "step_s": 1.0, "peak_mb": 1.0,
-                "params": 1, "peak_memory": "fake"}  # fmt: skip
-
-    monkeypatch.setattr(mnli_bench, "run_worker", fake_worker)
-    assert mnli_bench.main(device="cuda", repeats=1) == 0
-    assert json.loads(gpu.read_text())["device"] == "cuda" and not cpu.exists()
-    assert not (gpu.parent / "mnli_bench_cuda.partial.json").exists()  # removed when done
-    assert mnli_bench.main(device="cpu", repeats=1) == 0
-    assert json.loads(cpu.read_text())["device"] == "cpu"
-    # without galore-torch the GaLore variant and its ratios are left out, the rest stays
-    monkeypatch.setattr(mnli_bench, "_galore_available", lambda: False)
-    assert mnli_bench.main(device="cuda", repeats=1) == 0
-    result = json.loads(gpu.read_text())
-    assert not any("galore" in k for k in result)
-    assert {r["variant"] for r in result["runs"]} == set(mnli_bench.VARIANTS) - {"galore"}
-    assert "step_time_ratio_vs_dense" in result
-
-
-def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, monkeypatch):
-    """Each worker's result goes to a ``.partial.json`` beside the output as it comes; a
-    run that stops early leaves that file and the last complete JSON untouched; a failing
-    worker is recorded there and the others still run (exit 1, no summary)."""
-    from benchmarks import mnli_step as mnli_bench
-    from experiments.workers import WorkerFailed
-
-    out = tmp_path / "mnli_bench.json"
-    out.write_text('{"last": "complete"}')
-    (tmp_path / "mnli_bench.partial.json").write_text('{"older": "run"}')
-    monkeypatch.setattr(mnli_bench, "_galore_available", lambda: True)
-    calls = []
-
-    def worker(variant, batch, *args):
-        calls.append(variant)
-        if len(calls) == 3:
-            raise OSError("time limit")  # the process stopped from outside
-        return {"variant": variant, "batch": batch, "step_s": 1.0, "peak_mb": 1.0,
-                "params": 1, "peak_memory": "fake"}  # fmt: skip
-
-    monkeypatch.setattr(mnli_bench, "run_worker", worker)
-    with pytest.raises(OSError, match="time limit"):
-        mnli_bench.main(device="cpu", repeats=1, out=out)
-    assert json.loads(out.read_text()) == {"last": "complete"}
-    partial = json.loads((tmp_path / "mnli_bench.partial.json").read_text())
-    assert partial["partial"] and [r["variant"] for r in partial["runs"]] == calls[:2]
-    assert "older" not in partial and partial["torch"] == torch.__version__
-
-    def failing(variant, batch, *args):  # one worker fails: the rest still run
-        if variant == "galore":
-            raise WorkerFailed("bench worker galore/1", "Traceback\nValueError: boom")
-        return {"variant": variant, "batch": batch, "step_s": 1.0, "peak_mb": 1.0,
-                "params": 1, "peak_memory": "fake"}  # fmt: skip
-
-    monkeypatch.setattr(mnli_bench, "run_worker", failing)
-    assert mnli_bench.main(device="cpu", repeats=1, out=out, json_out=True) == 1
-    # GaLore (optional) failing alone: the summary is written without it, saying why
-    summary = json.loads(out.read_text())
-    assert (
-        summary["galore_error"] == "ValueError: boom" and "step_time_ratio_vs_galore" not in summary
-    )
-    assert "step_time_ratio_vs_dense" in summary and all("error" not in r for r in summary["runs"])
-    out.write_text('{"last": "complete"}')
-
-    def failing_dense(variant, batch, *args):  # a core point fails: no summary at all
-        if variant == "dense" and batch == 1:
-            raise WorkerFailed("bench worker dense/1", "Traceback\nValueError: boom")
-        return failing("comera", batch) | {"variant": variant}
-
-    monkeypatch.setattr(mnli_bench, "run_worker", failing_dense)
-    assert mnli_bench.main(device="cpu", repeats=1, out=out) == 1
-    assert json.loads(out.read_text()) == {"last": "complete"}
-    runs = json.loads((tmp_path / "mnli_bench.partial.json").read_text())["runs"]
-    errors = [r for r in runs if "error" in r]
-    assert errors == [{"variant": "dense", "batch": 1, "error": "ValueError: boom"}]
-    assert len(runs) > len(errors) and {r["batch"] for r in runs} == set(mnli_bench.BATCHES)
-
-
-def test_step_bench_plumbing(tmp_path, capsys):
-    from benchmarks import mnli_step as mnli_bench
-
-    out = tmp_path / "bench.json"
-    assert (
-        mnli_bench.main(json_out=True, device="cpu", repeats=1, threads=1, tiny=True, out=out) == 0
-    )
-    result = json.loads(capsys.readouterr().out)
-    for key in (
-        "step_time_ratio_vs_dense",
-        "peak_memory_ratio_vs_dense",
-        "peak_memory_ratio_vs_dense_b32",
-        "compression_ratio",
-        "peak_memory_ratio_vs_dense_b32_recompute",
-        "peak_memory_ratio_recompute_vs_dense_b32",
-        "step_time_ratio_vs_galore",
-        "peak_memory_ratio_vs_galore",
-    ):
-        assert result[key] > 0
-    assert {(r["variant"], r["batch"], r["malloc"]) for r in result["runs"]} == {
-        (v, b, "default") for v in ("comera", "dense", "comera_half", "galore") for b in (32, 1)
-    } | {("comera_recompute", 32, "lean"), ("dense_recompute", 32, "lean"),
-         ("comera_recompute@glibc_default", 32, "default"),
-         ("dense_recompute@glibc_default", 32, "default"), ("dense@lean", 32, "lean")}  # fmt: skip
-    assert result["peak_memory_ratio_vs_dense_b32_recompute_glibc_default"] > 0
-    assert result["peak_memory_ratio_recompute_vs_dense_b32_each_own_policy"] > 0
-    assert json.loads(out.read_text())["compression_ratio"] == result["compression_ratio"]
-
-
 def test_report_from_run_dirs(tmp_path, capsys):
-    from experiments import report
+    """The report gathers the runs into ``mnli.json`` (host, figures, curves, ranks, layers,
+    the bench JSON beside it) and renders the markdown from that JSON alone."""
+    import shutil
+    import subprocess
+    import sys
+
+    from comera.accounting import summary_table
+    from comera.train import load_checkpoint
+    from experiments import report as shared
+    from experiments.mnli import report
 
     run_dir = tmp_path / "smoke"
     argv = ["--preset", "smoke", "--steps", "30", "--run-dir", str(run_dir), "--wandb", "disabled"]
     assert mnli.main(argv) == 0
     out = tmp_path / "reports" / "mnli.md"
+    out.parent.mkdir()
+    bench = json.loads(shared.REPORTS.joinpath("mnli_bench.json").read_text())
+    (out.parent / "mnli_bench.json").write_text(json.dumps(bench))
     report.write_report([str(run_dir)], out)
-    text = out.read_text()
-    assert "| smoke | CoMERA | 30 |" in text
-    assert "Per-layer ranks: smoke" in text and "layers.0.q" in text
+    data = json.loads((out.parent / "mnli.json").read_text())
+    assert data["meta"]["command"] == f"python -m experiments.mnli.report {run_dir}"
+    assert data["meta"]["torch"] == torch.__version__ and data["meta"]["cpu"]
+    assert data["bench"] == bench and data["paper"] == report.PAPER
+    (run,) = data["runs"]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    assert (run["name"], run["kind"], run["steps"]) == ("smoke", "CoMERA", 30)
+    assert run["final_loss"] == train[-1]["loss"] and run["live_params"] == train[-1]["live_params"]
+    assert run["curves"]["loss"] == [[r["step"], r["loss"]] for r in train]
+    assert run["curves"]["compression"][-1] == [30, train[-1]["compression"]]
+    assert "layers.0.q" in run["ranks"]["init"]["ranks"]
+    ckpt = load_checkpoint(run_dir)  # the layer table from the JSON: as from the checkpoint
+    table = summary_table(ckpt["params"], ckpt["state"]).splitlines()
+    assert shared.layer_table(run["layers"]) == table
     assert (out.parent / "mnli_curves.png").stat().st_size > 1000
     assert (out.parent / "mnli_ranks.png").stat().st_size > 1000
+    text = out.read_text()
+    shutil.rmtree(run_dir)  # re-rendered from the JSON alone: the same report
+    again = tmp_path / "again" / "mnli.md"
+    assert report.main(["--from-json", str(out.parent / "mnli.json"), "--out", str(again)]) == 0
+    assert again.read_text() == text
     with pytest.raises(FileNotFoundError, match="is .* a run dir"):
-        report.load_run(tmp_path / "nothing")
+        shared.load_run(tmp_path / "nothing")
     capsys.readouterr()
     assert report.main([str(tmp_path / "nothing"), "--out", str(out)]) == 2  # one line
     assert "is " + str(tmp_path / "nothing") + " a run dir" in _one_error_line(capsys)
+    assert report.main(["--from-json", str(out), "--out", str(again)]) == 2  # markdown, not JSON
+    assert "--from-json" in _one_error_line(capsys)
+    # the old command forwards, naming the new one in one line first
+    cmd = [sys.executable, "-m", "experiments.report", str(tmp_path / "nothing"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 2, proc.stderr
+    assert "python -m experiments.mnli.report" in err[0] and "a run dir" in err[1]
 
 
 def test_crash_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
     """The real task (dropout, shuffled batches, pruning): kill after the step-30 checkpoint,
     --resume, and the final model equals that of a run that never stopped."""
-    from comera.training import Trainer, load_checkpoint
+    from comera.train import Trainer, load_checkpoint
 
     common = [
         "--preset",
@@ -378,7 +300,7 @@ def test_cli_argument_errors(tmp_path, capsys):
 
 
 def test_bad_data_is_one_line_naming_the_flag(tmp_path, capsys):
-    from experiments.mnli.data import write_generated_files
+    from experiments.mnli.generated import write_generated_files
 
     train, dev, tok = write_generated_files(tmp_path / "gen", 30, 9)
     base = ["--tokenizer", str(tok), "--wandb", "disabled", "--no-progress"]

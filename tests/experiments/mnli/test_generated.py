@@ -7,7 +7,6 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-import experiments.mnli.data as md
 import experiments.mnli.generated as mg
 
 ENT, NEU, CON = 0, 1, 2
@@ -127,17 +126,3 @@ def test_files_round_trip(tmp_path):
     enc = tok.encode("baba bade", "not baba")
     assert enc.tokens == ["[CLS]", "baba", "bade", "[SEP]", "not", "baba", "[SEP]"]
     assert not list(tmp_path.glob("gen/*.tmp"))
-
-
-def test_mnli_data_re_exports_the_generated_task():
-    for name in (
-        "SPECIAL_TOKENS",
-        "GENERATED_WORDS",
-        "build_generated_tokenizer",
-        "save_tokenizer",
-        "generate_examples",
-        "write_generated_files",
-        "cue_baselines",
-        "best_single_cue_accuracy",
-    ):
-        assert getattr(md, name) is getattr(mg, name)

@@ -1,0 +1,43 @@
+"""What every benchmark's report step shares: its JSON read back, files written whole.
+
+A benchmark keeps its measurements as JSON and renders its report from that JSON alone
+(``render(result) -> str`` in each module), both right after measuring and later, from the
+committed JSON, with ``--render JSON``: a report can be regenerated without measuring
+again, and its header (command, CPU, torch version, date) says what the JSON recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["read_result", "write_json", "write_text"]
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename, so a reader never
+    sees half a report (and an interrupted run leaves the last one whole)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, result: dict, indent: int | None = 1) -> None:
+    """A benchmark's result as ``path`` (JSON), written whole."""
+    write_text(path, json.dumps(result, indent=indent) + "\n")
+
+
+def read_result(path: Path, flag: str = "--render") -> dict:
+    """A benchmark's JSON result read back for rendering; a missing or unreadable file, or
+    one that is not a JSON object, raises ``ValueError`` naming the file and ``flag``."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{flag} {path}: no such file") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read it as JSON ({e})") from None
+    if not isinstance(result, dict):
+        raise ValueError(f"{flag} {path}: expected a JSON object, got {type(result).__name__}")
+    return result

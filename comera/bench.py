@@ -1,0 +1,25 @@
+"""Forward of an old command: ``python -m comera.bench``.
+
+The command is now ``python -m benchmarks.core``. Run as a command, this module prints one line on
+stderr naming it, then runs it with the same arguments (same output, same JSON keys). It
+goes in a later release. comera is a library and never imports the benchmarks: the new
+module is run by name, from the repository root, only when this one runs as a command.
+"""
+
+if __name__ == "__main__":
+    import importlib.util
+    import runpy
+    import sys
+
+    print(
+        "note: `python -m comera.bench` has moved to `python -m benchmarks.core`; "
+        "the old name goes in a later release",
+        file=sys.stderr,
+        flush=True,
+    )
+    if importlib.util.find_spec("benchmarks") is None:
+        sys.exit(
+            "comera.bench: cannot find the benchmarks package; run `python -m benchmarks.core` "
+            "from the repository root"
+        )
+    runpy.run_module("benchmarks.core", run_name="__main__", alter_sys=True)

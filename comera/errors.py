@@ -1,0 +1,41 @@
+"""What bad input raises: :class:`UserError` and its kinds, apart from the library's bugs.
+
+A :class:`UserError` means the input is wrong, not the code: its message names the problem,
+the value and the field or flag to change. Commands (``python -m experiments.<name>`` ...)
+print it as one line and exit with status 2; any other exception, a plain ``ValueError``
+from inside the library included, is a bug and keeps its traceback.
+
+* :class:`ConfigError`: a config field, preset, plan or flag value that cannot work;
+* :class:`DataError`: a data file, column, label, tokenizer or corpus folder that cannot be
+  used; :class:`MissingFileError` when a given path does not exist;
+* :class:`CheckpointError`: a checkpoint that is missing, corrupt, incomplete or from an
+  incompatible run.
+
+``ConfigError`` and ``DataError`` are also ``ValueError`` (``MissingFileError`` also
+``FileNotFoundError``; ``CheckpointError`` also ``RuntimeError``, as before), so callers'
+existing ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError", "ConfigError", "DataError", "MissingFileError", "UserError"]
+
+
+class UserError(Exception):
+    """Bad input: the message names the problem and the field or flag to change."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config field, preset, plan or flag value that cannot work."""
+
+
+class DataError(UserError, ValueError):
+    """A data file, column, label, tokenizer or corpus that cannot be used as given."""
+
+
+class MissingFileError(DataError, FileNotFoundError):
+    """A user-given path (data file, tokenizer, run dir) that does not exist."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint is missing, corrupt, incomplete or from an incompatible run."""

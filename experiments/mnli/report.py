@@ -1,0 +1,323 @@
+"""Turn MNLI run dirs (and the step benchmark) into ``reports/mnli.md``, its JSON and plots.
+
+    python -m experiments.mnli.report runs/mnli-smoke runs/mnli-smoke-dense
+    python -m experiments.mnli.report --from-json reports/mnli.json   # re-render only
+
+Each run dir holds ``config.json``, ``metrics.jsonl`` and, for CoMERA runs, ``ranks.json``
+(written by :class:`comera.train.Trainer`). ``reports/mnli_bench.json`` (from
+``python -m benchmarks.mnli_step --json``) is added when it sits beside the report.
+Everything shown is gathered first into ``reports/mnli.json`` and rendered from it; the
+paper's figures are quoted next to the measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from comera.errors import ConfigError, UserError
+from experiments.host import report_header
+from experiments.malloc import lean_without_hugepages
+from experiments.report import (
+    REPORTS,
+    layer_summary,
+    layer_table,
+    load_run,
+    rank_table,
+    read_report_json,
+    runs_host,
+    series,
+    write_report_json,
+)
+
+__all__ = ["PAPER", "gather", "main", "render", "write_report"]
+
+PROG = "python -m experiments.mnli.report"
+TITLE = "MNLI: six-encoder transformer, CoMERA vs dense"
+PAPER = {
+    "source": "Yang et al., CoMERA, NeurIPS 2024 (arXiv 2405.14377)",
+    "model_mb": "256 -> 3.2 MB",
+    "compression": "~80x whole model (43x early stage; up to 361x for some layers)",
+    "epoch_speed": "2-3x faster per epoch than dense",
+    "memory_b1": "9x less memory than GaLore at batch 1 (RTX 3090)",
+}
+
+
+def _summary(run: dict) -> dict:
+    """One run's figures and curves, as the report's JSON holds them."""
+    cfg, rows = run["config"], run["rows"]
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    last_eval = evals[-1] if evals else {}
+    last = train[-1]
+    steps_per_epoch = cfg.get("train_examples", 0) // max(cfg.get("batch_size", 1), 1)
+    acc_keys = sorted({k for r in evals for k in r if k.endswith("accuracy")})
+    rank_keys = sorted({k for r in train for k in r if k.startswith("ranks/")})
+    dense = bool(cfg.get("dense"))
+    return {
+        "name": run["dir"].name,
+        "kind": "dense" if dense else "CoMERA",
+        "preset": str(cfg.get("preset")),
+        "steps": last["step"],
+        "final_loss": last["loss"],
+        "accuracy": {k[5:]: v for k, v in last_eval.items() if k.endswith("accuracy")},
+        "live_params": last["live_params"],
+        "model_mb": last["live_params"] * 4 / 2**20,
+        "compression": cfg.get("dense_params", last["live_params"]) / last["live_params"],
+        "epoch_s": steps_per_epoch / last["steps_per_s"] if last["steps_per_s"] else None,
+        "peak_mb": last["peak_memory_mb"],
+        "early_end": run["ranks"].get("end_of_early", {}).get("step"),
+        "ranks": run["ranks"],
+        "layers": layer_summary(run),
+        "curves": {
+            "loss": series(train, "loss"),
+            **{k: series(evals, k) for k in acc_keys},
+            **({} if dense else {"compression": series(train, "compression")}),
+            **({} if dense else {k: series(train, k) for k in rank_keys}),
+        },
+    }
+
+
+def gather(run_dirs: list[str], bench: dict | None, command: str) -> dict:
+    """The report's data: the host that made the runs, each run's summary and curves, the
+    paper's figures and the step benchmark's JSON (``None`` when absent)."""
+    runs = [load_run(d) for d in run_dirs]
+    return {
+        "meta": {"command": command, **runs_host(r["dir"] for r in runs)},
+        "paper": PAPER,
+        "runs": [_summary(r) for r in runs],
+        "bench": bench,
+    }
+
+
+def render(data: dict, out_dir: Path, name: str = "mnli.md") -> str:
+    """Write ``OUT_DIR/NAME`` and its plots from the report's JSON; returns the markdown."""
+    lines = report_header(TITLE, data["meta"].get("command", PROG), data["meta"])
+    runs = data["runs"]
+    if runs:
+        presets = sorted({r["preset"] for r in runs})
+        lines += [
+            f"Runs: {', '.join(presets)}. Smoke runs use a tiny model on the generated task.",
+            "",
+            "| run | kind | steps | final loss | eval accuracy | live params | model MB (fp32) | "
+            "compression vs dense | s / epoch | peak MB |",
+            "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for s in runs:
+            acc = ", ".join(f"{k} {v:.3f}" for k, v in s["accuracy"].items()) or "-"
+            epoch = "-" if s["epoch_s"] is None else f"{s['epoch_s']:.1f}"
+            lines.append(
+                f"| {s['name']} | {s['kind']} | {s['steps']} | {s['final_loss']:.3f} | {acc} | "
+                f"{s['live_params']:,} | {s['model_mb']:.2f} | {s['compression']:.1f}x | "
+                f"{epoch} | {s['peak_mb']:.0f} |"
+            )
+        paper = data["paper"]
+        figures = "; ".join(v for k, v in paper.items() if k != "source")
+        lines += ["", f"Paper ({paper['source']}; full MNLI, GPU): {figures}."]
+        for s in runs:
+            table = rank_table(s["ranks"])
+            if table:
+                lines += ["", f"## Per-layer ranks: {s['name']}", "", *table]
+            layers = layer_table(s["layers"])
+            if layers:
+                lines += [
+                    "",
+                    f"## Per-layer compression at the end: {s['name']}",
+                    "",
+                    "TT/TTM layers (an embedding counted at its padded vocabulary); the total "
+                    "includes the dense tensors (norms, positions, classifier). A layer "
+                    "pruned to rank 0 is the zero map (its residual path carries the signal).",
+                    "",
+                    *layers,
+                ]
+        plots = _plots(runs, out_dir)
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    bench = _bench_section(data["bench"])  # starts with a blank line
+    lines += bench[1:] if lines[-1] == "" else bench
+    text = "\n".join(lines) + "\n"
+    out = out_dir / name
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    return text
+
+
+def _plots(runs: list[dict], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for s in runs:
+        curves = s["curves"]
+        if curves["loss"]:
+            axes[0].plot(*zip(*curves["loss"], strict=True), label=f"{s['kind']} ({s['name']})")
+        for key in sorted(k for k in curves if k.startswith("eval/") and k.endswith("accuracy")):
+            if curves[key]:
+                pts = curves[key]
+                axes[1].plot(*zip(*pts, strict=True), marker="o", label=f"{s['kind']} {key[5:]}")
+    axes[1].axhline(1 / 3, color="grey", ls=":", lw=1, label="chance")
+    axes[0].set(xlabel="step", ylabel="training loss", title="Loss")
+    axes[1].set(xlabel="step", ylabel="accuracy", title="Evaluation accuracy", ylim=(0, 1))
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "mnli_curves.png", dpi=110)
+    plt.close(fig)
+    names.append("mnli_curves.png")
+
+    comera = [s for s in runs if s["kind"] == "CoMERA"]
+    if comera:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for s in comera:
+            curves = s["curves"]
+            if curves.get("compression"):
+                axes[0].plot(*zip(*curves["compression"], strict=True), label=s["name"])
+            for key in sorted(k for k in curves if k.startswith("ranks/")):
+                if curves[key]:
+                    axes[1].plot(*zip(*curves[key], strict=True), lw=1, label=key[6:])
+            for ax in axes:
+                if s["early_end"]:
+                    ax.axvline(s["early_end"], color="grey", ls="--", lw=1)
+        axes[0].set(xlabel="step", ylabel="dense params / live params", title="Compression")
+        axes[1].set(xlabel="step", ylabel="sum of live ranks", title="Live ranks per layer")
+        axes[0].legend(fontsize=8)
+        axes[1].legend(fontsize=6, ncol=2)
+        for ax in axes:
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / "mnli_ranks.png", dpi=110)
+        plt.close(fig)
+        names.append("mnli_ranks.png")
+    return names
+
+
+def _bench_section(b: dict | None) -> list[str]:
+    """The step benchmark's table and ratios, beside the paper's figures where it has one."""
+    if b is None:
+        return ["", "No step benchmark yet: run `python -m benchmarks.mnli_step --json`."]
+    lines = [
+        "",
+        f"## One training step, paper-size model ({b['device']}, {b['threads']} threads"
+        f"{' of ' + b['cpu'] if b.get('cpu') and b['device'] == 'cpu' else ''}, "
+        f"median of {b['repeats']}, measured {b['date']})",
+        "",
+        f"Peak memory: {b['peak_memory']}; each variant in a fresh process.",
+        "",
+        "| variant | batch | step ms | peak MB | params |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in b["runs"]:
+        policy = r.get("malloc") or "default"
+        name = r["variant"] if policy == "default" else f"{r['variant']} (cpu_malloc={policy})"
+        lines.append(
+            f"| {name} | {r['batch']} x 128 | {r['step_s'] * 1e3:.1f} | "
+            f"{r['peak_mb']:.1f} | {r['params']:,} |"
+        )
+    warning = lean_without_hugepages(b["runs"])
+    lines += ["", warning] if warning else []
+    lines += [
+        "",
+        f"| ratio (CoMERA / dense) | measured | paper ({PAPER['source']}) |",
+        "|---|---:|---|",
+        f"| step time, batch 32 | {b['step_time_ratio_vs_dense']:.3f} | "
+        "2-3x faster per epoch than dense |",
+        f"| step time, batch 1 | {b['step_time_ratio_vs_dense_b1']:.3f} | |",
+        f"| peak memory, batch 1 | {b['peak_memory_ratio_vs_dense']:.3f} | |",
+        f"| peak memory, batch 32 | {b['peak_memory_ratio_vs_dense_b32']:.3f} | |",
+        f"| compression (params) | {b['compression_ratio']:.1f}x | ~80x after training |",
+    ]
+    if "peak_memory_ratio_vs_dense_b32_recompute" in b:  # --recompute (every encoder block)
+        lines += [
+            f"| peak memory, batch 32, both `--recompute` | "
+            f"{b['peak_memory_ratio_vs_dense_b32_recompute']:.3f} | |",
+            f"| peak memory, batch 32, CoMERA `--recompute` vs dense without | "
+            f"{b['peak_memory_ratio_recompute_vs_dense_b32']:.3f} | |",
+            *(
+                [
+                    "| the same, dense under its own command's policy (glibc as found) | "
+                    f"{b['peak_memory_ratio_recompute_vs_dense_b32_each_own_policy']:.3f} | |"
+                ]
+                if "peak_memory_ratio_recompute_vs_dense_b32_each_own_policy" in b
+                else []
+            ),
+            f"| step time, batch 32, both `--recompute` | "
+            f"{b['step_time_ratio_vs_dense_b32_recompute']:.3f} | |",
+        ]
+    if "peak_memory_ratio_vs_dense_b32_recompute_glibc_default" in b:
+        lines += [
+            "| the same two memory ratios with the recompute runs under glibc as found | "
+            f"{b['peak_memory_ratio_vs_dense_b32_recompute_glibc_default']:.3f}, "
+            f"{b['peak_memory_ratio_recompute_vs_dense_b32_glibc_default']:.3f} | |",
+        ]
+    if "step_time_ratio_vs_galore" in b:  # the dense model under GaLore-AdamW
+        lines += [
+            f"| step time vs GaLore, batch 1 | {b['step_time_ratio_vs_galore']:.3f} | "
+            "2x faster than GaLore (RTX 3090) |",
+            f"| peak memory vs GaLore, batch 1 | {b['peak_memory_ratio_vs_galore']:.3f} | "
+            "9x less than GaLore (RTX 3090) |",
+        ]
+    lines += [
+        "",
+        "These are at the initial ranks (30 / 32). The same step with every rank halved (15 / 16):",
+        "",
+        "| ratio (half ranks / dense) | measured |",
+        "|---|---:|",
+        f"| step time, batch 32 | {b['half_ranks']['step_time_ratio_vs_dense']:.3f} |",
+        f"| peak memory, batch 1 | {b['half_ranks']['peak_memory_ratio_vs_dense']:.3f} |",
+        f"| compression (params) | {b['half_ranks']['compression_ratio']:.1f}x |",
+    ]
+    return lines
+
+
+def write_report(
+    run_dirs: list[str], out: Path = REPORTS / "mnli.md", command: str | None = None
+) -> Path:
+    """Gather the runs (and ``mnli_bench.json`` beside ``out``) into ``out``'s JSON
+    (``mnli.json``), then render the markdown and plots from it; returns the report path."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bench_path = out.parent / "mnli_bench.json"
+    bench = json.loads(bench_path.read_text()) if bench_path.is_file() else None
+    command = command or " ".join([PROG, *map(str, run_dirs)])
+    data = gather(run_dirs, bench, command)
+    render(write_report_json(out.with_suffix(".json"), data), out.parent, out.name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="*", help="run dirs (CoMERA and/or dense)")
+    ap.add_argument("--out", type=Path, default=REPORTS / "mnli.md")
+    ap.add_argument(
+        "--from-json",
+        dest="from_json",
+        type=Path,
+        metavar="FILE",
+        help="re-render the report from its JSON (reports/mnli.json), without the run dirs",
+    )
+    args = ap.parse_args(argv)
+    try:
+        if args.from_json:
+            if args.runs:
+                raise ConfigError("give run dirs or --from-json FILE, not both")
+            data = read_report_json(args.from_json, "--from-json")
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            render(data, args.out.parent, args.out.name)
+            path = args.out
+        else:
+            argv_used = sys.argv[1:] if argv is None else argv
+            path = write_report(args.runs, args.out, " ".join([PROG, *argv_used]))
+    except UserError as e:  # e.g. a path that is not a run dir: one line, status 2
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

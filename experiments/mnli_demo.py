@@ -1,0 +1,11 @@
+"""Forward of an old command: ``python -m experiments.mnli_demo``.
+
+The command is now ``python -m experiments.mnli.demo``.
+Run as a command, this module prints one line on stderr naming it, then runs it with the
+same arguments (:func:`experiments.moved.forward`). It goes in a later release.
+"""
+
+if __name__ == "__main__":
+    from experiments.moved import forward
+
+    raise SystemExit(forward("experiments.mnli_demo", "experiments.mnli.demo"))

@@ -1,0 +1,21 @@
+"""What bad input to the loader raises (loaders never import comera, so it has its own).
+
+:class:`LoaderInputError` means the loader's config, corpus or saved state is wrong, not the
+code: its message names the problem and what to change. Commands print it as one line and
+exit with status 2 (as they do ``comera.errors.UserError``); any other exception is a bug
+and keeps its traceback. It is a ``ValueError`` (:class:`LoaderPathError` also a
+``FileNotFoundError``), so callers' existing ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LoaderInputError", "LoaderPathError"]
+
+
+class LoaderInputError(ValueError):
+    """A loader config, corpus file or saved loader state that cannot be used as given."""
+
+
+class LoaderPathError(LoaderInputError, FileNotFoundError):
+    """A data path (corpus folder, file, checkpoint folder) that does not exist or holds no
+    files the loader reads."""

@@ -1,0 +1,66 @@
+"""``python -m benchmarks.dlrm_step``: the headline pair's rounds, a failing point, and the
+devices it refuses."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPORTS = Path(__file__).resolve().parents[2] / "reports"
+
+
+def test_bench_alternates_the_headline_pair_and_keeps_medians(monkeypatch, capsys) -> None:
+    """``python -m benchmarks.dlrm_step``: comera and dense_sgd run ROUNDS times each,
+    alternating, and the ratios use the medians of their runs (stand-in workers)."""
+    from benchmarks import dlrm_step as bench
+
+    calls: list[tuple[str, str]] = []
+    steps = {"comera": iter([0.30, 0.50, 0.31]), "dense_sgd": iter([0.20, 0.40, 0.21])}
+
+    def child(args: list[str], what: str) -> dict:
+        if "--embedding" in args:  # what embedding_times returns
+            return {"embedding_batched_s": 0.9, "embedding_separate_s": 1.0,
+                    "embedding_time_ratio_batched_vs_separate": 0.9, "device": "cpu"}  # fmt: skip
+        v, malloc = args[1], args[3]
+        calls.append((v, malloc))
+        step = next(steps[v]) if len(calls) <= 2 * bench.ROUNDS else 1.0  # then the rest
+        return {"params": 10, "compression": 1.0, "step_time_s": step,
+                "peak_rss_mb": 100.0 if v == "comera" else 1000.0 + len(calls)}  # fmt: skip
+
+    monkeypatch.setattr(bench, "_in_child", child)
+    assert bench.run(json_out=True) == 0
+    out = json.loads(capsys.readouterr().out)
+    policy = bench.training_policy()
+    head = [(v, policy) for v in ("comera", "dense_sgd")] * bench.ROUNDS
+    assert calls[: 2 * bench.ROUNDS] == head and calls[2 * bench.ROUNDS] == ("dense_adam", policy)
+    assert out["rounds"] == bench.ROUNDS == 3
+    assert out["variants"]["comera"]["step_time_s_runs"] == [0.30, 0.50, 0.31]
+    assert out["step_time_ratio_vs_dense"] == pytest.approx(0.31 / 0.21)
+    assert out["peak_memory_ratio_vs_dense"] == pytest.approx(100.0 / 1004.0)  # median of 1002/4/6
+    # every key of the committed figures (measured by the old command) is still printed
+    assert set(json.loads((REPORTS / "dlrm_bench.json").read_text())) <= set(out)
+    assert {"cpu", "torch", "date"} <= set(out)  # what a header of these figures names
+
+
+def test_bench_child_failure_names_the_point_and_its_error():
+    """A failed fresh-process point ends the bench with one message: which point, and the
+    child's own error (here argparse's, for a variant that does not exist)."""
+    from benchmarks import dlrm_step as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench._in_child(["--variant", "no_such_variant"], "variant no_such_variant")
+    msg = str(e.value.code)
+    assert msg.startswith("dlrm bench: variant no_such_variant failed (exit 2):")
+    assert "invalid choice: 'no_such_variant'" in msg
+
+
+def test_lookup_bench_refuses_a_device_it_cannot_use():
+    """``python -m benchmarks.dlrm_step --embedding --device D`` checks D as the training
+    CLI does (``experiments.cli.check_device``): a name torch cannot parse is one error
+    line and exit 2, not a traceback."""
+    cmd = [sys.executable, "-m", "benchmarks.dlrm_step", "--embedding", "--device", "gpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "error: --device 'gpu' is not a torch device" in proc.stderr

@@ -1,0 +1,148 @@
+"""Benchmark reports are rendered from their JSON alone: the committed reports are what
+their committed JSON renders to, a header names the command, CPU, torch version and date
+the JSON recorded ("not recorded" where it holds none), and ``--render`` measures nothing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import (
+    codebert_step,
+    core,
+    dlrm_prep,
+    dlrm_step,
+    efficiency,
+    loader,
+    mnli_step,
+    step_modes,
+)
+from benchmarks.reporting import read_result
+from experiments.host import NOT_RECORDED, host_meta, report_header
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORTS = ROOT / "reports"
+
+
+def test_report_header_reads_its_fields_from_the_json() -> None:
+    meta = {"cpu": "AMD EPYC (family 26, model 2)", "torch": "2.13.0+cpu", "date": "2026-12-02"}
+    lines = report_header("Title", "python -m benchmarks.core", meta)
+    assert lines[0] == "# Title" and "`python -m benchmarks.core`" in lines[2]
+    assert lines[4] == "CPU: AMD EPYC (family 26, model 2); torch: 2.13.0+cpu; date: 2026-12-02."
+    lines = report_header("Title", "cmd", {"cpu": "x", "torch": "", "date": None})
+    assert lines[4] == f"CPU: x; torch: {NOT_RECORDED}; date: {NOT_RECORDED}."
+    assert set(host_meta()) == {"cpu", "torch", "date"}
+
+
+@pytest.mark.parametrize(
+    ("module", "stem"), [(efficiency, "efficiency"), (step_modes, "step_modes")]
+)
+def test_committed_reports_are_their_json_rendered(module, stem) -> None:
+    """Re-rendering the committed JSON gives the committed report, byte for byte: nothing
+    in it comes from anywhere but the JSON."""
+    result = read_result(REPORTS / f"{stem}.json")
+    assert (REPORTS / f"{stem}.md").read_text() == module.render(result)
+
+
+_COMMITTED = [
+    (efficiency.render, "efficiency.json"),
+    (step_modes.render, "step_modes.json"),
+    (mnli_step.render, "mnli_bench.json"),
+    (dlrm_step.render, "dlrm_bench.json"),
+    (codebert_step.render, "codebert_bench.json"),
+]
+
+
+@pytest.mark.parametrize(("render", "name"), _COMMITTED)
+def test_every_committed_result_renders_with_the_header_its_json_holds(render, name) -> None:
+    result = read_result(REPORTS / name)
+    lines = render(result).splitlines()
+    header = lines[4]
+    for key in ("cpu", "torch", "date"):
+        want = result.get(key) or NOT_RECORDED
+        assert f"{'CPU' if key == 'cpu' else key}: {want}" in header, (key, header)
+    assert lines[2].startswith("Command: `python -m benchmarks.")
+    text = "\n".join(lines).lower()
+    assert "issue" not in text  # targets are the paper's figures or the benchmark's own
+
+
+def _loader_result() -> dict:
+    return {
+        "tokens_per_s": 5_000_000, "first_batch_s": 0.01, "first_batch_cold_s": 0.02,
+        "state_bytes": 100_000, "save_ms": 1.5, "load_ms": 2.0,
+        "save_background_blocking_ms": 0.3, "dataloader_1worker_tokens_per_s": 1_000_000,
+        "dataloader_1worker_first_batch_s": 0.05, "corpus_tokens": 1000, "corpus_docs": 3,
+        "corpus_gen_s": 0.1, "num_shards": 1024, "seq_len": 4096, "batch_size": 8,
+        "machine": "CPU X, x86_64, 2 CPUs",
+    }  # fmt: skip
+
+
+def test_loader_report_marks_its_thresholds_from_the_values() -> None:
+    """Without cpu/torch/date (a result from before they were recorded) the header says
+    so; each threshold row says whether the value is within it."""
+    md = loader.render(_loader_result())
+    assert f"CPU: {NOT_RECORDED}; torch: {NOT_RECORDED}; date: {NOT_RECORDED}." in md
+    rows = {r.split(" | ")[0].lstrip("| "): r for r in md.splitlines() if r.startswith("| ")}
+    assert rows["tokens/s, in-process reader"].endswith("| >= 4,000,000 | yes |")
+    assert rows["state size (bytes, JSON)"].endswith("| <= 65,536 | no |")
+    assert rows["save (ms, median of 7, fsync + rename)"].endswith("| < 10 | yes |")
+    assert loader.command({**_loader_result(), "requested_tokens": 10}) == (
+        "python -m benchmarks.loader --tokens 10"
+    )
+
+
+def test_loader_render_flag_writes_the_report_from_the_json(tmp_path: Path, capsys) -> None:
+    saved = tmp_path / "bench_loader.json"
+    saved.write_text(json.dumps(_loader_result()))
+    out = tmp_path / "out.md"
+    assert loader.main(["--render", str(saved), "--report", str(out)]) == 0
+    assert out.read_text() == loader.render(_loader_result())
+    assert loader.main(["--render", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--render" in err[0] and "no such file" in err[0]
+
+
+def test_core_render_flag_measures_nothing(tmp_path: Path, capsys) -> None:
+    """``--render`` on a saved quick result writes the report beside ``--report``; a file
+    that is not a JSON object is one error line, exit 2."""
+    assert core.main(["--quick", "--json", "--no-report"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    saved = tmp_path / "r.json"
+    saved.write_text(json.dumps(result))
+    out = tmp_path / "r.md"
+    assert core.main(["--render", str(saved), "--report", str(out)]) == 0
+    assert out.read_text() == core.render(result)
+    saved.write_text("[1, 2]")
+    capsys.readouterr()
+    assert core.main(["--render", str(saved)]) == 2
+    assert "expected a JSON object" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [("benchmarks.mnli_step", "mnli_bench.json"), ("benchmarks.dlrm_step", "dlrm_bench.json"),
+     ("benchmarks.codebert_step", "codebert_bench.json")],
+)  # fmt: skip
+def test_step_benches_print_the_tables_of_a_saved_result(module, name) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--render", str(REPORTS / name)],
+        capture_output=True, text=True, check=False, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = read_result(REPORTS / name)
+    renderer = {"benchmarks.mnli_step": mnli_step, "benchmarks.dlrm_step": dlrm_step,
+                "benchmarks.codebert_step": codebert_step}[module]  # fmt: skip
+    assert proc.stdout == renderer.render(result) + "\n"
+
+
+def test_dlrm_prep_render_reads_a_saved_result(tmp_path: Path, capsys) -> None:
+    res = {"rows": 500, "file_mb": 0.1, "seconds": 0.5, "rows_per_s": 1000.0,
+           "peak_anon_mb": 200, "peak_anon_above_baseline_mb": 40, "peak_file_mb": 10,
+           "kaggle_minutes_at_this_rate": 764.0, "cpu": "CPU X", "torch": "2",
+           "date": "d"}  # fmt: skip
+    saved = tmp_path / "prep.json"
+    saved.write_text(json.dumps(res))
+    assert dlrm_prep.main(["--render", str(saved)]) == 0
+    assert capsys.readouterr().out == dlrm_prep.render(res) + "\n"

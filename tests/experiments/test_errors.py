@@ -1,0 +1,210 @@
+"""User errors vs bugs: bad input is one line and exit status 2, anything else a traceback.
+
+The commands turn exactly :data:`experiments.cli.USER_ERRORS` (``comera.errors.UserError``
+kinds and ``loaders.errors.LoaderInputError``) into one line; a ``ValueError`` from inside
+the library is a bug and must keep its traceback, wherever it is raised."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comera.errors import CheckpointError, ConfigError, DataError, MissingFileError, UserError
+from experiments import cli
+from experiments.mnli import experiment as mnli
+from loaders.errors import LoaderInputError, LoaderPathError
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["--preset", "smoke", "--wandb", "disabled", "--no-progress"]
+FAST += ["--set", "train.steps=2", "--set", "train.eval_every=None"]
+FAST += ["--set", "data.generated_train=200", "--set", "data.generated_eval=30"]
+
+
+def _record_user_errors(monkeypatch) -> list[BaseException]:
+    """The exceptions the CLI printed as one line, in order."""
+    seen: list[BaseException] = []
+    original = cli.user_error
+
+    def record(prog: str, error: BaseException) -> int:
+        seen.append(error)
+        return original(prog, error)
+
+    monkeypatch.setattr(cli, "user_error", record)
+    return seen
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith("python -m experiments.mnli: error: "), err
+    return err[0]
+
+
+def test_the_kinds_keep_the_builtin_bases_callers_catch():
+    """ValueError / FileNotFoundError / RuntimeError callers keep catching what they did;
+    the experiments' own kinds are UserError kinds."""
+    from comera.train import CheckpointError as TrainCheckpointError
+    from comera.train.galore import MissingExtraError
+    from experiments.dlrm.data import CriteoFormatError
+    from experiments.mnli.data import HubUnreachableError
+    from loaders.prepare import PrepareError
+
+    assert issubclass(ConfigError, UserError) and issubclass(ConfigError, ValueError)
+    assert issubclass(DataError, UserError) and issubclass(DataError, ValueError)
+    assert issubclass(MissingFileError, DataError)
+    assert issubclass(MissingFileError, FileNotFoundError)
+    assert TrainCheckpointError is CheckpointError and issubclass(CheckpointError, RuntimeError)
+    for kind in (cli.CLIError, MissingExtraError, CriteoFormatError, HubUnreachableError):
+        assert issubclass(kind, UserError), kind
+    assert issubclass(LoaderPathError, LoaderInputError) and issubclass(LoaderPathError, OSError)
+    assert issubclass(PrepareError, LoaderInputError) and issubclass(LoaderInputError, ValueError)
+    assert not issubclass(LoaderInputError, UserError)  # loaders never import comera
+    assert set(cli.USER_ERRORS) == {UserError, LoaderInputError}
+
+
+@pytest.mark.parametrize(
+    "planted, user",
+    [
+        (ValueError("planted"), False),  # what every experiment used to turn into one line
+        (FileNotFoundError("planted"), False),  # ditto: a bug's missing file is a bug
+        (KeyError("planted"), False),
+        (ConfigError("planted"), True),
+        (MissingFileError("planted"), True),
+        (CheckpointError("planted"), True),
+        (LoaderInputError("planted"), True),
+    ],
+    ids=lambda x: type(x).__name__ if isinstance(x, BaseException) else str(x),
+)
+def test_only_user_errors_raised_while_building_are_one_line(
+    tmp_path, monkeypatch, capsys, planted, user
+):
+    """An exception raised where the data and model are built (where bad input shows up):
+    a user error is one line and status 2, any other kind propagates with its traceback."""
+
+    def build(*args, **kwargs):
+        raise planted
+
+    exp = dataclasses.replace(mnli.EXPERIMENT, build=build)
+    argv = [*FAST, "--run-dir", str(tmp_path / "run")]
+    if user:
+        assert cli.main(exp, argv) == 2
+        assert _one_line(capsys).endswith(": error: " + str(planted))
+    else:
+        with pytest.raises(type(planted), match="planted"):
+            cli.main(exp, argv)
+
+
+def test_an_error_planted_in_the_training_loop_keeps_its_traceback(tmp_path, monkeypatch):
+    """A plain ValueError from the task's loss, inside the trainer's step, propagates out of
+    ``main``; a UserError met while training (e.g. a corrupt shard mid-epoch) is one line."""
+
+    def broken_loss(self, *args, **kwargs):
+        raise ValueError("planted in the loss")
+
+    monkeypatch.setattr(mnli.MNLITask, "loss", broken_loss)
+    with pytest.raises(ValueError, match="planted in the loss") as err:
+        mnli.main([*FAST, "--run-dir", str(tmp_path / "bug")])
+    assert any(f.name == "broken_loss" for f in err.traceback)  # the frame that raised
+
+    def bad_shard(self, *args, **kwargs):
+        raise LoaderInputError("Arrow file x.arrow is truncated; re-write or remove it")
+
+    monkeypatch.setattr(mnli.MNLITask, "loss", bad_shard)
+    assert mnli.main([*FAST, "--run-dir", str(tmp_path / "user")]) == 2
+
+
+def test_the_command_prints_the_traceback_and_exits_1(tmp_path):
+    """End to end, as a user runs it: the planted bug's traceback on stderr, status 1."""
+    code = (
+        "import sys\n"
+        "from experiments.mnli import experiment as mnli\n"
+        "def loss(self, *a, **k):\n"
+        "    raise ValueError('planted in the loss')\n"
+        "mnli.MNLITask.loss = loss\n"
+        "raise SystemExit(mnli.main())\n"
+    )
+    argv = [*FAST, "--run-dir", str(tmp_path / "run"), "--cpu-malloc", "default"]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "ValueError: planted in the loss" in proc.stderr.strip().splitlines()[-1]
+    assert ": error: " not in proc.stderr
+
+
+def test_bad_inputs_are_one_line_raised_as_user_errors(tmp_path, monkeypatch, capsys):
+    """A few representative bad inputs through the CLI's ``main``: each is one line naming
+    what to change, exit status 2, and raised as a UserError kind (not caught as a
+    ValueError)."""
+    from experiments.mnli.generated import write_generated_files
+
+    seen = _record_user_errors(monkeypatch)
+
+    def refused(argv: list[str], kind: type[BaseException], text: str) -> None:
+        assert mnli.main(argv) == 2, argv
+        line = _one_line(capsys)
+        assert text in line, line
+        assert isinstance(seen[-1], kind), (argv, type(seen[-1]))
+
+    refused(["--set", "train.stepz=3"], cli.CLIError, "unknown config key 'train.stepz'")
+    refused(["--set", "train.comera.size_ratio=2"], cli.CLIError, "size_ratio (c) must be")
+    refused(["--device", "gpu"], cli.CLIError, "--device gpu: TrainConfig.device='gpu' is not")
+    refused(["--set", "train.device=gpu"], cli.CLIError, "'gpu' is not a torch device")
+    refused(["--resume", str(tmp_path / "none")], cli.CLIError, "no config.json there")
+    # a config check that runs while the data is built, not in the dataclass
+    run = [*FAST, "--run-dir", str(tmp_path / "r")]
+    refused([*run, "--set", "batch_size=1000"], ConfigError, "lower batch_size")
+    _, _, tok = write_generated_files(tmp_path / "gen", 30, 9)
+    missing = str(tmp_path / "missing.jsonl")
+    refused(
+        [*run, "--tokenizer", str(tok), "--train-file", missing],
+        MissingFileError,
+        "does not exist; check --train-file",
+    )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"premise": "a", "hypothesis": "b"\n')  # not JSON
+    refused([*run, "--tokenizer", str(tok), "--train-file", str(bad)], DataError, "bad.jsonl")
+    # a run dir in use, and a checkpoint that cannot be read
+    done = tmp_path / "done"
+    assert mnli.main([*FAST, "--run-dir", str(done)]) == 0
+    capsys.readouterr()
+    refused([*FAST, "--run-dir", str(done)], cli.CLIError, "already holds a run")
+    for d in (done / "checkpoints").iterdir():
+        (d / "model.pt").write_bytes(b"torn")
+    refused(["--resume", str(done)], CheckpointError, "cannot read checkpoint")
+    (done / "config.json").write_text("{not json")
+    refused(["--resume", str(done)], cli.CLIError, "config.json is not JSON")
+
+
+def test_other_commands_catch_user_errors_not_value_errors(tmp_path, monkeypatch, capsys):
+    """The ablation and demo commands: a UserError is one line and status 2, a plain
+    ValueError from inside keeps its traceback."""
+    from experiments import ablate
+    from experiments.mnli import demo
+
+    def planted(kind):
+        def fail(*args, **kwargs):
+            raise kind("planted")
+
+        return fail
+
+    argv = ["gamma", "--runs-dir", str(tmp_path), "--reports", str(tmp_path)]
+    monkeypatch.setattr(ablate, "variants", planted(ValueError))
+    with pytest.raises(ValueError, match="planted"):
+        ablate.main(argv)
+    monkeypatch.setattr(ablate, "variants", planted(ConfigError))
+    assert ablate.main(argv) == 2
+    assert capsys.readouterr().err.strip() == "python -m experiments.ablate: error: planted"
+
+    monkeypatch.setattr(demo, "run_demo", planted(ValueError))
+    with pytest.raises(ValueError, match="planted"):
+        demo.main(["--runs-dir", str(tmp_path)])
+    monkeypatch.setattr(demo, "run_demo", planted(DataError))
+    assert demo.main(["--runs-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == "python -m experiments.mnli.demo: error: planted"

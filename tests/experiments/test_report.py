@@ -1,0 +1,82 @@
+"""``experiments.report``: what the experiments' reports share (run dirs, the report's
+JSON, the host a report names, the smoke-report command)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from comera.errors import DataError
+from experiments import report
+from experiments.host import host_meta
+
+
+def test_report_json_keeps_curves_on_one_line_and_reads_back(tmp_path: Path) -> None:
+    data = {"meta": {"cpu": "x"}, "curve": [[1, 0.5], [2, math.nan]], "rows": [{"a": [1, 2]}]}
+    back = report.write_report_json(tmp_path / "r.json", data)
+    text = (tmp_path / "r.json").read_text()
+    assert '"curve": [[1, 0.5], [2, null]]' in text  # a non-finite number is null
+    assert back == json.loads(text) == {**data, "curve": [[1, 0.5], [2, None]]}
+    assert report.read_report_json(tmp_path / "r.json", "--from-json") == back
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(DataError, match="--from-json .*bad.json: not a report's JSON"):
+        report.read_report_json(tmp_path / "bad.json", "--from-json")
+    (tmp_path / "cut.json").write_text('{"meta": ')
+    with pytest.raises(DataError, match="not JSON"):
+        report.read_report_json(tmp_path / "cut.json", "--from-json")
+    with pytest.raises(FileNotFoundError, match="--from-json .*none.json: no such file"):
+        report.read_report_json(tmp_path / "none.json", "--from-json")
+
+
+def test_smoke_runs_record_the_host_that_trained_them(tmp_path: Path) -> None:
+    """``ensure_smoke_run`` writes ``host.json`` when it trains; a finished run it leaves
+    alone keeps the host it recorded; ``runs_host`` reads it back, else names this host."""
+    calls: list[list[str]] = []
+
+    def exp_main(argv: list[str]) -> int:  # stands in for an experiment's main
+        calls.append(argv)
+        run = Path(argv[argv.index("--run-dir" if "--run-dir" in argv else "--resume") + 1])
+        run.mkdir(parents=True, exist_ok=True)
+        if "--resume" not in argv:
+            (run / "config.json").write_text("{}")
+            (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        return 0
+
+    run = tmp_path / "x-smoke"
+    report.ensure_smoke_run(exp_main, run, dense=False, label="x")
+    host = json.loads((run / report.HOST_FILE).read_text())
+    assert host["torch"] == torch.__version__ and set(host) == {"cpu", "torch", "date"}
+    assert report.runs_host([tmp_path / "nothing", run]) == host
+    (run / report.HOST_FILE).write_text(json.dumps({**host, "cpu": "the training machine"}))
+    report.ensure_smoke_run(exp_main, run, dense=False, label="x")  # finished: no-op
+    assert calls[-1][:2] == ["--resume", str(run)]
+    assert report.runs_host([run])["cpu"] == "the training machine"
+    assert report.runs_host([tmp_path / "nothing"]) == host_meta()
+    with pytest.raises(SystemExit, match="x: the run in .* failed"):
+        report.ensure_smoke_run(lambda argv: 1, tmp_path / "y", dense=True, label="x")
+
+
+def test_from_json_renders_without_training(tmp_path: Path, capsys) -> None:
+    """``--from-json FILE`` renders the report from its JSON and trains nothing; a file
+    that is not a report's JSON is one error line and exit 2."""
+
+    def no_training(argv: list[str]) -> int:
+        raise AssertionError("--from-json must not train")
+
+    def render(data: dict, out: Path) -> str:
+        (out / "x.md").write_text(data["meta"]["command"])
+        return "rendered"
+
+    report.write_report_json(tmp_path / "x.json", {"meta": {"command": "cmd"}})
+    argv = ["--from-json", str(tmp_path / "x.json"), "--out", str(tmp_path / "out")]
+    assert report.smoke_report_main("x", no_training, None, argv, "x", render=render) == 0
+    assert (tmp_path / "out" / "x.md").read_text() == "cmd"
+    assert capsys.readouterr().out.strip() == "rendered"
+    argv[1] = str(tmp_path / "out" / "x.md")
+    assert report.smoke_report_main("x", no_training, None, argv, "x", render=render) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m experiments.x.report: error: ")
