@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reporting import read_result
+from comera.errors import DataError
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import cpu_model, report_header
 from experiments.workers import WorkerFailed, run_json_worker
@@ -269,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.render is not None:
         try:
-            print(render(read_result(a.render)))
-        except ValueError as e:
+            result = read_result(a.render)
+        except DataError as e:
             return error(str(e))
+        print(render(result))
         return 0
     if a.device != "cpu":  # named only to be refused: a worker never imports the CLI
         from experiments.cli import CLIError, check_device

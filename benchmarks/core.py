@@ -29,6 +29,7 @@ import torch
 from benchmarks.memory import peak_memory_bytes
 from benchmarks.reporting import read_result, write_json, write_text
 from comera.accounting import tt_linear_flops, ttm_embedding_flops
+from comera.errors import DataError
 from comera.layers import tt_linear, tt_linear_shared_input, ttm_embedding
 from comera.plans import RANK_ALIGN, STRATEGIES
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
@@ -696,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         try:
             result = read_result(args.render)
-        except ValueError as e:
+        except DataError as e:
             print(f"{ap.prog}: error: {e}", file=sys.stderr)
             return 2
         on_cpu = result.get("config", {}).get("device", "cpu") == "cpu"

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reporting import read_result
+from comera.errors import DataError
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
 from experiments.host import cpu_model, report_header
@@ -295,9 +296,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.render is not None:
         try:
-            print(render(read_result(args.render)))
-        except ValueError as e:
+            result = read_result(args.render)
+        except DataError as e:
             return error(str(e))
+        print(render(result))
         return 0
     try:
         check_device(args.device)

@@ -23,6 +23,7 @@ import torch
 
 from benchmarks.mnli_step import SEQ, run_worker
 from benchmarks.reporting import read_result, write_json, write_text
+from comera.errors import DataError
 from experiments.host import cpu_model, report_header
 
 __all__ = ["main", "render", "sweep", "write_report"]
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         try:
             result = read_result(args.render)
-        except ValueError as e:
+        except DataError as e:
             print(f"{ap.prog}: error: {e}", file=sys.stderr)
             return 2
         print(write_report(result, args.out))

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from benchmarks.reporting import read_result, write_json, write_text
+from comera.errors import DataError
 from experiments.host import cpu_model, host_meta, report_header
 from loaders.config import DatasetSpec, LoaderConfig
 from loaders.loader import TokenLoader
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         try:
             res = read_result(args.render)
-        except ValueError as e:
+        except DataError as e:
             print(f"{p.prog}: error: {e}", file=sys.stderr)
             return 2
         if not args.no_report:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reporting import read_result
+from comera.errors import DataError
 from comera.train.logging import write_json_atomic
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import cpu_model, report_header
@@ -409,10 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.render is not None:
         try:
-            print(render(read_result(a.render)))
-        except ValueError as e:
+            result = read_result(a.render)
+        except DataError as e:
             print(f"{ap.prog}: error: {e}", file=sys.stderr)
             return 2
+        print(render(result))
         return 0
     if a.repeats < 1:
         print(f"{ap.prog}: error: --repeats must be >= 1, got {a.repeats}", file=sys.stderr)

@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+from comera.errors import DataError
+
 __all__ = ["read_result", "write_json", "write_text"]
 
 
@@ -31,13 +33,13 @@ def write_json(path: Path, result: dict, indent: int | None = 1) -> None:
 
 def read_result(path: Path, flag: str = "--render") -> dict:
     """A benchmark's JSON result read back for rendering; a missing or unreadable file, or
-    one that is not a JSON object, raises ``ValueError`` naming the file and ``flag``."""
+    one that is not a JSON object, raises :class:`DataError` naming the file and ``flag``."""
     try:
         result = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise ValueError(f"{flag} {path}: no such file") from None
+        raise DataError(f"{flag} {path}: no such file") from None
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{flag} {path}: cannot read it as JSON ({e})") from None
+        raise DataError(f"{flag} {path}: cannot read it as JSON ({e})") from None
     if not isinstance(result, dict):
-        raise ValueError(f"{flag} {path}: expected a JSON object, got {type(result).__name__}")
+        raise DataError(f"{flag} {path}: expected a JSON object, got {type(result).__name__}")
     return result

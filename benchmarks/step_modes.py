@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reporting import read_result, write_text
+from comera.errors import DataError
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
 from experiments.host import cpu_model, report_header
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         try:
             result = read_result(args.render)
-        except ValueError as e:
+        except DataError as e:
             print(f"step_modes: error: {e}", file=sys.stderr)
             return 2
         md = render(result)
