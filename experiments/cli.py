@@ -37,6 +37,7 @@ from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES
 from comera.tree import iter_tt
 from experiments.malloc import apply_cpu_malloc, restart_for
+from experiments.report import record_host
 from loaders.errors import LoaderInputError
 
 __all__ = [
@@ -534,6 +535,7 @@ def prepare(
     )
     kind = "dense" if getattr(cfg, "dense", False) else "CoMERA"
     if rank == 0:
+        record_host(run_dir)  # the machine a report on this run names in its header
         shown = {k: v for k, v in info.items() if isinstance(v, int | float | str)}
         facts = ", ".join(
             f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in shown.items()
