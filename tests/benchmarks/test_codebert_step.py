@@ -10,6 +10,7 @@ import pytest
 REPORTS = Path(__file__).resolve().parents[2] / "reports"
 
 
+@pytest.mark.slow
 def test_bench_plumbing_on_a_toy_model(tmp_path: Path) -> None:
     from benchmarks import codebert_step as bench
 

@@ -176,6 +176,7 @@ def test_merge_runs_takes_medians_and_keeps_each_process():
     assert two["ttm_embedding"]["ids"] == 4096 and isinstance(two["ttm_embedding"]["ids"], int)
 
 
+@pytest.mark.slow
 def test_bench_runs_in_fresh_processes(tmp_path):
     """``--processes 2`` runs the benchmark twice in child processes and reports medians,
     with each process's headline ratios in the JSON and the report."""

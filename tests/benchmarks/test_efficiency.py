@@ -143,6 +143,7 @@ def test_a_command_restarts_for_its_policy_on_cpu_only(tmp_path, monkeypatch) ->
     assert calls == ["lean"]
 
 
+@pytest.mark.slow
 def test_cli_flags_reach_the_config_and_may_change_on_resume(tmp_path, capsys, monkeypatch):
     applied = []  # a policy cannot be undone: record it instead of changing this process
     monkeypatch.setattr(cli, "apply_cpu_malloc", applied.append)
@@ -272,6 +273,7 @@ def test_galore_is_refused_for_a_comera_run_and_on_resume_from_adamw(tmp_path: P
         _galore_trainer(tmp_path, 5, resume=True)
 
 
+@pytest.mark.slow
 def test_figure_one_sweep_plumbing_on_a_toy_model(tmp_path: Path) -> None:
     pytest.importorskip("galore_torch")
     from benchmarks import efficiency
@@ -356,6 +358,7 @@ def test_shared_input_tt_linears_equal_separate_calls(
         tt_linear_shared_input(layers, torch.randn(3, 32))
 
 
+@pytest.mark.slow
 def test_step_modes_bench_writes_its_table(tmp_path) -> None:
     """The step-mode bench runs the trainer's step per mode in fresh processes and
     writes the ratios against eager (tiny sizes: this checks the plumbing, not speed)."""

@@ -98,6 +98,7 @@ def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, m
     assert len(runs) > len(errors) and {r["batch"] for r in runs} == set(mnli_bench.BATCHES)
 
 
+@pytest.mark.slow
 def test_step_bench_plumbing(tmp_path, capsys):
     from benchmarks import mnli_step as mnli_bench
 

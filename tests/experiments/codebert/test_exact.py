@@ -107,6 +107,7 @@ def _model(run: Path) -> dict:
     return torch.load(complete_checkpoints(run)[-1] / "model.pt", weights_only=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 3)])
 def test_killed_torchrun_resumed_at_another_world_size_trains_each_token_once(
     tmp_path: Path, before: int, after: int

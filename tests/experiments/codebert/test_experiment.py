@@ -67,6 +67,7 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_smoke_cli_learns_beyond_the_unigram_baseline(smoke_runs: Path) -> None:
     """CoMERA ends ``MARGIN`` below the unigram baseline of the same held-out masked tokens
     (the loss of a model that ignores its context, computed from the corpus) and no more
@@ -100,6 +101,7 @@ def test_smoke_cli_learns_beyond_the_unigram_baseline(smoke_runs: Path) -> None:
     assert comera <= dense * (1 + DENSE_TOLERANCE), (comera, dense)
 
 
+@pytest.mark.slow
 def test_report_is_rendered_from_its_json(smoke_runs: Path, tmp_path: Path, monkeypatch) -> None:
     """The report gathers the two runs, the mix audit and the bench into ``codebert.json``
     and renders the markdown and plot from that JSON alone."""
@@ -153,6 +155,7 @@ def strip_weights(state: dict) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_mix_may_change_on_resume_and_nothing_else(tmp_path: Path, capsys) -> None:
     import shutil
 
@@ -193,6 +196,7 @@ def test_mix_may_change_on_resume_and_nothing_else(tmp_path: Path, capsys) -> No
     assert code == 2 and "drop --corpus" in err[-1]
 
 
+@pytest.mark.slow
 def test_a_prepared_folder_is_a_corpus_and_its_tokenizer_serves(tmp_path: Path, capsys) -> None:
     """``--corpus NAME=FOLDER`` takes a folder ``loaders.prepare --heldout`` made as it is
     (its tokenizer, its split); one made without a held-out split is refused in one line."""

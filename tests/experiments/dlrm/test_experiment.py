@@ -283,6 +283,7 @@ def _cli(tmp_path: Path, *extra: str) -> int:
     )
 
 
+@pytest.mark.slow
 def test_cli_trains_on_the_real_sample_and_resumes(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert _cli(tmp_path, "--run-dir", str(run)) == 0
@@ -354,6 +355,7 @@ def test_hot_rows_need_frequency_ordered_ids(tmp_path: Path, capsys) -> None:
     assert code == 2 and len(err) == 1 and "data.id_order=frequency" in err[0]
 
 
+@pytest.mark.slow
 def test_smoke_preset_learns_and_keeps_the_tables_that_matter(tmp_path: Path) -> None:
     """The smoke preset as shipped (generated data, 800 steps): both models learn the
     planted signal, CoMERA compresses and its rank adaptation keeps more rank in each of
@@ -473,6 +475,7 @@ def test_sparse_gradient_accumulation_equals_the_full_batch(tmp_path: Path) -> N
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     """torchrun with 2 gloo ranks: rank 0 preprocesses while rank 1 waits, each rank
     trains on its half of every global batch and scores its half of the split, AUC
@@ -548,6 +551,7 @@ def test_step_modes_on_dlrm(tmp_path: Path, capsys) -> None:
     assert "cannot run DLRM" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_report_is_rendered_from_its_json(tmp_path: Path) -> None:
     """The report gathers the two smoke runs, the bench and the ablation reports beside it
     into ``dlrm.json`` and renders the markdown and plot from that JSON alone."""

@@ -84,6 +84,7 @@ def test_encoder_config_rejects_bad_modes():
         EncoderConfig(ffn_in_modes=((16, 16, 8), (8, 8, 12)))
 
 
+@pytest.mark.slow
 def test_demo_learns_beyond_the_cue_baseline_and_matches_dense(tmp_path):
     """The README's main job (``make demo``): CoMERA and dense on the smoke preset (about
     2.5 min on 2 cores). The task needs premise and hypothesis together: no single cue gets
@@ -206,6 +207,7 @@ def test_report_from_run_dirs(tmp_path, capsys):
     assert "python -m experiments.mnli.report" in err[0] and "a run dir" in err[1]
 
 
+@pytest.mark.slow
 def test_crash_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
     """The real task (dropout, shuffled batches, pruning): kill after the step-30 checkpoint,
     --resume, and the final model equals that of a run that never stopped."""
