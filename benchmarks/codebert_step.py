@@ -36,8 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import read_result
-from comera.errors import DataError
+from benchmarks.reporting import print_rendered
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import cpu_model, report_header
 from experiments.workers import WorkerFailed, run_json_worker
@@ -269,12 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if a.render is not None:
-        try:
-            result = read_result(a.render)
-        except DataError as e:
-            return error(str(e))
-        print(render(result))
-        return 0
+        return print_rendered(a.render, render, ap.prog)
     if a.device != "cpu":  # named only to be refused: a worker never imports the CLI
         from experiments.cli import CLIError, check_device
 

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.reporting import read_result
-from comera.errors import DataError
+from benchmarks.reporting import print_rendered
 from experiments.host import host_meta, report_header
 
 __all__ = ["main", "measure", "render", "write_kaggle_like"]
@@ -151,13 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         _child(*args.child)
         return 0
     if args.render is not None:
-        try:
-            result = read_result(args.render)
-        except DataError as e:
-            print(f"{ap.prog}: error: {e}", file=sys.stderr)
-            return 2
-        print(render(result))
-        return 0
+        return print_rendered(args.render, render, ap.prog)
     if args.rows < 100:
         print(f"{ap.prog}: error: --rows must be >= 100, got {args.rows}", file=sys.stderr)
         return 2

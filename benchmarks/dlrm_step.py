@@ -42,8 +42,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import read_result
-from comera.errors import DataError
+from benchmarks.reporting import print_rendered
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
 from experiments.host import cpu_model, report_header
@@ -295,12 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.render is not None:
-        try:
-            result = read_result(args.render)
-        except DataError as e:
-            return error(str(e))
-        print(render(result))
-        return 0
+        return print_rendered(args.render, render, ap.prog)
     try:
         check_device(args.device)
     except CLIError as e:

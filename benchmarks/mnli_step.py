@@ -29,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import read_result
-from comera.errors import DataError
+from benchmarks.reporting import print_rendered
 from comera.train.logging import write_json_atomic
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import cpu_model, report_header
@@ -409,13 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=argparse.SUPPRESS)  # fmt: skip
     a = ap.parse_args(argv)
     if a.render is not None:
-        try:
-            result = read_result(a.render)
-        except DataError as e:
-            print(f"{ap.prog}: error: {e}", file=sys.stderr)
-            return 2
-        print(render(result))
-        return 0
+        return print_rendered(a.render, render, ap.prog)
     if a.repeats < 1:
         print(f"{ap.prog}: error: --repeats must be >= 1, got {a.repeats}", file=sys.stderr)
         return 2

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from comera.errors import DataError
@@ -43,3 +45,15 @@ def read_result(path: Path, flag: str = "--render") -> dict:
     if not isinstance(result, dict):
         raise DataError(f"{flag} {path}: expected a JSON object, got {type(result).__name__}")
     return result
+
+
+def print_rendered(path: Path, render: Callable[[dict], str], prog: str) -> int:
+    """``--render PATH``: print ``render`` of the saved result; an unreadable file is one
+    line naming it and exit status 2, a bug inside ``render`` keeps its traceback."""
+    try:
+        result = read_result(path)
+    except DataError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(render(result))
+    return 0
