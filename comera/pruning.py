@@ -38,6 +38,7 @@ __all__ = [
     "live_ranks",
     "prune",
     "rank_contributions",
+    "rank_shares",
     "slice_ranks",
 ]
 
@@ -45,6 +46,61 @@ __all__ = [
 def _as_3way(core: torch.Tensor) -> torch.Tensor:
     """A TT core as is, a TTM core (r, v, d, r') with its two middle modes merged."""
     return core.reshape(core.shape[0], math.prod(core.shape[1:-1]), core.shape[-1])
+
+
+def _shares(cores: list[torch.Tensor], gates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every bond's shares from 3-way cores and masked gates, in their dtype.
+
+    No host read and no branch on values, so it runs under autograd, in a sync-free step
+    and under ``torch.compile``; the square roots are clamped away from 0 so a dead rank's
+    gradient is 0, not NaN."""
+    n_bonds = len(gates)
+    one = cores[0].new_ones(1, 1)
+    tiny = torch.finfo(cores[0].dtype).tiny
+
+    # Left Grams: lefts[k] = P over the trailing bond of core k, d_k excluded.
+    lefts: list[torch.Tensor] = []
+    p = one
+    for k, core in enumerate(cores):
+        if k > 0:
+            g = gates[k - 1]
+            p = g[:, None] * p * g[None, :]
+        r, n, r2 = core.shape
+        t = (p @ core.reshape(r, n * r2)).reshape(r * n, r2)  # P G, rows (a, n)
+        p = core.reshape(r * n, r2).T @ t
+        if k < n_bonds:
+            lefts.append(p)
+    norm_sq = p.reshape(-1)[0] if p.numel() else cores[0].new_zeros(())  # (1, 1) at the end
+
+    # Right Grams: rights[k] = Q over the leading bond of core k+1 (gates after it in).
+    rights: list[torch.Tensor] = [one] * n_bonds
+    q = one
+    for k in range(len(cores) - 1, 0, -1):
+        core = cores[k]
+        if k < len(cores) - 1:
+            g = gates[k]
+            q = g[:, None] * q * g[None, :]
+        r, n, r2 = core.shape
+        t = (core.reshape(r * n, r2) @ q).reshape(r, n * r2)  # G Q, cols (n, c)
+        q = t @ core.reshape(r, n * r2).T
+        rights[k - 1] = q
+
+    norm = norm_sq.clamp_min(tiny).sqrt()
+    shares = []
+    for g, p_k, q_k in zip(gates, lefts, rights, strict=True):
+        pq = p_k.diagonal().clamp_min(0) * q_k.diagonal().clamp_min(0)
+        term = g.abs() * pq.clamp_min(tiny).sqrt() * (pq > 0)
+        # W == 0: nothing carries anything; a NaN norm (non-finite weight) stays NaN
+        shares.append(torch.where(norm_sq == 0, 0.0, term / norm))
+    return shares
+
+
+def _masked_gates(params: Params, state: State, dtype: torch.dtype) -> list[torch.Tensor]:
+    """gate * mask, with dead ranks exactly 0 whatever their gate holds."""
+    return [
+        torch.where(m.to(g.device), g.to(dtype), 0.0)
+        for g, m in zip(params["gates"], state["masks"], strict=True)  # type: ignore[arg-type]
+    ]
 
 
 def rank_contributions(params: Params, state: State) -> list[torch.Tensor]:
@@ -68,56 +124,25 @@ def rank_contributions(params: Params, state: State) -> list[torch.Tensor]:
     left (``P_0 = [[1]]``) and the mirror ``Q_k`` from the right, with ``g = gate * mask``.
     Then ``||Left_i||^2 = P_k[i, i]``, ``||Right_i||^2 = Q_k[i, i]``; ``||W||^2`` is the
     left recursion carried through the last core. Cost ``O(sum_k n_k r^3)``, in float64,
-    without autograd.
+    without autograd; :func:`rank_shares` is the same in the weights' dtype, with it.
     """
     check_state(params, state)
-    cores = [_as_3way(c.detach()).to(torch.float64) for c in params["cores"]]  # type: ignore[union-attr]
-    gates = [  # gate * mask, with dead ranks exactly 0 whatever their gate holds
-        torch.where(m.to(g.device), g.detach().to(torch.float64), 0.0)
-        for g, m in zip(params["gates"], state["masks"], strict=True)  # type: ignore[arg-type]
-    ]
-    n_bonds = len(gates)
-    if n_bonds == 0:
+    if not params["gates"]:  # type: ignore[index]
         return []
-    device = cores[0].device
-    one = torch.ones(1, 1, dtype=torch.float64, device=device)
-
-    # Left Grams: lefts[k] = P over the trailing bond of core k, d_k excluded.
-    lefts: list[torch.Tensor] = []
+    cores = [_as_3way(c.detach()).to(torch.float64) for c in params["cores"]]  # type: ignore[union-attr]
     with torch.no_grad():
-        p = one
-        for k, core in enumerate(cores):
-            if k > 0:
-                g = gates[k - 1]
-                p = g[:, None] * p * g[None, :]
-            r, n, r2 = core.shape
-            t = (p @ core.reshape(r, n * r2)).reshape(r * n, r2)  # P G, rows (a, n)
-            p = core.reshape(r * n, r2).T @ t
-            if k < n_bonds:
-                lefts.append(p)
-        norm_sq = float(p.reshape(-1)[0]) if p.numel() else 0.0  # (1, 1) after the last core
+        return _shares(cores, _masked_gates(params, state, torch.float64))
 
-        # Right Grams: rights[k] = Q over the leading bond of core k+1 (gates after it in).
-        rights: list[torch.Tensor] = [one] * n_bonds
-        q = one
-        for k in range(len(cores) - 1, 0, -1):
-            core = cores[k]
-            if k < len(cores) - 1:
-                g = gates[k]
-                q = g[:, None] * q * g[None, :]
-            r, n, r2 = core.shape
-            t = (core.reshape(r * n, r2) @ q).reshape(r, n * r2)  # G Q, cols (n, c)
-            q = t @ core.reshape(r, n * r2).T
-            rights[k - 1] = q
 
-        if norm_sq == 0.0:  # W == 0: nothing carries anything
-            return [torch.zeros_like(g) for g in gates]
-        norm = norm_sq**0.5
-        shares = []
-        for g, p_k, q_k in zip(gates, lefts, rights, strict=True):
-            term = g.abs() * (p_k.diagonal().clamp_min(0) * q_k.diagonal().clamp_min(0)).sqrt()
-            shares.append(term / norm)
-    return shares
+def rank_shares(params: Params, state: State) -> list[torch.Tensor]:
+    """:func:`rank_contributions` in the cores' dtype and differentiable: what a training
+    objective on shares (``comera.train.objectives.share_size``) back-propagates through.
+    No host read, so it runs in sync-free and compiled steps."""
+    check_state(params, state)
+    if not params["gates"]:  # type: ignore[index]
+        return []
+    cores = [_as_3way(c) for c in params["cores"]]  # type: ignore[union-attr]
+    return _shares(cores, _masked_gates(params, state, cores[0].dtype))
 
 
 def live_ranks(state: State) -> list[int]:

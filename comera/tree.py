@@ -8,15 +8,25 @@ tree may be empty.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
-from comera.pruning import check_prune_rule, compact, kept_indices, prune, slice_ranks
+from comera.pruning import (
+    check_prune_rule,
+    compact,
+    kept_indices,
+    live_ranks,
+    prune,
+    rank_contributions,
+    slice_ranks,
+)
 from comera.tensor_train import is_tt_params
 
 __all__ = [
     "compact_tree",
     "iter_tt",
     "map_tt",
+    "prune_to_size",
     "prune_tree",
 ]
 
@@ -92,3 +102,48 @@ def compact_tree(params: object, state: object, *others: object) -> tuple:
         return (new_p, new_s, *[slice_ranks(x, keep) for x in o])
 
     return map_tt(one, params, state, *others)
+
+
+def _tt_size(mode_sizes: list[int], ranks: list[int]) -> int:
+    """Core and gate parameters of a train with these live ranks (an empty bond: 0)."""
+    if any(r == 0 for r in ranks):
+        return 0
+    full = [1, *ranks, 1]
+    return sum(full[k] * n * full[k + 1] for k, n in enumerate(mode_sizes)) + sum(ranks)
+
+
+def prune_to_size(params: object, state: object, remove: int) -> tuple[object, int]:
+    """Kill the ranks that carry the smallest share of their layer's weight, across every
+    TT/TTM layer of the tree, until at least ``remove`` live parameters are gone.
+
+    The share is :func:`comera.pruning.rank_contributions`' (invariant to the gate/core
+    scale symmetry and to each layer's scale, so shares of different layers compare as
+    relative errors). A bond's last live rank is never killed (the layer would become the
+    zero map), so fewer than ``remove`` parameters go when every bond is down to one rank;
+    ranks with a non-finite share are left alone. Returns the new state tree and the
+    number of parameters removed. Pure, like :func:`prune_tree`."""
+    layers = list(iter_tt(params, state))
+    if remove <= 0 or not layers:
+        return state, 0
+    modes = [[math.prod(c.shape[1:-1]) for c in p["cores"]] for _, p, _ in layers]
+    ranks = [live_ranks(s) for _, _, s in layers]
+    masks = [[m.clone() for m in s["masks"]] for _, _, s in layers]
+    candidates = []
+    for li, (_, p, s) in enumerate(layers):
+        for k, share in enumerate(rank_contributions(p, s)):
+            for i in s["masks"][k].nonzero().flatten().tolist():
+                if math.isfinite(v := float(share[i])):
+                    candidates.append((v, li, k, i))
+    removed = 0
+    for _, li, k, i in sorted(candidates):
+        if removed >= remove:
+            break
+        if ranks[li][k] <= 1:
+            continue
+        before = _tt_size(modes[li], ranks[li])
+        ranks[li][k] -= 1
+        masks[li][k][i] = False
+        removed += before - _tt_size(modes[li], ranks[li])
+    new = iter(masks)
+    out = map_tt(lambda p, s: (p, {**s, "masks": next(new)}), params, state)[1]
+    return out, removed

@@ -19,8 +19,10 @@ STEP_MODES = ("eager", "sync_free", "compile", "cuda_graph")  # comera.train.syn
 
 __all__ = [
     "CPU_MALLOC_POLICIES",
+    "LATE_PRUNES",
     "PRUNE_RULES",
     "REGULARIZERS",
+    "SIZE_OBJECTIVES",
     "STEP_MODES",
     "WANDB_MODES",
     "ComeraConfig",
@@ -29,6 +31,8 @@ __all__ = [
 
 REGULARIZERS = ("mean", "l1")
 PRUNE_RULES = ("gate", "contribution")
+SIZE_OBJECTIVES = ("shares", "paper")
+LATE_PRUNES = ("schedule", "threshold")
 WANDB_MODES = ("online", "offline", "disabled")
 CPU_MALLOC_POLICIES = ("default", "keep", "release", "lean")  # applied by experiments.malloc
 
@@ -44,6 +48,20 @@ class ComeraConfig:
     ``"contribution"`` kills it when the share of the layer's weight it carries is
     ``<= tau``, which a rescaling of gates against cores cannot fool (see
     :func:`comera.rank_contributions`).
+
+    The late stage's size target is in live parameters (whole model, after compaction):
+    ``size_ratio`` x the live size at the end of the early stage, or, with
+    ``target_compression=X``, the reference (dense) size / X. ``size_objective``:
+    ``"shares"`` (default) is :func:`comera.train.objectives.share_size`, a size measure
+    built from every rank's share of its layer's weight, which scaling gates against
+    cores cannot lower; ``"paper"`` is the paper's ``S(d)`` on gate magnitudes (which that
+    scaling lowers without removing a parameter). ``late_prune``: ``"schedule"`` (default)
+    lowers a live-size budget from the early stage's size to the target over the first
+    ``prune_ramp`` of the late stage (cubic: fast first, slow last) and, at every prune
+    event, kills the ranks with the smallest shares until the model fits it; the rest of
+    the stage recovers at the target. ``"threshold"`` prunes by ``tau`` alone (the paper).
+    With ``size_ratio=1`` (and no ``target_compression``) and ``"shares"`` the late stage
+    holds the size and trains the loss alone: the late stage off.
     """
 
     enabled: bool = True
@@ -58,6 +76,10 @@ class ComeraConfig:
     size_ratio: float = 0.5  # c in S0 = c * S(end of early stage); the paper uses 0.8/0.5/0.2
     loss_target: float | None = None  # L0; None: smoothed loss at the end of the early stage
     rho: float = 0.05  # weight of the plain weighted sum in the late stage
+    size_objective: str = "shares"  # "shares" (symmetry-invariant) | "paper" (S on gates)
+    late_prune: str = "schedule"  # "schedule" (budget from live size) | "threshold" (tau)
+    prune_ramp: float = 0.5  # share of the late stage over which the budget falls
+    target_compression: float | None = None  # whole model vs reference; overrides size_ratio
 
     def __post_init__(self) -> None:
         if self.gamma < 0 or self.tau < 0:
@@ -84,6 +106,22 @@ class ComeraConfig:
         if not 0 < self.size_ratio <= 1:
             raise ConfigError(
                 f"ComeraConfig.size_ratio (c) must be in (0, 1], got {self.size_ratio}"
+            )
+        if self.size_objective not in SIZE_OBJECTIVES:
+            raise ConfigError(
+                f"ComeraConfig.size_objective={self.size_objective!r}; choose one of "
+                f"{SIZE_OBJECTIVES}"
+            )
+        if self.late_prune not in LATE_PRUNES:
+            raise ConfigError(
+                f"ComeraConfig.late_prune={self.late_prune!r}; choose one of {LATE_PRUNES}"
+            )
+        if not 0 < self.prune_ramp <= 1:
+            raise ConfigError(f"ComeraConfig.prune_ramp must be in (0, 1], got {self.prune_ramp}")
+        if self.target_compression is not None and not self.target_compression >= 1:
+            raise ConfigError(
+                "ComeraConfig.target_compression (X in reference size / X) must be >= 1, "
+                f"got {self.target_compression}"
             )
         if self.loss_target is not None and self.loss_target <= 0:
             raise ConfigError(f"ComeraConfig.loss_target must be > 0, got {self.loss_target}")

@@ -51,13 +51,19 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 def write_rank_snapshot(
-    run_dir: Path, label: str, step: int, ranks: dict, live_params: int
+    run_dir: Path,
+    label: str,
+    step: int,
+    ranks: dict,
+    live_params: int,
+    extra: dict | None = None,
 ) -> None:
     """Per-layer, per-bond live ranks at a stage point (``init``, ``end_of_early``,
-    ``end``) in ``RUN_DIR/ranks.json``: the rank table of the report."""
+    ``end``) in ``RUN_DIR/ranks.json``: the rank table of the report. ``extra`` adds
+    fields (the late stage's size target and how it was met, at ``end``)."""
     path = Path(run_dir) / "ranks.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
-    data[label] = {"step": step, "ranks": ranks, "live_params": live_params}
+    data[label] = {"step": step, "ranks": ranks, "live_params": live_params, **(extra or {})}
     write_json_atomic(path, data)
 
 

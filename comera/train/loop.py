@@ -30,7 +30,7 @@ from comera.train.optim import adamw_init, adamw_step, sgd_step
 from comera.train.stages import StageController
 from comera.train.sync_free import SyncFreeStep
 from comera.train.task import Task, loss_terms
-from comera.tree import compact_tree, iter_tt, prune_tree
+from comera.tree import compact_tree, iter_tt, prune_to_size, prune_tree
 
 __all__ = ["NonFiniteLoss", "Trainer"]
 
@@ -135,12 +135,15 @@ class Trainer:
         self.on_compact: list[Callable[[Trainer], None]] = []
         if hasattr(task, "on_compaction"):
             self.on_compact.append(lambda tr: tr.task.on_compaction(tr.params, tr.state))
+        self._size_floor = False  # a budget prune found every bond at one rank
         if resume:
             ck.restore_trainer(self, ck.load_checkpoint(self.run_dir))
             for fn in self.on_compact:  # the restored model may be compacted: rebuild
                 fn(self)
+            self.stages.live_params = model_size(self.params, self.state)
         else:
-            self.stages.start(self.params, self.state)
+            live = model_size(self.params, self.state)
+            self.stages.start(self.params, self.state, live, self.initial_size)
             # each rank its own stream (dropout masks differ across the global batch)
             random.seed(cfg.seed + self.rank)
             torch.manual_seed(cfg.seed + self.rank)
@@ -159,13 +162,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ rank surgery
 
-    def prune(self) -> None:
+    def prune(self, budget: float | None = None) -> None:
+        """Kill ranks by the prune rule; in the late stage with ``late_prune="schedule"``,
+        then the smallest-share ranks until the model fits ``budget`` (default: the
+        stage controller's budget for this step)."""
         c = self.cfg.comera
         self.state = prune_tree(self.params, self.state, c.tau, rule=c.prune_rule)
+        if self.stages.prunes_to_budget():
+            if budget is None:
+                budget = self.stages.size_budget(self.step)
+            excess = model_size(self.params, self.state) - math.floor(budget or 0)
+            if budget is not None and excess > 0:
+                self.state, removed = prune_to_size(self.params, self.state, excess)
+                self._size_floor = removed < excess
+        self.stages.live_params = model_size(self.params, self.state)
 
-    def compact(self) -> None:
+    def compact(self, budget: float | None = None) -> None:
         """Prune, then physically remove dead ranks from params and both moments."""
-        self.prune()
+        self.prune(budget)
         if "m" in self.opt:  # AdamW: its moments lose the same ranks
             params, state, m, v = compact_tree(
                 self.params, self.state, self.opt["m"], self.opt["v"]
@@ -183,10 +197,35 @@ class Trainer:
             p: [int(m.sum()) for m in s["masks"]] for p, _, s in iter_tt(self.params, self.state)
         }
 
-    def _snapshot(self, label: str) -> None:
+    def _snapshot(self, label: str, extra: dict | None = None) -> None:
         if self.rank == 0:
             live = model_size(self.params, self.state)
-            write_rank_snapshot(self.run_dir, label, self.step, self.ranks(), live)
+            write_rank_snapshot(self.run_dir, label, self.step, self.ranks(), live, extra)
+
+    def size_record(self) -> dict:
+        """How the late stage's size target was met: the target and the early stage's
+        size (live parameters), the live size now, their ratio, and, when the model is
+        above the target, why. Empty before the late stage."""
+        t, c = self.stages.targets, self.cfg.comera
+        if "params" not in t:
+            return {}
+        live = model_size(self.params, self.state)
+        rec = {
+            "size_target": round(t["params"]),
+            "early_params": round(t["params_early"]),
+            "live_over_target": live / t["params"],
+        }
+        if live > t["params"]:
+            if self.stages.holds:
+                why = "none: the late stage holds the size (size_ratio=1)"
+            elif c.late_prune == "threshold":
+                why = "late_prune=threshold: ranks die only when their share or gate <= tau"
+            elif self._size_floor:
+                why = "every bond is down to one live rank"
+            else:
+                why = "the budget prune has not reached the target yet"
+            rec["above_target_because"] = why
+        return rec
 
     # ------------------------------------------------------------------ one step
 
@@ -290,14 +329,18 @@ class Trainer:
                 self.prune()
             elif event == "transition":
                 self.compact()
-                self.stages.fix_targets(self.params, self.state)
+                live = model_size(self.params, self.state)
+                self.stages.fix_targets(
+                    self.params, self.state, live, self.initial_size, step=self.step
+                )
                 self.stages.stage = "late"
                 self._snapshot("end_of_early")
             elif event == "compact":
                 self.compact()
             elif event == "final":
-                self.compact()
-                self._snapshot("end")
+                # the last prune meets the target itself, whatever the ramp's timing
+                self.compact(self.stages.targets.get("params"))
+                self._snapshot("end", self.size_record())
 
     # ------------------------------------------------------------------ evaluation
 
@@ -361,7 +404,15 @@ class Trainer:
                     )
                 if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     ev = {f"eval/{k}": v for k, v in self.evaluate().items()}
-                    log.log({"step": self.step, **ev})
+                    live = model_size(self.params, self.state)  # the size each eval is at
+                    log.log(
+                        {
+                            "step": self.step,
+                            **ev,
+                            "eval_live_params": live,
+                            "eval_compression": self.initial_size / max(live, 1),
+                        }
+                    )
                     last = {**last, **ev}
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.checkpoint()

@@ -12,7 +12,18 @@ a small weighted sum ``rho * (L / L0 + S / S0)`` of both, so neither is ever ign
 
 ``S(d)`` is the differentiable size surrogate of the paper: for every train,
 ``sum_k n_k * ||d_{k-1}||_1 * ||d_k||_1`` over live gates (edge bonds count 1), which
-equals the stored core parameter count while every gate is one.
+equals the stored core parameter count while every gate is one. Scaling a gate down and
+the neighbouring core up by the same factor lowers it while the weight, every rank and
+every parameter stay as they were, and an optimizer finds that direction: ``S`` falls,
+the model does not shrink.
+
+``share_size`` is the default late-stage size measure instead: the same count with every
+bond's rank ``r_k`` replaced by a soft rank ``rho_k = sum_i s_i / max_i s_i`` over the
+shares ``s_i`` of :func:`comera.pruning.rank_shares` (the part of the layer's weight each
+rank carries). Shares do not move under that scaling, nor under scaling a layer's weight
+as a whole; ``rho_k`` equals ``r_k`` while every rank carries the same share and falls
+toward the number of ranks that carry the weight, so lowering it makes ranks dispensable,
+which the late stage's pruning then removes (see :mod:`comera.train.stages`).
 """
 
 from __future__ import annotations
@@ -22,10 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
+from comera.pruning import rank_shares
 from comera.tensor_train import check_state
 from comera.tree import iter_tt
 
-__all__ = ["LateWeights", "gate_regularizer", "late_weights", "size_surrogate"]
+__all__ = ["LateWeights", "gate_regularizer", "late_weights", "share_size", "size_surrogate"]
 
 
 def _live_gate_abs(path: str, p: dict, s: dict) -> list[torch.Tensor]:
@@ -69,6 +81,35 @@ def size_surrogate(params: object, state: object) -> torch.Tensor:
     if total is None:
         raise ValueError("size_surrogate: the params tree holds no TT/TTM layer")
     return total
+
+
+def share_size(params: object, state: object) -> torch.Tensor:
+    """Symmetry-invariant size ``sum_k n_k rho_{k-1} rho_k + sum_k rho_k`` over all layers.
+
+    ``rho_k = sum_i s_i / max_i s_i`` is bond ``k``'s soft rank over its live ranks'
+    shares (edge bonds count 1), differentiable in cores and gates alike. Its gradient
+    pulls every rank but each bond's largest toward a zero share at the same relative
+    rate, so the loss decides which ranks keep their weight. Equals the layers' stored
+    core and gate count while all shares on a bond are equal. A model whose every layer
+    was pruned to nothing has size 0 (a constant: nothing left to shrink)."""
+    total: torch.Tensor | None = None
+    layers = 0
+    for path, p, s in iter_tt(params, state):
+        check_state(p, s, path)
+        layers += 1
+        cores: list[torch.Tensor] = p["cores"]
+        tiny = torch.finfo(cores[0].dtype).tiny
+        soft = [sh.sum() / sh.max().clamp_min(tiny) for sh in rank_shares(p, s) if sh.numel()]
+        if len(soft) != len(p["gates"]):  # a bond with no rank: the layer is the zero map
+            continue
+        one = cores[0].new_ones(())
+        full = [one, *soft, one]
+        term = sum(math.prod(c.shape[1:-1]) * full[k] * full[k + 1] for k, c in enumerate(cores))
+        term = term + sum(soft, cores[0].new_zeros(()))
+        total = term if total is None else total + term
+    if not layers:
+        raise ValueError("share_size: the params tree holds no TT/TTM layer")
+    return total if total is not None else torch.zeros(())  # every layer pruned to nothing
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,11 +7,24 @@ which rank events follow the step. The loop carries the events out. Its whole st
 
 Stages. ``early`` (``early_steps`` steps): ``L + gamma * R(gates)`` (``R`` from
 ``regularizer``; ``gamma`` is 0 before ``reg_start_step``). At the boundary the model is
-pruned and compacted, then the late targets are fixed: ``S0 = c * S`` and ``L0`` (configured,
-or the smoothed loss). ``late``: ``w_L * L + w_S * S`` with the weights of
-:func:`comera.train.objectives.late_weights`. ``dense``: the loss alone (``enabled=False``).
-Events after step ``s``: ``prune`` every ``prune_every`` steps; ``transition`` at the
-boundary; ``compact`` every ``compact_every`` steps and at the last step.
+pruned and compacted, then the late targets are fixed: the loss target ``L0`` (configured,
+or the smoothed loss) and the size target in live parameters, ``P0 = c * P`` (``P`` the
+live size then) or ``reference / target_compression``. ``late``: ``w_L * L + w_S * S``
+with the weights of :func:`comera.train.objectives.late_weights`, which put the step's
+weight on whichever of loss and size is relatively further from its target.
+
+With ``size_objective="shares"`` the size that decides is the live parameter count
+against a budget that falls from ``P`` to ``P0`` over the first ``prune_ramp`` of the
+stage (:meth:`StageController.size_budget`), and the size term is
+:func:`comera.train.objectives.share_size`; with ``late_prune="schedule"`` the loop prunes
+the smallest-share ranks down to the budget at every prune event (and to ``P0`` at the
+end), so the target is met in parameters. ``size_ratio=1`` (no ``target_compression``)
+holds the size: the loss alone. With ``size_objective="paper"`` both are the paper's
+surrogate ``S`` and its target ``S0 = c * S``. ``dense``: the loss alone (``enabled=False``).
+
+Events after step ``s``: ``prune`` every ``prune_every`` steps and where the budget's ramp
+ends; ``transition`` at the boundary; ``compact`` every ``compact_every`` steps and at the
+last step (``final``).
 """
 
 from __future__ import annotations
@@ -21,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from comera.train.config import ComeraConfig
-from comera.train.objectives import gate_regularizer, late_weights, size_surrogate
+from comera.train.objectives import gate_regularizer, late_weights, share_size, size_surrogate
 
 __all__ = ["Objective", "StageController"]
 
@@ -48,6 +61,9 @@ class StageController:
             self.stage = "early" if cfg.early_steps > 0 else "late"
         self.targets: dict[str, float] = {}
         self.loss_ema: float | None = None
+        # the model's live parameters: the loop sets it after every rank event (a host
+        # int, so the late objective reads no device value)
+        self.live_params: int | None = None
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -58,15 +74,61 @@ class StageController:
         self.targets = dict(state["targets"])
         self.loss_ema = state["loss_ema"]
 
-    def start(self, params: object, state: object) -> None:
+    def start(self, params: object, state: object, live: int, reference: int) -> None:
         """Fix the late targets up front when there is no early stage."""
+        self.live_params = live
         if self.stage == "late" and not self.targets:
-            self.fix_targets(params, state)
+            self.fix_targets(params, state, live, reference, step=0)
 
-    def fix_targets(self, params: object, state: object) -> None:
+    def fix_targets(
+        self, params: object, state: object, live: int, reference: int, step: int
+    ) -> None:
+        """The late stage's targets, at ``step`` (its start), from the model as it is:
+        ``live`` its live parameters, ``reference`` what compression is measured against."""
+        c = self.cfg
         size = float(size_surrogate(params, state).detach())
-        loss = self.cfg.loss_target if self.cfg.loss_target is not None else self.loss_ema
-        self.targets = {"size": self.cfg.size_ratio * size, "loss": float(loss or 1.0)}
+        loss = c.loss_target if c.loss_target is not None else self.loss_ema
+        goal = reference / c.target_compression if c.target_compression else c.size_ratio * live
+        self.targets = {
+            "size": c.size_ratio * size,  # the paper's S0 (size_objective="paper")
+            "loss": float(loss or 1.0),
+            "params_early": float(live),
+            "params": min(float(goal), float(live)),  # never asks to grow
+            "late_start": float(step),
+        }
+        self.live_params = live
+
+    # -- the size budget ---------------------------------------------------------------
+    @property
+    def holds(self) -> bool:
+        """The late stage keeps the size it starts with (the late stage off)."""
+        t = self.targets
+        return self.cfg.size_objective == "shares" and t.get("params", 0) >= t.get(
+            "params_early", 1
+        )
+
+    def ramp_end(self) -> int | None:
+        """The step where the budget reaches the target (None before the late stage)."""
+        if "late_start" not in self.targets:
+            return None
+        start = int(self.targets["late_start"])
+        return start + max(1, round(self.cfg.prune_ramp * (self.total_steps - start)))
+
+    def size_budget(self, step: int) -> float | None:
+        """Live parameters allowed after ``step``: from the late stage's start size down
+        to its target, cubically (most of the pruning early, while the model has the most
+        slack), reaching the target at :meth:`ramp_end`. None before the late stage."""
+        end = self.ramp_end()
+        if end is None:
+            return None
+        t = self.targets
+        start, early, goal = t["late_start"], t["params_early"], t["params"]
+        frac = min(max((step - start) / (end - start), 0.0), 1.0)
+        return goal + (early - goal) * (1.0 - frac) ** 3
+
+    def prunes_to_budget(self) -> bool:
+        """Whether the loop prunes to :meth:`size_budget` at this stage's prune events."""
+        return self.stage == "late" and self.cfg.late_prune == "schedule" and not self.holds
 
     # -- one step ----------------------------------------------------------------------
     def objective(self, step: int, loss_value: float, params: object, state: object) -> Objective:
@@ -81,6 +143,21 @@ class StageController:
             gamma = c.gamma if step > c.reg_start_step else 0.0
             term = gamma * reg if gamma > 0 else None
             return Objective(1.0, term, {"gate_reg": reg.detach()})
+        if c.size_objective == "shares":
+            budget = self.size_budget(step)
+            if self.holds or budget is None or budget <= 0:
+                return Objective(1.0, None, {})
+            size = share_size(params, state)
+            if not size.requires_grad:  # every layer pruned to nothing
+                return Objective(1.0, None, {})
+            live = float(self.live_params or 0)
+            w = late_weights(loss_value, live, self.targets["loss"], budget, c.rho)
+            metrics = {
+                "size": size.detach(),
+                "size_budget": budget,
+                "focus_size": float(w.focus == "size"),
+            }
+            return Objective(w.loss, w.size * size, metrics)
         size = size_surrogate(params, state)
         if self.targets["size"] <= 0:  # pruned to nothing early: only the loss is left
             return Objective(1.0, None, {"size": size.detach()})
@@ -91,7 +168,12 @@ class StageController:
         return Objective(w.loss, w.size * size, metrics)
 
     def device_objective(
-        self, loss: torch.Tensor, params: object, state: object, gamma: torch.Tensor
+        self,
+        loss: torch.Tensor,
+        params: object,
+        state: object,
+        gamma: torch.Tensor,
+        late: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
         """:meth:`objective` with no host read, for :mod:`comera.train.sync_free`.
 
@@ -100,7 +182,10 @@ class StageController:
         loss weight, the parameter term and metrics as tensors; ``metrics["@term"]`` is
         the term's value (for the logged objective). The late stage's branch is a 0/1
         device scalar weighting both weights instead of an ``if`` on the host; the branch
-        taken is the same."""
+        taken is the same. With ``size_objective="shares"``, ``late`` is the step's
+        ``(size gap, 1 / size budget)`` as device scalars the host fills
+        (:meth:`late_inputs`): the budget moves every step, so it is an input, not a
+        constant baked into a graph."""
         c = self.cfg
         one = torch.ones((), dtype=torch.float64, device=loss.device)
         if self.stage == "dense":
@@ -111,19 +196,41 @@ class StageController:
                 return one, None, {"gate_reg": reg.detach()}
             term = gamma.to(reg.dtype) * reg
             return one, term, {"gate_reg": reg.detach(), "@term": term.detach()}
-        size = size_surrogate(params, state)
-        if self.targets["size"] <= 0:
-            return one, None, {"size": size.detach()}
-        l0, s0 = self.targets["loss"], self.targets["size"]
+        l0 = self.targets["loss"]
         if l0 <= 0:  # what late_weights refuses, said here rather than as a NaN later
             raise ValueError(f"late stage targets must be > 0, got loss_target={l0}")
+        metrics: dict = {}
+        if c.size_objective == "shares":
+            if self.holds or late is None:
+                return one, None, {}
+            size = share_size(params, state)
+            if not size.requires_grad:
+                return one, None, {}
+            gap_size, inv_s0 = late
+            metrics["size_budget"] = 1.0 / inv_s0
+        else:
+            size = size_surrogate(params, state)
+            if self.targets["size"] <= 0:
+                return one, None, {"size": size.detach()}
+            inv_s0 = 1.0 / self.targets["size"]
+            gap_size = size.detach().double() * inv_s0 - 1.0
         gap_loss = (loss - l0) / l0
-        gap_size = (size.detach().double() - s0) / s0
         on_size = (gap_loss < gap_size).double()
         w_loss = c.rho / l0 + (1.0 - on_size) / l0
-        w_size = c.rho / s0 + on_size / s0
+        w_size = (c.rho + on_size) * inv_s0
         term = w_size.to(size.dtype) * size
-        return w_loss, term, {"size": size.detach(), "focus_size": on_size, "@term": term.detach()}
+        metrics.update(size=size.detach(), focus_size=on_size)
+        return w_loss, term, {**metrics, "@term": term.detach()}
+
+    def late_inputs(self, step: int) -> tuple[float, float] | None:
+        """The host's side of :meth:`device_objective`'s ``late`` at 1-based ``step``:
+        ``((live - budget) / budget, 1 / budget)``, or None when there is no size term."""
+        if self.stage != "late" or self.cfg.size_objective != "shares" or self.holds:
+            return None
+        budget = self.size_budget(step)
+        if budget is None or budget <= 0:
+            return None
+        return (float(self.live_params or 0) - budget) / budget, 1.0 / budget
 
     def observe(self, loss_value: float) -> None:
         """Track the smoothed loss (the default loss target L0)."""
@@ -137,7 +244,7 @@ class StageController:
         if self.stage == "dense":
             return []
         out = []
-        if step % c.prune_every == 0:
+        if step % c.prune_every == 0 or (self.prunes_to_budget() and step == self.ramp_end()):
             out.append("prune")
         if self.stage == "early" and step >= c.early_steps:
             out.append("transition")

@@ -114,7 +114,9 @@ class SyncFreeStep:
         self.lr_scale = torch.zeros((), dtype=torch.float64, device=dev)
         self.gamma = torch.zeros((), dtype=torch.float64, device=dev)
         self.adam_step = torch.zeros((), dtype=torch.float64, device=dev)
-        self._host = (self.lr_scale, self.gamma, self.adam_step)
+        self.size_gap = torch.zeros((), dtype=torch.float64, device=dev)
+        self.inv_budget = torch.zeros((), dtype=torch.float64, device=dev)
+        self._host = (self.lr_scale, self.gamma, self.adam_step, self.size_gap, self.inv_budget)
         self._keys: list[str] | None = None
         self._groups: list[str] = []  # each leaf's learning-rate group, set every call
         self._identity: tuple = ()
@@ -128,11 +130,12 @@ class SyncFreeStep:
     def _work(
         self, params: Any, state: Any, m: Any, v: Any, batches: tuple, host: tuple
     ) -> tuple[torch.Tensor, list[str]]:
-        """The whole step on the device. ``host`` is ``(lr_scale, gamma, adam_step)``, the
-        scalars the host filled (explicit inputs, so compiled code never bakes them in).
+        """The whole step on the device. ``host`` is ``(lr_scale, gamma, adam_step,
+        size_gap, inv_budget)``, the scalars the host filled (explicit inputs, so compiled
+        code never bakes them in; the last two feed the late stage's size term).
         Returns ``(scalars, keys)``: float64 ``[loss_sum, count, grad_norm, ok, *metric
         values]`` and the metric names."""
-        lr_scale_t, gamma_t, adam_step_t = host
+        lr_scale_t, gamma_t, adam_step_t, size_gap_t, inv_budget_t = host
         cfg = self.cfg
         leaves, _ = tree_flatten(params)
         grads: list[torch.Tensor | None] = [None] * len(leaves)
@@ -169,7 +172,9 @@ class SyncFreeStep:
         *grads, scalars = sum_across_ranks([*grads, scalars])
         loss_sum, count = scalars[0], scalars[1]
         loss_mean = loss_sum / count.clamp(min=1e-300)
-        weight, term, obj_metrics = self.stages.device_objective(loss_mean, params, state, gamma_t)
+        weight, term, obj_metrics = self.stages.device_objective(
+            loss_mean, params, state, gamma_t, late=(size_gap_t, inv_budget_t)
+        )
         torch._foreach_mul_(grads, (weight / count).float())
         if term is not None:
             for g, t in zip(
@@ -364,6 +369,10 @@ class SyncFreeStep:
         self.gamma.fill_(c.gamma if early and step > c.reg_start_step else 0.0)
         if "m" in opt:
             self.adam_step.fill_(float(opt["step"]))
+        late = self.stages.late_inputs(step)
+        if late is not None:
+            self.size_gap.fill_(late[0])
+            self.inv_budget.fill_(late[1])
         if self.mode == "cuda_graph":  # the graph's inputs live on the device
             dev = self.device
             batches = tree_map(

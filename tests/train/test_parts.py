@@ -26,7 +26,15 @@ def _leaves(tree):
 
 
 def test_stage_controller_events_and_objectives():
-    c = ComeraConfig(gamma=0.1, reg_start_step=2, early_steps=6, prune_every=3, compact_every=4)
+    c = ComeraConfig(
+        gamma=0.1,
+        reg_start_step=2,
+        early_steps=6,
+        prune_every=3,
+        compact_every=4,
+        size_objective="paper",
+        late_prune="threshold",
+    )
     sc = StageController(c, total_steps=8)
     params, state = _toy_model()
     assert sc.stage == "early"
@@ -37,7 +45,7 @@ def test_stage_controller_events_and_objectives():
     assert events[3] == ["prune"] and events[4] == ["compact"]
     assert events[6] == ["prune", "transition"] and events[5] == []
     sc.observe(2.0)
-    sc.fix_targets(params, state)
+    sc.fix_targets(params, state, live=1000, reference=4000, step=6)
     sc.stage = "late"
     assert sc.targets["loss"] == 2.0
     assert sc.targets["size"] == pytest.approx(0.5 * C.param_count(params["lin"]["cores"]))

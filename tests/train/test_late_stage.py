@@ -1,0 +1,179 @@
+"""The late stage: a size objective the gate/core scale symmetry cannot lower, pruning to a
+live-size budget, the target-compression knob and the record of how the target was met."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import comera as C
+from comera.errors import ConfigError
+from comera.train import ComeraConfig, Trainer
+from comera.train.measures import model_size
+from comera.train.objectives import share_size, size_surrogate
+from comera.train.stages import StageController
+from comera.tree import prune_to_size
+from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+
+def _layer(kind: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "tt":
+        spec = C.TTLinearSpec(out_modes=(4, 3, 2), in_modes=(2, 3, 4), ranks=5)
+    else:
+        spec = C.TTMEmbeddingSpec(vocab_modes=(4, 3, 2), dim_modes=(2, 2, 2), ranks=5)
+    p, s = C.init(spec, generator=g)
+    with torch.no_grad():  # gates away from one, so the symmetry has something to move
+        for gate in p["gates"]:
+            gate.copy_(0.5 + torch.rand(gate.shape, generator=g))
+    return {"a": p}, {"a": s}
+
+
+@pytest.mark.parametrize("kind", ["tt", "ttm"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_scaling_gates_down_and_cores_up_leaves_the_size_objective_unchanged(kind, side):
+    params, state = _layer(kind)
+    before_new = float(share_size(params, state))
+    before_old = float(size_surrogate(params, state))
+    p = params["a"]
+    moved = {
+        **p,
+        "cores": [c.clone() for c in p["cores"]],
+        "gates": [g.clone() for g in p["gates"]],
+    }
+    factor = 0.1
+    for k, gate in enumerate(moved["gates"]):  # every bond, every rank
+        gate.mul_(factor)
+        if side == "right":  # the next core's leading slices carry the scale
+            moved["cores"][k + 1].div_(factor)
+        else:  # the previous core's trailing slices do
+            moved["cores"][k].div_(factor)
+    # the weight itself is unchanged: nothing a user can measure moved
+    dense = C.to_dense(p, state["a"])
+    torch.testing.assert_close(C.to_dense(moved, state["a"]), dense, rtol=1e-4, atol=1e-5)
+    after_new = float(share_size({"a": moved}, state))
+    after_old = float(size_surrogate({"a": moved}, state))
+    assert after_new == pytest.approx(before_new, rel=1e-4)
+    assert after_old < 0.05 * before_old  # the paper's S falls with the gates
+
+
+def test_share_size_is_the_stored_count_at_equal_shares_and_falls_as_ranks_fade():
+    params, state = _layer("tt")
+    p = params["a"]
+    stored = sum(c.numel() for c in p["cores"]) + sum(g.numel() for g in p["gates"])
+    size = float(share_size(params, state))
+    assert 0 < size <= stored  # soft ranks never exceed the ranks
+    with torch.no_grad():
+        p["gates"][1][:3] *= 1e-3  # three ranks of bond 1 carry almost nothing now
+    assert float(share_size(params, state)) < size
+    # the gradient exists for cores and gates, and a dead rank's is 0, not NaN
+    state["a"]["masks"][0][0] = False
+    leaves = [*p["cores"], *p["gates"]]
+    for t in leaves:
+        t.requires_grad_(True)
+    grads = torch.autograd.grad(share_size(params, state), leaves)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert any(float(g.abs().sum()) > 0 for g in grads[: len(p["cores"])])
+    assert float(grads[len(p["cores"])][0]) == 0.0
+
+
+def test_prune_to_size_kills_the_smallest_shares_first_and_keeps_a_rank_per_bond():
+    params, state = _layer("tt", seed=1)
+    shares = C.rank_contributions(params["a"], state["a"])
+    smallest = int(shares[0].argmin())
+    live = model_size(params, state)
+    new, removed = prune_to_size(params, state, 1)  # one parameter: one rank goes
+    assert removed >= 1 and model_size(params, new) == live - removed
+    killed = [(k, int(i)) for k, m in enumerate(new["a"]["masks"]) for i in (~m).nonzero()]
+    assert len(killed) == 1
+    k, i = killed[0]
+    assert float(shares[k][i]) == pytest.approx(min(float(s.min()) for s in shares))
+    assert k != 0 or i == smallest
+    assert all(bool(m.all()) for m in state["a"]["masks"])  # pure: the input is untouched
+    floor, removed = prune_to_size(params, state, 10**9)  # asks for more than exists
+    assert set(C.live_ranks(floor["a"])) == {1}
+    assert removed == live - model_size(params, floor)
+
+
+def test_the_budget_falls_cubically_from_the_early_size_to_the_target():
+    c = ComeraConfig(early_steps=10, size_ratio=0.5, prune_ramp=0.5, prune_every=100)
+    sc = StageController(c, total_steps=50)
+    params, state = _toy_model()
+    sc.fix_targets(params, state, live=1000, reference=4000, step=10)
+    sc.stage = "late"
+    assert sc.ramp_end() == 30
+    budgets = [sc.size_budget(s) for s in range(10, 51)]
+    assert budgets[0] == 1000 and sc.size_budget(30) == 500 and sc.size_budget(50) == 500
+    assert all(a >= b for a, b in zip(budgets, budgets[1:], strict=False))
+    assert sc.size_budget(20) == pytest.approx(500 + 500 * 0.5**3)
+    assert "prune" in sc.events(30)  # the ramp's end is a prune event
+    # target_compression: reference / X, never above the size the stage starts with
+    sc2 = StageController(dataclasses.replace(c, target_compression=8.0), 50)
+    sc2.fix_targets(params, state, live=1000, reference=4000, step=10)
+    assert sc2.targets["params"] == 500
+    sc3 = StageController(dataclasses.replace(c, target_compression=2.0), 50)
+    sc3.fix_targets(params, state, live=1000, reference=4000, step=10)
+    assert sc3.targets["params"] == 1000 and sc3.holds  # already beyond: hold
+
+
+def test_bad_late_stage_settings_name_the_field():
+    for kw, field in [
+        ({"size_objective": "gates"}, "size_objective"),
+        ({"late_prune": "never"}, "late_prune"),
+        ({"prune_ramp": 0.0}, "prune_ramp"),
+        ({"target_compression": 0.5}, "target_compression"),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            ComeraConfig(**kw)
+
+
+def _late_cfg(tmp_path, **comera):
+    base = dict(gamma=0.0, tau=1e-3, early_steps=20, prune_every=10, size_ratio=0.5)
+    return _cfg(tmp_path, steps=60, comera=ComeraConfig(**{**base, **comera}))
+
+
+@pytest.mark.parametrize("mode", ["eager", "sync_free"])
+def test_the_late_stage_meets_its_size_target_in_live_parameters(tmp_path, mode):
+    cfg = dataclasses.replace(_late_cfg(tmp_path), step_mode=mode)
+    tr = Trainer(cfg, ToyTask(), *_toy_model())
+    tr.fit()
+    ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
+    early = ranks["end_of_early"]["live_params"]
+    end = ranks["end"]
+    assert end["early_params"] == early and end["size_target"] == round(0.5 * early)
+    assert end["live_params"] <= end["size_target"]  # met in parameters, not in a number
+    assert end["live_over_target"] <= 1.0 and "above_target_because" not in end
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")
+            if x]  # fmt: skip
+    late = [r for r in rows if r.get("stage") == "late" and "size" in r]
+    assert late and all("size_budget" in r and "live_params" in r for r in late)
+
+
+def test_threshold_pruning_records_why_it_missed(tmp_path):
+    cfg = _late_cfg(tmp_path, late_prune="threshold")
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    end = json.loads((tmp_path / "run" / "ranks.json").read_text())["end"]
+    assert end["live_over_target"] > 1.0
+    assert "late_prune=threshold" in end["above_target_because"]
+
+
+def test_size_ratio_one_holds_the_size_and_trains_the_loss_alone(tmp_path):
+    cfg = _late_cfg(tmp_path, size_ratio=1.0)
+    tr = Trainer(cfg, ToyTask(), *_toy_model())
+    tr.fit()
+    end = json.loads((tmp_path / "run" / "ranks.json").read_text())["end"]
+    assert end["live_params"] == end["early_params"]
+    assert tr.stages.objective(60, 1.0, tr.params, tr.state).param_term is None
+
+
+def test_target_compression_reaches_the_whole_model_compression(tmp_path):
+    params, state = _toy_model()
+    dense = 256  # a 16x16 weight, no bias: the reference compression is measured against
+    cfg = _late_cfg(tmp_path, target_compression=3.0)
+    tr = Trainer(cfg, ToyTask(), params, state, reference_size=dense)
+    tr.fit()
+    live = model_size(tr.params, tr.state)
+    assert dense / live == pytest.approx(3.0, rel=0.1) and dense / live >= 3.0
