@@ -10,6 +10,8 @@ experiments other than MNLI) with a PNG.
     python -m experiments.ablate gamma --experiment codebert --preset smoke
     python -m experiments.ablate objective --experiment mnli --preset smoke --set train.steps=300
     python -m experiments.ablate gamma --values 0,0.02,0.05 --experiment mnli
+    python -m experiments.ablate compression --experiment dlrm --preset smoke
+    python -m experiments.ablate target_compression --experiment mnli --values 8,16
 
 Ablations: ``contraction`` (every strategy of ``comera.STRATEGIES``; also reports each
 strategy's step time and its largest loss difference from the paper's path, which must be
@@ -21,7 +23,13 @@ schedule scaled along: a plateau or a slow learner?), ``hot_rows`` (DLRM: dense 
 beside each TTM table, 0 to 4096: what accuracy they buy and what compression they cost)
 and ``capacity`` (DLRM: CoMERA, fixed-rank TTM tables at 1x and 4x the rank, dense, dense
 with hashed tables, and CoMERA and dense on 3x the generated rows: is the gap to dense
-capacity, rank adaptation or data, and how does the hashing trick do at the same size?).
+capacity, rank adaptation or data, and how does the hashing trick do at the same size?),
+``compression`` (the late stage asked for 1x, 1/size_ratio, 1.5x, 2x and 4x less than the
+early stage's live size, 1x being the late stage off; ``--values`` takes other factors:
+accuracy, AUC or held-out loss against live compression, in
+``ablation_<experiment>_compression.md``) and
+``target_compression`` (``train.comera.target_compression`` at the ``--values`` given:
+does the run reach each whole-model compression, at what cost?).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import shutil
 import statistics
 import sys
@@ -175,6 +184,38 @@ def _require_model_field(cfg: Any, name: str) -> None:
         raise cli.CLIError(f"ablation {name!r} is DLRM's (model.{name}): pass --experiment dlrm")
 
 
+def _compression_values(values: str) -> list[Variant]:
+    """``compression`` variants from factors beyond the early stage's size: ``f`` asks the
+    late stage for ``1/f`` of it (``size_ratio``); ``1`` is the late stage off."""
+    out = []
+    for v in (x for x in values.split(",") if x):
+        try:
+            f = float(v)
+        except ValueError:
+            f = 0.0
+        if not f >= 1:
+            raise cli.CLIError(
+                f"--values {v!r}: compression factors beyond the early stage must be "
+                "numbers >= 1 (1 = the late stage off)"
+            )
+        label = f"{f:g}x"  # 1x: the late stage off
+        out.append(Variant(label, (("train.comera.size_ratio", 1.0 / f),)))
+    return out
+
+
+def _compression_defaults(cfg: Any) -> str:
+    """1x (the late stage off), the preset's own ``1 / size_ratio``, 1.5x, 2x and 4x."""
+    own = round(1.0 / cfg.train.comera.size_ratio, 4)
+    return ",".join(f"{f:g}" for f in sorted({1.0, own, 1.5, 2.0, 4.0}))
+
+
+def _target_compression(cfg: Any, exp: cli.Experiment) -> list[Variant]:
+    raise cli.CLIError(
+        "ablation 'target_compression' needs --values X1,X2,... (whole-model compressions "
+        "against the dense model, e.g. --values 8,16)"
+    )
+
+
 ABLATIONS: dict[str, Callable[[Any, cli.Experiment], list[Variant]]] = {
     "contraction": _choices("plans.default", C.STRATEGIES),
     "rank": lambda cfg, exp: _scaled(_rank_key(cfg), (0.5, 1.0, 2.0))(cfg, exp),
@@ -186,8 +227,11 @@ ABLATIONS: dict[str, Callable[[Any, cli.Experiment], list[Variant]]] = {
     "hot_rows": _hot_rows,
     "steps": _steps,
     "capacity": _capacity,
+    "compression": lambda cfg, exp: _compression_values(_compression_defaults(cfg)),
+    "target_compression": _target_compression,
 }
 _KEYS = {
+    "target_compression": "train.comera.target_compression",
     "contraction": "plans.default",
     "rank": "model.rank",
     "gamma": "train.comera.gamma",
@@ -214,6 +258,8 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     of single-key ablations."""
     if values is None:
         return ABLATIONS[name](cfg, exp)
+    if name == "compression":
+        return _compression_values(values)
     if name not in _KEYS:
         raise cli.CLIError(f"--values: ablation {name!r} has fixed variants; drop --values")
     key = _rank_key(cfg) if name == "rank" else _KEYS[name]
@@ -281,7 +327,33 @@ def _summary(rec: dict) -> dict:
         "curve": [(r["step"], r["loss"]) for r in train],
         "eval_curve": [(r["step"], r[key]) for r in evals if key in r] if key else [],
         "live": [(r["step"], r["live_params"]) for r in train],
+        "eval_loss": next(
+            (
+                v
+                for k, v in (evals[-1] if evals else {}).items()
+                if k.startswith("eval/") and k.endswith("/loss")
+            ),
+            None,
+        ),  # fmt: skip
+        # the compression path: every eval's size and headline metric (pick a point)
+        "eval_path": [
+            (r["eval_compression"], {k: v for k, v in r.items() if k.startswith("eval/")})
+            for r in evals
+            if "eval_compression" in r
+        ],
+        "size": _size_record(Path(rec["dir"])),
     }
+
+
+def _size_record(run_dir: Path) -> dict:
+    """The late stage's size target and how it was met (``ranks.json``'s ``end``)."""
+    path = run_dir / "ranks.json"
+    if not path.is_file():
+        return {}
+    end = json.loads(path.read_text()).get("end", {})
+    keys = ("size_target", "early_params", "live_params", "live_over_target",
+            "above_target_because")  # fmt: skip
+    return {k: end[k] for k in keys if k in end}
 
 
 def gather(name: str, records: list[dict], command: str) -> dict:
@@ -312,6 +384,12 @@ def render_report(data: dict, out: Path) -> str:
             "generator with 3x the rows (other rows, another validation split), and their",
             "compression is against the dense model of that data.",
         ]
+    if name == "compression":
+        lines += [
+            "",
+            "Each variant asks the late stage for 1/f of the live size the early stage ends",
+            "at (`train.comera.size_ratio=1/f`); `1x` holds the size: the late stage off.",
+        ]
     if name == "contraction":
         lines += [
             "",
@@ -329,6 +407,8 @@ def render_report(data: dict, out: Path) -> str:
     head += "| live params | median step (ms) | train time (s) |"
     if name == "contraction":
         head += f" loss diff vs {rows[0]['label']}: step 1 | steps 1-10 | whole run |"
+    if name in SIZE_ABLATIONS:
+        lines += _size_table(rows)
     lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cells = [
@@ -366,6 +446,57 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
     return out
 
 
+SIZE_ABLATIONS = ("compression", "target_compression", "size_ratio")
+NAMED_BY_EXPERIMENT = ("compression", "target_compression")  # ablation_mnli_compression.md
+
+
+def _headline(row: dict) -> tuple[str, float | None]:
+    """The metric a size ablation is read by: eval AUC (DLRM), else eval accuracy, else
+    held-out loss."""
+    for label, key in (("eval AUC", "eval_auc"), ("eval accuracy", "eval_acc")):
+        if row.get(key) is not None:
+            return label, row[key]
+    return "held-out loss", row.get("eval_loss")
+
+
+def _size_table(rows: list[dict]) -> list[str]:
+    """Live size against the late stage's target, and the headline metric against the
+    first variant's (the late stage off, for ``compression``)."""
+    metric, _ = _headline(rows[0])
+    ref = _headline(rows[0])[1]
+    head = (
+        "| variant | live params at the early stage's end | size target | live params at "
+        f"the end | live / target | compression | {metric} | vs {rows[0]['label']} |"
+    )
+    out = ["", head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        size, (_, val) = r.get("size") or {}, _headline(r)
+        ratio = size.get("live_over_target")
+        diff = "n/a" if val is None or ref is None else f"{val - ref:+.4f}"
+        if val is not None and ref and metric == "held-out loss":
+            diff += f" ({100 * (val - ref) / ref:+.1f}%)"
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    r["label"],
+                    f"{size['early_params']:,}" if "early_params" in size else "n/a",
+                    f"{size['size_target']:,}" if "size_target" in size else "n/a",
+                    f"{r['live_params']:,}" if r["live_params"] is not None else "n/a",
+                    f"{ratio:.3f}" if ratio is not None else "n/a",
+                    f"{r['compression']:.2f}x" if r["compression"] else "n/a",
+                    "n/a" if val is None else f"{val:.4f}",
+                    diff,
+                ]
+            )
+            + " |"
+        )
+    missed = [r for r in rows if (r.get("size") or {}).get("above_target_because")]
+    for r in missed:
+        out.append(f"\n{r['label']}: above its target because {r['size']['above_target_because']}.")
+    return out
+
+
 def _best_cell(best: tuple[float, int] | list | None) -> str:
     return "n/a" if best is None else f"{best[0]:.4f} ({best[1]})"
 
@@ -380,6 +511,8 @@ def _plot(name: str, rows: list[dict], png: Path) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4), squeeze=False)
     if name == "capacity":  # accuracy against size, the question this ablation asks
         _plot_capacity(rows, axes[0])
+    elif name in SIZE_ABLATIONS:
+        _plot_size(rows, axes[0])
     else:
         _plot_curves(name, rows, axes[0])
     fig.tight_layout()
@@ -433,6 +566,32 @@ def _plot_capacity(rows: list[dict], axes: Any) -> None:
            title="capacity: accuracy against size")  # fmt: skip
 
 
+def _plot_size(rows: list[dict], axes: Any) -> None:
+    """Left: each variant's path, its headline metric at every eval against the live
+    compression then. Right: the live parameters over training."""
+    metric, _ = _headline(rows[0])
+    key_end = {"eval AUC": "/auc", "eval accuracy": "accuracy", "held-out loss": "/loss"}[metric]
+    ax = axes[0]
+    for r in rows:
+        pts = [(c, next((v for k, v in ev.items() if k.endswith(key_end)), None))
+               for c, ev in r["eval_path"]]  # fmt: skip
+        pts = [(c, v) for c, v in pts if v is not None]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker=".", lw=1.0, label=r["label"])
+            ax.annotate(r["label"], (xs[-1], ys[-1]), fontsize=7, xytext=(4, 3),
+                        textcoords="offset points")  # fmt: skip
+    ax.set(xlabel="live compression vs dense (x)", ylabel=metric,
+           title="metric against compression, every eval")  # fmt: skip
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for r in rows:
+        steps, live = zip(*r["live"], strict=True) if r["live"] else ((), ())
+        ax.plot(steps, live, label=r["label"], lw=1.2)
+    ax.set(xlabel="step", ylabel="live parameters", title="model size")
+    ax.legend(fontsize=8)
+
+
 def main(argv: list[str] | None = None) -> int:
     from_command_line = argv is None  # only a command may re-execute itself
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -460,7 +619,9 @@ def main(argv: list[str] | None = None) -> int:
         if from_command_line and not args.report_only:
             if torch.device(base.train.device).type == "cpu":  # a valid device: TrainConfig
                 restart_for(base.train.cpu_malloc)  # as the experiment's command (lean: THP)
-        tag = "" if args.experiment == "mnli" else f"{args.experiment}-"  # mnli: old names
+        # MNLI's older ablations keep their names; the size ablations name every experiment
+        named = args.experiment != "mnli" or args.ablation in NAMED_BY_EXPERIMENT
+        tag = f"{args.experiment}-" if named else ""
         root = Path(args.runs_dir) / f"ablate-{tag}{args.ablation}-{preset}"
         if args.report_only:
             records = [{"label": v.label, "dir": variant_dir(root, v.label)} for v in chosen]
@@ -473,11 +634,18 @@ def main(argv: list[str] | None = None) -> int:
                 )
         else:
             records = run_ablation(
-                args.ablation, exp, base, chosen, root, text_values=args.values is not None
+                args.ablation,
+                exp,
+                base,
+                chosen,
+                root,
+                # --values text goes to the config as typed; compression's are parsed here
+                text_values=args.values is not None and args.ablation != "compression",
             )
     except cli.USER_ERRORS as e:  # bad input: one line; anything else keeps its traceback
         return cli.user_error(ap.prog, e)
-    tag = "" if args.experiment == "mnli" else f"{args.experiment}_"
+    named = args.experiment != "mnli" or args.ablation in NAMED_BY_EXPERIMENT
+    tag = f"{args.experiment}_" if named else ""
     out = Path(args.reports) / f"ablation_{tag}{args.ablation}.md"
     # the command that trained the runs: a --report-only rebuild names it, not itself
     ran = [a for a in argv if not (a.startswith("--report-") and "--report-only".startswith(a))]

@@ -169,6 +169,19 @@ def rank_table(snapshots: dict) -> list[str]:
         + " | ".join(f"{snapshots[k]['live_params']:,}" for k in labels)
         + " |"
     )
+    end = snapshots.get("end", {})
+    if "size_target" in end:  # the late stage's target, and how it was met
+        lines += [
+            "",
+            f"Late-stage size target: {end['size_target']:,} live parameters (from "
+            f"{end['early_params']:,} at the early stage's end); at the end "
+            f"{end['live_params']:,}, {end['live_over_target']:.3f}x the target."
+            + (
+                f" Above it because: {end['above_target_because']}."
+                if "above_target_because" in end
+                else ""
+            ),
+        ]
     return lines
 
 

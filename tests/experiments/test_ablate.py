@@ -275,3 +275,36 @@ def test_codebert_gamma_ablation_on_the_stdlib(tmp_path):
             (tmp_path / "runs" / "ablate-codebert-gamma-smoke" / gamma / "config.json").read_text()
         )
         assert saved["train"]["comera"]["gamma"] == float(gamma)
+
+
+@pytest.mark.slow
+def test_compression_ablation_meets_each_target_and_renders_the_path(tmp_path):
+    argv = ["compression", "--experiment", "mnli", "--preset", "smoke", "--values", "1,2"]
+    argv += ["--set", "train.steps=12", "--set", "train.comera.reg_start_step=0"]
+    argv += ["--set", "train.comera.early_steps=6", "--set", "train.comera.prune_every=3"]
+    argv += [*SMALL, "--runs-dir", str(tmp_path / "runs"), "--reports", str(tmp_path / "rep")]
+    assert ablate.main(argv) == 0
+    data = json.loads((tmp_path / "rep" / "ablation_mnli_compression.json").read_text())
+    rows = {r["label"]: r for r in data["variants"]}
+    assert list(rows) == ["1x", "2x"]
+    off, half = rows["1x"]["size"], rows["2x"]["size"]
+    assert off["live_params"] == off["early_params"] == off["size_target"]  # held
+    assert half["size_target"] == round(half["early_params"] / 2)
+    assert half["live_params"] <= half["size_target"]  # met in live parameters
+    path = rows["2x"]["eval_path"]  # (compression, metrics) at every eval
+    assert len(path) == 4 and path[-1][0] > path[0][0] and "eval/validation/accuracy" in path[-1][1]
+    md = (tmp_path / "rep" / "ablation_mnli_compression.md").read_text()
+    assert "| live / target |" in md
+    assert (tmp_path / "rep" / "ablation_mnli_compression.png").is_file()
+
+
+def test_size_ablations_refuse_bad_values(capsys):
+    assert ablate.main(["compression", "--values", "0.5"]) == 2
+    assert "numbers >= 1" in capsys.readouterr().err
+    assert ablate.main(["target_compression"]) == 2
+    assert "needs --values" in capsys.readouterr().err
+    out = ablate.variants("target_compression", mnli.preset("smoke"), mnli.EXPERIMENT, "8,16")
+    assert [v.overrides for v in out] == [
+        (("train.comera.target_compression", "8"),),
+        (("train.comera.target_compression", "16"),),
+    ]

@@ -80,3 +80,20 @@ def test_from_json_renders_without_training(tmp_path: Path, capsys) -> None:
     assert report.smoke_report_main("x", no_training, None, argv, "x", render=render) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m experiments.x.report: error: ")
+
+
+def test_rank_table_shows_the_late_stage_target_and_how_it_was_met():
+    from experiments.report import rank_table
+
+    snaps = {
+        "init": {"step": 0, "ranks": {"a": [4, 4]}, "live_params": 100},
+        "end": {"step": 9, "ranks": {"a": [2, 3]}, "live_params": 60, "size_target": 50,
+                "early_params": 100, "live_over_target": 1.2,
+                "above_target_because": "every bond is down to one live rank"},
+    }  # fmt: skip
+    text = "\n".join(rank_table(snaps))
+    assert "| a | 4,4 | 2,3 |" in text
+    assert "target: 50 live parameters (from 100" in text and "1.200x the target" in text
+    assert "every bond is down to one live rank" in text
+    del snaps["end"]["above_target_because"]
+    assert "Above it" not in "\n".join(rank_table(snaps))
