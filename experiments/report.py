@@ -117,11 +117,17 @@ def smoke_report_main(
         out.mkdir(parents=True, exist_ok=True)
         print(render(data, out))
         return 0
+    bench = None
+    if args.bench_json:  # read before training: a bad path fails now, not after the runs
+        try:
+            bench = _read_bench(Path(args.bench_json))
+        except DataError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
     runs = Path(args.runs)
     for dense in (False, True):
         run_dir = runs / f"{name}-smoke{'-dense' if dense else ''}"
         ensure_smoke_run(exp_main, run_dir, dense=dense, label=f"{name} report")
-    bench = json.loads(Path(args.bench_json).read_text()) if args.bench_json else None
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
     out.mkdir(parents=True, exist_ok=True)
     print(write(runs, out, bench, command=command))
@@ -247,6 +253,19 @@ def write_report_json(path: Path, data: dict) -> dict:
     tmp.write_text(text)
     tmp.replace(path)
     return json.loads(text)
+
+
+def _read_bench(path: Path) -> dict:
+    """A benchmark's ``--json`` figures for ``--bench-json``, or a :class:`DataError`."""
+    if not path.is_file():
+        raise MissingFileError(f"--bench-json {path}: no such file; give a benchmark's JSON")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"--bench-json {path}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"--bench-json {path}: not a benchmark's JSON object")
+    return data
 
 
 def read_report_json(path: Path, flag: str) -> dict:

@@ -166,7 +166,15 @@ def stdlib_corpus(
 
 def _prepared(name: str, folder: Path) -> tuple[str, Path]:
     """The tokenizer and train/heldout of a folder made by ``python -m loaders.prepare``."""
-    plan = json.loads((folder / PLAN_NAME).read_text())
+    try:
+        plan = json.loads((folder / PLAN_NAME).read_text())
+        if not isinstance(plan, dict) or not isinstance(plan.get("settings", {}), dict):
+            raise ValueError("not a JSON object with a settings object")
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"--corpus {name}={folder}: its {PLAN_NAME} is unreadable ({e}); rerun "
+            "python -m loaders.prepare into a fresh folder"
+        ) from None
     if not plan.get("settings", {}).get("heldout"):
         raise DataError(f"--corpus {name}={folder}: prepared without --heldout; rerun "
                         "python -m loaders.prepare with --heldout F")  # fmt: skip
@@ -175,7 +183,10 @@ def _prepared(name: str, folder: Path) -> tuple[str, Path]:
             raise DataError(f"--corpus {name}={folder}: its {split} split is incomplete (no "
                             f"{METADATA_NAME}); rerun python -m loaders.prepare with the same "
                             "arguments to finish it")  # fmt: skip
-    tok = plan["tokenizer"]
+    tok = plan.get("tokenizer")
+    if not isinstance(tok, str):
+        raise DataError(f"--corpus {name}={folder}: its {PLAN_NAME} names no tokenizer; "
+                        "rerun python -m loaders.prepare into a fresh folder")  # fmt: skip
     if not Path(tok).is_file() and (folder / "tokenizer.json").is_file():
         tok = str(folder / "tokenizer.json")  # a trained tokenizer, folder moved since
     return tok, folder

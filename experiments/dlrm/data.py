@@ -340,17 +340,25 @@ class CriteoData:
 
 
 def _open(root: Path) -> CriteoData:
-    meta = json.loads((root / "meta.json").read_text())
-    n = meta["rows"]
-    return CriteoData(
-        root=root,
-        label=np.memmap(root / "label.u8", dtype=np.uint8, mode="r", shape=(n,)),
-        dense=np.memmap(root / "dense.f32", dtype=np.float32, mode="r", shape=(n, 13)),
-        cat=np.memmap(root / "cat.i32", dtype=np.int32, mode="r", shape=(n, 26)),
-        cardinalities=list(meta["cardinalities"]),
-        splits={k: tuple(v) for k, v in meta["splits"].items()},
-        meta=meta,
-    )
+    """The finished cache in ``root``; a damaged one is a :class:`DataError` that names it
+    (nothing is deleted: the user decides)."""
+    try:
+        meta = json.loads((root / "meta.json").read_text())
+        n = meta["rows"]
+        return CriteoData(
+            root=root,
+            label=np.memmap(root / "label.u8", dtype=np.uint8, mode="r", shape=(n,)),
+            dense=np.memmap(root / "dense.f32", dtype=np.float32, mode="r", shape=(n, 13)),
+            cat=np.memmap(root / "cat.i32", dtype=np.int32, mode="r", shape=(n, 26)),
+            cardinalities=list(meta["cardinalities"]),
+            splits={k: tuple(v) for k, v in meta["splits"].items()},
+            meta=meta,
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DataError(
+            f"the Criteo cache {root} is damaged ({type(e).__name__}: {e}); delete that "
+            "folder to rebuild it, or point data.cache_dir elsewhere"
+        ) from None
 
 
 def _remove_stale_builds(parent: Path, fp: str) -> None:

@@ -82,6 +82,21 @@ def test_from_json_renders_without_training(tmp_path: Path, capsys) -> None:
     assert len(err) == 1 and err[0].startswith("python -m experiments.x.report: error: ")
 
 
+def test_a_bad_bench_json_fails_before_any_training(tmp_path: Path, capsys) -> None:
+    def no_training(argv: list[str]) -> int:
+        raise AssertionError("a bad --bench-json must fail before training")
+
+    (tmp_path / "bad.json").write_text("{")
+    for path, why in [
+        (tmp_path / "none.json", "no such file"),
+        (tmp_path / "bad.json", "not JSON"),
+    ]:
+        argv = ["--bench-json", str(path), "--runs", str(tmp_path / "runs")]
+        assert report.smoke_report_main("x", no_training, None, argv, "x") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--bench-json {path}: {why}" in err[0]
+
+
 def test_rank_table_shows_the_late_stage_target_and_how_it_was_met():
     from experiments.report import rank_table
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,22 @@ def test_masked_lm_refuses_compiled_and_graphed_steps(tmp_path: Path, capsys) ->
     for mode in ("compile", "cuda_graph"):
         assert main(_argv(tmp_path, mode, "--step-mode", mode)) == 2
         assert "cannot run the masked LM" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_damaged_prepare_plan_is_a_data_error(tmp_path: Path) -> None:
+    from comera.errors import DataError
+    from experiments.codebert.data import corpus_from_paths
+    from loaders.prepare import PLAN_NAME
+
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    for text, why in [('{"settings": ', "is unreadable"), ("[1]", "is unreadable"),
+                      ('{"settings": {"heldout": 0.1}}', "names no tokenizer")]:  # fmt: skip
+        (folder / PLAN_NAME).write_text(text)
+        for split in ("train", "heldout"):
+            (folder / split).mkdir(exist_ok=True)
+            (folder / split / "doc_counts.json").write_text("{}")
+        with pytest.raises(
+            DataError, match=re.escape(f"--corpus x={folder}: its {PLAN_NAME} {why}")
+        ):
+            corpus_from_paths({"x": str(folder)}, tmp_path / "cache", vocab=100, progress=False)

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from comera.errors import DataError
 from experiments.dlrm.batches import RowBatches
 from experiments.dlrm.data import (
     CriteoDataConfig,
@@ -43,6 +44,18 @@ def test_sample_parses_like_the_reference(sample) -> None:
         order = {h: k for k, h in enumerate(sorted(freq, key=lambda h: (-freq[h], h)))}
         assert sample.cardinalities[j] == len(order)
         assert list(sample.cat[:, j]) == [order[h] for h in hashes]
+
+
+def test_a_damaged_cache_is_named_and_left_alone(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    root = preprocess(SAMPLE, cfg, progress=False).root
+    (root / "meta.json").write_text('{"rows": ')  # cut short
+    with pytest.raises(DataError, match=rf"Criteo cache {root} is damaged .*delete that folder"):
+        preprocess(SAMPLE, cfg, progress=False)
+    (root / "meta.json").write_text('{"rows": 3}')  # a key missing
+    with pytest.raises(DataError, match="damaged"):
+        preprocess(SAMPLE, cfg, progress=False)
+    assert (root / "cat.i32").is_file()  # nothing deleted
 
 
 def test_cache_is_reused_and_partial_caches_are_rebuilt(tmp_path: Path) -> None:
