@@ -1,0 +1,74 @@
+"""Training-path flags of the experiments and the encoder's recomputed blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from experiments import cli
+from experiments.mnli import experiment as mnli
+from experiments.transformer import EncoderConfig, encoder_hidden, init_encoder
+
+FAST = ["--preset", "smoke", "--wandb", "disabled", "--no-progress"]
+FAST += ["--set", "train.steps=3", "--set", "train.eval_every=None"]
+FAST += ["--set", "data.generated_train=200", "--set", "data.generated_eval=30"]
+
+
+@pytest.mark.slow
+def test_cli_flags_reach_the_config_and_may_change_on_resume(tmp_path, capsys, monkeypatch):
+    applied = []  # a policy cannot be undone: record it instead of changing this process
+    monkeypatch.setattr(cli, "apply_cpu_malloc", applied.append)
+    run = tmp_path / "run"
+    argv = [*FAST, "--run-dir", str(run), "--cpu-malloc", "keep", "--recompute"]
+    assert mnli.main(argv) == 0
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["train"]["cpu_malloc"] == "keep" and saved["model"]["recompute"] is True
+    # --recompute alone also selects the lean allocator (what it frees is then returned)
+    args = cli.build_parser(mnli.EXPERIMENT).parse_args([*FAST, "--recompute"])
+    cfg = cli.resolve_config(mnli.EXPERIMENT, args, cli.build_parser(mnli.EXPERIMENT))
+    assert cfg.train.cpu_malloc == "lean" and cfg.model.recompute is True
+    ap = cli.build_parser(mnli.EXPERIMENT)  # resuming with --recompute keeps the saved policy
+    args = ap.parse_args(["--resume", str(run), "--recompute"])
+    assert cli.resolve_config(mnli.EXPERIMENT, args, ap).train.cpu_malloc == "keep"
+    assert applied and set(applied) == {"keep"}
+    ap = cli.build_parser(mnli.EXPERIMENT)
+    args = ap.parse_args(["--resume", str(run), "--cpu-malloc", "default"])
+    cfg = cli.resolve_config(mnli.EXPERIMENT, args, ap)
+    assert cfg.train.cpu_malloc == "default" and cfg.model.recompute is True
+    from experiments.dlrm.experiment import main as dlrm_main
+
+    assert dlrm_main(["--preset", "smoke", "--recompute", "--run-dir", str(tmp_path / "d")]) == 2
+    assert "--recompute" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("tt", [False, True])
+def test_recomputed_blocks_give_the_same_values_and_gradients(tt: bool) -> None:
+    """``recompute=True`` reruns each block in backward with the same dropout masks: the
+    hidden states and every gradient equal the stored-activation run's."""
+    cfg = EncoderConfig(
+        vocab_size=100, max_len=16, d_model=32, heads=4, ffn=64, layers=2, dropout=0.2,
+        tt=tt, rank=4, attn_modes=((8, 4), (4, 8)), ffn_in_modes=((8, 8), (4, 8)),
+        ffn_out_modes=((4, 8), (8, 8)), emb_vocab_modes=(10, 10), emb_dim_modes=(4, 8),
+        emb_rank=4,
+    )  # fmt: skip
+    params, state = init_encoder(cfg, generator=torch.Generator().manual_seed(0))
+    leaves = [t.requires_grad_() for t in torch.utils._pytree.tree_leaves(params)]
+    batch = {"input_ids": torch.randint(5, 100, (3, 16), generator=torch.Generator()),
+             "attention_mask": torch.ones(3, 16)}  # fmt: skip
+
+    def run(c: EncoderConfig) -> list[torch.Tensor]:
+        torch.manual_seed(3)
+        out = encoder_hidden(params, state, batch, c, train=True)
+        grads = torch.autograd.grad(out.pow(2).sum(), leaves, allow_unused=True)
+        return [out, *(g for g in grads if g is not None)]
+
+    plain, again = run(cfg), run(dataclasses.replace(cfg, recompute=True))
+    assert len(plain) == len(again) > 10
+    for a, b in zip(plain, again, strict=True):
+        torch.testing.assert_close(a, b)
+    fused = run(dataclasses.replace(cfg, fused_qkv=True))  # Q, K, V in one GEMM (TT only)
+    for a, b in zip(plain, fused, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # summation order only

@@ -1,0 +1,84 @@
+"""The GaLore optimizer of the dense baseline: training, resume, refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from comera.train import TrainConfig
+
+
+class _DenseToy:
+    """Fit a linear map with a dense 32 x 32 weight (GaLore projects it) and a bias."""
+
+    def __init__(self) -> None:
+        from tests.train_helpers import _Iter
+
+        g = torch.Generator().manual_seed(5)
+        self.w = torch.randn(32, 32, generator=g) / 6
+        self.train_iter = _Iter(self.w)
+
+    def loss(self, params, state, batch, *, train):
+        x, y = batch
+        pred = torch.nn.functional.linear(x, params["w"], params["b"])
+        return (pred - y).pow(2).sum(), y.numel(), {}
+
+    def evaluate(self, params, state):
+        return {}
+
+
+def _galore_trainer(tmp_path: Path, steps: int, resume: bool = False):
+    from comera.train import ComeraConfig, Trainer
+    from comera.train.galore import GaLoreConfig
+    from comera.train.optim import AdamWConfig
+
+    cfg = TrainConfig(
+        steps=steps, run_dir=str(tmp_path), optimizer="galore", checkpoint_every=5,
+        galore=GaLoreConfig(rank=8, update_proj_gap=4, scale=1.0, targets=("w",)),
+        optim=AdamWConfig(lr_rest=3e-2, weight_decay=0.0), comera=ComeraConfig(enabled=False),
+        wandb="disabled", progress=False, schedule="constant",
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(32, 32, generator=g) * 0.01, "b": torch.zeros(32)}
+    return Trainer(cfg, _DenseToy(), params, {}, resume=resume)
+
+
+def test_galore_trains_the_dense_baseline_and_resumes_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("galore_torch")
+    whole = _galore_trainer(tmp_path / "whole", 40)
+    assert whole.galore.projected == 1  # the 32 x 32 weight; the bias is plain AdamW
+    first = whole.train_step(next(iter(whole.task.train_iter)))["loss"]
+    whole.fit()
+    last = whole.train_step(next(iter(whole.task.train_iter)))["loss"]
+    assert last < 0.5 * first
+    part = _galore_trainer(tmp_path / "part", 12)
+    part.fit()  # writes checkpoints at 5 and 10 (and 12)
+    import shutil
+
+    from comera.train.checkpoint import complete_checkpoints
+
+    shutil.rmtree(complete_checkpoints(tmp_path / "part")[-1])  # back to step 10
+    again = _galore_trainer(tmp_path / "part", 12, resume=True)
+    assert again.step == 10 and again.galore.torch.state  # projector and moments restored
+    again.fit()
+    for a, b in zip((part.params["w"], part.params["b"]), (again.params["w"], again.params["b"]),
+                    strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_galore_is_refused_for_a_comera_run_and_on_resume_from_adamw(tmp_path: Path) -> None:
+    pytest.importorskip("galore_torch")
+    from comera.train import CheckpointError
+    from comera.train.optim import adamw_init
+
+    with pytest.raises(ValueError, match="optimizer='galore' trains the dense baseline"):
+        TrainConfig(steps=1, run_dir="x", optimizer="galore")
+    adamw = _galore_trainer(tmp_path, 5)
+    adamw.cfg = dataclasses.replace(adamw.cfg, optimizer="adamw")
+    adamw.opt, adamw.galore = adamw_init(adamw.params), None
+    adamw.fit()  # an AdamW run with a checkpoint at step 5
+    with pytest.raises(CheckpointError, match="holds adamw optimizer state.*'galore'"):
+        _galore_trainer(tmp_path, 5, resume=True)
