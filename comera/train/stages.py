@@ -16,7 +16,8 @@ weight on whichever of loss and size is relatively further from its target.
 With ``size_objective="shares"`` the size that decides is the live parameter count
 against a budget that falls from ``P`` to ``P0`` over the first ``prune_ramp`` of the
 stage (:meth:`StageController.size_budget`), and the size term is
-:func:`comera.train.objectives.share_size`; with ``late_prune="schedule"`` the loop prunes
+:func:`comera.train.objectives.share_size` (a size at or under the budget is met and never
+leads: the step's weight then goes to the loss); with ``late_prune="schedule"`` the loop prunes
 the smallest-share ranks down to the budget at every prune event (and to ``P0`` at the
 end), so the target is met in parameters. ``size_ratio=1`` (no ``target_compression``)
 holds the size: the loss alone. With ``size_objective="paper"`` both are the paper's
@@ -29,6 +30,7 @@ last step (``final``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -151,7 +153,10 @@ class StageController:
             if not size.requires_grad:  # every layer pruned to nothing
                 return Objective(1.0, None, {})
             live = float(self.live_params or 0)
-            w = late_weights(loss_value, live, self.targets["loss"], budget, c.rho)
+            # at or under the budget the size is met: a lower share size buys nothing the
+            # budget prune keeps, so the step's weight goes to the loss (plus rho's pull)
+            gap_live = live if live > budget else -math.inf
+            w = late_weights(loss_value, gap_live, self.targets["loss"], budget, c.rho)
             metrics = {
                 "size": size.detach(),
                 "size_budget": budget,
@@ -230,7 +235,9 @@ class StageController:
         budget = self.size_budget(step)
         if budget is None or budget <= 0:
             return None
-        return (float(self.live_params or 0) - budget) / budget, 1.0 / budget
+        live = float(self.live_params or 0)
+        gap = (live - budget) / budget if live > budget else -math.inf  # met: the loss leads
+        return gap, 1.0 / budget
 
     def observe(self, loss_value: float) -> None:
         """Track the smoothed loss (the default loss target L0)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -117,6 +118,24 @@ def test_the_budget_falls_cubically_from_the_early_size_to_the_target():
     sc3 = StageController(dataclasses.replace(c, target_compression=2.0), 50)
     sc3.fix_targets(params, state, live=1000, reference=4000, step=10)
     assert sc3.targets["params"] == 1000 and sc3.holds  # already beyond: hold
+
+
+def test_a_met_size_never_leads_the_late_objective():
+    c = ComeraConfig(early_steps=10, size_ratio=0.5, prune_every=100)
+    sc = StageController(c, total_steps=50)
+    params, state = _toy_model()
+    for t in (*params["lin"]["cores"], *params["lin"]["gates"]):
+        t.requires_grad_(True)
+    sc.fix_targets(params, state, live=1000, reference=4000, step=10)
+    sc.stage = "late"
+    sc.targets["loss"] = 2.0
+    sc.live_params = 900  # over the budget at step 12 (about 990): size leads a good loss
+    assert sc.objective(12, 0.5, params, state).metrics["focus_size"] == 1.0
+    assert sc.late_inputs(12)[0] > -0.5
+    sc.live_params = 400  # under it: the loss leads, however far below L0 it is
+    obj = sc.objective(12, 0.5, params, state)
+    assert obj.metrics["focus_size"] == 0.0 and obj.loss_weight == pytest.approx(1.05 / 2.0)
+    assert sc.late_inputs(12)[0] == -math.inf
 
 
 def test_bad_late_stage_settings_name_the_field():
