@@ -131,8 +131,9 @@ def prune_to_size(params: object, state: object, remove: int) -> tuple[object, i
     candidates = []
     for li, (_, p, s) in enumerate(layers):
         for k, share in enumerate(rank_contributions(p, s)):
+            values = share.tolist()  # one read per bond, not one per rank
             for i in s["masks"][k].nonzero().flatten().tolist():
-                if math.isfinite(v := float(share[i])):
+                if math.isfinite(v := values[i]):
                     candidates.append((v, li, k, i))
     removed = 0
     for _, li, k, i in sorted(candidates):

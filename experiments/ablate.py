@@ -184,9 +184,8 @@ def _require_model_field(cfg: Any, name: str) -> None:
         raise cli.CLIError(f"ablation {name!r} is DLRM's (model.{name}): pass --experiment dlrm")
 
 
-def _compression_values(values: str) -> list[Variant]:
-    """``compression`` variants from factors beyond the early stage's size: ``f`` asks the
-    late stage for ``1/f`` of it (``size_ratio``); ``1`` is the late stage off."""
+def _factors(values: str, what: str) -> list[float]:
+    """``--values`` as numbers >= 1, all checked before anything trains."""
     out = []
     for v in (x for x in values.split(",") if x):
         try:
@@ -194,19 +193,27 @@ def _compression_values(values: str) -> list[Variant]:
         except ValueError:
             f = 0.0
         if not f >= 1:
-            raise cli.CLIError(
-                f"--values {v!r}: compression factors beyond the early stage must be "
-                "numbers >= 1 (1 = the late stage off)"
-            )
-        label = f"{f:g}x"  # 1x: the late stage off
-        out.append(Variant(label, (("train.comera.size_ratio", 1.0 / f),)))
+            raise cli.CLIError(f"--values {v!r}: {what} must be numbers >= 1")
+        out.append(f)
     return out
 
 
-def _compression_defaults(cfg: Any) -> str:
+def _compression_variants(factors: list[float], own_ratio: float | None = None) -> list[Variant]:
+    """``compression`` variants from factors beyond the early stage's size: ``f`` asks the
+    late stage for ``1/f`` of it (``size_ratio``); ``1`` is the late stage off. The factor
+    of ``own_ratio`` (the preset's) uses that ratio exactly."""
+    out = []
+    for f in factors:
+        ratio = own_ratio if own_ratio and abs(f * own_ratio - 1) < 1e-3 else 1.0 / f
+        out.append(Variant(f"{f:g}x", (("train.comera.size_ratio", ratio),)))
+    return out
+
+
+def _compression(cfg: Any, exp: cli.Experiment) -> list[Variant]:
     """1x (the late stage off), the preset's own ``1 / size_ratio``, 1.5x, 2x and 4x."""
-    own = round(1.0 / cfg.train.comera.size_ratio, 4)
-    return ",".join(f"{f:g}" for f in sorted({1.0, own, 1.5, 2.0, 4.0}))
+    own = cfg.train.comera.size_ratio
+    factors = sorted({1.0, round(1.0 / own, 4), 1.5, 2.0, 4.0})
+    return _compression_variants(factors, own)
 
 
 def _target_compression(cfg: Any, exp: cli.Experiment) -> list[Variant]:
@@ -227,7 +234,7 @@ ABLATIONS: dict[str, Callable[[Any, cli.Experiment], list[Variant]]] = {
     "hot_rows": _hot_rows,
     "steps": _steps,
     "capacity": _capacity,
-    "compression": lambda cfg, exp: _compression_values(_compression_defaults(cfg)),
+    "compression": _compression,
     "target_compression": _target_compression,
 }
 _KEYS = {
@@ -259,7 +266,10 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     if values is None:
         return ABLATIONS[name](cfg, exp)
     if name == "compression":
-        return _compression_values(values)
+        what = "compression factors beyond the early stage (1 = the late stage off)"
+        return _compression_variants(_factors(values, what))
+    if name == "target_compression":  # checked here, not after the first runs trained
+        _factors(values, "whole-model compressions against dense")
     if name not in _KEYS:
         raise cli.CLIError(f"--values: ablation {name!r} has fixed variants; drop --values")
     key = _rank_key(cfg) if name == "rank" else _KEYS[name]

@@ -51,7 +51,9 @@ class ComeraConfig:
 
     The late stage's size target is in live parameters (whole model, after compaction):
     ``size_ratio`` x the live size at the end of the early stage, or, with
-    ``target_compression=X``, the reference (dense) size / X. ``size_objective``:
+    ``target_compression=X``, the trainer's ``reference_size`` / X (the experiments pass
+    the dense model's count; without one it is the model's size at the start).
+    ``size_objective``:
     ``"shares"`` (default) is :func:`comera.train.objectives.share_size`, a size measure
     built from every rank's share of its layer's weight, which scaling gates against
     cores cannot lower; ``"paper"`` is the paper's ``S(d)`` on gate magnitudes (which that
@@ -61,7 +63,10 @@ class ComeraConfig:
     event, kills the ranks with the smallest shares until the model fits it; the rest of
     the stage recovers at the target. ``"threshold"`` prunes by ``tau`` alone (the paper).
     With ``size_ratio=1`` (and no ``target_compression``) and ``"shares"`` the late stage
-    holds the size and trains the loss alone: the late stage off.
+    holds the size and trains the loss alone: the late stage off (with ``"paper"`` the
+    paper's S term still trains). ``"shares"`` resists the gate/core scaling, a diagonal
+    change of basis on a bond; a general change of basis can still move shares (as it
+    can the ``contribution`` prune rule, which shares the measure).
     """
 
     enabled: bool = True
@@ -122,6 +127,16 @@ class ComeraConfig:
             raise ConfigError(
                 "ComeraConfig.target_compression (X in reference size / X) must be >= 1, "
                 f"got {self.target_compression}"
+            )
+        if (
+            self.target_compression is not None
+            and self.size_objective == "paper"
+            and self.late_prune == "threshold"
+        ):
+            raise ConfigError(
+                "ComeraConfig.target_compression needs live-size targets: the paper's late "
+                "stage (size_objective='paper', late_prune='threshold') aims at size_ratio x "
+                "S; set late_prune='schedule' or drop target_compression"
             )
         if self.loss_target is not None and self.loss_target <= 0:
             raise ConfigError(f"ComeraConfig.loss_target must be > 0, got {self.loss_target}")

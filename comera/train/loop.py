@@ -135,7 +135,7 @@ class Trainer:
         self.on_compact: list[Callable[[Trainer], None]] = []
         if hasattr(task, "on_compaction"):
             self.on_compact.append(lambda tr: tr.task.on_compaction(tr.params, tr.state))
-        self._size_floor = False  # a budget prune found every bond at one rank
+        self._size_miss: str | None = None  # why the last budget prune fell short
         if resume:
             ck.restore_trainer(self, ck.load_checkpoint(self.run_dir))
             for fn in self.on_compact:  # the restored model may be compacted: rebuild
@@ -174,8 +174,15 @@ class Trainer:
             excess = model_size(self.params, self.state) - math.floor(budget or 0)
             if budget is not None and excess > 0:
                 self.state, removed = prune_to_size(self.params, self.state, excess)
-                self._size_floor = removed < excess
+                self._size_miss = None if removed >= excess else self._why_short()
         self.stages.live_params = model_size(self.params, self.state)
+
+    def _why_short(self) -> str:
+        """Why a budget prune removed less than it was asked to."""
+        bonds = [int(m.sum()) for _, _, s in iter_tt(self.params, self.state) for m in s["masks"]]
+        if all(n <= 1 for n in bonds):
+            return "every bond is down to one live rank"
+        return "the ranks left are their bonds' last or have non-finite shares"
 
     def compact(self, budget: float | None = None) -> None:
         """Prune, then physically remove dead ranks from params and both moments."""
@@ -210,20 +217,17 @@ class Trainer:
         if "params" not in t:
             return {}
         live = model_size(self.params, self.state)
+        target = t["params"]
         rec = {
-            "size_target": round(t["params"]),
+            "size_target": round(target),
             "early_params": round(t["params_early"]),
-            "live_over_target": live / t["params"],
+            "live_over_target": live / target if target else (0.0 if not live else math.inf),
         }
-        if live > t["params"]:
-            if self.stages.holds:
-                why = "none: the late stage holds the size (size_ratio=1)"
-            elif c.late_prune == "threshold":
+        if live > target:
+            if c.late_prune == "threshold":
                 why = "late_prune=threshold: ranks die only when their share or gate <= tau"
-            elif self._size_floor:
-                why = "every bond is down to one live rank"
             else:
-                why = "the budget prune has not reached the target yet"
+                why = self._size_miss or "the budget prune stopped above the target"
             rec["above_target_because"] = why
         return rec
 

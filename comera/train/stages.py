@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from comera.errors import CheckpointError
 from comera.train.config import ComeraConfig
 from comera.train.objectives import gate_regularizer, late_weights, share_size, size_surrogate
 
@@ -72,6 +73,17 @@ class StageController:
         return {"stage": self.stage, "targets": dict(self.targets), "loss_ema": self.loss_ema}
 
     def load_state_dict(self, state: dict) -> None:
+        c = self.cfg
+        if (
+            state["stage"] == "late"
+            and "params" not in state["targets"]
+            and (c.size_objective == "shares" or c.late_prune == "schedule")
+        ):
+            raise CheckpointError(
+                "this checkpoint's late stage predates live-size targets; resume it with "
+                "--set train.comera.size_objective=paper --set train.comera.late_prune=threshold "
+                "(the late stage it was trained with)"
+            )
         self.stage = state["stage"]
         self.targets = dict(state["targets"])
         self.loss_ema = state["loss_ema"]

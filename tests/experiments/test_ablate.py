@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 
 import pytest
@@ -303,6 +305,19 @@ def test_size_ablations_refuse_bad_values(capsys):
     assert "numbers >= 1" in capsys.readouterr().err
     assert ablate.main(["target_compression"]) == 2
     assert "needs --values" in capsys.readouterr().err
+    assert ablate.main(["target_compression", "--values", "8,x"]) == 2
+    assert "--values 'x': whole-model compressions" in capsys.readouterr().err
+    codebert = importlib.import_module("experiments.codebert.experiment")
+    cfg = dataclasses.replace(  # a ratio whose inverse is not exact: used as it is
+        codebert.preset("smoke"),
+        train=dataclasses.replace(
+            codebert.preset("smoke").train,
+            comera=dataclasses.replace(codebert.preset("smoke").train.comera, size_ratio=0.3),
+        ),
+    )
+    ratios = {v.label: dict(v.overrides)["train.comera.size_ratio"]
+              for v in ablate.variants("compression", cfg, codebert.EXPERIMENT, None)}  # fmt: skip
+    assert ratios == {"1x": 1.0, "1.5x": 1 / 1.5, "2x": 0.5, "3.3333x": 0.3, "4x": 0.25}
     out = ablate.variants("target_compression", mnli.preset("smoke"), mnli.EXPERIMENT, "8,16")
     assert [v.overrides for v in out] == [
         (("train.comera.target_compression", "8"),),

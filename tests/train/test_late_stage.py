@@ -196,3 +196,17 @@ def test_target_compression_reaches_the_whole_model_compression(tmp_path):
     tr.fit()
     live = model_size(tr.params, tr.state)
     assert dense / live == pytest.approx(3.0, rel=0.1) and dense / live >= 3.0
+
+
+def test_an_old_late_stage_checkpoint_resumes_only_as_the_paper_late_stage():
+    from comera.errors import CheckpointError
+
+    old = {"stage": "late", "targets": {"size": 100.0, "loss": 1.0}, "loss_ema": 1.0}
+    with pytest.raises(CheckpointError, match="size_objective=paper.*late_prune=threshold"):
+        StageController(ComeraConfig(), 10).load_state_dict(old)
+    paper = ComeraConfig(size_objective="paper", late_prune="threshold")
+    sc = StageController(paper, 10)
+    sc.load_state_dict(old)
+    assert sc.targets == old["targets"]
+    with pytest.raises(ConfigError, match="target_compression needs live-size targets"):
+        ComeraConfig(size_objective="paper", late_prune="threshold", target_compression=4.0)
