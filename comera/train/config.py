@@ -83,7 +83,7 @@ class ComeraConfig:
     rho: float = 0.05  # weight of the plain weighted sum in the late stage
     size_objective: str = "shares"  # "shares" (symmetry-invariant) | "paper" (S on gates)
     late_prune: str = "schedule"  # "schedule" (budget from live size) | "threshold" (tau)
-    prune_ramp: float = 0.5  # share of the late stage over which the budget falls
+    prune_ramp: float = 0.25  # share of the late stage over which the budget falls
     target_compression: float | None = None  # whole model vs reference; overrides size_ratio
 
     def __post_init__(self) -> None:

@@ -87,11 +87,15 @@ def share_size(params: object, state: object) -> torch.Tensor:
     """Symmetry-invariant size ``sum_k n_k rho_{k-1} rho_k + sum_k rho_k`` over all layers.
 
     ``rho_k = sum_i s_i / max_i s_i`` is bond ``k``'s soft rank over its live ranks'
-    shares (edge bonds count 1), differentiable in cores and gates alike. Its gradient
-    pulls every rank but each bond's largest toward a zero share at the same relative
-    rate, so the loss decides which ranks keep their weight. Equals the layers' stored
-    core and gate count while all shares on a bond are equal. A model whose every layer
-    was pruned to nothing has size 0 (a constant: nothing left to shrink)."""
+    shares (edge bonds count 1). Its value does not move under the gate/core scaling;
+    its gradient reaches the gates only (the cores are held), so the size term works
+    the rank selectors, as the paper's ``S`` does, and the cores keep learning from the
+    loss (with the cores in the gradient, a size-led step turns every core toward the
+    size term, and the model loses more of what it learned for the same target). The
+    pull lowers every rank's gate but each bond's largest at the same rate under Adam,
+    and the loss decides which ranks keep theirs.
+    Equals the layers' stored core and gate count while all shares on a bond are equal.
+    A model whose every layer was pruned to nothing has size 0 (a constant)."""
     total: torch.Tensor | None = None
     layers = 0
     for path, p, s in iter_tt(params, state):
@@ -99,7 +103,8 @@ def share_size(params: object, state: object) -> torch.Tensor:
         layers += 1
         cores: list[torch.Tensor] = p["cores"]
         tiny = torch.finfo(cores[0].dtype).tiny
-        soft = [sh.sum() / sh.max().clamp_min(tiny) for sh in rank_shares(p, s) if sh.numel()]
+        held = {**p, "cores": [c.detach() for c in cores]}  # the gradient reaches the gates only
+        soft = [sh.sum() / sh.max().clamp_min(tiny) for sh in rank_shares(held, s) if sh.numel()]
         if len(soft) != len(p["gates"]):  # a bond with no rank: the layer is the zero map
             continue
         one = cores[0].new_ones(())

@@ -138,11 +138,14 @@ def test_pruning_removes_ranks_and_compacts(tmp_path):
     assert snaps["end"]["ranks"]["lin"] == bond_ranks(tr.params["lin"])
 
 
-def test_late_stage_reaches_size_target(tmp_path):
+def test_paper_late_stage_reaches_its_surrogate_target(tmp_path):
+    """The paper's late stage (``S`` and tau pruning) drives ``S`` to ``S0``; the live-size
+    late stage is tested in ``test_late_stage.py``."""
     params, state = _toy_model()
     comera = ComeraConfig(
-        gamma=0.0, tau=0.02, early_steps=30, prune_every=5, size_ratio=0.5, rho=0.05
-    )
+        gamma=0.0, tau=0.02, early_steps=30, prune_every=5, size_ratio=0.5, rho=0.05,
+        size_objective="paper", late_prune="threshold",
+    )  # fmt: skip
     cfg = _cfg(tmp_path, steps=150, comera=comera)
     tr = Trainer(cfg, ToyTask(), params, state)
     tr.fit()
