@@ -255,14 +255,19 @@ def write_report_json(path: Path, data: dict) -> dict:
     return json.loads(text)
 
 
+def _load_json(path: Path, flag: str, what: str) -> object:
+    """``path`` parsed, or a :class:`DataError` naming ``flag`` and ``what`` it should be."""
+    if not path.is_file():
+        raise MissingFileError(f"{flag} {path}: no such file; give {what}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{flag} {path}: not JSON ({e})") from None
+
+
 def _read_bench(path: Path) -> dict:
     """A benchmark's ``--json`` figures for ``--bench-json``, or a :class:`DataError`."""
-    if not path.is_file():
-        raise MissingFileError(f"--bench-json {path}: no such file; give a benchmark's JSON")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"--bench-json {path}: not JSON ({e})") from None
+    data = _load_json(path, "--bench-json", "a benchmark's JSON")
     if not isinstance(data, dict):
         raise DataError(f"--bench-json {path}: not a benchmark's JSON object")
     return data
@@ -270,12 +275,7 @@ def _read_bench(path: Path) -> dict:
 
 def read_report_json(path: Path, flag: str) -> dict:
     """A report's JSON (:func:`write_report_json`), or a :class:`DataError` naming ``flag``."""
-    if not path.is_file():
-        raise MissingFileError(f"{flag} {path}: no such file; give a report's JSON")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{flag} {path}: not JSON ({e})") from None
+    data = _load_json(path, flag, "a report's JSON")
     if not isinstance(data, dict) or "meta" not in data:
         raise DataError(f"{flag} {path}: not a report's JSON (no 'meta' key)")
     return data
