@@ -57,15 +57,19 @@ def _is_ttm(params: Params) -> bool:
     return params["cores"][0].dim() == 4  # type: ignore[index]
 
 
+def train_size(mode_sizes: list[int], ranks: list[int]) -> int:
+    """Core and gate parameters of a train with cores of ``mode_sizes`` (each core's
+    middle modes multiplied) at these bond ranks; an empty bond makes it 0."""
+    if any(r == 0 for r in ranks):
+        return 0
+    full = [1, *ranks, 1]
+    return sum(full[k] * n * full[k + 1] for k, n in enumerate(mode_sizes)) + sum(ranks)
+
+
 def live_param_count(params: Params, state: State) -> int:
     """Parameters a TT/TTM layer keeps after compaction (cores, gates, bias)."""
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
-    ranks = live_ranks(state)
-    if any(r == 0 for r in ranks):
-        ranks = [0] * len(ranks)
-    full = [1, *ranks, 1]
-    n = sum(full[k] * math.prod(c.shape[1:-1]) * full[k + 1] for k, c in enumerate(cores))
-    n += sum(ranks)
+    n = train_size([math.prod(c.shape[1:-1]) for c in cores], live_ranks(state))
     if params.get("bias") is not None:
         n += params["bias"].numel()  # type: ignore[union-attr]
     return n

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 
+from comera.accounting import train_size
 from comera.pruning import (
     check_prune_rule,
     compact,
@@ -104,14 +105,6 @@ def compact_tree(params: object, state: object, *others: object) -> tuple:
     return map_tt(one, params, state, *others)
 
 
-def _tt_size(mode_sizes: list[int], ranks: list[int]) -> int:
-    """Core and gate parameters of a train with these live ranks (an empty bond: 0)."""
-    if any(r == 0 for r in ranks):
-        return 0
-    full = [1, *ranks, 1]
-    return sum(full[k] * n * full[k + 1] for k, n in enumerate(mode_sizes)) + sum(ranks)
-
-
 def prune_to_size(params: object, state: object, remove: int) -> tuple[object, int]:
     """Kill the ranks that carry the smallest share of their layer's weight, across every
     TT/TTM layer of the tree, until at least ``remove`` live parameters are gone.
@@ -141,10 +134,10 @@ def prune_to_size(params: object, state: object, remove: int) -> tuple[object, i
             break
         if ranks[li][k] <= 1:
             continue
-        before = _tt_size(modes[li], ranks[li])
+        before = train_size(modes[li], ranks[li])
         ranks[li][k] -= 1
         masks[li][k][i] = False
-        removed += before - _tt_size(modes[li], ranks[li])
+        removed += before - train_size(modes[li], ranks[li])
     new = iter(masks)
     out = map_tt(lambda p, s: (p, {**s, "masks": next(new)}), params, state)[1]
     return out, removed
