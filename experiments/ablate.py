@@ -319,6 +319,10 @@ def _summary(rec: dict) -> dict:
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     acc_key = next((k for k in (evals[-1] if evals else {}) if k.endswith("accuracy")), None)
     auc_key = next((k for k in (evals[-1] if evals else {}) if k.endswith("/auc")), None)
+    loss_key = next(
+        (k for k in (evals[-1] if evals else {}) if k.startswith("eval/") and k.endswith("/loss")),
+        None,
+    )
     key = auc_key or acc_key  # the headline metric: its best eval, and when
     best = max((r for r in evals if key in r), key=lambda r: r[key]) if key else None
     times = [r["step_time_s"] for r in train if "step_time_s" in r]
@@ -337,14 +341,8 @@ def _summary(rec: dict) -> dict:
         "curve": [(r["step"], r["loss"]) for r in train],
         "eval_curve": [(r["step"], r[key]) for r in evals if key in r] if key else [],
         "live": [(r["step"], r["live_params"]) for r in train],
-        "eval_loss": next(
-            (
-                v
-                for k, v in (evals[-1] if evals else {}).items()
-                if k.startswith("eval/") and k.endswith("/loss")
-            ),
-            None,
-        ),  # fmt: skip
+        "eval_loss": evals[-1][loss_key] if loss_key else None,
+        "eval_loss_key": loss_key or "",
         # the compression path: every eval's size and headline metric (pick a point)
         "eval_path": [
             (r["eval_compression"], {k: v for k, v in r.items() if k.startswith("eval/")})
@@ -461,12 +459,13 @@ NAMED_BY_EXPERIMENT = ("compression", "target_compression")  # ablation_mnli_com
 
 
 def _headline(row: dict) -> tuple[str, float | None]:
-    """The metric a size ablation is read by: eval AUC (DLRM), else eval accuracy, else
-    held-out loss."""
-    for label, key in (("eval AUC", "eval_auc"), ("eval accuracy", "eval_acc")):
-        if row.get(key) is not None:
-            return label, row[key]
-    return "held-out loss", row.get("eval_loss")
+    """The metric a size ablation is read by: eval AUC (DLRM), held-out loss (the masked
+    LM, whose masked-token accuracy is a side figure), else eval accuracy."""
+    if row.get("eval_auc") is not None:
+        return "eval AUC", row["eval_auc"]
+    if row.get("eval_loss_key", "").endswith("heldout/loss") or row.get("eval_acc") is None:
+        return "held-out loss", row.get("eval_loss")
+    return "eval accuracy", row["eval_acc"]
 
 
 def _size_table(rows: list[dict]) -> list[str]:

@@ -323,3 +323,18 @@ def test_size_ablations_refuse_bad_values(capsys):
         (("train.comera.target_compression", "8"),),
         (("train.comera.target_compression", "16"),),
     ]
+
+
+def test_size_ablations_read_each_experiment_by_its_headline_metric():
+    """DLRM by AUC, the masked LM by held-out loss (its masked-token accuracy is a side
+    figure), a classifier by accuracy."""
+    from experiments.ablate import _headline
+
+    dlrm = {"eval_auc": 0.75, "eval_acc": 0.73, "eval_loss": 0.5, "eval_loss_key": "eval/val/loss"}
+    mlm = {"eval_auc": None, "eval_acc": 0.14, "eval_loss": 5.2,
+           "eval_loss_key": "eval/heldout/loss"}  # fmt: skip
+    nli = {"eval_auc": None, "eval_acc": 0.98, "eval_loss": 0.1,
+           "eval_loss_key": "eval/validation/loss"}  # fmt: skip
+    assert _headline(dlrm) == ("eval AUC", 0.75)
+    assert _headline(mlm) == ("held-out loss", 5.2)
+    assert _headline(nli) == ("eval accuracy", 0.98)
