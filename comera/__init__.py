@@ -8,6 +8,7 @@ exports the core a user needs; helpers stay in their submodules:
 - ``comera.tensor_train``: init, from_dense / to_dense, gated cores, core chains.
 - ``comera.pruning``: prune, compact, live ranks and each rank's share of the weight.
 - ``comera.plans``: contraction strategies, the default plan, per-layer LayerPlans.
+- ``comera.autotune``: ``plan="auto"``: the fastest plan per shape, timed once and cached.
 - ``comera.layers``: the functional layers tt_linear and ttm_embedding.
 - ``comera.table_batched``: many TTM tables looked up in one pass.
 - ``comera.nn``: nn.Module adapters TTLinear and TTMEmbedding.

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from comera.autotune import choose_embedding, choose_linear
 from comera.plans import (
     EMBEDDING_IMPLS,
     PlanLike,
@@ -22,7 +23,7 @@ from comera.plans import (
     tt_linear_plan,
 )
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
-from comera.tensor_train import Params, State, gated_cores
+from comera.tensor_train import Params, State, gated_cores, ttm_table
 
 __all__ = [
     "SyncFreeLookups",
@@ -31,6 +32,7 @@ __all__ = [
     "tt_linear",
     "tt_linear_shared_input",
     "ttm_embedding",
+    "ttm_lookup",
 ]
 
 
@@ -104,8 +106,9 @@ def tt_linear(
     """``x W^T + b`` with ``W`` a gated tensor train; ``x`` is ``(..., in_features)``.
 
     ``plan`` picks the contraction strategy for this call (a name from
-    ``comera.STRATEGIES`` or explicit pairs); None uses the global default. ``spec``
-    only names the layer in error messages.
+    ``comera.STRATEGIES`` or explicit pairs); None uses the global default. ``"auto"``
+    asks the tuner in force (:mod:`comera.autotune`) for the fastest plan at these shapes.
+    ``spec`` only names the layer in error messages.
     """
     name = spec.label if spec is not None else "tt_linear"
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
@@ -123,6 +126,8 @@ def tt_linear(
     x2 = x.reshape(-1, n)  # (T, N)
     g = gated_cores(params, state, name)
     strategy = resolve_plan(plan, name)
+    if strategy == "auto":
+        strategy = choose_linear(g, x2, params.get("bias"))  # type: ignore[arg-type]
     if strategy in ("comera", "dense"):  # direct GEMMs: no plan to look up (nor to trace)
         y = contract_halves(strategy, x2, g, params.get("bias"))
     else:
@@ -260,7 +265,10 @@ def ttm_embedding(
     known before the ids are read (``max_unique``, by default ``min(ids.numel(), V)``,
     which cannot overflow) and the range check is a device-side assert, so a whole train
     step can be captured as a CUDA graph or compiled by ``torch.compile`` without a
-    break. All three give the same values and gradients. With ``spec`` the range check
+    break. ``impl="table"`` rebuilds the whole table and indexes it (cheapest for small
+    tables). ``impl="auto"`` asks the tuner in force
+    (:mod:`comera.autotune`) for the faster of ``optimized`` and ``table`` at these
+    shapes. All give the same values and gradients. With ``spec`` the range check
     uses the real vocabulary size (ids in the padding are rejected) and errors name the
     layer.
 
@@ -306,19 +314,34 @@ def ttm_embedding(
     flat = ids.reshape(-1).long()
     g = gated_cores(params, state, name)
     dim = math.prod([c.shape[2] for c in g])
-    if impl == "naive":
-        rows = _chain_rows(g, _digits(flat, vocab_modes))
-    else:
-        if batched:  # torch.unique is data dependent: no dedup under vmap
-            groups = pair_cores(g)
-            rows = _chain_rows(groups, _digits(flat, [c.shape[1] for c in groups]))
-        else:
-            if impl == "static":
-                bound = min(flat.numel(), math.prod(vocab_modes))
-                uniq, inverse = _dedup_static(flat, max(1, min(bound, max_unique or bound)))
-            else:
-                uniq, inverse = torch.unique(flat, return_inverse=True)
-            groups = pair_cores(g, len(uniq))
-            rows = _chain_rows(groups, _digits(uniq, [c.shape[1] for c in groups]))
-            rows = gather_rows(rows, inverse)
+    if impl == "auto":
+        impl = choose_embedding(g, flat, ttm_lookup)
+        if impl == "optimized" and no_sync:
+            impl = "static"
+    rows = ttm_lookup(impl, g, flat, max_unique=max_unique)
     return rows.reshape(*ids.shape, dim)
+
+
+def ttm_lookup(
+    impl: str, cores: Sequence[torch.Tensor], flat: torch.Tensor, *, max_unique: int | None = None
+) -> torch.Tensor:
+    """Rows ``(len(flat), D)`` of the TTM with gated ``cores`` by one implementation
+    (``naive``, ``optimized``, ``static`` or ``table``), with no checks: the engine behind
+    :func:`ttm_embedding`, which validates ``flat`` first."""
+    g = list(cores)
+    vocab_modes = [c.shape[1] for c in g]
+    if impl == "naive":
+        return _chain_rows(g, _digits(flat, vocab_modes))
+    if impl == "table":  # the whole table once, then rows by index (small tables)
+        return gather_rows(ttm_table(g), flat)
+    if _is_batched(flat):  # torch.unique is data dependent: no dedup under vmap
+        groups = pair_cores(g)
+        return _chain_rows(groups, _digits(flat, [c.shape[1] for c in groups]))
+    if impl == "static":
+        bound = min(flat.numel(), math.prod(vocab_modes))
+        uniq, inverse = _dedup_static(flat, max(1, min(bound, max_unique or bound)))
+    else:
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+    groups = pair_cores(g, len(uniq))
+    rows = _chain_rows(groups, _digits(uniq, [c.shape[1] for c in groups]))
+    return gather_rows(rows, inverse)

@@ -15,6 +15,9 @@ per layer (``TTLinear.plan``) or globally (:func:`set_default_plan` /
 - an explicit list of ``(i, j)`` pairs in opt_einsum's path format over
   ``[x, G_1, ..., G_2d]`` (contracted operands are removed, the result is appended).
 
+- ``auto``: the fastest of ``comera``, ``dense`` and ``dp`` at the call's
+  shapes, timed once and cached (:mod:`comera.autotune`).
+
 Every strategy computes the same function; only cost and memory differ. :class:`LayerPlans`
 also records which TTM lookup implementation (:data:`EMBEDDING_IMPLS`) a model uses.
 """
@@ -28,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import opt_einsum as oe
 import torch
@@ -44,6 +47,7 @@ __all__ = [
     "ContractionPlan",
     "LayerPlans",
     "PlanLike",
+    "constant_under_compile",
     "contract_halves",
     "default_plan",
     "get_default_plan",
@@ -54,12 +58,13 @@ __all__ = [
     "tt_linear_plan",
 ]
 
-STRATEGIES = ("comera", "optimal", "dp", "greedy", "dense")
+STRATEGIES = ("auto", "comera", "optimal", "dp", "greedy", "dense")
 # TTM lookup implementations (see comera.layers.ttm_embedding), chosen per model by LayerPlans
-EMBEDDING_IMPLS = ("optimized", "naive", "static")
+EMBEDDING_IMPLS = ("auto", "optimized", "naive", "static", "table")
 # the comera path zero-pads its middle rank to a multiple of this (aligned BLAS inner size)
 RANK_ALIGN = 8
 PlanLike = str | Sequence[Sequence[int]] | None
+T = TypeVar("T")
 
 Strategy = str | tuple[tuple[int, ...], ...]
 # Process-wide default (set_default_plan), overridden in a context by default_plan(...).
@@ -94,7 +99,7 @@ def set_default_plan(plan: PlanLike) -> None:
     _PROCESS_DEFAULT[0] = resolve_plan(plan if plan is not None else "comera", "set_default_plan")
 
 
-def _constant_under_compile(fn: Callable[[], Strategy]) -> Callable[[], Strategy]:
+def constant_under_compile(fn: Callable[..., T]) -> Callable[..., T]:
     """Mark ``fn`` as ``torch.compiler.assume_constant_result`` marks it (a compiled
     function reads the default plan once, at trace time) without calling that function
     here: it imports ``torch._dynamo``, 1.6 s at the start of every process that imports
@@ -104,7 +109,7 @@ def _constant_under_compile(fn: Callable[[], Strategy]) -> Callable[[], Strategy
     return fn
 
 
-@_constant_under_compile
+@constant_under_compile
 def get_default_plan() -> Strategy:
     """The strategy in force: the innermost ``default_plan`` scope, else the process default."""
     scoped = _SCOPED_PLAN.get()
@@ -442,6 +447,11 @@ def tt_linear_plan(
 ) -> ContractionPlan:
     """The cached plan for a TT-linear call with these core shapes and token count."""
     strategy = resolve_plan(plan, name)
+    if strategy == "auto":
+        raise ConfigError(
+            f"{name}: 'auto' is decided per call by timing (comera.autotune); a plan for "
+            "given shapes needs a concrete strategy: " + ", ".join(STRATEGIES[1:])
+        )
     shapes = tuple(tuple(int(s) for s in sh) for sh in core_shapes)
     if isinstance(strategy, tuple):
         _check_pairs(strategy, len(shapes) + 1, name)

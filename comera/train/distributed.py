@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "broadcast_object",
     "broadcast_tensors",
     "init_distributed",
     "rank_first",
@@ -89,6 +90,15 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
                 n = tensors[i].numel()
                 tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
                 offset += n
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Rank ``src``'s ``obj`` (picklable) on every rank; ``obj`` itself alone."""
+    if rank_world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]
 
 
 def rank_first(fn: Callable[[], T], rank: int, world: int) -> T:

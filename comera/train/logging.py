@@ -135,6 +135,11 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
+    def update_config(self, changes: dict) -> None:
+        """Add ``changes`` to the wandb run's config (the plans a run chose, say)."""
+        if self.wandb is not None:
+            self.wandb.config.update(changes, allow_val_change=True)
+
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()

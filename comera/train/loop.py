@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,9 +22,16 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from comera import autotune as A
+from comera.autotune import current_tuner, summarize_decisions
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig
-from comera.train.distributed import broadcast_tensors, rank_world, sum_across_ranks
+from comera.train.distributed import (
+    broadcast_object,
+    broadcast_tensors,
+    rank_world,
+    sum_across_ranks,
+)
 from comera.train.galore import GaLore
 from comera.train.logging import RunLog, write_json_atomic, write_rank_snapshot
 from comera.train.measures import lr_scale, model_size, peak_memory_mb
@@ -136,6 +145,13 @@ class Trainer:
         if hasattr(task, "on_compaction"):
             self.on_compact.append(lambda tr: tr.task.on_compaction(tr.params, tr.state))
         self._size_miss: str | None = None  # why the last budget prune fell short
+        # auto plans are decided by a separate forward before a step (at the start, and after
+        # a compaction where auto is in use) only where a step cannot time: compiled or
+        # captured; elsewhere the step decides, and ranks then adopt rank 0's decisions
+        self._tune_first = cfg.step_mode in ("compile", "cuda_graph")
+        self._tune_due = self._tune_first
+        self._sync_due = self.world > 1
+        self.plans: dict[str, dict] = {}  # the auto-plan decisions this run has used
         if resume:
             ck.restore_trainer(self, ck.load_checkpoint(self.run_dir))
             for fn in self.on_compact:  # the restored model may be compacted: rebuild
@@ -196,6 +212,8 @@ class Trainer:
             params, state = compact_tree(self.params, self.state)
         self.params = tree_map(lambda t: t.detach().requires_grad_(True), params)
         self.state = state
+        self._tune_due = self._tune_first and bool(self.plans)  # new shapes, new plans
+        self._sync_due = self.world > 1
         for fn in self.on_compact:
             fn(self)
 
@@ -230,6 +248,72 @@ class Trainer:
                 why = self._size_miss or "the budget prune stopped above the target"
             rec["above_target_because"] = why
         return rec
+
+    # ------------------------------------------------------------------ auto plans
+
+    def tune_plans(self, batch: Any) -> None:
+        """Decide every ``auto`` plan and lookup (:mod:`comera.autotune`) before a step: one
+        eager forward of ``batch`` times what the tuner has not seen, with the RNG streams
+        saved and restored around it (the step that follows draws the same dropout and
+        masks); then every rank adopts rank 0's decisions. The loop runs it where a step
+        cannot time (``compile``, ``cuda_graph``); for ``compile`` TT linears choose
+        between ``comera`` and ``dense`` only (opt_einsum's paths do not trace)."""
+        self._tune_due = False
+        if next(iter_tt(self.params, self.state), None) is None:  # dense: nothing to plan
+            return
+        tuner = current_tuner()
+        traced = ("comera", "dense") if self.cfg.step_mode == "compile" else A.LINEAR_CANDIDATES
+        py, cpu = random.getstate(), torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
+        try:
+            with (
+                tuner.restrict(traced),
+                torch.enable_grad(),
+                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16),
+            ):
+                self.task.loss(self.params, self.state, batch, train=True)
+        finally:
+            random.setstate(py)
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+        if self.world > 1:
+            tuner.install(broadcast_object(tuner.export()))
+
+    def _sync_plans(self) -> None:
+        """After the first step of a fit and after each compaction (the same steps on
+        every rank), every rank adopts rank 0's decisions: an eager step decides as it
+        goes, so ranks agree from the step after a decision on."""
+        if self._sync_due:
+            self._sync_due = False
+            tuner = current_tuner()
+            tuner.install(broadcast_object(tuner.export()))
+
+    def _record_plans(self, log: RunLog | None) -> None:
+        """Record the ``auto`` decisions first used since the last call: ``config.json``
+        (``plans``: shapes -> choice), ``plans.json`` (each decision's timings, by step),
+        wandb's config and one line on stderr (rank 0)."""
+        new = {
+            k: dataclasses.asdict(d)
+            for k, d in current_tuner().take_used().items()
+            if k not in self.plans
+        }
+        if not new:
+            return
+        self.plans.update(new)
+        if self.rank != 0:
+            return
+        chosen = {d["what"]: d["choice"] for d in self.plans.values()}
+        self.config_dict["plans"] = chosen
+        write_json_atomic(self.run_dir / "config.json", self.config_dict)
+        path = self.run_dir / "plans.json"
+        history = json.loads(path.read_text()) if path.is_file() else {}
+        history[str(self.step)] = new
+        write_json_atomic(path, history)
+        if log is not None:
+            log.update_config({"plans": chosen})
+        line = f"comera: auto plans at step {self.step}: {summarize_decisions(new)}"
+        print(line, file=sys.stderr)
 
     # ------------------------------------------------------------------ one step
 
@@ -392,7 +476,14 @@ class Trainer:
         try:
             while self.step < cfg.steps:
                 t_step = time.perf_counter()
-                metrics = self.train_step(*(next(it) for _ in range(cfg.accum_steps)))
+                batches = [next(it) for _ in range(cfg.accum_steps)]
+                if self._tune_due:  # its timing runs are not the step's time
+                    t_tune = time.perf_counter()
+                    self.tune_plans(batches[0])
+                    t_step += time.perf_counter() - t_tune
+                metrics = self.train_step(*batches)
+                self._sync_plans()
+                self._record_plans(log)
                 self._after_step()
                 step_time = time.perf_counter() - t_step
                 self._tokens_seen += metrics.get("tokens", 0.0)
@@ -408,6 +499,7 @@ class Trainer:
                     )
                 if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     ev = {f"eval/{k}": v for k, v in self.evaluate().items()}
+                    self._record_plans(log)
                     live = model_size(self.params, self.state)  # the size each eval is at
                     log.log(
                         {

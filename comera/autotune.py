@@ -1,0 +1,481 @@
+"""Auto-tuned contraction plans: time the candidates once per shape, keep the fastest.
+
+``plan="auto"`` (TT linears) and ``impl="auto"`` (TTM lookups) ask the tuner in force for
+a concrete choice. For a key it has not seen (core shapes, token bucket, dtype, device,
+thread count, torch version, whether gradients flow) it times each candidate on the call's
+own inputs, forward and backward, and keeps the median-fastest, as
+``torch.backends.cudnn.benchmark`` does for convolutions. Decisions live in memory and,
+when the tuner has a ``cache_dir``, in ``plans-v1.json`` there, so a second run times
+nothing. Compaction changes core shapes, so the next call after it is a new key: it is
+decided (or read from the cache) afresh.
+
+Two rules bound what ``auto`` may pick:
+
+- **Memory.** A plan that rebuilds the weight (``dense``) is a candidate for a training
+  call only when ``W`` (``M x N``) is at most :data:`DENSE_SHARE` (5%) of the call's
+  input and output activations (``T x (N + M)``): autograd keeps the rebuilt ``W`` for the
+  backward pass, so this bounds what ``auto`` adds to a step's saved tensors at 5% of the
+  TT layers' own activations. A TTM lookup rebuilds its table (``table``) only when the
+  table has no more rows than the lookup reads ids.
+- **Cost.** A candidate whose forward FLOPs (opt_einsum's count, ``describe()``) exceed
+  :data:`FLOP_PRUNE` times the cheapest's is not timed.
+
+Where timing is impossible (``torch.compile`` tracing, a CUDA-graph capture, inside
+``vmap`` / ``grad``) a call reads the cache and, on a miss, takes the paper's path
+(``comera`` / ``optimized``); :class:`comera.train.Trainer` runs an eager pass first so the
+cache is filled before a step is compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from comera.plans import constant_under_compile, contract_halves, token_bucket, tt_linear_plan
+
+__all__ = [
+    "DENSE_SHARE",
+    "EMBEDDING_CANDIDATES",
+    "FLOP_PRUNE",
+    "LINEAR_CANDIDATES",
+    "Decision",
+    "PlanTuner",
+    "Timer",
+    "choose_embedding",
+    "choose_linear",
+    "current_tuner",
+    "median_timer",
+    "set_tuner",
+    "summarize_decisions",
+    "use_tuner",
+]
+
+LINEAR_CANDIDATES = ("comera", "dense", "dp")
+EMBEDDING_CANDIDATES = ("optimized", "table")
+DENSE_SHARE = 0.05  # rebuilt W <= 5% of the call's T x (N + M) activations (training)
+FLOP_PRUNE = 32.0  # a candidate over 32x the cheapest forward FLOPs is not timed
+CACHE_FILE = "plans-v1.json"
+
+# Timer({candidate: run}) -> {candidate: seconds}; ``run()`` executes one candidate once
+Timer = Callable[[dict[str, Callable[[], None]]], dict[str, float]]
+# Lookup(impl, gated cores, flat ids) -> rows: a TTM lookup by one implementation
+Lookup = Callable[[str, Sequence[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def median_timer(repeats: int = 7, warmup: int = 2) -> Timer:
+    """Each candidate's median over ``repeats`` rounds after ``warmup`` untimed runs. The
+    candidates take turns within a round, so a change in the machine's load hits all of
+    them alike (the device is synchronized around each run on CUDA)."""
+
+    def timer(runs: dict[str, Callable[[], None]]) -> dict[str, float]:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        for run in runs.values():
+            for _ in range(warmup):
+                run()
+        times: dict[str, list[float]] = {c: [] for c in runs}
+        for _ in range(repeats):
+            for c, run in runs.items():
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run()
+                if cuda:
+                    torch.cuda.synchronize()
+                times[c].append(time.perf_counter() - t0)
+        return {c: statistics.median(t) for c, t in times.items()}
+
+    return timer
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision: the ``choice``, each timed candidate's median (ms), and why any
+    candidate was not timed. ``what`` is the shapes in words (for logs and reports)."""
+
+    kind: str  # "tt_linear" | "ttm_embedding"
+    what: str
+    choice: str
+    times_ms: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _device_name(device: torch.device) -> str:
+    """The device's model (a GPU's name; a CPU's model name and torch's thread count)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name} x{torch.get_num_threads()}"
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    dev = t.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return t.dtype
+
+
+def _cannot_time(*tensors: torch.Tensor) -> bool:
+    """True where a timing run cannot happen: tracing, capture, inside functorch."""
+    if torch.compiler.is_compiling():
+        return True
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    if any(torch._C._functorch.is_batchedtensor(t) for t in tensors):
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _fresh(t: torch.Tensor | None, grad: bool) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone().requires_grad_(grad)
+
+
+class PlanTuner:
+    """Decides ``auto`` plans by timing, caches the decisions (memory and ``cache_dir``).
+
+    ``timer`` replaces the clock (tests pass a stub); ``linear_candidates`` /
+    ``embedding_candidates`` restrict what is tried. ``timings`` counts the decisions that
+    were timed (not read from a cache)."""
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike | None = None,
+        *,
+        timer: Timer | None = None,
+        linear_candidates: Sequence[str] = LINEAR_CANDIDATES,
+        embedding_candidates: Sequence[str] = EMBEDDING_CANDIDATES,
+    ) -> None:
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.timer = timer or median_timer()
+        self.linear_candidates = tuple(linear_candidates)
+        self.embedding_candidates = tuple(embedding_candidates)
+        self.decisions: dict[str, Decision] = {}
+        self.timings = 0
+        self.used: set[str] = set()  # keys asked for since the last ``take_used``
+        self._fast: dict[tuple, tuple[str, str]] = {}  # (call, threads) -> (key, choice)
+        self._last: dict[tuple, str] = {}  # call -> its latest choice (read under compile)
+        self._loaded = False
+
+    # ------------------------------------------------------------------ the cache
+
+    @property
+    def cache_file(self) -> Path | None:
+        return self.cache_dir / CACHE_FILE if self.cache_dir is not None else None
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        path = self.cache_file
+        if path is None or not path.is_file():
+            return
+        try:
+            table = json.loads(path.read_text())
+            disk = {k: Decision(**v) for k, v in table.items()}
+        except (ValueError, TypeError):  # a damaged cache is re-decided, never trusted
+            return
+        self.decisions = {**disk, **self.decisions}
+
+    def _save(self) -> None:
+        path = self.cache_file
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        merged = dict(self.decisions)
+        with contextlib.suppress(OSError, ValueError, TypeError):  # another run's keys too
+            merged = {**{k: Decision(**v) for k, v in json.loads(path.read_text()).items()},
+                      **merged}  # fmt: skip
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({k: asdict(v) for k, v in sorted(merged.items())}, indent=1))
+        tmp.replace(path)
+
+    def lookup(self, key: str) -> Decision | None:
+        """The cached decision for ``key`` (memory, then disk), or None."""
+        self._load()
+        return self.decisions.get(key)
+
+    def export(self) -> dict[str, dict]:
+        """Every decision as plain data (JSON, or a broadcast to other ranks)."""
+        self._load()
+        return {k: asdict(v) for k, v in sorted(self.decisions.items())}
+
+    def install(self, table: dict[str, dict]) -> None:
+        """Adopt ``table``'s decisions (rank 0's, on every rank), replacing any of our own."""
+        self._load()
+        self.decisions.update({k: Decision(**v) for k, v in table.items()})
+        for fast, (key, choice) in list(self._fast.items()):  # calls already seen follow
+            new = self.decisions[key].choice if key in self.decisions else choice
+            self._fast[fast] = (key, new)
+            self._last[fast[0]] = new
+
+    def take_used(self) -> dict[str, Decision]:
+        """The decisions asked for since the last call (what a run reports), then forget."""
+        used = {k: self.decisions[k] for k in sorted(self.used) if k in self.decisions}
+        self.used = set()
+        return used
+
+    def describe(self, decisions: dict[str, Decision] | None = None) -> str:
+        """A table of decisions: shapes, choice, each candidate's median time."""
+        rows = ["| kind | shapes | choice | timed (ms) | not timed |", "|---|---|---|---|---|"]
+        for d in (decisions if decisions is not None else self.decisions).values():
+            timed = ", ".join(f"{c} {t:.3f}" for c, t in d.times_ms.items()) or "cached"
+            skipped = ", ".join(f"{c}: {why}" for c, why in d.skipped.items()) or "-"
+            rows.append(f"| {d.kind} | {d.what} | {d.choice} | {timed} | {skipped} |")
+        return "\n".join(rows)
+
+    def _decide(self, base: tuple, key: str, what: str, runs: dict[str, Callable[[], None]],
+                skipped: dict[str, str]) -> str:  # fmt: skip
+        times = {c: 1e3 * t for c, t in self.timer(runs).items()}
+        choice = min(times, key=lambda c: (times[c], list(runs).index(c)))
+        self.decisions[key] = Decision(base[0], what, choice, times, skipped)
+        self._remember(base, key, choice)
+        self.timings += 1
+        self._save()
+        return choice
+
+    def _candidates(self, kind: str) -> tuple[str, ...]:
+        return self.linear_candidates if kind == "tt_linear" else self.embedding_candidates
+
+    def _fast_lookup(self, base: tuple, fallback: str) -> tuple[str, str | None]:
+        """(key, choice) for a call described by ``base`` (kind, core shapes, token
+        bucket, dtype, device, grad, bias). A dict read per call once decided; the full key
+        (device model, threads, candidates, torch version) is built only on a first sight."""
+        cands = self._candidates(base[0])
+        known = self._fast.get((base, torch.get_num_threads(), cands))
+        if known is not None:
+            self.used.add(known[0])
+            self._last[base] = known[1]
+            return known
+        kind, shapes, bucket, dtype, device, grad, bias = base
+        parts = [kind, str(tuple(tuple(int(x) for x in s) for s in shapes)), f"T{bucket}",
+                 str(dtype), _device_name(device), f"grad={int(grad)}"]  # fmt: skip
+        if kind == "tt_linear":
+            parts.append(f"bias={int(bias)}")
+        key = "|".join([*parts, f"from={','.join(cands)}", f"torch {torch.__version__}"])
+        self.used.add(key)
+        hit = self.lookup(key)
+        if hit is None:
+            return key, None
+        self._remember(base, key, hit.choice)
+        return key, hit.choice
+
+    def _remember(self, base: tuple, key: str, choice: str) -> None:
+        self._fast[(base, torch.get_num_threads(), self._candidates(base[0]))] = (key, choice)
+        self._last[base] = choice
+
+    @contextlib.contextmanager
+    def restrict(self, linear: Sequence[str]) -> Iterator[PlanTuner]:
+        """Decide TT linears among ``linear`` only, for as long as the block runs (a step
+        that ``torch.compile`` traces takes the plain-GEMM plans ``comera`` and ``dense``;
+        opt_einsum's paths do not trace). Keys name the candidates, so decisions made
+        under a restriction never answer an unrestricted call."""
+        saved = self.linear_candidates
+        self.linear_candidates = tuple(c for c in saved if c in linear) or ("comera",)
+        try:
+            yield self
+        finally:
+            self.linear_candidates = saved
+
+    # ------------------------------------------------------------------ TT linear
+
+    def linear(
+        self,
+        cores: Sequence[torch.Tensor],
+        x2d: torch.Tensor,
+        bias: torch.Tensor | None,
+        fallback: str = "comera",
+    ) -> str:
+        """The plan for ``tt_linear`` of ``x2d (T, N)`` with these gated ``cores``."""
+        base = _linear_call(cores, x2d, bias)
+        _, shapes, _, dtype, _, grad, _ = base
+        tokens = x2d.shape[0]
+        key, choice = self._fast_lookup(base, fallback)
+        if choice is not None:
+            return choice
+        if _cannot_time(x2d, *cores) or tokens == 0:
+            return fallback
+        d = len(shapes) // 2
+        m, n = math.prod(s[1] for s in shapes[:d]), math.prod(s[1] for s in shapes[d:])
+        ranks = [s[2] for s in shapes[:-1]]
+        what = f"{m}x{n} ranks {','.join(map(str, ranks))} tokens {token_bucket(tokens)} {dtype}"
+        skipped: dict[str, str] = {}
+        flops = {c: tt_linear_plan(c, shapes, tokens).flops for c in self.linear_candidates}
+        cheapest = max(min(flops.values()), 1)  # a dead bond's map costs nothing
+        runs: dict[str, Callable[[], None]] = {}
+        for c in self.linear_candidates:
+            if c == "dense" and grad and m * n > DENSE_SHARE * tokens * (m + n):
+                skipped[c] = f"W {m}x{n} > {DENSE_SHARE:g} of T x (N + M)"
+            elif flops[c] > FLOP_PRUNE * cheapest and c != fallback:
+                skipped[c] = f"{flops[c] / cheapest:.0f}x the cheapest forward FLOPs"
+            else:
+                runs[c] = self._linear_run(c, shapes, x2d, cores, bias, grad)
+        return self._decide(base, key, what, runs, skipped)
+
+    @staticmethod
+    def _linear_run(
+        strategy: str,
+        shapes: tuple[tuple[int, ...], ...],
+        x2d: torch.Tensor,
+        cores: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        grad: bool,
+    ) -> Callable[[], None]:
+        x = _fresh(x2d, grad)
+        gs = [_fresh(c, grad) for c in cores]
+        b = _fresh(bias, grad)
+        leaves = [t for t in (x, *gs, b) if t is not None]
+        plan = tt_linear_plan(strategy, shapes, x2d.shape[0]) if strategy not in (
+            "comera", "dense") else None  # fmt: skip
+
+        def run() -> None:
+            with torch.set_grad_enabled(grad):
+                y = contract_halves(strategy, x, gs, b) if plan is None else plan(x, gs, b)
+                if grad:
+                    torch.autograd.grad(y, leaves, torch.ones_like(y), allow_unused=True)
+
+        return run
+
+    # ------------------------------------------------------------------ TTM lookup
+
+    def embedding(
+        self,
+        cores: Sequence[torch.Tensor],
+        flat_ids: torch.Tensor,
+        lookup: Lookup,
+        fallback: str = "optimized",
+    ) -> str:
+        """The implementation for ``ttm_embedding`` of ``flat_ids`` with these gated cores:
+        ``optimized`` (dedup, chain over unique rows) or ``table`` (rebuild, then index).
+        ``lookup(impl, cores, flat_ids)`` runs one (``comera.layers`` passes its own)."""
+        base = _embedding_call(cores, flat_ids)
+        _, shapes, _, dtype, _, grad, _ = base
+        n_ids = flat_ids.numel()
+        key, choice = self._fast_lookup(base, fallback)
+        if choice is not None:
+            return choice
+        if _cannot_time(flat_ids, *cores) or n_ids == 0:
+            return fallback
+        rows = math.prod(s[1] for s in shapes)
+        dim = math.prod(s[2] for s in shapes)
+        ranks = [s[3] for s in shapes[:-1]]
+        what = f"{rows}x{dim} ranks {','.join(map(str, ranks))} ids={token_bucket(n_ids)} {dtype}"
+        skipped: dict[str, str] = {}
+        runs: dict[str, Callable[[], None]] = {}
+        for c in self.embedding_candidates:
+            if c == "table" and rows > n_ids:
+                skipped[c] = f"table of {rows} rows > {n_ids} ids looked up"
+            else:
+                runs[c] = self._embedding_run(lookup, c, cores, flat_ids, grad)
+        return self._decide(base, key, what, runs, skipped)
+
+    @staticmethod
+    def _embedding_run(
+        lookup: Lookup, impl: str, cores: Sequence[torch.Tensor], flat_ids: torch.Tensor,
+        grad: bool,
+    ) -> Callable[[], None]:  # fmt: skip
+        gs = [_fresh(c, grad) for c in cores]
+        ids = flat_ids.detach().clone()
+
+        def run() -> None:
+            with torch.set_grad_enabled(grad):
+                y = lookup(impl, gs, ids)
+                if grad:
+                    torch.autograd.grad(y, gs, torch.ones_like(y), allow_unused=True)
+
+        return run
+
+
+def _linear_call(
+    cores: Sequence[torch.Tensor], x2d: torch.Tensor, bias: torch.Tensor | None
+) -> tuple:
+    grad = torch.is_grad_enabled() and (x2d.requires_grad or any(c.requires_grad for c in cores))
+    shapes = tuple(tuple(c.shape) for c in cores)
+    bucket = token_bucket(x2d.shape[0])
+    return ("tt_linear", shapes, bucket, _compute_dtype(x2d), x2d.device, grad, bias is not None)
+
+
+@constant_under_compile
+def _traced_choice(base: tuple, fallback: str) -> str:
+    """While ``torch.compile`` traces: the last decision for this call (read once, as a
+    constant), else ``fallback``."""
+    return current_tuner()._last.get(base, fallback)
+
+
+def choose_linear(
+    cores: Sequence[torch.Tensor], x2d: torch.Tensor, bias: torch.Tensor | None
+) -> str:
+    """The ``auto`` plan of a ``tt_linear`` call: the tuner in force decides (or a traced
+    call reads what it decided)."""
+    if torch.compiler.is_compiling():
+        return _traced_choice(_linear_call(cores, x2d, bias), "comera")
+    return current_tuner().linear(cores, x2d, bias)
+
+
+def choose_embedding(cores: Sequence[torch.Tensor], flat_ids: torch.Tensor, lookup: Lookup) -> str:
+    """The ``auto`` implementation of a ``ttm_embedding`` call (see :func:`choose_linear`)."""
+    if torch.compiler.is_compiling():
+        return _traced_choice(_embedding_call(cores, flat_ids), "optimized")
+    return current_tuner().embedding(cores, flat_ids, lookup)
+
+
+def _embedding_call(cores: Sequence[torch.Tensor], flat_ids: torch.Tensor) -> tuple:
+    grad = torch.is_grad_enabled() and any(c.requires_grad for c in cores)
+    shapes = tuple(tuple(c.shape) for c in cores)
+    bucket = token_bucket(flat_ids.numel())
+    return ("ttm_embedding", shapes, bucket, _compute_dtype(cores[0]), cores[0].device, grad, False)
+
+
+def summarize_decisions(decisions: dict[str, dict]) -> str:
+    """One line: how many calls of each kind run each choice (``tt_linear: comera 4,
+    dense 8; ttm_embedding: table 1``)."""
+    counts: dict[str, dict[str, int]] = {}
+    for d in decisions.values():
+        kind = counts.setdefault(d["kind"], {})
+        kind[d["choice"]] = kind.get(d["choice"], 0) + 1
+    return "; ".join(
+        f"{kind}: " + ", ".join(f"{c} {n}" for c, n in sorted(ch.items()))
+        for kind, ch in sorted(counts.items())
+    )
+
+
+# ---------------------------------------------------------------------- the tuner in force
+
+_PROCESS_TUNER: list[PlanTuner] = [PlanTuner()]
+_SCOPED_TUNER: ContextVar[PlanTuner | None] = ContextVar("comera_plan_tuner", default=None)
+
+
+def current_tuner() -> PlanTuner:
+    """The tuner ``auto`` plans ask: the innermost :func:`use_tuner` scope, else the
+    process's (memory only until :func:`set_tuner` gives one with a cache directory)."""
+    scoped = _SCOPED_TUNER.get()
+    return scoped if scoped is not None else _PROCESS_TUNER[0]
+
+
+def set_tuner(tuner: PlanTuner | None) -> None:
+    """Make ``tuner`` the process's (None: a fresh memory-only one)."""
+    _PROCESS_TUNER[0] = tuner if tuner is not None else PlanTuner()
+
+
+@contextlib.contextmanager
+def use_tuner(tuner: PlanTuner) -> Iterator[PlanTuner]:
+    """Use ``tuner`` in this thread/context only (``with use_tuner(PlanTuner(dir)):``)."""
+    token = _SCOPED_TUNER.set(tuner)
+    try:
+        yield tuner
+    finally:
+        _SCOPED_TUNER.reset(token)

@@ -1,0 +1,237 @@
+"""``plan="auto"`` / ``impl="auto"``: the tuner picks the measured fastest candidate,
+caches it in memory and on disk under a key that re-decides on new shapes, dtype or
+device, keeps the memory rule, and every choice computes what ``comera`` computes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import comera as C
+from comera import autotune as A
+
+
+class StubTimer:
+    """A timer that never runs anything: fixed times per candidate; counts its calls."""
+
+    def __init__(self, times: dict[str, float]) -> None:
+        self.times, self.calls, self.seen = times, 0, []
+
+    def __call__(self, runs: dict) -> dict[str, float]:
+        self.calls += 1
+        self.seen.append(sorted(runs))
+        return {c: self.times[c] for c in runs}
+
+
+def _linear(ranks: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32):
+    spec = C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=ranks)
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(seed))
+    p = {k: [t.to(dtype).requires_grad_() for t in v] if isinstance(v, list)
+         else v.to(dtype).requires_grad_() for k, v in p.items()}  # fmt: skip
+    return p, s
+
+
+def _x(tokens: int = 256, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(tokens, 16, generator=torch.Generator().manual_seed(1), dtype=dtype)
+
+
+@pytest.mark.parametrize("fastest", ["comera", "dense", "dp"])
+def test_auto_takes_the_measured_fastest_and_only_a_candidate(fastest: str) -> None:
+    times = {"comera": 3.0, "dense": 2.0, "dp": 4.0}
+    times[fastest] = 1.0
+    timer = StubTimer(times)
+    tuner = A.PlanTuner(timer=timer)
+    p, s = _linear()
+    with A.use_tuner(tuner):
+        C.tt_linear(p, s, _x(), plan="auto")
+    (decision,) = tuner.decisions.values()
+    assert decision.choice == fastest and timer.seen == [["comera", "dense", "dp"]]
+    assert set(decision.times_ms) <= set(A.LINEAR_CANDIDATES)
+    assert decision.times_ms[fastest] == pytest.approx(1e3)
+
+
+def test_candidates_can_be_restricted() -> None:
+    timer = StubTimer({"comera": 2.0, "dp": 1.0, "dense": 0.5})
+    tuner = A.PlanTuner(timer=timer, linear_candidates=("comera", "dp"))
+    p, s = _linear()
+    with A.use_tuner(tuner):
+        C.tt_linear(p, s, _x(), plan="auto")
+    assert next(iter(tuner.decisions.values())).choice == "dp"
+
+
+@pytest.mark.parametrize("forced", ["comera", "dense", "dp"])
+def test_every_choice_gives_comeras_values_and_gradients(forced: str) -> None:
+    others = {c: 5.0 for c in A.LINEAR_CANDIDATES}
+    tuner = A.PlanTuner(timer=StubTimer({**others, forced: 1.0}))
+    p, s = _linear(dtype=torch.float64)
+    x = _x(dtype=torch.float64).requires_grad_()
+    with A.use_tuner(tuner):
+        y = C.tt_linear(p, s, x, plan="auto")
+    assert next(iter(tuner.decisions.values())).choice == forced
+    ref = C.tt_linear(p, s, x, plan="comera")
+    torch.testing.assert_close(y, ref)
+    leaves = [x, *p["cores"], *p["gates"], p["bias"]]
+    g = torch.autograd.grad(y.square().sum(), leaves)
+    g_ref = torch.autograd.grad(ref.square().sum(), leaves)
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_rebuilt_weight_must_be_small_against_the_activations() -> None:
+    """``dense`` keeps ``W`` for backward: a training call may choose it only when
+    ``M N <= 5% of T (M + N)``; with no gradient it is always a candidate."""
+    timer = StubTimer({"comera": 2.0, "dense": 1.0, "dp": 3.0})
+    tuner = A.PlanTuner(timer=timer)
+    p, s = _linear()
+    with A.use_tuner(tuner):
+        C.tt_linear(p, s, _x(tokens=32), plan="auto")  # 256 > 0.05 * 32 * 32: not a candidate
+        C.tt_linear(p, s, _x(tokens=256), plan="auto")  # 256 <= 0.05 * 256 * 32 = 409.6
+        with torch.no_grad():
+            C.tt_linear(p, s, _x(tokens=32), plan="auto")
+    small, large, no_grad = tuner.decisions.values()
+    assert small.choice == "comera" and "dense" in small.skipped
+    assert large.choice == "dense" and not large.skipped
+    assert no_grad.choice == "dense"
+
+
+def test_decisions_are_cached_on_disk_and_reused(tmp_path) -> None:
+    p, s = _linear()
+    first = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    with A.use_tuner(A.PlanTuner(tmp_path, timer=first)):
+        C.tt_linear(p, s, _x(), plan="auto")
+        C.tt_linear(p, s, _x(), plan="auto")  # the same key: decided once
+    assert first.calls == 1
+    table = json.loads((tmp_path / A.CACHE_FILE).read_text())
+    (key,) = table
+    assert table[key]["choice"] == "comera" and "torch " + torch.__version__ in key
+    again = StubTimer({"comera": 9.0, "dense": 1.0, "dp": 9.0})  # would choose dense
+    tuner = A.PlanTuner(tmp_path, timer=again)
+    with A.use_tuner(tuner):
+        C.tt_linear(p, s, _x(), plan="auto")
+    assert again.calls == 0 and tuner.timings == 0  # the second run times nothing
+    assert tuner.decisions[key].choice == "comera"
+
+
+def test_a_damaged_cache_is_re_decided(tmp_path) -> None:
+    (tmp_path / A.CACHE_FILE).write_text("{not json")
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)):
+        C.tt_linear(*_linear(), _x(), plan="auto")
+    assert timer.calls == 1
+    assert len(json.loads((tmp_path / A.CACHE_FILE).read_text())) == 1
+
+
+def test_new_shapes_dtype_or_device_re_decide(tmp_path, monkeypatch) -> None:
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    tuner = A.PlanTuner(tmp_path, timer=timer)
+    with A.use_tuner(tuner):
+        C.tt_linear(*_linear(ranks=4), _x(), plan="auto")
+        C.tt_linear(*_linear(ranks=3), _x(), plan="auto")  # compaction's smaller ranks
+        C.tt_linear(*_linear(dtype=torch.float64), _x(dtype=torch.float64), plan="auto")
+        C.tt_linear(*_linear(), _x(tokens=1024), plan="auto")  # another token bucket
+        C.tt_linear(*_linear(), _x(tokens=200), plan="auto")  # the same bucket as 256
+        assert timer.calls == 4
+        monkeypatch.setattr(A, "_device_name", lambda device: "another machine")
+        fresh = A.PlanTuner(tmp_path, timer=timer)
+        with A.use_tuner(fresh):
+            C.tt_linear(*_linear(), _x(), plan="auto")
+    assert timer.calls == 5 and len(json.loads((tmp_path / A.CACHE_FILE).read_text())) == 5
+
+
+def test_compaction_re_decides_for_the_new_ranks() -> None:
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    tuner = A.PlanTuner(timer=timer)
+    p, s = _linear(ranks=6)
+    with torch.no_grad():
+        p["gates"][0][:3] = 0.0
+    s = C.prune(p, s, tau=1e-3)
+    q, t = C.compact(p, s)
+    with A.use_tuner(tuner):
+        y = C.tt_linear(p, s, _x(), plan="auto")
+        z = C.tt_linear(q, t, _x(), plan="auto")
+    assert timer.calls == 2
+    seen = [d.what.split(" ranks ")[1].split(" ")[0] for d in tuner.decisions.values()]
+    assert seen == [",".join(str(c.shape[2]) for c in m["cores"][:-1]) for m in (p, q)]
+    assert seen[0] != seen[1]
+    torch.testing.assert_close(y, z)
+
+
+def test_a_hopeless_candidate_is_not_timed() -> None:
+    """The cost model skips a candidate over ``FLOP_PRUNE`` times the cheapest FLOPs."""
+    spec = C.TTLinearSpec(out_modes=(16, 16, 16), in_modes=(16, 16, 16), ranks=2)
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    timer = StubTimer({"comera": 1.0, "dense": 0.5, "dp": 2.0})
+    tuner = A.PlanTuner(timer=timer)
+    with A.use_tuner(tuner), torch.no_grad():  # no gradient: only FLOPs rule out dense
+        C.tt_linear(p, s, torch.randn(8, 4096), plan="auto")
+    (d,) = tuner.decisions.values()
+    assert "cheapest forward FLOPs" in d.skipped["dense"] and d.choice == "comera"
+
+
+def test_where_nothing_can_be_timed_the_cache_or_the_papers_path() -> None:
+    """Inside ``vmap`` a call cannot time: it reads the cache, else runs ``comera``."""
+    timer = StubTimer({"comera": 2.0, "dense": 1.0, "dp": 3.0})
+    tuner = A.PlanTuner(timer=timer)
+    p, s = _linear()
+    xs = torch.randn(3, 8, 16)
+    with A.use_tuner(tuner):
+        out = torch.vmap(lambda x: C.tt_linear(p, s, x, plan="auto"))(xs)
+    assert timer.calls == 0 and not tuner.decisions
+    torch.testing.assert_close(out, C.tt_linear(p, s, xs, plan="comera"))
+
+
+def test_install_adopts_another_ranks_decisions() -> None:
+    p, s = _linear()
+    mine = A.PlanTuner(timer=StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0}))
+    rank0 = A.PlanTuner(timer=StubTimer({"comera": 3.0, "dense": 2.0, "dp": 1.0}))
+    for tuner in (mine, rank0):
+        with A.use_tuner(tuner):
+            C.tt_linear(p, s, _x(), plan="auto")
+    mine.install(rank0.export())
+    assert [d.choice for d in mine.decisions.values()] == ["dp"]
+    with A.use_tuner(mine):  # calls already seen follow the installed choice
+        key, choice = mine._fast_lookup(next(iter(mine._last)), "comera")
+    assert choice == "dp"
+
+
+def test_ttm_lookup_auto_table_or_optimized() -> None:
+    spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5), dim_modes=(4, 4), ranks=6, num_embeddings=18)
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    p = {k: [t.double().requires_grad_() for t in v] for k, v in p.items()}
+    ids = torch.randint(0, 18, (4, 16), generator=torch.Generator().manual_seed(2))
+    timer = StubTimer({"optimized": 2.0, "table": 1.0})
+    tuner = A.PlanTuner(timer=timer)
+    with A.use_tuner(tuner):
+        y = C.ttm_embedding(p, s, ids, impl="auto", spec=spec)  # 20 rows <= 64 ids
+        C.ttm_embedding(p, s, ids[:1, :8], impl="auto", spec=spec)  # 20 rows > 8 ids
+    big, small = tuner.decisions.values()
+    assert big.choice == "table" and small.choice == "optimized" and "table" in small.skipped
+    ref = C.ttm_embedding(p, s, ids, impl="optimized", spec=spec)
+    torch.testing.assert_close(y, ref)
+    g = torch.autograd.grad(y.square().sum(), p["cores"])
+    g_ref = torch.autograd.grad(ref.square().sum(), p["cores"])
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_real_timer_returns_a_median_per_candidate() -> None:
+    calls = {"a": 0, "b": 0}
+
+    def run(name):
+        def f():
+            calls[name] += 1
+
+        return f
+
+    times = A.median_timer(repeats=3, warmup=1)({"a": run("a"), "b": run("b")})
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    assert calls == {"a": 4, "b": 4}
+
+
+def test_auto_is_a_strategy_but_has_no_fixed_plan() -> None:
+    assert "auto" in C.STRATEGIES and "auto" in C.EMBEDDING_IMPLS
+    assert C.LayerPlans(default="auto", embedding_impl="auto").for_layer("x") == "auto"
+    with pytest.raises(C.errors.ConfigError, match="decided per call"):
+        C.plans.tt_linear_plan("auto", [(1, 4, 2), (2, 4, 1)], 8)

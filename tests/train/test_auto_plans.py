@@ -1,0 +1,96 @@
+"""The trainer with ``auto`` plans: the decisions are recorded, a compaction re-decides,
+deciding draws nothing from the RNG, and a compiled step reads decisions made before it
+was traced (no graph break)."""
+
+import json
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+import comera as C
+from comera import autotune as A
+from comera.train import Trainer, sync_free
+from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+from .test_sync_free import STAGES, _PureToy
+
+
+class StubTimer:
+    def __init__(self, times: dict[str, float]) -> None:
+        self.times, self.calls = times, 0
+
+    def __call__(self, runs: dict) -> dict[str, float]:
+        self.calls += 1
+        return {c: self.times[c] for c in runs}
+
+
+def _fit(tmp_path, name, plan, timer=None, task=None, **kw):
+    cfg = _cfg(tmp_path / name, steps=60, comera=STAGES, **kw)
+    tuner = A.PlanTuner(timer=timer or StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0}))
+    with A.use_tuner(tuner), C.default_plan(plan):
+        tr = Trainer(cfg, task or ToyTask(noise=0.1), *_toy_model())
+        out = tr.fit()
+    return tr, out, tuner
+
+
+def test_auto_choosing_comera_trains_exactly_like_comera(tmp_path, capsys) -> None:
+    """Deciding (timing) happens inside the first step and after each compaction, and
+    changes nothing the step computes or draws: the same run as ``plan="comera"``."""
+    ref, out_ref, _ = _fit(tmp_path, "comera", "comera")
+    auto, out_auto, tuner = _fit(tmp_path, "auto", "auto")
+    for a, b in zip(tree_flatten(ref.params)[0], tree_flatten(auto.params)[0], strict=True):
+        assert torch.equal(a, b)
+    assert out_ref["loss"] == out_auto["loss"]
+    assert tuner.timer.calls >= 2  # the first shapes, then the compacted ones
+    history = json.loads((tmp_path / "auto" / "run" / "plans.json").read_text())
+    assert list(history)[0] == "1" and len(history) >= 2  # decided at step 1, then again
+    first, *later = history.values()
+    assert {d["choice"] for d in first.values()} == {"comera"}
+    assert {d["what"] for d in first.values()}.isdisjoint(
+        {d["what"] for h in later for d in h.values()}
+    )
+    config = json.loads((tmp_path / "auto" / "run" / "config.json").read_text())
+    assert set(config["plans"].values()) == {"comera"}
+    assert len(config["plans"]) == sum(len(h) for h in history.values())
+    assert "comera: auto plans at step 1: tt_linear: comera" in capsys.readouterr().err
+    assert not (tmp_path / "comera" / "run" / "plans.json").exists()
+
+
+def test_sync_free_steps_decide_before_the_step(tmp_path) -> None:
+    """A step that cannot time runs a deciding forward first: its plans are the timed
+    ones (here ``dp``: ``dense`` is fastest but its 16 x 16 ``W`` is over 5% of the 16
+    tokens' activations), not the fallback, and the run equals ``plan="dp"``."""
+    timer = StubTimer({"comera": 3.0, "dense": 1.0, "dp": 2.0})
+    auto, out_auto, tuner = _fit(tmp_path, "auto", "auto", timer, step_mode="sync_free")
+    ref, out_ref, _ = _fit(tmp_path, "dp", "dp", step_mode="sync_free")
+    history = json.loads((tmp_path / "auto" / "run" / "plans.json").read_text())
+    assert list(history)[0] == "1"
+    decisions = [d for h in history.values() for d in h.values()]
+    assert {d["choice"] for d in decisions} == {"dp"} and all(
+        "dense" in d["skipped"] for d in decisions
+    )
+    for a, b in zip(tree_flatten(ref.params)[0], tree_flatten(auto.params)[0], strict=True):
+        assert torch.equal(a, b)
+    assert out_ref["loss"] == out_auto["loss"]
+
+
+@pytest.mark.slow
+def test_a_compiled_step_reads_decided_plans_without_a_graph_break(tmp_path, monkeypatch):
+    """``compile`` decides before tracing, among the plain-GEMM plans (``dp`` would be
+    faster here but does not trace; ``dense`` is over the memory rule): one graph."""
+    monkeypatch.setattr(sync_free, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    timer = StubTimer({"comera": 3.0, "dense": 1.0, "dp": 2.0})
+    auto, out_auto, _ = _fit(tmp_path, "auto", "auto", timer, _PureToy(), step_mode="compile")
+    assert not torch._dynamo.utils.counters["graph_break"]
+    torch._dynamo.reset()
+    ref, out_ref, _ = _fit(tmp_path, "comera", "comera", None, _PureToy(), step_mode="compile")
+    torch._dynamo.reset()
+    assert out_auto["loss"] == pytest.approx(out_ref["loss"], rel=1e-4)
+    history = json.loads((tmp_path / "auto" / "run" / "plans.json").read_text())
+    # the training calls (evaluation runs eager, where every candidate may be timed)
+    decisions = [d for h in history.values() for k, d in h.items() if "grad=1" in k]
+    assert decisions and {d["choice"] for d in decisions} == {"comera"}
+    assert all(set(d["times_ms"]) == {"comera"} for d in decisions)
