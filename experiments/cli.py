@@ -32,10 +32,12 @@ from typing import Any
 import torch
 
 import comera as C
+from comera import autotune
 from comera.errors import UserError
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES
 from comera.tree import iter_tt
+from experiments.cache import cache_root
 from experiments.malloc import apply_cpu_malloc, restart_for
 from experiments.report import record_host
 from loaders.errors import LoaderInputError
@@ -277,7 +279,11 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
     ap.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
     ap.add_argument("--run-dir", dest="run_dir")
     ap.add_argument("--dense", action="store_true", help="train the dense baseline")
-    ap.add_argument("--plan", help=f"contraction strategy of every TT layer: {C.STRATEGIES}")
+    ap.add_argument(
+        "--plan",
+        help=f"contraction strategy of every TT layer: {C.STRATEGIES} (auto: the fastest "
+        "per shape, timed once and cached under $COMERA_CACHE/plans)",
+    )
     ap.add_argument(
         "--plan-for",
         dest="plan_for",
@@ -500,6 +506,13 @@ class Prepared:
     rank: int
 
 
+def uses_auto(plans: C.LayerPlans) -> bool:
+    """Whether any layer of a run may ask the tuner: ``auto`` as the model-wide or a
+    per-layer plan, or as the embedding implementation."""
+    strategies = [plans.default, *(s for _, s in plans.per_layer)]
+    return "auto" in strategies or plans.embedding_impl == "auto"
+
+
 def prepare(
     exp: Experiment, cfg: Any, *, resume: bool = False, argv: list[str] | None = None
 ) -> Prepared:
@@ -514,6 +527,10 @@ def prepare(
             "another --run-dir (nothing there is overwritten)"
         )
     rank, world = init_distributed(cfg.train.device)
+    if uses_auto(cfg.plans):  # decisions cached on disk: a second run times nothing
+        plans_dir = cache_root("plans")
+        if autotune.current_tuner().cache_dir != plans_dir:
+            autotune.set_tuner(autotune.PlanTuner(plans_dir))
     if torch.device(cfg.train.device).type == "cpu":
         apply_cpu_malloc(cfg.train.cpu_malloc)  # the command's policy: the library sets none
     task, params, state, reference, info = exp.build(cfg, rank, world)

@@ -72,3 +72,41 @@ def test_recomputed_blocks_give_the_same_values_and_gradients(tt: bool) -> None:
     fused = run(dataclasses.replace(cfg, fused_qkv=True))  # Q, K, V in one GEMM (TT only)
     for a, b in zip(plain, fused, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # summation order only
+
+
+def test_plan_auto_from_the_cli_caches_on_disk_and_records_its_choices(tmp_path, monkeypatch):
+    """``--plan auto --embedding-impl auto``: the run records what it chose
+    (``config.json``, ``plans.json``), the decisions land in ``$COMERA_CACHE/plans``, and
+    a second run in a fresh process state times nothing."""
+    from comera import autotune
+
+    monkeypatch.setenv("COMERA_CACHE", str(tmp_path / "cache"))
+    timed = []
+    real = autotune.PlanTuner._decide
+
+    def counting(self, *args, **kw):
+        timed.append(args[1])
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(autotune.PlanTuner, "_decide", counting)
+    try:
+        for run in ("first", "second"):
+            autotune.set_tuner(None)  # what a new process starts with
+            argv = [*FAST, "--run-dir", str(tmp_path / run), "--plan", "auto",
+                    "--embedding-impl", "auto"]  # fmt: skip
+            assert mnli.main(argv) == 0
+            if run == "first":
+                first = list(timed)
+                assert first, "the first run timed its layers"
+        assert timed == first  # the second run read every decision from the disk cache
+    finally:
+        autotune.set_tuner(None)
+    cached = json.loads((tmp_path / "cache" / "plans" / autotune.CACHE_FILE).read_text())
+    assert set(first) <= set(cached)
+    for run in ("first", "second"):
+        config = json.loads((tmp_path / run / "config.json").read_text())
+        history = json.loads((tmp_path / run / "plans.json").read_text())
+        decided = {d["what"]: d["choice"] for h in history.values() for d in h.values()}
+        assert config["plans"] == decided and config["plans"]
+        assert {d["kind"] for h in history.values() for d in h.values()} == {
+            "tt_linear", "ttm_embedding"}  # fmt: skip

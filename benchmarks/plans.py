@@ -1,0 +1,261 @@
+"""What ``plan="auto"`` chooses, and what it buys: per-shape timings and smoke steps.
+
+    python -m benchmarks.plans [--json]                    # writes reports/plans.json, .md
+    python -m benchmarks.plans --render reports/plans.json  # the tables, measuring nothing
+
+Two parts, in one process:
+
+- **Smoke steps.** For each experiment (``mnli``, ``codebert``, ``dlrm``) the smoke preset
+  is prepared three times, as its command would (``python -m experiments.<name> --preset
+  smoke``): CoMERA with ``--plan auto --embedding-impl auto``, CoMERA with the paper's
+  fixed path (``--plan comera``), and ``--dense``. Their trainers then take turns, one
+  ``Trainer.train_step`` each on the same batches (the early stage's objective, clipping,
+  AdamW), so a change in the machine's load hits all three alike; the figures are median
+  step times after warm-up steps (the first ``auto`` step times its candidates and is
+  not counted). ``smoke_step_time_ratio_vs_dense`` is auto's median over dense's.
+- **Shapes.** What the tuner decided for every TT layer and lookup the smoke steps ran,
+  and for the paper-size models at one step's token count (MNLI: batch 32 x 128;
+  CodeBERT: batch 8 x 512; DLRM at the Kaggle sizes: batch 10,000 through its TT MLP
+  layers), with each candidate's median forward + backward time and why any was not
+  timed. DLRM's TTM tables go through the table-batched lookup, which has no ``auto``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.reporting import print_rendered, write_json, write_text
+from comera import autotune as A
+from comera.layers import ttm_lookup
+from comera.tensor_train import gated_cores
+from comera.tree import iter_tt
+from experiments.host import host_meta, report_header
+
+__all__ = ["main", "render", "run", "shape_decisions", "smoke_steps"]
+
+REPORTS = Path(__file__).resolve().parents[1] / "reports"
+EXPERIMENTS = ("mnli", "codebert", "dlrm")
+VARIANTS = {
+    "auto": ["--plan", "auto", "--embedding-impl", "auto"],
+    "comera": ["--plan", "comera"],
+    "dense": ["--dense"],
+}
+WARMUP, STEPS = 3, 15
+TARGET = 1.1  # auto's smoke step at most 1.1x dense's
+
+
+def _experiment(name: str) -> Any:
+    if name == "mnli":
+        from experiments.mnli.experiment import EXPERIMENT
+    elif name == "codebert":
+        from experiments.codebert.experiment import EXPERIMENT
+    else:
+        from experiments.dlrm.experiment import EXPERIMENT
+    return EXPERIMENT
+
+
+def _prepare(name: str, variant: str, root: Path, extra: list[str]) -> Any:
+    from experiments import cli
+
+    exp = _experiment(name)
+    argv = ["--preset", "smoke", "--run-dir", str(root / f"{name}-{variant}"), "--no-progress",
+            "--wandb", "disabled", *VARIANTS[variant], *extra]  # fmt: skip
+    ap = cli.build_parser(exp)
+    cfg = cli.resolve_config(exp, ap.parse_args(argv), ap)
+    return cli.prepare(exp, cfg, argv=argv).trainer
+
+
+def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
+                extra: list[str] | None = None) -> dict:  # fmt: skip
+    """Median ``train_step`` times of the three variants of ``name``'s smoke preset, taking
+    turns on the same batches, and what auto decided."""
+    tuner = A.PlanTuner()  # memory only: this measures timing, not a cache
+    with tempfile.TemporaryDirectory() as tmp, A.use_tuner(tuner):
+        trainers = {v: _prepare(name, v, Path(tmp), extra or []) for v in VARIANTS}
+        its = {v: iter(t.task.train_iter) for v, t in trainers.items()}
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for i in range(warmup + steps):
+            for v, tr in trainers.items():
+                batch = [next(its[v]) for _ in range(tr.cfg.accum_steps)]
+                t0 = time.perf_counter()
+                tr.train_step(*batch)
+                if i >= warmup:
+                    times[v].append(time.perf_counter() - t0)
+        decisions = {k: dataclasses.asdict(d) for k, d in tuner.take_used().items()}
+    med = {v: 1e3 * statistics.median(t) for v, t in times.items()}
+    return {
+        "step_ms": med,
+        "steps": steps,
+        "warmup": warmup,
+        "smoke_step_time_ratio_vs_dense": med["auto"] / med["dense"],
+        "smoke_step_time_ratio_vs_dense_comera_plan": med["comera"] / med["dense"],
+        "decisions": list(decisions.values()),
+    }
+
+
+def _paper_model(name: str) -> tuple[dict, dict, int]:
+    """The paper-size CoMERA model of ``name`` at its initial ranks, and one step's tokens."""
+    gen = torch.Generator().manual_seed(0)
+    if name in ("mnli", "codebert"):
+        from experiments.transformer import EncoderConfig, init_encoder
+
+        if name == "mnli":
+            from experiments.mnli.experiment import preset
+
+            cfg, tokens = preset("paper").model, 32 * 128
+            if not cfg.vocab_size:
+                cfg = dataclasses.replace(cfg, vocab_size=30522)
+        else:
+            from experiments.codebert.experiment import codebert_model
+
+            cfg, tokens = codebert_model(), 8 * 512
+        assert isinstance(cfg, EncoderConfig)
+        params, state = init_encoder(cfg, generator=gen)
+        return params, state, tokens
+    from experiments.dlrm.experiment import preset as dlrm_preset
+    from experiments.dlrm.model import init_dlrm
+
+    cfg = dlrm_preset("kaggle").model
+    params, state = init_dlrm(cfg, generator=gen)
+    # the TT MLP layers only: the tables use the table-batched lookup (no auto)
+    return {"bottom": params["bottom"], "top": params["top"]}, {
+        "bottom": state["bottom"], "top": state["top"]}, 10_000  # fmt: skip
+
+
+def shape_decisions(name: str, tuner: A.PlanTuner | None = None) -> list[dict]:
+    """The tuner's decision for every distinct TT layer / TTM lookup of ``name``'s
+    paper-size model at one step's token count (each layer timed on random inputs)."""
+    tuner = tuner or A.PlanTuner()
+    params, state, tokens = _paper_model(name)
+    gen = torch.Generator().manual_seed(1)
+    layers: dict[str, list[str]] = {}
+    for path, p, s in iter_tt(params, state):
+        g = [c.detach().requires_grad_() for c in gated_cores(p, s)]
+        if g[0].dim() == 3:  # TT linear
+            n = math.prod(c.shape[1] for c in g[len(g) // 2 :])
+            x = torch.randn(tokens, n, generator=gen).requires_grad_()
+            bias = p.get("bias")
+            b = bias.detach().requires_grad_() if bias is not None else None
+            tuner.linear(g, x, b)
+        else:
+            rows = math.prod(c.shape[1] for c in g)
+            ids = torch.randint(0, rows, (tokens,), generator=gen)
+            tuner.embedding(g, ids, ttm_lookup)
+        for key in tuner.take_used():
+            layers.setdefault(key, []).append(path)
+    return [
+        {**dataclasses.asdict(tuner.decisions[k]), "layers": paths} for k, paths in layers.items()
+    ]
+
+
+def run(
+    *,
+    json_out: bool = False,
+    steps: int = STEPS,
+    experiments: tuple[str, ...] = EXPERIMENTS,
+    out: Path = REPORTS / "plans.json",
+    command: str = "python -m benchmarks.plans",
+) -> int:
+    """Measure, write ``out`` and its markdown next to it, print the figures."""
+    result: dict = {"meta": {**host_meta(), "command": command,
+                             "threads": torch.get_num_threads()}}  # fmt: skip
+    for name in experiments:
+        print(f"plans bench: {name} smoke steps ...", file=sys.stderr, flush=True)
+        smoke = smoke_steps(name, steps=steps)
+        print(f"plans bench: {name} paper-size shapes ...", file=sys.stderr, flush=True)
+        result[name] = {**smoke, "paper_shapes": shape_decisions(name)}
+    write_json(out, result)
+    write_text(out.with_suffix(".md"), render(result))
+    if json_out:
+        import json
+
+        print(json.dumps(result))
+    else:
+        print(render(result))
+    return 0
+
+
+def _decision_rows(decisions: list[dict]) -> list[str]:
+    rows = ["| kind | shapes | layers | auto chose | fwd+bwd median (ms) | not timed |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
+    for d in decisions:
+        timed = ", ".join(f"{c} {t:.3f}" for c, t in sorted(d["times_ms"].items(),
+                                                            key=lambda kv: kv[1]))  # fmt: skip
+        skipped = "; ".join(f"{c}: {why}" for c, why in d["skipped"].items()) or "-"
+        layers = d.get("layers")
+        where = (f"{layers[0]}" + (f" (+{len(layers) - 1})" if len(layers) > 1 else "")
+                 if layers else "-")  # fmt: skip
+        rows.append(f"| {d['kind']} | {d['what']} | {where} | **{d['choice']}** | {timed} | "
+                    f"{skipped} |")  # fmt: skip
+    return rows
+
+
+def render(result: dict) -> str:
+    """The report (markdown) from the JSON alone."""
+    meta = result["meta"]
+    lines = report_header("Contraction plans: what `auto` chooses", meta["command"], meta)
+    lines += [
+        f"{meta.get('threads', '?')} torch threads. Smoke steps: the three variants take "
+        "turns, one `Trainer.train_step` each on the same batches; medians after warm-up. "
+        f"Target: auto's step at most {TARGET}x dense's.",
+        "",
+        "| experiment | auto (ms) | comera plan (ms) | dense (ms) | auto / dense "
+        "| comera / dense |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = [n for n in EXPERIMENTS if n in result]
+    for n in names:
+        r = result[n]
+        ms = r["step_ms"]
+        lines.append(
+            f"| {n} | {ms['auto']:.2f} | {ms['comera']:.2f} | {ms['dense']:.2f} | "
+            f"{r['smoke_step_time_ratio_vs_dense']:.3f} | "
+            f"{r['smoke_step_time_ratio_vs_dense_comera_plan']:.3f} |"
+        )
+    for n in names:
+        lines += ["", f"## {n}: smoke preset, decisions of the timed steps", ""]
+        lines += _decision_rows(result[n]["decisions"])
+        lines += ["", f"## {n}: paper-size shapes, one step's tokens", ""]
+        lines += _decision_rows(result[n]["paper_shapes"])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.plans",
+                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--steps", type=int, default=STEPS, help="timed smoke steps per variant")
+    ap.add_argument("--experiments", default=",".join(EXPERIMENTS),
+                    help="comma-separated subset of mnli,codebert,dlrm")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=REPORTS / "plans.json", help="the JSON written")
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="measure nothing: print the tables of a saved result")  # fmt: skip
+    a = ap.parse_args(argv)
+    if a.render is not None:
+        return print_rendered(a.render, render, ap.prog)
+    chosen = tuple(x for x in a.experiments.split(",") if x)
+    bad = [x for x in chosen if x not in EXPERIMENTS]
+    if bad or not chosen:
+        print(f"{ap.prog}: error: --experiments {a.experiments!r}: choose from "
+              f"{','.join(EXPERIMENTS)}", file=sys.stderr)  # fmt: skip
+        return 2
+    if a.steps < 1:
+        print(f"{ap.prog}: error: --steps must be >= 1, got {a.steps}", file=sys.stderr)
+        return 2
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m benchmarks.plans", *given])
+    return run(json_out=a.json, steps=a.steps, experiments=chosen, out=a.out, command=command)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

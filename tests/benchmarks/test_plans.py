@@ -1,0 +1,67 @@
+"""``python -m benchmarks.plans``: the smoke-step plumbing, the per-shape decisions and the
+report rendered from the JSON alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import plans
+from comera import autotune as A
+
+TINY = ["--set", "data.generated_train=200", "--set", "data.generated_eval=30"]
+
+
+class Stub:
+    def __call__(self, runs: dict) -> dict[str, float]:
+        return {c: {"comera": 2.0, "dense": 1.0, "dp": 3.0, "optimized": 2.0, "table": 1.0}[c]
+                for c in runs}  # fmt: skip
+
+
+def test_smoke_steps_time_three_variants_and_keep_the_decisions() -> None:
+    r = plans.smoke_steps("mnli", steps=2, warmup=1, extra=TINY)
+    assert set(r["step_ms"]) == {"auto", "comera", "dense"} and r["steps"] == 2
+    assert r["smoke_step_time_ratio_vs_dense"] == pytest.approx(
+        r["step_ms"]["auto"] / r["step_ms"]["dense"]
+    )
+    kinds = {d["kind"] for d in r["decisions"]}
+    assert kinds == {"tt_linear", "ttm_embedding"}
+    assert all(d["choice"] in d["times_ms"] for d in r["decisions"])
+
+
+@pytest.mark.parametrize("name", plans.EXPERIMENTS)
+def test_paper_shapes_get_one_decision_per_distinct_layer(name: str) -> None:
+    rows = plans.shape_decisions(name, A.PlanTuner(timer=Stub()))
+    layers = [p for r in rows for p in r["layers"]]
+    assert len(layers) == len(set(layers)) and rows
+    assert all(r["choice"] in r["times_ms"] for r in rows)
+    linears = [r for r in rows if r["kind"] == "tt_linear"]
+    if name in ("mnli", "codebert"):  # 768 wide at 4,096 tokens: W is over the memory rule
+        assert all(r["skipped"]["dense"].startswith("W ") for r in linears)
+    else:  # DLRM's 512 -> 256 at 10,000 rows: W is small against the activations
+        assert all("dense" in r["times_ms"] for r in linears)
+
+
+def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
+    step = {"step_ms": {"auto": 10.0, "comera": 15.0, "dense": 11.0}, "steps": 2, "warmup": 1,
+            "smoke_step_time_ratio_vs_dense": 10 / 11,
+            "smoke_step_time_ratio_vs_dense_comera_plan": 15 / 11,
+            "decisions": [{"kind": "tt_linear", "what": "64x64 ranks 8,8,8 tokens 2048",
+                           "choice": "dense", "times_ms": {"comera": 0.3, "dense": 0.2},
+                           "skipped": {"dp": "40x the cheapest forward FLOPs"}}],
+            "paper_shapes": []}  # fmt: skip
+    result = {"meta": {"command": "python -m benchmarks.plans", "cpu": "a CPU", "torch": "2",
+                       "date": "2026-12-03", "threads": 2}, "mnli": step}  # fmt: skip
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(result))
+    assert plans.main(["--render", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| mnli | 10.00 | 15.00 | 11.00 | 0.909 | 1.364 |" in out
+    assert "**dense**" in out and "dp: 40x the cheapest forward FLOPs" in out
+
+
+def test_bad_flags_are_one_line(capsys) -> None:
+    assert plans.main(["--experiments", "mnli,nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--experiments" in err[0]
