@@ -3,11 +3,12 @@
     python -m benchmarks.mnli_step [--json] [--device cuda]   # writes reports/mnli_bench.json
     python -m benchmarks.mnli_step --render reports/mnli_bench.json   # its tables, no run
 
-A step is forward, backward and the AdamW update (CoMERA: with the early-stage gate
-regularizer), on a synthetic batch of the paper's shape. Each (variant, batch) runs in
-a fresh subprocess so its peak memory is its own: on CPU the peak RSS above the
-process's RSS just before the model is built (``ru_maxrss`` delta); on CUDA the
-allocator's peak above what was allocated before the model. Times are medians.
+A step is what training runs: the shared trainer's ``train_step`` on the experiment's
+``MNLITask`` (cross-entropy, the early stage's objective with its gate regularizer for
+CoMERA, gradient clipping, AdamW) on a synthetic batch of the paper's shape. Each
+(variant, batch) runs in a fresh subprocess so its peak memory is its own: on CPU the
+peak RSS above the process's RSS just before the model is built (``ru_maxrss`` delta); on
+CUDA the allocator's peak above what was allocated before the model. Times are medians.
 ``galore`` is the dense model under GaLore-AdamW (galore-torch; rank 128, projection
 refreshed every 200 steps, scale 0.25: the GaLore paper's settings, the paper's Figure 1
 baseline). ``comera_recompute`` and ``dense_recompute`` (batch 32) recompute every block in
@@ -80,14 +81,20 @@ def worker(
     malloc: str = "default",
 ) -> dict:
     """Build the model in this process and time ``repeats`` steps after one warm-up,
-    under the CPU allocator policy ``malloc``."""
+    under the CPU allocator policy ``malloc``. A step is the shared trainer's
+    ``train_step`` on the experiment's ``MNLITask``: cross-entropy, the early stage's
+    objective (CoMERA), clipping and AdamW, or GaLore-AdamW for ``galore``."""
+    import tempfile
+
     import comera as C
-    from comera.train.objectives import gate_regularizer
-    from comera.train.optim import AdamWConfig, adamw_init, adamw_step
-    from experiments.transformer import EncoderConfig, encoder_logits, init_encoder
+    from comera.train import ComeraConfig, TrainConfig, Trainer
+    from comera.train.galore import GaLoreConfig
+    from comera.train.optim import AdamWConfig
+    from experiments.mnli.experiment import MNLITask
+    from experiments.transformer import EncoderConfig, init_encoder
 
     if variant == "galore":  # imports (transformers, bitsandbytes: ~130 MB) before the baseline
-        from comera.train.galore import GaLore, GaLoreConfig
+        import galore_torch  # noqa: F401
     torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -105,17 +112,6 @@ def worker(
     if variant == "comera_half":  # stand-in for a pruned model: every rank halved
         cfg = dataclasses.replace(cfg, rank=cfg.rank // 2, emb_rank=cfg.emb_rank // 2)
     params, state = init_encoder(cfg, generator=torch.Generator().manual_seed(0))
-    params = torch.utils._pytree.tree_map(lambda t: t.to(dev).requires_grad_(True), params)
-    state = torch.utils._pytree.tree_map(lambda t: t.to(dev), state)
-    leaves = torch.utils._pytree.tree_flatten(params)[0]
-    opt = adamw_init(params) if variant != "galore" else None
-    galore = None
-    if variant == "galore":  # the dense model under GaLore-AdamW (galore-torch)
-        oc = AdamWConfig()
-        # GaLore's paper settings on the encoder blocks' linears; the one SVD refresh per
-        # 200 steps falls in the warm-up step, so timed steps do not include its cost
-        galore = GaLore(params, GaLoreConfig(rank=min(128, cfg.d_model // 2)), oc.lr_rest,
-                        betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay)  # fmt: skip
     g = torch.Generator().manual_seed(1)
     data = {
         "input_ids": torch.randint(0, cfg.vocab_size, (batch, SEQ), generator=g),
@@ -124,28 +120,38 @@ def worker(
         "labels": torch.randint(0, 3, (batch,), generator=g),
     }
     data = {k: v.to(dev) for k, v in data.items()}
-    ocfg = AdamWConfig()
+    with tempfile.TemporaryDirectory() as tmp:
+        tcfg = TrainConfig(
+            steps=1000,
+            run_dir=tmp,
+            device=device,
+            optim=AdamWConfig(),
+            # GaLore's paper settings on the encoder blocks' linears; its one SVD refresh
+            # per 200 steps falls in the warm-up step, so timed steps do not include it
+            optimizer="galore" if variant == "galore" else "adamw",
+            galore=GaLoreConfig(rank=min(128, cfg.d_model // 2)),
+            comera=ComeraConfig(enabled=tt, early_steps=500, reg_start_step=0),
+            cpu_malloc=malloc,
+            wandb="disabled",
+            progress=False,
+        )
+        task = MNLITask(cfg, None, [], eval_batch_size=batch)  # type: ignore[arg-type]
+        task.device = dev
+        trainer = Trainer(tcfg, task, params, state, copy=False)
+        del params, state
 
-    def step() -> None:
-        nonlocal opt
-        logits = encoder_logits(params, state, data, cfg, train=True)
-        loss = torch.nn.functional.cross_entropy(logits, data["labels"])
-        if tt:
-            loss = loss + 1e-2 * gate_regularizer(params, state)
-        grads = torch.autograd.grad(loss, leaves)
-        if galore is not None:
-            galore.step(list(grads))
-        else:
-            opt = adamw_step(params, list(grads), opt, ocfg)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        def step() -> None:
+            trainer.train_step(data)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
 
-    step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        size = C.param_count(trainer.params)
     if dev.type == "cuda":
         peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
         how = "CUDA allocator peak above the pre-model baseline"
@@ -159,7 +165,7 @@ def worker(
         "step_s_all": times,
         "peak_mb": peak_mb,
         "peak_memory": how,
-        "params": C.param_count(params),
+        "params": size,
         "device": device,
         "malloc": malloc if dev.type == "cpu" else None,
         "hugepages": hugepages_active(),
