@@ -31,7 +31,8 @@ from benchmarks.reporting import read_result, write_json, write_text
 from comera.accounting import tt_linear_flops, ttm_embedding_flops
 from comera.errors import DataError
 from comera.layers import tt_linear, tt_linear_shared_input, ttm_embedding
-from comera.plans import RANK_ALIGN, STRATEGIES
+from comera.plans import FIXED_STRATEGIES as STRATEGIES
+from comera.plans import RANK_ALIGN
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
 from comera.tensor_train import init
 from experiments.host import cpu_model, report_header

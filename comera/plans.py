@@ -42,6 +42,7 @@ from comera.tensor_train import chain, chain_from_right
 
 __all__ = [
     "EMBEDDING_IMPLS",
+    "FIXED_STRATEGIES",
     "RANK_ALIGN",
     "STRATEGIES",
     "ContractionPlan",
@@ -58,7 +59,9 @@ __all__ = [
     "tt_linear_plan",
 ]
 
-STRATEGIES = ("auto", "comera", "optimal", "dp", "greedy", "dense")
+# the strategies with a fixed path, and ``auto``, which picks one of them per call
+FIXED_STRATEGIES = ("comera", "optimal", "dp", "greedy", "dense")
+STRATEGIES = ("auto", *FIXED_STRATEGIES)
 # TTM lookup implementations (see comera.layers.ttm_embedding), chosen per model by LayerPlans
 EMBEDDING_IMPLS = ("auto", "optimized", "naive", "static", "table")
 # the comera path zero-pads its middle rank to a multiple of this (aligned BLAS inner size)
@@ -450,7 +453,7 @@ def tt_linear_plan(
     if strategy == "auto":
         raise ConfigError(
             f"{name}: 'auto' is decided per call by timing (comera.autotune); a plan for "
-            "given shapes needs a concrete strategy: " + ", ".join(STRATEGIES[1:])
+            "given shapes needs a fixed strategy: " + ", ".join(FIXED_STRATEGIES)
         )
     shapes = tuple(tuple(int(s) for s in sh) for sh in core_shapes)
     if isinstance(strategy, tuple):

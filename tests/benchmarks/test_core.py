@@ -13,8 +13,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.core import CPU, _gemms_only, command, main, padded_rank, render
-from comera import STRATEGIES, TTLinearSpec, init, tt_linear
+from comera import TTLinearSpec, init, tt_linear
 from comera.layers import tt_linear_shared_input
+from comera.plans import FIXED_STRATEGIES as STRATEGIES
 from comera.plans import RANK_ALIGN
 from experiments.host import cpu_model, report_header
 
