@@ -13,17 +13,19 @@ Two rules bound what ``auto`` may pick:
 
 - **Memory.** A plan that rebuilds the weight (``dense``) is a candidate for a training
   call only when ``W`` (``M x N``) is at most :data:`DENSE_SHARE` (5%) of the call's
-  input and output activations (``T x (N + M)``): autograd keeps the rebuilt ``W`` for the
+  input and output activations (``T x (N + M)``) for every token count ``T`` its key
+  covers (half its power-of-two bucket and up): autograd keeps the rebuilt ``W`` for the
   backward pass, so this bounds what ``auto`` adds to a step's saved tensors at 5% of the
   TT layers' own activations. A TTM lookup rebuilds its table (``table``) only when the
-  table has no more rows than the lookup reads ids.
+  table has no more rows than the fewest ids its key covers.
 - **Cost.** A candidate whose forward FLOPs (opt_einsum's count, ``describe()``) exceed
   :data:`FLOP_PRUNE` times the cheapest's is not timed.
 
-Where timing is impossible (``torch.compile`` tracing, a CUDA-graph capture, inside
-``vmap`` / ``grad``) a call reads the cache and, on a miss, takes the paper's path
-(``comera`` / ``optimized``); :class:`comera.train.Trainer` runs an eager pass first so the
-cache is filled before a step is compiled.
+Where timing is impossible (a CUDA-graph capture, inside ``vmap`` / ``grad``) a call
+reads the cache and, on a miss, takes the paper's path (``comera`` / ``optimized``).
+While ``torch.compile`` traces, a call reads the decision this process last made or read
+for it, if that plan traces, else takes the paper's path; :class:`comera.train.Trainer`
+(``auto_plans=True``) decides in an eager pass first, among the plans that trace.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ import math
 import os
 import platform
 import statistics
+import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
@@ -110,6 +114,12 @@ class Decision:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
+def _choice_in_key(key: str, choice: str) -> bool:
+    """Whether ``choice`` is one of the candidates a cache key names (``from=a,b``)."""
+    part = next((p for p in key.split("|") if p.startswith("from=")), None)
+    return part is not None and choice in part[len("from=") :].split(",")
+
+
 def _device_name(device: torch.device) -> str:
     """The device's model (a GPU's name; a CPU's model name and torch's thread count)."""
     if device.type == "cuda":
@@ -139,6 +149,10 @@ def _cannot_time(*tensors: torch.Tensor) -> bool:
     if any(torch._C._functorch.is_batchedtensor(t) for t in tensors):
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _fresh(t: torch.Tensor | None, grad: bool) -> torch.Tensor | None:
@@ -175,34 +189,48 @@ class PlanTuner:
 
     @property
     def cache_file(self) -> Path | None:
+        """``cache_dir / plans-v1.json``, or None for a memory-only tuner."""
         return self.cache_dir / CACHE_FILE if self.cache_dir is not None else None
+
+    @staticmethod
+    def _read_table(path: Path) -> dict[str, Decision]:
+        """The decisions in a cache file; anything unreadable or of the wrong shape is
+        dropped (it is decided again, never trusted), as is a choice its key does not
+        list among the candidates."""
+        try:
+            table = json.loads(path.read_text())
+            out = {k: Decision(**v) for k, v in table.items()}
+        except Exception:  # noqa: BLE001 - a damaged cache of any kind: decide again
+            return {}
+        return {k: d for k, d in out.items() if _choice_in_key(k, d.choice)}
 
     def _load(self) -> None:
         if self._loaded:
             return
         self._loaded = True
         path = self.cache_file
-        if path is None or not path.is_file():
-            return
-        try:
-            table = json.loads(path.read_text())
-            disk = {k: Decision(**v) for k, v in table.items()}
-        except (ValueError, TypeError):  # a damaged cache is re-decided, never trusted
-            return
-        self.decisions = {**disk, **self.decisions}
+        if path is not None and path.is_file():
+            self.decisions = {**self._read_table(path), **self.decisions}
 
     def _save(self) -> None:
+        """Merge our decisions into the cache file (another run's keys kept), written
+        whole through a rename; a cache that cannot be written costs a warning, never the
+        run."""
         path = self.cache_file
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        merged = dict(self.decisions)
-        with contextlib.suppress(OSError, ValueError, TypeError):  # another run's keys too
-            merged = {**{k: Decision(**v) for k, v in json.loads(path.read_text()).items()},
-                      **merged}  # fmt: skip
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({k: asdict(v) for k, v in sorted(merged.items())}, indent=1))
-        tmp.replace(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            merged = {**self._read_table(path), **self.decisions} if path.is_file() else {}
+            merged = merged or dict(self.decisions)
+            text = json.dumps({k: asdict(v) for k, v in sorted(merged.items())}, indent=1)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError as e:
+            warnings.warn(f"comera.autotune: cannot write the plan cache {path}: {e}",
+                          stacklevel=2)  # fmt: skip
 
     def lookup(self, key: str) -> Decision | None:
         """The cached decision for ``key`` (memory, then disk), or None."""
@@ -240,7 +268,12 @@ class PlanTuner:
 
     def _decide(self, base: tuple, key: str, what: str, runs: dict[str, Callable[[], None]],
                 skipped: dict[str, str]) -> str:  # fmt: skip
-        times = {c: 1e3 * t for c, t in self.timer(runs).items()}
+        if not runs:  # nothing may run here: the paper's path, undecided
+            return "comera" if base[0] == "tt_linear" else "optimized"
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            # a timing run saves its own tensors: never into an enclosing checkpoint's
+            # saved-tensor hooks (activation recomputation would count them as its own)
+            times = {c: 1e3 * t for c, t in self.timer(runs).items()}
         choice = min(times, key=lambda c: (times[c], list(runs).index(c)))
         self.decisions[key] = Decision(base[0], what, choice, times, skipped)
         self._remember(base, key, choice)
@@ -251,7 +284,7 @@ class PlanTuner:
     def _candidates(self, kind: str) -> tuple[str, ...]:
         return self.linear_candidates if kind == "tt_linear" else self.embedding_candidates
 
-    def _fast_lookup(self, base: tuple, fallback: str) -> tuple[str, str | None]:
+    def _fast_lookup(self, base: tuple) -> tuple[str, str | None]:
         """(key, choice) for a call described by ``base`` (kind, core shapes, token
         bucket, dtype, device, grad, bias). A dict read per call once decided; the full key
         (device model, threads, candidates, torch version) is built only on a first sight."""
@@ -264,8 +297,7 @@ class PlanTuner:
         kind, shapes, bucket, dtype, device, grad, bias = base
         parts = [kind, str(tuple(tuple(int(x) for x in s) for s in shapes)), f"T{bucket}",
                  str(dtype), _device_name(device), f"grad={int(grad)}"]  # fmt: skip
-        if kind == "tt_linear":
-            parts.append(f"bias={int(bias)}")
+        parts.append(f"bias={int(bias)}" if kind == "tt_linear" else f"sync_free={int(bias)}")
         key = "|".join([*parts, f"from={','.join(cands)}", f"torch {torch.__version__}"])
         self.used.add(key)
         hit = self.lookup(key)
@@ -273,6 +305,10 @@ class PlanTuner:
             return key, None
         self._remember(base, key, hit.choice)
         return key, hit.choice
+
+    def last_choice(self, base: tuple) -> str | None:
+        """The latest choice made or read for the call ``base`` in this process."""
+        return self._last.get(base)
 
     def _remember(self, base: tuple, key: str, choice: str) -> None:
         self._fast[(base, torch.get_num_threads(), self._candidates(base[0]))] = (key, choice)
@@ -304,7 +340,7 @@ class PlanTuner:
         base = _linear_call(cores, x2d, bias)
         _, shapes, _, dtype, _, grad, _ = base
         tokens = x2d.shape[0]
-        key, choice = self._fast_lookup(base, fallback)
+        key, choice = self._fast_lookup(base)
         if choice is not None:
             return choice
         if _cannot_time(x2d, *cores) or tokens == 0:
@@ -312,14 +348,17 @@ class PlanTuner:
         d = len(shapes) // 2
         m, n = math.prod(s[1] for s in shapes[:d]), math.prod(s[1] for s in shapes[d:])
         ranks = [s[2] for s in shapes[:-1]]
-        what = f"{m}x{n} ranks {','.join(map(str, ranks))} tokens {token_bucket(tokens)} {dtype}"
+        bucket = token_bucket(tokens)
+        fewest = bucket // 2 + 1 if bucket > 1 else 1  # the rules hold for every count in the key
+        what = (f"{m}x{n} ranks {','.join(map(str, ranks))} tokens {bucket} {dtype}"
+                f"{'' if grad else ' no grad'}")  # fmt: skip
         skipped: dict[str, str] = {}
         flops = {c: tt_linear_plan(c, shapes, tokens).flops for c in self.linear_candidates}
         cheapest = max(min(flops.values()), 1)  # a dead bond's map costs nothing
         runs: dict[str, Callable[[], None]] = {}
         for c in self.linear_candidates:
-            if c == "dense" and grad and m * n > DENSE_SHARE * tokens * (m + n):
-                skipped[c] = f"W {m}x{n} > {DENSE_SHARE:g} of T x (N + M)"
+            if c == "dense" and grad and m * n > DENSE_SHARE * fewest * (m + n):
+                skipped[c] = f"W {m}x{n} > {DENSE_SHARE:g} of T x (N + M) at T = {fewest}"
             elif flops[c] > FLOP_PRUNE * cheapest and c != fallback:
                 skipped[c] = f"{flops[c] / cheapest:.0f}x the cheapest forward FLOPs"
             else:
@@ -335,10 +374,10 @@ class PlanTuner:
         bias: torch.Tensor | None,
         grad: bool,
     ) -> Callable[[], None]:
-        x = _fresh(x2d, grad)
+        x = _fresh(x2d, grad and x2d.requires_grad)  # no dx where the call needs none
         gs = [_fresh(c, grad) for c in cores]
         b = _fresh(bias, grad)
-        leaves = [t for t in (x, *gs, b) if t is not None]
+        leaves = [t for t in (x, *gs, b) if t is not None and t.requires_grad]
         plan = tt_linear_plan(strategy, shapes, x2d.shape[0]) if strategy not in (
             "comera", "dense") else None  # fmt: skip
 
@@ -358,14 +397,16 @@ class PlanTuner:
         flat_ids: torch.Tensor,
         lookup: Lookup,
         fallback: str = "optimized",
+        *,
+        sync_free: bool = False,
     ) -> str:
         """The implementation for ``ttm_embedding`` of ``flat_ids`` with these gated cores:
         ``optimized`` (dedup, chain over unique rows) or ``table`` (rebuild, then index).
         ``lookup(impl, cores, flat_ids)`` runs one (``comera.layers`` passes its own)."""
-        base = _embedding_call(cores, flat_ids)
+        base = _embedding_call(cores, flat_ids, sync_free)
         _, shapes, _, dtype, _, grad, _ = base
         n_ids = flat_ids.numel()
-        key, choice = self._fast_lookup(base, fallback)
+        key, choice = self._fast_lookup(base)
         if choice is not None:
             return choice
         if _cannot_time(flat_ids, *cores) or n_ids == 0:
@@ -373,14 +414,18 @@ class PlanTuner:
         rows = math.prod(s[1] for s in shapes)
         dim = math.prod(s[2] for s in shapes)
         ranks = [s[3] for s in shapes[:-1]]
-        what = f"{rows}x{dim} ranks {','.join(map(str, ranks))} ids={token_bucket(n_ids)} {dtype}"
+        bucket = token_bucket(n_ids)
+        fewest = bucket // 2 + 1 if bucket > 1 else 1
+        what = (f"{rows}x{dim} ranks {','.join(map(str, ranks))} ids={bucket} {dtype}"
+                f"{'' if grad else ' no grad'}")  # fmt: skip
         skipped: dict[str, str] = {}
         runs: dict[str, Callable[[], None]] = {}
         for c in self.embedding_candidates:
-            if c == "table" and rows > n_ids:
-                skipped[c] = f"table of {rows} rows > {n_ids} ids looked up"
+            if c == "table" and rows > fewest:
+                skipped[c] = f"table of {rows} rows > {fewest} ids looked up"
             else:
-                runs[c] = self._embedding_run(lookup, c, cores, flat_ids, grad)
+                run_as = "static" if c == "optimized" and sync_free else c
+                runs[c] = self._embedding_run(lookup, run_as, cores, flat_ids, grad)
         return self._decide(base, key, what, runs, skipped)
 
     @staticmethod
@@ -409,11 +454,15 @@ def _linear_call(
     return ("tt_linear", shapes, bucket, _compute_dtype(x2d), x2d.device, grad, bias is not None)
 
 
+TRACEABLE = ("comera", "dense", "optimized", "static", "table")  # plans torch.compile traces
+
+
 @constant_under_compile
 def _traced_choice(base: tuple, fallback: str) -> str:
-    """While ``torch.compile`` traces: the last decision for this call (read once, as a
-    constant), else ``fallback``."""
-    return current_tuner()._last.get(base, fallback)
+    """While ``torch.compile`` traces: the decision the eager pass before it made for this
+    call (read once, as a constant), if it is a plan that traces; else ``fallback``."""
+    choice = current_tuner().last_choice(base)
+    return choice if choice in TRACEABLE else fallback
 
 
 def choose_linear(
@@ -426,18 +475,25 @@ def choose_linear(
     return current_tuner().linear(cores, x2d, bias)
 
 
-def choose_embedding(cores: Sequence[torch.Tensor], flat_ids: torch.Tensor, lookup: Lookup) -> str:
-    """The ``auto`` implementation of a ``ttm_embedding`` call (see :func:`choose_linear`)."""
+def choose_embedding(
+    cores: Sequence[torch.Tensor], flat_ids: torch.Tensor, lookup: Lookup, sync_free: bool = False
+) -> str:
+    """The ``auto`` implementation of a ``ttm_embedding`` call (see :func:`choose_linear`);
+    ``sync_free``: the call may not read the device, so ``optimized`` runs (and is timed)
+    as ``static``."""
     if torch.compiler.is_compiling():
-        return _traced_choice(_embedding_call(cores, flat_ids), "optimized")
-    return current_tuner().embedding(cores, flat_ids, lookup)
+        return _traced_choice(_embedding_call(cores, flat_ids, sync_free), "optimized")
+    return current_tuner().embedding(cores, flat_ids, lookup, sync_free=sync_free)
 
 
-def _embedding_call(cores: Sequence[torch.Tensor], flat_ids: torch.Tensor) -> tuple:
+def _embedding_call(
+    cores: Sequence[torch.Tensor], flat_ids: torch.Tensor, sync_free: bool = False
+) -> tuple:
     grad = torch.is_grad_enabled() and any(c.requires_grad for c in cores)
     shapes = tuple(tuple(c.shape) for c in cores)
     bucket = token_bucket(flat_ids.numel())
-    return ("ttm_embedding", shapes, bucket, _compute_dtype(cores[0]), cores[0].device, grad, False)
+    dtype, device = _compute_dtype(cores[0]), cores[0].device
+    return ("ttm_embedding", shapes, bucket, dtype, device, grad, sync_free)
 
 
 def summarize_decisions(decisions: dict[str, dict]) -> str:

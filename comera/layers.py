@@ -315,7 +315,7 @@ def ttm_embedding(
     g = gated_cores(params, state, name)
     dim = math.prod([c.shape[2] for c in g])
     if impl == "auto":
-        impl = choose_embedding(g, flat, ttm_lookup)
+        impl = choose_embedding(g, flat, ttm_lookup, sync_free=no_sync)
         if impl == "optimized" and no_sync:
             impl = "static"
     rows = ttm_lookup(impl, g, flat, max_unique=max_unique)

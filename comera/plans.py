@@ -104,7 +104,8 @@ def set_default_plan(plan: PlanLike) -> None:
 
 def constant_under_compile(fn: Callable[..., T]) -> Callable[..., T]:
     """Mark ``fn`` as ``torch.compiler.assume_constant_result`` marks it (a compiled
-    function reads the default plan once, at trace time) without calling that function
+    function reads its result once, at trace time: the default plan, an ``auto``
+    decision) without calling that function
     here: it imports ``torch._dynamo``, 1.6 s at the start of every process that imports
     ``comera``. ``tests/comera/test_contractions.py`` checks the mark against torch's own and
     that a compiled call reads it as a constant."""

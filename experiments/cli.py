@@ -549,6 +549,7 @@ def prepare(
         extra_config=record,
         reference_size=reference,
         copy=False,  # built for this run: no model-sized copy
+        auto_plans=uses_auto(cfg.plans),
     )
     kind = "dense" if getattr(cfg, "dense", False) else "CoMERA"
     if rank == 0:

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from comera import autotune as A
-from comera.autotune import current_tuner, summarize_decisions
+from comera.autotune import LINEAR_CANDIDATES, current_tuner, summarize_decisions
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig
 from comera.train.distributed import (
@@ -95,6 +94,10 @@ class Trainer:
     callbacks run after every compaction (the task's ``on_compaction`` is one).
     ``copy=False`` hands the tensors of ``params`` to the trainer, which then updates them
     in place instead of copying them first (the CLI does this: it built them for the run).
+    ``auto_plans=True`` says the model asks for ``plan="auto"`` (:mod:`comera.autotune`):
+    the trainer then decides the plans in an eager pass before a compiled or captured
+    step, keeps every rank on rank 0's decisions and reinstalls a resumed run's; the
+    decisions any run makes are recorded either way.
 
     What it changes outside itself, on purpose: the run dir, and the global RNGs of Python's
     ``random`` and torch, seeded with ``cfg.seed + rank`` (restored from the checkpoint on
@@ -114,6 +117,7 @@ class Trainer:
         extra_config: dict | None = None,
         reference_size: int | None = None,
         copy: bool = True,
+        auto_plans: bool = False,
     ) -> None:
         self.cfg, self.task = cfg, task
         self.device = torch.device(cfg.device)
@@ -146,13 +150,15 @@ class Trainer:
             self.on_compact.append(lambda tr: tr.task.on_compaction(tr.params, tr.state))
         self._size_miss: str | None = None  # why the last budget prune fell short
         # auto plans are decided by a separate forward before a step (at the start, and after
-        # a compaction where auto is in use) only where a step cannot time: compiled or
-        # captured; elsewhere the step decides, and ranks then adopt rank 0's decisions
-        self._tune_first = cfg.step_mode in ("compile", "cuda_graph")
+        # each compaction) only where a step cannot time: compiled or captured; elsewhere
+        # the step decides, and after any step in which a rank decided, all adopt rank 0's
+        self.auto_plans = auto_plans
+        self._tune_first = auto_plans and cfg.step_mode in ("compile", "cuda_graph")
         self._tune_due = self._tune_first
-        self._sync_due = self.world > 1
+        self._timed = 0  # the tuner's timing count at the last sync
         self.plans: dict[str, dict] = {}  # the auto-plan decisions this run has used
         if resume:
+            self._reinstall_plans()
             ck.restore_trainer(self, ck.load_checkpoint(self.run_dir))
             for fn in self.on_compact:  # the restored model may be compacted: rebuild
                 fn(self)
@@ -212,8 +218,7 @@ class Trainer:
             params, state = compact_tree(self.params, self.state)
         self.params = tree_map(lambda t: t.detach().requires_grad_(True), params)
         self.state = state
-        self._tune_due = self._tune_first and bool(self.plans)  # new shapes, new plans
-        self._sync_due = self.world > 1
+        self._tune_due = self._tune_first  # new shapes, new plans (the same on every rank)
         for fn in self.on_compact:
             fn(self)
 
@@ -262,7 +267,7 @@ class Trainer:
         if next(iter_tt(self.params, self.state), None) is None:  # dense: nothing to plan
             return
         tuner = current_tuner()
-        traced = ("comera", "dense") if self.cfg.step_mode == "compile" else A.LINEAR_CANDIDATES
+        traced = ("comera", "dense") if self.cfg.step_mode == "compile" else LINEAR_CANDIDATES
         py, cpu = random.getstate(), torch.get_rng_state()
         cuda = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
         try:
@@ -281,13 +286,26 @@ class Trainer:
             tuner.install(broadcast_object(tuner.export()))
 
     def _sync_plans(self) -> None:
-        """After the first step of a fit and after each compaction (the same steps on
-        every rank), every rank adopts rank 0's decisions: an eager step decides as it
-        goes, so ranks agree from the step after a decision on."""
-        if self._sync_due:
-            self._sync_due = False
-            tuner = current_tuner()
+        """After a step in which any rank timed a decision, every rank adopts rank 0's (an
+        eager step decides as it goes, so ranks agree from the next step on). Whether any
+        rank timed is one small sum across ranks per step, for ``auto_plans`` runs only."""
+        if not self.auto_plans or self.world == 1:
+            return
+        tuner = current_tuner()
+        new = torch.tensor([float(tuner.timings - self._timed)], device=self.device)
+        self._timed = tuner.timings
+        if float(sum_across_ranks([new])[0]) > 0:
             tuner.install(broadcast_object(tuner.export()))
+
+    def _reinstall_plans(self) -> None:
+        """A resumed run goes on with the decisions it recorded (``plans.json``), whatever
+        the cache or the machine's timing would say now."""
+        path = self.run_dir / "plans.json"
+        if not self.auto_plans or not path.is_file():
+            return
+        recorded = {k: d for h in json.loads(path.read_text()).values() for k, d in h.items()}
+        current_tuner().install(recorded)
+        self.plans = dict(recorded)
 
     def _record_plans(self, log: RunLog | None) -> None:
         """Record the ``auto`` decisions first used since the last call: ``config.json``
@@ -473,6 +491,9 @@ class Trainer:
         t0, steps0 = time.perf_counter(), self.step
         self._tokens_seen = 0.0  # this fit's input tokens, all ranks (tasks with batch_tokens)
         it = iter(self.task.train_iter)
+        tuner = current_tuner()
+        tuner.take_used()  # what an earlier trainer in this process used is not this run's
+        self._timed = tuner.timings
         try:
             while self.step < cfg.steps:
                 t_step = time.perf_counter()

@@ -33,7 +33,7 @@ def _linear(ranks: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32):
     return p, s
 
 
-def _x(tokens: int = 256, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _x(tokens: int = 512, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(tokens, 16, generator=torch.Generator().manual_seed(1), dtype=dtype)
 
 
@@ -81,17 +81,20 @@ def test_every_choice_gives_comeras_values_and_gradients(forced: str) -> None:
 
 def test_a_rebuilt_weight_must_be_small_against_the_activations() -> None:
     """``dense`` keeps ``W`` for backward: a training call may choose it only when
-    ``M N <= 5% of T (M + N)``; with no gradient it is always a candidate."""
+    ``M N <= 5% of T (M + N)`` for every token count ``T`` its key covers (its power-of-two
+    bucket: from half the bucket up); with no gradient it is always a candidate."""
     timer = StubTimer({"comera": 2.0, "dense": 1.0, "dp": 3.0})
     tuner = A.PlanTuner(timer=timer)
     p, s = _linear()
     with A.use_tuner(tuner):
-        C.tt_linear(p, s, _x(tokens=32), plan="auto")  # 256 > 0.05 * 32 * 32: not a candidate
-        C.tt_linear(p, s, _x(tokens=256), plan="auto")  # 256 <= 0.05 * 256 * 32 = 409.6
+        C.tt_linear(p, s, _x(tokens=32), plan="auto")  # 256 > 0.05 * 17 * 32: not a candidate
+        C.tt_linear(p, s, _x(tokens=256), plan="auto")  # bucket 256: 256 > 0.05 * 129 * 32
+        C.tt_linear(p, s, _x(tokens=512), plan="auto")  # 256 <= 0.05 * 257 * 32 = 411.2
         with torch.no_grad():
             C.tt_linear(p, s, _x(tokens=32), plan="auto")
-    small, large, no_grad = tuner.decisions.values()
+    small, edge, large, no_grad = tuner.decisions.values()
     assert small.choice == "comera" and "dense" in small.skipped
+    assert edge.choice == "comera" and "T = 129" in edge.skipped["dense"]
     assert large.choice == "dense" and not large.skipped
     assert no_grad.choice == "dense"
 
@@ -114,13 +117,54 @@ def test_decisions_are_cached_on_disk_and_reused(tmp_path) -> None:
     assert tuner.decisions[key].choice == "comera"
 
 
-def test_a_damaged_cache_is_re_decided(tmp_path) -> None:
-    (tmp_path / A.CACHE_FILE).write_text("{not json")
+@pytest.mark.parametrize("text", ["{not json", "[]", "null", '{"k": {"choice": 1}}'])
+def test_a_damaged_cache_is_re_decided(tmp_path, text: str) -> None:
+    (tmp_path / A.CACHE_FILE).write_text(text)
     timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
     with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)):
         C.tt_linear(*_linear(), _x(), plan="auto")
     assert timer.calls == 1
     assert len(json.loads((tmp_path / A.CACHE_FILE).read_text())) == 1
+
+
+def test_a_cached_choice_outside_its_candidates_is_not_trusted(tmp_path) -> None:
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)):
+        C.tt_linear(*_linear(), _x(), plan="auto")
+    table = json.loads((tmp_path / A.CACHE_FILE).read_text())
+    (key,) = table
+    table[key]["choice"] = "optimal"  # not among from=comera,dense,dp
+    (tmp_path / A.CACHE_FILE).write_text(json.dumps(table))
+    with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)):
+        C.tt_linear(*_linear(), _x(), plan="auto")
+    assert timer.calls == 2
+
+
+def test_an_unwritable_cache_warns_and_the_call_goes_on(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the cache directory should be
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    with A.use_tuner(A.PlanTuner(blocker / "plans", timer=timer)):
+        with pytest.warns(UserWarning, match="cannot write the plan cache"):
+            y = C.tt_linear(*_linear(), _x(), plan="auto")
+    assert y.shape == (512, 16)
+
+
+def test_timing_inside_a_checkpointed_block_leaves_recomputation_alone() -> None:
+    """A timing run saves its own tensors; inside ``checkpoint`` (activation
+    recomputation) they must not be counted as the block's."""
+    from torch.utils.checkpoint import checkpoint
+
+    tuner = A.PlanTuner(timer=A.median_timer(repeats=1, warmup=0))
+    p, s = _linear(dtype=torch.float64)
+    x = _x(dtype=torch.float64).requires_grad_()
+    with A.use_tuner(tuner):
+        y = checkpoint(lambda t: C.tt_linear(p, s, t, plan="auto"), x, use_reentrant=False)
+        g = torch.autograd.grad(y.square().sum(), [x, *p["cores"]])
+    ref = C.tt_linear(p, s, x, plan="comera")
+    g_ref = torch.autograd.grad(ref.square().sum(), [x, *p["cores"]])
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 def test_new_shapes_dtype_or_device_re_decide(tmp_path, monkeypatch) -> None:
@@ -131,7 +175,7 @@ def test_new_shapes_dtype_or_device_re_decide(tmp_path, monkeypatch) -> None:
         C.tt_linear(*_linear(ranks=3), _x(), plan="auto")  # compaction's smaller ranks
         C.tt_linear(*_linear(dtype=torch.float64), _x(dtype=torch.float64), plan="auto")
         C.tt_linear(*_linear(), _x(tokens=1024), plan="auto")  # another token bucket
-        C.tt_linear(*_linear(), _x(tokens=200), plan="auto")  # the same bucket as 256
+        C.tt_linear(*_linear(), _x(tokens=300), plan="auto")  # the same bucket as 512
         assert timer.calls == 4
         monkeypatch.setattr(A, "_device_name", lambda device: "another machine")
         fresh = A.PlanTuner(tmp_path, timer=timer)
@@ -192,7 +236,7 @@ def test_install_adopts_another_ranks_decisions() -> None:
     mine.install(rank0.export())
     assert [d.choice for d in mine.decisions.values()] == ["dp"]
     with A.use_tuner(mine):  # calls already seen follow the installed choice
-        key, choice = mine._fast_lookup(next(iter(mine._last)), "comera")
+        key, choice = mine._fast_lookup(next(iter(mine._last)))
     assert choice == "dp"
 
 
