@@ -67,11 +67,18 @@ def tied_logits(params: dict, state: dict, h: torch.Tensor, cfg: EncoderConfig) 
     and the block dropped, and rebuilt block by block in backward (activation
     checkpointing). The blocks together cost one table build; the memory is one block
     instead of the table, its gradient and the chain's partial products (about 460 MB at
-    CodeBERT's 50,265 x 768)."""
+    CodeBERT's 50,265 x 768).
+
+    A small table is built whole, once, without recomputation: when the table, its
+    gradient and the chain's partial products (about three tables, ``3 V d``) take no more
+    memory than the ``(M, V)`` logits the decoder makes anyway (``3 d <= M``). At smoke
+    sizes the blocks' many small ops cost more time than the whole table's memory."""
     word = params["embed"]["word"]
     if not is_tt_params(word):
         return F.linear(h, word["weight"])
     cores = gated_cores(word, state["embed"]["word"], "embed.word")
+    if 3 * h.shape[-1] <= h.shape[0]:
+        return _rows_logits(h, *cores)[:, : cfg.vocab_size]
     first, rest = cores[0], cores[1:]
     blocks = [
         checkpoint(_rows_logits, h, first[:, a : a + 1], *rest, use_reentrant=False)

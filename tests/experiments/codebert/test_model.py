@@ -86,9 +86,11 @@ def test_dynamic_masking_rates() -> None:
     assert torch.equal(again[0], out) and torch.equal(again[1], labels)
 
 
-def test_tied_logits_in_row_blocks_equal_the_whole_table() -> None:
-    """The TTM decoder built block by block (and rebuilt in backward) gives the logits and
-    gradients of ``h @ to_dense(table).T``, padded vocabulary rows dropped."""
+@pytest.mark.parametrize("rows", [7, 100])
+def test_tied_logits_in_row_blocks_equal_the_whole_table(rows: int) -> None:
+    """The TTM decoder built block by block (and rebuilt in backward; 7 rows of width 32)
+    or whole (100 rows: ``3 d <= M``) gives the logits and gradients of
+    ``h @ to_dense(table).T``, padded vocabulary rows dropped."""
     import comera as C
     from experiments.codebert.model import tied_logits
 
@@ -98,11 +100,11 @@ def test_tied_logits_in_row_blocks_equal_the_whole_table() -> None:
     params, state = init_mlm(cfg, generator=torch.Generator().manual_seed(0))
     word = params["embed"]["word"]
     leaves = [t.requires_grad_() for t in [*word["cores"], *word["gates"]]]
-    h = torch.randn(7, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    w = torch.randn(7, 93, generator=torch.Generator().manual_seed(2))
+    h = torch.randn(rows, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    w = torch.randn(rows, 93, generator=torch.Generator().manual_seed(2))
     got = tied_logits(params, state, h, cfg)
     want = h @ C.to_dense(word, state["embed"]["word"], cfg.embedding_spec()).T
-    assert got.shape == (7, 93)
+    assert got.shape == (rows, 93)
     torch.testing.assert_close(got, want)
     g1 = torch.autograd.grad((got * w).sum(), [h, *leaves])
     g2 = torch.autograd.grad((want * w).sum(), [h, *leaves])
