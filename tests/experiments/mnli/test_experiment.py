@@ -294,7 +294,7 @@ def test_cli_argument_errors(tmp_path, capsys):
     line = _one_error_line(capsys)
     assert "unknown config key 'train.stepz'" in line and "steps, run_dir" in line
     assert mnli.main(["--plan", "fastest"]) == 2
-    assert "expected one of comera, optimal, dp, greedy, dense" in _one_error_line(capsys)
+    assert "expected one of auto, comera, optimal, dp, greedy, dense" in _one_error_line(capsys)
     assert mnli.main(["--set", "train.comera.gamma=lots"]) == 2
     assert "expected a value of type float" in _one_error_line(capsys)
     assert mnli.main(["--no-such-flag"]) == 2
