@@ -39,7 +39,9 @@ __all__ = [
     "load_checkpoint",
     "read_rank_files",
     "restore_trainer",
+    "rng_state",
     "save_trainer",
+    "set_rng_state",
     "write_model",
     "write_rank_files",
 ]
@@ -181,9 +183,19 @@ def read_rank_files(
 # ----------------------------------------------------------------------------- a trainer
 
 
-def _rng_state(device: torch.device) -> dict:
+def rng_state(device: torch.device) -> dict:
+    """This process's random streams that a train step draws from: Python's, torch's CPU
+    generator and ``device``'s CUDA generator (None on the CPU)."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """Put back what :func:`rng_state` took."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    random.setstate(state["python"])
 
 
 def save_trainer(tr: Any) -> Path:
@@ -191,7 +203,7 @@ def save_trainer(tr: Any) -> Path:
     then (after a barrier) rank 0 the model, optimizer and stage controller."""
     d = checkpoint_dir(tr.run_dir, tr.step)
     data = tr.task.train_iter.state_dict()
-    write_rank_files(d, tr.step, tr.rank, tr.world, _rng_state(tr.device), data)
+    write_rank_files(d, tr.step, tr.rank, tr.world, rng_state(tr.device), data)
     if tr.world > 1:
         dist.barrier()
     if tr.rank == 0:
@@ -256,11 +268,7 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     tr.stages.load_state_dict(ckpt["stages"])
     tr.initial_size = ckpt["initial_size"]
     if saved_world == tr.world:
-        mine = rngs[tr.rank]
-        torch.set_rng_state(mine["torch"])
-        if mine["cuda"] is not None and dev.type == "cuda":
-            torch.cuda.set_rng_state(mine["cuda"], dev)
-        random.setstate(mine["python"])
+        set_rng_state(rngs[tr.rank], dev)
     else:  # another world size: positions are exact, random streams start afresh
         random.seed(tr.cfg.seed + tr.rank + tr.step)
         torch.manual_seed(tr.cfg.seed + tr.rank + tr.step)

@@ -268,8 +268,7 @@ class Trainer:
             return
         tuner = current_tuner()
         traced = ("comera", "dense") if self.cfg.step_mode == "compile" else LINEAR_CANDIDATES
-        py, cpu = random.getstate(), torch.get_rng_state()
-        cuda = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
+        rngs = ck.rng_state(self.device)
         try:
             with (
                 tuner.restrict(traced),
@@ -278,10 +277,7 @@ class Trainer:
             ):
                 self.task.loss(self.params, self.state, batch, train=True)
         finally:
-            random.setstate(py)
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state_all(cuda)
+            ck.set_rng_state(rngs, self.device)
         if self.world > 1:
             tuner.install(broadcast_object(tuner.export()))
 
