@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import math
 import statistics
 import sys
@@ -55,13 +56,8 @@ TARGET = 1.1  # auto's smoke step at most 1.1x dense's
 
 
 def _experiment(name: str) -> Any:
-    if name == "mnli":
-        from experiments.mnli.experiment import EXPERIMENT
-    elif name == "codebert":
-        from experiments.codebert.experiment import EXPERIMENT
-    else:
-        from experiments.dlrm.experiment import EXPERIMENT
-    return EXPERIMENT
+    """``experiments.<name>``'s CLI experiment (as ``experiments.ablate`` finds it)."""
+    return importlib.import_module(f"experiments.{name}").EXPERIMENT
 
 
 def _prepare(name: str, variant: str, root: Path, extra: list[str]) -> Any:

@@ -151,6 +151,12 @@ def _cannot_time(*tensors: torch.Tensor) -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _fewest(bucket: int) -> int:
+    """The fewest tokens (ids) a decision for a power-of-two ``bucket`` covers: the memory
+    rules must hold for every count that shares its key."""
+    return bucket // 2 + 1 if bucket > 1 else 1
+
+
 def _keep(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -221,8 +227,8 @@ class PlanTuner:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            merged = {**self._read_table(path), **self.decisions} if path.is_file() else {}
-            merged = merged or dict(self.decisions)
+            disk = self._read_table(path) if path.is_file() else {}
+            merged = {**disk, **self.decisions}
             text = json.dumps({k: asdict(v) for k, v in sorted(merged.items())}, indent=1)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
             with os.fdopen(fd, "w") as f:
@@ -338,7 +344,7 @@ class PlanTuner:
     ) -> str:
         """The plan for ``tt_linear`` of ``x2d (T, N)`` with these gated ``cores``."""
         base = _linear_call(cores, x2d, bias)
-        _, shapes, _, dtype, _, grad, _ = base
+        _, shapes, bucket, dtype, _, grad, _ = base
         tokens = x2d.shape[0]
         key, choice = self._fast_lookup(base)
         if choice is not None:
@@ -348,8 +354,7 @@ class PlanTuner:
         d = len(shapes) // 2
         m, n = math.prod(s[1] for s in shapes[:d]), math.prod(s[1] for s in shapes[d:])
         ranks = [s[2] for s in shapes[:-1]]
-        bucket = token_bucket(tokens)
-        fewest = bucket // 2 + 1 if bucket > 1 else 1  # the rules hold for every count in the key
+        fewest = _fewest(bucket)
         what = (f"{m}x{n} ranks {','.join(map(str, ranks))} tokens {bucket} {dtype}"
                 f"{'' if grad else ' no grad'}")  # fmt: skip
         skipped: dict[str, str] = {}
@@ -404,7 +409,7 @@ class PlanTuner:
         ``optimized`` (dedup, chain over unique rows) or ``table`` (rebuild, then index).
         ``lookup(impl, cores, flat_ids)`` runs one (``comera.layers`` passes its own)."""
         base = _embedding_call(cores, flat_ids, sync_free)
-        _, shapes, _, dtype, _, grad, _ = base
+        _, shapes, bucket, dtype, _, grad, _ = base
         n_ids = flat_ids.numel()
         key, choice = self._fast_lookup(base)
         if choice is not None:
@@ -414,8 +419,7 @@ class PlanTuner:
         rows = math.prod(s[1] for s in shapes)
         dim = math.prod(s[2] for s in shapes)
         ranks = [s[3] for s in shapes[:-1]]
-        bucket = token_bucket(n_ids)
-        fewest = bucket // 2 + 1 if bucket > 1 else 1
+        fewest = _fewest(bucket)
         what = (f"{rows}x{dim} ranks {','.join(map(str, ranks))} ids={bucket} {dtype}"
                 f"{'' if grad else ' no grad'}")  # fmt: skip
         skipped: dict[str, str] = {}
