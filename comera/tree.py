@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 
+import torch.utils._pytree as pytree
+
 from comera.accounting import train_size
 from comera.pruning import (
     check_prune_rule,
@@ -26,10 +28,42 @@ from comera.tensor_train import is_tt_params
 __all__ = [
     "compact_tree",
     "iter_tt",
+    "leaves",
     "map_tt",
     "prune_to_size",
     "prune_tree",
 ]
+
+
+class _OtherNode(Exception):
+    """A container :func:`leaves` leaves to torch's pytree (namedtuple, OrderedDict, ...)."""
+
+
+def _collect(tree: object, out: list) -> None:
+    kind = type(tree)
+    if kind is dict:
+        for v in tree.values():  # type: ignore[attr-defined]
+            _collect(v, out)
+    elif kind is list or kind is tuple:
+        for v in tree:  # type: ignore[attr-defined]
+            _collect(v, out)
+    elif kind in pytree.SUPPORTED_NODES or pytree.is_namedtuple_class(kind):
+        raise _OtherNode
+    else:
+        out.append(tree)
+
+
+def leaves(tree: object) -> list:
+    """``torch.utils._pytree.tree_flatten(tree)[0]``, several times faster on the plain
+    dict/list/tuple trees models and optimizer states are made of (the train step lists a
+    TT model's leaves several times per step, and a TT model has three times a dense one's
+    leaves); any other container falls back to torch's walk."""
+    out: list = []
+    try:
+        _collect(tree, out)
+    except _OtherNode:
+        return pytree.tree_flatten(tree)[0]
+    return out
 
 
 def _child(tree: object, key: object) -> object:

@@ -226,3 +226,20 @@ def test_shares_at_init_are_about_one_over_sqrt_rank():
     for s, r in zip(shares, spec.ranks, strict=True):
         assert float(s.min()) > 0.3 / math.sqrt(r)
         assert float((s**2).sum()) == pytest.approx(1.0, abs=0.25)  # nearly orthogonal terms
+
+
+def test_tree_leaves_match_torch_pytree():
+    """``comera.tree.leaves`` lists leaves in ``tree_flatten`` order (dicts by insertion,
+    None a leaf) and hands other containers to torch's walk."""
+    import collections
+
+    from torch.utils._pytree import tree_flatten
+
+    from comera.tree import leaves
+
+    t = torch.ones(2)
+    tree = {"b": [t, (None, 3)], "a": {"z": t * 2, "y": []}, "c": "s"}
+    assert [id(x) for x in leaves(tree)] == [id(x) for x in tree_flatten(tree)[0]]
+    pair = collections.namedtuple("Pair", "x y")
+    odd = {"n": pair(1, t), "o": collections.OrderedDict(b=2, a=3)}
+    assert leaves(odd) == tree_flatten(odd)[0]
