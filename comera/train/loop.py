@@ -39,6 +39,7 @@ from comera.train.stages import StageController
 from comera.train.sync_free import SyncFreeStep
 from comera.train.task import Task, loss_terms
 from comera.tree import compact_tree, iter_tt, prune_to_size, prune_tree
+from comera.tree import leaves as tree_leaves
 
 __all__ = ["NonFiniteLoss", "Trainer"]
 
@@ -50,16 +51,28 @@ class NonFiniteLoss(RuntimeError):
 def _accumulate(into: list[torch.Tensor | None], grads: tuple[torch.Tensor | None, ...]) -> None:
     """Add ``grads`` into ``into``; a sparse gradient stays sparse until a dense one joins.
 
-    The buffers kept are the trainer's own: a dense gradient autograd hands back may be a
-    broadcast view (``x.sum()`` gives an expanded scalar) or the very tensor it gives
-    another leaf (``a + b``), and the loop later scales and clips in place, so it is
-    copied on first store. Sparse gradients are never modified in place."""
+    The buffers kept must be the trainer's own, since the loop later scales and clips in
+    place: a dense gradient autograd hands back may be a broadcast view (``x.sum()`` gives
+    an expanded scalar) or share memory with another leaf's (``a + b`` gives both the same
+    tensor), and those are copied on first store. A contiguous gradient whose memory no
+    other one in this call shares is kept as it is (a TT model has many small leaves: the
+    copies cost more than the step's arithmetic on them). Sparse gradients are never
+    modified in place."""
+    seen: set[int] = set()
     for i, g in enumerate(grads):
         if g is None:
             continue
         acc = into[i]
         if acc is None:
-            into[i] = g if g.is_sparse else g.clone(memory_format=torch.contiguous_format)
+            if g.is_sparse:
+                into[i] = g
+                continue
+            ptr = g.untyped_storage().data_ptr()
+            if g.is_contiguous() and ptr not in seen:
+                into[i] = g
+            else:
+                into[i] = g.clone(memory_format=torch.contiguous_format)
+            seen.add(ptr)
         elif acc.is_sparse:
             into[i] = g + acc  # sparse + sparse stays sparse; a dense g makes it dense
         else:
@@ -356,7 +369,7 @@ class Trainer:
             )
             self.step += 1
             return metrics
-        leaves, _ = tree_flatten(self.params)
+        leaves = tree_leaves(self.params)
         grads: list[torch.Tensor | None] = [None] * len(leaves)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count, metric_sums = 0.0, {}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten, tree_map
 
 import comera as C
 from comera.tensor_train import bond_ranks
@@ -90,6 +91,45 @@ def test_adamw_matches_torch():
         opt = adamw_step(p, [gw, gb], opt, AdamWConfig())
     torch.testing.assert_close(p["w"], ref[0].detach())
     torch.testing.assert_close(p["b"], ref[1].detach())
+
+
+def test_fused_adamw_equals_the_foreach_path(monkeypatch):
+    """The fused kernel (CPU/CUDA) and the foreach fallback make the same update: groups
+    with their own rates, decay on matrices only, over several steps."""
+    import comera.train.optim as O
+
+    torch.manual_seed(0)
+    layer = {"cores": [torch.randn(1, 4, 3), torch.randn(3, 5, 1)], "gates": [torch.rand(3)]}
+    tree = {"layer": layer, "w": torch.randn(6, 2), "b": torch.randn(2)}
+    cfg = AdamWConfig(lr_cores=1e-2, lr_gates=3e-2, lr_rest=2e-2, weight_decay=0.1)
+    trees = [tree_map(torch.clone, tree) for _ in range(2)]
+    opts = [adamw_init(t) for t in trees]
+    for _ in range(4):
+        grads = [torch.randn_like(t) for t in tree_flatten(tree)[0]]
+        opts[0] = O.adamw_step(trees[0], grads, opts[0], cfg, lr_scale=0.5)
+        with monkeypatch.context() as m:
+            m.setattr(O, "_fusable", lambda ps, gs: False)
+            opts[1] = O.adamw_step(trees[1], grads, opts[1], cfg, lr_scale=0.5)
+    for a, b in zip(tree_flatten(trees[0])[0], tree_flatten(trees[1])[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert opts[0]["step"] == opts[1]["step"] == 4
+
+
+def test_accumulate_keeps_shared_gradients_apart():
+    """Autograd may hand two leaves one tensor (``(a + b) * c``) or a broadcast view
+    (``x.sum()``); the trainer's buffers must still be its own, or scaling one in place
+    scales the other twice."""
+    from comera.train.loop import _accumulate, _scale
+
+    a, b, c, x = (torch.ones(3, requires_grad=True) for _ in range(4))
+    grads = torch.autograd.grad(((a + b) * c).sum() + x.sum(), [a, b, c, x])
+    assert grads[0] is grads[1]
+    into: list = [None] * 4
+    _accumulate(into, grads)
+    _scale(into, 2.0)
+    for g, want in zip(into, (2.0, 2.0, 4.0, 2.0), strict=True):
+        torch.testing.assert_close(g, torch.full((3,), want))
+    assert all(g.is_contiguous() for g in into)
 
 
 # ----------------------------------------------------------------------------- training
