@@ -195,7 +195,8 @@ def gated_cores(params: Params, state: State, name: str = "TT layer") -> list[to
     out = []
     for k, core in enumerate(cores):
         if k < len(cores) - 1:
-            gate = params["gates"][k] * state["masks"][k].to(core.dtype)  # type: ignore[index]
+            # the bool mask promotes inside the product: no separate cast per bond
+            gate = params["gates"][k] * state["masks"][k]  # type: ignore[index]
             core = core * gate
         out.append(core)
     return out
