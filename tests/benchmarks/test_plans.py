@@ -25,6 +25,13 @@ def test_smoke_steps_time_three_variants_and_keep_the_decisions() -> None:
     assert r["smoke_step_time_ratio_vs_dense"] == pytest.approx(
         r["step_ms"]["auto"] / r["step_ms"]["dense"]
     )
+    one, extra = r["one_example_step_ms"], r["fixed_extra_ms"]
+    assert set(one) == {"auto", "dense"} and extra == pytest.approx(
+        max(0.0, one["auto"] - one["dense"])
+    )
+    assert r["smoke_step_time_ratio_floor"] == pytest.approx(
+        (r["step_ms"]["dense"] + extra) / r["step_ms"]["dense"]
+    )
     kinds = {d["kind"] for d in r["decisions"]}
     assert kinds == {"tt_linear", "ttm_embedding"}
     assert all(d["choice"] in d["times_ms"] for d in r["decisions"])
@@ -47,6 +54,8 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
     step = {"step_ms": {"auto": 10.0, "comera": 15.0, "dense": 11.0}, "steps": 2, "warmup": 1,
             "smoke_step_time_ratio_vs_dense": 10 / 11,
             "smoke_step_time_ratio_vs_dense_comera_plan": 15 / 11,
+            "one_example_step_ms": {"auto": 3.0, "dense": 2.0}, "fixed_extra_ms": 1.0,
+            "smoke_step_time_ratio_floor": 12 / 11,
             "decisions": [{"kind": "tt_linear", "what": "64x64 ranks 8,8,8 tokens 2048",
                            "choice": "dense", "times_ms": {"comera": 0.3, "dense": 0.2},
                            "skipped": {"dp": "40x the cheapest forward FLOPs"}}],
@@ -57,7 +66,7 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
     path.write_text(json.dumps(result))
     assert plans.main(["--render", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "| mnli | 10.00 | 15.00 | 11.00 | 0.909 | 1.364 |" in out
+    assert "| mnli | 10.00 | 15.00 | 11.00 | 0.909 | 1.364 | 3.00, 2.00 | 1.00 | 1.091 |" in out
     assert "**dense**" in out and "dp: 40x the cheapest forward FLOPs" in out
 
 
