@@ -46,6 +46,7 @@ __all__ = ["main", "packed_batch", "render", "run", "run_variant"]
 REPORT_JSON = Path(__file__).resolve().parents[1] / "reports" / "codebert_bench.json"
 SEQ = 512
 VARIANTS = ("comera", "dense", "comera_half")
+AUTO = "auto"  # on request only (``--variant auto``): every plan and lookup ``auto``
 RUNS = (("comera", 8), ("dense", 8), ("comera_half", 8), ("comera", 1), ("dense", 1))
 # batch 1 again with glibc's mmap threshold fixed at 1 MiB instead of raised as memory is
 # freed: how much of each peak is freed memory the default allocator keeps (the training
@@ -124,8 +125,9 @@ def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False
             progress=False,
         )
         params, state = init_mlm(model, generator=torch.Generator().manual_seed(0))
-        task = MLMTask(model, None, [], mask_id=MASK_ID, special_ids=SPECIAL)
-        trainer = Trainer(cfg, task, params, state, copy=False)
+        plans = C.LayerPlans(default=AUTO, embedding_impl=AUTO) if variant == AUTO else None
+        task = MLMTask(model, None, [], mask_id=MASK_ID, special_ids=SPECIAL, plans=plans)
+        trainer = Trainer(cfg, task, params, state, copy=False, auto_plans=plans is not None)
         del params, state
         times = []
         for _ in range(steps + 1):
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="measure nothing: print the tables of a saved result")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="toy model (tests of the plumbing)")
-    ap.add_argument("--variant", choices=VARIANTS, help="one variant in this process")
+    ap.add_argument("--variant", choices=(*VARIANTS, AUTO), help="one variant in this process")
     ap.add_argument("--batch", type=int, default=8, help="with --variant: its batch")
     a = ap.parse_args(argv)
 

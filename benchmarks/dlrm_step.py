@@ -59,6 +59,7 @@ __all__ = ["main", "render", "run", "run_variant"]
 
 BATCH = 10_000
 VARIANTS = ("comera", "dense_sgd", "dense_adam")
+AUTO = "auto"  # on request only (``--variant auto``): CoMERA's TT MLP layers on ``auto``
 GLIBC_TAG = "@glibc_default"
 # the headline pair (comera, dense_sgd) runs this many times, alternating, and each keeps
 # the median of its runs: on a shared CPU a step's time drifts between processes (three
@@ -86,6 +87,7 @@ def _batch(cards: tuple[int, ...], n: int, seed: int = 0) -> dict[str, torch.Ten
 def run_variant(variant: str, steps: int = 10, malloc: str = "default") -> dict:
     """Build the Kaggle-size model of ``variant``, take ``steps + 1`` training steps under
     the allocator policy ``malloc``."""
+    import comera as C
     from comera.train import ComeraConfig, TrainConfig, Trainer
     from comera.train.optim import AdamWConfig
     from experiments.dlrm.model import DLRMConfig, dense_param_count, init_dlrm
@@ -94,7 +96,7 @@ def run_variant(variant: str, steps: int = 10, malloc: str = "default") -> dict:
     torch.manual_seed(0)
     apply_cpu_malloc(malloc)  # as the training command does before it builds the model
     base = baseline_rss_mb()
-    dense = variant != "comera"
+    dense = variant not in ("comera", AUTO)
     model = DLRMConfig(tt=not dense)
     batch = _batch(model.cardinalities, BATCH)
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,16 +114,15 @@ def run_variant(variant: str, steps: int = 10, malloc: str = "default") -> dict:
         t0 = time.perf_counter()
         params, state = init_dlrm(model, generator=torch.Generator().manual_seed(0))
         init_s = time.perf_counter() - t0
-        task = DLRMTask(model, None, None, sparse=variant == "dense_sgd")  # type: ignore[arg-type]
-        trainer = Trainer(cfg, task, params, state, copy=False)
+        plans = C.LayerPlans(default=AUTO) if variant == AUTO else None
+        task = DLRMTask(model, None, None, sparse=variant == "dense_sgd", plans=plans)  # type: ignore[arg-type]
+        trainer = Trainer(cfg, task, params, state, copy=False, auto_plans=plans is not None)
         del params, state
         times = []
         for _ in range(steps + 1):
             t = time.perf_counter()
             trainer.train_step(batch)
             times.append(time.perf_counter() - t)
-        import comera as C
-
         size = C.param_count(trainer.params)
     return {
         "variant": variant,
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="cpu; cuda only for the lookup timing (--embedding)")  # fmt: skip
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="measure nothing: print the tables of a saved --json result")  # fmt: skip
-    ap.add_argument("--variant", choices=VARIANTS, help="one variant in this process")
+    ap.add_argument("--variant", choices=(*VARIANTS, AUTO), help="one variant in this process")
     ap.add_argument("--embedding", action="store_true", help="time the lookups only")
     ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default",
                     help="with --variant or --embedding: the allocator policy")  # fmt: skip

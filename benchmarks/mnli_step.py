@@ -48,6 +48,9 @@ REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.j
 GPU_REPORT_JSON = REPORT_JSON.parent / "gpu" / "mnli_bench_cuda.json"
 BATCHES = (32, 1)
 VARIANTS = ("comera", "dense", "comera_half", "galore", "comera_recompute", "dense_recompute")
+# run on request only (``--worker auto``; ``benchmarks.plans`` does): CoMERA with every
+# plan and lookup ``auto``, decided in the untimed warm-up step
+AUTO = "auto"
 RECOMPUTE_BATCH = 32  # the recompute variants run at this batch only
 GLIBC_TAG = "@glibc_default"
 SEQ = 128
@@ -111,6 +114,7 @@ def worker(
         cfg = dataclasses.replace(cfg, recompute=True)
     if variant == "comera_half":  # stand-in for a pruned model: every rank halved
         cfg = dataclasses.replace(cfg, rank=cfg.rank // 2, emb_rank=cfg.emb_rank // 2)
+    plans = C.LayerPlans(default=AUTO, embedding_impl=AUTO) if variant == AUTO else None
     params, state = init_encoder(cfg, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
     data = {
@@ -135,9 +139,9 @@ def worker(
             wandb="disabled",
             progress=False,
         )
-        task = MNLITask(cfg, None, [], eval_batch_size=batch)  # type: ignore[arg-type]
+        task = MNLITask(cfg, None, [], eval_batch_size=batch, plans=plans)  # type: ignore[arg-type]
         task.device = dev
-        trainer = Trainer(tcfg, task, params, state, copy=False)
+        trainer = Trainer(tcfg, task, params, state, copy=False, auto_plans=plans is not None)
         del params, state
 
         def step() -> None:
@@ -408,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="measure nothing: print the tables of a saved result")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="toy model (tests)")
-    ap.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=(*VARIANTS, AUTO), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=32, help=argparse.SUPPRESS)
     ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default",
                     help=argparse.SUPPRESS)  # fmt: skip

@@ -52,6 +52,7 @@ VARIANTS = {
     "dense": ["--dense"],
 }
 WARMUP, STEPS = 3, 15
+PAPER_STEPS = 3  # timed paper-size steps per variant (a CodeBERT-base dense step: ~25 s)
 TARGET = 1.1  # auto's smoke step at most 1.1x dense's
 
 
@@ -176,6 +177,55 @@ def shape_decisions(name: str, tuner: A.PlanTuner | None = None) -> list[dict]:
     ]
 
 
+PAPER_VARIANTS = ("auto", "comera", "dense")
+
+
+def _paper_step(name: str, variant: str, steps: int, tiny: bool = False) -> dict:
+    """One variant of ``name``'s paper-size step benchmark (``benchmarks.<name>_step``) in
+    a fresh process, under the allocator policy its training command uses: the median step
+    time and the process's peak memory above its pre-model baseline."""
+    from experiments.malloc import clean_malloc_env
+    from experiments.workers import run_json_worker
+
+    if name == "mnli":
+        from benchmarks import mnli_step as M
+
+        r = M.run_worker(variant, 1 if tiny else 32, steps, "cpu", torch.get_num_threads(),
+                         tiny=tiny, malloc=M.training_malloc(variant))  # fmt: skip
+        return {"batch": r["batch"], "step_s": r["step_s"], "peak_mb": r["peak_mb"]}
+    if name == "codebert":
+        batch = 1 if tiny else 8
+        cmd = [sys.executable, "-m", "benchmarks.codebert_step", "--variant", variant,
+               "--batch", str(batch), "--steps", str(steps)]  # fmt: skip
+        cmd += ["--tiny"] if tiny else []
+        r = run_json_worker(cmd, f"codebert step {variant}", env=clean_malloc_env())
+        return {"batch": batch, "step_s": r["step_s"], "peak_mb": r["peak_mb"]}
+    from benchmarks import dlrm_step as D
+
+    v = "dense_sgd" if variant == "dense" else variant  # the DLRM reference's dense step
+    r = D._in_child(["--variant", v, "--malloc", D.training_policy()], f"variant {v}")
+    return {"batch": D.BATCH, "step_s": r["step_time_s"], "peak_mb": r["peak_rss_mb"]}
+
+
+def paper_steps(name: str, steps: int, tiny: bool = False) -> dict:
+    """Auto, the paper's plan and dense at ``name``'s paper (Kaggle) size, one fresh
+    process each, as the experiment's step benchmark times them (``--variant auto`` decides
+    in its untimed warm-up step): step times, peak memory and the issue's two ratios."""
+    runs = {}
+    for v in PAPER_VARIANTS:
+        print(f"plans bench: {name} paper-size step, {v} ...", file=sys.stderr, flush=True)
+        runs[v] = _paper_step(name, v, steps, tiny)
+    return {
+        "paper_steps": runs,
+        "paper_step_time_ratio_vs_dense": runs["auto"]["step_s"] / runs["dense"]["step_s"],
+        "paper_step_time_ratio_vs_dense_comera_plan": (
+            runs["comera"]["step_s"] / runs["dense"]["step_s"]
+        ),
+        "paper_peak_memory_ratio_auto_vs_comera": runs["auto"]["peak_mb"]
+        / runs["comera"]["peak_mb"],
+    }
+
+
 def run(
     *,
     json_out: bool = False,
@@ -183,8 +233,10 @@ def run(
     experiments: tuple[str, ...] = EXPERIMENTS,
     out: Path = REPORTS / "plans.json",
     command: str = "python -m benchmarks.plans",
+    paper_steps_timed: int = PAPER_STEPS,
 ) -> int:
-    """Measure, write ``out`` and its markdown next to it, print the figures."""
+    """Measure, write ``out`` and its markdown next to it, print the figures.
+    ``paper_steps_timed``: timed steps per paper-size variant (0: none run)."""
     result: dict = {"meta": {**host_meta(), "command": command,
                              "threads": torch.get_num_threads()}}  # fmt: skip
     for name in experiments:
@@ -192,6 +244,8 @@ def run(
         smoke = smoke_steps(name, steps=steps)
         print(f"plans bench: {name} paper-size shapes ...", file=sys.stderr, flush=True)
         result[name] = {**smoke, "paper_shapes": shape_decisions(name)}
+        if paper_steps_timed:
+            result[name].update(paper_steps(name, paper_steps_timed))
     write_json(out, result)
     write_text(out.with_suffix(".md"), render(result))
     if json_out:
@@ -253,6 +307,35 @@ def render(result: dict) -> str:
                 else "- | - | - |"
             )
         )
+    paper = [n for n in names if "paper_steps" in result[n]]
+    if paper:
+        lines += [
+            "",
+            "## Paper-size steps",
+            "",
+            "One `Trainer.train_step` of the paper-size model (MNLI batch 32 x 128, CodeBERT "
+            "batch 8 x 512, DLRM at the Kaggle table sizes with batch 10,000, dense there "
+            "under its reference optimizer SGD), each variant in a fresh process as "
+            "`benchmarks.<name>_step --variant` runs it (auto decides in the untimed warm-up "
+            "step); median step time and peak memory above the pre-model baseline. Targets: "
+            "MNLI <= 0.45, CodeBERT <= 0.6, DLRM <= 0.95 of dense's time; auto's peak "
+            "memory within 5% of the paper plan's.",
+            "",
+            "| experiment | batch | auto (s) | comera plan (s) | dense (s) | auto / dense "
+            "| comera / dense | peak MB: auto, comera plan, dense | auto / comera peak |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for n in paper:
+            r, ps = result[n], result[n]["paper_steps"]
+            lines.append(
+                f"| {n} | {ps['auto']['batch']} | {ps['auto']['step_s']:.3f} | "
+                f"{ps['comera']['step_s']:.3f} | {ps['dense']['step_s']:.3f} | "
+                f"{r['paper_step_time_ratio_vs_dense']:.3f} | "
+                f"{r['paper_step_time_ratio_vs_dense_comera_plan']:.3f} | "
+                f"{ps['auto']['peak_mb']:.0f}, {ps['comera']['peak_mb']:.0f}, "
+                f"{ps['dense']['peak_mb']:.0f} | "
+                f"{r['paper_peak_memory_ratio_auto_vs_comera']:.3f} |"
+            )
     for n in names:
         lines += ["", f"## {n}: smoke preset, decisions of the timed steps", ""]
         lines += _decision_rows(result[n]["decisions"])
@@ -268,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=STEPS, help="timed smoke steps per variant")
     ap.add_argument("--experiments", default=",".join(EXPERIMENTS),
                     help="comma-separated subset of mnli,codebert,dlrm")  # fmt: skip
+    ap.add_argument("--paper-steps", type=int, default=PAPER_STEPS,
+                    help="timed paper-size steps per variant, each in a fresh process "
+                         "(0: skip them)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPORTS / "plans.json", help="the JSON written")
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="measure nothing: print the tables of a saved result")  # fmt: skip
@@ -280,12 +366,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: --experiments {a.experiments!r}: choose from "
               f"{','.join(EXPERIMENTS)}", file=sys.stderr)  # fmt: skip
         return 2
-    if a.steps < 1:
-        print(f"{ap.prog}: error: --steps must be >= 1, got {a.steps}", file=sys.stderr)
+    if a.steps < 1 or a.paper_steps < 0:
+        print(f"{ap.prog}: error: --steps must be >= 1 and --paper-steps >= 0, got "
+              f"{a.steps}, {a.paper_steps}", file=sys.stderr)  # fmt: skip
         return 2
     given = sys.argv[1:] if argv is None else argv
     command = " ".join(["python -m benchmarks.plans", *given])
-    return run(json_out=a.json, steps=a.steps, experiments=chosen, out=a.out, command=command)
+    return run(json_out=a.json, steps=a.steps, experiments=chosen, out=a.out, command=command,
+               paper_steps_timed=a.paper_steps)  # fmt: skip
 
 
 if __name__ == "__main__":

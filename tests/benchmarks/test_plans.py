@@ -50,6 +50,12 @@ def test_paper_shapes_get_one_decision_per_distinct_layer(name: str) -> None:
         assert all("dense" in r["times_ms"] for r in linears)
 
 
+STEP = json.dumps({"step_ms": {"auto": 10.0, "comera": 15.0, "dense": 11.0}, "steps": 2,
+                   "warmup": 1, "smoke_step_time_ratio_vs_dense": 10 / 11,
+                   "smoke_step_time_ratio_vs_dense_comera_plan": 15 / 11,
+                   "decisions": []})  # fmt: skip
+
+
 def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
     step = {"step_ms": {"auto": 10.0, "comera": 15.0, "dense": 11.0}, "steps": 2, "warmup": 1,
             "smoke_step_time_ratio_vs_dense": 10 / 11,
@@ -74,3 +80,26 @@ def test_bad_flags_are_one_line(capsys) -> None:
     assert plans.main(["--experiments", "mnli,nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--experiments" in err[0]
+
+
+def test_paper_steps_give_the_issue_ratios(monkeypatch) -> None:
+    fake = {"auto": (2.0, 110.0), "comera": (2.2, 100.0), "dense": (5.0, 300.0)}
+    monkeypatch.setattr(plans, "_paper_step", lambda name, v, steps, tiny=False: {
+        "batch": 32, "step_s": fake[v][0], "peak_mb": fake[v][1]})  # fmt: skip
+    r = plans.paper_steps("mnli", 3)
+    assert r["paper_step_time_ratio_vs_dense"] == pytest.approx(0.4)
+    assert r["paper_step_time_ratio_vs_dense_comera_plan"] == pytest.approx(0.44)
+    assert r["paper_peak_memory_ratio_auto_vs_comera"] == pytest.approx(1.1)
+    result = {"meta": {"command": "c", "cpu": "a CPU", "torch": "2", "date": "d", "threads": 2},
+              "mnli": {**json.loads(STEP), **r, "paper_shapes": []}}  # fmt: skip
+    assert "| mnli | 32 | 2.000 | 2.200 | 5.000 | 0.400 | 0.440 | 110, 100, 300 | 1.100 |" in (
+        plans.render(result)
+    )
+
+
+@pytest.mark.slow
+def test_paper_step_workers_run_auto_in_a_fresh_process() -> None:
+    """The step benchmarks' ``auto`` variant end to end (toy models, fresh processes)."""
+    for name in ("mnli", "codebert"):
+        r = plans._paper_step(name, "auto", 1, tiny=True)
+        assert r["step_s"] > 0 and r["peak_mb"] > 0
