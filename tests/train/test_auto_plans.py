@@ -102,3 +102,41 @@ def test_a_compiled_step_reads_decided_plans_without_a_graph_break(tmp_path, mon
     decisions = [d for h in history.values() for k, d in h.items() if "grad=1" in k]
     assert decisions and {d["choice"] for d in decisions} == {"dense"}
     assert all(set(d["times_ms"]) == {"comera", "dense"} for d in decisions)
+
+
+RANK_SYNC = """
+import json, sys, torch, torch.distributed as dist
+from pathlib import Path
+import comera as C
+from comera import autotune as A
+from comera.train import Trainer
+from tests.train_helpers import ToyTask, _cfg, _toy_model
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+out = Path(sys.argv[1])
+# each rank's clock prefers another plan: rank 0 opt_einsum's dp, rank 1 comera
+times = {"comera": 1.0, "dense": 3.0, "dp": 2.0}
+if rank == 0:
+    times = {"comera": 2.0, "dense": 3.0, "dp": 1.0}
+tuner = A.PlanTuner(timer=lambda runs: {c: times[c] for c in runs})
+with A.use_tuner(tuner), C.default_plan("auto"):
+    tr = Trainer(_cfg(out / "run", steps=4), ToyTask(rank=rank, world=2), *_toy_model(),
+                 auto_plans=True)
+    tr.fit()
+choices = {k: d.choice for k, d in tuner.decisions.items()}
+(out / f"choices_{rank}.json").write_text(json.dumps(choices))
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_adopts_rank_zeros_decisions(tmp_path) -> None:
+    """Two gloo ranks whose clocks disagree end the run on rank 0's choices."""
+    from tests.train.test_distributed import _spawn
+
+    script = tmp_path / "sync.py"
+    script.write_text(RANK_SYNC)
+    assert _spawn(script, 2, str(tmp_path)) == [0, 0]
+    zero, one = (json.loads((tmp_path / f"choices_{r}.json").read_text()) for r in (0, 1))
+    assert zero == one and zero
+    assert "dp" in set(zero.values())  # rank 0's clock won where dp was a candidate
