@@ -4,8 +4,10 @@
 every machine, no network) into three sub-datasets by file kind: ``modules`` (top-level
 ``*.py``), ``packages`` (``*.py`` inside packages) and ``tests`` (files under a ``test`` or
 ``tests`` folder), with one byte-level BPE trained on them all. ``corpus_from_paths``
-prepares any ``NAME=PATH`` folders the same way (a folder already prepared by
-``python -m loaders.prepare --heldout F`` is used as it is), and ``corpus_from_hub`` a hub
+prepares any ``NAME=PATH`` folders the same way: their source files by suffix
+(:data:`SOURCE_SUFFIXES`, any language) or by a glob of the caller's (a folder already
+prepared by ``python -m loaders.prepare --heldout F`` is used as it is), and
+``corpus_from_hub`` a hub
 dataset's configs (CodeSearchNet's six languages). Each sub-dataset gets ``train/`` and
 ``heldout/`` (a fixed fraction of files, by a hash of the path). Files longer than
 ``max_doc_tokens`` are cut into pieces (documents of their own), so sub-dataset mixing is
@@ -27,6 +29,7 @@ from loaders.prepare import PLAN_NAME, Doc, heldout_docs, prepare, train_tokeniz
 
 __all__ = [
     "CODESEARCHNET_LANGUAGES",
+    "SOURCE_SUFFIXES",
     "Corpus",
     "corpus_from_hub",
     "corpus_from_paths",
@@ -36,6 +39,15 @@ __all__ = [
 ]
 
 CODESEARCHNET_LANGUAGES = ("python", "java", "javascript", "php", "ruby", "go")
+# what a ``--corpus NAME=FOLDER`` contributes when no glob is given: the source files of
+# CodeSearchNet's six languages and their common neighbours, outside hidden folders
+SOURCE_SUFFIXES = (
+    ".py", ".pyi", ".js", ".jsx", ".mjs", ".cjs", ".ts", ".tsx", ".java", ".kt", ".kts",
+    ".scala", ".groovy", ".go", ".rb", ".php", ".c", ".h", ".cc", ".cpp", ".cxx", ".hpp",
+    ".hh", ".cs", ".fs", ".rs", ".swift", ".m", ".mm", ".dart", ".lua", ".pl", ".pm", ".r",
+    ".jl", ".hs", ".ml", ".ex", ".exs", ".erl", ".clj", ".sh", ".bash", ".zsh", ".ps1",
+    ".sql", ".vue", ".svelte",
+)  # fmt: skip
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
 
 
@@ -192,14 +204,30 @@ def _prepared(name: str, folder: Path) -> tuple[str, Path]:
     return tok, folder
 
 
+def source_files(folder: Path, glob: str | None = None) -> list[Path]:
+    """The files of ``folder`` matching ``glob`` (relative, ``**`` recursive), or with no
+    glob every file with a :data:`SOURCE_SUFFIXES` suffix outside hidden folders; sorted."""
+    if glob:
+        return sorted(p for p in folder.glob(glob) if p.is_file())
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.suffix.lower() in SOURCE_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        and p.is_file()
+    )
+
+
 def corpus_from_paths(
     paths: dict[str, str], root: Path, *, vocab: int, heldout: float = 0.05,
-    glob: str = "**/*.py", max_doc_tokens: int | None = None, tokenizer: str | None = None,
-    progress: bool = True,
+    glob: str | None = None, max_doc_tokens: int | None = None, tokenizer: str | None = None,
+    progress: bool = True, globs: dict[str, str] | None = None,
 ) -> Corpus:  # fmt: skip
-    """``{name: folder}`` as sub-datasets: a folder of source files (``glob``) is prepared
-    and cached; a folder ``loaders.prepare`` made is used as it is (its tokenizer then
-    serves every sub-dataset, so all such folders must share one)."""
+    """``{name: folder}`` as sub-datasets: a folder of source files is prepared and cached
+    (its files by :func:`source_files`: ``globs[name]``, else ``glob``, else every source
+    suffix); a folder ``loaders.prepare`` made is used as it is (its tokenizer then serves
+    every sub-dataset, so all such folders must share one). A folder in which nothing
+    matches is an error naming the pattern."""
     groups, ready, toks = {}, {}, set()
     for name, folder in paths.items():
         path = Path(folder)
@@ -208,8 +236,20 @@ def corpus_from_paths(
         if (path / PLAN_NAME).is_file():
             tok, ready[name] = _prepared(name, path)
             toks.add(tok)
-        else:
-            groups[name] = sorted(p for p in path.glob(glob) if p.is_file())
+            continue
+        pattern = (globs or {}).get(name) or glob
+        groups[name] = source_files(path, pattern)
+        if not groups[name]:
+            what = (
+                f"no file matches {pattern!r}"
+                if pattern
+                else f"no source file (suffixes {', '.join(SOURCE_SUFFIXES[:6])}, ... ; "
+                "see experiments.codebert.data.SOURCE_SUFFIXES)"
+            )
+            raise DataError(
+                f"--corpus {name}={folder}: {what}; name the files with "
+                f"--corpus {name}={folder}:GLOB (e.g. {name}={folder}:**/*.txt)"
+            )
     if tokenizer is not None:
         toks.add(tokenizer)
     if len(toks) > 1:

@@ -47,7 +47,9 @@ class CorpusConfig:
 
     ``source``: ``"stdlib"`` (the running Python's standard library, three sub-datasets by
     file kind), ``"paths"`` (``paths``: ``{name: folder}``, from ``--corpus``; a folder of
-    source files, or one ``python -m loaders.prepare --heldout F`` made) or ``"hub"``
+    source files, or one ``python -m loaders.prepare --heldout F`` made; its files are
+    those with a source suffix of any common language, or those ``globs[name]`` matches,
+    from ``--corpus NAME=FOLDER:GLOB``) or ``"hub"``
     (``hub_dataset`` with one sub-dataset per name in ``hub_configs``, the text in
     ``text_column``: CodeSearchNet's six languages by default; needs the network or a
     warm cache). ``mix``: sub-dataset weights (default equal). ``tokenizer``: a
@@ -60,6 +62,7 @@ class CorpusConfig:
 
     source: str = "stdlib"
     paths: dict[str, str] = field(default_factory=dict)
+    globs: dict[str, str] = field(default_factory=dict)
     mix: dict[str, float] = field(default_factory=dict)
     tokenizer: str | None = None
     vocab: int = 2000
@@ -79,6 +82,12 @@ class CorpusConfig:
             raise ConfigError(f"data.source={self.source!r}; choose 'stdlib', 'paths' or 'hub'")
         if self.source == "paths" and not self.paths:
             raise ConfigError("data.source='paths' needs --corpus NAME=FOLDER")
+        stray = sorted(set(self.globs) - set(self.paths))
+        if stray:
+            raise ConfigError(
+                f"data.globs names {stray}, which are not corpus folders "
+                f"({sorted(self.paths) or 'none'}); give the glob with --corpus NAME=FOLDER:GLOB"
+            )
         if self.source == "hub" and self.tokenizer is None:
             raise ConfigError(
                 "data.source='hub' needs data.tokenizer (e.g. microsoft/codebert-base)"
@@ -230,7 +239,7 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                                    max_doc_tokens=d.max_doc_tokens, progress=progress)  # fmt: skip
         return corpus_from_paths(d.paths, root, vocab=d.vocab, heldout=d.heldout,
                                  max_doc_tokens=d.max_doc_tokens, tokenizer=d.tokenizer,
-                                 progress=progress)  # fmt: skip
+                                 progress=progress, globs=d.globs)  # fmt: skip
 
     corpus = rank_first(corpus_of, rank, world)
     unknown = sorted(set(p.data.mix) - set(corpus.train))
@@ -279,8 +288,10 @@ def _build(p: Preset, rank: int, world: int) -> tuple:
 
 
 def _flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--corpus", action="append", metavar="NAME=FOLDER",
-                    help="a folder of source files as a sub-dataset (repeatable)")  # fmt: skip
+    ap.add_argument("--corpus", action="append", metavar="NAME=FOLDER[:GLOB]",
+                    help="a folder of source files as a sub-dataset (repeatable): every file "
+                         "with a common source suffix, or those GLOB matches (e.g. "
+                         "js=./src:**/*.js)")  # fmt: skip
     ap.add_argument("--mix", help="sub-dataset weights, e.g. modules=0.5,tests=0.5")
 
 
@@ -297,13 +308,27 @@ def _parse_pairs(flag: str, text: str, convert: type) -> dict:
     return out
 
 
+def _folder_and_glob(value: str) -> tuple[str, str | None]:
+    """``FOLDER:GLOB`` split at its last colon when what follows is a glob (it has ``*``,
+    ``?`` or ``[``); anything else is a folder (whose name may hold a colon)."""
+    folder, sep, glob = value.rpartition(":")
+    if sep and folder and any(c in glob for c in "*?["):
+        return folder, glob
+    return value, None
+
+
 def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     if args.corpus:
-        paths = {}
+        paths, globs = {}, {}
         for item in args.corpus:
-            paths.update(_parse_pairs("--corpus", item, str))
+            for name, value in _parse_pairs("--corpus", item, str).items():
+                paths[name], glob = _folder_and_glob(value)
+                if glob:
+                    globs[name] = glob
         out += [("data.paths", paths), ("data.source", "paths")]  # paths first: validated
+        if globs:
+            out.append(("data.globs", globs))
     if args.mix:
         out.append(("data.mix", _parse_pairs("--mix", args.mix, float)))
     return out

@@ -302,3 +302,56 @@ def test_a_damaged_prepare_plan_is_a_data_error(tmp_path: Path) -> None:
             DataError, match=re.escape(f"--corpus x={folder}: its {PLAN_NAME} {why}")
         ):
             corpus_from_paths({"x": str(folder)}, tmp_path / "cache", vocab=100, progress=False)
+
+
+def _javascript(folder: Path, files: int = 16) -> None:
+    """A small made-up JavaScript project (and files a corpus must not take)."""
+    verbs, nouns = ["get", "set", "load", "save", "parse", "render"], ["user", "item", "page"]
+    for i in range(files):
+        lines = [f"// module {i}", "'use strict';"]
+        for j in range(8):
+            verb, noun = verbs[(i + j) % 6], nouns[(i * j) % 3]
+            lines += [f"function {verb}{noun.title()}{j}(id, opts) {{",
+                      f"  const {noun} = opts.{noun}s.find((x) => x.id === id + {j});",
+                      f"  return {noun} ? {noun}.value * {i + 1} : null;", "}"]  # fmt: skip
+        lines.append(f"module.exports = {{ {verbs[i % 6]}{nouns[i % 3].title()}0 }};")
+        sub = folder / ("lib" if i % 2 else "src")
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"m{i}.js").write_text("\n".join(lines) + "\n")
+    (folder / ".git").mkdir(exist_ok=True)
+    (folder / ".git" / "hook.js").write_text("hidden();\n")
+    (folder / "NOTES.txt").write_text("not code\n")
+
+
+def test_source_files_take_any_language_and_a_glob_picks_others(tmp_path: Path) -> None:
+    from comera.errors import DataError
+    from experiments.codebert.data import corpus_from_paths, source_files
+    from experiments.codebert.experiment import _folder_and_glob
+
+    _javascript(tmp_path / "js", files=4)
+    found = [p.relative_to(tmp_path / "js").as_posix() for p in source_files(tmp_path / "js")]
+    assert found == ["lib/m1.js", "lib/m3.js", "src/m0.js", "src/m2.js"]  # no .git, no .txt
+    assert [p.name for p in source_files(tmp_path / "js", "*.txt")] == ["NOTES.txt"]
+    assert _folder_and_glob("/a/b:**/*.txt") == ("/a/b", "**/*.txt")
+    assert _folder_and_glob("/a/b:c") == ("/a/b:c", None)  # a folder whose name has a colon
+    with pytest.raises(DataError, match=r"--corpus rs=.*: no file matches '\*\*/\*\.rs'"):
+        corpus_from_paths({"rs": str(tmp_path / "js")}, tmp_path / "c", vocab=300,
+                          globs={"rs": "**/*.rs"})  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"no source file .*--corpus e=.*:GLOB"):
+        corpus_from_paths({"e": str(tmp_path / "empty")}, tmp_path / "c", vocab=300)
+
+
+def test_a_folder_of_javascript_trains(tmp_path: Path, capsys) -> None:
+    """``--corpus js=FOLDER`` on a folder of ``.js`` files (the issue's failing case), and
+    a glob that matches nothing is one line naming it."""
+    _javascript(tmp_path / "js")
+    assert main(_argv(tmp_path, "run", "--corpus", f"js={tmp_path / 'js'}")) == 0
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["data"]["paths"] == {"js": str(tmp_path / "js")} and config["data"]["globs"] == {}
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    capsys.readouterr()
+    assert main(_argv(tmp_path, "bad", "--corpus", f"js={tmp_path / 'js'}:**/*.rs")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no file matches '**/*.rs'" in err[0]
