@@ -203,7 +203,9 @@ def _paper_step(name: str, variant: str, steps: int, tiny: bool = False) -> dict
     from benchmarks import dlrm_step as D
 
     v = "dense_sgd" if variant == "dense" else variant  # the DLRM reference's dense step
-    r = D._in_child(["--variant", v, "--malloc", D.training_policy()], f"variant {v}")
+    cmd = [sys.executable, "-m", "benchmarks.dlrm_step", "--variant", v,
+           "--malloc", D.training_policy()]  # fmt: skip
+    r = run_json_worker(cmd, f"dlrm step {v}", env=clean_malloc_env())
     return {"batch": D.BATCH, "step_s": r["step_time_s"], "peak_mb": r["peak_rss_mb"]}
 
 
