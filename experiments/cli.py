@@ -24,7 +24,7 @@ import sys
 import time
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ __all__ = [
     "USER_ERRORS",
     "Experiment",
     "apply_overrides",
+    "config_file_items",
     "build_parser",
     "config_from_dict",
     "main",
@@ -238,18 +239,152 @@ def _set(cfg: Any, parts: list[str], value: Any, text: bool, label: str, key: st
         raise CLIError(f"{label}: {e}") from None
 
 
-def apply_overrides(cfg: Any, overrides: list[tuple[str, Any]], sets: list[str]) -> Any:
-    """Typed overrides (from flags), then ``--set KEY=VALUE`` texts, in order."""
+def _field_hint(cfg: Any, key: str, label: str) -> tuple[Any, Any]:
+    """``(annotated type, owning section)`` of dotted ``key`` in ``cfg``; an unknown key,
+    or a key that names a section, is an error naming ``label``."""
+    obj, parts = cfg, key.split(".")
+    for i, head in enumerate(parts):
+        if not dataclasses.is_dataclass(obj) or head not in _fields(obj):
+            valid = ", ".join(_fields(obj)) if dataclasses.is_dataclass(obj) else "(none)"
+            raise CLIError(
+                f"{label}: unknown config key {key!r} ({head!r} is not in "
+                f"{type(obj).__name__}); valid keys there: {valid}"
+            )
+        current = getattr(obj, head)
+        if i < len(parts) - 1:
+            if not dataclasses.is_dataclass(current):
+                raise CLIError(f"{label}: {head!r} in {key!r} is a value, not a section")
+            obj = current
+        elif dataclasses.is_dataclass(current):
+            raise CLIError(
+                f"{label}: {key!r} is a section; set one of its keys: "
+                + ", ".join(f"{key}.{f}" for f in _fields(current))
+            )
+    return _hints(type(obj))[parts[-1]], obj
+
+
+def _read_config_file(path: str) -> Any:
+    """The data of a ``--config`` file, by suffix: ``.toml``, ``.yaml``/``.yml``, ``.json``."""
+    p = Path(path)
+    if not p.is_file():
+        raise CLIError(f"--config {path}: no such file")
+    suffix = p.suffix.lower()
+    try:
+        text = p.read_text()
+        if suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(text)
+        if suffix == ".json":
+            return json.loads(text)
+        if suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise CLIError(
+                    f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or "
+                    "write the file as TOML or JSON"
+                ) from None
+            return yaml.safe_load(text)
+    except CLIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each parser has its own error types
+        raise CLIError(f"--config {path}: cannot read it as {suffix[1:].upper()} ({e})") from None
+    raise CLIError(f"--config {path}: unknown format {suffix!r}; use .toml, .yaml, .yml or .json")
+
+
+def config_file_items(path: str, cfg: Any) -> list[tuple[str, Any, str]]:
+    """A ``--config`` file as ``(dotted key, value, label)`` overrides of ``cfg``: nested
+    tables (mappings) follow the config's sections, and dotted keys work at any level, so
+    ``[train.comera] gamma = 0.1`` and ``"train.comera.gamma" = 0.1`` say the same."""
+    data = _read_config_file(path)
+    if not isinstance(data, dict):
+        raise CLIError(f"--config {path}: expected a mapping of config keys at the top level")
+    items: list[tuple[str, Any, str]] = []
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            key = prefix + str(k)
+            section: Any = cfg
+            for part in key.split("."):
+                ok = dataclasses.is_dataclass(section) and part in _fields(section)
+                section = getattr(section, part) if ok else None
+            if isinstance(v, dict) and dataclasses.is_dataclass(section):
+                walk(v, key + ".")
+            else:
+                items.append((key, v, f"--config {path}: {key}"))
+
+    walk(data, "")
+    return items
+
+
+def _derivable(section: Any, name: str) -> bool:
+    """Whether ``section`` can derive field ``name`` itself (``--set KEY=auto``)."""
+    return name in getattr(type(section), "DERIVED", ())
+
+
+def apply_overrides(
+    cfg: Any,
+    overrides: list[tuple[str, Any]],
+    sets: list[str],
+    *,
+    file_items: Sequence[tuple[str, Any, str]] = (),
+) -> Any:
+    """A copy of ``cfg`` with every override applied at once: ``file_items`` (a
+    ``--config`` file's ``(key, value, label)``), then typed ``overrides`` (from flags),
+    then ``--set KEY=VALUE`` texts; a later value of a key wins. Each section touched is
+    rebuilt once, after all of its new values are in, so its checks see them together
+    (a width and the modes that must multiply to it, in any order). A section may derive
+    fields it can compute (``DERIVED``; ``derive_fields``), asked for with ``KEY=auto`` or
+    because the values they depend on changed. Errors name the flags, items or file that
+    set what is refused."""
     flag_of = {key: "--" + dest.replace("_", "-") for dest, key in _COMMON.items()}
+    items = [(key, value, False, label) for key, value, label in file_items]
     for key, value in overrides:
         label = f"{flag_of[key]} {value}" if key in flag_of else f"{key}={value}"
-        cfg = set_field(cfg, key, value, label=label)
+        items.append((key, value, False, label))
     for item in sets:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise CLIError(f"--set {item!r}: expected KEY=VALUE, e.g. train.steps=40")
-        cfg = set_field(cfg, key.strip(), text, text=True, label=f"--set {item}")
-    return cfg
+        items.append((key.strip(), text, True, f"--set {item}"))
+    changes: dict[str, tuple[Any, str]] = {}
+    asked: dict[str, str] = {}
+    for key, value, text, label in items:
+        hint, owner = _field_hint(cfg, key, label)
+        if value == "auto" and _derivable(owner, key.rsplit(".", 1)[-1]):
+            asked[key] = label
+            changes.pop(key, None)
+            continue
+        changes[key] = (parse_value(value, hint, key) if text else _convert(value, hint), label)
+        asked.pop(key, None)
+    return _rebuild(cfg, "", changes, asked)
+
+
+def _rebuild(section: Any, prefix: str, changes: dict, asked: dict) -> Any:
+    """``section`` (at dotted ``prefix``) with its changes, inner sections first."""
+    new: dict[str, Any] = {}
+    for name in _fields(section):
+        key, current = prefix + name, getattr(section, name)
+        if dataclasses.is_dataclass(current):
+            if any(k.startswith(key + ".") for k in (*changes, *asked)):
+                new[name] = _rebuild(current, key + ".", changes, asked)
+        elif key in changes:
+            new[name] = changes[key][0]
+    mine = {k[len(prefix) :] for k in asked if k.startswith(prefix) and "." not in k[len(prefix) :]}
+    derive = getattr(section, "derive_fields", None)
+    if derive is not None and (new or mine):
+        plain = {k: v for k, v in new.items() if not dataclasses.is_dataclass(v)}
+        for name, value in derive(plain, mine).items():
+            new.setdefault(name, value)
+    if not new:
+        return section
+    try:
+        return dataclasses.replace(section, **new)
+    except (*USER_ERRORS, TypeError) as e:  # a config's check, or a value of the wrong type
+        under = [lab for k, (_, lab) in changes.items() if k.startswith(prefix)]
+        under += [lab for k, lab in asked.items() if k.startswith(prefix)]
+        raise CLIError(f"{', '.join(dict.fromkeys(under))}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- the parser
@@ -268,6 +403,12 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--preset", choices=sorted(exp.presets), default=exp.default_preset)
+    ap.add_argument(
+        "--config",
+        metavar="FILE",
+        help="overrides from a TOML, YAML or JSON file (sections as tables/mappings, or "
+        "dotted keys), applied before the flags and --set",
+    )
     ap.add_argument(
         "--set",
         dest="sets",
@@ -444,7 +585,10 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
     if not args.resume:
         cfg = exp.presets[args.preset]()
         own = exp.flag_overrides(args) if exp.flag_overrides else []
-        return apply_overrides(cfg, [*own, *_common_overrides(args, cfg)], args.sets)
+        from_file = config_file_items(args.config, cfg) if args.config else []
+        return apply_overrides(
+            cfg, [*own, *_common_overrides(args, cfg)], args.sets, file_items=from_file
+        )
     path = Path(args.resume) / "config.json"
     if not path.is_file():
         raise CLIError(f"--resume {args.resume}: no config.json there; is it a run dir?")

@@ -10,9 +10,11 @@ Post-LN blocks as in BERT: ``h = LN(x + Drop(Attn(x)))``, ``h = LN(h + Drop(FFN(
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -67,24 +69,58 @@ class EncoderConfig:
     recompute: bool = False  # recompute each block's activations in backward (training)
     fused_qkv: bool = False  # Q, K, V (comera path) read x in one GEMM: tt_linear_shared_input
 
+    # the fields derive_fields computes from the widths (``--set model.attn_modes=auto``)
+    DERIVED: ClassVar[tuple[str, ...]] = ("attn_modes", "ffn_in_modes", "ffn_out_modes",
+                                          "emb_dim_modes")  # fmt: skip
+
     def __post_init__(self) -> None:
+        problems = []
         if self.d_model % self.heads:
-            raise ConfigError(
-                f"EncoderConfig: d_model={self.d_model} is not divisible by heads={self.heads}"
-            )
+            problems.append(f"d_model={self.d_model} is not divisible by heads={self.heads}")
         if not 0 <= self.dropout < 1:
-            raise ConfigError(f"EncoderConfig.dropout must be in [0, 1), got {self.dropout}")
+            problems.append(f"dropout must be in [0, 1), got {self.dropout}")
         if self.tt:
-            for name, (out_m, in_m), (o, i) in (
-                ("attn_modes", self.attn_modes, (self.d_model, self.d_model)),
-                ("ffn_in_modes", self.ffn_in_modes, (self.ffn, self.d_model)),
-                ("ffn_out_modes", self.ffn_out_modes, (self.d_model, self.ffn)),
-            ):
+            for name, (out_m, in_m), (o, i) in self._linear_modes(self.d_model, self.ffn):
                 if math.prod(out_m) != o or math.prod(in_m) != i:
-                    raise ConfigError(
-                        f"EncoderConfig.{name}={(out_m, in_m)} multiplies to "
-                        f"{math.prod(out_m)} x {math.prod(in_m)}, expected {o} x {i} (out x in)"
+                    problems.append(
+                        f"{name}={(out_m, in_m)} multiplies to {math.prod(out_m)} x "
+                        f"{math.prod(in_m)}, expected {o} x {i} (out x in)"
                     )
+            dims = self.emb_dim_modes
+            if self.tt_embedding and dims and math.prod(dims) != self.d_model:
+                problems.append(
+                    f"emb_dim_modes={dims} multiplies to {math.prod(dims)}, expected "
+                    f"d_model={self.d_model}"
+                )
+        if problems:  # every inconsistency at once: a resized model has several
+            raise ConfigError("EncoderConfig: " + "; ".join(problems))
+
+    def _linear_modes(self, d: int, f: int) -> list[tuple[str, Modes, tuple[int, int]]]:
+        return [("attn_modes", self.attn_modes, (d, d)),
+                ("ffn_in_modes", self.ffn_in_modes, (f, d)),
+                ("ffn_out_modes", self.ffn_out_modes, (d, f))]  # fmt: skip
+
+    def derive_fields(self, new: dict[str, Any], asked: set[str]) -> dict[str, Any]:
+        """Modes for a resized model, with as many cores as now: those asked for
+        (``auto``) and, when ``d_model`` or ``ffn`` change, those that no longer multiply to
+        the new widths, unless ``new`` sets them. A width with no balanced split keeps its
+        modes (the check then names them)."""
+        d, f = new.get("d_model", self.d_model), new.get("ffn", self.ffn)
+        resized = "d_model" in new or "ffn" in new
+        out: dict[str, Any] = {}
+        for name, (out_m, in_m), (o, i) in self._linear_modes(d, f):
+            fits = math.prod(out_m) == o and math.prod(in_m) == i
+            if name not in new and (name in asked or (resized and not fits)):
+                with contextlib.suppress(ConfigError):  # output modes largest first (the paper's)
+                    out[name] = (tuple(reversed(propose_modes(o, len(out_m)))),
+                                 propose_modes(i, len(in_m)))  # fmt: skip
+        dims = self.emb_dim_modes
+        if "emb_dim_modes" not in new and (
+            "emb_dim_modes" in asked or (resized and math.prod(dims) != d)
+        ):
+            with contextlib.suppress(ConfigError):
+                out["emb_dim_modes"] = propose_modes(d, len(dims))
+        return out
 
     def linear_spec(self, name: str, modes: Modes) -> C.TTLinearSpec:
         return C.TTLinearSpec(

@@ -49,6 +49,72 @@ def test_set_parses_by_annotation_and_revalidates():
         cli.apply_overrides(cfg, [], ["train.steps"])
 
 
+SIZE = ["model.d_model=256", "model.heads=4", "model.ffn=1024", "model.layers=4"]
+MODES = ["model.attn_modes=((16, 16), (16, 16))", "model.ffn_in_modes=((32, 32), (16, 16))",
+         "model.ffn_out_modes=((16, 16), (32, 32))", "model.emb_dim_modes=(16, 16)"]  # fmt: skip
+
+
+def test_set_items_are_validated_together_and_modes_derive():
+    """A width and the modes that must multiply to it can be set in any order; modes not
+    given follow the new widths (as many cores as before); ``KEY=auto`` derives too."""
+    smoke = mnli.preset("smoke")
+    derived = cli.apply_overrides(smoke, [], SIZE).model
+    assert (derived.d_model, derived.heads, derived.ffn, derived.layers) == (256, 4, 1024, 4)
+    assert derived.attn_modes == ((16, 16), (16, 16))
+    assert derived.ffn_in_modes == ((32, 32), (16, 16)) and derived.emb_dim_modes == (16, 16)
+    for order in (MODES + SIZE, SIZE + MODES, MODES[:2] + SIZE + MODES[2:]):
+        assert cli.apply_overrides(smoke, [], order).model == derived
+    auto = cli.apply_overrides(smoke, [], ["model.attn_modes=auto"]).model
+    assert auto.attn_modes == ((8, 8), (8, 8))  # re-proposed for 64 x 64: the same split
+    bad = ["model.d_model=256", "model.attn_modes=((8, 8), (8, 8))",
+           "model.ffn_in_modes=((4, 4), (4, 4))"]  # fmt: skip
+    with pytest.raises(cli.CLIError) as err:
+        cli.apply_overrides(smoke, [], bad)
+    msg = str(err.value)
+    assert "attn_modes" in msg and "ffn_in_modes" in msg and "ffn_out_modes" not in msg
+    assert msg.startswith("--set model.d_model=256, --set model.attn_modes")
+
+
+def test_a_config_file_gives_the_config_the_same_sets_give(tmp_path, capsys):
+    """``--config FILE`` (TOML, YAML or JSON; sections or dotted keys) holds the same
+    overrides as ``--set``; the run's config.json is the same but for the command line."""
+    sets = [*SIZE, "train.steps=2", "train.eval_every=None", "data.generated_train=200",
+            "data.generated_eval=30"]  # fmt: skip
+    argv = ["--preset", "smoke", "--wandb", "disabled", "--no-progress"]
+    by_set = [*argv, "--run-dir", str(tmp_path / "set")]
+    for item in sets:
+        by_set += ["--set", item]
+    assert mnli.main(by_set) == 0
+    toml = tmp_path / "size.toml"
+    toml.write_text(
+        "[model]\nd_model = 256\nheads = 4\nffn = 1024\nlayers = 4\n"
+        '[train]\nsteps = 2\n"eval_every" = 0\n'  # replaced below by --set
+        '[data]\ngenerated_train = 200\n"generated_eval" = 30\n'
+    )
+    assert mnli.main([*argv, "--run-dir", str(tmp_path / "file"), "--config", str(toml),
+                      "--set", "train.eval_every=None"]) == 0  # fmt: skip
+    a, b = (json.loads((tmp_path / r / "config.json").read_text()) for r in ("set", "file"))
+    for c in (a, b):
+        c.pop("argv")
+        c["train"].pop("run_dir")
+    assert a == b
+    flat = {f"model.{k}": v for k, v in (("d_model", 256), ("heads", 4))}
+    (tmp_path / "c.json").write_text(json.dumps(flat))
+    (tmp_path / "c.yaml").write_text("model:\n  d_model: 256\n  heads: 4\n")
+    cfg = mnli.preset("smoke")
+    want = cli.apply_overrides(cfg, [], ["model.d_model=256", "model.heads=4"])
+    for name in ("c.json", "c.yaml"):
+        items = cli.config_file_items(str(tmp_path / name), cfg)
+        assert cli.apply_overrides(cfg, [], [], file_items=items) == want
+    (tmp_path / "bad.toml").write_text("[model]\nwidth = 3\n")
+    capsys.readouterr()
+    assert mnli.main([*argv, "--config", str(tmp_path / "bad.toml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.toml: model.width" in err[0] and "d_model" in err[0]
+    assert mnli.main([*argv, "--config", str(tmp_path / "c.ini")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
 def test_config_round_trips_through_config_json():
     cfg = cli.apply_overrides(mnli.preset("paper"), [("plans.per_layer", (("pooler", "dp"),))], [])
     text = json.dumps(dataclasses.asdict(cfg))
