@@ -12,6 +12,7 @@ exports the core a user needs; helpers stay in their submodules:
 - ``comera.layers``: the functional layers tt_linear and ttm_embedding.
 - ``comera.table_batched``: many TTM tables looked up in one pass.
 - ``comera.nn``: nn.Module adapters TTLinear and TTMEmbedding.
+- ``comera.tensorize``: ``tensorize_``: any PyTorch / Hugging Face model's layers as TT / TTM.
 - ``comera.accounting``: parameter counts, compression, FLOPs, per-layer summaries.
 - ``comera.tree``: walking a model's params pytree, pruning/compacting every layer.
 - ``comera.errors``: what bad input raises (UserError and its kinds).
@@ -36,6 +37,7 @@ from comera.pruning import PRUNE_RULES, compact, live_ranks, prune, rank_contrib
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec, propose_tt_linear, propose_ttm_embedding
 from comera.table_batched import ttm_embedding_batched
 from comera.tensor_train import from_dense, init, to_dense
+from comera.tensorize import TensorizeConfig, tensorize_
 
 try:
     __version__ = version("comera-framework")
@@ -51,6 +53,7 @@ __all__ = [
     "TTLinearSpec",
     "TTMEmbedding",
     "TTMEmbeddingSpec",
+    "TensorizeConfig",
     "__version__",
     "compact",
     "compression_ratio",
@@ -67,6 +70,7 @@ __all__ = [
     "set_default_plan",
     "summarize",
     "summary_table",
+    "tensorize_",
     "to_dense",
     "tt_linear",
     "ttm_embedding",

@@ -1,0 +1,366 @@
+"""Turn an existing PyTorch (or Hugging Face) model into a CoMERA one, in place.
+
+``tensorize_(model, TensorizeConfig(target_modules=("*.query", "*.value")))`` replaces
+every ``nn.Linear``, ``nn.Embedding`` and Hugging Face ``Conv1D`` (GPT-2's projections)
+whose qualified name matches a target glob (and no ``exclude`` glob) by the TT / TTM
+adapters of :mod:`comera.nn`, as PEFT's ``get_peft_model`` and torchao's ``quantize_``
+rewrite the modules they match: the model then trains as before, with every replaced
+weight held as gated cores. ``init="svd"`` compresses the existing weight by TT-SVD
+(exact when the ranks do not bind), ``init="random"`` draws the dense init's variance.
+
+Modes come from :func:`comera.spec.propose_modes` (balanced; a size with no balanced
+split is zero-padded: the input with zeros, the extra outputs dropped; the summary says
+what was padded). A layer whose train would hold as many parameters as the dense weight
+is left dense and listed as skipped. A linear layer whose weight is an embedding's (a tied
+decoder, GPT-2's ``lm_head``) stays tied: it becomes a :class:`TiedDecoder` that reads
+the TTM embedding's table.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comera import tensor_train
+from comera.errors import ConfigError
+from comera.nn import TTLinear, TTMEmbedding
+from comera.spec import TTLinearSpec, TTMEmbeddingSpec, cap_ranks, propose_modes
+
+__all__ = ["LayerReport", "TensorizeConfig", "TensorizeSummary", "TiedDecoder", "tensorize_"]
+
+INITS = ("svd", "random")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorizeConfig:
+    """Which modules to replace and how.
+
+    ``target_modules``: globs over qualified module names (``fnmatch``); a glob with no
+    ``.`` also matches a name's last part, as PEFT's ``target_modules`` do (``"query"``
+    matches ``encoder.layer.0.attention.self.query``). ``exclude``: globs never replaced.
+    ``rank``: every bond's rank (capped by what a bond can carry); ``rank_for``: per-glob
+    ``(glob, rank)`` overrides, later rules winning. ``compression``: instead of a fixed
+    rank, the largest rank (up to ``rank``) at which each layer is at least this many times
+    smaller than its dense weight. ``cores``: modes per side of a linear map (``2 * cores``
+    TT cores); ``embedding_cores``: TTM cores of an embedding. ``min_compression``: a
+    layer that would be less than this many times smaller stays dense (0: replace every
+    match, e.g. at full rank to check that TT-SVD reproduces the model)."""
+
+    target_modules: tuple[str, ...]
+    exclude: tuple[str, ...] = ()
+    rank: int = 16
+    rank_for: tuple[tuple[str, int], ...] = ()
+    compression: float | None = None
+    cores: int = 3
+    embedding_cores: int = 4
+    init: str = "svd"
+    min_compression: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str):
+            object.__setattr__(self, "target_modules", (self.target_modules,))
+        if isinstance(self.exclude, str):
+            object.__setattr__(self, "exclude", (self.exclude,))
+        if not self.target_modules:
+            raise ConfigError("TensorizeConfig.target_modules: give at least one glob")
+        if self.init not in INITS:
+            raise ConfigError(f"TensorizeConfig.init={self.init!r}; choose one of {INITS}")
+        if self.rank < 1 or any(r < 1 for _, r in self.rank_for):
+            raise ConfigError(f"TensorizeConfig: ranks must be >= 1, got {self.rank}, "
+                              f"{list(self.rank_for)}")  # fmt: skip
+        if self.compression is not None and not self.compression > 1:
+            raise ConfigError(f"TensorizeConfig.compression must be > 1, got {self.compression}")
+        if self.min_compression < 0:
+            raise ConfigError(f"TensorizeConfig.min_compression must be >= 0, got "
+                              f"{self.min_compression}")  # fmt: skip
+        if self.cores < 1 or self.embedding_cores < 1:
+            raise ConfigError("TensorizeConfig: cores and embedding_cores must be >= 1")
+
+    def matches(self, name: str) -> bool:
+        """Whether the module at ``name`` is a target (and not excluded)."""
+        return _match(name, self.target_modules) and not _match(name, self.exclude)
+
+    def rank_of(self, name: str) -> int:
+        chosen = self.rank
+        for glob, r in self.rank_for:
+            if _match(name, (glob,)):
+                chosen = r
+        return chosen
+
+
+def _match(name: str, globs: tuple[str, ...]) -> bool:
+    last = name.rsplit(".", 1)[-1]
+    return any(
+        fnmatch.fnmatchcase(name, g) or ("." not in g and fnmatch.fnmatchcase(last, g))
+        for g in globs
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerReport:
+    """One matched module: what it was, what it became (or why it stayed)."""
+
+    name: str
+    kind: str  # linear, conv1d, embedding, tied decoder
+    shape: tuple[int, int]  # (out, in) or (rows, dim)
+    modes: str = ""
+    ranks: tuple[int, ...] = ()
+    params_before: int = 0
+    params_after: int = 0
+    padded: str = ""
+    skipped: str = ""
+
+    @property
+    def compression(self) -> float:
+        return self.params_before / self.params_after if self.params_after else 1.0
+
+
+@dataclass(kw_only=True)
+class TensorizeSummary:
+    """What :func:`tensorize_` did, per layer; ``str()`` is a table."""
+
+    layers: list[LayerReport] = field(default_factory=list)
+
+    @property
+    def params_before(self) -> int:
+        return sum(r.params_before for r in self.layers if not r.skipped)
+
+    @property
+    def params_after(self) -> int:
+        return sum(r.params_after for r in self.layers if not r.skipped)
+
+    def __str__(self) -> str:
+        rows = ["| layer | kind | shape | modes | ranks | params | compression | note |",
+                "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in self.layers:
+            note = r.skipped or (f"padded {r.padded}" if r.padded else "")
+            size = f"{r.params_before:,} -> {r.params_after:,}" if not r.skipped else "-"
+            rows.append(
+                f"| {r.name} | {r.kind} | {r.shape[0]} x {r.shape[1]} | {r.modes or '-'} | "
+                f"{','.join(map(str, r.ranks)) or '-'} | {size} | "
+                f"{r.compression:.1f}x | {note} |"
+            )
+        done = [r for r in self.layers if not r.skipped]
+        if done:
+            rows.append(f"\n{len(done)} layers replaced: {self.params_before:,} -> "
+                        f"{self.params_after:,} parameters "
+                        f"({self.params_before / max(self.params_after, 1):.1f}x)")  # fmt: skip
+        return "\n".join(rows)
+
+
+class PaddedTTLinear(nn.Module):
+    """A :class:`TTLinear` over zero-padded sizes: the input is padded with zeros to the
+    train's input size and the output cut to ``out_features``."""
+
+    def __init__(self, inner: TTLinear, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.inner, self.in_features, self.out_features = inner, in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = self.inner.spec.in_features - self.in_features  # type: ignore[union-attr]
+        return self.inner(F.pad(x, (0, pad)) if pad else x)[..., : self.out_features]
+
+
+class TiedDecoder(nn.Module):
+    """A decoder whose weight is a TTM embedding's table (a tied LM head): ``x E^T + b``
+    with ``E`` rebuilt from the embedding's cores on each call, so the two stay one."""
+
+    def __init__(self, embedding: TTMEmbedding, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        emb = self.embedding
+        table = tensor_train.ttm_table(tensor_train.gated_cores(emb.params(), emb.state()))
+        return F.linear(x, table[: emb.spec.num_embeddings], self.bias)  # type: ignore[union-attr]
+
+
+def _modes(size: int, d: int) -> tuple[tuple[int, ...], int] | None:
+    """Balanced modes of ``size`` (ascending; zero-padded to a size that splits when it
+    does not) and the size they multiply to; None when no ``d``-way split is near."""
+    for pad in (False, True):
+        try:
+            modes = propose_modes(size, d, pad=pad)
+        except ConfigError:
+            continue
+        return modes, math.prod(modes)
+    return None
+
+
+def _split(sizes: tuple[int, ...], d: int) -> list[tuple[tuple[int, ...], int]]:
+    """Modes for every size with the same number of cores: ``d``, or fewer where a size
+    (a small one) has no ``d``-way split; one core always works."""
+    for k in range(d, 0, -1):
+        found = [_modes(n, k) for n in sizes]
+        if all(f is not None for f in found):
+            return found  # type: ignore[return-value]
+    raise AssertionError("unreachable: one mode always splits")  # pragma: no cover
+
+
+def _train_params(modes: tuple[int, ...], ranks: tuple[int, ...], extra: int) -> int:
+    r = (1, *ranks, 1)
+    return sum(r[k] * n * r[k + 1] for k, n in enumerate(modes)) + sum(ranks) + extra
+
+
+def _linear_plan(
+    name: str, out_f: int, in_f: int, bias: bool, cfg: TensorizeConfig, dtype: torch.dtype
+) -> tuple[TTLinearSpec, str] | str:
+    """The spec of a linear layer's train and what was padded, or why it stays dense."""
+    (out_m, out_p), (in_m, in_p) = _split((out_f, in_f), cfg.cores)
+    modes = (*reversed(out_m), *in_m)
+    dense = out_f * in_f + (out_f if bias else 0)
+    rank = _pick_rank(modes, cfg.rank_of(name), dense, out_p if bias else 0, cfg, name)
+    ranks = cap_ranks(modes, rank, name)
+    if dense < cfg.min_compression * _train_params(modes, ranks, out_p if bias else 0):
+        return f"skipped: a rank-{rank} train is not {cfg.min_compression:g}x smaller"
+    spec = TTLinearSpec(out_modes=tuple(reversed(out_m)), in_modes=in_m, ranks=rank, bias=bias,
+                        name=name, dtype=dtype)  # fmt: skip
+    padded = []
+    if out_p != out_f:
+        padded.append(f"out {out_f}->{out_p}")
+    if in_p != in_f:
+        padded.append(f"in {in_f}->{in_p}")
+    return spec, ", ".join(padded)
+
+
+def _pick_rank(modes: tuple[int, ...], rank: int, dense: int, extra: int,
+               cfg: TensorizeConfig, name: str) -> int:  # fmt: skip
+    """``rank``, or with a target compression the largest rank up to it that meets it
+    (1 if none does)."""
+    if cfg.compression is None:
+        return rank
+    for r in range(rank, 0, -1):
+        if dense / _train_params(modes, cap_ranks(modes, r, name), extra) >= cfg.compression:
+            return r
+    return 1
+
+
+def _replace_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, kind: str,
+                    cfg: TensorizeConfig) -> tuple[nn.Module | None, LayerReport]:  # fmt: skip
+    """A TT replacement of the linear map ``x weight^T + bias`` (weight ``(out, in)``)."""
+    out_f, in_f = weight.shape
+    plan = _linear_plan(name, out_f, in_f, bias is not None, cfg, weight.dtype)
+    before = weight.numel() + (bias.numel() if bias is not None else 0)
+    if isinstance(plan, str):
+        return None, LayerReport(name=name, kind=kind, shape=(out_f, in_f),
+                                 params_before=before, skipped=plan)  # fmt: skip
+    spec, padded = plan
+    dev = weight.device
+    if cfg.init == "svd":
+        w = torch.zeros(spec.out_features, spec.in_features, dtype=spec.dtype, device=dev)
+        w[:out_f, :in_f] = weight.detach()
+        b = None
+        if bias is not None:
+            b = torch.zeros(spec.out_features, dtype=spec.dtype, device=dev)
+            b[:out_f] = bias.detach()
+        params, state = tensor_train.from_dense(w, spec, b)
+        layer = TTLinear(spec, params=params, state=state)
+    else:
+        layer = TTLinear(spec, device=dev)
+    module: nn.Module = layer if not padded else PaddedTTLinear(layer, in_f, out_f)
+    after = sum(p.numel() for p in layer.parameters())
+    return module, LayerReport(
+        name=name, kind=kind, shape=(out_f, in_f),
+        modes=f"{list(spec.out_modes)} | {list(spec.in_modes)}",
+        ranks=tuple(tensor_train.bond_ranks(layer.params())), params_before=before,
+        params_after=after, padded=padded,
+    )  # fmt: skip
+
+
+def _replace_embedding(name: str, emb: nn.Embedding,
+                       cfg: TensorizeConfig) -> tuple[nn.Module | None, LayerReport]:  # fmt: skip
+    rows, dim = emb.weight.shape
+    (vocab_m, _), (dim_m, dim_p) = _split((rows, dim), cfg.embedding_cores)
+    vocab_m = tuple(reversed(vocab_m))
+    report = {"name": name, "kind": "embedding", "shape": (rows, dim),
+              "params_before": emb.weight.numel()}  # fmt: skip
+    if dim_p != dim:
+        return None, LayerReport(**report, skipped=f"skipped: dim {dim} has no balanced split")
+    merged = tuple(v * d for v, d in zip(vocab_m, dim_m, strict=True))
+    rank = _pick_rank(merged, cfg.rank_of(name), rows * dim, 0, cfg, name)
+    if rows * dim < cfg.min_compression * _train_params(merged, cap_ranks(merged, rank, name), 0):
+        why = f"skipped: a rank-{rank} train is not {cfg.min_compression:g}x smaller"
+        return None, LayerReport(**report, skipped=why)
+    spec = TTMEmbeddingSpec(vocab_modes=vocab_m, dim_modes=dim_m, ranks=rank,
+                            num_embeddings=rows, embedding_dim=dim, name=name,
+                            dtype=emb.weight.dtype)  # fmt: skip
+    if cfg.init == "svd":
+        params, state = tensor_train.from_dense(emb.weight, spec)
+        layer = TTMEmbedding(spec, params=params, state=state)
+    else:
+        layer = TTMEmbedding(spec, device=emb.weight.device)
+    padded = f"rows {rows}->{math.prod(vocab_m)}" if math.prod(vocab_m) != rows else ""
+    return layer, LayerReport(
+        **report, modes=f"{list(vocab_m)} x {list(dim_m)}",
+        ranks=tuple(tensor_train.bond_ranks(layer.params())),
+        params_after=sum(p.numel() for p in layer.parameters()), padded=padded,
+    )  # fmt: skip
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): ``x @ weight + bias`` with weight ``(in, out)``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, new)
+
+
+def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
+    """Replace, in place, every target ``nn.Linear``, ``nn.Embedding`` and HF ``Conv1D``
+    of ``model`` by its TT / TTM adapter; returns what was done per layer (print it).
+
+    A target glob that matches no replaceable module is an error that lists the model's
+    module names. Linear layers tied to a replaced embedding (``weight is
+    embedding.weight``) become a :class:`TiedDecoder` of it, whether or not a glob names
+    them; other modules are not touched."""
+    kinds = (nn.Linear, nn.Embedding)
+    candidates = [(n, m) for n, m in model.named_modules()
+                  if n and (isinstance(m, kinds) or _is_conv1d(m))]  # fmt: skip
+    for glob in config.target_modules:
+        if not any(_match(n, (glob,)) for n, _ in candidates):
+            names = ", ".join(n for n, _ in candidates[:40])
+            more = f" (+{len(candidates) - 40} more)" if len(candidates) > 40 else ""
+            raise ConfigError(
+                f"tensorize_: target glob {glob!r} matches no nn.Linear, nn.Embedding or "
+                f"Conv1D; the model's are: {names or '(none)'}{more}"
+            )
+    # embeddings first, so a linear tied to one is known as tied whatever the order
+    chosen = sorted(((n, m) for n, m in candidates if config.matches(n)),
+                    key=lambda nm: not isinstance(nm[1], nn.Embedding))  # fmt: skip
+    summary = TensorizeSummary()
+    embeddings: dict[int, TTMEmbedding] = {}  # id(old weight) -> its replacement
+    for name, module in chosen:
+        if isinstance(module, nn.Embedding):
+            new, report = _replace_embedding(name, module, config)
+            if new is not None:
+                embeddings[id(module.weight)] = new  # type: ignore[assignment]
+        elif isinstance(module, nn.Linear):
+            if id(module.weight) in embeddings:
+                continue  # a tied decoder: handled below with every tied linear
+            new, report = _replace_linear(name, module.weight, module.bias, "linear", config)
+        else:
+            w = module.weight.T  # type: ignore[union-attr]  # Conv1D keeps (in, out)
+            new, report = _replace_linear(name, w, module.bias, "conv1d", config)  # type: ignore[arg-type]
+        summary.layers.append(report)
+        if new is not None:
+            _set_module(model, name, new)
+    for name, module in candidates:  # tied decoders, named by a glob or not
+        if isinstance(module, nn.Linear) and id(module.weight) in embeddings:
+            emb = embeddings[id(module.weight)]
+            _set_module(model, name, TiedDecoder(emb, module.bias))
+            summary.layers.append(LayerReport(
+                name=name, kind="tied decoder", shape=tuple(module.weight.shape),
+                params_before=module.bias.numel() if module.bias is not None else 0,
+                params_after=module.bias.numel() if module.bias is not None else 0,
+                skipped="tied to " + emb.spec.name,
+            ))  # fmt: skip
+    return summary

@@ -1,0 +1,127 @@
+"""``comera.tensorize_``: any model's linear and embedding layers as TT / TTM adapters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import comera as C
+from comera.errors import ConfigError
+from comera.tensorize import PaddedTTLinear, TensorizeConfig, TiedDecoder, tensorize_
+
+FULL = 10**6  # a rank no bond can carry: TT-SVD is then exact
+EXACT = {"rank": FULL, "cores": 2, "embedding_cores": 2, "min_compression": 0}
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 64)
+        self.norm = nn.LayerNorm(64)
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 64, bias=False)
+        self.odd = nn.Linear(64, 97)  # 97 is prime: padded to a size that splits
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(ids))
+        h = h + self.down(torch.relu(self.up(h)))
+        return self.head(h).sum(-1) + self.odd(h).mean(-1)
+
+
+def _toy() -> Toy:
+    torch.manual_seed(0)
+    return Toy().double()
+
+
+def test_full_rank_svd_keeps_the_outputs_and_leaves_the_rest_alone() -> None:
+    model, ids = _toy(), torch.randint(0, 100, (4, 9))
+    want = model(ids)
+    norm, head = model.norm, model.head
+    summary = tensorize_(model, TensorizeConfig(target_modules=("embed", "up", "down", "odd"),
+                                                **EXACT))  # fmt: skip
+    assert isinstance(model.up, C.TTLinear) and isinstance(model.embed, C.TTMEmbedding)
+    assert isinstance(model.odd, PaddedTTLinear)
+    assert model.norm is norm and model.head is head  # not targets: untouched
+    torch.testing.assert_close(model(ids), want, rtol=1e-9, atol=1e-9)
+    rows = {r.name: r for r in summary.layers}
+    assert rows["odd"].padded.startswith("out 97->") and "odd" in str(summary)
+
+
+def test_low_ranks_compress_train_and_survive_state_dict_and_functional_call() -> None:
+    model, ids = _toy(), torch.randint(0, 100, (8, 9))
+    dense = sum(p.numel() for p in model.parameters())
+    cfg = TensorizeConfig(target_modules=("*",), exclude=("head",), rank=4, cores=2)
+    summary = tensorize_(model, cfg)
+    assert sum(p.numel() for p in model.parameters()) < dense / 2
+    assert summary.params_after < summary.params_before
+    target = torch.randn(8, 9, dtype=torch.float64)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = (model(ids) - target).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    twin = _toy()
+    tensorize_(twin, TensorizeConfig(target_modules=("*",), exclude=("head",), rank=4, cores=2,
+                                     init="random"))  # fmt: skip
+    twin.load_state_dict(model.state_dict())
+    torch.testing.assert_close(twin(ids), model(ids))
+    named = dict(model.named_parameters())
+    out = torch.func.functional_call(model, {k: v * 1 for k, v in named.items()}, (ids,))
+    torch.testing.assert_close(out, model(ids))
+    # pruning and compaction run on a replaced layer (the optimizer is rebuilt after it)
+    model.up.prune(float(model.up.gates[0].abs().sort().values[1]))
+    model.up.compact()
+    assert C.tensor_train.bond_ranks(model.up.params())[0] < 4
+
+
+def test_a_target_compression_and_bad_globs() -> None:
+    model = _toy()
+    summary = tensorize_(model, TensorizeConfig(target_modules=("up", "down"), rank=64,
+                                                compression=4.0, cores=2))  # fmt: skip
+    assert all(r.compression >= 4.0 for r in summary.layers)
+    with pytest.raises(ConfigError, match=r"'attn\.\*' matches no .* the model's are: .*up"):
+        tensorize_(_toy(), TensorizeConfig(target_modules=("attn.*",)))
+    small = tensorize_(_toy(), TensorizeConfig(target_modules=("head",), rank=8))
+    assert small.layers[0].skipped.startswith("skipped")  # 64 -> 3: a train is no smaller
+
+
+def _hf_input(vocab: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(0, vocab, (2, 12), generator=g)}
+
+
+def test_bert_and_gpt2_built_from_configs() -> None:
+    """Hugging Face models from configs (no download): BERT with a classification head
+    keeps its outputs at full rank; GPT-2's Conv1D projections are replaced and its LM
+    head stays tied to the (now TTM) token embedding."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=16, num_labels=3,
+    )).eval().double()  # fmt: skip
+    batch = _hf_input(120)
+    want = bert(**batch).logits
+    summary = tensorize_(bert, TensorizeConfig(target_modules=("query", "key", "value", "dense",
+                                                               "word_embeddings"),
+                                               **EXACT))  # fmt: skip
+    assert isinstance(bert.bert.encoder.layer[0].attention.self.query, C.TTLinear)
+    assert isinstance(bert.classifier, nn.Linear)  # not a target
+    torch.testing.assert_close(bert(**batch).logits, want, rtol=1e-8, atol=1e-8)
+    assert len([r for r in summary.layers if not r.skipped]) >= 13
+
+    gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4)).eval().double()  # fmt: skip
+    batch = _hf_input(96)
+    want = gpt(**batch).logits
+    tensorize_(gpt, TensorizeConfig(target_modules=("c_attn", "c_fc", "c_proj", "wte"),
+                                    **EXACT))  # fmt: skip
+    assert isinstance(gpt.transformer.h[0].attn.c_attn, C.TTLinear)
+    assert isinstance(gpt.lm_head, TiedDecoder) and gpt.lm_head.embedding is gpt.transformer.wte
+    torch.testing.assert_close(gpt(**batch).logits, want, rtol=1e-8, atol=1e-8)
