@@ -50,9 +50,11 @@ class _TTModule(nn.Module):
             params, state = tensor_train.init(spec, generator=generator, device=device)
         elif state is None:
             raise ValueError(f"{spec.label}: pass state together with params")
-        self._load(params, state)
+        self.load_tensors(params, state)
 
-    def _load(self, params: Params, state: State) -> None:
+    def load_tensors(self, params: Params, state: State) -> None:
+        """Hold these params and state (new parameters, shapes as given: a compacted
+        train's); the tensors are shared, not copied."""
         self.cores = nn.ParameterList([nn.Parameter(c) for c in params["cores"]])  # type: ignore[union-attr]
         self.gates = nn.ParameterList([nn.Parameter(g) for g in params["gates"]])  # type: ignore[union-attr]
         self.masks = _Buffers(list(state["masks"]))  # type: ignore[arg-type]
@@ -83,7 +85,7 @@ class _TTModule(nn.Module):
         """Physically remove dead ranks. Parameters are replaced: rebuild the optimizer
         (or use ``comera`` training utilities, which carry optimizer state over)."""
         params, state = pruning.compact(self.params(), self.state())
-        self._load(params, state)
+        self.load_tensors(params, state)
 
     def to_dense(self) -> torch.Tensor:
         return tensor_train.to_dense(self.params(), self.state(), self.spec)

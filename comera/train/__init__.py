@@ -2,6 +2,7 @@
 
 - ``config``: ``TrainConfig`` and ``ComeraConfig``, the run's settings, checked on creation.
 - ``task``: the ``Task`` protocol an experiment implements (loss, evaluate, data iterator).
+- ``module_task``: ``ModuleTask``, a Task over an ``nn.Module`` (a tensorized model).
 - ``loop``: the ``Trainer`` that runs a task for ``cfg.steps`` optimizer steps.
 - ``stages``: the CoMERA stage controller (objective per step, prune/compact events).
 - ``objectives``: the gate regularizer, the size surrogate and the late-stage weights.
@@ -21,6 +22,7 @@ from comera.train.distributed import init_distributed
 from comera.train.galore import GaLoreConfig
 from comera.train.logging import read_metrics
 from comera.train.loop import NonFiniteLoss, Trainer
+from comera.train.module_task import ModuleTask
 from comera.train.optim import AdamWConfig, SGDConfig
 from comera.train.task import Task
 
@@ -29,6 +31,7 @@ __all__ = [
     "CheckpointError",
     "ComeraConfig",
     "GaLoreConfig",
+    "ModuleTask",
     "NonFiniteLoss",
     "SGDConfig",
     "Task",

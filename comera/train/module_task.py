@@ -1,0 +1,114 @@
+"""Train an ``nn.Module`` (a model :func:`comera.tensorize_` rewrote, say) with the shared
+trainer: rank adaptation, pruning, compaction, checkpoints, data parallelism, wandb.
+
+The trainer works on a params pytree; :class:`ModuleTask` gives it the module's own
+tensors in that form (each TT / TTM adapter as a ``{"cores", "gates", "bias"}`` dict at its
+module path, every other parameter as a leaf under its name; the rank masks as the state)
+and runs the module with whatever tensors the trainer passes, through
+``torch.func.functional_call``. After a compaction the trainer's tensors are new and
+smaller: the task loads them into the module's adapters, so the module always holds
+what the trainer trains (``copy=False``, which :meth:`ModuleTask.trainer` passes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from comera.nn import TTLinear, TTMEmbedding
+
+__all__ = ["ModuleTask"]
+
+Call = Callable[..., Any]
+
+
+class ModuleTask:
+    """A :class:`comera.train.Task` over ``model``.
+
+    ``loss_fn(call, batch)`` computes a batch's loss, running the model as ``call(...)``
+    (the module's forward, on the trainer's tensors); it returns a scalar mean (one loss
+    term) or ``(sum, count, metrics)``. ``evaluate(call)`` (optional) returns held-out
+    metrics as the trainer expects (floats, or ``(sum, count)`` pairs). ``train_iter``
+    yields batches; for resumable runs it has ``state_dict`` / ``load_state_dict``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[Call, Any], Any],
+        train_iter: Any,
+        evaluate: Callable[[Call], dict] | None = None,
+    ) -> None:
+        self.model, self.loss_fn, self.train_iter = model, loss_fn, train_iter
+        self._evaluate = evaluate
+        adapters = (TTLinear, TTMEmbedding)
+        self._tt = {name: m for name, m in model.named_modules() if isinstance(m, adapters)}
+        owned = {f"{name}.{p}" for name, m in self._tt.items() for p, _ in m.named_parameters()}
+        # frozen parameters stay the module's own: the trainer differentiates what it holds
+        self._rest = [n for n, p in model.named_parameters() if n not in owned and p.requires_grad]
+
+    def params(self) -> dict:
+        """The module's parameters as the trainer's params pytree (the same tensors)."""
+        named = dict(self.model.named_parameters())
+        out: dict[str, Any] = {name: m.params() for name, m in self._tt.items()}
+        out.update({n: named[n] for n in self._rest})
+        return out
+
+    def state(self) -> dict:
+        """The adapters' rank masks as the trainer's state pytree."""
+        return {name: m.state() for name, m in self._tt.items()}
+
+    def _tensors(self, params: dict, state: dict) -> dict[str, torch.Tensor]:
+        """``functional_call``'s ``{qualified name: tensor}`` for a params / state pair."""
+        out: dict[str, torch.Tensor] = {}
+        for name in self._tt:
+            p, s = params[name], state[name]
+            out.update({f"{name}.cores.{k}": c for k, c in enumerate(p["cores"])})
+            out.update({f"{name}.gates.{k}": g for k, g in enumerate(p["gates"])})
+            out.update({f"{name}.masks.{k}": m for k, m in enumerate(s["masks"])})
+            if "bias" in p:
+                out[f"{name}.bias"] = p["bias"]
+        out.update({n: params[n] for n in self._rest})
+        return out
+
+    def _call(self, params: dict, state: dict) -> Call:
+        tensors = self._tensors(params, state)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return torch.func.functional_call(self.model, tensors, args, kwargs, strict=False)
+
+        return call
+
+    def loss(self, params: dict, state: dict, batch: Any, *, train: bool) -> tuple:
+        self.model.train(train)
+        out = self.loss_fn(self._call(params, state), batch)
+        if isinstance(out, torch.Tensor):
+            return out, 1, {}
+        return out
+
+    def evaluate(self, params: dict, state: dict) -> dict:
+        if self._evaluate is None:
+            return {}
+        self.model.eval()
+        return self._evaluate(self._call(params, state))
+
+    def on_compaction(self, params: dict, state: dict) -> None:
+        """Point the module at the trainer's tensors after they were replaced (a
+        compaction's smaller trains, a resumed run's restored ones): the adapters load the
+        new trains and every other parameter shares the trainer's storage, so the module
+        is what is trained."""
+        for name, module in self._tt.items():
+            module.load_tensors(params[name], state[name])
+        for name in self._rest:
+            t = params[name]
+            if self.model.get_parameter(name).data_ptr() != t.data_ptr():
+                owner, _, attr = name.rpartition(".")
+                parent = self.model.get_submodule(owner) if owner else self.model
+                setattr(parent, attr, nn.Parameter(t))
+
+    def trainer(self, cfg: Any, **kw: Any) -> Any:
+        """A :class:`comera.train.Trainer` of this task on the module's own tensors."""
+        from comera.train.loop import Trainer
+
+        return Trainer(cfg, self, self.params(), self.state(), copy=False, **kw)
