@@ -267,7 +267,7 @@ def _replace_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, 
     after = sum(p.numel() for p in layer.parameters())
     return module, LayerReport(
         name=name, kind=kind, shape=(out_f, in_f),
-        modes=f"{list(spec.out_modes)} | {list(spec.in_modes)}",
+        modes=f"{list(spec.out_modes)} / {list(spec.in_modes)}",
         ranks=tuple(tensor_train.bond_ranks(layer.params())), params_before=before,
         params_after=after, padded=padded,
     )  # fmt: skip

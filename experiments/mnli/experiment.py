@@ -236,7 +236,9 @@ def _parse_eval_files(values: list[str] | None) -> dict[str, str] | None:
     return out
 
 
-def _flags(ap: argparse.ArgumentParser) -> None:
+def data_flags(ap: argparse.ArgumentParser) -> None:
+    """The data flags (dataset, local files, tokenizer, columns): MNLI's and any sentence-pair
+    classification experiment's (``experiments.finetune``)."""
     ap.add_argument("--dataset", help="hub name or 'generated'")
     ap.add_argument("--train-file", dest="train_file", help="local parquet/jsonl/json/csv train")
     ap.add_argument("--eval-file", dest="eval_file", action="append", help="[NAME=]PATH")
@@ -245,7 +247,8 @@ def _flags(ap: argparse.ArgumentParser) -> None:
         ap.add_argument(f"--{col}-column", dest=f"{col}_column")
 
 
-def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
+def data_flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """:func:`data_flags`' values as ``data.*`` config overrides."""
     if args.eval_file and not args.train_file:
         raise cli.CLIError(
             "--eval-file needs --train-file: local files replace the hub data as a whole"
@@ -279,8 +282,8 @@ EXPERIMENT = cli.Experiment(
     config_type=Preset,
     build=_build,
     presets={"paper": lambda: preset("paper"), "smoke": lambda: preset("smoke")},
-    flags=_flags,
-    flag_overrides=_flag_overrides,
+    flags=data_flags,
+    flag_overrides=data_flag_overrides,
     bench=_bench,
     description=__doc__.split("\n")[0],
 )

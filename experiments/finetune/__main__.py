@@ -1,0 +1,5 @@
+"""``python -m experiments.finetune``."""
+
+from experiments.finetune.experiment import main
+
+raise SystemExit(main())

@@ -1,0 +1,296 @@
+"""Fine-tune a Hugging Face sequence classifier with CoMERA, or dense.
+
+    python -m experiments.finetune --preset smoke                   # CPU, minutes: a 2-layer
+                                                                    # BERT from a config on the
+                                                                    # generated NLI task
+    python -m experiments.finetune --preset smoke --dense           # the dense baseline
+    python -m experiments.finetune --model ./bert-base-uncased --tokenizer ./bert-base-uncased \\
+        --train-file train.jsonl --eval-file dev=dev.jsonl --target query,key,value,dense --rank 16
+
+``--model`` is a local folder (or a hub name where the hub is reachable) holding a
+``transformers`` model; without it the preset's small BERT is built from a config. The
+model's linear layers named by ``--target`` (globs, PEFT-style; ``--exclude`` too) are
+replaced by TT layers (:func:`comera.tensorize_`, TT-SVD of the weights by default) and
+the shared trainer adapts their ranks (:class:`comera.train.ModuleTask`). Data and its
+flags are MNLI's (:mod:`experiments.mnli.data`: sentence-pair classification from local
+files, the hub or the generated task). The command line is the shared one of
+:mod:`experiments.cli` (presets, ``--set``, ``--config``, plans, resume, wandb).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import comera as C
+from comera.errors import ConfigError
+from comera.tensorize import INITS
+from comera.train import ComeraConfig, TrainConfig
+from comera.train.module_task import ModuleTask
+from comera.train.optim import AdamWConfig
+from experiments import cli
+from experiments.mnli import experiment as mnli
+from experiments.mnli.batches import BatchIterator
+from experiments.mnli.data import MNLIData, MNLIDataConfig, load_mnli
+
+__all__ = ["EXPERIMENT", "ModelConfig", "Preset", "build", "main", "preset"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The model and how it is tensorized.
+
+    ``path``: a local folder (or hub name) of a ``transformers`` model, loaded with a
+    sequence-classification head of ``num_labels``; None builds a BERT of ``layers`` x
+    ``hidden`` (``heads``, ``ffn``, ``dropout``, init std ``init_std``) from a config, for
+    the data's tokenizer (the defaults: MNLI's smoke encoder, which learns the generated
+    task: 16 small heads, std 0.1).
+    ``target`` / ``exclude``: globs over module names (:class:`comera.TensorizeConfig`),
+    ``rank`` (``embedding_rank`` for embedding tables), ``cores`` and ``embedding_cores``,
+    ``init`` and ``min_compression`` are passed to it. ``init="auto"``: TT-SVD of a loaded
+    model's weights (``svd``), a variance-matched draw (``random``) for one built from a
+    config: a random matrix has a flat spectrum, so truncating it keeps little of it (the
+    smoke model built so never leaves the 2/3 cue baseline; drawn at random it learns)."""
+
+    path: str | None = None
+    num_labels: int = 3
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 16
+    ffn: int = 128
+    dropout: float = 0.0
+    init_std: float = 0.1
+    target: tuple[str, ...] = ("query", "key", "value", "dense", "word_embeddings")
+    exclude: tuple[str, ...] = ()
+    rank: int = 8
+    cores: int = 2
+    embedding_cores: int = 2
+    embedding_rank: int = 16
+    init: str = "auto"
+    min_compression: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.init not in ("auto", *INITS):
+            raise ConfigError(f"model.init={self.init!r}; choose auto or one of {INITS}")
+        if self.path is None and self.hidden % self.heads:
+            raise ConfigError(
+                f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}"
+            )
+        if not self.target:
+            raise ConfigError("model.target: give at least one module glob (--target)")
+
+    def tensorize(self) -> C.TensorizeConfig:
+        return C.TensorizeConfig(
+            target_modules=self.target, exclude=self.exclude, rank=self.rank,
+            rank_for=(("*embeddings*", self.embedding_rank),),
+            cores=self.cores, embedding_cores=self.embedding_cores,
+            init=self.init if self.init != "auto" else ("svd" if self.path else "random"),
+            min_compression=self.min_compression,
+        )  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class Preset:
+    """A complete experiment; ``dense`` fine-tunes the model as it is (the baseline)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: MNLIDataConfig
+    train: TrainConfig
+    plans: C.LayerPlans = field(default_factory=C.LayerPlans)
+    dense: bool = False
+    batch_size: int = 32
+    eval_batch_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.eval_batch_size < 1:
+            raise ConfigError(
+                f"Preset: batch_size and eval_batch_size must be >= 1, got "
+                f"{self.batch_size}, {self.eval_batch_size}"
+            )
+
+
+def preset(name: str) -> Preset:
+    """``smoke``: MNLI's smoke schedule and generated task, on a 2-layer BERT built from a
+    config with every attention and feed-forward linear, the pooler and the word embedding
+    tensorized (the shapes and ranks of MNLI's smoke model; CPU, about 3 minutes)."""
+    if name != "smoke":
+        raise ConfigError(f"unknown preset {name!r}; choose 'smoke'")
+    base = mnli.preset("smoke")
+    return Preset(
+        data=base.data,
+        batch_size=base.batch_size,
+        train=TrainConfig(
+            steps=2600,
+            run_dir="runs/finetune-smoke",
+            optim=AdamWConfig(lr_cores=2e-3, lr_gates=5e-3, lr_rest=2e-3, weight_decay=0.0),
+            # MNLI's smoke stages, but the gate pull starts at 500 (this model has learned
+            # the task by then) and the late stage cuts to 0.75 of the early stage's size
+            comera=ComeraConfig(
+                gamma=0.05,
+                tau=0.05,
+                prune_rule="contribution",
+                reg_start_step=500,
+                early_steps=2000,
+                prune_every=50,
+                size_ratio=0.75,
+                rho=0.05,
+            ),
+            warmup_steps=50,
+            schedule="linear",
+            log_every=20,
+            eval_every=200,
+            checkpoint_every=500,
+            run_name="finetune-smoke",
+        ),
+    )
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            "experiments.finetune needs transformers: pip install 'comera-framework[hf]'"
+        ) from None
+    return transformers
+
+
+def load_model(cfg: ModelConfig, data: MNLIData) -> nn.Module:
+    """The classifier: ``cfg.path``'s (local folder, or hub name) or a BERT from a config."""
+    tf = _transformers()
+    if cfg.path is not None:
+        try:
+            return tf.AutoModelForSequenceClassification.from_pretrained(
+                cfg.path, num_labels=cfg.num_labels
+            )
+        except OSError as e:  # no such folder, no weights in it, or an unreachable hub
+            raise ConfigError(f"--model {cfg.path}: cannot load a model there ({e})") from None
+    bert = tf.BertConfig(
+        vocab_size=data.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads, intermediate_size=cfg.ffn,
+        hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
+        max_position_embeddings=max(data.train.input_ids.shape[1], 8), type_vocab_size=2,
+        pad_token_id=data.pad_id, num_labels=cfg.num_labels, initializer_range=cfg.init_std,
+    )  # fmt: skip
+    return tf.BertForSequenceClassification(bert)
+
+
+class _Eval:
+    """Accuracy and loss on every eval split (the whole split on every rank)."""
+
+    def __init__(self, data: MNLIData, batch_size: int, device: torch.device) -> None:
+        self.data, self.batch_size, self.device = data, batch_size, device
+
+    def __call__(self, call: Any) -> dict[str, float]:
+        out = {}
+        with torch.no_grad():
+            for name, split in self.data.eval.items():
+                correct, loss_sum = 0.0, 0.0
+                for start in range(0, len(split), self.batch_size):
+                    idx = torch.arange(start, min(start + self.batch_size, len(split)))
+                    batch = {k: v.to(self.device) for k, v in split.batch(idx).items()}
+                    logits = _logits(call, batch)
+                    loss_sum += float(F.cross_entropy(logits, batch["labels"], reduction="sum"))
+                    correct += float((logits.argmax(-1) == batch["labels"]).sum())
+                out[f"{name}/accuracy"] = correct / max(len(split), 1)
+                out[f"{name}/loss"] = loss_sum / max(len(split), 1)
+        return out
+
+
+def _logits(call: Any, batch: dict) -> torch.Tensor:
+    out = call(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+               attention_mask=batch["attention_mask"])  # fmt: skip
+    return out.logits.float()
+
+
+def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
+    """Data, the (tensorized) model and its task; returns the CLI's five-tuple."""
+    data = load_mnli(p.data)
+    torch.manual_seed(p.train.seed)
+    model = load_model(p.model, data)
+    dense_size = sum(t.numel() for t in model.parameters())
+    summary = None
+    if not p.dense:
+        summary = C.tensorize_(model, p.model.tensorize())
+        for name, module in model.named_modules():
+            if isinstance(module, C.TTLinear):
+                module.plan = p.plans.for_layer(name)
+        if rank == 0:
+            print(summary, file=sys.stderr)
+    device = torch.device(p.train.device)
+    model.to(device)
+
+    def loss(call: Any, batch: dict) -> tuple:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        logits = _logits(call, batch)
+        acc = (logits.argmax(-1) == batch["labels"]).float().mean()
+        return (F.cross_entropy(logits, batch["labels"], reduction="sum"), len(batch["labels"]),
+                {"accuracy": acc.detach()})  # fmt: skip
+
+    it = BatchIterator(data.train, p.batch_size, seed=p.train.seed, rank=rank, world_size=world)
+    task = ModuleTask(model, loss, it, evaluate=_Eval(data, p.eval_batch_size, device))
+    info = {
+        "dense_params": dense_size,
+        "vocab": data.vocab_size,
+        "train_examples": len(data.train),
+        "tensorized": [
+            {
+                "layer": r.name,
+                "kind": r.kind,
+                "modes": r.modes,
+                "ranks": list(r.ranks),
+                "params": [r.params_before, r.params_after],
+                "note": r.skipped or r.padded,
+            }
+            for r in (summary.layers if summary is not None else [])
+        ],  # fmt: skip
+    }
+    return task, task.params(), task.state(), dense_size, info
+
+
+def _flags(ap: argparse.ArgumentParser) -> None:
+    mnli.data_flags(ap)  # the same data flags as MNLI's
+    ap.add_argument("--model", dest="model_path",
+                    help="a local folder (or hub name) of a transformers model")  # fmt: skip
+    ap.add_argument("--target", help="module globs to tensorize, comma-separated")
+    ap.add_argument("--exclude", help="module globs never tensorized, comma-separated")
+    ap.add_argument("--rank", type=int, help="TT rank of every tensorized layer")
+
+
+def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    out = mnli.data_flag_overrides(args)
+    if args.model_path:
+        out.append(("model.path", args.model_path))
+    for flag in ("target", "exclude"):
+        value = getattr(args, flag)
+        if value is not None:
+            out.append((f"model.{flag}", tuple(v for v in value.split(",") if v)))
+    if args.rank is not None:
+        out.append(("model.rank", args.rank))
+    return out
+
+
+EXPERIMENT = cli.Experiment(
+    name="finetune",
+    config_type=Preset,
+    build=lambda p, rank, world: build(p, rank=rank, world=world),
+    presets={"smoke": lambda: preset("smoke")},
+    flags=_flags,
+    flag_overrides=_flag_overrides,
+    description=__doc__.split("\n")[0],
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m experiments.finetune``: the shared experiment CLI."""
+    return cli.main(EXPERIMENT, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""The fine-tuning report: the smoke preset's CoMERA and dense runs side by side.
+
+    python -m experiments.finetune.report                        # trains both unless done
+    python -m experiments.finetune.report --from-json reports/finetune.json   # re-render
+
+Gathers ``runs/finetune-smoke`` and ``runs/finetune-smoke-dense`` into
+``reports/finetune.json`` (final held-out accuracy and loss, best accuracy, parameters and
+compression, curves, the tensorized layers) and renders ``reports/finetune.md`` and
+``reports/finetune_curves.png`` from that JSON alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from experiments.finetune.experiment import main as exp_main
+from experiments.host import report_header
+from experiments.report import (
+    load_run,
+    rank_table,
+    runs_host,
+    series,
+    smoke_report_main,
+    write_report_json,
+)
+
+__all__ = ["gather", "main", "render", "write_report"]
+
+ACC = "eval/validation/accuracy"
+
+
+def _summary(run: dict) -> dict:
+    rows = run["rows"]
+    evals = [r for r in rows if ACC in r]
+    trained = [r for r in rows if "live_params" in r and "step_time_s" in r]
+    best = max(evals, key=lambda r: r[ACC]) if evals else {}
+    times = sorted(r["step_time_s"] for r in trained)
+    return {
+        "final_accuracy": evals[-1][ACC] if evals else None,
+        "final_loss": evals[-1].get("eval/validation/loss") if evals else None,
+        "best_accuracy": best.get(ACC),
+        "best_step": best.get("step"),
+        "live_params": trained[-1]["live_params"] if trained else None,
+        "compression": trained[-1].get("compression") if trained else None,
+        "median_step_s": times[len(times) // 2] if times else None,
+        "steps": trained[-1]["step"] if trained else 0,
+    }
+
+
+def gather(runs_dir: Path, command: str) -> dict:
+    """The report's data from the two smoke run dirs."""
+    dirs = {"CoMERA": runs_dir / "finetune-smoke", "dense": runs_dir / "finetune-smoke-dense"}
+    runs = {name: load_run(d) for name, d in dirs.items()}
+    config = runs["CoMERA"]["config"]
+    return {
+        "meta": {**runs_host(dirs.values()), "command": command},
+        "model": config["model"],
+        "dense_params": config["dense_params"],
+        "tensorized": config["tensorized"],
+        "runs": {name: _summary(r) for name, r in runs.items()},
+        "ranks": runs["CoMERA"]["ranks"],
+        "curves": {
+            name: {
+                "accuracy": series(r["rows"], ACC),
+                "live_params": series(r["rows"], "live_params"),
+            }
+            for name, r in runs.items()
+        },  # fmt: skip
+    }
+
+
+def _plot(data: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, c in data["curves"].items():
+        if c["accuracy"]:
+            a.plot(*zip(*c["accuracy"], strict=True), label=name)
+        if c["live_params"]:
+            b.plot(*zip(*c["live_params"], strict=True), label=name)
+    a.set(xlabel="step", ylabel="held-out accuracy", title="accuracy")
+    b.set(xlabel="step", ylabel="parameters", title="live parameters", yscale="log")
+    for ax in (a, b):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "finetune_curves.png", dpi=110)
+    plt.close(fig)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render(data: dict, out: Path) -> str:
+    """``finetune.md`` and the curves from the JSON alone; returns the markdown."""
+    m = data["model"]
+    meta = data["meta"]
+    lines = report_header("Fine-tuning a Hugging Face classifier with CoMERA", meta["command"],
+                          meta)  # fmt: skip
+    source = m["path"] or (f"a {m['layers']}-layer BERT ({m['hidden']} wide, FFN {m['ffn']}) "
+                           "built from a config")  # fmt: skip
+    lines += [
+        f"`python -m experiments.finetune --preset smoke` on the generated NLI task: {source}, "
+        f"its modules matching {', '.join(m['target'])} tensorized (init {m['init']}: "
+        "TT-SVD of a loaded model, a random draw for one built from a config) at rank "
+        f"{m['rank']} (embeddings {m['embedding_rank']}), then "
+        "fine-tuned with rank adaptation; dense: the same model as built. Compression is "
+        f"against the dense model's {data['dense_params']:,} parameters.",
+        "",
+        "| run | accuracy at end | best accuracy (step) | loss at end | parameters | "
+        "compression | median step (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in data["runs"].items():
+        lines.append(
+            f"| {name} | {_fmt(r['final_accuracy'], '.4f')} | {_fmt(r['best_accuracy'], '.4f')} "
+            f"({r['best_step']}) | {_fmt(r['final_loss'], '.4f')} | "
+            f"{_fmt(r['live_params'], ',')} | {_fmt(r['compression'], '.1f')}x | "
+            f"{_fmt(r['median_step_s'], '.4f')} |"
+        )
+    lines += ["", "![curves](finetune_curves.png)", ""]
+    if data["ranks"]:
+        lines += ["## Live ranks (CoMERA)", "", *rank_table(data["ranks"]), ""]
+    lines += ["## Tensorized layers at the start", "",
+              "| layer | kind | modes | ranks | params (dense -> TT) | note |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for t in data["tensorized"]:
+        before, after = t["params"]
+        lines.append(f"| {t['layer']} | {t['kind']} | {t['modes'] or '-'} | "
+                     f"{','.join(map(str, t['ranks'])) or '-'} | {before:,} -> {after:,} | "
+                     f"{t['note'] or ''} |")  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    _plot(data, out)
+    (out / "finetune.md").write_text(text)
+    return text
+
+
+def write_report(
+    runs_dir: Path, out_dir: Path, bench: dict | None, command: str | None = None
+) -> str:
+    """Gather the smoke runs into ``finetune.json``, then render from it."""
+    data = gather(runs_dir, command or "python -m experiments.finetune.report")
+    return render(write_report_json(out_dir / "finetune.json", data), out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m experiments.finetune.report``."""
+    return smoke_report_main("finetune", exp_main, write_report, argv, __doc__.split("\n")[0],
+                             render=render)  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""``python -m experiments.finetune``: a Hugging Face classifier tensorized and
+rank-adapted, from a config or a local folder, CoMERA or dense; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from experiments.finetune import main  # noqa: E402
+
+SETS = ["train.steps=30", "train.eval_every=15", "train.checkpoint_every=15",
+        "data.generated_train=300", "data.generated_eval=60", "train.warmup_steps=0",
+        "train.comera.reg_start_step=5", "train.comera.early_steps=20",
+        "train.comera.prune_every=5"]  # fmt: skip
+
+
+def _argv(tmp_path: Path, run: str, *extra: str) -> list[str]:
+    argv = ["--preset", "smoke", "--run-dir", str(tmp_path / run), "--no-progress",
+            "--wandb", "disabled", *extra]  # fmt: skip
+    for kv in SETS:
+        argv += ["--set", kv]
+    return argv
+
+
+def test_smoke_cli_tensorizes_adapts_ranks_and_resumes(tmp_path: Path, capsys) -> None:
+    from experiments.finetune import report
+
+    assert main(_argv(tmp_path, "finetune-smoke")) == 0
+    (tmp_path / "run").symlink_to(tmp_path / "finetune-smoke")
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    layers = {r["layer"]: r for r in config["tensorized"]}
+    assert "bert.encoder.layer.0.attention.self.query" in layers
+    assert "bert.embeddings.word_embeddings" in layers and "classifier" not in layers
+    ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
+    assert ranks  # the trainer tracked the tensorized layers' ranks
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/validation/accuracy" in r for r in rows)
+    trained = [r for r in rows if "compression" in r]
+    assert trained[-1]["compression"] > 3  # against the dense model's parameter count
+    assert main(["--resume", str(tmp_path / "finetune-smoke"), "--no-progress"]) == 0  # done
+    assert main(_argv(tmp_path, "finetune-smoke-dense", "--dense")) == 0
+    dense = json.loads((tmp_path / "finetune-smoke-dense" / "config.json").read_text())
+    assert dense["tensorized"] == [] and dense["dense"]
+    text = report.write_report(tmp_path, tmp_path, None)  # the report of the two runs
+    assert "| CoMERA |" in text and "| dense |" in text
+    assert (tmp_path / "finetune_curves.png").is_file()
+    again = report.render(json.loads((tmp_path / "finetune.json").read_text()), tmp_path)
+    assert again == text  # rendered from the JSON alone
+
+
+@pytest.mark.slow
+def test_a_local_model_folder_and_bad_input(tmp_path: Path, capsys) -> None:
+    """``--model FOLDER`` loads a saved transformers model (here one saved from the smoke
+    config); a folder with no model, or a target that matches nothing, is one line."""
+    from experiments.finetune.experiment import load_model, preset
+    from experiments.mnli.data import load_mnli
+
+    p = preset("smoke")
+    model = load_model(p.model, load_mnli(p.data))
+    model.save_pretrained(tmp_path / "bert")
+    assert main(_argv(tmp_path, "local", "--model", str(tmp_path / "bert"), "--rank", "4")) == 0
+    config = json.loads((tmp_path / "local" / "config.json").read_text())
+    assert config["model"]["path"] == str(tmp_path / "bert") and config["model"]["rank"] == 4
+    capsys.readouterr()
+    assert main(_argv(tmp_path, "nomodel", "--model", str(tmp_path / "nothing"))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model" in err[0]
+    assert main(_argv(tmp_path, "notarget", "--target", "attn.*")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'attn.*' matches no" in err[0] and "query" in err[0]
