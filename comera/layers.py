@@ -32,6 +32,7 @@ __all__ = [
     "tt_linear",
     "tt_linear_shared_input",
     "ttm_embedding",
+    "ttm_logits",
     "ttm_lookup",
 ]
 
@@ -345,3 +346,38 @@ def ttm_lookup(
     groups = pair_cores(g, len(uniq))
     rows = _chain_rows(groups, _digits(uniq, [c.shape[1] for c in groups]))
     return gather_rows(rows, inverse)
+
+
+def _rows_logits(h: torch.Tensor, *cores: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(h, ttm_table(cores))  # (M, rows of this block)
+
+
+def ttm_logits(
+    params: Params, state: State, h: torch.Tensor, *, rows: int | None = None
+) -> torch.Tensor:
+    """``h (..., D)`` against a TTM embedding's table (a tied decoder): ``(..., rows)``
+    logits, no bias; ``rows`` drops the padded vocabulary rows (default: all).
+
+    The table is never stored whole: it is built one block of rows at a time (one index of
+    its first vocabulary mode), each block's logits computed and the block dropped, and
+    rebuilt block by block in backward (activation checkpointing). The blocks together
+    cost one table build; the memory is one block instead of the table, its gradient and
+    the chain's partial products (about 460 MB at 50,265 x 768). A small table is built
+    whole, once: when those (about three tables, ``3 V D``) take no more memory than the
+    ``(M, V)`` logits made anyway (``3 D <= M``), where the blocks' many small ops cost
+    more time than the whole table's memory."""
+    from torch.utils.checkpoint import checkpoint
+
+    cores = gated_cores(params, state, "ttm_logits")
+    h2 = h.reshape(-1, h.shape[-1])
+    if 3 * h2.shape[-1] <= h2.shape[0]:
+        out = _rows_logits(h2, *cores)
+    else:
+        first, rest = cores[0], cores[1:]
+        blocks = [
+            checkpoint(_rows_logits, h2, first[:, a : a + 1], *rest, use_reentrant=False)
+            for a in range(first.shape[1])
+        ]
+        out = torch.cat(blocks, dim=-1)
+    out = out if rows is None else out[:, :rows]
+    return out.reshape(*h.shape[:-1], out.shape[-1])

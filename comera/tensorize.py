@@ -28,6 +28,7 @@ from torch import nn
 
 from comera import tensor_train
 from comera.errors import ConfigError
+from comera.layers import ttm_logits
 from comera.nn import TTLinear, TTMEmbedding
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec, cap_ranks, propose_modes
 
@@ -168,7 +169,8 @@ class PaddedTTLinear(nn.Module):
 
 class TiedDecoder(nn.Module):
     """A decoder whose weight is a TTM embedding's table (a tied LM head): ``x E^T + b``
-    with ``E`` rebuilt from the embedding's cores on each call, so the two stay one."""
+    with ``E`` rebuilt from the embedding's cores on each call (in checkpointed blocks of
+    rows: :func:`comera.layers.ttm_logits`), so the two stay one."""
 
     def __init__(self, embedding: TTMEmbedding, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -177,8 +179,9 @@ class TiedDecoder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         emb = self.embedding
-        table = tensor_train.ttm_table(tensor_train.gated_cores(emb.params(), emb.state()))
-        return F.linear(x, table[: emb.spec.num_embeddings], self.bias)  # type: ignore[union-attr]
+        rows = emb.spec.num_embeddings  # type: ignore[union-attr]
+        logits = ttm_logits(emb.params(), emb.state(), x, rows=rows)  # blocks, checkpointed
+        return logits if self.bias is None else logits + self.bias
 
 
 def _modes(size: int, d: int) -> tuple[tuple[int, ...], int] | None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import comera as C
-from comera.tensor_train import gated_cores, is_tt_params, ttm_table
+from comera.layers import ttm_logits
+from comera.tensor_train import is_tt_params
 from experiments.transformer import EncoderConfig, encoder_hidden, init_encoder
 
 __all__ = ["document_mask", "init_mlm", "mlm_logits", "segment_positions", "tied_logits"]
@@ -55,36 +55,14 @@ def init_mlm(cfg: EncoderConfig, *, generator: torch.Generator) -> tuple[dict, d
     return params, state
 
 
-def _rows_logits(h: torch.Tensor, *cores: torch.Tensor) -> torch.Tensor:
-    return F.linear(h, ttm_table(cores))  # (M, rows of this block)
-
-
 def tied_logits(params: dict, state: dict, h: torch.Tensor, cfg: EncoderConfig) -> torch.Tensor:
-    """``h (M, d)`` against the word embedding: ``(M, V)`` logits, no bias.
-
-    A TTM table is never stored whole: it is built one block of rows at a time (one index
-    of its first vocabulary mode, e.g. 2,560 of 51,200 rows), each block's logits computed
-    and the block dropped, and rebuilt block by block in backward (activation
-    checkpointing). The blocks together cost one table build; the memory is one block
-    instead of the table, its gradient and the chain's partial products (about 460 MB at
-    CodeBERT's 50,265 x 768).
-
-    A small table is built whole, once, without recomputation: when the table, its
-    gradient and the chain's partial products (about three tables, ``3 V d``) take no more
-    memory than the ``(M, V)`` logits the decoder makes anyway (``3 d <= M``). At smoke
-    sizes the blocks' many small ops cost more time than the whole table's memory."""
+    """``h (M, d)`` against the word embedding: ``(M, V)`` logits, no bias. A TTM table is
+    built in checkpointed blocks of rows, or whole when small
+    (:func:`comera.layers.ttm_logits`)."""
     word = params["embed"]["word"]
     if not is_tt_params(word):
         return F.linear(h, word["weight"])
-    cores = gated_cores(word, state["embed"]["word"], "embed.word")
-    if 3 * h.shape[-1] <= h.shape[0]:
-        return _rows_logits(h, *cores)[:, : cfg.vocab_size]
-    first, rest = cores[0], cores[1:]
-    blocks = [
-        checkpoint(_rows_logits, h, first[:, a : a + 1], *rest, use_reentrant=False)
-        for a in range(first.shape[1])
-    ]
-    return torch.cat(blocks, dim=-1)[:, : cfg.vocab_size]
+    return ttm_logits(word, state["embed"]["word"], h, rows=cfg.vocab_size)
 
 
 def mlm_logits(

@@ -125,3 +125,23 @@ def test_bert_and_gpt2_built_from_configs() -> None:
     assert isinstance(gpt.transformer.h[0].attn.c_attn, C.TTLinear)
     assert isinstance(gpt.lm_head, TiedDecoder) and gpt.lm_head.embedding is gpt.transformer.wte
     torch.testing.assert_close(gpt(**batch).logits, want, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("tokens", [5, 200])  # 3 * 16 > 5: checkpointed blocks; else whole
+def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(tokens: int) -> None:
+    from comera.layers import ttm_logits
+
+    spec = C.TTMEmbeddingSpec(vocab_modes=(5, 4, 3), dim_modes=(2, 2, 4), ranks=4,
+                              num_embeddings=57, embedding_dim=16, dtype=torch.float64)  # fmt: skip
+    params, state = C.init(spec, generator=torch.Generator().manual_seed(0))
+    leaves = [*params["cores"], *params["gates"]]
+    for t in leaves:
+        t.requires_grad_(True)
+    h = torch.randn(tokens, 16, dtype=torch.float64, requires_grad=True)
+    got = ttm_logits(params, state, h, rows=57)
+    want = h @ C.to_dense(params, state, spec).T
+    torch.testing.assert_close(got, want)
+    gy = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, [h, *leaves], gy),
+                    torch.autograd.grad(want, [h, *leaves], gy), strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b)
