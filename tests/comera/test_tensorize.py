@@ -127,6 +127,44 @@ def test_bert_and_gpt2_built_from_configs() -> None:
     torch.testing.assert_close(gpt(**batch).logits, want, rtol=1e-8, atol=1e-8)
 
 
+def test_a_tensorized_gpt2_trains_saves_and_calls_functionally() -> None:
+    """At low rank: a few steps lower the LM loss, ``state_dict`` loads into another
+    tensorized GPT-2, ``functional_call`` gives the module's outputs, and the modules no
+    glob names (layer norms, positions) are the same objects."""
+    transformers = pytest.importorskip("transformers")
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0))  # fmt: skip
+
+    cfg = TensorizeConfig(target_modules=("c_attn", "c_fc", "c_proj", "wte"), rank=4, cores=2,
+                          embedding_cores=2, init="random")  # fmt: skip
+    gpt = build()
+    ln, wpe = gpt.transformer.ln_f, gpt.transformer.wpe
+    tensorize_(gpt, cfg)
+    assert gpt.transformer.ln_f is ln and gpt.transformer.wpe is wpe
+    ids = _hf_input(96)["input_ids"]
+    opt = torch.optim.Adam(gpt.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(15):
+        loss = gpt(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    twin = build()
+    tensorize_(twin, cfg)
+    twin.load_state_dict(gpt.state_dict())
+    gpt.eval(), twin.eval()
+    torch.testing.assert_close(twin(input_ids=ids).logits, gpt(input_ids=ids).logits)
+    named = {k: v.detach().clone() for k, v in gpt.named_parameters()}
+    out = torch.func.functional_call(gpt, named, (), {"input_ids": ids})
+    torch.testing.assert_close(out.logits, gpt(input_ids=ids).logits)
+
+
 @pytest.mark.parametrize("tokens", [5, 200])  # 3 * 16 > 5: checkpointed blocks; else whole
 def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(tokens: int) -> None:
     from comera.layers import ttm_logits
