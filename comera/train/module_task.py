@@ -31,7 +31,12 @@ class ModuleTask:
     (the module's forward, on the trainer's tensors); it returns a scalar mean (one loss
     term) or ``(sum, count, metrics)``. ``evaluate(call)`` (optional) returns held-out
     metrics as the trainer expects (floats, or ``(sum, count)`` pairs). ``train_iter``
-    yields batches; for resumable runs it has ``state_dict`` / ``load_state_dict``."""
+    yields batches; for resumable runs it has ``state_dict`` / ``load_state_dict``.
+
+    What it does not carry: the module's buffers other than the rank masks (e.g. batch
+    norm's running statistics) are neither checkpointed nor kept equal across ranks, and
+    the model must already be on the trainer's device (``model.to(cfg.device)``). Frozen
+    parameters (``requires_grad=False``) outside TT layers stay the module's own."""
 
     def __init__(
         self,
@@ -101,11 +106,9 @@ class ModuleTask:
         for name, module in self._tt.items():
             module.load_tensors(params[name], state[name])
         for name in self._rest:
-            t = params[name]
-            if self.model.get_parameter(name).data_ptr() != t.data_ptr():
-                owner, _, attr = name.rpartition(".")
-                parent = self.model.get_submodule(owner) if owner else self.model
-                setattr(parent, attr, nn.Parameter(t))
+            t, p = params[name], self.model.get_parameter(name)
+            if p.data_ptr() != t.data_ptr():
+                p.data = t  # the same Parameter object: every module that shares it follows
 
     def trainer(self, cfg: Any, **kw: Any) -> Any:
         """A :class:`comera.train.Trainer` of this task on the module's own tensors."""

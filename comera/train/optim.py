@@ -112,7 +112,7 @@ def adamw_step(
         ps, gs = [leaves[i] for i in idx], [grads[i] for i in idx]
         m, v = [ms[i] for i in idx], [vs[i] for i in idx]
         lr = cfg.lr(group) * lr_scale
-        if _fusable(ps, gs):
+        if _fusable(ps, gs, m, v):
             _fused(ps, gs, m, v, step, lr, cfg, decay=group != "gates")
             continue
         if cfg.weight_decay and group != "gates":
@@ -129,14 +129,17 @@ def adamw_step(
     return {**opt, "step": step, "groups": groups}
 
 
-def _fusable(ps: list[torch.Tensor], gs: list[torch.Tensor]) -> bool:
-    """Whether torch's fused AdamW kernel takes these params and gradients."""
+def _fusable(ps: list[torch.Tensor], gs: list[torch.Tensor], m: list[torch.Tensor],
+             v: list[torch.Tensor]) -> bool:  # fmt: skip
+    """Whether torch's fused AdamW kernel takes these params, gradients and moments: one
+    floating dtype and device, dense, and every tensor contiguous (the kernel walks raw
+    memory: a transposed or sliced parameter would be updated out of place)."""
     first = ps[0]
     if first.device.type not in ("cpu", "cuda") or not first.is_floating_point():
         return False
-    return all(p.dtype == first.dtype and p.device == first.device for p in ps) and all(
-        g.dtype == first.dtype and not g.is_sparse for g in gs
-    )
+    if any(t.is_sparse or not t.is_contiguous() for t in (*ps, *gs, *m, *v)):
+        return False
+    return all(t.dtype == first.dtype and t.device == first.device for t in (*ps, *gs, *m, *v))
 
 
 def _fused(ps: list, gs: list, m: list, v: list, step: int, lr: float, cfg: AdamWConfig,

@@ -98,9 +98,12 @@ def test_fused_adamw_equals_the_foreach_path(monkeypatch):
     with their own rates, decay on matrices only, over several steps."""
     import comera.train.optim as O
 
+    real = torch._fused_adamw_
     torch.manual_seed(0)
     layer = {"cores": [torch.randn(1, 4, 3), torch.randn(3, 5, 1)], "gates": [torch.rand(3)]}
     tree = {"layer": layer, "w": torch.randn(6, 2), "b": torch.randn(2)}
+    fused = []
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: fused.append(1) or real(*a, **k))
     cfg = AdamWConfig(lr_cores=1e-2, lr_gates=3e-2, lr_rest=2e-2, weight_decay=0.1)
     trees = [tree_map(torch.clone, tree) for _ in range(2)]
     opts = [adamw_init(t) for t in trees]
@@ -108,11 +111,21 @@ def test_fused_adamw_equals_the_foreach_path(monkeypatch):
         grads = [torch.randn_like(t) for t in tree_flatten(tree)[0]]
         opts[0] = O.adamw_step(trees[0], grads, opts[0], cfg, lr_scale=0.5)
         with monkeypatch.context() as m:
-            m.setattr(O, "_fusable", lambda ps, gs: False)
+            m.setattr(O, "_fusable", lambda *a: False)
             opts[1] = O.adamw_step(trees[1], grads, opts[1], cfg, lr_scale=0.5)
     for a, b in zip(tree_flatten(trees[0])[0], tree_flatten(trees[1])[0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert opts[0]["step"] == opts[1]["step"] == 4
+    assert opts[0]["step"] == opts[1]["step"] == 4 and fused  # the fused kernel ran
+    # a transposed parameter (a view with other strides) takes the foreach path: the fused
+    # kernel walks raw memory and would update it out of place
+    base = torch.randn(3, 5)
+    t = {"w": base.t()}
+    ref = {"w": base.t().contiguous()}
+    g = [torch.randn(5, 3)]
+    o1, o2 = adamw_init(t), adamw_init(ref)
+    O.adamw_step(t, g, o1, cfg)
+    O.adamw_step(ref, g, o2, cfg)
+    torch.testing.assert_close(t["w"], ref["w"])
 
 
 def test_accumulate_keeps_shared_gradients_apart():
