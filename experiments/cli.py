@@ -356,9 +356,38 @@ def apply_overrides(
             asked[key] = label
             changes.pop(key, None)
             continue
-        changes[key] = (parse_value(value, hint, key) if text else _convert(value, hint), label)
+        from_text = not text and isinstance(value, str) and hint not in (str, Any)
+        if from_text:  # a file's string (YAML reads 1e-3 as one): parsed as --set would be
+            try:
+                parsed = parse_value(value, hint, key)
+            except CLIError as e:  # named after the file's item, not a --set
+                raise CLIError(f"{label}: {str(e).partition(': ')[2]}") from None
+        else:
+            parsed = parse_value(value, hint, key) if text else _convert(value, hint)
+        _check_type(parsed, hint, label)
+        changes[key] = (parsed, label)
         asked.pop(key, None)
     return _rebuild(cfg, "", changes, asked)
+
+
+def _check_type(value: Any, hint: Any, label: str) -> None:
+    """Refuse a plain value of the wrong kind (a file's ``"7"`` for an int field) in one
+    line, before a config check or the run trips over it."""
+    args = (
+        typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+    )
+    kinds = [a for a in (args or (hint,)) if a in (bool, int, float, str)]
+    if not kinds or (value is None and type(None) in args):
+        return
+    ok = any(
+        isinstance(value, k)
+        and not (k in (int, float) and isinstance(value, bool))
+        or (k is float and isinstance(value, int) and not isinstance(value, bool))
+        for k in kinds
+    )
+    if not ok:
+        want = " or ".join(k.__name__ for k in kinds)
+        raise CLIError(f"{label}: expected a value of type {want}, got {value!r}")
 
 
 def _rebuild(section: Any, prefix: str, changes: dict, asked: dict) -> Any:

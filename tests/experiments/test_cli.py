@@ -106,6 +106,13 @@ def test_a_config_file_gives_the_config_the_same_sets_give(tmp_path, capsys):
     for name in ("c.json", "c.yaml"):
         items = cli.config_file_items(str(tmp_path / name), cfg)
         assert cli.apply_overrides(cfg, [], [], file_items=items) == want
+    (tmp_path / "typed.yaml").write_text("train:\n  optim:\n    lr_cores: 1e-3\n")
+    items = cli.config_file_items(str(tmp_path / "typed.yaml"), cfg)
+    assert cli.apply_overrides(cfg, [], [], file_items=items).train.optim.lr_cores == 1e-3
+    (tmp_path / "typed.json").write_text('{"train": {"steps": "many"}}')
+    with pytest.raises(cli.CLIError, match="typed.json: train.steps.*type int"):
+        cli.apply_overrides(cfg, [], [], file_items=cli.config_file_items(
+            str(tmp_path / "typed.json"), cfg))  # fmt: skip
     (tmp_path / "bad.toml").write_text("[model]\nwidth = 3\n")
     capsys.readouterr()
     assert mnli.main([*argv, "--config", str(tmp_path / "bad.toml")]) == 2
