@@ -48,8 +48,9 @@ class CorpusConfig:
     ``source``: ``"stdlib"`` (the running Python's standard library, three sub-datasets by
     file kind), ``"paths"`` (``paths``: ``{name: folder}``, from ``--corpus``; a folder of
     source files, or one ``python -m loaders.prepare --heldout F`` made; its files are
-    those with a source suffix of any common language, or those ``globs[name]`` matches,
-    from ``--corpus NAME=FOLDER:GLOB``) or ``"hub"``
+    those ``globs[name]`` matches, from ``--corpus NAME=FOLDER:GLOB``, else those
+    ``default_glob`` matches, every common source suffix when None, as the presets set it)
+    or ``"hub"``
     (``hub_dataset`` with one sub-dataset per name in ``hub_configs``, the text in
     ``text_column``: CodeSearchNet's six languages by default; needs the network or a
     warm cache). ``mix``: sub-dataset weights (default equal). ``tokenizer``: a
@@ -63,6 +64,9 @@ class CorpusConfig:
     source: str = "stdlib"
     paths: dict[str, str] = field(default_factory=dict)
     globs: dict[str, str] = field(default_factory=dict)
+    # a folder's files when globs names none: None, every source suffix; a config saved
+    # before the key existed reads its old pattern, so a resumed run sees the same files
+    default_glob: str | None = "**/*.py"
     mix: dict[str, float] = field(default_factory=dict)
     tokenizer: str | None = None
     vocab: int = 2000
@@ -150,7 +154,9 @@ def preset(name: str) -> Preset:
                 emb_dim_modes=(8, 8),
                 emb_rank=16,
             ),  # fmt: skip
-            data=CorpusConfig(source="stdlib", vocab=2000, max_files=150, seq_len=128),
+            data=CorpusConfig(
+                source="stdlib", vocab=2000, max_files=150, seq_len=128, default_glob=None
+            ),
             batch_size=16,
             train=TrainConfig(
                 steps=3000,
@@ -179,9 +185,11 @@ def preset(name: str) -> Preset:
         cuda = torch.cuda.is_available()
         data = (
             CorpusConfig(source="hub", tokenizer="microsoft/codebert-base", seq_len=512,
+                         default_glob=None,
                          eval_batches=64)
             if name == "paper"
-            else CorpusConfig(source="stdlib", vocab=50265, seq_len=512, eval_batches=64)
+            else CorpusConfig(source="stdlib", vocab=50265, seq_len=512, eval_batches=64,
+                              default_glob=None)
         )  # fmt: skip
         return Preset(
             model=codebert_model(),
@@ -239,7 +247,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                                    max_doc_tokens=d.max_doc_tokens, progress=progress)  # fmt: skip
         return corpus_from_paths(d.paths, root, vocab=d.vocab, heldout=d.heldout,
                                  max_doc_tokens=d.max_doc_tokens, tokenizer=d.tokenizer,
-                                 progress=progress, globs=d.globs)  # fmt: skip
+                                 progress=progress, globs=d.globs,
+                                 glob=d.default_glob)  # fmt: skip
 
     corpus = rank_first(corpus_of, rank, world)
     unknown = sorted(set(p.data.mix) - set(corpus.train))

@@ -340,6 +340,12 @@ def test_source_files_take_any_language_and_a_glob_picks_others(tmp_path: Path) 
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"no source file .*--corpus e=.*:GLOB"):
         corpus_from_paths({"e": str(tmp_path / "empty")}, tmp_path / "c", vocab=300)
+    # a config saved before default_glob existed keeps the *.py files it trained on
+    from experiments.cli import config_from_dict
+    from experiments.codebert.experiment import CorpusConfig, preset
+
+    old = config_from_dict(CorpusConfig, {"source": "paths", "paths": {"a": str(tmp_path)}})
+    assert old.default_glob == "**/*.py" and preset("smoke").data.default_glob is None
 
 
 def test_a_folder_of_javascript_trains(tmp_path: Path, capsys) -> None:
