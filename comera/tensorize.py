@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -317,6 +317,26 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, attr, new)
 
 
+def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, list[str]],
+             paths: dict[int, list[str]], embeddings: dict[int, TTMEmbedding]) -> str:  # fmt: skip
+    """Why a matched module must stay as it is, or ``""``: its weight is shared with a
+    module that is not being replaced with it (a tie this rewrite would break), or its
+    parent reads its weight directly (``nn.MultiheadAttention``'s ``out_proj``)."""
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if isinstance(parent, nn.MultiheadAttention):
+        return f"skipped: {parent_name or 'the model'} (nn.MultiheadAttention) reads its weight"
+    weight = module.weight
+    if isinstance(module, nn.Linear) and id(weight) in embeddings:
+        return ""  # tied to a replaced embedding: a TiedDecoder of it
+    others = [o for o in owners.get(id(weight), []) if o not in paths[id(module)]]
+    if isinstance(module, nn.Embedding):  # a linear tied to it becomes its TiedDecoder
+        others = [o for o in others if not isinstance(model.get_submodule(o), nn.Linear)]
+    if others:
+        return f"skipped: its weight is shared with {others[0]}, which this rewrite keeps"
+    return ""
+
+
 def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     """Replace, in place, every target ``nn.Linear``, ``nn.Embedding`` and HF ``Conv1D``
     of ``model`` by its TT / TTM adapter; returns what was done per layer (print it).
@@ -324,7 +344,12 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     A target glob that matches no replaceable module is an error that lists the model's
     module names. Linear layers tied to a replaced embedding (``weight is
     embedding.weight``) become a :class:`TiedDecoder` of it, whether or not a glob names
-    them; other modules are not touched."""
+    them; a module reached by several paths is replaced at every one. A matched module
+    whose weight is shared with one that stays (a tie the rewrite would break), or whose
+    parent reads its weight directly (``nn.MultiheadAttention.out_proj``), is left as it
+    is and listed as skipped. Other modules are not touched. An embedding's
+    ``padding_idx``, ``max_norm`` and ``sparse`` have no TTM counterpart: the summary
+    notes them when set."""
     kinds = (nn.Linear, nn.Embedding)
     candidates = [(n, m) for n, m in model.named_modules()
                   if n and (isinstance(m, kinds) or _is_conv1d(m))]  # fmt: skip
@@ -336,16 +361,34 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
                 f"tensorize_: target glob {glob!r} matches no nn.Linear, nn.Embedding or "
                 f"Conv1D; the model's are: {names or '(none)'}{more}"
             )
+    paths: dict[int, list[str]] = {}  # id(module) -> every path that reaches it
+    owners: dict[int, list[str]] = {}  # id(parameter) -> the module paths that hold it
+    for n, m in model.named_modules(remove_duplicate=False):
+        if n:
+            paths.setdefault(id(m), []).append(n)
+            for _, p in m.named_parameters(recurse=False):
+                owners.setdefault(id(p), []).append(n)
     # embeddings first, so a linear tied to one is known as tied whatever the order
     chosen = sorted(((n, m) for n, m in candidates if config.matches(n)),
                     key=lambda nm: not isinstance(nm[1], nn.Embedding))  # fmt: skip
     summary = TensorizeSummary()
     embeddings: dict[int, TTMEmbedding] = {}  # id(old weight) -> its replacement
     for name, module in chosen:
-        if isinstance(module, nn.Embedding):
+        why = _why_not(name, module, model, owners, paths, embeddings)
+        new: nn.Module | None = None
+        if why:
+            shape = tuple(module.weight.shape)  # type: ignore[union-attr]
+            report = LayerReport(name=name, kind=type(module).__name__, shape=shape,  # type: ignore[arg-type]
+                                 params_before=module.weight.numel(), skipped=why)  # type: ignore[union-attr]  # fmt: skip
+        elif isinstance(module, nn.Embedding):
             new, report = _replace_embedding(name, module, config)
             if new is not None:
                 embeddings[id(module.weight)] = new  # type: ignore[assignment]
+                lost = [k for k in ("padding_idx", "max_norm") if getattr(module, k) is not None]
+                lost += ["sparse"] if module.sparse else []
+                if lost:
+                    note = f"{', '.join(lost)} dropped (no TTM counterpart)"
+                    report = replace(report, padded=f"{report.padded}; {note}".lstrip("; "))
         elif isinstance(module, nn.Linear):
             if id(module.weight) in embeddings:
                 continue  # a tied decoder: handled below with every tied linear
@@ -355,11 +398,13 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             new, report = _replace_linear(name, w, module.bias, "conv1d", config)  # type: ignore[arg-type]
         summary.layers.append(report)
         if new is not None:
-            _set_module(model, name, new)
+            for path in paths[id(module)]:
+                _set_module(model, path, new)
     for name, module in candidates:  # tied decoders, named by a glob or not
         if isinstance(module, nn.Linear) and id(module.weight) in embeddings:
             emb = embeddings[id(module.weight)]
-            _set_module(model, name, TiedDecoder(emb, module.bias))
+            for path in paths[id(module)]:
+                _set_module(model, path, TiedDecoder(emb, module.bias))
             summary.layers.append(LayerReport(
                 name=name, kind="tied decoder", shape=tuple(module.weight.shape),
                 params_before=module.bias.numel() if module.bias is not None else 0,

@@ -160,9 +160,13 @@ def test_a_tensorized_gpt2_trains_saves_and_calls_functionally() -> None:
     twin.load_state_dict(gpt.state_dict())
     gpt.eval(), twin.eval()
     torch.testing.assert_close(twin(input_ids=ids).logits, gpt(input_ids=ids).logits)
-    named = {k: v.detach().clone() for k, v in gpt.named_parameters()}
+    # functional_call runs the tensors it is given (the tied decoder's table included):
+    # perturbed ones give what a module holding them gives
+    named = {k: v.detach() + 0.01 * torch.randn_like(v) for k, v in gpt.named_parameters()}
     out = torch.func.functional_call(gpt, named, (), {"input_ids": ids})
-    torch.testing.assert_close(out.logits, gpt(input_ids=ids).logits)
+    twin.load_state_dict(named, strict=False)  # the tied decoder shares wte's tensors
+    torch.testing.assert_close(out.logits, twin(input_ids=ids).logits)
+    assert not torch.allclose(out.logits, gpt(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("tokens", [5, 200])  # 3 * 16 > 5: checkpointed blocks; else whole
@@ -183,3 +187,38 @@ def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(tokens: int) -
     for a, b in zip(torch.autograd.grad(got, [h, *leaves], gy),
                     torch.autograd.grad(want, [h, *leaves], gy), strict=True):  # fmt: skip
         torch.testing.assert_close(a, b)
+
+
+def test_ties_shared_modules_and_attention_are_respected() -> None:
+    """A weight shared with a module that stays is not split off; a module reached by two
+    paths is replaced at both; ``nn.MultiheadAttention``'s ``out_proj`` (read directly by
+    its parent) stays; an embedding's ``padding_idx`` is reported as dropped."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=96, n_positions=16, n_embd=32, n_layer=1, n_head=4))  # fmt: skip
+    summary = tensorize_(gpt, TensorizeConfig(target_modules=("lm_head",), rank=4, cores=2))
+    assert isinstance(gpt.lm_head, nn.Linear) and gpt.lm_head.weight is gpt.transformer.wte.weight
+    assert "shared with transformer.wte" in summary.layers[0].skipped
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(64, 64)
+            self.b = self.a
+            self.emb = nn.Embedding(100, 64, padding_idx=0)
+            self.layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.layer(self.b(self.a(self.emb(ids))))
+
+    model = Twice()
+    summary = tensorize_(model, TensorizeConfig(target_modules=("*",), rank=4, cores=2,
+                                                embedding_cores=2))  # fmt: skip
+    assert isinstance(model.a, C.TTLinear) and model.b is model.a
+    assert isinstance(model.layer.self_attn.out_proj, nn.Linear)
+    assert isinstance(model.layer.linear1, C.TTLinear)
+    rows = {r.name: r for r in summary.layers}
+    assert "MultiheadAttention" in rows["layer.self_attn.out_proj"].skipped
+    assert "padding_idx dropped" in rows["emb"].padded
+    assert model(torch.randint(0, 100, (2, 5))).shape == (2, 5, 64)
