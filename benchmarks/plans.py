@@ -285,10 +285,10 @@ def render(result: dict) -> str:
         "on each batch's first example, where the arithmetic is all but gone; `fixed "
         "extra` is auto's step over dense's there (the per-step cost of dispatching the "
         "TT layers' many small ops and updating their leaves), and `floor` is "
-        "`(dense + fixed extra) / dense`, the ratio if that were all of auto's extra cost. "
-        "It bounds the ratio from below only where the model's paths do not change with "
-        "the batch (CodeBERT's tied decoder builds its table in row blocks when few tokens "
-        "are masked; DLRM's dense tables make dense's own fixed cost the larger).",
+        "`(dense + fixed extra) / dense`, the ratio if that were all of auto's extra cost: "
+        "an estimate, not a bound (auto decides per token count, so one example may run "
+        "other plans; CodeBERT's tied decoder builds its table in row blocks when few "
+        "tokens are masked; DLRM's dense tables make dense's own fixed cost the larger).",
         "",
         "| experiment | auto (ms) | comera plan (ms) | dense (ms) | auto / dense "
         "| comera / dense | one example: auto, dense (ms) | fixed extra (ms) | floor |",
