@@ -209,34 +209,9 @@ def set_field(cfg: Any, key: str, value: Any, *, text: bool = False, label: str 
     level is rebuilt with ``dataclasses.replace`` so its checks run again. Errors name
     ``label`` (the flag or ``--set`` item the value came from)."""
     label = label or f"--set {key}={value}"
-    return _set(cfg, key.split("."), value, text, label, key)
-
-
-def _set(cfg: Any, parts: list[str], value: Any, text: bool, label: str, key: str) -> Any:
-    head, rest = parts[0], parts[1:]
-    if not dataclasses.is_dataclass(cfg) or head not in _fields(cfg):
-        valid = ", ".join(_fields(cfg)) if dataclasses.is_dataclass(cfg) else "(none)"
-        raise CLIError(
-            f"{label}: unknown config key {key!r} ({head!r} is not in "
-            f"{type(cfg).__name__}); valid keys there: {valid}"
-        )
-    current = getattr(cfg, head)
-    if rest:
-        if not dataclasses.is_dataclass(current):
-            raise CLIError(f"{label}: {head!r} in {key!r} is a value, not a section")
-        new = _set(current, rest, value, text, label, key)
-    else:
-        if dataclasses.is_dataclass(current):
-            raise CLIError(
-                f"{label}: {key!r} is a section; set one of its keys: "
-                + ", ".join(f"{key}.{f}" for f in _fields(current))
-            )
-        hint = _hints(type(cfg))[head]
-        new = parse_value(value, hint, key) if text else _convert(value, hint)
-    try:
-        return dataclasses.replace(cfg, **{head: new})
-    except (*USER_ERRORS, TypeError) as e:  # a config's check, or a value of the wrong type
-        raise CLIError(f"{label}: {e}") from None
+    hint, _ = _field_hint(cfg, key, label)
+    parsed = parse_value(value, hint, key) if text else _convert(value, hint)
+    return _rebuild(cfg, "", {key: (parsed, label)}, {})
 
 
 def _field_hint(cfg: Any, key: str, label: str) -> tuple[Any, Any]:

@@ -20,6 +20,7 @@ files, the hub or the generated task). The command line is the shared one of
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +32,8 @@ from torch import nn
 import comera as C
 from comera.errors import ConfigError
 from comera.tensorize import INITS
-from comera.train import ComeraConfig, TrainConfig
+from comera.train import TrainConfig
 from comera.train.module_task import ModuleTask
-from comera.train.optim import AdamWConfig
 from experiments import cli
 from experiments.mnli import experiment as mnli
 from experiments.mnli.batches import BatchIterator
@@ -122,33 +122,12 @@ def preset(name: str) -> Preset:
     if name != "smoke":
         raise ConfigError(f"unknown preset {name!r}; choose 'smoke'")
     base = mnli.preset("smoke")
-    return Preset(
-        data=base.data,
-        batch_size=base.batch_size,
-        train=TrainConfig(
-            steps=2600,
-            run_dir="runs/finetune-smoke",
-            optim=AdamWConfig(lr_cores=2e-3, lr_gates=5e-3, lr_rest=2e-3, weight_decay=0.0),
-            # MNLI's smoke stages, but the gate pull starts at 500 (this model has learned
-            # the task by then) and the late stage cuts to 0.75 of the early stage's size
-            comera=ComeraConfig(
-                gamma=0.05,
-                tau=0.05,
-                prune_rule="contribution",
-                reg_start_step=500,
-                early_steps=2000,
-                prune_every=50,
-                size_ratio=0.75,
-                rho=0.05,
-            ),
-            warmup_steps=50,
-            schedule="linear",
-            log_every=20,
-            eval_every=200,
-            checkpoint_every=500,
-            run_name="finetune-smoke",
-        ),
-    )
+    # MNLI's smoke schedule, but the gate pull starts at 500 (this model has learned the
+    # task by then) and the late stage cuts to 0.75 of the early stage's size
+    comera = dataclasses.replace(base.train.comera, reg_start_step=500, size_ratio=0.75)
+    train = dataclasses.replace(base.train, run_dir="runs/finetune-smoke",
+                                run_name="finetune-smoke", comera=comera)  # fmt: skip
+    return Preset(data=base.data, batch_size=base.batch_size, train=train)
 
 
 def _transformers() -> Any:
