@@ -72,3 +72,38 @@ def test_a_local_model_folder_and_bad_input(tmp_path: Path, capsys) -> None:
     assert main(_argv(tmp_path, "notarget", "--target", "attn.*")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'attn.*' matches no" in err[0] and "query" in err[0]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_from_a_mid_run_checkpoint_ends_where_the_whole_run_did(
+    tmp_path: Path,
+) -> None:
+    """Exact resume through ``ModuleTask``: the run is rebuilt from a fresh model, the
+    checkpoint of step 15 (before the compaction at 20) restored into it, and the same 15
+    steps taken again give the whole run's final weights and held-out metrics."""
+    import shutil
+
+    import torch
+
+    from comera.train import load_checkpoint
+
+    run = tmp_path / "run"
+    assert main(_argv(tmp_path, "run")) == 0
+    whole = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    final = load_checkpoint(run)
+    shutil.rmtree(run / "checkpoints" / "step_00000030")
+    rows = [r for r in whole if r["step"] <= 15]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--resume", str(run), "--no-progress"]) == 0
+    again = load_checkpoint(run)
+    assert again["step"] == final["step"] == 30
+    a, b = final["params"], again["params"]
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k], b[k]
+        xs = torch.utils._pytree.tree_leaves(x)
+        ys = torch.utils._pytree.tree_leaves(y)
+        assert all(torch.equal(p, q) for p, q in zip(xs, ys, strict=True)), k
+    resumed = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = lambda rs: [r for r in rs if "eval/validation/accuracy" in r]  # noqa: E731
+    assert evals(resumed)[-1] == evals(whole)[-1]
