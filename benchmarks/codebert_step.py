@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reporting import print_rendered
+from benchmarks.timing import timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import cpu_model, report_header
 from experiments.workers import WorkerFailed, run_json_worker
@@ -129,20 +130,16 @@ def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False
         task = MLMTask(model, None, [], mask_id=MASK_ID, special_ids=SPECIAL, plans=plans)
         trainer = Trainer(cfg, task, params, state, copy=False, auto_plans=plans is not None)
         del params, state
-        times = []
-        for _ in range(steps + 1):
-            t = time.perf_counter()
-            trainer.train_step(data)
-            times.append(time.perf_counter() - t)
+        times = timed_steps(lambda: trainer.train_step(data), steps)
         size = C.param_count(trainer.params)
     return {
         "variant": variant,
         "batch": batch,
         "params": size,
-        "step_s": statistics.median(times[1:]),
-        "step_s_all": times[1:],
+        "step_s": statistics.median(times),
+        "step_s_all": times,
         "peak_mb": peak_memory_mb(torch.device("cpu")) - base,
-        "tokens_per_s": batch * seq / statistics.median(times[1:]),
+        "tokens_per_s": batch * seq / statistics.median(times),
     }
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reporting import print_rendered
+from benchmarks.timing import timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
 from experiments.host import cpu_model, report_header
@@ -118,17 +119,13 @@ def run_variant(variant: str, steps: int = 10, malloc: str = "default") -> dict:
         task = DLRMTask(model, None, None, sparse=variant == "dense_sgd", plans=plans)  # type: ignore[arg-type]
         trainer = Trainer(cfg, task, params, state, copy=False, auto_plans=plans is not None)
         del params, state
-        times = []
-        for _ in range(steps + 1):
-            t = time.perf_counter()
-            trainer.train_step(batch)
-            times.append(time.perf_counter() - t)
+        times = timed_steps(lambda: trainer.train_step(batch), steps)
         size = C.param_count(trainer.params)
     return {
         "variant": variant,
         "params": size,
         "compression": dense_param_count(model) / size,
-        "step_time_s": statistics.median(times[1:]),
+        "step_time_s": statistics.median(times),
         "peak_rss_mb": peak_memory_mb(torch.device("cpu")) - base,
         "init_s": init_s,
         "malloc": malloc,

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reporting import print_rendered
+from benchmarks.timing import timed_steps
 from comera.train.logging import write_json_atomic
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import cpu_model, report_header
@@ -149,12 +150,7 @@ def worker(
             if dev.type == "cuda":
                 torch.cuda.synchronize()
 
-        step()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+        times = timed_steps(step, repeats)
         size = C.param_count(trainer.params)
     if dev.type == "cuda":
         peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20

@@ -26,12 +26,12 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.reporting import print_rendered, write_json, write_text
+from benchmarks.timing import timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import host_meta, report_header
 from experiments.workers import WorkerFailed, run_json_worker
@@ -106,19 +106,15 @@ def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False
         cfg = TrainConfig(steps=1000, run_dir=tmp, wandb="disabled", progress=False,
                           comera=comera)  # fmt: skip
         trainer = task.trainer(cfg)
-        times = []
-        for _ in range(steps + 1):
-            t = time.perf_counter()
-            trainer.train_step(ids)
-            times.append(time.perf_counter() - t)
+        times = timed_steps(lambda: trainer.train_step(ids), steps)
         params = C.param_count(trainer.params)
     return {
         "variant": variant,
         "batch": batch,
         "params": params,
         "dense_params": dense_params,
-        "step_s": statistics.median(times[1:]),
-        "step_s_all": times[1:],
+        "step_s": statistics.median(times),
+        "step_s_all": times,
         "peak_mb": (_peak_rss_mb() if reset else peak_memory_mb(torch.device("cpu"))) - base,
         "peak_reset_after_build": reset,
         "build_peak_mb": build_peak,
