@@ -210,8 +210,22 @@ def set_field(cfg: Any, key: str, value: Any, *, text: bool = False, label: str 
     ``label`` (the flag or ``--set`` item the value came from)."""
     label = label or f"--set {key}={value}"
     hint, _ = _field_hint(cfg, key, label)
-    parsed = parse_value(value, hint, key) if text else _convert(value, hint)
-    return _rebuild(cfg, "", {key: (parsed, label)}, {})
+    return _rebuild(cfg, "", {key: (_parsed(value, hint, key, text, label), label)}, {})
+
+
+def _parsed(value: Any, hint: Any, key: str, text: bool, label: str) -> Any:
+    """``value`` as the field's type: ``--set`` text parsed by its annotation, a typed value
+    converted (a file's string for a non-string field parsed as text would be: YAML reads
+    ``1e-3`` as one), then checked to be of the field's kind."""
+    if not text and isinstance(value, str) and hint not in (str, Any):
+        try:
+            value = parse_value(value, hint, key)
+        except CLIError as e:  # named after the item, not a --set
+            raise CLIError(f"{label}: {str(e).partition(': ')[2]}") from None
+    else:
+        value = parse_value(value, hint, key) if text else _convert(value, hint)
+    _check_type(value, hint, label)
+    return value
 
 
 def _field_hint(cfg: Any, key: str, label: str) -> tuple[Any, Any]:
@@ -331,16 +345,7 @@ def apply_overrides(
             asked[key] = label
             changes.pop(key, None)
             continue
-        from_text = not text and isinstance(value, str) and hint not in (str, Any)
-        if from_text:  # a file's string (YAML reads 1e-3 as one): parsed as --set would be
-            try:
-                parsed = parse_value(value, hint, key)
-            except CLIError as e:  # named after the file's item, not a --set
-                raise CLIError(f"{label}: {str(e).partition(': ')[2]}") from None
-        else:
-            parsed = parse_value(value, hint, key) if text else _convert(value, hint)
-        _check_type(parsed, hint, label)
-        changes[key] = (parsed, label)
+        changes[key] = (_parsed(value, hint, key, text, label), label)
         asked.pop(key, None)
     return _rebuild(cfg, "", changes, asked)
 
