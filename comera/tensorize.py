@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera import tensor_train
+from comera.accounting import train_size
 from comera.errors import ConfigError
 from comera.layers import ttm_logits
 from comera.nn import TTLinear, TTMEmbedding
@@ -206,9 +207,10 @@ def _split(sizes: tuple[int, ...], d: int) -> list[tuple[tuple[int, ...], int]]:
     raise AssertionError("unreachable: one mode always splits")  # pragma: no cover
 
 
-def _train_params(modes: tuple[int, ...], ranks: tuple[int, ...], extra: int) -> int:
-    r = (1, *ranks, 1)
-    return sum(r[k] * n * r[k + 1] for k, n in enumerate(modes)) + sum(ranks) + extra
+def _size(modes: tuple[int, ...], rank: int, extra: int, name: str) -> int:
+    """Parameters of a train over ``modes`` at ``rank`` (capped per bond), plus ``extra``
+    (a bias)."""
+    return train_size(list(modes), list(cap_ranks(modes, rank, name))) + extra
 
 
 def _linear_plan(
@@ -219,8 +221,7 @@ def _linear_plan(
     modes = (*reversed(out_m), *in_m)
     dense = out_f * in_f + (out_f if bias else 0)
     rank = _pick_rank(modes, cfg.rank_of(name), dense, out_p if bias else 0, cfg, name)
-    ranks = cap_ranks(modes, rank, name)
-    if dense < cfg.min_compression * _train_params(modes, ranks, out_p if bias else 0):
+    if dense < cfg.min_compression * _size(modes, rank, out_p if bias else 0, name):
         return f"skipped: a rank-{rank} train is not {cfg.min_compression:g}x smaller"
     spec = TTLinearSpec(out_modes=tuple(reversed(out_m)), in_modes=in_m, ranks=rank, bias=bias,
                         name=name, dtype=dtype)  # fmt: skip
@@ -239,7 +240,7 @@ def _pick_rank(modes: tuple[int, ...], rank: int, dense: int, extra: int,
     if cfg.compression is None:
         return rank
     for r in range(rank, 0, -1):
-        if dense / _train_params(modes, cap_ranks(modes, r, name), extra) >= cfg.compression:
+        if dense / _size(modes, r, extra, name) >= cfg.compression:
             return r
     return 1
 
@@ -287,7 +288,7 @@ def _replace_embedding(name: str, emb: nn.Embedding,
         return None, LayerReport(**report, skipped=f"skipped: dim {dim} has no balanced split")
     merged = tuple(v * d for v, d in zip(vocab_m, dim_m, strict=True))
     rank = _pick_rank(merged, cfg.rank_of(name), rows * dim, 0, cfg, name)
-    if rows * dim < cfg.min_compression * _train_params(merged, cap_ranks(merged, rank, name), 0):
+    if rows * dim < cfg.min_compression * _size(merged, rank, 0, name):
         why = f"skipped: a rank-{rank} train is not {cfg.min_compression:g}x smaller"
         return None, LayerReport(**report, skipped=why)
     spec = TTMEmbeddingSpec(vocab_modes=vocab_m, dim_modes=dim_m, ranks=rank,
@@ -309,12 +310,6 @@ def _replace_embedding(name: str, emb: nn.Embedding,
 def _is_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` (GPT-2): ``x @ weight + bias`` with weight ``(in, out)``."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
-
-
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, attr, new)
 
 
 def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, list[str]],
@@ -399,12 +394,12 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
         summary.layers.append(report)
         if new is not None:
             for path in paths[id(module)]:
-                _set_module(model, path, new)
+                model.set_submodule(path, new)
     for name, module in candidates:  # tied decoders, named by a glob or not
         if isinstance(module, nn.Linear) and id(module.weight) in embeddings:
             emb = embeddings[id(module.weight)]
             for path in paths[id(module)]:
-                _set_module(model, path, TiedDecoder(emb, module.bias))
+                model.set_submodule(path, TiedDecoder(emb, module.bias))
             summary.layers.append(LayerReport(
                 name=name, kind="tied decoder", shape=tuple(module.weight.shape),
                 params_before=module.bias.numel() if module.bias is not None else 0,
