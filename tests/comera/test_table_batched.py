@@ -33,9 +33,21 @@ def _tables(seed: int = 0):
     return specs, params, states, ids
 
 
+# the four-table group's cores stacked, merging both pairs (merged tables of 31,104 and
+# 27,648 elements count as small); stacked, no pair merged (12,000 padded core elements
+# fit, the merged tables do not, and 300 rows hold under 1,152 unique ones); per table
+STACKINGS = {"stacked": None, "stacked, unmerged": 20_000, "per table": 0}
+
+
+@pytest.mark.parametrize("stack", list(STACKINGS))
 @pytest.mark.parametrize("rows", [6, 300])  # few rows: chains; many rows: merged core pairs
-def test_batched_equals_separate(rows: int) -> None:
+def test_batched_equals_separate(rows: int, stack: str, monkeypatch) -> None:
+    import comera.table_batched as tb
+
+    if STACKINGS[stack] is not None:
+        monkeypatch.setattr(tb, "STACK_ELEMENTS", STACKINGS[stack])
     specs, params, states, ids = _tables()
+    assert tb._padded_elements(params[:4]) == 12_000 <= tb.STACK_ELEMENTS or stack == "per table"
     ids = ids[:rows]
     out = C.ttm_embedding_batched(params, states, ids, specs=specs)  # (N, T, D)
     ref = torch.stack(
