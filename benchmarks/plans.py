@@ -8,9 +8,10 @@ Two parts, in one process:
 - **Smoke steps.** For each experiment (``mnli``, ``codebert``, ``dlrm``) the smoke preset
   is prepared three times, as its command would (``python -m experiments.<name> --preset
   smoke``): CoMERA with ``--plan auto --embedding-impl auto``, CoMERA with the paper's
-  fixed path (``--plan comera``), and ``--dense``. Their trainers then take turns, one
-  ``Trainer.train_step`` each on the same batches (the early stage's objective, clipping,
-  AdamW), so a change in the machine's load hits all three alike; the figures are median
+  fixed path (``--plan comera``), and ``--dense``. Their trainers then take turns, in an
+  order that rotates, one ``Trainer.train_step`` each on the same batches (the early
+  stage's objective, clipping, AdamW), so a change in the machine's load, or a cache left
+  cold by the step before, hits all three alike; the figures are median
   step times after warm-up steps (the first ``auto`` step times its candidates and is
   not counted). ``smoke_step_time_ratio_vs_dense`` is auto's median over dense's.
 - **Shapes.** What the tuner decided for every TT layer and lookup the smoke steps ran,
@@ -81,8 +82,12 @@ def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
         trainers = {v: _prepare(name, v, Path(tmp), extra or []) for v in VARIANTS}
         its = {v: iter(t.task.train_iter) for v, t in trainers.items()}
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        names = list(trainers)
         for i in range(warmup + steps):
-            for v, tr in trainers.items():
+            # the order rotates: a step that follows dense's (a large update, on a cache
+            # it left cold) is not always the same variant's
+            for v in names[i % 3 :] + names[: i % 3]:
+                tr = trainers[v]
                 batch = [next(its[v]) for _ in range(tr.cfg.accum_steps)]
                 t0 = time.perf_counter()
                 tr.train_step(*batch)
@@ -94,7 +99,7 @@ def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
         # which no plan choice removes
         tiny: dict[str, list[float]] = {"auto": [], "dense": []}
         for i in range(warmup + steps):
-            for v in tiny:
+            for v in list(tiny)[:: 1 if i % 2 else -1]:
                 tr = trainers[v]
                 batch = [_first_example(next(its[v])) for _ in range(tr.cfg.accum_steps)]
                 t0 = time.perf_counter()
@@ -280,7 +285,8 @@ def render(result: dict) -> str:
     lines = report_header("Contraction plans: what `auto` chooses", meta["command"], meta)
     lines += [
         f"{meta.get('threads', '?')} torch threads. Smoke steps: the three variants take "
-        "turns, one `Trainer.train_step` each on the same batches; medians after warm-up. "
+        "turns in an order that rotates, one `Trainer.train_step` each on the same "
+        "batches; medians after warm-up. "
         f"Target: auto's step at most {TARGET}x dense's. `one example`: the same steps "
         "on each batch's first example, where the arithmetic is all but gone; `fixed "
         "extra` is auto's step over dense's there (the per-step cost of dispatching the "
