@@ -3,11 +3,12 @@ trainer: rank adaptation, pruning, compaction, checkpoints, data parallelism, wa
 
 The trainer works on a params pytree; :class:`ModuleTask` gives it the module's own
 tensors in that form (each TT / TTM adapter as a ``{"cores", "gates", "bias"}`` dict at its
-module path, every other parameter as a leaf under its name; the rank masks as the state)
-and runs the module with whatever tensors the trainer passes, through
-``torch.func.functional_call``. After a compaction the trainer's tensors are new and
-smaller: the task loads them into the module's adapters, so the module always holds
-what the trainer trains (``copy=False``, which :meth:`ModuleTask.trainer` passes)."""
+module path, every other parameter as a leaf under its name; the rank masks, and the
+module's persistent buffers under :data:`BUFFERS`, as the state) and runs the module with
+whatever tensors the trainer passes, through ``torch.func.functional_call``. After a
+compaction the trainer's tensors are new and smaller: the task loads them into the
+module's adapters, so the module always holds what the trainer trains (``copy=False``,
+which :meth:`ModuleTask.trainer` passes)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ from torch import nn
 
 from comera.nn import TTLinear, TTMEmbedding
 
-__all__ = ["ModuleTask"]
+__all__ = ["BUFFERS", "ModuleTask"]
 
 Call = Callable[..., Any]
+
+# the state tree's key for the module's persistent buffers (batch norm's running
+# statistics, say): not a name a submodule can take, so no TT layer's path collides
+BUFFERS = "[buffers]"
 
 
 class ModuleTask:
@@ -33,10 +38,14 @@ class ModuleTask:
     metrics as the trainer expects (floats, or ``(sum, count)`` pairs). ``train_iter``
     yields batches; for resumable runs it has ``state_dict`` / ``load_state_dict``.
 
-    What it does not carry: the module's buffers other than the rank masks (e.g. batch
-    norm's running statistics) are neither checkpointed nor kept equal across ranks, and
-    the model must already be on the trainer's device (``model.to(cfg.device)``). Frozen
-    parameters (``requires_grad=False``) outside TT layers stay the module's own."""
+    The module's persistent buffers (batch norm's running statistics, say) ride in the
+    state: the module updates them in place as it runs, and the checkpoint stores them, so
+    a resumed run goes on from the saved statistics. Each rank keeps its own; the
+    checkpoint holds rank 0's, which every rank resumes from. Frozen parameters
+    (``requires_grad=False``) stay the module's own and are not trained: a whole TT layer
+    frozen is neither trained nor pruned. A TT layer with some tensors frozen and others
+    not is refused. The model must already be on the trainer's device
+    (``model.to(cfg.device)``)."""
 
     def __init__(
         self,
@@ -48,10 +57,14 @@ class ModuleTask:
         self.model, self.loss_fn, self.train_iter = model, loss_fn, train_iter
         self._evaluate = evaluate
         adapters = (TTLinear, TTMEmbedding)
-        self._tt = {name: m for name, m in model.named_modules() if isinstance(m, adapters)}
-        owned = {f"{name}.{p}" for name, m in self._tt.items() for p, _ in m.named_parameters()}
+        every = {name: m for name, m in model.named_modules() if isinstance(m, adapters)}
+        self._tt = {name: m for name, m in every.items() if _trained(name, m)}
+        owned = {f"{name}.{p}" for name, m in every.items() for p, _ in m.named_parameters()}
         # frozen parameters stay the module's own: the trainer differentiates what it holds
         self._rest = [n for n, p in model.named_parameters() if n not in owned and p.requires_grad]
+        persistent = set(model.state_dict(keep_vars=True))
+        masks = {f"{name}.{b}" for name, m in every.items() for b, _ in m.named_buffers()}
+        self._buffers = [n for n, _ in model.named_buffers() if n in persistent and n not in masks]
 
     def params(self) -> dict:
         """The module's parameters as the trainer's params pytree (the same tensors)."""
@@ -61,8 +74,12 @@ class ModuleTask:
         return out
 
     def state(self) -> dict:
-        """The adapters' rank masks as the trainer's state pytree."""
-        return {name: m.state() for name, m in self._tt.items()}
+        """The adapters' rank masks as the trainer's state pytree, and the module's
+        persistent buffers (the same tensors) under :data:`BUFFERS`."""
+        out: dict[str, Any] = {name: m.state() for name, m in self._tt.items()}
+        if self._buffers:
+            out[BUFFERS] = {n: self.model.get_buffer(n) for n in self._buffers}
+        return out
 
     def _tensors(self, params: dict, state: dict) -> dict[str, torch.Tensor]:
         """``functional_call``'s ``{qualified name: tensor}`` for a params / state pair."""
@@ -75,6 +92,7 @@ class ModuleTask:
             if "bias" in p:
                 out[f"{name}.bias"] = p["bias"]
         out.update({n: params[n] for n in self._rest})
+        out.update(state.get(BUFFERS, {}))  # a run saved before buffers were kept has none
         return out
 
     def _call(self, params: dict, state: dict) -> Call:
@@ -109,9 +127,26 @@ class ModuleTask:
             t, p = params[name], self.model.get_parameter(name)
             if p.data_ptr() != t.data_ptr():
                 p.data = t  # the same Parameter object: every module that shares it follows
+        for name, t in state.get(BUFFERS, {}).items():  # a resumed run's statistics
+            if self.model.get_buffer(name) is not t:
+                owner, _, leaf = name.rpartition(".")
+                setattr(self.model.get_submodule(owner), leaf, t)
 
     def trainer(self, cfg: Any, **kw: Any) -> Any:
         """A :class:`comera.train.Trainer` of this task on the module's own tensors."""
         from comera.train.loop import Trainer
 
         return Trainer(cfg, self, self.params(), self.state(), copy=False, **kw)
+
+
+def _trained(name: str, module: nn.Module) -> bool:
+    """Whether the trainer trains a TT layer: all of its tensors require grad (it is
+    trained) or none do (it is frozen); a mix is refused."""
+    flags = {p.requires_grad for p in module.parameters()}
+    if len(flags) > 1:
+        frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+        raise ValueError(
+            f"ModuleTask: TT layer {name!r} has frozen tensors ({', '.join(frozen)}) and "
+            "trainable ones; freeze the whole layer (module.requires_grad_(False)) or none of it"
+        )
+    return flags != {False}

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from torch import nn
 
 import comera as C
 from comera.tensor_train import bond_ranks
-from comera.train.module_task import ModuleTask
+from comera.train.module_task import BUFFERS, ModuleTask
 from tests.train_helpers import _cfg, _Iter
 
 
@@ -69,3 +70,60 @@ def test_a_tensorized_module_trains_prunes_compacts_and_resumes(tmp_path) -> Non
     assert {p: bond_ranks(fresh.get_submodule(p).params()) for p in ranks} == ranks
     with torch.no_grad():
         torch.testing.assert_close(fresh(x), plain)
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 16))
+    C.tensorize_(model, C.TensorizeConfig(target_modules=("0", "3"), rank=8, cores=2,
+                                          min_compression=0))  # fmt: skip
+    return model
+
+
+def test_batch_norm_statistics_are_checkpointed_and_restored(tmp_path) -> None:
+    """The module's persistent buffers ride in the state: updated in place as it trains,
+    saved with the checkpoint and put back on resume (a fresh module's statistics would
+    be the initial zeros and ones)."""
+    model = _bn_model()
+    task = _task(model)
+    assert set(task.state()[BUFFERS]) == {"1.running_mean", "1.running_var",
+                                          "1.num_batches_tracked"}  # fmt: skip
+    trainer = task.trainer(_cfg(tmp_path, steps=30, checkpoint_every=30))
+    trainer.fit()
+    bn = model.get_submodule("1")
+    assert int(bn.num_batches_tracked) == 30 and float(bn.running_mean.abs().sum()) > 0
+    assert trainer.state[BUFFERS]["1.running_mean"] is bn.running_mean  # the module's own
+    fresh = _bn_model()
+    again = _task(fresh).trainer(_cfg(tmp_path, steps=30, checkpoint_every=30), resume=True)
+    fresh_bn = fresh.get_submodule("1")
+    torch.testing.assert_close(fresh_bn.running_mean, bn.running_mean)
+    torch.testing.assert_close(fresh_bn.running_var, bn.running_var)
+    assert int(fresh_bn.num_batches_tracked) == 30
+    x = torch.randn(5, 16)
+    model.eval()
+    fresh.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), model(x))
+        through = again.task._call(again.params, again.state)(x)  # noqa: SLF001
+        torch.testing.assert_close(through, model(x))
+
+
+def test_a_frozen_tt_layer_is_neither_trained_nor_pruned(tmp_path) -> None:
+    model = _model()
+    frozen = model.get_submodule("2")
+    frozen.requires_grad_(False)
+    before = [c.detach().clone() for c in frozen.params()["cores"]]
+    task = _task(model)
+    assert set(task.params()) == {"0", "4", "5.weight", "5.bias"}
+    trainer = task.trainer(_cfg(tmp_path, steps=60))
+    trainer.fit()
+    after = frozen.params()["cores"]
+    assert bond_ranks(frozen.params()) == [8, 8, 8]  # not compacted
+    for a, b in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert any(r < 8 for p in ("0", "4") for r in bond_ranks(trainer.params[p]))
+
+    mixed = _model()
+    mixed.get_submodule("2").cores[0].requires_grad_(False)
+    with pytest.raises(ValueError, match="TT layer '2' has frozen tensors"):
+        _task(mixed)
