@@ -8,10 +8,11 @@ Two parts, in one process:
 - **Smoke steps.** For each experiment (``mnli``, ``codebert``, ``dlrm``) the smoke preset
   is prepared three times, as its command would (``python -m experiments.<name> --preset
   smoke``): CoMERA with ``--plan auto --embedding-impl auto``, CoMERA with the paper's
-  fixed path (``--plan comera``), and ``--dense``. Their trainers then take turns, in an
-  order that rotates, one ``Trainer.train_step`` each on the same batches (the early
-  stage's objective, clipping, AdamW), so a change in the machine's load, or a cache left
-  cold by the step before, hits all three alike; the figures are median
+  fixed path (``--plan comera``), and ``--dense``. Their trainers then take turns, one
+  ``Trainer.train_step`` each on the same batches (the early stage's objective, clipping,
+  AdamW), going through the six orders of the three in turn, so a change in the machine's
+  load hits all three alike and each CoMERA variant follows dense's step (whose large
+  update leaves the cache cold) equally often; the figures are median
   step times after warm-up steps (the first ``auto`` step times its candidates and is
   not counted). ``smoke_step_time_ratio_vs_dense`` is auto's median over dense's.
 - **Shapes.** What the tuner decided for every TT layer and lookup the smoke steps ran,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import itertools
 import math
 import statistics
 import sys
@@ -52,7 +54,7 @@ VARIANTS = {
     "comera": ["--plan", "comera"],
     "dense": ["--dense"],
 }
-WARMUP, STEPS = 3, 15
+WARMUP, STEPS = 3, 18  # 18 timed rounds: each of the six orders three times
 PAPER_STEPS = 3  # timed paper-size steps per variant (a CodeBERT-base dense step: ~25 s)
 # fresh processes per paper-size variant, taking turns; each figure is their median. Two
 # processes of the same step differ by more than the targets' margins (DLRM at Kaggle
@@ -86,11 +88,11 @@ def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
         trainers = {v: _prepare(name, v, Path(tmp), extra or []) for v in VARIANTS}
         its = {v: iter(t.task.train_iter) for v, t in trainers.items()}
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        names = list(trainers)
+        orders = list(itertools.permutations(trainers))
         for i in range(warmup + steps):
-            # the order rotates: a step that follows dense's (a large update, on a cache
-            # it left cold) is not always the same variant's
-            for v in names[i % 3 :] + names[: i % 3]:
+            # every order in turn: the step that follows dense's (a large update, on a
+            # cache it left cold) is auto's and comera's equally often
+            for v in orders[i % len(orders)]:
                 tr = trainers[v]
                 batch = [next(its[v]) for _ in range(tr.cfg.accum_steps)]
                 t0 = time.perf_counter()
@@ -302,8 +304,8 @@ def render(result: dict) -> str:
     lines = report_header("Contraction plans: what `auto` chooses", meta["command"], meta)
     lines += [
         f"{meta.get('threads', '?')} torch threads. Smoke steps: the three variants take "
-        "turns in an order that rotates, one `Trainer.train_step` each on the same "
-        "batches; medians after warm-up. "
+        "turns through the six orders of the three, one `Trainer.train_step` each on the "
+        "same batches; medians after warm-up. "
         f"Target: auto's step at most {TARGET}x dense's. `one example`: the same steps "
         "on each batch's first example, where the arithmetic is all but gone; `fixed "
         "extra` is auto's step over dense's there (the per-step cost of dispatching the "
