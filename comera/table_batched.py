@@ -20,9 +20,11 @@ steps:
 A small group (at most :data:`STACK_ELEMENTS` elements once padded) is also stacked
 whole: core ``k`` of every table zero-padded to the group's largest vocab mode as well,
 ``(T, r, v, d, r')``, so gating every table is one product and pre-contracting a pair is
-one batched GEMM for the group instead of a few small ops per table. At these sizes
-the per-table ops, not the arithmetic, were the lookup's cost (14 tables of about 40,000
-rows at batch 256: gating and merging took 5 of its 9.6 ms, fwd+bwd, 2 CPU threads).
+one batched GEMM for the group instead of a few small ops per table; a pair whose merged
+tables are that small too is merged whatever the batch (step 3's rule otherwise). At
+these sizes the per-table ops, not the arithmetic, were the lookup's cost (14 tables of
+about 40,000 rows at batch 256: gating and merging took 5 of its 9.6 ms, fwd+bwd, 2 CPU
+threads).
 
 Values and gradients equal those of separate :func:`comera.ttm_embedding` calls.
 """
@@ -41,8 +43,9 @@ from comera.tensor_train import Params, State, check_state, gated_cores
 
 # a group whose cores, padded to the largest vocab mode and ranks, hold at most this many
 # elements (4 MiB of fp32) is stacked: there the padding's arithmetic is negligible and
-# the ops saved are not. DLRM's Kaggle-size tables (2.4M elements padded against 1.4M)
-# keep the per-table path, where padded pair merges would add GEMM work to the step.
+# the ops saved are not. DLRM's Kaggle-size tables at their initial ranks (2.4M elements
+# padded against 1.4M) take the per-table path, where padded pair merges would add GEMM
+# work to the step; compacted to ranks of about 20 and under, they fit and are stacked.
 STACK_ELEMENTS = 1 << 20
 
 __all__ = ["STACK_ELEMENTS", "table_groups", "ttm_embedding_batched"]

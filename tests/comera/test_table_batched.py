@@ -8,7 +8,7 @@ from comera.layers import pair_cores
 from comera.table_batched import table_groups
 
 
-def _tables(seed: int = 0):
+def _tables(seed: int = 0, n: int = 300):
     g = torch.Generator().manual_seed(seed)
     specs = [
         C.propose_ttm_embedding(n, 16, d=4, ranks=6, name=f"t{i}")
@@ -28,25 +28,32 @@ def _tables(seed: int = 0):
         masks[1][:dead] = False
         params[i], states[i] = C.compact(params[i], {"masks": masks})
     params = [{k: [t.detach().requires_grad_() for t in v] for k, v in p.items()} for p in params]
-    ids = torch.stack([torch.randint(0, s.num_embeddings, (300,), generator=g) for s in specs], 1)
+    ids = torch.stack([torch.randint(0, s.num_embeddings, (n,), generator=g) for s in specs], 1)
     ids[100:200] = ids[:100]  # duplicates
     return specs, params, states, ids
 
 
 # the four-table group's cores stacked, merging both pairs (merged tables of 31,104 and
-# 27,648 elements count as small); stacked, no pair merged (12,000 padded core elements
-# fit, the merged tables do not, and 300 rows hold under 1,152 unique ones); per table
-STACKINGS = {"stacked": None, "stacked, unmerged": 20_000, "per table": 0}
+# 27,648 elements count as small); stacked, pairs merged only for as many unique rows as
+# their 1,296 and 1,152 padded ones (12,000 padded core elements fit, merged tables do
+# not: 300 rows hold under 1,152 unique ones, 1,000 rows more than 1,296); per table
+STACKINGS = {"stacked": None, "stacked, merged by rows": 20_000, "per table": 0}
 
 
-@pytest.mark.parametrize("stack", list(STACKINGS))
-@pytest.mark.parametrize("rows", [6, 300])  # few rows: chains; many rows: merged core pairs
-def test_batched_equals_separate(rows: int, stack: str, monkeypatch) -> None:
+def _stacking(stack: str, monkeypatch) -> None:
     import comera.table_batched as tb
 
     if STACKINGS[stack] is not None:
         monkeypatch.setattr(tb, "STACK_ELEMENTS", STACKINGS[stack])
-    specs, params, states, ids = _tables()
+
+
+@pytest.mark.parametrize("stack", list(STACKINGS))
+@pytest.mark.parametrize("rows", [6, 300, 1000])  # few rows: chains; many: merged pairs
+def test_batched_equals_separate(rows: int, stack: str, monkeypatch) -> None:
+    import comera.table_batched as tb
+
+    _stacking(stack, monkeypatch)
+    specs, params, states, ids = _tables(n=max(rows, 300))
     assert tb._padded_elements(params[:4]) == 12_000 <= tb.STACK_ELEMENTS or stack == "per table"
     ids = ids[:rows]
     out = C.ttm_embedding_batched(params, states, ids, specs=specs)  # (N, T, D)
@@ -58,6 +65,9 @@ def test_batched_equals_separate(rows: int, stack: str, monkeypatch) -> None:
         1,
     )
     assert out.shape == (rows, 5, 16)
+    if stack == "stacked, merged by rows":  # the merge itself follows the unique rows
+        unique = len(torch.unique(ids[:, :4] + torch.arange(4) * 100_000))
+        assert (unique > 1_296) == (rows == 1000)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     w = torch.randn_like(out)
     leaves = [t for p in params for v in p.values() for t in v]
@@ -99,9 +109,11 @@ def test_many_blocks_and_empty_batches(monkeypatch) -> None:
     assert empty.shape == (0, 5, 16)
 
 
-def test_gradients_only_where_asked() -> None:
+@pytest.mark.parametrize("stack", list(STACKINGS))
+def test_gradients_only_where_asked(stack: str, monkeypatch) -> None:
     """Tables (and cores) that do not require grad get none; the others get what separate
     lookups give."""
+    _stacking(stack, monkeypatch)
     specs, params, states, ids = _tables()
     frozen = [{k: [t.detach() for t in v] for k, v in p.items()} for p in params]
     mixed = [params[0], frozen[1], params[2], frozen[3], params[4]]
@@ -120,10 +132,14 @@ def test_gradients_only_where_asked() -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_batched_under_bf16_autocast_keeps_one_dtype_and_fp32_gradients() -> None:
+@pytest.mark.parametrize("stack", list(STACKINGS))
+def test_batched_under_bf16_autocast_keeps_one_dtype_and_fp32_gradients(
+    stack: str, monkeypatch
+) -> None:
     """Under autocast a merged core pair comes out bf16 while a lone core stays fp32; the
     chain runs in the cores' own dtype, so the backward mixes nothing and the gradients
     are fp32 and close to the fp32 ones."""
+    _stacking(stack, monkeypatch)
     spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5, 6), dim_modes=(2, 2, 4), ranks=4,
                               num_embeddings=120)  # fmt: skip
     p, st = C.init(spec, generator=torch.Generator().manual_seed(1))
