@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from comera.nn import TTLinear, TTMEmbedding
+from comera.tree import iter_tt
 
 __all__ = ["BUFFERS", "ModuleTask"]
 
@@ -39,13 +40,15 @@ class ModuleTask:
     yields batches; for resumable runs it has ``state_dict`` / ``load_state_dict``.
 
     The module's persistent buffers (batch norm's running statistics, say) ride in the
-    state: the module updates them in place as it runs, and the checkpoint stores them, so
-    a resumed run goes on from the saved statistics. Each rank keeps its own; the
-    checkpoint holds rank 0's, which every rank resumes from. Frozen parameters
-    (``requires_grad=False``) stay the module's own and are not trained: a whole TT layer
-    frozen is neither trained nor pruned. A TT layer with some tensors frozen and others
-    not is refused. The model must already be on the trainer's device
-    (``model.to(cfg.device)``)."""
+    state: the module updates them as it runs (in place, or, in eager steps, by assigning
+    a new tensor, which is written back after each call), and the checkpoint stores them,
+    so a resumed run goes on from the saved statistics. A 0-dim buffer is held as a
+    one-element view of itself, so ``step_mode="compile"`` keeps its in-place updates. Each
+    rank keeps its own; the checkpoint holds rank 0's, which every rank resumes from.
+    Frozen parameters (``requires_grad=False``) stay the module's own and are not trained:
+    a whole TT layer frozen is neither trained nor pruned, nor counted in the sizes the
+    trainer reports and targets. A TT layer with some tensors frozen and others not is
+    refused. The model must already be on the trainer's device (``model.to(cfg.device)``)."""
 
     def __init__(
         self,
@@ -65,6 +68,7 @@ class ModuleTask:
         persistent = set(model.state_dict(keep_vars=True))
         masks = {f"{name}.{b}" for name, m in every.items() for b, _ in m.named_buffers()}
         self._buffers = [n for n, _ in model.named_buffers() if n in persistent and n not in masks]
+        self._scalars = {n for n in self._buffers if model.get_buffer(n).dim() == 0}
 
     def params(self) -> dict:
         """The module's parameters as the trainer's params pytree (the same tensors)."""
@@ -78,8 +82,14 @@ class ModuleTask:
         persistent buffers (the same tensors) under :data:`BUFFERS`."""
         out: dict[str, Any] = {name: m.state() for name, m in self._tt.items()}
         if self._buffers:
-            out[BUFFERS] = {n: self.model.get_buffer(n) for n in self._buffers}
+            get = self.model.get_buffer
+            out[BUFFERS] = {n: get(n).view(1) if n in self._scalars else get(n)
+                            for n in self._buffers}  # fmt: skip
         return out
+
+    def _as_buffer(self, name: str, held: torch.Tensor) -> torch.Tensor:
+        """The module's view of a buffer the state holds (a 0-dim one as its one element)."""
+        return held.view(()) if name in self._scalars and held.dim() == 1 else held
 
     def _tensors(self, params: dict, state: dict) -> dict[str, torch.Tensor]:
         """``functional_call``'s ``{qualified name: tensor}`` for a params / state pair."""
@@ -92,16 +102,31 @@ class ModuleTask:
             if "bias" in p:
                 out[f"{name}.bias"] = p["bias"]
         out.update({n: params[n] for n in self._rest})
-        out.update(state.get(BUFFERS, {}))  # a run saved before buffers were kept has none
+        # a run saved before buffers were kept has none: the module's own are used
+        out.update({n: self._as_buffer(n, t) for n, t in state.get(BUFFERS, {}).items()})
         return out
 
     def _call(self, params: dict, state: dict) -> Call:
         tensors = self._tensors(params, state)
+        passed = {n: tensors[n] for n in state.get(BUFFERS, {})}
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return torch.func.functional_call(self.model, tensors, args, kwargs, strict=False)
+            out = torch.func.functional_call(self.model, tensors, args, kwargs, strict=False)
+            # functional_call writes a buffer the module assigned anew back into
+            # ``tensors``: keep it in the state (what is checkpointed) and the module
+            for n, t in passed.items():
+                if tensors[n] is not t:
+                    new = tensors[n].detach()
+                    state[BUFFERS][n] = new.reshape(1) if n in self._scalars else new
+                    passed[n] = tensors[n] = self._as_buffer(n, state[BUFFERS][n])
+                    self._set_buffer(n, passed[n])
+            return out
 
         return call
+
+    def _set_buffer(self, name: str, tensor: torch.Tensor) -> None:
+        owner, _, leaf = name.rpartition(".")
+        setattr(self.model.get_submodule(owner), leaf, tensor)
 
     def loss(self, params: dict, state: dict, batch: Any, *, train: bool) -> tuple:
         self.model.train(train)
@@ -121,6 +146,13 @@ class ModuleTask:
         compaction's smaller trains, a resumed run's restored ones): the adapters load the
         new trains and every other parameter shares the trainer's storage, so the module
         is what is trained."""
+        held = {path for path, _, _ in iter_tt(params, state)}
+        if held != set(self._tt):
+            raise ValueError(
+                f"ModuleTask: the trainer holds the TT layers {sorted(held)} and this module "
+                f"trains {sorted(self._tt)}; was a layer frozen or unfrozen since the run was "
+                "saved? Freeze as the run did, or start a new run"
+            )
         for name, module in self._tt.items():
             module.load_tensors(params[name], state[name])
         for name in self._rest:
@@ -128,9 +160,8 @@ class ModuleTask:
             if p.data_ptr() != t.data_ptr():
                 p.data = t  # the same Parameter object: every module that shares it follows
         for name, t in state.get(BUFFERS, {}).items():  # a resumed run's statistics
-            if self.model.get_buffer(name) is not t:
-                owner, _, leaf = name.rpartition(".")
-                setattr(self.model.get_submodule(owner), leaf, t)
+            if self.model.get_buffer(name).data_ptr() != t.data_ptr():
+                self._set_buffer(name, self._as_buffer(name, t))
 
     def trainer(self, cfg: Any, **kw: Any) -> Any:
         """A :class:`comera.train.Trainer` of this task on the module's own tensors."""

@@ -93,6 +93,8 @@ def test_batch_norm_statistics_are_checkpointed_and_restored(tmp_path) -> None:
     bn = model.get_submodule("1")
     assert int(bn.num_batches_tracked) == 30 and float(bn.running_mean.abs().sum()) > 0
     assert trainer.state[BUFFERS]["1.running_mean"] is bn.running_mean  # the module's own
+    count = trainer.state[BUFFERS]["1.num_batches_tracked"]  # 0-dim: held as one element
+    assert count.shape == (1,) and count.data_ptr() == bn.num_batches_tracked.data_ptr()
     fresh = _bn_model()
     again = _task(fresh).trainer(_cfg(tmp_path, steps=30, checkpoint_every=30), resume=True)
     fresh_bn = fresh.get_submodule("1")
@@ -127,3 +129,40 @@ def test_a_frozen_tt_layer_is_neither_trained_nor_pruned(tmp_path) -> None:
     mixed.get_submodule("2").cores[0].requires_grad_(False)
     with pytest.raises(ValueError, match="TT layer '2' has frozen tensors"):
         _task(mixed)
+
+
+class _Counting(nn.Module):
+    """A module that counts the rows it saw by assigning its buffer anew each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen = self.seen + x.shape[0]
+        return x
+
+
+def test_a_buffer_assigned_anew_is_kept_and_checkpointed(tmp_path) -> None:
+    def model() -> nn.Module:
+        m = _model()
+        m.append(_Counting())
+        return m
+
+    trained = model()
+    _task(trained).trainer(_cfg(tmp_path, steps=20, checkpoint_every=20)).fit()
+    assert int(trained.get_submodule("6").seen) == 20 * 16  # 20 batches of 16 rows
+    fresh = model()
+    again = _task(fresh).trainer(_cfg(tmp_path, steps=20, checkpoint_every=20), resume=True)
+    assert int(fresh.get_submodule("6").seen) == 320
+    assert again.state[BUFFERS]["6.seen"].shape == (1,)
+
+
+def test_resuming_with_another_set_of_trained_tt_layers_is_refused(tmp_path) -> None:
+    _task(_model()).trainer(_cfg(tmp_path, steps=20, checkpoint_every=20)).fit()
+    model = _model()
+    model.get_submodule("2").requires_grad_(False)  # frozen since the run was saved
+    with pytest.raises(ValueError, match=r"holds the TT layers \['0', '2', '4'\] and this "
+                                         r"module trains \['0', '4'\]"):  # fmt: skip
+        _task(model).trainer(_cfg(tmp_path, steps=20, checkpoint_every=20), resume=True)
