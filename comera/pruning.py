@@ -32,6 +32,7 @@ from comera.tensor_train import Params, State, check_state
 
 __all__ = [
     "PRUNE_RULES",
+    "batched_shares",
     "check_prune_rule",
     "compact",
     "kept_indices",
@@ -54,8 +55,18 @@ def _shares(cores: list[torch.Tensor], gates: list[torch.Tensor]) -> list[torch.
     No host read and no branch on values, so it runs under autograd, in a sync-free step
     and under ``torch.compile``; the square roots are clamped away from 0 so a dead rank's
     gradient is 0, not NaN."""
+    return [s[0] for s in batched_shares([c[None] for c in cores], [g[None] for g in gates])]
+
+
+def batched_shares(cores: list[torch.Tensor], gates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`_shares` of ``L`` trains of one structure at once: cores ``(L, r, n, r')``
+    and masked gates ``(L, r)`` -> one ``(L, r)`` share matrix per bond.
+
+    Trains whose ranks differ can share a batch zero-padded to the largest: a padded rank
+    has a zero gate, so it adds nothing to any Gram matrix and its share is 0."""
     n_bonds = len(gates)
-    one = cores[0].new_ones(1, 1)
+    batch = cores[0].shape[0]
+    one = cores[0].new_ones(batch, 1, 1)
     tiny = torch.finfo(cores[0].dtype).tiny
 
     # Left Grams: lefts[k] = P over the trailing bond of core k, d_k excluded.
@@ -64,13 +75,14 @@ def _shares(cores: list[torch.Tensor], gates: list[torch.Tensor]) -> list[torch.
     for k, core in enumerate(cores):
         if k > 0:
             g = gates[k - 1]
-            p = g[:, None] * p * g[None, :]
-        r, n, r2 = core.shape
-        t = (p @ core.reshape(r, n * r2)).reshape(r * n, r2)  # P G, rows (a, n)
-        p = core.reshape(r * n, r2).T @ t
+            p = g[:, :, None] * p * g[:, None, :]
+        _, r, n, r2 = core.shape
+        t = torch.bmm(p, core.reshape(batch, r, n * r2)).reshape(batch, r * n, r2)  # P G
+        p = torch.bmm(core.reshape(batch, r * n, r2).transpose(1, 2), t)
         if k < n_bonds:
             lefts.append(p)
-    norm_sq = p.reshape(-1)[0] if p.numel() else cores[0].new_zeros(())  # (1, 1) at the end
+    # (L, 1, 1) at the end
+    norm_sq = p.reshape(batch, -1)[:, 0] if p.numel() else cores[0].new_zeros(batch)
 
     # Right Grams: rights[k] = Q over the leading bond of core k+1 (gates after it in).
     rights: list[torch.Tensor] = [one] * n_bonds
@@ -79,19 +91,20 @@ def _shares(cores: list[torch.Tensor], gates: list[torch.Tensor]) -> list[torch.
         core = cores[k]
         if k < len(cores) - 1:
             g = gates[k]
-            q = g[:, None] * q * g[None, :]
-        r, n, r2 = core.shape
-        t = (core.reshape(r * n, r2) @ q).reshape(r, n * r2)  # G Q, cols (n, c)
-        q = t @ core.reshape(r, n * r2).T
+            q = g[:, :, None] * q * g[:, None, :]
+        _, r, n, r2 = core.shape
+        t = torch.bmm(core.reshape(batch, r * n, r2), q).reshape(batch, r, n * r2)  # G Q
+        q = torch.bmm(t, core.reshape(batch, r, n * r2).transpose(1, 2))
         rights[k - 1] = q
 
-    norm = norm_sq.clamp_min(tiny).sqrt()
+    norm = norm_sq.clamp_min(tiny).sqrt()[:, None]
+    zero = (norm_sq == 0)[:, None]
     shares = []
     for g, p_k, q_k in zip(gates, lefts, rights, strict=True):
-        pq = p_k.diagonal().clamp_min(0) * q_k.diagonal().clamp_min(0)
+        pq = p_k.diagonal(dim1=1, dim2=2).clamp_min(0) * q_k.diagonal(dim1=1, dim2=2).clamp_min(0)
         term = g.abs() * pq.clamp_min(tiny).sqrt() * (pq > 0)
         # W == 0: nothing carries anything; a NaN norm (non-finite weight) stays NaN
-        shares.append(torch.where(norm_sq == 0, 0.0, term / norm))
+        shares.append(torch.where(zero, 0.0, term / norm))
     return shares
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from comera.pruning import rank_shares
+from comera.pruning import batched_shares
 from comera.tensor_train import check_state
 from comera.tree import iter_tt
 
@@ -95,26 +95,60 @@ def share_size(params: object, state: object) -> torch.Tensor:
     pull lowers every rank's gate but each bond's largest at the same rate under Adam,
     and the loss decides which ranks keep theirs.
     Equals the layers' stored core and gate count while all shares on a bond are equal.
-    A model whose every layer was pruned to nothing has size 0 (a constant)."""
-    total: torch.Tensor | None = None
+    A model whose every layer was pruned to nothing has size 0 (a constant).
+
+    Layers of one structure (the same modes, dtype and device) are measured together,
+    zero-padded to their largest ranks (:func:`comera.pruning.batched_shares`): the late
+    stage computes this every step, and per layer it is a few dozen small ops."""
+    groups: dict[tuple, list[tuple[str, dict, dict]]] = {}
     layers = 0
     for path, p, s in iter_tt(params, state):
         check_state(p, s, path)
         layers += 1
         cores: list[torch.Tensor] = p["cores"]
-        tiny = torch.finfo(cores[0].dtype).tiny
-        held = {**p, "cores": [c.detach() for c in cores]}  # the gradient reaches the gates only
-        soft = [sh.sum() / sh.max().clamp_min(tiny) for sh in rank_shares(held, s) if sh.numel()]
-        if len(soft) != len(p["gates"]):  # a bond with no rank: the layer is the zero map
+        if any(int(c.shape[-1]) == 0 for c in cores[:-1]):  # no rank: the zero map, size 0
             continue
-        one = cores[0].new_ones(())
-        full = [one, *soft, one]
-        term = sum(math.prod(c.shape[1:-1]) * full[k] * full[k + 1] for k, c in enumerate(cores))
-        term = term + sum(soft, cores[0].new_zeros(()))
-        total = term if total is None else total + term
+        modes = tuple(math.prod(c.shape[1:-1]) for c in cores)
+        groups.setdefault((modes, cores[0].dtype, cores[0].device), []).append((path, p, s))
     if not layers:
         raise ValueError("share_size: the params tree holds no TT/TTM layer")
-    return total if total is not None else torch.zeros(())  # every layer pruned to nothing
+    terms = [_group_size(modes, members) for (modes, _, _), members in groups.items()]
+    return torch.stack(terms).sum() if terms else torch.zeros(())  # every layer pruned away
+
+
+def _group_size(modes: tuple[int, ...], members: list[tuple[str, dict, dict]]) -> torch.Tensor:
+    """:func:`share_size`'s summed terms of ``L`` layers with these modes."""
+    batch = len(members)
+    first = members[0][1]["cores"][0]
+    tiny = torch.finfo(first.dtype).tiny
+    cores, gates = [], []
+    for k in range(len(modes)):
+        shapes = [m[1]["cores"][k].shape for m in members]
+        r, r2 = max(int(s[0]) for s in shapes), max(int(s[-1]) for s in shapes)
+        with torch.no_grad():  # the cores are held: their padded copy needs no graph
+            stacked = first.new_zeros(batch, r, modes[k], r2)
+            for i, (_, p, _) in enumerate(members):
+                c = p["cores"][k]
+                stacked[i, : c.shape[0], :, : c.shape[-1]] = c.reshape(c.shape[0], -1, c.shape[-1])
+        cores.append(stacked)
+        if k < len(modes) - 1:
+            gates.append(_padded_gates(members, k, first.dtype))
+    soft = [sh.sum(1) / sh.max(1).values.clamp_min(tiny) for sh in batched_shares(cores, gates)]
+    one = first.new_ones(batch)
+    full = [one, *soft, one]
+    size = sum(n * full[k] * full[k + 1] for k, n in enumerate(modes)) + sum(soft, 0 * one)
+    return size.sum()
+
+
+def _padded_gates(
+    members: list[tuple[str, dict, dict]], k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Bond ``k``'s masked gates of every member, zero-padded to the longest: ``(L, r)``.
+    One ``pad_sequence`` each for gates and masks (no host-made index: CUDA-graph safe)."""
+    gs = [p["gates"][k].to(dtype) for _, p, _ in members]
+    ms = [s["masks"][k].to(gs[0].device) for _, _, s in members]
+    pad = torch.nn.utils.rnn.pad_sequence
+    return torch.where(pad(ms, batch_first=True), pad(gs, batch_first=True), 0.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,6 +82,51 @@ def test_share_size_is_the_stored_count_at_equal_shares_and_falls_as_ranks_fade(
     assert float(grads[0][0]) == 0.0
 
 
+def _share_size_per_layer(params, state) -> torch.Tensor:
+    """share_size's definition, one layer at a time through ``rank_shares``."""
+    from comera.pruning import rank_shares
+    from comera.tree import iter_tt
+
+    total = torch.zeros(())
+    for _, p, s in iter_tt(params, state):
+        shares = rank_shares({**p, "cores": [c.detach() for c in p["cores"]]}, s)
+        if any(x.numel() == 0 for x in shares):
+            continue  # a bond with no rank: the zero map
+        soft = [x.sum() / x.max().clamp_min(torch.finfo(x.dtype).tiny) for x in shares]
+        full = [1.0, *soft, 1.0]
+        cores = p["cores"]
+        total = total + sum(math.prod(c.shape[1:-1]) * full[k] * full[k + 1]
+                            for k, c in enumerate(cores)) + sum(soft, torch.zeros(()))  # fmt: skip
+    return total
+
+
+def test_share_size_of_many_layers_equals_the_per_layer_sum():
+    """Layers measured together (one structure, zero-padded to the largest ranks) give
+    each layer's own size and gradients: layers compacted to other ranks, a TTM, a dead
+    rank, a layer with no rank on a bond."""
+    params, state = {}, {}
+    for i, kind in enumerate(["tt", "tt", "tt", "ttm", "tt"]):
+        p, s = _layer(kind, seed=i)
+        params[f"l{i}"], state[f"l{i}"] = p["a"], s["a"]
+    masks = [m.clone() for m in state["l1"]["masks"]]
+    masks[0][:2], masks[1][:1] = False, False
+    params["l1"], state["l1"] = C.compact(params["l1"], {"masks": masks})  # ranks 3, 4
+    state["l2"]["masks"][1][3] = False  # dead, not compacted
+    masks = [m.clone() for m in state["l4"]["masks"]]
+    masks[1][:] = False
+    params["l4"], state["l4"] = C.compact(params["l4"], {"masks": masks})  # bond 1: rank 0
+    gates = [g.requires_grad_() for p in params.values() for g in p["gates"]]
+    size = share_size(params, state)
+    ref = _share_size_per_layer(params, state)
+    torch.testing.assert_close(size, ref)
+    for a, b in zip(torch.autograd.grad(size, gates, allow_unused=True),
+                    torch.autograd.grad(ref, gates, allow_unused=True), strict=True):  # fmt: skip
+        if b is None:
+            assert a is None or float(a.abs().sum()) == 0
+        else:
+            torch.testing.assert_close(a, b)
+
+
 def test_prune_to_size_kills_the_smallest_shares_first_and_keeps_a_rank_per_bond():
     params, state = _layer("tt", seed=1)
     shares = C.rank_contributions(params["a"], state["a"])
