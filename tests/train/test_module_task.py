@@ -166,3 +166,13 @@ def test_resuming_with_another_set_of_trained_tt_layers_is_refused(tmp_path) -> 
     with pytest.raises(ValueError, match=r"holds the TT layers \['0', '2', '4'\] and this "
                                          r"module trains \['0', '4'\]"):  # fmt: skip
         _task(model).trainer(_cfg(tmp_path, steps=20, checkpoint_every=20), resume=True)
+
+
+@pytest.mark.slow
+def test_batch_norm_trains_under_the_compiled_step(tmp_path) -> None:
+    """``step_mode="compile"`` refuses 0-dim leaves (it would drop their in-place
+    updates); batch norm's step count rides as a one-element view and keeps counting."""
+    model = _bn_model()
+    _task(model).trainer(_cfg(tmp_path, steps=4, step_mode="compile")).fit()
+    bn = model.get_submodule("1")
+    assert int(bn.num_batches_tracked) == 4 and float(bn.running_mean.abs().sum()) > 0
