@@ -28,6 +28,7 @@ which the late stage's pruning then removes (see :mod:`comera.train.stages`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -122,17 +123,14 @@ def _group_size(modes: tuple[int, ...], members: list[tuple[str, dict, dict]]) -
     first = members[0][1]["cores"][0]
     tiny = torch.finfo(first.dtype).tiny
     cores, gates = [], []
-    for k in range(len(modes)):
-        shapes = [m[1]["cores"][k].shape for m in members]
-        r, r2 = max(int(s[0]) for s in shapes), max(int(s[-1]) for s in shapes)
+    for k, n in enumerate(modes):
         with torch.no_grad():  # the cores are held: their padded copy needs no graph
-            stacked = first.new_zeros(batch, r, modes[k], r2)
-            for i, (_, p, _) in enumerate(members):
-                c = p["cores"][k]
-                stacked[i, : c.shape[0], :, : c.shape[-1]] = c.reshape(c.shape[0], -1, c.shape[-1])
-        cores.append(stacked)
+            cs = [p["cores"][k] for _, p, _ in members]
+            cores.append(_pad_stack([c.reshape(c.shape[0], n, c.shape[-1]) for c in cs]))
         if k < len(modes) - 1:
-            gates.append(_padded_gates(members, k, first.dtype))
+            g = _pad_stack([p["gates"][k].to(first.dtype) for _, p, _ in members])
+            m = _pad_stack([s["masks"][k].to(first.device) for _, _, s in members])
+            gates.append(torch.where(m, g, 0.0))
     soft = [sh.sum(1) / sh.max(1).values.clamp_min(tiny) for sh in batched_shares(cores, gates)]
     one = first.new_ones(batch)
     full = [one, *soft, one]
@@ -140,15 +138,37 @@ def _group_size(modes: tuple[int, ...], members: list[tuple[str, dict, dict]]) -
     return size.sum()
 
 
-def _padded_gates(
-    members: list[tuple[str, dict, dict]], k: int, dtype: torch.dtype
+def _pad_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors of one rank and dtype, zero-padded to their largest sizes and stacked:
+    ``(L, *max sizes)``. Tensors of one shape are simply stacked; others go through one
+    flat gather (two ops, and two in backward, whatever ``L`` is) whose index, a constant
+    of the shapes, is made once and cached, so a step makes no host-side tensor after
+    its first (as a CUDA graph's capture needs)."""
+    shapes = tuple(tuple(int(d) for d in t.shape) for t in tensors)
+    padded = tuple(max(dims) for dims in zip(*shapes, strict=True))
+    if all(s == padded for s in shapes):
+        return torch.stack(tensors)
+    flat = torch.cat([*(t.reshape(-1) for t in tensors), tensors[0].new_zeros(1)])
+    index = _pad_index(shapes, padded, flat.device)
+    return flat.index_select(0, index).view(len(tensors), *padded)
+
+
+@functools.lru_cache(maxsize=256)
+def _pad_index(
+    shapes: tuple[tuple[int, ...], ...], padded: tuple[int, ...], device: torch.device
 ) -> torch.Tensor:
-    """Bond ``k``'s masked gates of every member, zero-padded to the longest: ``(L, r)``.
-    One ``pad_sequence`` each for gates and masks (no host-made index: CUDA-graph safe)."""
-    gs = [p["gates"][k].to(dtype) for _, p, _ in members]
-    ms = [s["masks"][k].to(gs[0].device) for _, _, s in members]
-    pad = torch.nn.utils.rnn.pad_sequence
-    return torch.where(pad(ms, batch_first=True), pad(gs, batch_first=True), 0.0)
+    """:func:`_pad_stack`'s gather index: position ``(i, *j)`` reads element ``j`` of tensor
+    ``i`` in the concatenation, or the zero appended after it where ``j`` is padding."""
+    zero = sum(math.prod(s) for s in shapes)
+    index = torch.full((len(shapes), *padded), zero, dtype=torch.long)
+    offset = 0
+    for i, shape in enumerate(shapes):
+        size = math.prod(shape)
+        index[i][tuple(slice(0, d) for d in shape)] = torch.arange(offset, offset + size).view(
+            shape
+        )
+        offset += size
+    return index.reshape(-1).to(device)
 
 
 @dataclass(frozen=True, slots=True)
