@@ -113,10 +113,18 @@ class ModuleTask:
         def call(*args: Any, **kwargs: Any) -> Any:
             out = torch.func.functional_call(self.model, tensors, args, kwargs, strict=False)
             # functional_call writes a buffer the module assigned anew back into
-            # ``tensors``: keep it in the state (what is checkpointed) and the module
+            # ``tensors``: copy it into the state's tensor (what is checkpointed, and what
+            # the module holds), which keeps its identity; a new shape or dtype replaces it
             for n, t in passed.items():
-                if tensors[n] is not t:
-                    new = tensors[n].detach()
+                new = tensors[n]
+                if new is t:
+                    continue
+                if new.shape == t.shape and new.dtype == t.dtype:
+                    with torch.no_grad():
+                        t.copy_(new)
+                    tensors[n] = t
+                else:
+                    new = new.detach()
                     state[BUFFERS][n] = new.reshape(1) if n in self._scalars else new
                     passed[n] = tensors[n] = self._as_buffer(n, state[BUFFERS][n])
                     self._set_buffer(n, passed[n])
@@ -147,11 +155,19 @@ class ModuleTask:
         new trains and every other parameter shares the trainer's storage, so the module
         is what is trained."""
         held = {path for path, _, _ in iter_tt(params, state)}
-        if held != set(self._tt):
+        if held != set(self._tt) or set(params) != set(self._tt) | set(self._rest):
+            others = sorted(set(params) - held)
             raise ValueError(
-                f"ModuleTask: the trainer holds the TT layers {sorted(held)} and this module "
-                f"trains {sorted(self._tt)}; was a layer frozen or unfrozen since the run was "
+                f"ModuleTask: the trainer holds the TT layers {sorted(held)} and the "
+                f"parameters {others}, and this module trains {sorted(self._tt)} and "
+                f"{sorted(self._rest)}; was something frozen or unfrozen since the run was "
                 "saved? Freeze as the run did, or start a new run"
+            )
+        saved = state.get(BUFFERS)
+        if saved is not None and set(saved) != set(self._buffers):
+            raise ValueError(
+                f"ModuleTask: the run's state holds the buffers {sorted(saved)} and this "
+                f"module has {sorted(self._buffers)}; resume with the model the run saved"
             )
         for name, module in self._tt.items():
             module.load_tensors(params[name], state[name])

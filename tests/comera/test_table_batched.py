@@ -27,7 +27,10 @@ def _tables(seed: int = 0, n: int = 300):
         masks = [m.clone() for m in states[i]["masks"]]
         masks[1][:dead] = False
         params[i], states[i] = C.compact(params[i], {"masks": masks})
-    params = [{k: [t.detach().requires_grad_() for t in v] for k, v in p.items()} for p in params]
+    # float64: the paths sum in other orders, and float32 sums of a thousand rows drift past
+    # a tight tolerance with how BLAS happens to split them
+    params = [{k: [t.detach().double().requires_grad_() for t in v] for k, v in p.items()}
+              for p in params]  # fmt: skip
     ids = torch.stack([torch.randint(0, s.num_embeddings, (n,), generator=g) for s in specs], 1)
     ids[100:200] = ids[:100]  # duplicates
     return specs, params, states, ids
@@ -53,6 +56,9 @@ def test_batched_equals_separate(rows: int, stack: str, monkeypatch) -> None:
     import comera.table_batched as tb
 
     _stacking(stack, monkeypatch)
+    chains: list[int] = []  # the tables each group's chain runs through (2: pairs merged)
+    apply = tb._GatheredChain.apply
+    monkeypatch.setattr(tb._GatheredChain, "apply", lambda n, *a: chains.append(n) or apply(n, *a))
     specs, params, states, ids = _tables(n=max(rows, 300))
     assert tb._padded_elements(params[:4]) == 12_000 <= tb.STACK_ELEMENTS or stack == "per table"
     ids = ids[:rows]
@@ -65,9 +71,9 @@ def test_batched_equals_separate(rows: int, stack: str, monkeypatch) -> None:
         1,
     )
     assert out.shape == (rows, 5, 16)
-    if stack == "stacked, merged by rows":  # the merge itself follows the unique rows
-        unique = len(torch.unique(ids[:, :4] + torch.arange(4) * 100_000))
-        assert (unique > 1_296) == (rows == 1000)
+    merged = {"stacked": True, "stacked, merged by rows": rows == 1000,
+              "per table": rows > 6}[stack]  # fmt: skip
+    assert chains[0] == (2 if merged else 4)  # the four-table group's four cores
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     w = torch.randn_like(out)
     leaves = [t for p in params for v in p.values() for t in v]
