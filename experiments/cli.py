@@ -33,7 +33,7 @@ import torch
 
 import comera as C
 from comera import autotune
-from comera.errors import UserError
+from comera.errors import ConfigError, UserError
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES
 from comera.tree import iter_tt
@@ -49,6 +49,7 @@ __all__ = [
     "apply_overrides",
     "config_file_items",
     "build_parser",
+    "check_batch_sizes",
     "config_from_dict",
     "main",
     "parse_value",
@@ -147,6 +148,15 @@ def _convert(value: Any, hint: Any) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
+
+
+def check_batch_sizes(batch_size: int, eval_batch_size: int) -> None:
+    """A preset's batch sizes, both at least 1, or a ``ConfigError`` naming them."""
+    if batch_size < 1 or eval_batch_size < 1:
+        raise ConfigError(
+            f"Preset: batch_size and eval_batch_size must be >= 1, got {batch_size}, "
+            f"{eval_batch_size}"
+        )
 
 
 def config_from_dict(cls: type, data: dict) -> Any:

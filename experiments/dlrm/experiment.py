@@ -55,11 +55,7 @@ class Preset:
                 "sizes its work from the ids on the host; use --step-mode eager, sync_free "
                 "or compile"
             )
-        if self.batch_size < 1 or self.eval_batch_size < 1:
-            raise ConfigError(
-                f"Preset: batch_size and eval_batch_size must be >= 1, got {self.batch_size}, "
-                f"{self.eval_batch_size}"
-            )
+        cli.check_batch_sizes(self.batch_size, self.eval_batch_size)
 
 
 # On CPU, DLRM trains with glibc's large blocks returned on free, on huge pages: at batch

@@ -108,11 +108,7 @@ class Preset:
     eval_batch_size: int = 128
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.eval_batch_size < 1:
-            raise ConfigError(
-                f"Preset: batch_size and eval_batch_size must be >= 1, got "
-                f"{self.batch_size}, {self.eval_batch_size}"
-            )
+        cli.check_batch_sizes(self.batch_size, self.eval_batch_size)
 
 
 def preset(name: str) -> Preset:

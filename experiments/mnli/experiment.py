@@ -57,11 +57,7 @@ class Preset:
 
     def __post_init__(self) -> None:
         check_step_mode(self.model, self.train.step_mode)
-        if self.batch_size < 1 or self.eval_batch_size < 1:
-            raise ConfigError(
-                f"Preset: batch_size and eval_batch_size must be >= 1, got "
-                f"{self.batch_size}, {self.eval_batch_size}"
-            )
+        cli.check_batch_sizes(self.batch_size, self.eval_batch_size)
 
 
 def preset(name: str, run_dir: str | None = None) -> Preset:

@@ -157,6 +157,7 @@ def test_bad_inputs_are_one_line_raised_as_user_errors(tmp_path, monkeypatch, ca
     refused(["--device", "gpu"], cli.CLIError, "--device gpu: TrainConfig.device='gpu' is not")
     refused(["--set", "train.device=gpu"], cli.CLIError, "'gpu' is not a torch device")
     refused(["--resume", str(tmp_path / "none")], cli.CLIError, "no config.json there")
+    refused(["--set", "eval_batch_size=0"], UserError, "batch_size and eval_batch_size must be")
     # a config check that runs while the data is built, not in the dataclass
     run = [*FAST, "--run-dir", str(tmp_path / "r")]
     refused([*run, "--set", "batch_size=1000"], ConfigError, "lower batch_size")
@@ -208,3 +209,16 @@ def test_other_commands_catch_user_errors_not_value_errors(tmp_path, monkeypatch
     monkeypatch.setattr(demo, "run_demo", planted(DataError))
     assert demo.main(["--runs-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == "python -m experiments.mnli.demo: error: planted"
+
+
+def test_every_preset_refuses_an_empty_batch():
+    """MNLI, DLRM and the fine-tune share one check of their two batch sizes."""
+    from experiments.dlrm import experiment as dlrm
+    from experiments.finetune import experiment as finetune
+
+    for module in (mnli, dlrm, finetune):
+        p = module.preset("smoke")
+        for field in ("batch_size", "eval_batch_size"):
+            with pytest.raises(ConfigError, match=r"batch_size and eval_batch_size must be >= 1"):
+                dataclasses.replace(p, **{field: 0})
+        assert dataclasses.replace(p, batch_size=1).batch_size == 1
