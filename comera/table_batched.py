@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from comera.layers import gather_rows, pair_cores
 from comera.spec import TTMEmbeddingSpec
-from comera.tensor_train import Params, State, check_state, gated_cores
+from comera.tensor_train import Params, State, check_state, gated_cores, pad_stack
 
 # a group whose cores, padded to the largest vocab mode and ranks, hold at most this many
 # elements (4 MiB of fp32) is stacked: there the padding's arithmetic is negligible and
@@ -174,24 +174,13 @@ def _stacked_core(params: Sequence[Params], states: Sequence[State], k: int) -> 
     """Core ``k`` of every table, gated, zero-padded to the group's largest vocab mode and
     ranks and stacked: ``(T, r, v, d, r')``. Padding is exact: a padded rank carries zeros
     on both sides of its bond, and a padded vocab row is never looked up."""
-    cores = [p["cores"][k] for p in params]  # type: ignore[index]
-    r, v, _, r2 = (max(int(c.shape[i]) for c in cores) for i in range(4))
-    stacked = torch.stack(
-        [
-            F.pad(c, (0, r2 - c.shape[3], 0, 0, 0, v - c.shape[1], 0, r - c.shape[0]))
-            if (c.shape[0], c.shape[1], c.shape[3]) != (r, v, r2)
-            else c
-            for c in cores
-        ]
-    )
+    stacked = pad_stack([p["cores"][k] for p in params])  # type: ignore[index]
     if k == len(params[0]["cores"]) - 1:  # type: ignore[arg-type]
         return stacked  # the last core has no trailing bond to gate
-    gates = [p["gates"][k] for p in params]  # type: ignore[index]
-    masks = [s["masks"][k] for s in states]  # type: ignore[index]
-    gates = [g if g.shape[0] == r2 else F.pad(g, (0, r2 - g.shape[0])) for g in gates]
-    masks = [m if m.shape[0] == r2 else F.pad(m, (0, r2 - m.shape[0])) for m in masks]
+    gates = pad_stack([p["gates"][k] for p in params])  # type: ignore[index]
+    masks = pad_stack([s["masks"][k] for s in states])  # type: ignore[index]
     # the bool masks promote inside the product, as in gated_cores
-    gate = torch.stack(gates) * torch.stack(masks)  # (T, r')
+    gate = gates * masks  # (T, r')
     return stacked * gate[:, None, None, None, :]
 
 

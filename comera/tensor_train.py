@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
 
@@ -34,6 +35,7 @@ __all__ = [
     "gated_cores",
     "init",
     "is_tt_params",
+    "pad_stack",
     "to_dense",
     "ttm_table",
 ]
@@ -200,6 +202,19 @@ def gated_cores(params: Params, state: State, name: str = "TT layer") -> list[to
             core = core * gate
         out.append(core)
     return out
+
+
+def pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Tensors of one rank, each zero-padded at the end of every dim to the largest sizes
+    and stacked: ``(L, *max sizes)``. Trains of other ranks stacked so stay exact: a padded
+    rank carries zeros (and a zero gate) on its bond, so it adds nothing."""
+    padded = [max(int(t.shape[d]) for t in tensors) for d in range(tensors[0].dim())]
+
+    def pads(t: torch.Tensor) -> list[int]:  # F.pad's order: the last dim first
+        sizes = zip(reversed(t.shape), reversed(padded), strict=True)
+        return [x for have, want in sizes for x in (0, want - have)]
+
+    return torch.stack([t if list(t.shape) == padded else F.pad(t, pads(t)) for t in tensors])
 
 
 def chain(cores: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -28,15 +28,13 @@ which the late stage's pruning then removes (see :mod:`comera.train.stages`).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from comera.pruning import batched_shares
-from comera.tensor_train import check_state
+from comera.tensor_train import check_state, pad_stack
 from comera.tree import iter_tt
 
 __all__ = ["LateWeights", "gate_regularizer", "late_weights", "share_size", "size_surrogate"]
@@ -127,10 +125,10 @@ def _group_size(modes: tuple[int, ...], members: list[tuple[str, dict, dict]]) -
     for k, n in enumerate(modes):
         with torch.no_grad():  # the cores are held: their padded copy needs no graph
             cs = [p["cores"][k] for _, p, _ in members]
-            cores.append(_pad_stack([c.reshape(c.shape[0], n, c.shape[-1]) for c in cs]))
+            cores.append(pad_stack([c.reshape(c.shape[0], n, c.shape[-1]) for c in cs]))
         if k < len(modes) - 1:
-            g = _pad_stack([p["gates"][k].to(first.dtype) for _, p, _ in members])
-            m = _pad_stack([s["masks"][k].to(first.device) for _, _, s in members])
+            g = pad_stack([p["gates"][k].to(first.dtype) for _, p, _ in members])
+            m = pad_stack([s["masks"][k].to(first.device) for _, _, s in members])
             gates.append(torch.where(m, g, 0.0))
     # amax, as the per-layer max(): tied shares split the gradient rather than one take it
     soft = [sh.sum(1) / sh.amax(1).clamp_min(tiny) for sh in batched_shares(cores, gates)]
@@ -138,41 +136,6 @@ def _group_size(modes: tuple[int, ...], members: list[tuple[str, dict, dict]]) -
     full = [one, *soft, one]
     size = sum(n * full[k] * full[k + 1] for k, n in enumerate(modes)) + sum(soft, 0 * one)
     return size.sum()
-
-
-def _pad_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Tensors of one rank and dtype, zero-padded to their largest sizes and stacked:
-    ``(L, *max sizes)``. Tensors of one shape are simply stacked. Others, in an eager CPU
-    step (the small models, where per-op cost dominates), go through one flat gather (two
-    ops, and two in backward, whatever ``L`` is) whose index, a constant of the shapes,
-    is cached; elsewhere (a device, a compiled or captured step) each is padded and the
-    pads stacked, which needs no host-made tensor and no cache."""
-    shapes = tuple(tuple(int(d) for d in t.shape) for t in tensors)
-    padded = tuple(max(dims) for dims in zip(*shapes, strict=True))
-    if all(s == padded for s in shapes):
-        return torch.stack(tensors)
-    if tensors[0].device.type != "cpu" or torch.compiler.is_compiling():
-        pads = [[x for d, n in zip(reversed(s), reversed(padded), strict=True) for x in (0, n - d)]
-                for s in shapes]  # fmt: skip
-        return torch.stack([F.pad(t, pad) for t, pad in zip(tensors, pads, strict=True)])
-    flat = torch.cat([*(t.reshape(-1) for t in tensors), tensors[0].new_zeros(1)])
-    return flat.index_select(0, _pad_index(shapes, padded)).view(len(tensors), *padded)
-
-
-@functools.lru_cache(maxsize=32)
-def _pad_index(shapes: tuple[tuple[int, ...], ...], padded: tuple[int, ...]) -> torch.Tensor:
-    """:func:`_pad_stack`'s gather index: position ``(i, *j)`` reads element ``j`` of tensor
-    ``i`` in the concatenation, or the zero appended after it where ``j`` is padding."""
-    zero = sum(math.prod(s) for s in shapes)
-    index = torch.full((len(shapes), *padded), zero, dtype=torch.long)
-    offset = 0
-    for i, shape in enumerate(shapes):
-        size = math.prod(shape)
-        index[i][tuple(slice(0, d) for d in shape)] = torch.arange(offset, offset + size).view(
-            shape
-        )
-        offset += size
-    return index.reshape(-1)
 
 
 @dataclass(frozen=True, slots=True)
