@@ -171,18 +171,51 @@ class PaddedTTLinear(nn.Module):
 class TiedDecoder(nn.Module):
     """A decoder whose weight is a TTM embedding's table (a tied LM head): ``x E^T + b``
     with ``E`` rebuilt from the embedding's cores on each call (in checkpointed blocks of
-    rows: :func:`comera.layers.ttm_logits`), so the two stay one."""
+    rows: :func:`comera.layers.ttm_logits`), so the two stay one.
+
+    The embedding is read, not owned: it is not registered as a submodule, so its cores
+    appear once in ``state_dict()``, ``parameters()`` and a Hugging Face checkpoint (under
+    the embedding's own path) and nothing holds two names for one tensor. It must live in
+    the same model (as :func:`tensorize_` leaves it) for ``.to()`` and the optimizer to
+    reach it."""
 
     def __init__(self, embedding: TTMEmbedding, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.embedding = embedding
+        object.__setattr__(self, "_tied_embedding", embedding)  # unregistered on purpose
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+
+    @property
+    def embedding(self) -> TTMEmbedding:
+        """The TTM embedding whose table this decoder reads."""
+        return self._tied_embedding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         emb = self.embedding
         rows = emb.spec.num_embeddings  # type: ignore[union-attr]
         logits = ttm_logits(emb.params(), emb.state(), x, rows=rows)  # blocks, checkpointed
         return logits if self.bias is None else logits + self.bias
+
+    def extra_repr(self) -> str:
+        return f"tied to a TTM embedding of {self.embedding.spec.num_embeddings} rows"  # type: ignore[union-attr]
+
+
+def _untie_in_config(model: nn.Module) -> None:
+    """Tell a Hugging Face model that nothing is left for it to tie: its ``tie_weights()``
+    (called by ``save_pretrained``, ``from_pretrained`` and some trainers) would look for
+    an ``lm_head.weight`` and a ``wte.weight`` that the rewrite removed, and fail. The
+    :class:`TiedDecoder` keeps the two one by construction."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "tie_word_embeddings"):
+        return
+    configs = [config]
+    text = getattr(config, "get_text_config", None)
+    if callable(text) and text() is not config:
+        configs.append(text())
+    for c in configs:
+        if hasattr(c, "tie_word_embeddings"):
+            c.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):  # the mapping a loaded model caches
+        model.all_tied_weights_keys = {}
 
 
 def _modes(size: int, d: int) -> tuple[tuple[int, ...], int] | None:
@@ -395,6 +428,7 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
         if new is not None:
             for path in paths[id(module)]:
                 model.set_submodule(path, new)
+    tied = False
     for name, module in candidates:  # tied decoders, named by a glob or not
         if isinstance(module, nn.Linear) and id(module.weight) in embeddings:
             emb = embeddings[id(module.weight)]
@@ -406,4 +440,7 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
                 params_after=module.bias.numel() if module.bias is not None else 0,
                 skipped="tied to " + emb.spec.name,
             ))  # fmt: skip
+            tied = True
+    if tied:
+        _untie_in_config(model)
     return summary

@@ -169,6 +169,46 @@ def test_a_tensorized_gpt2_trains_saves_and_calls_functionally() -> None:
     assert not torch.allclose(out.logits, gpt(input_ids=ids).logits)
 
 
+def test_a_tensorized_gpt2_survives_tie_weights_and_save_pretrained(tmp_path) -> None:  # noqa: ANN001
+    """Hugging Face's own tying and saving after the rewrite: ``tie_weights()`` leaves the
+    tied decoder (and the outputs) as they are, ``save_pretrained`` writes each core once,
+    under the embedding's path, and its file loads into another tensorized GPT-2."""
+    transformers = pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors.torch")
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=96, n_positions=16, n_embd=32, n_layer=1, n_head=4)).eval()  # fmt: skip
+        tensorize_(gpt, TensorizeConfig(target_modules=("c_fc", "wte"), rank=4, cores=2,
+                                        embedding_cores=2, init="random"))  # fmt: skip
+        return gpt
+
+    gpt = build()
+    ids = _hf_input(96)["input_ids"]
+    want = gpt(input_ids=ids).logits
+    assert gpt.config.tie_word_embeddings is False  # the TiedDecoder ties; HF has nothing to
+    gpt.tie_weights()
+    assert isinstance(gpt.lm_head, TiedDecoder) and gpt.lm_head.embedding is gpt.transformer.wte
+    torch.testing.assert_close(gpt(input_ids=ids).logits, want)
+    keys = set(gpt.state_dict())
+    assert not any(k.startswith("lm_head.embedding") for k in keys)
+    assert "transformer.wte.cores.0" in keys
+    gpt.save_pretrained(tmp_path)
+    saved = safetensors.load_file(str(tmp_path / "model.safetensors"))
+    assert {k for k in saved if k.startswith("transformer.wte.")} == {
+        k for k in keys if k.startswith("transformer.wte.")
+    }
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # the twin must load these, not its init
+    gpt.save_pretrained(tmp_path)
+    twin = build()
+    twin.load_state_dict(safetensors.load_file(str(tmp_path / "model.safetensors")))
+    torch.testing.assert_close(twin(input_ids=ids).logits, gpt(input_ids=ids).logits)
+    assert not torch.allclose(twin(input_ids=ids).logits, want)
+
+
 @pytest.mark.parametrize("tokens", [5, 200])  # 3 * 16 > 5: checkpointed blocks; else whole
 def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(tokens: int) -> None:
     from comera.layers import ttm_logits
