@@ -55,10 +55,11 @@ def _accumulate(into: list[torch.Tensor | None], grads: tuple[torch.Tensor | Non
     place: a dense gradient autograd hands back may be a broadcast view (``x.sum()`` gives
     an expanded scalar) or share memory with another leaf's (``a + b`` gives both the same
     tensor), and those are copied on first store. A contiguous gradient whose memory no
-    other one in this call shares is kept as it is (a TT model has many small leaves: the
-    copies cost more than the step's arithmetic on them). Sparse gradients are never
-    modified in place."""
-    seen: set[int] = set()
+    other one in this call overlaps is kept as it is, a slice of a larger buffer included
+    (the gradients of trains stacked by :class:`comera.plans.GroupedHalves` are disjoint
+    slices of one): a TT model has many small leaves, and the copies cost more than the
+    step's arithmetic on them. Sparse gradients are never modified in place."""
+    spans: dict[int, list[tuple[float, float]]] = {}  # storage -> byte ranges stored
     for i, g in enumerate(grads):
         if g is None:
             continue
@@ -67,12 +68,17 @@ def _accumulate(into: list[torch.Tensor | None], grads: tuple[torch.Tensor | Non
             if g.is_sparse:
                 into[i] = g
                 continue
-            ptr = g.untyped_storage().data_ptr()
-            if g.is_contiguous() and ptr not in seen:
+            taken = spans.setdefault(g.untyped_storage().data_ptr(), [])
+            if g.is_contiguous():  # the bytes it spans in its storage
+                lo = g.storage_offset() * g.element_size()
+                hi = lo + g.numel() * g.element_size()
+            else:  # a strided view may reach anywhere in its storage
+                lo, hi = -math.inf, math.inf
+            if g.is_contiguous() and not any(a < hi and lo < b for a, b in taken):
                 into[i] = g
             else:
                 into[i] = g.clone(memory_format=torch.contiguous_format)
-            seen.add(ptr)
+            taken.append((lo, hi))
         elif acc.is_sparse:
             into[i] = g + acc  # sparse + sparse stays sparse; a dense g makes it dense
         else:
@@ -92,11 +98,17 @@ def _grad_norm(grads: list[torch.Tensor | None]) -> torch.Tensor:
 def _scale(grads: list[torch.Tensor | None], factor: float | torch.Tensor) -> None:
     """Multiply every gradient by ``factor``: dense ones in place, sparse ones replaced."""
     dense = [g for g in grads if g is not None and not g.is_sparse]
+    given = factor
+    if dense and isinstance(factor, float) and dense[0].device.type == "cpu":
+        # on CPU foreach runs one op per tensor, and a Python number is converted to each
+        # tensor's dtype on every one of them; a 0-dim tensor of that dtype is not (the
+        # same product: the number is rounded to the dtype either way)
+        factor = torch.tensor(factor, dtype=dense[0].dtype)
     if dense:
         torch._foreach_mul_(dense, factor)
     for i, g in enumerate(grads):
         if g is not None and g.is_sparse:
-            grads[i] = g * factor
+            grads[i] = g * given
 
 
 class Trainer:
@@ -412,7 +424,12 @@ class Trainer:
         if not math.isfinite(gnorm):
             raise self._non_finite("the gradient norm", gnorm)
         if self.cfg.grad_clip:
-            _scale(grads, (self.cfg.grad_clip / (total + 1e-6)).clamp(max=1.0))
+            # a host float (the norm is read anyway): a tensor factor costs a dtype copy per
+            # leaf in torch's per-tensor foreach path on CPU, and a step under the clip
+            # scales nothing
+            factor = min(1.0, self.cfg.grad_clip / (gnorm + 1e-6))
+            if factor < 1.0:
+                _scale(grads, factor)
         self.step += 1
         scale = lr_scale(self.cfg, self.step)
         if self.cfg.optimizer == "sgd":

@@ -131,7 +131,7 @@ def test_fused_adamw_equals_the_foreach_path(monkeypatch):
 def test_accumulate_keeps_shared_gradients_apart():
     """Autograd may hand two leaves one tensor (``(a + b) * c``) or a broadcast view
     (``x.sum()``); the trainer's buffers must still be its own, or scaling one in place
-    scales the other twice."""
+    scales the other twice. Disjoint slices of one buffer are kept without a copy."""
     from comera.train.loop import _accumulate, _scale
 
     a, b, c, x = (torch.ones(3, requires_grad=True) for _ in range(4))
@@ -143,6 +143,22 @@ def test_accumulate_keeps_shared_gradients_apart():
     for g, want in zip(into, (2.0, 2.0, 4.0, 2.0), strict=True):
         torch.testing.assert_close(g, torch.full((3,), want))
     assert all(g.is_contiguous() for g in into)
+    # stacked leaves (comera.plans.GroupedHalves) get disjoint slices of one buffer: kept
+    # as they are, no copy; slices that overlap are copied
+    p, q, r = (torch.ones(2, 3, requires_grad=True) for _ in range(3))
+    grads = torch.autograd.grad((torch.stack([p, q, r]) * 3).sum(), [p, q, r])
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
+    into = [None] * 3
+    _accumulate(into, grads)
+    assert all(a is b for a, b in zip(into, grads, strict=True))
+    _scale(into, 2.0)
+    for g in into:
+        torch.testing.assert_close(g, torch.full((2, 3), 6.0))
+    buf = torch.ones(4)
+    into = [None] * 2
+    _accumulate(into, (buf[:3], buf[1:]))
+    assert into[0] is not None and into[0].data_ptr() == buf.data_ptr()
+    assert into[1].untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
 
 
 # ----------------------------------------------------------------------------- training
