@@ -16,6 +16,7 @@ import torch
 from comera.autotune import choose_embedding, choose_linear
 from comera.plans import (
     EMBEDDING_IMPLS,
+    GroupedHalves,
     PlanLike,
     contract_halves,
     resolve_plan,
@@ -103,13 +104,16 @@ def tt_linear(
     *,
     plan: PlanLike = None,
     spec: TTLinearSpec | None = None,
+    halves: GroupedHalves | None = None,
 ) -> torch.Tensor:
     """``x W^T + b`` with ``W`` a gated tensor train; ``x`` is ``(..., in_features)``.
 
     ``plan`` picks the contraction strategy for this call (a name from
     ``comera.STRATEGIES`` or explicit pairs); None uses the global default. ``"auto"``
     asks the tuner in force (:mod:`comera.autotune`) for the fastest plan at these shapes.
-    ``spec`` only names the layer in error messages.
+    ``spec`` only names the layer in error messages. ``halves``: the layer's gated halves
+    built together with other layers' (:class:`comera.plans.GroupedHalves`), read by the
+    ``comera`` and ``dense`` paths; a layer it does not hold builds its own.
     """
     name = spec.label if spec is not None else "tt_linear"
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
@@ -125,27 +129,37 @@ def tt_linear(
     _check_operand(name, "x", x, cores[0])
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n)  # (T, N)
-    g = gated_cores(params, state, name)
+    built = halves.get(params) if halves is not None else None
+    # the tuner reads the cores' shapes and times clones: the stored cores serve as well
+    g = gated_cores(params, state, name) if built is None else params["cores"]
     strategy = resolve_plan(plan, name)
     if strategy == "auto":
         strategy = choose_linear(g, x2, params.get("bias"))  # type: ignore[arg-type]
     if strategy in ("comera", "dense"):  # direct GEMMs: no plan to look up (nor to trace)
-        y = contract_halves(strategy, x2, g, params.get("bias"))
+        operands = g if built is None else built
+        y = contract_halves(strategy, x2, operands, params.get("bias"), built=built is not None)
     else:
+        if built is not None:  # a plan over the whole network needs the gated cores
+            g = gated_cores(params, state, name)
         contraction = tt_linear_plan(strategy, [c.shape for c in g], x2.shape[0], name)
         y = contraction(x2, g, params.get("bias"))  # (T, M)
     return y.reshape(*lead, m)
 
 
 def tt_linear_shared_input(
-    layers: Sequence[tuple[Params, State]], x: torch.Tensor
+    layers: Sequence[tuple[Params, State]],
+    x: torch.Tensor,
+    *,
+    halves: GroupedHalves | None = None,
 ) -> list[torch.Tensor]:
     """Several TT linears of one input (attention's Q, K, V) on the ``comera`` path, with
     their input halves contracted in one wider GEMM: the same values and gradients as
     ``[tt_linear(p, s, x, plan="comera") for p, s in layers]`` up to summation order, one
-    read of ``x`` instead of one per layer, and one ``dx`` GEMM in backward."""
+    read of ``x`` instead of one per layer, and one ``dx`` GEMM in backward. ``halves``:
+    as for :func:`tt_linear`, used when it holds every layer."""
     if not layers:
         return []
+    built = [halves.get(p) for p, _ in layers] if halves is not None else []
     trains, biases, outs = [], [], []
     for k, (params, state) in enumerate(layers):
         cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
@@ -157,11 +171,14 @@ def tt_linear_shared_input(
                 f"has shape {tuple(x.shape)}"
             )
         _check_operand(f"tt_linear_shared_input layer {k}", "x", x, cores[0])
-        trains.append(gated_cores(params, state, f"tt_linear_shared_input layer {k}"))
+        if not built or any(b is None for b in built):
+            trains.append(gated_cores(params, state, f"tt_linear_shared_input layer {k}"))
         biases.append(params.get("bias"))
         outs.append(math.prod([c.shape[1] for c in cores[:d]]))
     lead = x.shape[:-1]
-    ys = shared_input_comera(x.reshape(-1, x.shape[-1]), trains, biases)
+    ready = bool(built) and all(b is not None for b in built)
+    ys = shared_input_comera(x.reshape(-1, x.shape[-1]), built if ready else trains, biases,
+                             built=ready)  # type: ignore[arg-type]  # fmt: skip
     return [y.reshape(*lead, m) for y, m in zip(ys, outs, strict=True)]
 
 

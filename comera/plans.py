@@ -38,7 +38,14 @@ import torch
 import torch.nn.functional as F
 
 from comera.errors import ConfigError
-from comera.tensor_train import chain, chain_from_right
+from comera.tensor_train import (
+    Params,
+    State,
+    chain,
+    chain_from_right,
+    check_state,
+    gated_cores,
+)
 
 __all__ = [
     "EMBEDDING_IMPLS",
@@ -46,6 +53,7 @@ __all__ = [
     "RANK_ALIGN",
     "STRATEGIES",
     "ContractionPlan",
+    "GroupedHalves",
     "LayerPlans",
     "PlanLike",
     "constant_under_compile",
@@ -314,13 +322,85 @@ def _halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return a.reshape(a.shape[1], a.shape[2]), b.reshape(b.shape[0], b.shape[1])
 
 
+def _stacked_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_halves` of ``L`` stacked trains (cores ``(L, r, n, r')``), each step one
+    batched GEMM: ``A`` ``(L, M, r)`` and ``B`` ``(L, r, N)``."""
+    d = len(cores) // 2
+    a = cores[0]  # (L, 1, n, r): left to right, as chain
+    n = a.shape[2]
+    for core in cores[1:d]:
+        big, r, nk, r2 = core.shape
+        a = torch.bmm(a.reshape(big, n, r), core.reshape(big, r, nk * r2))
+        n *= nk
+    a = a.reshape(a.shape[0], n, -1)
+    b = cores[-1]  # (L, r, n, 1): right to left, as chain_from_right
+    n = b.shape[2]
+    for core in reversed(cores[d:-1]):
+        big, r, nk, r2 = core.shape
+        b = torch.bmm(core.reshape(big, r * nk, r2), b.reshape(big, r2, n))
+        n *= nk
+    return a, b.reshape(b.shape[0], -1, n)
+
+
+class GroupedHalves:
+    """The gated halves ``A`` (M x r) and ``B`` (r x N) of many TT linears, built together
+    once per forward pass: trains of the same core shapes (a transformer's Q, K, V and O of
+    every block) are stacked, gated with one product per bond and contracted with one
+    batched GEMM per core, where each layer alone costs a product per bond and a GEMM per
+    core. At small widths those per-layer ops, not the arithmetic, are the TT layers' cost
+    (``benchmarks.plans``' ``fixed extra``). The ``comera`` and ``dense`` paths read a
+    layer's halves from here (:func:`comera.tt_linear`'s ``halves``); the values and
+    gradients are those of the per-layer build, up to summation order.
+
+    Build it where every layer's params are at hand (the model's forward), from the
+    ``(params, state)`` of the layers it should serve; a train alone in its shape is built
+    as one layer is. The halves are built here, eagerly, so a layer checkpointed for
+    recomputation reads them rather than building them inside its region."""
+
+    def __init__(self, layers: Sequence[tuple[Params, State]]) -> None:
+        groups: dict[tuple, list[tuple[Params, State]]] = {}
+        for params, state in layers:
+            check_state(params, state)
+            cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
+            key = (tuple(tuple(c.shape) for c in cores), cores[0].dtype, cores[0].device)
+            groups.setdefault(key, []).append((params, state))
+        self._halves: dict[int, tuple[Params, torch.Tensor, torch.Tensor]] = {}
+        for group in groups.values():
+            if len(group) == 1:
+                params, state = group[0]
+                a, b = _halves(gated_cores(params, state))
+                self._halves[id(params)] = (params, a, b)
+                continue
+            k = len(group[0][0]["cores"])  # type: ignore[arg-type]
+            stacked = []
+            for i in range(k):
+                core = torch.stack([p["cores"][i] for p, _ in group])  # type: ignore[index]
+                if i < k - 1:
+                    gates = torch.stack([p["gates"][i] for p, _ in group])  # type: ignore[index]
+                    masks = torch.stack([s["masks"][i] for _, s in group])  # type: ignore[index]
+                    core = core * (gates * masks)[:, None, None, :]
+                stacked.append(core)
+            a_all, b_all = _stacked_halves(stacked)
+            for j, (params, _) in enumerate(group):
+                self._halves[id(params)] = (params, a_all[j], b_all[j])
+
+    def get(self, params: Params) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(A, B)`` of the layer with these ``params``, or None if it was not given."""
+        found = self._halves.get(id(params))
+        return None if found is None or found[0] is not params else (found[1], found[2])
+
+
 def contract_halves(
     strategy: str,
     x2d: torch.Tensor,
-    cores: Sequence[torch.Tensor],
+    cores: Sequence[torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
     bias: torch.Tensor | None,
+    *,
+    built: bool = False,
 ) -> torch.Tensor:
     """The ``comera`` and ``dense`` paths as direct GEMMs (the same path the plan records).
+    ``built=True``: ``cores`` is the pair of halves ``(A, B)`` already contracted
+    (:class:`GroupedHalves`).
 
     For ``comera`` the middle rank is zero-padded to a multiple of :data:`RANK_ALIGN` (8): the
     extra terms are exact zeros, so the result is the same up to summation order, and BLAS
@@ -329,25 +409,28 @@ def contract_halves(
     costs neither a pass over the ``(T, M)`` output nor a separate gradient reduction.
     """
     if strategy == "dense":
-        a, b = _halves(cores)  # (M, r), (r, N)
+        a, b = cores if built else _halves(cores)  # (M, r), (r, N)
         w = a @ b  # (M, N)
         return x2d @ w.T if bias is None else torch.addmm(bias, x2d, w.T)
-    return shared_input_comera(x2d, [cores], [bias])[0]
+    return shared_input_comera(x2d, [cores], [bias], built=built)[0]
 
 
 def shared_input_comera(
     x2d: torch.Tensor,
     trains: Sequence[Sequence[torch.Tensor]],
     biases: Sequence[torch.Tensor | None],
+    *,
+    built: bool = False,
 ) -> list[torch.Tensor]:
     """The ``comera`` path for several TT layers that read the same ``x2d (T, N)`` (Q, K
     and V): their input halves ``B_i`` are stacked so ``x`` meets them in one wider GEMM
     ``x [B_1; B_2; ...]^T`` (and backward's ``dx`` is one GEMM too), then each output half
     ``A_i`` is applied to its slice. Each ``B_i``'s rank is zero-padded to a multiple of 8
-    with its bias in the first padding slot, exactly as for one layer."""
+    with its bias in the first padding slot, exactly as for one layer. ``built=True``:
+    each train is its pair of halves ``(A, B)`` already contracted."""
     sides, blocks, slots, width = [], [], [], 0
     for cores, bias in zip(trains, biases, strict=True):
-        a, b = _halves(cores)  # (M, r), (r, N)
+        a, b = cores if built else _halves(cores)  # (M, r), (r, N)
         m, r = a.shape
         pad = (-r) % RANK_ALIGN
         if pad:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -68,6 +69,9 @@ class EncoderConfig:
     emb_rank: int = 32
     recompute: bool = False  # recompute each block's activations in backward (training)
     fused_qkv: bool = False  # Q, K, V (comera path) read x in one GEMM: tt_linear_shared_input
+    # the blocks' TT linears of one shape gated and contracted together each forward pass
+    # (comera.plans.GroupedHalves); False: each layer builds its own, as before
+    grouped_halves: bool = True
 
     # the fields derive_fields computes from the widths (``--set model.attn_modes=auto``)
     DERIVED: ClassVar[tuple[str, ...]] = ("attn_modes", "ffn_in_modes", "ffn_out_modes",
@@ -212,10 +216,36 @@ def dense_param_count(cfg: EncoderConfig) -> int:
     return embed + cfg.layers * layer + (d * d + d) + (d * cfg.num_labels + cfg.num_labels)
 
 
-def _linear(p: dict, s: dict | None, x: torch.Tensor, plan: C.plans.PlanLike) -> torch.Tensor:
+def _linear(
+    p: dict,
+    s: dict | None,
+    x: torch.Tensor,
+    plan: C.plans.PlanLike,
+    halves: C.plans.GroupedHalves | None = None,
+) -> torch.Tensor:
     if is_tt_params(p):
-        return C.tt_linear(p, s, x, plan=plan)  # type: ignore[arg-type]
+        return C.tt_linear(p, s, x, plan=plan, halves=halves)  # type: ignore[arg-type]
     return F.linear(x, p["weight"], p.get("bias"))
+
+
+BLOCK_LINEARS = ("q", "k", "v", "o", "ffn_in", "ffn_out")
+
+
+def _grouped_halves(
+    params: dict, state: dict, plan_of: Callable[[str], C.plans.PlanLike]
+) -> C.plans.GroupedHalves | None:
+    """The blocks' TT linears whose plan reads halves (``comera``, ``dense``, ``auto``)
+    gated and contracted together (:class:`comera.plans.GroupedHalves`); None when no two
+    of them share their core shapes, where grouping saves nothing."""
+    layers, shapes = [], set()
+    for i, (p, s) in enumerate(zip(params["layers"], state["layers"], strict=True)):
+        for n in BLOCK_LINEARS:
+            plan = plan_of(f"layers.{i}.{n}")
+            plan = C.get_default_plan() if plan is None else plan
+            if is_tt_params(p[n]) and plan in ("comera", "dense", "auto"):
+                layers.append((p[n], s[n]))
+                shapes.add(tuple(tuple(c.shape) for c in p[n]["cores"]))
+    return C.plans.GroupedHalves(layers) if len(shapes) < len(layers) else None
 
 
 def _is_comera(plan: C.plans.PlanLike) -> bool:
@@ -308,30 +338,33 @@ def encoder_hidden(
     if attn_mask is None:
         attn_mask = batch["attention_mask"].bool()[:, None, None, :]  # (B, 1, 1, T)
     h, dh = cfg.heads, cfg.d_model // cfg.heads
+    halves = _grouped_halves(params, state, plan_of) if cfg.grouped_halves else None
 
     def block(x: torch.Tensor, i: int, p: dict, s: dict) -> torch.Tensor:
         qkv = [(p[n], s.get(n), plan_of(f"layers.{i}.{n}")) for n in ("q", "k", "v")]
         if cfg.fused_qkv and all(is_tt_params(w) and _is_comera(pl) for w, _, pl in qkv):
             # one GEMM of x with the three input halves (comera.tt_linear_shared_input)
-            outs = tt_linear_shared_input([(w, st) for w, st, _ in qkv], x)
+            outs = tt_linear_shared_input([(w, st) for w, st, _ in qkv], x, halves=halves)
         else:
-            outs = [_linear(w, st, x, pl) for w, st, pl in qkv]
+            outs = [_linear(w, st, x, pl, halves) for w, st, pl in qkv]
         q, k, v = (o.view(b, t, h, dh).transpose(1, 2) for o in outs)  # (B, H, T, dh)
         att = _attention(q, k, v, attn_mask, p_drop)
         att = att.transpose(1, 2).reshape(b, t, cfg.d_model)
         x = _layer_norm(
             p["ln1"],
             x
-            + F.dropout(_linear(p["o"], s.get("o"), att, plan_of(f"layers.{i}.o")), p_drop, train),
+            + F.dropout(
+                _linear(p["o"], s.get("o"), att, plan_of(f"layers.{i}.o"), halves), p_drop, train
+            ),
         )
         ff = F.gelu(
-            _linear(p["ffn_in"], s.get("ffn_in"), x, plan_of(f"layers.{i}.ffn_in"))
+            _linear(p["ffn_in"], s.get("ffn_in"), x, plan_of(f"layers.{i}.ffn_in"), halves)
         )  # (B, T, ffn)
         return _layer_norm(
             p["ln2"],
             x
             + F.dropout(
-                _linear(p["ffn_out"], s.get("ffn_out"), ff, plan_of(f"layers.{i}.ffn_out")),
+                _linear(p["ffn_out"], s.get("ffn_out"), ff, plan_of(f"layers.{i}.ffn_out"), halves),
                 p_drop,
                 train,
             ),

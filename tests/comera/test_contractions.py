@@ -202,3 +202,50 @@ def test_recorded_cost_is_the_executed_cost(ranks, strategy):
         == tt_linear_flops(params, 256, strategy)["forward"]
     )
     assert f"{plan.cost(256)[0]:.3e}" in plan.describe()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grouped_halves_give_each_layers_values_and_gradients(seed):
+    """Layers whose halves are built together (``GroupedHalves``: three of one shape, one
+    alone, two pruned to nothing, dead ranks and trained gates) give what each layer
+    builds alone, on every path, for ``tt_linear`` and ``tt_linear_shared_input``
+    alike; a layer it does not hold builds its own."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = C.TTLinearSpec(out_modes=(3, 4), in_modes=(2, 5), ranks=(4, 6, 3),
+                            dtype=torch.float64)  # fmt: skip
+    other = C.TTLinearSpec(out_modes=(2, 3), in_modes=(5, 2), ranks=(2, 3, 2),
+                           dtype=torch.float64, bias=False)  # fmt: skip
+    layers = []
+    for spec in (shared, shared, other, shared, other):
+        params, state = C.init(spec, generator=gen)
+        params = _random_gates(params, gen)
+        state = {"masks": [torch.rand(m.shape, generator=gen) > 0.3 for m in state["masks"]]}
+        layers.append((params, state))
+    for _ in range(2):  # trains pruned to nothing (every bond emptied), grouped too
+        params, state = C.init(shared, generator=gen)
+        state["masks"][1] = torch.zeros_like(state["masks"][1])
+        layers.append(C.compact(params, state))
+    held = [*layers[:4], *layers[5:]]  # layers[4] is not held: it builds its own
+    grouped = C.plans.GroupedHalves(held)
+    leaves = [t for p, _ in layers for t in (*p["cores"], *p["gates"], p.get("bias"))
+              if t is not None]  # fmt: skip
+    for t in leaves:
+        t.requires_grad_(True)
+    x = torch.randn(7, 10, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def run(halves, plan):
+        grouped_now = C.plans.GroupedHalves(held) if halves else None
+        ys = [C.tt_linear(p, s, x, plan=plan, halves=grouped_now) for p, s in layers]
+        ys += C.layers.tt_linear_shared_input([layers[0], layers[1], layers[3]], x,
+                                              halves=grouped_now)  # fmt: skip
+        gy = [torch.randn(y.shape, generator=torch.Generator().manual_seed(1),
+                          dtype=y.dtype) for y in ys]  # fmt: skip
+        grads = torch.autograd.grad(ys, [x, *leaves], gy)
+        return ys, grads
+
+    assert grouped.get(layers[4][0]) is None and grouped.get(layers[0][0]) is not None
+    for plan in ("comera", "dense", "dp"):
+        ys, grads = run(True, plan)
+        want_ys, want_grads = run(False, plan)
+        for a, b in zip([*ys, *grads], [*want_ys, *want_grads], strict=True):
+            torch.testing.assert_close(a, b, msg=plan)

@@ -47,7 +47,8 @@ def test_cli_flags_reach_the_config_and_may_change_on_resume(tmp_path, capsys, m
 @pytest.mark.parametrize("tt", [False, True])
 def test_recomputed_blocks_give_the_same_values_and_gradients(tt: bool) -> None:
     """``recompute=True`` reruns each block in backward with the same dropout masks: the
-    hidden states and every gradient equal the stored-activation run's."""
+    hidden states and every gradient equal the stored-activation run's; so do the fused
+    Q, K, V and each TT linear building its halves alone."""
     cfg = EncoderConfig(
         vocab_size=100, max_len=16, d_model=32, heads=4, ffn=64, layers=2, dropout=0.2,
         tt=tt, rank=4, attn_modes=((8, 4), (4, 8)), ffn_in_modes=((8, 8), (4, 8)),
@@ -71,6 +72,10 @@ def test_recomputed_blocks_give_the_same_values_and_gradients(tt: bool) -> None:
         torch.testing.assert_close(a, b)
     fused = run(dataclasses.replace(cfg, fused_qkv=True))  # Q, K, V in one GEMM (TT only)
     for a, b in zip(plain, fused, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # summation order only
+    # each TT linear building its own halves (the default builds same-shape ones together)
+    alone = run(dataclasses.replace(cfg, grouped_halves=False))
+    for a, b in zip(plain, alone, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # summation order only
 
 
