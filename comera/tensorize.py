@@ -181,13 +181,21 @@ class TiedDecoder(nn.Module):
 
     def __init__(self, embedding: TTMEmbedding, bias: torch.Tensor | None) -> None:
         super().__init__()
-        object.__setattr__(self, "_tied_embedding", embedding)  # unregistered on purpose
+        self.embedding = embedding
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+        # a state dict from before the embedding was unregistered holds its cores here too
+        self._register_load_state_dict_pre_hook(_drop_embedding_keys)
 
     @property
     def embedding(self) -> TTMEmbedding:
         """The TTM embedding whose table this decoder reads."""
         return self._tied_embedding
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "embedding":  # read, not registered (nn.Module would register it)
+            object.__setattr__(self, "_tied_embedding", value)
+        else:
+            super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         emb = self.embedding
@@ -199,23 +207,44 @@ class TiedDecoder(nn.Module):
         return f"tied to a TTM embedding of {self.embedding.spec.num_embeddings} rows"  # type: ignore[union-attr]
 
 
-def _untie_in_config(model: nn.Module) -> None:
-    """Tell a Hugging Face model that nothing is left for it to tie: its ``tie_weights()``
-    (called by ``save_pretrained``, ``from_pretrained`` and some trainers) would look for
-    an ``lm_head.weight`` and a ``wte.weight`` that the rewrite removed, and fail. The
-    :class:`TiedDecoder` keeps the two one by construction."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "tie_word_embeddings"):
-        return
-    configs = [config]
-    text = getattr(config, "get_text_config", None)
-    if callable(text) and text() is not config:
-        configs.append(text())
-    for c in configs:
-        if hasattr(c, "tie_word_embeddings"):
-            c.tie_word_embeddings = False
-    if hasattr(model, "all_tied_weights_keys"):  # the mapping a loaded model caches
-        model.all_tied_weights_keys = {}
+def _drop_embedding_keys(state_dict: dict, prefix: str, *args: object) -> None:
+    """A :class:`TiedDecoder`'s load pre-hook: drop ``<prefix>embedding.*``, the copies of
+    the embedding's tensors that state dicts held while the decoder registered it (the
+    embedding loads them under its own path)."""
+    for key in [k for k in state_dict if k.startswith(prefix + "embedding.")]:
+        del state_dict[key]
+
+
+def _untie_in_config(model: nn.Module, tied: list[nn.Module]) -> None:
+    """Tell the Hugging Face models (and sub-models) holding a :class:`TiedDecoder` or its
+    embedding that nothing is left for them to tie: ``tie_weights()`` (run by
+    ``save_pretrained``, ``from_pretrained`` and some trainers) would look for an
+    ``lm_head.weight`` and a ``wte.weight`` the rewrite removed, and fail. The decoder keeps
+    the two one by construction. The configs are changed in place (nested text configs
+    included), so a config object shared with another model changes for it too."""
+    seen: set[int] = set()
+
+    def untie(config: object) -> None:
+        if id(config) in seen:
+            return
+        seen.add(id(config))
+        if hasattr(config, "tie_word_embeddings"):
+            config.tie_word_embeddings = False  # type: ignore[attr-defined]
+        for value in list(vars(config).values()):
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
+                untie(value)
+
+    ids = {id(m) for m in tied}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if not hasattr(config, "to_dict") or not any(id(m) in ids for m in module.modules()):
+            continue
+        untie(config)
+        if hasattr(module, "all_tied_weights_keys"):  # the mapping a loaded model caches
+            try:
+                module.all_tied_weights_keys = module.get_expanded_tied_weights_keys()
+            except Exception:  # noqa: BLE001 - any HF version's failure: nothing to tie
+                module.all_tied_weights_keys = {}
 
 
 def _modes(size: int, d: int) -> tuple[tuple[int, ...], int] | None:
@@ -428,7 +457,7 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
         if new is not None:
             for path in paths[id(module)]:
                 model.set_submodule(path, new)
-    tied = False
+    tied: list[nn.Module] = []  # the tied decoders and their embeddings
     for name, module in candidates:  # tied decoders, named by a glob or not
         if isinstance(module, nn.Linear) and id(module.weight) in embeddings:
             emb = embeddings[id(module.weight)]
@@ -440,7 +469,7 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
                 params_after=module.bias.numel() if module.bias is not None else 0,
                 skipped="tied to " + emb.spec.name,
             ))  # fmt: skip
-            tied = True
+            tied += [emb, model.get_submodule(paths[id(module)][0])]
     if tied:
-        _untie_in_config(model)
+        _untie_in_config(model, tied)
     return summary

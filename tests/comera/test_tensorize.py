@@ -172,7 +172,8 @@ def test_a_tensorized_gpt2_trains_saves_and_calls_functionally() -> None:
 def test_a_tensorized_gpt2_survives_tie_weights_and_save_pretrained(tmp_path) -> None:  # noqa: ANN001
     """Hugging Face's own tying and saving after the rewrite: ``tie_weights()`` leaves the
     tied decoder (and the outputs) as they are, ``save_pretrained`` writes each core once,
-    under the embedding's path, and its file loads into another tensorized GPT-2."""
+    under the embedding's path, and its file loads into another tensorized GPT-2 (as
+    does a state dict written when the decoder still held the embedding's cores too)."""
     transformers = pytest.importorskip("transformers")
     safetensors = pytest.importorskip("safetensors.torch")
 
@@ -207,6 +208,12 @@ def test_a_tensorized_gpt2_survives_tie_weights_and_save_pretrained(tmp_path) ->
     twin.load_state_dict(safetensors.load_file(str(tmp_path / "model.safetensors")))
     torch.testing.assert_close(twin(input_ids=ids).logits, gpt(input_ids=ids).logits)
     assert not torch.allclose(twin(input_ids=ids).logits, want)
+    # a state dict from when the decoder registered the embedding (its cores twice) loads
+    old = dict(gpt.state_dict())
+    old.update({f"lm_head.embedding.{k}": v for k, v in gpt.transformer.wte.state_dict().items()})
+    build().load_state_dict(old)
+    twin.lm_head.embedding = twin.transformer.wte  # re-pointing registers nothing either
+    assert set(twin.state_dict()) == keys
 
 
 @pytest.mark.parametrize("tokens", [5, 200])  # 3 * 16 > 5: checkpointed blocks; else whole
