@@ -355,13 +355,20 @@ class GroupedHalves:
     Build it where every layer's params are at hand (the model's forward), from the
     ``(params, state)`` of the layers it should serve; a train alone in its shape is built
     as one layer is. The halves are built here, eagerly, so a layer checkpointed for
-    recomputation reads them rather than building them inside its region."""
+    recomputation reads them rather than building them inside its region; they are the
+    params and rank state given here (a layer's call reads them, not its own ``state``),
+    so build a new one for every forward pass."""
 
     def __init__(self, layers: Sequence[tuple[Params, State]]) -> None:
         groups: dict[tuple, list[tuple[Params, State]]] = {}
-        for params, state in layers:
-            check_state(params, state)
+        for k, (params, state) in enumerate(layers):
+            check_state(params, state, f"GroupedHalves layer {k}")
             cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
+            if any(c.dim() != 3 for c in cores):
+                raise ValueError(
+                    f"GroupedHalves layer {k}: cores of shapes {[tuple(c.shape) for c in cores]} "
+                    "are not a TT linear's (3-way cores); TTM embeddings are not grouped"
+                )
             key = (tuple(tuple(c.shape) for c in cores), cores[0].dtype, cores[0].device)
             groups.setdefault(key, []).append((params, state))
         self._halves: dict[int, tuple[Params, torch.Tensor, torch.Tensor]] = {}

@@ -75,6 +75,7 @@ RESUME_MUTABLE = frozenset(
         "train.cpu_malloc",
         "train.step_mode",
         "model.recompute",
+        "model.grouped_halves",
     }
 )
 

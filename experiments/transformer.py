@@ -33,6 +33,7 @@ __all__ = [
     "encoder_hidden",
     "encoder_logits",
     "fit_vocab",
+    "grouped_halves",
     "init_encoder",
 ]
 
@@ -231,12 +232,13 @@ def _linear(
 BLOCK_LINEARS = ("q", "k", "v", "o", "ffn_in", "ffn_out")
 
 
-def _grouped_halves(
+def grouped_halves(
     params: dict, state: dict, plan_of: Callable[[str], C.plans.PlanLike]
 ) -> C.plans.GroupedHalves | None:
     """The blocks' TT linears whose plan reads halves (``comera``, ``dense``, ``auto``)
     gated and contracted together (:class:`comera.plans.GroupedHalves`); None when no two
-    of them share their core shapes, where grouping saves nothing."""
+    of them share their core shapes, where grouping saves nothing. ``plan_of(path)`` is a
+    layer's plan (``layers.0.q``; None: the process default)."""
     layers, shapes = [], set()
     for i, (p, s) in enumerate(zip(params["layers"], state["layers"], strict=True)):
         for n in BLOCK_LINEARS:
@@ -338,7 +340,7 @@ def encoder_hidden(
     if attn_mask is None:
         attn_mask = batch["attention_mask"].bool()[:, None, None, :]  # (B, 1, 1, T)
     h, dh = cfg.heads, cfg.d_model // cfg.heads
-    halves = _grouped_halves(params, state, plan_of) if cfg.grouped_halves else None
+    halves = grouped_halves(params, state, plan_of) if cfg.grouped_halves else None
 
     def block(x: torch.Tensor, i: int, p: dict, s: dict) -> torch.Tensor:
         qkv = [(p[n], s.get(n), plan_of(f"layers.{i}.{n}")) for n in ("q", "k", "v")]

@@ -99,10 +99,17 @@ def _scale(grads: list[torch.Tensor | None], factor: float | torch.Tensor) -> No
     """Multiply every gradient by ``factor``: dense ones in place, sparse ones replaced."""
     dense = [g for g in grads if g is not None and not g.is_sparse]
     given = factor
-    if dense and isinstance(factor, float) and dense[0].device.type == "cpu":
+    dtypes = {g.dtype for g in dense}
+    if (
+        isinstance(factor, float)
+        and len(dtypes) == 1
+        and dense[0].dtype in (torch.float32, torch.float64)
+        and dense[0].device.type == "cpu"
+    ):
         # on CPU foreach runs one op per tensor, and a Python number is converted to each
-        # tensor's dtype on every one of them; a 0-dim tensor of that dtype is not (the
-        # same product: the number is rounded to the dtype either way)
+        # tensor's dtype on every one of them; a 0-dim tensor of that dtype is not. The
+        # product is the same: a float32 kernel computes with the number in float32 too
+        # (other dtypes, or a mix, keep the number)
         factor = torch.tensor(factor, dtype=dense[0].dtype)
     if dense:
         torch._foreach_mul_(dense, factor)

@@ -205,7 +205,7 @@ def test_recorded_cost_is_the_executed_cost(ranks, strategy):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_grouped_halves_give_each_layers_values_and_gradients(seed):
+def test_grouped_halves_give_each_layers_values_and_gradients(seed, monkeypatch):
     """Layers whose halves are built together (``GroupedHalves``: three of one shape, one
     alone, two pruned to nothing, dead ranks and trained gates) give what each layer
     builds alone, on every path, for ``tt_linear`` and ``tt_linear_shared_input``
@@ -244,8 +244,15 @@ def test_grouped_halves_give_each_layers_values_and_gradients(seed):
         return ys, grads
 
     assert grouped.get(layers[4][0]) is None and grouped.get(layers[0][0]) is not None
+    built = []  # the layers that gate their own cores
+    real = C.layers.gated_cores
+    monkeypatch.setattr(C.layers, "gated_cores", lambda p, *a: built.append(p) or real(p, *a))
     for plan in ("comera", "dense", "dp"):
+        built.clear()
         ys, grads = run(True, plan)
+        # held layers read their halves; dp's whole-network plan gates every layer's cores
+        want = len(layers) if plan == "dp" else 1
+        assert len(built) == want and (plan == "dp" or built[0] is layers[4][0]), plan
         want_ys, want_grads = run(False, plan)
         for a, b in zip([*ys, *grads], [*want_ys, *want_grads], strict=True):
             torch.testing.assert_close(a, b, msg=plan)

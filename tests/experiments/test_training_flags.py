@@ -10,7 +10,7 @@ import torch
 
 from experiments import cli
 from experiments.mnli import experiment as mnli
-from experiments.transformer import EncoderConfig, encoder_hidden, init_encoder
+from experiments.transformer import EncoderConfig, encoder_hidden, grouped_halves, init_encoder
 
 FAST = ["--preset", "smoke", "--wandb", "disabled", "--no-progress"]
 FAST += ["--set", "train.steps=3", "--set", "train.eval_every=None"]
@@ -38,6 +38,9 @@ def test_cli_flags_reach_the_config_and_may_change_on_resume(tmp_path, capsys, m
     args = ap.parse_args(["--resume", str(run), "--cpu-malloc", "default"])
     cfg = cli.resolve_config(mnli.EXPERIMENT, args, ap)
     assert cfg.train.cpu_malloc == "default" and cfg.model.recompute is True
+    ap = cli.build_parser(mnli.EXPERIMENT)  # how the halves are built: not what is computed
+    args = ap.parse_args(["--resume", str(run), "--set", "model.grouped_halves=false"])
+    assert cli.resolve_config(mnli.EXPERIMENT, args, ap).model.grouped_halves is False
     from experiments.dlrm.experiment import main as dlrm_main
 
     assert dlrm_main(["--preset", "smoke", "--recompute", "--run-dir", str(tmp_path / "d")]) == 2
@@ -74,6 +77,7 @@ def test_recomputed_blocks_give_the_same_values_and_gradients(tt: bool) -> None:
     for a, b in zip(plain, fused, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # summation order only
     # each TT linear building its own halves (the default builds same-shape ones together)
+    assert (grouped_halves(params, state, lambda path: None) is not None) is tt
     alone = run(dataclasses.replace(cfg, grouped_halves=False))
     for a, b in zip(plain, alone, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # summation order only
