@@ -220,29 +220,28 @@ def _untie_in_config(model: nn.Module, tied: list[nn.Module]) -> None:
     embedding that nothing is left for them to tie: ``tie_weights()`` (run by
     ``save_pretrained``, ``from_pretrained`` and some trainers) would look for an
     ``lm_head.weight`` and a ``wte.weight`` the rewrite removed, and fail. The decoder keeps
-    the two one by construction. The configs are changed in place (nested text configs
-    included), so a config object shared with another model changes for it too."""
-    seen: set[int] = set()
-
-    def untie(config: object) -> None:
-        if id(config) in seen:
-            return
-        seen.add(id(config))
-        if hasattr(config, "tie_word_embeddings"):
-            config.tie_word_embeddings = False  # type: ignore[attr-defined]
-        for value in list(vars(config).values()):
-            if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
-                untie(value)
-
+    the two one by construction. Only those models' own configs change (and their text
+    config where it is another object), in place: a sibling sub-model's ties stay, and a
+    config object shared with another model changes for it too."""
     ids = {id(m) for m in tied}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if not hasattr(config, "to_dict") or not any(id(m) in ids for m in module.modules()):
-            continue
-        untie(config)
-        if hasattr(module, "all_tied_weights_keys"):  # the mapping a loaded model caches
+    holders = [m for m in model.modules()
+               if hasattr(getattr(m, "config", None), "to_dict")
+               and any(id(sub) in ids for sub in m.modules())]  # fmt: skip
+    for module in holders:
+        configs = [module.config]
+        try:
+            configs.append(module.config.get_text_config())
+        except Exception:  # noqa: BLE001 - no (or several) text configs: the config alone
+            pass
+        for config in configs:
+            if hasattr(config, "tie_word_embeddings"):
+                config.tie_word_embeddings = False
+    for module in holders:  # the mappings models cache, children's ties included
+        if hasattr(module, "all_tied_weights_keys"):
             try:
-                module.all_tied_weights_keys = module.get_expanded_tied_weights_keys()
+                module.all_tied_weights_keys = module.get_expanded_tied_weights_keys(
+                    all_submodels=True
+                )
             except Exception:  # noqa: BLE001 - any HF version's failure: nothing to tie
                 module.all_tied_weights_keys = {}
 
@@ -461,15 +460,16 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     for name, module in candidates:  # tied decoders, named by a glob or not
         if isinstance(module, nn.Linear) and id(module.weight) in embeddings:
             emb = embeddings[id(module.weight)]
+            decoder = TiedDecoder(emb, module.bias)  # one module (one bias) at every path
             for path in paths[id(module)]:
-                model.set_submodule(path, TiedDecoder(emb, module.bias))
+                model.set_submodule(path, decoder)
             summary.layers.append(LayerReport(
                 name=name, kind="tied decoder", shape=tuple(module.weight.shape),
                 params_before=module.bias.numel() if module.bias is not None else 0,
                 params_after=module.bias.numel() if module.bias is not None else 0,
                 skipped="tied to " + emb.spec.name,
             ))  # fmt: skip
-            tied += [emb, model.get_submodule(paths[id(module)][0])]
+            tied += [emb, decoder]
     if tied:
         _untie_in_config(model, tied)
     return summary

@@ -216,6 +216,42 @@ def test_a_tensorized_gpt2_survives_tie_weights_and_save_pretrained(tmp_path) ->
     assert set(twin.state_dict()) == keys
 
 
+def test_only_the_models_holding_a_tied_decoder_are_untied() -> None:
+    """An encoder-decoder whose GPT-2 decoder's ``wte`` is rewritten: the decoder's tie is
+    dropped (its ``tie_weights()`` has nothing to tie), the T5 encoder's own tie stays in
+    its config and in the top model's mapping, and HF's ``tie_weights()`` runs."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    enc = transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))  # fmt: skip
+    dec = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4,
+        add_cross_attention=True, is_decoder=True))  # fmt: skip
+    model = transformers.EncoderDecoderModel(encoder=enc, decoder=dec)
+    tensorize_(model, TensorizeConfig(target_modules=("decoder.transformer.wte",), rank=4,
+                                      cores=2, embedding_cores=2, init="random"))  # fmt: skip
+    assert isinstance(model.decoder.lm_head, TiedDecoder)
+    assert model.decoder.config.tie_word_embeddings is False
+    assert model.encoder.config.tie_word_embeddings is True
+    assert model.all_tied_weights_keys == {
+        "encoder.encoder.embed_tokens.weight": "encoder.shared.weight"
+    }
+    model.tie_weights()
+    assert model.encoder.encoder.embed_tokens.weight is model.encoder.shared.weight
+
+
+def test_a_tied_linear_reached_by_two_paths_stays_one_module() -> None:
+    """A tied decoder reached by two paths becomes one :class:`TiedDecoder` (one bias)."""
+    emb = nn.Embedding(24, 8)
+    head = nn.Linear(8, 24)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head, "alias": head})
+    tensorize_(model, TensorizeConfig(target_modules=("emb",), rank=4, cores=2,
+                                      embedding_cores=2, init="random"))  # fmt: skip
+    assert isinstance(model["head"], TiedDecoder) and model["head"] is model["alias"]
+    assert model["head"].embedding is model["emb"]
+
+
 @pytest.mark.parametrize("tokens", [5, 200])  # 3 * 16 > 5: checkpointed blocks; else whole
 def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(tokens: int) -> None:
     from comera.layers import ttm_logits
