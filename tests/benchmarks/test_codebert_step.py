@@ -6,15 +6,41 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 REPORTS = Path(__file__).resolve().parents[2] / "reports"
 
 
 @pytest.mark.slow
-def test_bench_plumbing_on_a_toy_model(tmp_path: Path) -> None:
+def test_bench_plumbing_on_a_toy_model(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """One variant in a fresh process (its command line, its JSON, a real peak), then the
+    whole bench with each variant run in this process: what is tested here is that every
+    run happens and every figure is computed and written, not the measurements."""
+    import sys
+
+    import experiments.malloc
     from benchmarks import codebert_step as bench
 
-    assert bench.run(steps=1, tiny=True, out=tmp_path / "b.json") == 0
+    cmd = [sys.executable, "-m", "benchmarks.codebert_step", "--variant", "comera",
+           "--batch", "1", "--steps", "1", "--tiny"]  # fmt: skip
+    real = bench.run_json_worker(cmd, "codebert bench: comera/1")
+    assert real["variant"] == "comera" and real["peak_mb"] > 0 and real["step_s"] > 0
+
+    def in_process(cmd: list[str], what: str, env: dict | None = None) -> dict:
+        arg = dict(zip(cmd[3::2], cmd[4::2], strict=False))  # --variant V --batch B ...
+        return bench.run_variant(arg["--variant"], int(arg["--batch"]), int(arg["--steps"]),
+                                 tiny="--tiny" in cmd)  # fmt: skip
+
+    peaks = iter(range(1, 10_000))  # in one process a peak above the baseline means nothing
+    monkeypatch.setattr(bench, "run_json_worker", in_process)
+    monkeypatch.setattr(bench, "peak_memory_mb", lambda device: float(next(peaks)))
+    monkeypatch.setattr(bench, "baseline_rss_mb", lambda: 0.0)
+    monkeypatch.setattr(experiments.malloc, "apply_cpu_malloc", lambda policy: None)
+    threads = torch.get_num_threads()
+    try:
+        assert bench.run(steps=1, tiny=True, out=tmp_path / "b.json") == 0
+    finally:
+        torch.set_num_threads(threads)
     figures = json.loads((tmp_path / "b.json").read_text())
     for key in ("step_time_ratio_vs_dense", "peak_memory_ratio_vs_dense",
                 "step_time_ratio_vs_dense_half_ranks",

@@ -99,13 +99,29 @@ def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, m
 
 
 @pytest.mark.slow
-def test_step_bench_plumbing(tmp_path, capsys):
+def test_step_bench_plumbing(tmp_path, capsys, monkeypatch):
+    """One worker in a fresh process (its command line, its JSON, a real peak), then the
+    whole bench with every worker run in this process: what is tested here is that each
+    variant runs and every figure is computed and printed, not the measurements (the
+    thirteen processes' imports alone took 40 of this test's 50-60 s)."""
     from benchmarks import mnli_step as mnli_bench
 
+    real = mnli_bench.run_worker("comera", 1, 1, "cpu", 1, True, "lean")
+    assert real["variant"] == "comera" and real["malloc"] == "lean"
+    assert real["peak_mb"] > 0 and real["step_s"] > 0
+    peaks = iter(range(1, 10_000))  # in one process a peak above the baseline means nothing
+    monkeypatch.setattr(mnli_bench, "apply_cpu_malloc", lambda policy: None)
+    monkeypatch.setattr(mnli_bench, "baseline_rss_mb", lambda: 0.0)
+    monkeypatch.setattr(mnli_bench, "peak_memory_mb", lambda device: float(next(peaks)))
+    monkeypatch.setattr(mnli_bench, "run_worker", mnli_bench.worker)
+    threads = torch.get_num_threads()
     out = tmp_path / "bench.json"
-    assert (
-        mnli_bench.run(json_out=True, device="cpu", repeats=1, threads=1, tiny=True, out=out) == 0
-    )
+    try:
+        code = mnli_bench.run(json_out=True, device="cpu", repeats=1, threads=1, tiny=True,
+                              out=out)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
     result = json.loads(capsys.readouterr().out)
     for key in (
         "step_time_ratio_vs_dense",
