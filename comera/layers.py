@@ -160,6 +160,7 @@ def tt_linear_shared_input(
     if not layers:
         return []
     built = [halves.get(p) for p, _ in layers] if halves is not None else []
+    ready = bool(built) and all(b is not None for b in built)
     trains, biases, outs = [], [], []
     for k, (params, state) in enumerate(layers):
         cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
@@ -171,12 +172,11 @@ def tt_linear_shared_input(
                 f"has shape {tuple(x.shape)}"
             )
         _check_operand(f"tt_linear_shared_input layer {k}", "x", x, cores[0])
-        if not built or any(b is None for b in built):
+        if not ready:
             trains.append(gated_cores(params, state, f"tt_linear_shared_input layer {k}"))
         biases.append(params.get("bias"))
         outs.append(math.prod([c.shape[1] for c in cores[:d]]))
     lead = x.shape[:-1]
-    ready = bool(built) and all(b is not None for b in built)
     ys = shared_input_comera(x.reshape(-1, x.shape[-1]), built if ready else trains, biases,
                              built=ready)  # type: ignore[arg-type]  # fmt: skip
     return [y.reshape(*lead, m) for y, m in zip(ys, outs, strict=True)]

@@ -45,6 +45,7 @@ from comera.tensor_train import (
     chain_from_right,
     check_state,
     gated_cores,
+    stacked_gated_core,
 )
 
 __all__ = [
@@ -360,9 +361,8 @@ class GroupedHalves:
     so build a new one for every forward pass."""
 
     def __init__(self, layers: Sequence[tuple[Params, State]]) -> None:
-        groups: dict[tuple, list[tuple[Params, State]]] = {}
+        groups: dict[tuple, list[tuple[str, Params, State]]] = {}
         for k, (params, state) in enumerate(layers):
-            check_state(params, state, f"GroupedHalves layer {k}")
             cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
             if any(c.dim() != 3 for c in cores):
                 raise ValueError(
@@ -370,25 +370,21 @@ class GroupedHalves:
                     "are not a TT linear's (3-way cores); TTM embeddings are not grouped"
                 )
             key = (tuple(tuple(c.shape) for c in cores), cores[0].dtype, cores[0].device)
-            groups.setdefault(key, []).append((params, state))
+            groups.setdefault(key, []).append((f"GroupedHalves layer {k}", params, state))
         self._halves: dict[int, tuple[Params, torch.Tensor, torch.Tensor]] = {}
         for group in groups.values():
             if len(group) == 1:
-                params, state = group[0]
-                a, b = _halves(gated_cores(params, state))
+                name, params, state = group[0]
+                a, b = _halves(gated_cores(params, state, name))  # checks the state too
                 self._halves[id(params)] = (params, a, b)
                 continue
-            k = len(group[0][0]["cores"])  # type: ignore[arg-type]
-            stacked = []
-            for i in range(k):
-                core = torch.stack([p["cores"][i] for p, _ in group])  # type: ignore[index]
-                if i < k - 1:
-                    gates = torch.stack([p["gates"][i] for p, _ in group])  # type: ignore[index]
-                    masks = torch.stack([s["masks"][i] for _, s in group])  # type: ignore[index]
-                    core = core * (gates * masks)[:, None, None, :]
-                stacked.append(core)
-            a_all, b_all = _stacked_halves(stacked)
-            for j, (params, _) in enumerate(group):
+            for name, params, state in group:
+                check_state(params, state, name)
+            trains, states = [p for _, p, _ in group], [s for _, _, s in group]
+            k = len(trains[0]["cores"])  # type: ignore[arg-type]
+            a_all, b_all = _stacked_halves([stacked_gated_core(trains, states, i)
+                                            for i in range(k)])  # fmt: skip
+            for j, params in enumerate(trains):
                 self._halves[id(params)] = (params, a_all[j], b_all[j])
 
     def get(self, params: Params) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from comera.layers import gather_rows, pair_cores
 from comera.spec import TTMEmbeddingSpec
-from comera.tensor_train import Params, State, check_state, gated_cores, pad_stack
+from comera.tensor_train import Params, State, check_state, gated_cores, stacked_gated_core
 
 # a group whose cores, padded to the largest vocab mode and ranks, hold at most this many
 # elements (4 MiB of fp32) is stacked: there the padding's arithmetic is negligible and
@@ -170,20 +170,6 @@ class _GatheredChain(torch.autograd.Function):
         return (None, *out, *([None] * len(idx)))
 
 
-def _stacked_core(params: Sequence[Params], states: Sequence[State], k: int) -> torch.Tensor:
-    """Core ``k`` of every table, gated, zero-padded to the group's largest vocab mode and
-    ranks and stacked: ``(T, r, v, d, r')``. Padding is exact: a padded rank carries zeros
-    on both sides of its bond, and a padded vocab row is never looked up."""
-    stacked = pad_stack([p["cores"][k] for p in params])  # type: ignore[index]
-    if k == len(params[0]["cores"]) - 1:  # type: ignore[arg-type]
-        return stacked  # the last core has no trailing bond to gate
-    gates = pad_stack([p["gates"][k] for p in params])  # type: ignore[index]
-    masks = pad_stack([s["masks"][k] for s in states])  # type: ignore[index]
-    # the bool masks promote inside the product, as in gated_cores
-    gate = gates * masks  # (T, r')
-    return stacked * gate[:, None, None, None, :]
-
-
 def _stacked_tables(
     params: Sequence[Params], states: Sequence[State], digits: list[torch.Tensor],
     tab: torch.Tensor, n_unique: int,
@@ -195,7 +181,7 @@ def _stacked_tables(
     cores themselves (:data:`STACK_ELEMENTS`): then one GEMM saves a chain step, and
     its gathers, for every block of unique rows."""
     ncores = len(digits)
-    stacked = [_stacked_core(params, states, k) for k in range(ncores)]
+    stacked = [stacked_gated_core(params, states, k) for k in range(ncores)]
     tables, rows_idx, k = [], [], 0
     while k < ncores:
         t, r, v, d, r2 = stacked[k].shape

@@ -36,6 +36,7 @@ __all__ = [
     "init",
     "is_tt_params",
     "pad_stack",
+    "stacked_gated_core",
     "to_dense",
     "ttm_table",
 ]
@@ -215,6 +216,21 @@ def pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return [x for have, want in sizes for x in (0, want - have)]
 
     return torch.stack([t if list(t.shape) == padded else F.pad(t, pads(t)) for t in tensors])
+
+
+def stacked_gated_core(params: Sequence[Params], states: Sequence[State], k: int) -> torch.Tensor:
+    """Core ``k`` of several trains, zero-padded to their largest sizes (:func:`pad_stack`)
+    and stacked, with ``gate * mask`` folded into its trailing bond as
+    :func:`gated_cores` does for one train: ``(L, *core sizes)``. One product gates every
+    train, where each alone costs one. The last core has no trailing bond to gate."""
+    stacked = pad_stack([p["cores"][k] for p in params])  # type: ignore[index]
+    if k == len(params[0]["cores"]) - 1:  # type: ignore[arg-type]
+        return stacked
+    gates = pad_stack([p["gates"][k] for p in params])  # type: ignore[index]
+    masks = pad_stack([s["masks"][k] for s in states])  # type: ignore[index]
+    # the bool masks promote inside the product, as in gated_cores
+    gate = gates * masks  # (L, r')
+    return stacked * gate.reshape(gate.shape[0], *[1] * (stacked.dim() - 2), gate.shape[1])
 
 
 def chain(cores: Sequence[torch.Tensor]) -> torch.Tensor:
