@@ -244,6 +244,12 @@ def test_grouped_halves_give_each_layers_values_and_gradients(seed, monkeypatch)
         return ys, grads
 
     assert grouped.get(layers[4][0]) is None and grouped.get(layers[0][0]) is not None
+    ttm = C.init(C.TTMEmbeddingSpec(vocab_modes=(4, 5), dim_modes=(2, 4), ranks=3,
+                                    dtype=torch.float64), generator=gen)  # fmt: skip
+    with pytest.raises(ValueError, match="layer 1: .* not a TT linear's"):
+        C.plans.GroupedHalves([layers[0], ttm])
+    with pytest.raises(ValueError, match="GroupedHalves layer 1: the rank state"):
+        C.plans.GroupedHalves([layers[0], (layers[1][0], layers[4][1])])  # another's state
     built = []  # the layers that gate their own cores
     real = C.layers.gated_cores
     monkeypatch.setattr(C.layers, "gated_cores", lambda p, *a: built.append(p) or real(p, *a))
