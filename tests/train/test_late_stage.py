@@ -127,6 +127,51 @@ def test_share_size_of_many_layers_equals_the_per_layer_sum():
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("batching", ["all", "default", "none"])
+def test_share_size_batches_layers_of_other_modes_and_core_counts(monkeypatch, batching):
+    """Small layers of other modes and numbers of cores are measured in one padded batch
+    (a shorter train extended by cores holding one); each still counts as on its own,
+    value and gradients. Above the size limit every structure is its own batch."""
+    from comera.train import objectives
+
+    specs = [
+        C.TTLinearSpec(out_modes=(4, 3, 2), in_modes=(2, 3, 4), ranks=5),
+        C.TTLinearSpec(out_modes=(4, 3), in_modes=(3, 2), ranks=4),  # two cores
+        C.TTMEmbeddingSpec(vocab_modes=(4, 3, 2, 2), dim_modes=(2, 2, 1, 2), ranks=3),
+        C.TTLinearSpec(out_modes=(4, 3, 2), in_modes=(2, 3, 4), ranks=5),
+        C.TTLinearSpec(out_modes=(8, 3, 2), in_modes=(2, 3, 4), ranks=6),  # other modes
+    ]
+    g = torch.Generator().manual_seed(3)
+    params, state = {}, {}
+    for i, spec in enumerate(specs):
+        p, s = C.init(spec, generator=g)
+        with torch.no_grad():
+            for gate in p["gates"]:
+                gate.copy_(0.5 + torch.rand(gate.shape, generator=g))
+        params[f"l{i}"], state[f"l{i}"] = p, s
+    masks = [m.clone() for m in state["l3"]["masks"]]
+    masks[0][:2] = False
+    params["l3"], state["l3"] = C.compact(params["l3"], {"masks": masks})  # ranks 3, 5
+    state["l2"]["masks"][1][0] = False  # dead, not compacted
+    if batching == "all":
+        monkeypatch.setattr(objectives, "PAD_RATIO", math.inf)
+    elif batching == "none":
+        monkeypatch.setattr(objectives, "SHARE_BATCH_ELEMENTS", 0)
+    calls = []
+    inner = objectives._group_size
+    monkeypatch.setattr(objectives, "_group_size", lambda m: calls.append(len(m)) or inner(m))
+    gates = [g.requires_grad_() for p in params.values() for g in p["gates"]]
+    size = share_size(params, state)
+    ref = _share_size_per_layer(params, state)
+    torch.testing.assert_close(size, ref)
+    for a, b in zip(torch.autograd.grad(size, gates), torch.autograd.grad(ref, gates),
+                    strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b)
+    # structures: the two alike linears (one compacted), and three others
+    assert sorted(calls) == {"all": [5], "none": [1, 1, 1, 2]}.get(batching, sorted(calls))
+    assert sum(calls) == 5 and (batching == "none" or len(calls) < 4)
+
+
 def test_prune_to_size_kills_the_smallest_shares_first_and_keeps_a_rank_per_bond():
     params, state = _layer("tt", seed=1)
     shares = C.rank_contributions(params["a"], state["a"])
