@@ -395,22 +395,25 @@ class Trainer:
         count_tokens = getattr(self.task, "batch_tokens", None)
         if count_tokens is not None:
             metric_sums["tokens"] = float(sum(count_tokens(b) for b in batches))
+        # one micro-batch in one process: the objective's weights are known before the
+        # backward, so the loss and the parameter term share one backward pass, each
+        # weighted at its root (the same sum; no second pass over the parameter term's
+        # graph, and no second gradient per leaf to add)
+        one_pass = len(batches) == 1 and self.world == 1
         for batch in batches:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 out = self.task.loss(self.params, self.state, batch, train=True)
             s, n, metrics = loss_terms(out)
             n = float(n)
-            _accumulate(grads, torch.autograd.grad(s, leaves, allow_unused=True))
+            if not one_pass:
+                _accumulate(grads, torch.autograd.grad(s, leaves, allow_unused=True))
             loss_sum += s.detach().double()
             count += n
             for k, v in metrics.items():  # per-batch means, weighted by the batch's count
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * n
         keep_sparse = self.world == 1 and self.cfg.optimizer == "sgd"
-        for i, (g, t) in enumerate(zip(grads, leaves, strict=True)):
-            if g is None and not keep_sparse:
-                grads[i] = torch.zeros_like(t)  # every rank lines up
-            elif g is not None and g.is_sparse:
-                grads[i] = g.coalesce() if keep_sparse else g.to_dense()
+        if not one_pass:
+            self._line_up(grads, leaves, keep_sparse)
         keys = sorted(metric_sums)
         extra = torch.tensor([count, *(metric_sums[k] for k in keys)], dtype=torch.float64)
         scalars = torch.cat([loss_sum.reshape(1), extra.to(self.device)])
@@ -423,9 +426,20 @@ class Trainer:
         if not math.isfinite(loss_value):
             raise self._non_finite("loss", loss_value)
         obj = self.stages.objective(self.step + 1, loss_value, self.params, self.state)
-        _scale(grads, obj.loss_weight / count)
-        if obj.param_term is not None:  # the same on every rank: added after the reduction
-            _accumulate(grads, torch.autograd.grad(obj.param_term, leaves, allow_unused=True))
+        if one_pass:
+            roots, weights = [s], [torch.full((), obj.loss_weight / count, dtype=s.dtype,
+                                              device=s.device)]  # fmt: skip
+            if obj.param_term is not None:
+                roots.append(obj.param_term)
+                weights.append(torch.ones_like(obj.param_term))
+            grad = torch.autograd.grad(roots, leaves, grad_outputs=weights, allow_unused=True)
+            _accumulate(grads, grad)
+            self._line_up(grads, leaves, keep_sparse)
+        else:
+            _scale(grads, obj.loss_weight / count)
+            if obj.param_term is not None:  # the same on every rank: added after the reduction
+                grad = torch.autograd.grad(obj.param_term, leaves, allow_unused=True)
+                _accumulate(grads, grad)
         total = _grad_norm(grads)
         gnorm = float(total)
         if not math.isfinite(gnorm):
@@ -460,6 +474,18 @@ class Trainer:
             **{k: v if k == "tokens" else v / count
                for k, v in zip(keys, metric_totals, strict=True)},
         }  # fmt: skip
+
+    @staticmethod
+    def _line_up(
+        grads: list[torch.Tensor | None], leaves: list[torch.Tensor], keep_sparse: bool
+    ) -> None:
+        """Missing gradients as zeros (every rank lines up) unless ``keep_sparse``; sparse
+        ones coalesced when kept, made dense otherwise."""
+        for i, (g, t) in enumerate(zip(grads, leaves, strict=True)):
+            if g is None and not keep_sparse:
+                grads[i] = torch.zeros_like(t)
+            elif g is not None and g.is_sparse:
+                grads[i] = g.coalesce() if keep_sparse else g.to_dense()
 
     def _after_step(self) -> None:
         """Carry out the stage controller's rank events for the step just taken."""
