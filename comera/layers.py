@@ -365,8 +365,9 @@ def ttm_lookup(
     return gather_rows(rows, inverse)
 
 
-def _rows_logits(h: torch.Tensor, *cores: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(h, ttm_table(cores))  # (M, rows of this block)
+def _rows_logits(h: torch.Tensor, rows: int | None, *cores: torch.Tensor) -> torch.Tensor:
+    """``h`` against the table of ``cores``, its first ``rows`` rows (default: all)."""
+    return torch.nn.functional.linear(h, ttm_table(cores)[:rows])  # (M, rows of this block)
 
 
 def ttm_logits(
@@ -387,14 +388,25 @@ def ttm_logits(
 
     cores = gated_cores(params, state, "ttm_logits")
     h2 = h.reshape(-1, h.shape[-1])
+    # the padded rows are cut from the table, not from the logits: slicing the (M, V)
+    # logits left them strided for the loss and gave the slice a logits-sized backward
     if 3 * h2.shape[-1] <= h2.shape[0]:
-        out = _rows_logits(h2, *cores)
+        out = _rows_logits(h2, rows, *cores)
     else:
         first, rest = cores[0], cores[1:]
+        block = math.prod(int(c.shape[1]) for c in rest)  # rows per index of the first mode
+        total = first.shape[1] * block if rows is None else rows
         blocks = [
-            checkpoint(_rows_logits, h2, first[:, a : a + 1], *rest, use_reentrant=False)
+            checkpoint(
+                _rows_logits,
+                h2,
+                min(block, total - a * block),
+                first[:, a : a + 1],
+                *rest,
+                use_reentrant=False,
+            )  # fmt: skip
             for a in range(first.shape[1])
+            if a * block < total
         ]
         out = torch.cat(blocks, dim=-1)
-    out = out if rows is None else out[:, :rows]
     return out.reshape(*h.shape[:-1], out.shape[-1])

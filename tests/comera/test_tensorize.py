@@ -253,8 +253,12 @@ def test_a_tied_linear_reached_by_two_paths_stays_one_module() -> None:
 
 
 @pytest.mark.parametrize("tokens", [5, 200])  # 3 * 16 > 5: checkpointed blocks; else whole
-def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(tokens: int) -> None:
+@pytest.mark.parametrize("rows", [57, 48, None])  # a block cut short, one dropped, all 60
+def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(tokens: int, rows) -> None:
+    """Blocks of 12 rows (one index of the first mode): the padded rows never reach the
+    logits, which come out contiguous (a slice of wider logits would not be)."""
     from comera.layers import ttm_logits
+    from comera.tensor_train import gated_cores, ttm_table
 
     spec = C.TTMEmbeddingSpec(vocab_modes=(5, 4, 3), dim_modes=(2, 2, 4), ranks=4,
                               num_embeddings=57, embedding_dim=16, dtype=torch.float64)  # fmt: skip
@@ -263,9 +267,13 @@ def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(tokens: int) -
     for t in leaves:
         t.requires_grad_(True)
     h = torch.randn(tokens, 16, dtype=torch.float64, requires_grad=True)
-    got = ttm_logits(params, state, h, rows=57)
-    want = h @ C.to_dense(params, state, spec).T
+    got = ttm_logits(params, state, h, rows=rows)
+    table = ttm_table(gated_cores(params, state))  # all 60 rows, padding included
+    want = h @ table[:rows].T
+    assert got.shape == (tokens, rows or 60) and got.is_contiguous()
     torch.testing.assert_close(got, want)
+    if rows == 57:
+        torch.testing.assert_close(table[:57], C.to_dense(params, state, spec))
     gy = torch.randn_like(want)
     for a, b in zip(torch.autograd.grad(got, [h, *leaves], gy),
                     torch.autograd.grad(want, [h, *leaves], gy), strict=True):  # fmt: skip
