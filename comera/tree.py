@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 
+import torch
 import torch.utils._pytree as pytree
 
 from comera.accounting import train_size
@@ -44,6 +45,8 @@ def _collect(tree: object, out: list) -> None:
     if kind is dict:
         for v in tree.values():  # type: ignore[attr-defined]
             _collect(v, out)
+    elif kind is torch.Tensor or kind is torch.nn.Parameter:  # most leaves: no node check
+        out.append(tree)
     elif kind is list or kind is tuple:
         for v in tree:  # type: ignore[attr-defined]
             _collect(v, out)
