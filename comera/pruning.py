@@ -59,11 +59,14 @@ def _shares(cores: list[torch.Tensor], gates: list[torch.Tensor]) -> list[torch.
 
 
 def batched_shares(cores: list[torch.Tensor], gates: list[torch.Tensor]) -> list[torch.Tensor]:
-    """:func:`_shares` of ``L`` trains of one structure at once: cores ``(L, r, n, r')``
-    and masked gates ``(L, r)`` -> one ``(L, r)`` share matrix per bond.
+    """:func:`_shares` of ``L`` trains at once: cores ``(L, r, n, r')`` and masked gates
+    ``(L, r)`` -> one ``(L, r)`` share matrix per bond.
 
-    Trains whose ranks differ can share a batch zero-padded to the largest: a padded rank
-    has a zero gate, so it adds nothing to any Gram matrix and its share is 0."""
+    Trains of other ranks or modes can share a batch zero-padded to the largest: a padded
+    rank has a zero gate and a padded mode zero cores, so neither adds to any Gram matrix,
+    and a padded rank's share is 0. A shorter train can be lengthened by ``1 x 1 x 1``
+    cores holding one joined by gate-one bonds (its added bonds then carry share 1, or 0
+    for a zero weight)."""
     n_bonds = len(gates)
     batch = cores[0].shape[0]
     one = cores[0].new_ones(batch, 1, 1)

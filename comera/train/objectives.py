@@ -83,13 +83,16 @@ def size_surrogate(params: object, state: object) -> torch.Tensor:
     return total
 
 
-# a model whose TT/TTM layers, zero-padded to their largest cores and ranks and to one
-# number of cores, hold at most this many core elements (4 MiB of fp32) is measured in
-# one batch: at such sizes the late stage's step pays for the measure's ops, not their
-# arithmetic (MNLI smoke, 14 layers in 4 structures: 6.7 ms of a 30 ms step). Larger
-# models are measured one structure at a time, where padding would add real work.
+# On the CPU, structures of layers (modes and number of cores) are measured in one
+# zero-padded batch while the batch's padded cores hold at most this many elements (4 MiB
+# of fp32) and padding at most doubles them: at such sizes the late stage's step pays for
+# the measure's ops, not their arithmetic (MNLI smoke, 14 layers in 4 structures: 6.7 ms
+# of a 30 ms step, 2.3 ms batched). Larger structures keep their own batch, where padding
+# would add real work; so does every structure on an accelerator, where a mixed batch
+# would need its per-layer mode sizes copied to the device each step (a host wait, and
+# no CUDA graph capture).
 SHARE_BATCH_ELEMENTS = 1 << 20
-PAD_RATIO = 2.0  # ... and padding at most doubles their elements
+PAD_RATIO = 2.0
 
 
 def share_size(params: object, state: object) -> torch.Tensor:
@@ -106,31 +109,37 @@ def share_size(params: object, state: object) -> torch.Tensor:
     Equals the layers' stored core and gate count while all shares on a bond are equal.
     A model whose every layer was pruned to nothing has size 0 (a constant).
 
-    Layers are measured together, zero-padded (:func:`comera.pruning.batched_shares`):
+    Layers are measured in batches, zero-padded (:func:`comera.pruning.batched_shares`):
     the late stage computes this every step, and per layer it is a few dozen small ops.
-    Layers of one structure (modes, dtype, device) always share a batch; when the padded
-    cores of all layers of a dtype and device are small (:data:`SHARE_BATCH_ELEMENTS`)
-    they all share one, whatever their modes and number of cores."""
+    Layers of one structure (modes, dtype, device) always share a batch. On the CPU,
+    structures are also merged, greedily in model order, into the first batch that stays
+    small (:data:`SHARE_BATCH_ELEMENTS`, :data:`PAD_RATIO`), whatever their modes and
+    number of cores."""
     buckets: dict[tuple, list[tuple[str, dict, dict]]] = {}
     layers = 0
     for path, p, s in iter_tt(params, state):
         check_state(p, s, path)
         layers += 1
         cores: list[torch.Tensor] = p["cores"]
+        if int(cores[0].shape[0]) != 1 or int(cores[-1].shape[-1]) != 1:
+            raise ValueError(
+                f"share_size: {path}: edge ranks {int(cores[0].shape[0])} and "
+                f"{int(cores[-1].shape[-1])}; a train's first and last cores have rank 1 outside"
+            )
         if any(int(c.shape[-1]) == 0 for c in cores[:-1]):  # no rank: the zero map, size 0
             continue
         buckets.setdefault((cores[0].dtype, cores[0].device), []).append((path, p, s))
     if not layers:
         raise ValueError("share_size: the params tree holds no TT/TTM layer")
     terms = []
-    for members in buckets.values():
+    for (_, device), members in buckets.items():
         structures: dict[tuple, list[int]] = {}
         shapes = [_shapes(p) for _, p, _ in members]
         for i, train in enumerate(shapes):
             structures.setdefault(tuple(n for _, n, _ in train), []).append(i)
         batches: list[list[int]] = []
         for group in structures.values():  # into the first batch it pads little
-            for batch in batches:
+            for batch in batches if device.type == "cpu" else ():
                 merged = [shapes[i] for i in batch + group]
                 padded = _padded_elements(merged)
                 if padded <= SHARE_BATCH_ELEMENTS and padded <= PAD_RATIO * _elements(merged):
@@ -172,7 +181,9 @@ def _group_size(members: list[tuple[str, dict, dict]]) -> torch.Tensor:
     """:func:`share_size`'s summed terms of ``L`` layers, zero-padded to their largest
     modes and ranks. A layer with fewer cores is extended by ``1 x 1 x 1`` cores holding
     one, joined by bonds of rank 1 with gate one: the Grams pass through them unchanged,
-    and the added modes and bonds weigh nothing in the size."""
+    and the added modes and bonds weigh nothing in the size. Layers of one structure
+    weigh their modes by plain numbers; a mixed batch (on the CPU only, see
+    :func:`share_size`) by a tensor of each layer's modes."""
     first = members[0][1]["cores"][0]
     dtype, dev = first.dtype, first.device
     tiny = torch.finfo(dtype).tiny
@@ -194,6 +205,14 @@ def _group_size(members: list[tuple[str, dict, dict]]) -> torch.Tensor:
     # amax, as the per-layer max(): tied shares split the gradient rather than one take it
     soft = [sh.sum(1) / sh.amax(1).clamp_min(tiny) for sh in batched_shares(cores, gates)]
     one = first.new_ones(len(members))
+    modes = [[int(t[k].shape[1]) if k < len(t) else 0 for k in range(n_cores)] for t in trains]
+    weights: list = list(modes[0])
+    rhos = soft
+    if any(m != modes[0] for m in modes):
+        # the modes in at least fp32 (a bf16 mode size above 256 would round); an added
+        # core's mode weighs 0
+        wdtype = torch.promote_types(dtype, torch.float32)
+        weights = list(torch.tensor(modes, dtype=wdtype, device=dev).unbind(1))
     if any(len(t) < n_cores for t in trains):
         # (L, K - 1): bond k is the layer's own while core k + 1 is; an added bond counts 1
         # beside a mode (as an edge bond does) and 0 on its own
@@ -201,15 +220,8 @@ def _group_size(members: list[tuple[str, dict, dict]]) -> torch.Tensor:
                            device=dev)  # fmt: skip
         rhos = [torch.where(own[:, k], r, 1.0) for k, r in enumerate(soft)]
         soft = [torch.where(own[:, k], r, 0.0) for k, r in enumerate(soft)]
-    else:
-        rhos = soft
-    modes = torch.tensor(
-        [[t[k].shape[1] if k < len(t) else 0 for k in range(n_cores)] for t in trains],
-        dtype=dtype,
-        device=dev,
-    )  # (L, K): an added core's mode weighs 0
     full = [one, *rhos, one]
-    size = sum(modes[:, k] * full[k] * full[k + 1] for k in range(n_cores)) + sum(soft, 0 * one)
+    size = sum(weights[k] * full[k] * full[k + 1] for k in range(n_cores)) + sum(soft, 0 * one)
     return size.sum()
 
 
