@@ -395,24 +395,30 @@ class Trainer:
         count_tokens = getattr(self.task, "batch_tokens", None)
         if count_tokens is not None:
             metric_sums["tokens"] = float(sum(count_tokens(b) for b in batches))
-        # one micro-batch in one process: the objective's weights are known before the
-        # backward, so the loss and the parameter term share one backward pass, each
-        # weighted at its root (the same sum; no second pass over the parameter term's
-        # graph, and no second gradient per leaf to add)
-        one_pass = len(batches) == 1 and self.world == 1
+        # one micro-batch in one process on the CPU: the objective's weights are known
+        # before the backward, so the loss and the parameter term share one backward pass,
+        # each weighted at its root (the same sum; no second pass over the parameter
+        # term's graph, and no second gradient per leaf to add). On an accelerator the
+        # backward is queued before the host reads the loss instead, and a loss summed in
+        # a low precision is weighted after its backward, in the gradients' precision.
+        one_pass = len(batches) == 1 and self.world == 1 and self.device.type == "cpu"
+        root: torch.Tensor | None = None
         for batch in batches:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 out = self.task.loss(self.params, self.state, batch, train=True)
             s, n, metrics = loss_terms(out)
             n = float(n)
-            if not one_pass:
+            one_pass = one_pass and s.dtype in (torch.float32, torch.float64)
+            if one_pass:
+                root = s
+            else:
                 _accumulate(grads, torch.autograd.grad(s, leaves, allow_unused=True))
             loss_sum += s.detach().double()
             count += n
             for k, v in metrics.items():  # per-batch means, weighted by the batch's count
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * n
         keep_sparse = self.world == 1 and self.cfg.optimizer == "sgd"
-        if not one_pass:
+        if root is None:
             self._line_up(grads, leaves, keep_sparse)
         keys = sorted(metric_sums)
         extra = torch.tensor([count, *(metric_sums[k] for k in keys)], dtype=torch.float64)
@@ -426,9 +432,9 @@ class Trainer:
         if not math.isfinite(loss_value):
             raise self._non_finite("loss", loss_value)
         obj = self.stages.objective(self.step + 1, loss_value, self.params, self.state)
-        if one_pass:
-            roots, weights = [s], [torch.full((), obj.loss_weight / count, dtype=s.dtype,
-                                              device=s.device)]  # fmt: skip
+        if root is not None:
+            roots = [root]
+            weights = [torch.full((), obj.loss_weight / count, dtype=root.dtype)]
             if obj.param_term is not None:
                 roots.append(obj.param_term)
                 weights.append(torch.ones_like(obj.param_term))

@@ -453,3 +453,29 @@ def test_a_loss_of_two_values_names_the_form_expected(tmp_path, mode):
     assert tr.step == 0
     after = torch.utils._pytree.tree_flatten(tr.params)[0]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_cpu_step_back_propagates_once_unless_its_loss_is_low_precision(tmp_path, monkeypatch):
+    """One micro-batch on the CPU: the loss and the stage's parameter term (here the gate
+    regularizer, from step 1) share one backward pass. A loss summed in bf16 takes its own
+    backward first and is weighted in the gradients' fp32. Both give the same update."""
+    comera = ComeraConfig(gamma=0.5, tau=0.05, early_steps=40, prune_every=10, reg_start_step=0)
+
+    class Bf16Loss(ToyTask):
+        def loss(self, params, state, batch, *, train):
+            loss, n, metrics = super().loss(params, state, batch, train=train)
+            return loss.to(torch.bfloat16), n, metrics
+
+    calls = []
+    grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or grad(*a, **k))
+    passes, params = {}, {}
+    for name, task in (("fp32", ToyTask()), ("bf16", Bf16Loss())):
+        tr = Trainer(_cfg(tmp_path / name, steps=3, comera=comera), task, *_toy_model())
+        batch = next(iter(task.train_iter))
+        calls.clear()
+        tr.train_step(batch)
+        passes[name], params[name] = len(calls), tr.params
+    assert passes == {"fp32": 1, "bf16": 2}
+    for a, b in zip(tree_flatten(params["fp32"])[0], tree_flatten(params["bf16"])[0], strict=True):
+        torch.testing.assert_close(a, b)
