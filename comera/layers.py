@@ -387,6 +387,11 @@ def ttm_logits(
     from torch.utils.checkpoint import checkpoint
 
     cores = gated_cores(params, state, "ttm_logits")
+    padded = math.prod(int(c.shape[1]) for c in cores)
+    if rows is not None and not 1 <= rows <= padded:
+        raise ValueError(
+            f"ttm_logits: rows={rows}; pass 1 to {padded} (the table's padded vocabulary)"
+        )
     h2 = h.reshape(-1, h.shape[-1])
     # the padded rows are cut from the table, not from the logits: slicing the (M, V)
     # logits left them strided for the loss and gave the slice a logits-sized backward
@@ -394,8 +399,8 @@ def ttm_logits(
         out = _rows_logits(h2, rows, *cores)
     else:
         first, rest = cores[0], cores[1:]
-        block = math.prod(int(c.shape[1]) for c in rest)  # rows per index of the first mode
-        total = first.shape[1] * block if rows is None else rows
+        block = padded // first.shape[1]  # rows per index of the first mode
+        total = padded if rows is None else rows
         blocks = [
             checkpoint(
                 _rows_logits,
@@ -404,7 +409,7 @@ def ttm_logits(
                 first[:, a : a + 1],
                 *rest,
                 use_reentrant=False,
-            )  # fmt: skip
+            )
             for a in range(first.shape[1])
             if a * block < total
         ]

@@ -254,7 +254,9 @@ def test_a_tied_linear_reached_by_two_paths_stays_one_module() -> None:
 
 @pytest.mark.parametrize("tokens", [5, 200])  # 3 * 16 > 5: checkpointed blocks; else whole
 @pytest.mark.parametrize("rows", [57, 48, None])  # a block cut short, one dropped, all 60
-def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(tokens: int, rows) -> None:
+def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(
+    tokens: int, rows: int | None
+) -> None:
     """Blocks of 12 rows (one index of the first mode): the padded rows never reach the
     logits, which come out contiguous (a slice of wider logits would not be)."""
     from comera.layers import ttm_logits
@@ -278,6 +280,17 @@ def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(tokens: int, r
     for a, b in zip(torch.autograd.grad(got, [h, *leaves], gy),
                     torch.autograd.grad(want, [h, *leaves], gy), strict=True):  # fmt: skip
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("rows", [0, 61])
+def test_ttm_logits_refuse_rows_outside_the_table(rows: int) -> None:
+    from comera.layers import ttm_logits
+
+    spec = C.TTMEmbeddingSpec(vocab_modes=(5, 4, 3), dim_modes=(2, 2, 4), ranks=4)
+    params, state = C.init(spec, generator=torch.Generator().manual_seed(0))
+    for tokens in (5, 200):  # the blocked path and the whole table
+        with pytest.raises(ValueError, match=r"rows=.*pass 1 to 60"):
+            ttm_logits(params, state, torch.randn(tokens, 16), rows=rows)
 
 
 def test_ties_shared_modules_and_attention_are_respected() -> None:
