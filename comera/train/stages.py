@@ -30,6 +30,7 @@ last step (``final``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -154,8 +155,8 @@ class StageController:
             # Adam turns even a tiny consistent L1 pull into lr-sized gate steps, so an
             # untrained model would lose its gates before it learns; reg_start_step waits.
             gamma = c.gamma if step > c.reg_start_step else 0.0
-            with torch.set_grad_enabled(gamma > 0):  # else only logged: no graph to build
-                reg = gate_regularizer(params, state, c.regularizer)
+            with torch.no_grad() if gamma <= 0 else contextlib.nullcontext():
+                reg = gate_regularizer(params, state, c.regularizer)  # else only logged
             term = gamma * reg if gamma > 0 else None
             return Objective(1.0, term, {"gate_reg": reg.detach()})
         if c.size_objective == "shares":
