@@ -14,7 +14,9 @@ Two parts, in one process:
   load hits all three alike and each CoMERA variant follows dense's step (whose large
   update leaves the cache cold) equally often; the figures are median
   step times after warm-up steps (the first ``auto`` step times its candidates and is
-  not counted). ``smoke_step_time_ratio_vs_dense`` is auto's median over dense's.
+  not counted). ``smoke_step_time_ratio_vs_dense`` is auto's median over dense's. The
+  same for a late-stage auto step (``late_step_time_ratio_vs_dense``): the size objective
+  the late stage adds to every step is not in the early steps above.
 - **Shapes.** What the tuner decided for every TT layer and lookup the smoke steps ran,
   and for the paper-size models at one step's token count (MNLI: batch 32 x 128;
   CodeBERT: batch 8 x 512; DLRM at the Kaggle sizes: batch 10,000 through its TT MLP
@@ -64,6 +66,11 @@ PAPER_STEPS = 3  # timed paper-size steps per variant (a CodeBERT-base dense ste
 # 4332-4463 MB); CodeBERT's (~2 min each) run twice
 PAPER_ROUNDS = {"mnli": 3, "codebert": 2, "dlrm": 3}
 TARGET = 1.1  # auto's smoke step at most 1.1x dense's
+# a smoke-preset trainer whose own loop takes it through the early stage's end after one
+# step (the transition, then the final prune to the size target): its steps carry the
+# late stage's size objective, computed every step
+LATE = ["--steps", "2", "--set", "train.comera.early_steps=1",
+        "--set", "train.comera.reg_start_step=0"]  # fmt: skip
 
 
 def _experiment(name: str) -> Any:
@@ -85,7 +92,8 @@ def _prepare(name: str, variant: str, root: Path, extra: list[str]) -> Any:
 def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
                 extra: list[str] | None = None) -> dict:  # fmt: skip
     """Median ``train_step`` times of the three variants of ``name``'s smoke preset, taking
-    turns on the same batches, and what auto decided."""
+    turns on the same batches, and what auto decided; then auto's late-stage step
+    (:data:`LATE`) against dense's, taking turns."""
     tuner = A.PlanTuner()  # memory only: this measures timing, not a cache
     with tempfile.TemporaryDirectory() as tmp, A.use_tuner(tuner):
         trainers = {v: _prepare(name, v, Path(tmp), extra or []) for v in VARIANTS}
@@ -115,8 +123,24 @@ def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
                 tr.train_step(*batch)
                 if i >= warmup:
                     tiny[v].append(time.perf_counter() - t0)
+        # the late stage, auto against dense again, taking turns
+        late_tr = _prepare(name, "auto", Path(tmp) / "late", [*(extra or []), *LATE])
+        late_tr.fit()
+        if late_tr.stage != "late":
+            raise RuntimeError(f"plans bench: {name}'s late trainer is in stage {late_tr.stage}")
+        late_it = iter(late_tr.task.train_iter)
+        late: dict[str, list[float]] = {"auto": [], "dense": []}
+        for i in range(warmup + steps):
+            for v in list(late)[:: 1 if i % 2 else -1]:
+                tr, it = (late_tr, late_it) if v == "auto" else (trainers[v], its[v])
+                batch = [next(it) for _ in range(tr.cfg.accum_steps)]
+                t0 = time.perf_counter()
+                tr.train_step(*batch)
+                if i >= warmup:
+                    late[v].append(time.perf_counter() - t0)
     med = {v: 1e3 * statistics.median(t) for v, t in times.items()}
     one = {v: 1e3 * statistics.median(t) for v, t in tiny.items()}
+    late_ms = {v: 1e3 * statistics.median(t) for v, t in late.items()}
     extra = max(0.0, one["auto"] - one["dense"])
     return {
         "step_ms": med,
@@ -127,6 +151,8 @@ def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
         "one_example_step_ms": one,
         "fixed_extra_ms": extra,
         "smoke_step_time_ratio_floor": (med["dense"] + extra) / med["dense"],
+        "late_step_ms": late_ms,
+        "late_step_time_ratio_vs_dense": late_ms["auto"] / late_ms["dense"],
         "decisions": list(decisions.values()),
     }
 
@@ -337,6 +363,24 @@ def render(result: dict) -> str:
                 else "- | - | - |"
             )
         )
+    late = [n for n in names if "late_step_ms" in result[n]]
+    if late:
+        lines += [
+            "",
+            "Late stage: auto's step once the early stage has ended (a trainer taken through "
+            "the transition and the final prune to the size target by its own loop, after "
+            "one step; every step then also differentiates the size objective), against "
+            "dense's step, taking turns.",
+            "",
+            "| experiment | auto, late stage (ms) | dense (ms) | auto / dense |",
+            "|---|---|---|---|",
+        ]
+        for n in late:
+            r = result[n]
+            lines.append(
+                f"| {n} | {r['late_step_ms']['auto']:.2f} | {r['late_step_ms']['dense']:.2f} | "
+                f"{r['late_step_time_ratio_vs_dense']:.3f} |"
+            )
     paper = [n for n in names if "paper_steps" in result[n]]
     if paper:
         lines += [

@@ -32,6 +32,9 @@ def test_smoke_steps_time_three_variants_and_keep_the_decisions() -> None:
     assert r["smoke_step_time_ratio_floor"] == pytest.approx(
         (r["step_ms"]["dense"] + extra) / r["step_ms"]["dense"]
     )
+    assert set(r["late_step_ms"]) == {"auto", "dense"} and r[
+        "late_step_time_ratio_vs_dense"
+    ] == pytest.approx(r["late_step_ms"]["auto"] / r["late_step_ms"]["dense"])
     kinds = {d["kind"] for d in r["decisions"]}
     assert kinds == {"tt_linear", "ttm_embedding"}
     assert all(d["choice"] in d["times_ms"] for d in r["decisions"])
@@ -62,6 +65,7 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
             "smoke_step_time_ratio_vs_dense_comera_plan": 15 / 11,
             "one_example_step_ms": {"auto": 3.0, "dense": 2.0}, "fixed_extra_ms": 1.0,
             "smoke_step_time_ratio_floor": 12 / 11,
+            "late_step_ms": {"auto": 13.0, "dense": 10.0}, "late_step_time_ratio_vs_dense": 1.3,
             "decisions": [{"kind": "tt_linear", "what": "64x64 ranks 8,8,8 tokens 2048",
                            "choice": "dense", "times_ms": {"comera": 0.3, "dense": 0.2},
                            "skipped": {"dp": "40x the cheapest forward FLOPs"}}],
@@ -74,6 +78,7 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "| mnli | 10.00 | 15.00 | 11.00 | 0.909 | 1.364 | 3.00, 2.00 | 1.00 | 1.091 |" in out
     assert "**dense**" in out and "dp: 40x the cheapest forward FLOPs" in out
+    assert "| mnli | 13.00 | 10.00 | 1.300 |" in out  # the late stage's step
 
 
 def test_bad_flags_are_one_line(capsys) -> None:
