@@ -345,16 +345,18 @@ def _stacked_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.
 
 class GroupedHalves:
     """The gated halves ``A`` (M x r) and ``B`` (r x N) of many TT linears, built together
-    once per forward pass: trains of the same core shapes (a transformer's Q, K, V and O of
-    every block) are stacked, gated with one product per bond and contracted with one
-    batched GEMM per core, where each layer alone costs a product per bond and a GEMM per
-    core. At small widths those per-layer ops, not the arithmetic, are the TT layers' cost
-    (``benchmarks.plans``' ``fixed extra``). The ``comera`` and ``dense`` paths read a
-    layer's halves from here (:func:`comera.tt_linear`'s ``halves``); the values and
-    gradients are those of the per-layer build, up to summation order.
+    once per forward pass: trains of the same modes (a transformer's Q, K, V and O of
+    every block, compacted to other ranks or not) are stacked, zero-padded to their
+    largest ranks, gated with one product per bond and contracted with one batched GEMM
+    per core, where each layer alone costs a product per bond and a GEMM per core; each
+    layer reads its halves at its own middle rank. At small widths those per-layer ops,
+    not the arithmetic, are the TT layers' cost (``benchmarks.plans``' ``fixed extra``).
+    The ``comera`` and ``dense`` paths read a layer's halves from here
+    (:func:`comera.tt_linear`'s ``halves``); the values and gradients are those of the
+    per-layer build, up to summation order.
 
     Build it where every layer's params are at hand (the model's forward), from the
-    ``(params, state)`` of the layers it should serve; a train alone in its shape is built
+    ``(params, state)`` of the layers it should serve; a train alone in its modes is built
     as one layer is. The halves are built here, eagerly, so a layer checkpointed for
     recomputation reads them rather than building them inside its region; they are the
     params and rank state given here (a layer's call reads them, not its own ``state``),
@@ -369,7 +371,9 @@ class GroupedHalves:
                     f"GroupedHalves layer {k}: cores of shapes {[tuple(c.shape) for c in cores]} "
                     "are not a TT linear's (3-way cores); TTM embeddings are not grouped"
                 )
-            key = (tuple(tuple(c.shape) for c in cores), cores[0].dtype, cores[0].device)
+            # one structure (the modes), whatever the ranks: compacted layers' trains are
+            # zero-padded to the group's largest ranks (exact, :func:`stacked_gated_core`)
+            key = (tuple(int(c.shape[1]) for c in cores), cores[0].dtype, cores[0].device)
             groups.setdefault(key, []).append((f"GroupedHalves layer {k}", params, state))
         self._halves: dict[int, tuple[Params, torch.Tensor, torch.Tensor]] = {}
         for group in groups.values():
@@ -385,7 +389,8 @@ class GroupedHalves:
             a_all, b_all = _stacked_halves([stacked_gated_core(trains, states, i)
                                             for i in range(k)])  # fmt: skip
             for j, params in enumerate(trains):
-                self._halves[id(params)] = (params, a_all[j], b_all[j])
+                r = int(params["cores"][k // 2].shape[0])  # type: ignore[index]  # its middle rank
+                self._halves[id(params)] = (params, a_all[j][:, :r], b_all[j][:r])
 
     def get(self, params: Params) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(A, B)`` of the layer with these ``params``, or None if it was not given."""

@@ -225,8 +225,19 @@ def test_grouped_halves_give_each_layers_values_and_gradients(seed, monkeypatch)
         params, state = C.init(shared, generator=gen)
         state["masks"][1] = torch.zeros_like(state["masks"][1])
         layers.append(C.compact(params, state))
+    # compacted to other ranks (2, 4, 3 against 4, 6, 3; its middle rank 4): grouped with
+    # the shared ones, zero-padded to their ranks
+    params, state = C.init(shared, generator=gen)
+    params = _random_gates(params, gen)
+    state["masks"][0][:2], state["masks"][1][:2] = False, False
+    layers.append(C.compact(params, state))
     held = [*layers[:4], *layers[5:]]  # layers[4] is not held: it builds its own
+    alone = []  # trains GroupedHalves builds on their own: only layers[2], alone in its modes
+    real_halves = C.plans._halves
+    monkeypatch.setattr(C.plans, "_halves", lambda c: alone.append(c) or real_halves(c))
     grouped = C.plans.GroupedHalves(held)
+    assert len(alone) == 1 and grouped.get(layers[7][0])[0].shape == (12, 4)
+    monkeypatch.setattr(C.plans, "_halves", real_halves)
     leaves = [t for p, _ in layers for t in (*p["cores"], *p["gates"], p.get("bias"))
               if t is not None]  # fmt: skip
     for t in leaves:
