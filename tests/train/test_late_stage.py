@@ -100,6 +100,20 @@ def _share_size_per_layer(params, state) -> torch.Tensor:
     return total
 
 
+def _assert_share_size_is_per_layer(params, state) -> None:
+    """share_size and its gate gradients equal the per-layer definition's."""
+    gates = [g.requires_grad_() for p in params.values() for g in p["gates"]]
+    size = share_size(params, state)
+    ref = _share_size_per_layer(params, state)
+    torch.testing.assert_close(size, ref)
+    for a, b in zip(torch.autograd.grad(size, gates, allow_unused=True),
+                    torch.autograd.grad(ref, gates, allow_unused=True), strict=True):  # fmt: skip
+        if b is None:
+            assert a is None or float(a.abs().sum()) == 0
+        else:
+            torch.testing.assert_close(a, b)
+
+
 def test_share_size_of_many_layers_equals_the_per_layer_sum():
     """Layers measured together (one structure, zero-padded to the largest ranks) give
     each layer's own size and gradients: layers compacted to other ranks, a TTM, a dead
@@ -115,16 +129,7 @@ def test_share_size_of_many_layers_equals_the_per_layer_sum():
     masks = [m.clone() for m in state["l4"]["masks"]]
     masks[1][:] = False
     params["l4"], state["l4"] = C.compact(params["l4"], {"masks": masks})  # bond 1: rank 0
-    gates = [g.requires_grad_() for p in params.values() for g in p["gates"]]
-    size = share_size(params, state)
-    ref = _share_size_per_layer(params, state)
-    torch.testing.assert_close(size, ref)
-    for a, b in zip(torch.autograd.grad(size, gates, allow_unused=True),
-                    torch.autograd.grad(ref, gates, allow_unused=True), strict=True):  # fmt: skip
-        if b is None:
-            assert a is None or float(a.abs().sum()) == 0
-        else:
-            torch.testing.assert_close(a, b)
+    _assert_share_size_is_per_layer(params, state)
 
 
 @pytest.mark.parametrize("batching", ["all", "default", "none"])
@@ -167,16 +172,7 @@ def test_share_size_batches_layers_of_other_modes_and_core_counts(monkeypatch, b
     calls = []
     inner = objectives._group_size
     monkeypatch.setattr(objectives, "_group_size", lambda m: calls.append(len(m)) or inner(m))
-    gates = [g.requires_grad_() for p in params.values() for g in p["gates"]]
-    size = share_size(params, state)
-    ref = _share_size_per_layer(params, state)
-    torch.testing.assert_close(size, ref)
-    for a, b in zip(torch.autograd.grad(size, gates, allow_unused=True),
-                    torch.autograd.grad(ref, gates, allow_unused=True), strict=True):  # fmt: skip
-        if b is None:
-            assert a is None or float(a.abs().sum()) == 0
-        else:
-            torch.testing.assert_close(a, b)
+    _assert_share_size_is_per_layer(params, state)
     # structures: the two alike linears (one compacted), and four others (l5 is skipped)
     want = {"all": [6], "default": [1, 1, 4], "none": [1, 1, 1, 1, 2]}[batching]
     assert sorted(calls) == want
