@@ -70,8 +70,8 @@ class EncoderConfig:
     emb_rank: int = 32
     recompute: bool = False  # recompute each block's activations in backward (training)
     fused_qkv: bool = False  # Q, K, V (comera path) read x in one GEMM: tt_linear_shared_input
-    # the blocks' TT linears of one shape gated and contracted together each forward pass
-    # (comera.plans.GroupedHalves); False: each layer builds its own, as before
+    # the blocks' TT linears of one structure gated and contracted together each forward
+    # pass (comera.plans.GroupedHalves); False: each layer builds its own, as before
     grouped_halves: bool = True
 
     # the fields derive_fields computes from the widths (``--set model.attn_modes=auto``)
@@ -237,17 +237,19 @@ def grouped_halves(
 ) -> C.plans.GroupedHalves | None:
     """The blocks' TT linears whose plan reads halves (``comera``, ``dense``, ``auto``)
     gated and contracted together (:class:`comera.plans.GroupedHalves`); None when no two
-    of them share their core shapes, where grouping saves nothing. ``plan_of(path)`` is a
-    layer's plan (``layers.0.q``; None: the process default)."""
-    layers, shapes = [], set()
+    of them share their modes (whatever their ranks), where grouping saves nothing.
+    ``plan_of(path)`` is a layer's plan (``layers.0.q``; None: the process default)."""
+    layers, structures = [], set()
     for i, (p, s) in enumerate(zip(params["layers"], state["layers"], strict=True)):
         for n in BLOCK_LINEARS:
             plan = plan_of(f"layers.{i}.{n}")
             plan = C.get_default_plan() if plan is None else plan
             if is_tt_params(p[n]) and plan in ("comera", "dense", "auto"):
                 layers.append((p[n], s[n]))
-                shapes.add(tuple(tuple(c.shape) for c in p[n]["cores"]))
-    return C.plans.GroupedHalves(layers) if len(shapes) < len(layers) else None
+                cores = p[n]["cores"]
+                modes = tuple(int(c.shape[1]) for c in cores)
+                structures.add((modes, cores[0].dtype, cores[0].device))
+    return C.plans.GroupedHalves(layers) if len(structures) < len(layers) else None
 
 
 def _is_comera(plan: C.plans.PlanLike) -> bool:

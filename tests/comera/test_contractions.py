@@ -207,7 +207,8 @@ def test_recorded_cost_is_the_executed_cost(ranks, strategy):
 @pytest.mark.parametrize("seed", range(4))
 def test_grouped_halves_give_each_layers_values_and_gradients(seed, monkeypatch):
     """Layers whose halves are built together (``GroupedHalves``: three of one shape, one
-    alone, two pruned to nothing, dead ranks and trained gates) give what each layer
+    compacted to other ranks and two pruned to nothing in their group, one alone, dead
+    ranks and trained gates) give what each layer
     builds alone, on every path, for ``tt_linear`` and ``tt_linear_shared_input``
     alike; a layer it does not hold builds its own."""
     gen = torch.Generator().manual_seed(seed)

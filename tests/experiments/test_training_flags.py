@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import comera as C
 from experiments import cli
 from experiments.mnli import experiment as mnli
 from experiments.transformer import EncoderConfig, encoder_hidden, grouped_halves, init_encoder
@@ -81,6 +82,27 @@ def test_recomputed_blocks_give_the_same_values_and_gradients(tt: bool) -> None:
     alone = run(dataclasses.replace(cfg, grouped_halves=False))
     for a, b in zip(plain, alone, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # summation order only
+    if not tt:
+        return
+    # compacted so that no two block linears share their core shapes (as after a late
+    # stage's compaction): still grouped by their modes, with the same values
+    for i, (p, s) in enumerate(zip(params["layers"], state["layers"], strict=True)):
+        for j, n in enumerate(("q", "k", "v", "o", "ffn_in", "ffn_out")):
+            idx = 6 * i + j
+            masks = [m.clone() for m in s[n]["masks"]]
+            masks[0][: idx % 3 + 1] = False
+            masks[1][: idx // 3 % 4] = False
+            p[n], s[n] = C.compact(p[n], {"masks": masks})
+    shapes = [tuple(c.shape for c in p[n]["cores"]) for p in params["layers"]
+              for n in ("q", "k", "v", "o", "ffn_in", "ffn_out")]  # fmt: skip
+    assert len(set(shapes)) == len(shapes)
+    assert grouped_halves(params, state, lambda path: None) is not None
+    torch.manual_seed(3)
+    grouped = encoder_hidden(params, state, batch, cfg, train=True)
+    torch.manual_seed(3)
+    apart = encoder_hidden(params, state, batch, dataclasses.replace(cfg, grouped_halves=False),
+                           train=True)  # fmt: skip
+    torch.testing.assert_close(grouped, apart, rtol=1e-3, atol=1e-4)
 
 
 def test_plan_auto_from_the_cli_caches_on_disk_and_records_its_choices(tmp_path, monkeypatch):
