@@ -535,8 +535,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def fit(self) -> dict:
-        """Train to ``cfg.steps``; returns the last logged metrics (plus the final eval)."""
+    def fit(self, until: int | None = None) -> dict:
+        """Train to ``cfg.steps``, or stop after step ``until`` (a pause: the schedule,
+        stages and a later ``fit`` still count to ``cfg.steps``); returns the last logged
+        metrics (plus the final eval)."""
         from tqdm.auto import tqdm
 
         cfg, fresh = self.cfg, self.step == 0
@@ -560,7 +562,8 @@ class Trainer:
         tuner.take_used()  # what an earlier trainer in this process used is not this run's
         self._timed = tuner.timings
         try:
-            while self.step < cfg.steps:
+            stop = cfg.steps if until is None else min(until, cfg.steps)
+            while self.step < stop:
                 t_step = time.perf_counter()
                 batches = [next(it) for _ in range(cfg.accum_steps)]
                 if self._tune_due:  # its timing runs are not the step's time

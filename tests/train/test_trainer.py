@@ -479,3 +479,18 @@ def test_a_cpu_step_back_propagates_once_unless_its_loss_is_low_precision(tmp_pa
     assert passes == {"fp32": 1, "bf16": 2}
     for a, b in zip(tree_flatten(params["fp32"])[0], tree_flatten(params["bf16"])[0], strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_fit_until_pauses_and_a_later_fit_ends_where_one_fit_does(tmp_path):
+    """``fit(until=k)`` stops after step ``k`` (the stages and schedule still count to
+    ``cfg.steps``: here the pause falls in the late stage, before its final prune); a
+    later ``fit()`` finishes the run as one uninterrupted ``fit`` does."""
+    once = Trainer(_cfg(tmp_path / "once"), ToyTask(), *_toy_model())
+    once.fit()
+    paused = Trainer(_cfg(tmp_path / "paused"), ToyTask(), *_toy_model())
+    paused.fit(until=45)
+    assert paused.step == 45 and paused.stage == "late"
+    paused.fit()
+    assert paused.step == once.step == 60
+    for a, b in zip(tree_flatten(once.params)[0], tree_flatten(paused.params)[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
