@@ -262,6 +262,10 @@ def test_grouped_halves_give_each_layers_values_and_gradients(seed, monkeypatch)
         C.plans.GroupedHalves([layers[0], ttm])
     with pytest.raises(ValueError, match="GroupedHalves layer 1: the rank state"):
         C.plans.GroupedHalves([layers[0], (layers[1][0], layers[4][1])])  # another's state
+    short = {**layers[1][0], "gates": [g[:-1] for g in layers[1][0]["gates"]]}
+    masks = {"masks": [m[:-1] for m in layers[1][1]["masks"]]}
+    with pytest.raises(ValueError, match=r"layer 1: gate 0 has shape \(2,\) for a bond of rank 3"):
+        C.plans.GroupedHalves([layers[0], (short, masks)])  # would be padded with the rest
     built = []  # the layers that gate their own cores
     real = C.layers.gated_cores
     monkeypatch.setattr(C.layers, "gated_cores", lambda p, *a: built.append(p) or real(p, *a))
