@@ -383,16 +383,7 @@ class GroupedHalves:
                 self._halves[id(params)] = (params, a, b)
                 continue
             for name, params, state in group:
-                check_state(params, state, name)
-                # padded together, a gate that does not fit its bond would be padded too
-                # and silently gate the wrong ranks; alone, its product would refuse it
-                cores, gates = params["cores"], params["gates"]
-                for b, g in enumerate(gates):  # type: ignore[arg-type]
-                    if g.shape != (cores[b].shape[-1],):  # type: ignore[index]
-                        raise ValueError(
-                            f"{name}: gate {b} has shape {tuple(g.shape)} for a bond of rank "
-                            f"{cores[b].shape[-1]}"  # type: ignore[index]
-                        )
+                check_state(params, state, name)  # gates that fit their bonds, padded
             trains, states = [p for _, p, _ in group], [s for _, _, s in group]
             k = len(trains[0]["cores"])  # type: ignore[arg-type]
             a_all, b_all = _stacked_halves([stacked_gated_core(trains, states, i)

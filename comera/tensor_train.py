@@ -170,7 +170,9 @@ def bond_ranks(params: Params) -> list[int]:
 
 def check_state(params: Params, state: State, name: str = "TT layer") -> None:
     """Raise a clear error when ``state`` is not this layer's rank state (missing, or from
-    before a compaction): one bool mask per bond, as long as that bond's gate."""
+    before a compaction): one bool mask per bond, as long as that bond's gate; or when a
+    gate does not fit its bond (trains padded together, :func:`pad_stack`, would pad it
+    too and gate the wrong ranks silently)."""
     if not isinstance(state, dict) or "masks" not in state:
         raise ValueError(
             f"{name}: the rank state must be a dict with 'masks' (one bool vector per bond), "
@@ -185,6 +187,11 @@ def check_state(params: Params, state: State, name: str = "TT layer") -> None:
             f"gates of {gates} ranks. Was the state compacted together with the params? "
             "(comera.compact returns both)"
         )
+    ranks = [int(c.shape[-1]) for c in params["cores"][:-1]]  # type: ignore[index]
+    # a gate per bond; extra gates are not read by any path, as before
+    for b, (g, r) in enumerate(zip(params["gates"], ranks, strict=False)):  # type: ignore[call-overload]
+        if g.shape != (r,):
+            raise ValueError(f"{name}: gate {b} has shape {tuple(g.shape)} for a bond of rank {r}")
 
 
 def gated_cores(params: Params, state: State, name: str = "TT layer") -> list[torch.Tensor]:
