@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,49 +99,28 @@ def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
     tuner = A.PlanTuner()  # memory only: this measures timing, not a cache
     with tempfile.TemporaryDirectory() as tmp, A.use_tuner(tuner):
         trainers = {v: _prepare(name, v, Path(tmp), extra or []) for v in VARIANTS}
-        its = {v: iter(t.task.train_iter) for v, t in trainers.items()}
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        orders = list(itertools.permutations(trainers))
-        for i in range(warmup + steps):
-            # every order in turn: the step that follows dense's (a large update, on a
-            # cache it left cold) is auto's and comera's equally often
-            for v in orders[i % len(orders)]:
-                tr = trainers[v]
-                batch = [next(its[v]) for _ in range(tr.cfg.accum_steps)]
-                t0 = time.perf_counter()
-                tr.train_step(*batch)
-                if i >= warmup:
-                    times[v].append(time.perf_counter() - t0)
+        runs = {v: (t, iter(t.task.train_iter)) for v, t in trainers.items()}
+        # every order in turn: the step that follows dense's (a large update, on a cache it
+        # left cold) is auto's and comera's equally often
+        times = _take_turns(runs, list(itertools.permutations(trainers)), warmup, steps)
         decisions = {k: dataclasses.asdict(d) for k, d in tuner.take_used().items()}
         # the same steps on one example: the arithmetic all but gone, what is left is
         # each step's fixed cost (dispatched ops, the optimizer's leaves, the objective),
         # which no plan choice removes
-        tiny: dict[str, list[float]] = {"auto": [], "dense": []}
-        for i in range(warmup + steps):
-            for v in list(tiny)[:: 1 if i % 2 else -1]:
-                tr = trainers[v]
-                batch = [_first_example(next(its[v])) for _ in range(tr.cfg.accum_steps)]
-                t0 = time.perf_counter()
-                tr.train_step(*batch)
-                if i >= warmup:
-                    tiny[v].append(time.perf_counter() - t0)
+        pair = {v: runs[v] for v in ("auto", "dense")}
+        tiny = _take_turns(pair, PAIR_ORDERS, warmup, steps, cut=_first_example)
         # the late stage, auto against dense again, taking turns
         late_tr = _prepare(name, "auto", Path(tmp) / "late", [*(extra or []), *LATE])
         late_tr.fit(until=2)
         if late_tr.stage != "late":
             raise RuntimeError(f"plans bench: {name}'s late trainer is in stage {late_tr.stage}")
-        late_it = iter(late_tr.task.train_iter)
-        late: dict[str, list[float]] = {"auto": [], "dense": []}
-        for i in range(warmup + steps):
-            for v in list(late)[:: 1 if i % 2 else -1]:
-                tr, it = (late_tr, late_it) if v == "auto" else (trainers[v], its[v])
-                batch = [next(it) for _ in range(tr.cfg.accum_steps)]
-                t0 = time.perf_counter()
-                metrics = tr.train_step(*batch)
-                if i >= warmup:
-                    late[v].append(time.perf_counter() - t0)
-                if v == "auto" and "size" not in metrics:  # the size term was left out
-                    raise RuntimeError(f"plans bench: {name}'s late step {tr.step} has no size")
+
+        def has_size(v: str, step: int, metrics: dict) -> None:
+            if v == "auto" and "size" not in metrics:  # the size term was left out
+                raise RuntimeError(f"plans bench: {name}'s late step {step} has no size")
+
+        pair["auto"] = (late_tr, iter(late_tr.task.train_iter))
+        late = _take_turns(pair, PAIR_ORDERS, warmup, steps, check=has_size)
     med = {v: 1e3 * statistics.median(t) for v, t in times.items()}
     one = {v: 1e3 * statistics.median(t) for v, t in tiny.items()}
     late_ms = {v: 1e3 * statistics.median(t) for v, t in late.items()}
@@ -158,6 +138,38 @@ def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
         "late_step_time_ratio_vs_dense": late_ms["auto"] / late_ms["dense"],
         "decisions": list(decisions.values()),
     }
+
+
+# two trainers taking turns: each goes first every other round
+PAIR_ORDERS = [("dense", "auto"), ("auto", "dense")]
+
+
+def _take_turns(
+    runs: dict[str, tuple[Any, Any]],
+    orders: list[tuple[str, ...]],
+    warmup: int,
+    steps: int,
+    *,
+    cut: Callable[[dict], dict] | None = None,
+    check: Callable[[str, int, dict], None] | None = None,
+) -> dict[str, list[float]]:
+    """``train_step`` times of ``runs`` (name -> trainer, batch iterator) over ``warmup +
+    steps`` rounds, round ``i`` running them in ``orders[i % len(orders)]``; the warm-up
+    rounds are not kept. ``cut`` trims each batch; ``check(name, step, metrics)`` sees
+    every step's metrics."""
+    times: dict[str, list[float]] = {v: [] for v in runs}
+    for i in range(warmup + steps):
+        for v in orders[i % len(orders)]:
+            tr, it = runs[v]
+            batch = [next(it) for _ in range(tr.cfg.accum_steps)]
+            batch = [cut(b) for b in batch] if cut is not None else batch
+            t0 = time.perf_counter()
+            metrics = tr.train_step(*batch)
+            if i >= warmup:
+                times[v].append(time.perf_counter() - t0)
+            if check is not None:
+                check(v, tr.step, metrics)
+    return times
 
 
 def _first_example(batch: dict) -> dict:
