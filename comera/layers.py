@@ -27,6 +27,7 @@ from comera.spec import TTLinearSpec, TTMEmbeddingSpec
 from comera.tensor_train import Params, State, gated_cores, ttm_table
 
 __all__ = [
+    "WHOLE_TABLE_ELEMENTS",
     "SyncFreeLookups",
     "gather_rows",
     "pair_cores",
@@ -365,6 +366,13 @@ def ttm_lookup(
     return gather_rows(rows, inverse)
 
 
+# a table this small (in elements, ``V * D``, three of them counted: the table, its
+# gradient, the chain's partial products) is built whole whatever the token count: 4M
+# elements, 16 MB of fp32. Block by block, CodeBERT's smoke table (2,025 x 64, 45 blocks)
+# took about 20 ms of a one-sequence step for what its whole build does in well under 1.
+WHOLE_TABLE_ELEMENTS = 1 << 22
+
+
 def _rows_logits(h: torch.Tensor, rows: int | None, *cores: torch.Tensor) -> torch.Tensor:
     """``h`` against the table of ``cores``, its first ``rows`` rows (default: all)."""
     return torch.nn.functional.linear(h, ttm_table(cores)[:rows])  # (M, rows of this block)
@@ -380,9 +388,10 @@ def ttm_logits(
     its first vocabulary mode), each block's logits computed and the block dropped, and
     rebuilt block by block in backward (activation checkpointing). The blocks together
     cost one table build; the memory is one block instead of the table, its gradient and
-    the chain's partial products (about 460 MB at 50,265 x 768). A small table is built
-    whole, once: when those (about three tables, ``3 V D``) take no more memory than the
-    ``(M, V)`` logits made anyway (``3 D <= M``), where the blocks' many small ops cost
+    the chain's partial products (about 460 MB at 50,265 x 768). The table is built
+    whole, once, where its memory does not matter: when those (about three tables,
+    ``3 V D``) take no more memory than the ``(M, V)`` logits made anyway (``3 D <= M``),
+    or hold at most :data:`WHOLE_TABLE_ELEMENTS`; there the blocks' many small ops cost
     more time than the whole table's memory."""
     from torch.utils.checkpoint import checkpoint
 
@@ -395,7 +404,7 @@ def ttm_logits(
     h2 = h.reshape(-1, h.shape[-1])
     # the padded rows are cut from the table, not from the logits: slicing the (M, V)
     # logits left them strided for the loss and gave the slice a logits-sized backward
-    if 3 * h2.shape[-1] <= h2.shape[0]:
+    if 3 * h2.shape[-1] <= h2.shape[0] or 3 * padded * h2.shape[-1] <= WHOLE_TABLE_ELEMENTS:
         out = _rows_logits(h2, rows, *cores)
     else:
         first, rest = cores[0], cores[1:]

@@ -252,15 +252,28 @@ def test_a_tied_linear_reached_by_two_paths_stays_one_module() -> None:
     assert model["head"].embedding is model["emb"]
 
 
-@pytest.mark.parametrize("tokens", [5, 200])  # 3 * 16 > 5: checkpointed blocks; else whole
+# 3 * 16 > 5 tokens: checkpointed blocks unless the table is small enough to build whole
+@pytest.mark.parametrize(("tokens", "whole", "blocks"), [(5, 0, 5), (200, 0, 0), (5, None, 0)])
 @pytest.mark.parametrize("rows", [57, 48, None])  # a block cut short, one dropped, all 60
 def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(
-    tokens: int, rows: int | None
+    tokens: int, whole: int | None, blocks: int, rows: int | None, monkeypatch
 ) -> None:
     """Blocks of 12 rows (one index of the first mode): the padded rows never reach the
-    logits, which come out contiguous (a slice of wider logits would not be)."""
+    logits, which come out contiguous (a slice of wider logits would not be). ``whole``:
+    the table size built whole at any token count (None: the default, which this 60-row
+    table is under); ``blocks``: the checkpointed blocks expected (0: the whole table)."""
+    import torch.utils.checkpoint
+
+    import comera.layers
     from comera.layers import ttm_logits
     from comera.tensor_train import gated_cores, ttm_table
+
+    if whole is not None:
+        monkeypatch.setattr(comera.layers, "WHOLE_TABLE_ELEMENTS", whole)
+    calls = []
+    real = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))  # fmt: skip
 
     spec = C.TTMEmbeddingSpec(vocab_modes=(5, 4, 3), dim_modes=(2, 2, 4), ranks=4,
                               num_embeddings=57, embedding_dim=16, dtype=torch.float64)  # fmt: skip
@@ -270,6 +283,7 @@ def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(
         t.requires_grad_(True)
     h = torch.randn(tokens, 16, dtype=torch.float64, requires_grad=True)
     got = ttm_logits(params, state, h, rows=rows)
+    assert len(calls) == (blocks if rows != 48 or not blocks else 4)  # 48 rows: 4 blocks
     table = ttm_table(gated_cores(params, state))  # all 60 rows, padding included
     want = h @ table[:rows].T
     assert got.shape == (tokens, rows or 60) and got.is_contiguous()
@@ -288,7 +302,7 @@ def test_ttm_logits_refuse_rows_outside_the_table(rows: int) -> None:
 
     spec = C.TTMEmbeddingSpec(vocab_modes=(5, 4, 3), dim_modes=(2, 2, 4), ranks=4)
     params, state = C.init(spec, generator=torch.Generator().manual_seed(0))
-    for tokens in (5, 200):  # the blocked path and the whole table
+    for tokens in (5, 200):  # checked before either path is taken
         with pytest.raises(ValueError, match=r"rows=.*pass 1 to 60"):
             ttm_logits(params, state, torch.randn(tokens, 16), rows=rows)
 
