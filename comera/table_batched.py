@@ -39,7 +39,14 @@ import torch.nn.functional as F
 
 from comera.layers import gather_rows, pair_cores
 from comera.spec import TTMEmbeddingSpec
-from comera.tensor_train import Params, State, check_state, gated_cores, stacked_gated_core
+from comera.tensor_train import (
+    Params,
+    State,
+    check_state,
+    gated_cores,
+    permuted,
+    stacked_gated_core,
+)
 
 # a group whose cores, padded to the largest vocab mode and ranks, hold at most this many
 # elements (4 MiB of fp32) is stacked: there the padding's arithmetic is negligible and
@@ -190,7 +197,7 @@ def _stacked_tables(
         if w and (rows <= n_unique or rows * r * d * e * r3 <= STACK_ELEMENTS):
             merged = torch.bmm(stacked[k].reshape(t, r * v * d, r2),
                                stacked[k + 1].reshape(t, r2, w * e * r3))  # fmt: skip
-            pairs = merged.reshape(t, r, v, d, w, e, r3).permute(0, 2, 4, 1, 3, 5, 6)
+            pairs = permuted(merged.reshape(t, r, v, d, w, e, r3), (0, 2, 4, 1, 3, 5, 6))
             tables.append(pairs.reshape(rows, r, d * e, r3))
             rows_idx.append((tab * v + digits[k]) * w + digits[k + 1])
             k += 2

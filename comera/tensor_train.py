@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ __all__ = [
     "init",
     "is_tt_params",
     "pad_stack",
+    "permuted",
     "stacked_gated_core",
     "to_dense",
     "ttm_table",
@@ -223,6 +225,69 @@ def pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return [x for have, want in sizes for x in (0, want - have)]
 
     return torch.stack([t if list(t.shape) == padded else F.pad(t, pads(t)) for t in tensors])
+
+
+# A permuted copy whose output keeps fewer contiguous input elements together than this
+# runs as a gather on the CPU (:func:`permuted`).
+SHORT_RUN = 8
+
+
+def permuted(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """``x.permute(dims)`` as a contiguous tensor.
+
+    On the CPU, when the permutation keeps fewer than :data:`SHORT_RUN` input elements
+    together (a trailing mode of 1 or 2), the copy runs as one ``index_select`` with a
+    cached flat index, forward and backward (the inverse index): the strided copy walks
+    runs that short one element pair at a time. A stacked TTM pair merge at the DLRM
+    smoke sizes, ``(14, 16, 15, 2, 13, 2, 1)`` to ``(14, 15, 13, 16, 2, 2, 1)``, copies in
+    0.63 ms strided and 0.06 ms gathered (2 threads). Elsewhere it is the plain copy."""
+    dims = tuple(int(d) % x.dim() for d in dims)
+    view = x.permute(dims)
+    if x.device.type != "cpu" or _run(tuple(x.shape), dims) >= SHORT_RUN or x.numel() >= 1 << 24:
+        return view.contiguous()
+    fwd, inv = _perm_index(tuple(x.shape), dims)
+    return _Gathered.apply(x, fwd, inv).view(view.shape)
+
+
+def _run(shape: tuple[int, ...], dims: tuple[int, ...]) -> int:
+    """How many elements the permuted view keeps contiguous at its end: the output's
+    trailing modes that are also the input's, in order (size-1 modes skipped)."""
+    run, k = 1, len(shape) - 1
+    for d in reversed(dims):
+        if shape[d] == 1:
+            continue
+        while k >= 0 and shape[k] == 1:
+            k -= 1
+        if d != k:
+            break
+        run *= shape[d]
+        k -= 1
+    return run
+
+
+@lru_cache(maxsize=64)
+def _perm_index(shape: tuple[int, ...], dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat gather indices of the permutation and of its inverse (int32: half the cache)."""
+    n = math.prod(shape)
+    fwd = torch.arange(n, dtype=torch.int32).reshape(shape).permute(dims).reshape(-1)
+    inv = torch.empty_like(fwd)
+    inv[fwd.long()] = torch.arange(n, dtype=torch.int32)
+    return fwd, inv
+
+
+class _Gathered(torch.autograd.Function):
+    """``x.flatten()[fwd]``; its gradient is ``g[inv]`` (a permutation: no scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fwd: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(fwd, inv)
+        ctx.shape = x.shape
+        return x.reshape(-1).index_select(0, fwd)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        fwd, inv = ctx.saved_tensors
+        return _Gathered.apply(g.reshape(-1), inv, fwd).view(ctx.shape), None, None
 
 
 def stacked_gated_core(params: Sequence[Params], states: Sequence[State], k: int) -> torch.Tensor:

@@ -161,3 +161,32 @@ def test_batched_under_bf16_autocast_keeps_one_dtype_and_fp32_gradients(
     for g, r in zip(grads, ref, strict=True):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, r, rtol=0.05, atol=0.05 * float(r.abs().max()))
+
+
+@pytest.mark.parametrize(
+    ("shape", "dims", "gathered"),
+    [
+        ((3, 4, 5, 2, 6, 2, 1), (0, 2, 4, 1, 3, 5, 6), True),  # a run of 2: gathered
+        ((3, 1, 5, 2, 4, 2, 8), (0, 2, 4, 1, 3, 5, 6), False),  # a run of 16: copied
+        ((4, 3, 2), (2, 0, 1), True),
+    ],
+)
+def test_permuted_is_a_contiguous_permute_in_values_and_gradients(
+    shape: tuple, dims: tuple, gathered: bool, monkeypatch
+) -> None:
+    """The stacked pair merges' permuted copy: ``permute(dims).contiguous()``'s values,
+    first and second derivatives, whichever way it copies."""
+    import comera.tensor_train as tt
+
+    used = []
+    apply = tt._Gathered.apply
+    monkeypatch.setattr(tt._Gathered, "apply", lambda *a: used.append(1) or apply(*a))
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_(True)
+    got = tt.permuted(x, dims)
+    assert bool(used) == gathered and got.is_contiguous()
+    assert torch.equal(got, x.permute(dims))
+    gy = torch.randn_like(got)
+    (gx,) = torch.autograd.grad(got, x, gy)
+    assert torch.equal(gx, gy.permute(tuple(torch.argsort(torch.tensor(dims)).tolist())))
+    assert torch.autograd.gradgradcheck(lambda t: tt.permuted(t, dims), (x,))
