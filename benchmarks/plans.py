@@ -3,11 +3,12 @@
     python -m benchmarks.plans [--json]                    # writes reports/plans.json, .md
     python -m benchmarks.plans --render reports/plans.json  # the tables, measuring nothing
 
-Two parts, in one process:
+Two parts:
 
-- **Smoke steps.** For each experiment (``mnli``, ``codebert``, ``dlrm``) the smoke preset
-  is prepared three times, as its command would (``python -m experiments.<name> --preset
-  smoke``): CoMERA with ``--plan auto --embedding-impl auto``, CoMERA with the paper's
+- **Smoke steps.** For each experiment (``mnli``, ``codebert``, ``dlrm``), in a fresh
+  process started as its command starts (its preset's allocator policy; ``lean``, DLRM's,
+  restarted with huge pages), the smoke preset is prepared three times, as its command
+  would (``python -m experiments.<name> --preset smoke``): CoMERA with ``--plan auto --embedding-impl auto``, CoMERA with the paper's
   fixed path (``--plan comera``), and ``--dense``. Their trainers then take turns, one
   ``Trainer.train_step`` each on the same batches (the early stage's objective, clipping,
   AdamW), going through the six orders of the three in turn, so a change in the machine's
@@ -78,15 +79,43 @@ def _experiment(name: str) -> Any:
     return importlib.import_module(f"experiments.{name}").EXPERIMENT
 
 
-def _prepare(name: str, variant: str, root: Path, extra: list[str]) -> Any:
+def _config(name: str, variant: str, root: Path, extra: list[str]) -> tuple[Any, list[str]]:
+    """The config (and command line) of ``name``'s smoke preset for ``variant``, as
+    ``python -m experiments.<name>`` resolves it."""
     from experiments import cli
 
     exp = _experiment(name)
     argv = ["--preset", "smoke", "--run-dir", str(root / f"{name}-{variant}"), "--no-progress",
             "--wandb", "disabled", *VARIANTS[variant], *extra]  # fmt: skip
     ap = cli.build_parser(exp)
-    cfg = cli.resolve_config(exp, ap.parse_args(argv), ap)
-    return cli.prepare(exp, cfg, argv=argv).trainer
+    return cli.resolve_config(exp, ap.parse_args(argv), ap), argv
+
+
+def _prepare(name: str, variant: str, root: Path, extra: list[str]) -> Any:
+    from experiments import cli
+
+    cfg, argv = _config(name, variant, root, extra)
+    return cli.prepare(_experiment(name), cfg, argv=argv).trainer
+
+
+def smoke_policy(name: str) -> str:
+    """The CPU allocator policy ``name``'s smoke command trains under (its preset's
+    ``train.cpu_malloc``); dense and CoMERA share it."""
+    return _config(name, "auto", Path(tempfile.gettempdir()), [])[0].train.cpu_malloc
+
+
+def _smoke_in_child(name: str, steps: int) -> dict:
+    """:func:`smoke_steps` of ``name`` in a fresh process that starts as the experiment's
+    command does: under its allocator policy and, for ``lean``, restarted with huge pages
+    (:func:`experiments.malloc.restart_for`). A process cannot undo a policy, so in one
+    process the first experiment's would reach the next one's steps; and a ``lean`` run
+    without the restart pays 4 KiB page faults its command does not."""
+    from experiments.malloc import clean_malloc_env
+    from experiments.workers import run_json_worker
+
+    cmd = [sys.executable, "-m", "benchmarks.plans", "--smoke-worker", name,
+           "--steps", str(steps)]  # fmt: skip
+    return run_json_worker(cmd, f"plans bench: {name} smoke steps", env=clean_malloc_env())
 
 
 def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
@@ -311,7 +340,7 @@ def run(
                              "threads": torch.get_num_threads()}}  # fmt: skip
     for name in experiments:
         print(f"plans bench: {name} smoke steps ...", file=sys.stderr, flush=True)
-        smoke = smoke_steps(name, steps=steps)
+        smoke = _smoke_in_child(name, steps)
         print(f"plans bench: {name} paper-size shapes ...", file=sys.stderr, flush=True)
         result[name] = {**smoke, "paper_shapes": shape_decisions(name)}
         if paper_steps_timed:
@@ -449,9 +478,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPORTS / "plans.json", help="the JSON written")
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="measure nothing: print the tables of a saved result")  # fmt: skip
+    ap.add_argument("--smoke-worker", choices=EXPERIMENTS, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.render is not None:
         return print_rendered(a.render, render, ap.prog)
+    if a.smoke_worker:  # one experiment's smoke steps, for run(): JSON on stdout
+        import json
+
+        from experiments.malloc import restart_for
+
+        if argv is None:  # a real process (not a test's call): start as the command does
+            restart_for(smoke_policy(a.smoke_worker))
+        print(json.dumps(smoke_steps(a.smoke_worker, steps=a.steps)))
+        return 0
     chosen = tuple(x for x in a.experiments.split(",") if x)
     bad = [x for x in chosen if x not in EXPERIMENTS]
     if bad or not chosen:

@@ -120,3 +120,32 @@ def test_paper_step_workers_run_auto_in_a_fresh_process() -> None:
     for name in ("mnli", "codebert"):
         r = plans._paper_step(name, "auto", 1, tiny=True)
         assert r["step_s"] > 0 and r["peak_mb"] > 0
+
+
+def test_each_experiment_s_smoke_steps_run_in_a_worker_under_its_policy(
+    monkeypatch, capsys, tmp_path
+) -> None:
+    """run() takes every experiment's smoke figures from its own process; the worker entry
+    prints smoke_steps' JSON. A lean experiment's policy cannot leak into the next one."""
+    import experiments.workers
+
+    assert plans.smoke_policy("dlrm") == "lean" and plans.smoke_policy("mnli") == "default"
+    seen = []
+
+    def worker(cmd, what, *, env=None, timeout=None):
+        seen.append(cmd[cmd.index("--smoke-worker") + 1])
+        assert "COMERA_MALLOC_RESTARTED" not in (env or {})  # the child decides its restart
+        return {"fake": True}
+
+    monkeypatch.setattr(experiments.workers, "run_json_worker", worker)
+    monkeypatch.setattr(plans, "shape_decisions", lambda name: [])
+    monkeypatch.setattr(plans, "render", lambda result: "")
+    monkeypatch.setattr(plans, "smoke_steps", lambda name, **k: pytest.fail("ran in-process"))
+    out = tmp_path / "plans.json"
+    plans.run(experiments=("mnli", "dlrm"), paper_steps_timed=0, out=out)
+    assert json.loads(out.read_text())["dlrm"]["fake"] is True
+    assert seen == ["mnli", "dlrm"]
+    monkeypatch.setattr(plans, "smoke_steps", lambda name, **k: {"name": name, **k})
+    capsys.readouterr()
+    assert plans.main(["--smoke-worker", "codebert", "--steps", "4"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"name": "codebert", "steps": 4}
