@@ -8,16 +8,17 @@ Two parts:
 - **Smoke steps.** For each experiment (``mnli``, ``codebert``, ``dlrm``), in a fresh
   process started as its command starts (its preset's allocator policy; ``lean``, DLRM's,
   restarted with huge pages), the smoke preset is prepared three times, as its command
-  would (``python -m experiments.<name> --preset smoke``): CoMERA with ``--plan auto --embedding-impl auto``, CoMERA with the paper's
-  fixed path (``--plan comera``), and ``--dense``. Their trainers then take turns, one
-  ``Trainer.train_step`` each on the same batches (the early stage's objective, clipping,
-  AdamW), going through the six orders of the three in turn, so a change in the machine's
-  load hits all three alike and each CoMERA variant follows dense's step (whose large
-  update leaves the cache cold) equally often; the figures are median
-  step times after warm-up steps (the first ``auto`` step times its candidates and is
-  not counted). ``smoke_step_time_ratio_vs_dense`` is auto's median over dense's. The
-  same for a late-stage auto step (``late_step_time_ratio_vs_dense``): the size objective
-  the late stage adds to every step is not in the early steps above.
+  would (``python -m experiments.<name> --preset smoke``): CoMERA with ``--plan auto
+  --embedding-impl auto``, CoMERA with the paper's fixed path (``--plan comera``), and
+  ``--dense``. Their trainers then take turns, one ``Trainer.train_step`` each on the
+  same batches (the early stage's objective, clipping, AdamW), going through the six
+  orders of the three in turn, so a change in the machine's load hits all three alike
+  and each CoMERA variant follows dense's step (whose large update leaves the cache
+  cold) equally often; the figures are median step times after warm-up steps (the first
+  ``auto`` step times its candidates and is not counted).
+  ``smoke_step_time_ratio_vs_dense`` is auto's median over dense's. The same for a
+  late-stage auto step (``late_step_time_ratio_vs_dense``): the size objective the late
+  stage adds to every step is not in the early steps above.
 - **Shapes.** What the tuner decided for every TT layer and lookup the smoke steps ran,
   and for the paper-size models at one step's token count (MNLI: batch 32 x 128;
   CodeBERT: batch 8 x 512; DLRM at the Kaggle sizes: batch 10,000 through its TT MLP
@@ -138,6 +139,7 @@ def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
         # which no plan choice removes
         pair = {v: runs[v] for v in ("auto", "dense")}
         tiny = _take_turns(pair, PAIR_ORDERS, warmup, steps, cut=_first_example)
+        tuner.take_used()  # one example's token counts: other buckets, not reported
         # the late stage, auto against dense again, taking turns
         late_tr = _prepare(name, "auto", Path(tmp) / "late", [*(extra or []), *LATE])
         late_tr.fit(until=2)
@@ -150,6 +152,9 @@ def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
 
         pair["auto"] = (late_tr, iter(late_tr.task.train_iter))
         late = _take_turns(pair, PAIR_ORDERS, warmup, steps, check=has_size)
+        # what the timed late steps ran on (the transition compacted the trainer: shapes
+        # whose ranks changed are decided anew)
+        late_decisions = [dataclasses.asdict(d) for d in tuner.take_used().values()]
     med = {v: 1e3 * statistics.median(t) for v, t in times.items()}
     one = {v: 1e3 * statistics.median(t) for v, t in tiny.items()}
     late_ms = {v: 1e3 * statistics.median(t) for v, t in late.items()}
@@ -166,6 +171,7 @@ def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
         "late_step_ms": late_ms,
         "late_step_time_ratio_vs_dense": late_ms["auto"] / late_ms["dense"],
         "decisions": list(decisions.values()),
+        "late_decisions": late_decisions,
     }
 
 
@@ -385,8 +391,7 @@ def render(result: dict) -> str:
         "TT layers' many small ops and updating their leaves), and `floor` is "
         "`(dense + fixed extra) / dense`, the ratio if that were all of auto's extra cost: "
         "an estimate, not a bound (auto decides per token count, so one example may run "
-        "other plans; CodeBERT's tied decoder builds its table in row blocks when few "
-        "tokens are masked; DLRM's dense tables make dense's own fixed cost the larger).",
+        "other plans; DLRM's dense tables make dense's own fixed cost the larger).",
         "",
         "| experiment | auto (ms) | comera plan (ms) | dense (ms) | auto / dense "
         "| comera / dense | one example: auto, dense (ms) | fixed extra (ms) | floor |",
@@ -460,6 +465,9 @@ def render(result: dict) -> str:
     for n in names:
         lines += ["", f"## {n}: smoke preset, decisions of the timed steps", ""]
         lines += _decision_rows(result[n]["decisions"])
+        if result[n].get("late_decisions"):
+            lines += ["", f"## {n}: late stage, decisions of the timed steps", ""]
+            lines += _decision_rows(result[n]["late_decisions"])
         lines += ["", f"## {n}: paper-size shapes, one step's tokens", ""]
         lines += _decision_rows(result[n]["paper_shapes"])
     return "\n".join(lines) + "\n"

@@ -38,6 +38,11 @@ def test_smoke_steps_time_three_variants_and_keep_the_decisions() -> None:
     kinds = {d["kind"] for d in r["decisions"]}
     assert kinds == {"tt_linear", "ttm_embedding"}
     assert all(d["choice"] in d["times_ms"] for d in r["decisions"])
+    # what the timed late steps ran on: no rank is pruned by the late trainer's second
+    # step, so the early steps' shapes and token counts, and only those
+    late = r["late_decisions"]
+    assert all(d["choice"] in d["times_ms"] for d in late)
+    assert {d["what"] for d in late} == {d["what"] for d in r["decisions"]}
 
 
 @pytest.mark.parametrize("name", plans.EXPERIMENTS)
