@@ -87,12 +87,16 @@ def test_dynamic_masking_rates() -> None:
 
 
 @pytest.mark.parametrize("rows", [7, 100])
-def test_tied_logits_in_row_blocks_equal_the_whole_table(rows: int) -> None:
-    """The TTM decoder built block by block (and rebuilt in backward; 7 rows of width 32)
-    or whole (100 rows: ``3 d <= M``) gives the logits and gradients of
-    ``h @ to_dense(table).T``, padded vocabulary rows dropped."""
+def test_tied_logits_in_row_blocks_equal_the_whole_table(rows: int, monkeypatch) -> None:
+    """The TTM decoder built block by block (and rebuilt in backward; 7 rows of width 32,
+    with no table counted small enough to build whole) or whole (100 rows: ``3 d <= M``)
+    gives the logits and gradients of ``h @ to_dense(table).T``, padded vocabulary rows
+    dropped."""
     import comera as C
+    import comera.layers
     from experiments.codebert.model import tied_logits
+
+    monkeypatch.setattr(comera.layers, "WHOLE_TABLE_ELEMENTS", 0)
 
     cfg = _cfg(True)
     cfg = EncoderConfig(**{**{f: getattr(cfg, f) for f in cfg.__slots__},
