@@ -465,9 +465,15 @@ def render(result: dict) -> str:
     for n in names:
         lines += ["", f"## {n}: smoke preset, decisions of the timed steps", ""]
         lines += _decision_rows(result[n]["decisions"])
-        if result[n].get("late_decisions"):
+        if "late_decisions" in result[n]:
+            early = {d["what"] for d in result[n]["decisions"]}
+            late = [d for d in result[n]["late_decisions"] if d["what"] not in early]
             lines += ["", f"## {n}: late stage, decisions of the timed steps", ""]
-            lines += _decision_rows(result[n]["late_decisions"])
+            lines += (
+                _decision_rows(late)
+                if late
+                else ["The same shapes and plans as the early steps above."]
+            )
         lines += ["", f"## {n}: paper-size shapes, one step's tokens", ""]
         lines += _decision_rows(result[n]["paper_shapes"])
     return "\n".join(lines) + "\n"

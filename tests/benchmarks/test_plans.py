@@ -75,6 +75,10 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
                            "choice": "dense", "times_ms": {"comera": 0.3, "dense": 0.2},
                            "skipped": {"dp": "40x the cheapest forward FLOPs"}}],
             "paper_shapes": []}  # fmt: skip
+    # the late steps: the early shape again (not repeated) and a compacted one
+    step["late_decisions"] = [*step["decisions"], {
+        "kind": "tt_linear", "what": "64x64 ranks 8,5,8 tokens 2048", "choice": "comera",
+        "times_ms": {"comera": 0.1, "dense": 0.2}, "skipped": {}}]  # fmt: skip
     result = {"meta": {"command": "python -m benchmarks.plans", "cpu": "a CPU", "torch": "2",
                        "date": "2026-12-03", "threads": 2}, "mnli": step}  # fmt: skip
     path = tmp_path / "plans.json"
@@ -84,6 +88,8 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
     assert "| mnli | 10.00 | 15.00 | 11.00 | 0.909 | 1.364 | 3.00, 2.00 | 1.00 | 1.091 |" in out
     assert "**dense**" in out and "dp: 40x the cheapest forward FLOPs" in out
     assert "| mnli | 13.00 | 10.00 | 1.300 |" in out  # the late stage's step
+    late = out[out.index("late stage, decisions") :]
+    assert "ranks 8,5,8" in late and "ranks 8,8,8" not in late.split("##")[1]
 
 
 def test_bad_flags_are_one_line(capsys) -> None:
