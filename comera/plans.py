@@ -388,9 +388,13 @@ class GroupedHalves:
             k = len(trains[0]["cores"])  # type: ignore[arg-type]
             a_all, b_all = _stacked_halves([stacked_gated_core(trains, states, i)
                                             for i in range(k)])  # fmt: skip
-            for j, params in enumerate(trains):
+            # one unbind each, not a select per layer: its backward stacks the layers'
+            # gradients in one op, where each select's zero-fills a whole (L, M, R) buffer
+            for params, a, b in zip(trains, a_all.unbind(0), b_all.unbind(0), strict=True):
                 r = int(params["cores"][k // 2].shape[0])  # type: ignore[index]  # its middle rank
-                self._halves[id(params)] = (params, a_all[j][:, :r], b_all[j][:r])
+                if r < a.shape[1]:  # padded to a larger rank of the group
+                    a, b = a[:, :r], b[:r]
+                self._halves[id(params)] = (params, a, b)
 
     def get(self, params: Params) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(A, B)`` of the layer with these ``params``, or None if it was not given."""
