@@ -28,6 +28,8 @@ State = dict[str, object]
 Spec = TTLinearSpec | TTMEmbeddingSpec
 
 __all__ = [
+    "GATHER_ELEMENTS",
+    "SHORT_RUN",
     "bond_ranks",
     "chain",
     "chain_from_right",
@@ -228,22 +230,33 @@ def pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 # A permuted copy whose output keeps fewer contiguous input elements together than this
-# runs as a gather on the CPU (:func:`permuted`).
+# runs as a gather on the CPU (:func:`permuted`), for tensors of at most GATHER_ELEMENTS
+# elements (its cached index pair takes 8 bytes an element).
 SHORT_RUN = 8
+GATHER_ELEMENTS = 1 << 20
 
 
 def permuted(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     """``x.permute(dims)`` as a contiguous tensor.
 
-    On the CPU, when the permutation keeps fewer than :data:`SHORT_RUN` input elements
-    together (a trailing mode of 1 or 2), the copy runs as one ``index_select`` with a
-    cached flat index, forward and backward (the inverse index): the strided copy walks
-    runs that short one element pair at a time. A stacked TTM pair merge at the DLRM
-    smoke sizes, ``(14, 16, 15, 2, 13, 2, 1)`` to ``(14, 15, 13, 16, 2, 2, 1)``, copies in
-    0.63 ms strided and 0.06 ms gathered (2 threads). Elsewhere it is the plain copy."""
-    dims = tuple(int(d) % x.dim() for d in dims)
-    view = x.permute(dims)
-    if x.device.type != "cpu" or _run(tuple(x.shape), dims) >= SHORT_RUN or x.numel() >= 1 << 24:
+    On the CPU, when the permuted view keeps fewer than :data:`SHORT_RUN` input elements
+    contiguous at its end, the copy runs as one ``index_select`` with a cached flat
+    index, forward and backward (the inverse index): the strided copy walks runs that
+    short a few elements at a time. A stacked TTM pair merge at the DLRM smoke sizes,
+    ``(14, 16, 15, 2, 13, 2, 1)`` to ``(14, 15, 13, 16, 2, 2, 1)``, copies in 0.63 ms
+    strided and 0.06 ms gathered (2 threads). A non-contiguous ``x`` is made contiguous
+    first. Elsewhere (other devices, more than :data:`GATHER_ELEMENTS` elements, under
+    ``torch.compile`` or ``vmap``) it is the plain copy."""
+    view = x.permute(tuple(dims))  # torch checks the dims
+    dims = tuple(int(d) % x.dim() for d in dims) if x.dim() else ()
+    if (
+        x.device.type != "cpu"
+        or x.dim() < 2
+        or x.numel() > GATHER_ELEMENTS
+        or _run(tuple(x.shape), dims) >= SHORT_RUN
+        or torch.compiler.is_compiling()
+        or torch._C._functorch.is_batchedtensor(x)
+    ):
         return view.contiguous()
     fwd, inv = _perm_index(tuple(x.shape), dims)
     return _Gathered.apply(x, fwd, inv).view(view.shape)
@@ -265,13 +278,17 @@ def _run(shape: tuple[int, ...], dims: tuple[int, ...]) -> int:
     return run
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=16)
 def _perm_index(shape: tuple[int, ...], dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat gather indices of the permutation and of its inverse (int32: half the cache)."""
+    """Flat gather indices of the permutation and of its inverse (int32: half the cache),
+    on the CPU and as plain tensors whatever the caller's default device or inference
+    mode (the cache outlives the call)."""
     n = math.prod(shape)
-    fwd = torch.arange(n, dtype=torch.int32).reshape(shape).permute(dims).reshape(-1)
-    inv = torch.empty_like(fwd)
-    inv[fwd.long()] = torch.arange(n, dtype=torch.int32)
+    with torch.inference_mode(False), torch.no_grad():
+        fwd = torch.arange(n, dtype=torch.int32, device="cpu").reshape(shape)
+        fwd = fwd.permute(dims).reshape(-1)
+        inv = torch.empty_like(fwd)
+        inv[fwd.long()] = torch.arange(n, dtype=torch.int32, device="cpu")
     return fwd, inv
 
 

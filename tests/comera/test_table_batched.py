@@ -168,25 +168,54 @@ def test_batched_under_bf16_autocast_keeps_one_dtype_and_fp32_gradients(
     [
         ((3, 4, 5, 2, 6, 2, 1), (0, 2, 4, 1, 3, 5, 6), True),  # a run of 2: gathered
         ((3, 1, 5, 2, 4, 2, 8), (0, 2, 4, 1, 3, 5, 6), False),  # a run of 16: copied
-        ((4, 3, 2), (2, 0, 1), True),
+        ((4, 3, 2), (-1, 0, 1), True),  # negative dims
+        ((4, 3, 2), (0, 1, 2), False),  # no move: one run of all
     ],
 )
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_permuted_is_a_contiguous_permute_in_values_and_gradients(
-    shape: tuple, dims: tuple, gathered: bool, monkeypatch
+    shape: tuple, dims: tuple, gathered: bool, layout: str, monkeypatch
 ) -> None:
     """The stacked pair merges' permuted copy: ``permute(dims).contiguous()``'s values,
-    first and second derivatives, whichever way it copies."""
+    first and second derivatives, whichever way it copies, from a contiguous input or
+    not."""
     import comera.tensor_train as tt
 
     used = []
     apply = tt._Gathered.apply
     monkeypatch.setattr(tt._Gathered, "apply", lambda *a: used.append(1) or apply(*a))
-    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, dtype=torch.float64, generator=gen)
+    if layout == "transposed":  # the same values, laid out with the first two dims swapped
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
     x.requires_grad_(True)
     got = tt.permuted(x, dims)
     assert bool(used) == gathered and got.is_contiguous()
     assert torch.equal(got, x.permute(dims))
     gy = torch.randn_like(got)
     (gx,) = torch.autograd.grad(got, x, gy)
-    assert torch.equal(gx, gy.permute(tuple(torch.argsort(torch.tensor(dims)).tolist())))
+    inverse = tuple(torch.argsort(torch.tensor([d % len(shape) for d in dims])).tolist())
+    assert torch.equal(gx, gy.permute(inverse))
     assert torch.autograd.gradgradcheck(lambda t: tt.permuted(t, dims), (x,))
+
+
+def test_permuted_index_survives_inference_mode_and_refuses_bad_dims(monkeypatch) -> None:
+    """An index first built under ``inference_mode`` (an eval lookup) still serves a
+    training call; a large tensor takes the plain copy; dims torch refuses are refused."""
+    import comera.tensor_train as tt
+
+    tt._perm_index.cache_clear()
+    x = torch.randn(5, 4, 3, 2, 1)
+    dims = (0, 2, 1, 4, 3)  # a run of 1: gathered
+    with torch.inference_mode():
+        torch.testing.assert_close(tt.permuted(x, dims), x.permute(dims))
+    y = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(tt.permuted(y, dims).sum(), y)  # the cached index is saved
+    assert torch.equal(g, torch.ones_like(x))
+    used = []
+    apply = tt._Gathered.apply
+    monkeypatch.setattr(tt._Gathered, "apply", lambda *a: used.append(1) or apply(*a))
+    monkeypatch.setattr(tt, "GATHER_ELEMENTS", x.numel() - 1)
+    assert torch.equal(tt.permuted(x, dims), x.permute(dims)) and not used
+    with pytest.raises((RuntimeError, IndexError)):
+        tt.permuted(x, (0, 1, 2, 3, 5))
