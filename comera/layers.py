@@ -384,15 +384,15 @@ def ttm_logits(
     """``h (..., D)`` against a TTM embedding's table (a tied decoder): ``(..., rows)``
     logits, no bias; ``rows`` drops the padded vocabulary rows (default: all).
 
-    The table is never stored whole: it is built one block of rows at a time (one index of
-    its first vocabulary mode), each block's logits computed and the block dropped, and
-    rebuilt block by block in backward (activation checkpointing). The blocks together
-    cost one table build; the memory is one block instead of the table, its gradient and
-    the chain's partial products (about 460 MB at 50,265 x 768). The table is built
-    whole, once, where its memory does not matter: when those (about three tables,
-    ``3 V D``) take no more memory than the ``(M, V)`` logits made anyway (``3 D <= M``),
-    or hold at most :data:`WHOLE_TABLE_ELEMENTS`; there the blocks' many small ops cost
-    more time than the whole table's memory."""
+    A large table meeting few tokens is never stored whole: it is built one block of rows
+    at a time (one index of its first vocabulary mode), each block's logits computed and
+    the block dropped, and rebuilt block by block in backward (activation checkpointing).
+    The blocks together cost one table build; the memory is one block instead of the
+    table, its gradient and the chain's partial products (about 460 MB at 50,265 x 768).
+    The table is built whole, once, where its memory does not matter: when those (about
+    three tables, ``3 V D``) take no more memory than the ``(M, V)`` logits made anyway
+    (``3 D <= M``), or hold at most :data:`WHOLE_TABLE_ELEMENTS`; there the blocks' many
+    small ops cost more time than the whole table's memory."""
     from torch.utils.checkpoint import checkpoint
 
     cores = gated_cores(params, state, "ttm_logits")

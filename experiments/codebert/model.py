@@ -5,8 +5,9 @@ and a TTM word embedding when ``cfg.tt``). Packed rows hold several documents: a
 is confined to each document (``segment_ids``; padding, segment 0, attends only to
 itself) and positions restart at every document, so a packed row computes what separate
 rows would. The MLM head is RoBERTa's: dense d->d, GELU, LayerNorm, then the decoder tied
-to the word embedding (a large TTM table is built in blocks of rows, never whole:
-``tied_logits``) plus an output bias. Logits are computed only at the positions that carry a label.
+to the word embedding (a TTM table is built in checkpointed row blocks when it is large
+and few tokens are masked: ``tied_logits``) plus an output bias. Logits are computed only
+at the positions that carry a label.
 """
 
 from __future__ import annotations
