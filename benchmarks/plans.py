@@ -49,8 +49,17 @@ from comera.layers import ttm_lookup
 from comera.tensor_train import gated_cores
 from comera.tree import iter_tt
 from experiments.host import host_meta, report_header
+from experiments.malloc import lean_without_hugepages
 
-__all__ = ["main", "render", "run", "shape_decisions", "smoke_steps"]
+__all__ = [
+    "experiment_worker",
+    "main",
+    "render",
+    "run",
+    "shape_decisions",
+    "smoke_policy",
+    "smoke_steps",
+]
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
 EXPERIMENTS = ("mnli", "codebert", "dlrm")
@@ -105,18 +114,35 @@ def smoke_policy(name: str) -> str:
     return _config(name, "auto", Path(tempfile.gettempdir()), [])[0].train.cpu_malloc
 
 
+# a worker's limit: an experiment's smoke steps and shapes take minutes, never an hour
+WORKER_TIMEOUT_S = 3600
+
+
 def _smoke_in_child(name: str, steps: int) -> dict:
-    """:func:`smoke_steps` of ``name`` in a fresh process that starts as the experiment's
-    command does: under its allocator policy and, for ``lean``, restarted with huge pages
-    (:func:`experiments.malloc.restart_for`). A process cannot undo a policy, so in one
-    process the first experiment's would reach the next one's steps; and a ``lean`` run
-    without the restart pays 4 KiB page faults its command does not."""
+    """:func:`experiment_worker` of ``name`` in a fresh process that starts as the
+    experiment's command does: under its allocator policy and, for ``lean``, restarted
+    with huge pages (:func:`experiments.malloc.restart_for`). A process cannot undo a
+    policy, so in one process the first experiment's would reach the next one's steps;
+    and a ``lean`` run without the restart pays 4 KiB page faults its command does not."""
     from experiments.malloc import clean_malloc_env
     from experiments.workers import run_json_worker
 
     cmd = [sys.executable, "-m", "benchmarks.plans", "--smoke-worker", name,
            "--steps", str(steps)]  # fmt: skip
-    return run_json_worker(cmd, f"plans bench: {name} smoke steps", env=clean_malloc_env())
+    return run_json_worker(cmd, f"plans bench: {name} smoke steps", env=clean_malloc_env(),
+                           timeout=WORKER_TIMEOUT_S)  # fmt: skip
+
+
+def experiment_worker(name: str, steps: int) -> dict:
+    """What one worker measures for ``name``, in its own process: the smoke steps, the
+    paper-size shapes' decisions (timed under the same policy), and the policy itself
+    (``malloc``, ``hugepages``: whether ``lean`` got the huge pages its command has)."""
+    from experiments.malloc import hugepages_active
+
+    smoke = smoke_steps(name, steps=steps)
+    print(f"plans bench: {name} paper-size shapes ...", file=sys.stderr, flush=True)
+    return {**smoke, "paper_shapes": shape_decisions(name), "malloc": smoke_policy(name),
+            "hugepages": hugepages_active()}  # fmt: skip
 
 
 def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
@@ -143,6 +169,7 @@ def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
         # the late stage, auto against dense again, taking turns
         late_tr = _prepare(name, "auto", Path(tmp) / "late", [*(extra or []), *LATE])
         late_tr.fit(until=2)
+        tuner.take_used()  # its transition's and first steps': not the timed steps'
         if late_tr.stage != "late":
             raise RuntimeError(f"plans bench: {name}'s late trainer is in stage {late_tr.stage}")
 
@@ -346,9 +373,7 @@ def run(
                              "threads": torch.get_num_threads()}}  # fmt: skip
     for name in experiments:
         print(f"plans bench: {name} smoke steps ...", file=sys.stderr, flush=True)
-        smoke = _smoke_in_child(name, steps)
-        print(f"plans bench: {name} paper-size shapes ...", file=sys.stderr, flush=True)
-        result[name] = {**smoke, "paper_shapes": shape_decisions(name)}
+        result[name] = _smoke_in_child(name, steps)
         if paper_steps_timed:
             result[name].update(paper_steps(name, paper_steps_timed))
     write_json(out, result)
@@ -412,6 +437,34 @@ def render(result: dict) -> str:
                 else "- | - | - |"
             )
         )
+    policies = [n for n in names if "malloc" in result[n]]
+    if policies:
+        lines += [
+            "",
+            "Each experiment's steps and shapes ran in a process of its own, under its "
+            "command's CPU allocator policy: "
+            + ", ".join(
+                f"{n} `{result[n]['malloc']}`"
+                + (
+                    " (huge pages)"
+                    if result[n]["malloc"] == "lean" and result[n]["hugepages"]
+                    else ""
+                )  # fmt: skip
+                for n in policies
+            )
+            + ".",
+        ]
+        warn = lean_without_hugepages(
+            [
+                {
+                    "variant": f"{n} smoke steps",
+                    "malloc": result[n]["malloc"],
+                    "hugepages": result[n]["hugepages"],
+                }
+                for n in policies
+            ]  # fmt: skip
+        )
+        lines += ["", warn] if warn else []
     late = [n for n in names if "late_step_ms" in result[n]]
     if late:
         lines += [
@@ -503,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if argv is None:  # a real process (not a test's call): start as the command does
             restart_for(smoke_policy(a.smoke_worker))
-        print(json.dumps(smoke_steps(a.smoke_worker, steps=a.steps)))
+        print(json.dumps(experiment_worker(a.smoke_worker, a.steps)))
         return 0
     chosen = tuple(x for x in a.experiments.split(",") if x)
     bad = [x for x in chosen if x not in EXPERIMENTS]

@@ -4,6 +4,7 @@ report rendered from the JSON alone."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -79,8 +80,12 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
     step["late_decisions"] = [*step["decisions"], {
         "kind": "tt_linear", "what": "64x64 ranks 8,5,8 tokens 2048", "choice": "comera",
         "times_ms": {"comera": 0.1, "dense": 0.2}, "skipped": {}}]  # fmt: skip
+    # DLRM: only its late steps' decisions, all of them early ones; lean without huge pages
+    dlrm = {**step, "late_decisions": step["decisions"], "malloc": "lean", "hugepages": False}
+    step = {**step, "malloc": "default", "hugepages": False}
     result = {"meta": {"command": "python -m benchmarks.plans", "cpu": "a CPU", "torch": "2",
-                       "date": "2026-12-03", "threads": 2}, "mnli": step}  # fmt: skip
+                       "date": "2026-12-03", "threads": 2}, "mnli": step,
+              "dlrm": dlrm}  # fmt: skip
     path = tmp_path / "plans.json"
     path.write_text(json.dumps(result))
     assert plans.main(["--render", str(path)]) == 0
@@ -88,8 +93,16 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
     assert "| mnli | 10.00 | 15.00 | 11.00 | 0.909 | 1.364 | 3.00, 2.00 | 1.00 | 1.091 |" in out
     assert "**dense**" in out and "dp: 40x the cheapest forward FLOPs" in out
     assert "| mnli | 13.00 | 10.00 | 1.300 |" in out  # the late stage's step
-    late = out[out.index("late stage, decisions") :]
-    assert "ranks 8,5,8" in late and "ranks 8,8,8" not in late.split("##")[1]
+
+    def section(title: str) -> str:  # from its heading to the next one
+        rest = out[out.index(title) :]
+        return rest[: rest.index("\n## ")]
+
+    late = section("## mnli: late stage, decisions")
+    assert "ranks 8,5,8" in late and "ranks 8,8,8" not in late
+    assert "The same shapes and plans" in section("## dlrm: late stage, decisions")
+    assert "mnli `default`, dlrm `lean`." in out
+    assert "dlrm smoke steps ran under `cpu_malloc=lean` without huge pages" in out
 
 
 def test_bad_flags_are_one_line(capsys) -> None:
@@ -136,8 +149,10 @@ def test_paper_step_workers_run_auto_in_a_fresh_process() -> None:
 def test_each_experiment_s_smoke_steps_run_in_a_worker_under_its_policy(
     monkeypatch, capsys, tmp_path
 ) -> None:
-    """run() takes every experiment's smoke figures from its own process; the worker entry
-    prints smoke_steps' JSON. A lean experiment's policy cannot leak into the next one."""
+    """run() takes every experiment's figures from its own process; the worker entry starts
+    as the experiment's command does (its policy's restart) and prints what it measured,
+    the policy included. A lean experiment's policy cannot leak into the next one."""
+    import experiments.malloc
     import experiments.workers
 
     assert plans.smoke_policy("dlrm") == "lean" and plans.smoke_policy("mnli") == "default"
@@ -145,18 +160,27 @@ def test_each_experiment_s_smoke_steps_run_in_a_worker_under_its_policy(
 
     def worker(cmd, what, *, env=None, timeout=None):
         seen.append(cmd[cmd.index("--smoke-worker") + 1])
-        assert "COMERA_MALLOC_RESTARTED" not in (env or {})  # the child decides its restart
+        # the child decides its own restart, and a hung one cannot hang the bench
+        assert env is not None and "COMERA_MALLOC_RESTARTED" not in env and timeout
         return {"fake": True}
 
     monkeypatch.setattr(experiments.workers, "run_json_worker", worker)
-    monkeypatch.setattr(plans, "shape_decisions", lambda name: [])
     monkeypatch.setattr(plans, "render", lambda result: "")
     monkeypatch.setattr(plans, "smoke_steps", lambda name, **k: pytest.fail("ran in-process"))
+    monkeypatch.setattr(plans, "shape_decisions", lambda name: pytest.fail("ran in-process"))
     out = tmp_path / "plans.json"
     plans.run(experiments=("mnli", "dlrm"), paper_steps_timed=0, out=out)
     assert json.loads(out.read_text())["dlrm"]["fake"] is True
     assert seen == ["mnli", "dlrm"]
+    # the worker entry, as its own process runs it (no argv): restarted for its policy
+    restarts = []
+    monkeypatch.setattr(experiments.malloc, "restart_for", restarts.append)
     monkeypatch.setattr(plans, "smoke_steps", lambda name, **k: {"name": name, **k})
+    monkeypatch.setattr(plans, "shape_decisions", lambda name: [name])
+    monkeypatch.setattr(sys, "argv", ["plans", "--smoke-worker", "dlrm", "--steps", "4"])
     capsys.readouterr()
-    assert plans.main(["--smoke-worker", "codebert", "--steps", "4"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"name": "codebert", "steps": 4}
+    assert plans.main() == 0
+    got = json.loads(capsys.readouterr().out)
+    assert restarts == ["lean"] and got["name"] == "dlrm" and got["steps"] == 4
+    assert got["paper_shapes"] == ["dlrm"] and got["malloc"] == "lean"
+    assert got["hugepages"] == experiments.malloc.hugepages_active()
