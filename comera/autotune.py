@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from comera.plans import constant_under_compile, contract_halves, token_bucket, tt_linear_plan
+from comera.tensor_train import is_batched
 
 __all__ = [
     "DENSE_SHARE",
@@ -146,7 +147,7 @@ def _cannot_time(*tensors: torch.Tensor) -> bool:
         return True
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return True
-    if any(torch._C._functorch.is_batchedtensor(t) for t in tensors):
+    if any(is_batched(t) for t in tensors):
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 

@@ -24,7 +24,7 @@ from comera.plans import (
     tt_linear_plan,
 )
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
-from comera.tensor_train import Params, State, gated_cores, ttm_table
+from comera.tensor_train import Params, State, gated_cores, is_batched, ttm_table
 
 __all__ = [
     "WHOLE_TABLE_ELEMENTS",
@@ -37,14 +37,6 @@ __all__ = [
     "ttm_logits",
     "ttm_lookup",
 ]
-
-
-def _is_batched(t: torch.Tensor) -> bool:
-    """True inside ``vmap`` for a tensor that carries the vmapped dimension.
-
-    Data-dependent checks and ``torch.unique`` cannot run on such tensors.
-    """
-    return bool(torch._C._functorch.is_batchedtensor(t))
 
 
 class SyncFreeLookups:
@@ -315,7 +307,7 @@ def ttm_embedding(
     no_sync = _no_host_sync(sync_free)
     if impl == "optimized" and no_sync:
         impl = "static"  # torch.unique would sync (CUDA graphs) or break the graph
-    batched = _is_batched(ids)
+    batched = is_batched(ids)
     if (impl == "static" or no_sync) and not batched:  # naive too: no host read in a graph
         if ids.numel():
             torch._assert_async(
@@ -353,7 +345,7 @@ def ttm_lookup(
         return _chain_rows(g, _digits(flat, vocab_modes))
     if impl == "table":  # the whole table once, then rows by index (small tables)
         return gather_rows(ttm_table(g), flat)
-    if _is_batched(flat):  # torch.unique is data dependent: no dedup under vmap
+    if is_batched(flat):  # torch.unique is data dependent: no dedup under vmap
         groups = pair_cores(g)
         return _chain_rows(groups, _digits(flat, [c.shape[1] for c in groups]))
     if impl == "static":

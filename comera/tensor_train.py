@@ -37,6 +37,7 @@ __all__ = [
     "from_dense",
     "gated_cores",
     "init",
+    "is_batched",
     "is_tt_params",
     "pad_stack",
     "permuted",
@@ -229,6 +230,15 @@ def pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([t if list(t.shape) == padded else F.pad(t, pads(t)) for t in tensors])
 
 
+def is_batched(t: torch.Tensor) -> bool:
+    """True inside ``vmap`` for a tensor that carries the vmapped dimension.
+
+    Data-dependent checks, ``torch.unique`` and cached host-side indices cannot serve
+    such tensors.
+    """
+    return bool(torch._C._functorch.is_batchedtensor(t))
+
+
 # A permuted copy whose output keeps fewer contiguous input elements together than this
 # runs as a gather on the CPU (:func:`permuted`), for tensors of at most GATHER_ELEMENTS
 # elements (its cached index pair takes 8 bytes an element).
@@ -255,7 +265,7 @@ def permuted(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
         or x.numel() > GATHER_ELEMENTS
         or _run(tuple(x.shape), dims) >= SHORT_RUN
         or torch.compiler.is_compiling()
-        or torch._C._functorch.is_batchedtensor(x)
+        or is_batched(x)
     ):
         return view.contiguous()
     fwd, inv = _perm_index(tuple(x.shape), dims)
