@@ -62,7 +62,10 @@ class Preset:
 # 10k (Kaggle table sizes, 2 threads) CoMERA's peak above baseline was 248 MB against 356
 # MB under glibc as found (freed activations otherwise stay resident as heap holes), at
 # 0.29 s per step against 0.36; dense and CoMERA alike (`python -m experiments.dlrm
-# --bench` measures both policies).
+# --bench` measures both policies). The smoke preset keeps it: its steps are faster
+# under it too (three alternating pairs of fresh processes, `benchmarks.plans`' smoke
+# steps: dense 8.0-8.7 ms against 10.0-12.5, CoMERA 10.4-11.1 against 12.8-16.8 under
+# glibc as found, CoMERA / dense about 1.3 under both).
 CPU_MALLOC = "lean"
 
 
