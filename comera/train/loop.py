@@ -23,6 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from comera.autotune import LINEAR_CANDIDATES, current_tuner, summarize_decisions
+from comera.layers import SyncFreeLookups
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig
 from comera.train.distributed import (
@@ -294,7 +295,10 @@ class Trainer:
         saved and restored around it (the step that follows draws the same dropout and
         masks); then every rank adopts rank 0's decisions. The loop runs it where a step
         cannot time (``compile``, ``cuda_graph``); for ``compile`` TT linears choose
-        between ``comera`` and ``dense`` only (opt_einsum's paths do not trace)."""
+        between ``comera`` and ``dense`` only (opt_einsum's paths do not trace). The
+        forward runs in a :class:`comera.layers.SyncFreeLookups` scope, as those steps do:
+        their TTM lookups ask for the sync-free decision (``optimized`` runs as ``static``),
+        so that is the one to make."""
         self._tune_due = False
         if next(iter_tt(self.params, self.state), None) is None:  # dense: nothing to plan
             return
@@ -304,6 +308,7 @@ class Trainer:
         try:
             with (
                 tuner.restrict(traced),
+                SyncFreeLookups(),
                 torch.enable_grad(),
                 torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16),
             ):

@@ -140,3 +140,39 @@ def test_every_rank_adopts_rank_zeros_decisions(tmp_path) -> None:
     zero, one = (json.loads((tmp_path / f"choices_{r}.json").read_text()) for r in (0, 1))
     assert zero == one and zero
     assert "dp" in set(zero.values())  # rank 0's clock won where dp was a candidate
+
+
+class _LookupTask:
+    """Sum of squares of a TTM lookup (``impl="auto"``): a task whose only plan is a lookup."""
+
+    def __init__(self) -> None:
+        self.spec = C.TTMEmbeddingSpec(vocab_modes=(4, 4), dim_modes=(2, 4), ranks=3)
+        self.train_iter = iter(lambda: torch.randint(0, 16, (32,)), None)
+
+    def model(self) -> tuple[dict, dict]:
+        p, s = C.init(self.spec, generator=torch.Generator().manual_seed(0))
+        return {"emb": p}, {"emb": s}
+
+    def loss(self, params, state, ids, *, train):
+        rows = C.ttm_embedding(params["emb"], state["emb"], ids, impl="auto", spec=self.spec)
+        return rows.pow(2).sum(), ids.numel(), {}
+
+    def evaluate(self, params, state):
+        return {}
+
+
+@pytest.mark.parametrize("mode", ["compile", "cuda_graph"])
+def test_the_eager_pass_before_a_traced_step_decides_sync_free_lookups(tmp_path, mode) -> None:
+    """A compiled or captured step runs its TTM lookups sync-free and reads the decision
+    for that call; the eager pass that decides before it must make that decision (not the
+    one for a lookup that may read the device, which the step never asks for)."""
+    if mode == "cuda_graph" and not torch.cuda.is_available():
+        pytest.skip("cuda_graph steps need a GPU")
+    task = _LookupTask()
+    tuner = A.PlanTuner(timer=StubTimer({"optimized": 2.0, "table": 1.0}))
+    with A.use_tuner(tuner):
+        cfg = _cfg(tmp_path, steps=4, step_mode=mode, comera=STAGES)
+        tr = Trainer(cfg, task, *task.model(), auto_plans=True)
+        tr.tune_plans(next(task.train_iter))
+    keys = [k for k, d in tuner.decisions.items() if d.kind == "ttm_embedding"]
+    assert keys and all("sync_free=1" in k for k in keys), keys
