@@ -256,7 +256,8 @@ def permuted(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     ``(14, 16, 15, 2, 13, 2, 1)`` to ``(14, 15, 13, 16, 2, 2, 1)``, copies in 0.63 ms
     strided and 0.06 ms gathered (2 threads). A non-contiguous ``x`` is made contiguous
     first. Elsewhere (other devices, more than :data:`GATHER_ELEMENTS` elements, under
-    ``torch.compile`` or ``vmap``) it is the plain copy."""
+    ``torch.compile`` or a ``torch.func`` transform: ``vmap``, ``grad``, ``jacrev``, ...)
+    it is the plain copy."""
     view = x.permute(tuple(dims))  # torch checks the dims
     dims = tuple(int(d) % x.dim() for d in dims) if x.dim() else ()
     if (
@@ -266,6 +267,7 @@ def permuted(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
         or _run(tuple(x.shape), dims) >= SHORT_RUN
         or torch.compiler.is_compiling()
         or is_batched(x)
+        or torch._C._functorch.peek_interpreter_stack() is not None  # grad, jvp, jacrev
     ):
         return view.contiguous()
     fwd, inv = _perm_index(tuple(x.shape), dims)

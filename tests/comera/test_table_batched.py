@@ -219,3 +219,14 @@ def test_permuted_index_survives_inference_mode_and_refuses_bad_dims(monkeypatch
     assert torch.equal(tt.permuted(x, dims), x.permute(dims)) and not used
     with pytest.raises((RuntimeError, IndexError)):
         tt.permuted(x, (0, 1, 2, 3, 5))
+
+
+def test_permuted_runs_under_torch_func_transforms() -> None:
+    """Under ``torch.func.grad`` (no ``vmap`` batching) the gathered copy's
+    ``autograd.Function`` cannot run: the plain copy does, with the same gradient."""
+    import comera.tensor_train as tt
+
+    x = torch.randn(14, 16, 15, 2, 13, 2, 1, dtype=torch.float64)
+    dims = (0, 2, 4, 1, 3, 5, 6)
+    got = torch.func.grad(lambda t: tt.permuted(t, dims).pow(3).sum())(x)
+    torch.testing.assert_close(got, 3 * x.pow(2))
