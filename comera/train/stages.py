@@ -24,7 +24,8 @@ holds the size: the loss alone. With ``size_objective="paper"`` both are the pap
 surrogate ``S`` and its target ``S0 = c * S``. ``dense``: the loss alone (``enabled=False``).
 
 Events after step ``s``: ``prune`` every ``prune_every`` steps and where the budget's ramp
-ends; ``transition`` at the boundary; ``compact`` every ``compact_every`` steps and at the
+ends; ``transition`` at the boundary (none when that is the last step: an early stage as
+long as the run has no late stage); ``compact`` every ``compact_every`` steps and at the
 last step (``final``).
 """
 
@@ -267,7 +268,9 @@ class StageController:
         out = []
         if step % c.prune_every == 0 or (self.prunes_to_budget() and step == self.ramp_end()):
             out.append("prune")
-        if self.stage == "early" and step >= c.early_steps:
+        # the last step has no late stage after it: a run whose early stage fills it ends
+        # early (pruned and compacted as any run ends, not cut to a late target untrained)
+        if self.stage == "early" and c.early_steps <= step < self.total_steps:
             out.append("transition")
         elif c.compact_every and step % c.compact_every == 0 and step != self.total_steps:
             out.append("compact")  # the final event compacts anyway

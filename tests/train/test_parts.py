@@ -58,6 +58,22 @@ def test_stage_controller_events_and_objectives():
     assert StageController(ComeraConfig(enabled=False), 5).events(5) == []
 
 
+def test_an_early_stage_as_long_as_the_run_ends_without_a_late_stage(tmp_path) -> None:
+    """``early_steps == steps``: no transition on the last step (its ``final`` would cut
+    the model to a late-stage target it never trained for); the run ends in the early
+    stage, pruned by threshold only, the same model as with ``early_steps > steps``."""
+    c = ComeraConfig(early_steps=8, prune_every=100)
+    assert StageController(c, total_steps=8).events(8) == ["final"]
+    assert StageController(c, total_steps=9).events(8) == ["transition"]
+    ends = {}
+    for early in (8, 9):
+        cfg = _cfg(tmp_path / str(early), steps=8, comera=ComeraConfig(early_steps=early))
+        tr = Trainer(cfg, ToyTask(), *_toy_model())
+        tr.fit()
+        ends[early] = (tr.stage, C.param_count(tr.params))
+    assert ends[8] == ends[9] and ends[8][0] == "early"
+
+
 def test_l1_regularizer_is_the_sum_of_live_gates():
     params, state = _toy_model()
     n = sum(g.numel() for g in params["lin"]["gates"])
