@@ -153,12 +153,16 @@ def rank_contributions(params: Params, state: State) -> list[torch.Tensor]:
 def rank_shares(params: Params, state: State) -> list[torch.Tensor]:
     """:func:`rank_contributions` in the cores' dtype and differentiable: what a training
     objective on shares (``comera.train.objectives.share_size``) back-propagates through.
-    No host read, so it runs in sync-free and compiled steps."""
+    No host read, so it runs in sync-free and compiled steps. Half-precision cores are
+    measured in fp32 (their Gram matrices would overflow fp16's range) and the shares
+    returned in their dtype."""
     check_state(params, state)
     if not params["gates"]:  # type: ignore[index]
         return []
-    cores = [_as_3way(c) for c in params["cores"]]  # type: ignore[union-attr]
-    return _shares(cores, _masked_gates(params, state, cores[0].dtype))
+    dtype = params["cores"][0].dtype  # type: ignore[index]
+    work = torch.promote_types(dtype, torch.float32)
+    cores = [_as_3way(c).to(work) for c in params["cores"]]  # type: ignore[union-attr]
+    return [s.to(dtype) for s in _shares(cores, _masked_gates(params, state, work))]
 
 
 def live_ranks(state: State) -> list[int]:

@@ -70,9 +70,11 @@ def size_surrogate(params: object, state: object) -> torch.Tensor:
     """Differentiable size estimate ``sum_k n_k ||d_{k-1}||_1 ||d_k||_1`` over all layers."""
     total: torch.Tensor | None = None
     for path, p, s in iter_tt(params, state):
-        norms = [a.sum() for a in _live_gate_abs(path, p, s)]
         cores: list[torch.Tensor] = p["cores"]
-        one = cores[0].new_ones(())
+        # summed in at least fp32: a model's size overflows fp16 (65504)
+        dtype = torch.promote_types(cores[0].dtype, torch.float32)
+        norms = [a.sum(dtype=dtype) for a in _live_gate_abs(path, p, s)]
+        one = cores[0].new_ones((), dtype=dtype)
         full = [one, *norms, one]
         for k, c in enumerate(cores):
             n_k = math.prod(c.shape[1:-1])
@@ -185,9 +187,13 @@ def _group_size(members: list[tuple[str, dict, dict]]) -> torch.Tensor:
     weigh their modes by plain numbers; a mixed batch (on the CPU only, see
     :func:`share_size`) by a tensor of each layer's modes."""
     first = members[0][1]["cores"][0]
-    dtype, dev = first.dtype, first.device
+    # at least fp32: a half-precision Gram (fp16's range ends at 65504) overflows for a
+    # table of a few thousand rows, and the shares become 0 or NaN
+    dtype, dev = torch.promote_types(first.dtype, torch.float32), first.device
     tiny = torch.finfo(dtype).tiny
-    trains = [[c.reshape(c.shape[0], -1, c.shape[-1]) for c in p["cores"]] for _, p, _ in members]
+    with torch.no_grad():  # the cores are held: their copies need no graph
+        trains = [[c.reshape(c.shape[0], -1, c.shape[-1]).to(dtype) for c in p["cores"]]
+                  for _, p, _ in members]  # fmt: skip
     n_cores = max(len(t) for t in trains)
     one_core = torch.ones(1, 1, 1, dtype=dtype, device=dev)
     one_gate = torch.ones(1, dtype=dtype, device=dev)
@@ -204,15 +210,13 @@ def _group_size(members: list[tuple[str, dict, dict]]) -> torch.Tensor:
             gates.append(torch.where(m, g, 0.0))
     # amax, as the per-layer max(): tied shares split the gradient rather than one take it
     soft = [sh.sum(1) / sh.amax(1).clamp_min(tiny) for sh in batched_shares(cores, gates)]
-    one = first.new_ones(len(members))
+    one = torch.ones(len(members), dtype=dtype, device=dev)
     modes = [[int(t[k].shape[1]) if k < len(t) else 0 for k in range(n_cores)] for t in trains]
     weights: list = list(modes[0])
     rhos = soft
     if any(m != modes[0] for m in modes):
-        # the modes in at least fp32 (a bf16 mode size above 256 would round); an added
-        # core's mode weighs 0
-        wdtype = torch.promote_types(dtype, torch.float32)
-        weights = list(torch.tensor(modes, dtype=wdtype, device=dev).unbind(1))
+        # an added core's mode weighs 0
+        weights = list(torch.tensor(modes, dtype=dtype, device=dev).unbind(1))
     if any(len(t) < n_cores for t in trains):
         # (L, K - 1): bond k is the layer's own while core k + 1 is; an added bond counts 1
         # beside a mode (as an edge bond does) and 0 on its own

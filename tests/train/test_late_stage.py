@@ -315,3 +315,23 @@ def test_an_old_late_stage_checkpoint_resumes_only_as_the_paper_late_stage():
     assert sc.targets == old["targets"]
     with pytest.raises(ConfigError, match="target_compression needs live-size targets"):
         ComeraConfig(size_objective="paper", late_prune="threshold", target_compression=4.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_layers_measure_their_size_without_overflow(dtype) -> None:
+    """A 1000 x 128 table's Gram matrices pass fp16's range (65504): the size measures
+    run in fp32 for half-precision cores, so they equal the fp32 model's (its values
+    rounded to the dtype), finite, with gradients on the gates."""
+    spec = C.TTMEmbeddingSpec(vocab_modes=(10, 10, 10), dim_modes=(4, 4, 8), ranks=8)
+    p32, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    half = {k: [t.to(dtype).requires_grad_() for t in v] for k, v in p32.items()}
+    p32 = {k: [t.to(dtype).float() for t in v] for k, v in p32.items()}  # the same values
+    for measure in (share_size, size_surrogate):
+        want = measure({"emb": p32}, {"emb": s})
+        got = measure({"emb": half}, {"emb": s})
+        assert torch.isfinite(got) and float(got.detach()) == pytest.approx(float(want), rel=1e-3)
+        (g,) = torch.autograd.grad(got, half["gates"][:1])
+        assert torch.isfinite(g).all() and g.abs().sum() > 0
+    for a, b in zip(C.pruning.rank_shares(half, s), C.pruning.rank_shares(p32, s), strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b, rtol=1e-2, atol=1e-3)
