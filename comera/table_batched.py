@@ -275,7 +275,12 @@ def _lookup_group(
     for tb in tables:
         dtype = torch.promote_types(dtype, tb.dtype)
     tables = [tb.to(dtype) for tb in tables]
-    acc = _GatheredChain.apply(len(tables), *tables, *rows_idx)  # (U, D)
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        # a torch.func transform (grad, jacrev, ...): the Function has no setup_context,
+        # so the chain runs as plain autograd ops, in one block
+        acc = _chain_forward(tables, rows_idx)[0]
+    else:
+        acc = _GatheredChain.apply(len(tables), *tables, *rows_idx)  # (U, D)
     return gather_rows(acc, inverse).reshape(n, t, -1)
 
 

@@ -230,3 +230,23 @@ def test_permuted_runs_under_torch_func_transforms() -> None:
     dims = (0, 2, 4, 1, 3, 5, 6)
     got = torch.func.grad(lambda t: tt.permuted(t, dims).pow(3).sum())(x)
     torch.testing.assert_close(got, 3 * x.pow(2))
+
+
+@pytest.mark.parametrize("stack", list(STACKINGS))
+def test_batched_lookup_under_torch_func_grad(stack: str, monkeypatch) -> None:
+    """``torch.func.grad`` through the batched lookup (its chain Function cannot run
+    under a functorch transform: the lookup runs the chain as plain autograd there) gives
+    the gradients autograd gives."""
+    _stacking(stack, monkeypatch)
+    _, params, states, ids = _tables()
+    cores = [c for p in params for c in p["cores"]]
+
+    def loss(cs):
+        it = iter(cs)
+        ps = [{**p, "cores": [next(it) for _ in p["cores"]]} for p in params]
+        return C.ttm_embedding_batched(ps, states, ids).pow(2).sum()
+
+    got = torch.func.grad(loss)([c.detach() for c in cores])
+    want = torch.autograd.grad(loss(cores), cores)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
