@@ -140,7 +140,8 @@ def rank_contributions(params: Params, state: State) -> list[torch.Tensor]:
     left (``P_0 = [[1]]``) and the mirror ``Q_k`` from the right, with ``g = gate * mask``.
     Then ``||Left_i||^2 = P_k[i, i]``, ``||Right_i||^2 = Q_k[i, i]``; ``||W||^2`` is the
     left recursion carried through the last core. Cost ``O(sum_k n_k r^3)``, in float64,
-    without autograd; :func:`rank_shares` is the same in the weights' dtype, with it.
+    without autograd; :func:`rank_shares` is the same with autograd, computed in at least
+    fp32 and returned in the weights' dtype.
     """
     check_state(params, state)
     if not params["gates"]:  # type: ignore[index]

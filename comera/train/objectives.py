@@ -62,8 +62,10 @@ def gate_regularizer(params: object, state: object, kind: str = "mean") -> torch
         raise ValueError(f"gate_regularizer: kind={kind!r}; choose 'mean' or 'l1'")
     g = torch.cat(gates)
     m = torch.cat(masks).to(g.dtype)
-    total = (g.abs() * m).sum()
-    return total if kind == "l1" else total / m.sum().clamp(min=1)
+    # summed in at least fp32: fp16 counts and sums end at 65504
+    dtype = torch.promote_types(g.dtype, torch.float32)
+    total = (g.abs() * m).sum(dtype=dtype)
+    return total if kind == "l1" else total / m.sum(dtype=dtype).clamp(min=1)
 
 
 def size_surrogate(params: object, state: object) -> torch.Tensor:

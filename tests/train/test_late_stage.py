@@ -14,7 +14,7 @@ import comera as C
 from comera.errors import ConfigError
 from comera.train import ComeraConfig, Trainer
 from comera.train.measures import model_size
-from comera.train.objectives import share_size, size_surrogate
+from comera.train.objectives import gate_regularizer, share_size, size_surrogate
 from comera.train.stages import StageController
 from comera.tree import prune_to_size
 from tests.train_helpers import ToyTask, _cfg, _toy_model
@@ -317,12 +317,16 @@ def test_an_old_late_stage_checkpoint_resumes_only_as_the_paper_late_stage():
         ComeraConfig(size_objective="paper", late_prune="threshold", target_compression=4.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_layers_measure_their_size_without_overflow(dtype) -> None:
-    """A 1000 x 128 table's Gram matrices pass fp16's range (65504): the size measures
-    run in fp32 for half-precision cores, so they equal the fp32 model's (its values
-    rounded to the dtype), finite, with gradients on the gates."""
-    spec = C.TTMEmbeddingSpec(vocab_modes=(10, 10, 10), dim_modes=(4, 4, 8), ranks=8)
+@pytest.mark.parametrize(
+    ("dtype", "rank"), [(torch.float16, 8), (torch.float16, 48), (torch.bfloat16, 8)]
+)
+def test_half_precision_layers_measure_their_size_without_overflow(dtype, rank) -> None:
+    """fp16's range ends at 65504: a 1000 x 128 table's Gram matrices pass it (rank 8:
+    the shares were 0), and so does its size surrogate at rank 48 (82,240: inf). The
+    size measures run in at least fp32, so a half-precision layer's equal the fp32
+    model's of the same values, finite, with gradients on the gates (bf16, whose range
+    is fp32's, is the consistency check)."""
+    spec = C.TTMEmbeddingSpec(vocab_modes=(10, 10, 10), dim_modes=(4, 4, 8), ranks=rank)
     p32, s = C.init(spec, generator=torch.Generator().manual_seed(0))
     half = {k: [t.to(dtype).requires_grad_() for t in v] for k, v in p32.items()}
     p32 = {k: [t.to(dtype).float() for t in v] for k, v in p32.items()}  # the same values
@@ -335,3 +339,14 @@ def test_half_precision_layers_measure_their_size_without_overflow(dtype) -> Non
     for a, b in zip(C.pruning.rank_shares(half, s), C.pruning.rank_shares(p32, s), strict=True):
         assert a.dtype == dtype
         torch.testing.assert_close(a.float(), b, rtol=1e-2, atol=1e-3)
+
+
+def test_the_gate_regularizer_counts_fp16_gates_past_its_range() -> None:
+    """70,000 live fp16 gates: their count passes 65504 (inf, and the mean 0), so the
+    regularizer sums and counts in fp32."""
+    r = 70_000  # one bond of a 1 x 1 train (init would cap the rank at the modes)
+    cores = [torch.zeros(1, 1, r, dtype=torch.float16), torch.zeros(r, 1, 1, dtype=torch.float16)]
+    p = {"cores": cores, "gates": [torch.full((r,), 0.5, dtype=torch.float16)]}
+    s = {"masks": [torch.ones(r, dtype=torch.bool)]}
+    assert float(gate_regularizer({"l": p}, {"l": s}, "mean")) == pytest.approx(0.5)
+    assert float(gate_regularizer({"l": p}, {"l": s}, "l1")) == pytest.approx(35_000)
