@@ -37,13 +37,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from comera.layers import gather_rows, pair_cores
+from comera.layers import gather_rows, pair_cores, ttm_embedding
 from comera.spec import TTMEmbeddingSpec
 from comera.tensor_train import (
     Params,
     State,
     check_state,
     gated_cores,
+    is_batched,
     permuted,
     stacked_gated_core,
 )
@@ -295,7 +296,8 @@ def ttm_embedding_batched(
     once -> ``(..., T, D)``. Every table must have the same embedding dim ``D``.
 
     With ``specs`` the range check uses each table's real vocabulary size (ids in the
-    padding are rejected) and errors name the table.
+    padding are rejected) and errors name the table. Under ``vmap`` each table is looked up
+    on its own (:func:`comera.ttm_embedding`): the shared dedup reads the ids' values.
     """
     t = len(params)
     if len(states) != t or (specs is not None and len(specs) != t):
@@ -319,6 +321,13 @@ def ttm_embedding_batched(
             f"ttm_embedding_batched: tables have embedding dims {sorted(dims)}; "
             "a batched lookup needs one dim (look the others up separately)"
         )
+    if is_batched(ids) or any(is_batched(c) for cs in cores for c in cs):
+        # under vmap the dedup and the range check cannot read values: each table's own
+        # lookup, which handles it
+        return torch.stack(
+            [ttm_embedding(p, s, ids[..., i], spec=None if specs is None else specs[i])
+             for i, (p, s) in enumerate(zip(params, states, strict=True))], -2
+        )  # fmt: skip
     modes = [[int(c.shape[1]) for c in cs] for cs in cores]
     vocab = [math.prod(m) for m in modes]
     if specs is not None:

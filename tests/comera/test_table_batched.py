@@ -250,3 +250,12 @@ def test_batched_lookup_under_torch_func_grad(stack: str, monkeypatch) -> None:
     want = torch.autograd.grad(loss(cores), cores)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_batched_lookup_under_vmap_equals_a_loop() -> None:
+    """Under ``vmap`` (ids batched) the lookup gives each sample's rows, as a loop does."""
+    _, params, states, ids = _tables()
+    batch = ids[:60].reshape(3, 20, -1)
+    got = torch.func.vmap(lambda i: C.ttm_embedding_batched(params, states, i))(batch)
+    want = torch.stack([C.ttm_embedding_batched(params, states, i) for i in batch])
+    torch.testing.assert_close(got, want)
