@@ -2,7 +2,8 @@
 
 ``plan="auto"`` (TT linears) and ``impl="auto"`` (TTM lookups) ask the tuner in force for
 a concrete choice. For a key it has not seen (core shapes, token bucket, dtype, device,
-thread count, torch version, whether gradients flow) it times each candidate on the call's
+thread count, torch version, whether gradients flow and reach the input) it times each
+candidate on the call's
 own inputs, forward and backward, and keeps the median-fastest, as
 ``torch.backends.cudnn.benchmark`` does for convolutions. Decisions live in memory and,
 when the tuner has a ``cache_dir``, in ``plans-v1.json`` there, so a second run times
@@ -301,10 +302,16 @@ class PlanTuner:
             self.used.add(known[0])
             self._last[base] = known[1]
             return known
-        kind, shapes, bucket, dtype, device, grad, bias = base
+        kind, shapes, bucket, dtype, device, grad, extra = base
         parts = [kind, str(tuple(tuple(int(x) for x in s) for s in shapes)), f"T{bucket}",
                  str(dtype), _device_name(device), f"grad={int(grad)}"]  # fmt: skip
-        parts.append(f"bias={int(bias)}" if kind == "tt_linear" else f"sync_free={int(bias)}")
+        if kind == "tt_linear":
+            bias, dx = extra
+            parts.append(f"bias={int(bias)}")
+            if grad and not dx:  # timed without the dx GEMM: not the answer for a call with it
+                parts.append("dx=0")
+        else:
+            parts.append(f"sync_free={int(extra)}")
         key = "|".join([*parts, f"from={','.join(cands)}", f"torch {torch.__version__}"])
         self.used.add(key)
         hit = self.lookup(key)
@@ -356,8 +363,9 @@ class PlanTuner:
         m, n = math.prod(s[1] for s in shapes[:d]), math.prod(s[1] for s in shapes[d:])
         ranks = [s[2] for s in shapes[:-1]]
         fewest = _fewest(bucket)
+        no_dx = " no dx" if grad and not base[6][1] else ""
         what = (f"{m}x{n} ranks {','.join(map(str, ranks))} tokens {bucket} {dtype}"
-                f"{'' if grad else ' no grad'}")  # fmt: skip
+                f"{'' if grad else ' no grad'}{no_dx}")  # fmt: skip
         skipped: dict[str, str] = {}
         flops = {c: tt_linear_plan(c, shapes, tokens).flops for c in self.linear_candidates}
         cheapest = max(min(flops.values()), 1)  # a dead bond's map costs nothing
@@ -456,7 +464,9 @@ def _linear_call(
     grad = torch.is_grad_enabled() and (x2d.requires_grad or any(c.requires_grad for c in cores))
     shapes = tuple(tuple(c.shape) for c in cores)
     bucket = token_bucket(x2d.shape[0])
-    return ("tt_linear", shapes, bucket, _compute_dtype(x2d), x2d.device, grad, bias is not None)
+    dx = grad and x2d.requires_grad  # the timing runs compute dx only where the call does
+    return ("tt_linear", shapes, bucket, _compute_dtype(x2d), x2d.device, grad,
+            (bias is not None, dx))  # fmt: skip
 
 
 TRACEABLE = ("comera", "dense", "optimized", "static", "table")  # plans torch.compile traces

@@ -184,6 +184,24 @@ def test_new_shapes_dtype_or_device_re_decide(tmp_path, monkeypatch) -> None:
     assert timer.calls == 5 and len(json.loads((tmp_path / A.CACHE_FILE).read_text())) == 5
 
 
+def test_an_input_that_needs_a_gradient_is_another_decision() -> None:
+    """A layer whose input needs a gradient pays the ``dx`` GEMM that one fed by a
+    frozen input does not: the same shapes are timed again (the timing runs compute
+    ``dx`` only where the call needs it) and cached apart."""
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    tuner = A.PlanTuner(timer=timer)
+    p, s = _linear()
+    with A.use_tuner(tuner):
+        C.tt_linear(p, s, _x(), plan="auto")
+        C.tt_linear(p, s, _x().requires_grad_(), plan="auto")
+        C.tt_linear(p, s, _x().requires_grad_(), plan="auto")  # cached
+        with torch.no_grad():
+            C.tt_linear(p, s, _x().requires_grad_(), plan="auto")  # no gradient at all
+    assert timer.calls == 3
+    whats = sorted(d.what for d in tuner.decisions.values())
+    assert [w.endswith(" no dx") for w in whats].count(True) == 1
+
+
 def test_compaction_re_decides_for_the_new_ranks() -> None:
     timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
     tuner = A.PlanTuner(timer=timer)
