@@ -3,8 +3,7 @@
 ``plan="auto"`` (TT linears) and ``impl="auto"`` (TTM lookups) ask the tuner in force for
 a concrete choice. For a key it has not seen (core shapes, token bucket, dtype, device,
 thread count, torch version, whether gradients flow and reach the input) it times each
-candidate on the call's
-own inputs, forward and backward, and keeps the median-fastest, as
+candidate on the call's own inputs, forward and backward, and keeps the median-fastest, as
 ``torch.backends.cudnn.benchmark`` does for convolutions. Decisions live in memory and,
 when the tuner has a ``cache_dir``, in ``plans-v1.json`` there, so a second run times
 nothing. Compaction changes core shapes, so the next call after it is a new key: it is
@@ -48,7 +47,7 @@ from pathlib import Path
 import torch
 
 from comera.plans import constant_under_compile, contract_halves, token_bucket, tt_linear_plan
-from comera.tensor_train import is_batched
+from comera.tensor_train import is_batched, under_func_transform
 
 __all__ = [
     "DENSE_SHARE",
@@ -146,7 +145,7 @@ def _cannot_time(*tensors: torch.Tensor) -> bool:
     """True where a timing run cannot happen: tracing, capture, inside functorch."""
     if torch.compiler.is_compiling():
         return True
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if under_func_transform():
         return True
     if any(is_batched(t) for t in tensors):
         return True
@@ -352,7 +351,7 @@ class PlanTuner:
     ) -> str:
         """The plan for ``tt_linear`` of ``x2d (T, N)`` with these gated ``cores``."""
         base = _linear_call(cores, x2d, bias)
-        _, shapes, bucket, dtype, _, grad, _ = base
+        _, shapes, bucket, dtype, _, grad, (_, dx) = base
         tokens = x2d.shape[0]
         key, choice = self._fast_lookup(base)
         if choice is not None:
@@ -363,7 +362,7 @@ class PlanTuner:
         m, n = math.prod(s[1] for s in shapes[:d]), math.prod(s[1] for s in shapes[d:])
         ranks = [s[2] for s in shapes[:-1]]
         fewest = _fewest(bucket)
-        no_dx = " no dx" if grad and not base[6][1] else ""
+        no_dx = " no dx" if grad and not dx else ""
         what = (f"{m}x{n} ranks {','.join(map(str, ranks))} tokens {bucket} {dtype}"
                 f"{'' if grad else ' no grad'}{no_dx}")  # fmt: skip
         skipped: dict[str, str] = {}

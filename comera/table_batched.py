@@ -47,6 +47,7 @@ from comera.tensor_train import (
     is_batched,
     permuted,
     stacked_gated_core,
+    under_func_transform,
 )
 
 # a group whose cores, padded to the largest vocab mode and ranks, hold at most this many
@@ -276,7 +277,7 @@ def _lookup_group(
     for tb in tables:
         dtype = torch.promote_types(dtype, tb.dtype)
     tables = [tb.to(dtype) for tb in tables]
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if under_func_transform():
         # a torch.func transform (grad, jacrev, ...): the Function has no setup_context,
         # so the chain runs as plain autograd ops, in one block
         acc = _chain_forward(tables, rows_idx)[0]

@@ -39,6 +39,7 @@ __all__ = [
     "init",
     "is_batched",
     "is_tt_params",
+    "under_func_transform",
     "pad_stack",
     "permuted",
     "stacked_gated_core",
@@ -239,6 +240,12 @@ def is_batched(t: torch.Tensor) -> bool:
     return bool(torch._C._functorch.is_batchedtensor(t))
 
 
+def under_func_transform() -> bool:
+    """True inside any ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ...), where an
+    ``autograd.Function`` without ``setup_context`` cannot run and no timing is taken."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 # A permuted copy whose output keeps fewer contiguous input elements together than this
 # runs as a gather on the CPU (:func:`permuted`), for tensors of at most GATHER_ELEMENTS
 # elements (its cached index pair takes 8 bytes an element).
@@ -266,8 +273,7 @@ def permuted(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
         or x.numel() > GATHER_ELEMENTS
         or _run(tuple(x.shape), dims) >= SHORT_RUN
         or torch.compiler.is_compiling()
-        or is_batched(x)
-        or torch._C._functorch.peek_interpreter_stack() is not None  # grad, jvp, jacrev
+        or under_func_transform()
     ):
         return view.contiguous()
     fwd, inv = _perm_index(tuple(x.shape), dims)
