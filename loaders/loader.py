@@ -9,6 +9,7 @@ are re-ordered to continue the workers' round-robin where the saved run stopped.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections import deque
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from loaders.checkpoint import (
 from loaders.config import LoaderConfig
 from loaders.errors import LoaderInputError
 from loaders.pipeline import Layout, ReaderPipeline, open_source
+from loaders.shards import owned_shards
 
 _STATE_KEY = "_reader_state"
 
@@ -115,6 +117,12 @@ class TokenLoader:
             "multiprocessing_context": multiprocessing_context,
         }
         self.sources = {d.name: open_source(d, config.cache_dir) for d in config.datasets}
+        for d in config.datasets:
+            if int(self.sources[d.name].num_docs) == 0:
+                raise LoaderInputError(
+                    f"sub-dataset {d.name!r} ({d.path}) holds no documents; give it a folder "
+                    "of non-empty token files or drop it from LoaderConfig.datasets"
+                )
         self.fingerprint = {
             "num_shards": config.num_shards,
             "seed": config.seed,
@@ -131,8 +139,31 @@ class TokenLoader:
         self._start_pipes()  # validates ownership now and gives state_dict() a value
 
     # -- iteration ---------------------------------------------------------------------
+    def _check_readers(self) -> None:
+        """An endless stream must give every reader of the layout a document: a reader
+        with none would end at once, and its rank with it while the others go on (a data
+        parallel job then hangs). Checked for every rank's readers, so every rank raises.
+        Outside ``local`` mode a reader's shards hold the same positions every epoch."""
+        cfg = self.config
+        if cfg.num_epochs is not None or cfg.shuffle == "local":
+            return
+        docs = {n: int(src.num_docs) for n, src in self.sources.items() if self._weights[n] > 0}
+        total, L = self.world_size * self._readers, cfg.num_shards
+        for g in range(total):
+            ids = owned_shards(L, g // self._readers, self.world_size, g % self._readers,
+                               self._readers)  # fmt: skip
+            if not any(ids.stop * n // L > ids.start * n // L for n in docs.values()):
+                raise LoaderInputError(
+                    f"reader {g} of {total} ({self.world_size} ranks x {self._readers} "
+                    f"workers) would get no document of {docs} (documents of the sub-datasets "
+                    f"with a positive weight, cut into num_shards={L}), and an endless stream "
+                    "(num_epochs=None) would end at once there; use fewer ranks or workers, "
+                    "more documents, shuffle='local', or set num_epochs"
+                )
+
     def _start_pipes(self) -> None:
         """Build every reader on this process (cheap: no data is read) for state/iteration."""
+        self._check_readers()
         self._pipes = [
             ReaderPipeline(
                 self.config,
@@ -227,8 +258,9 @@ class TokenLoader:
         }
 
     def load_state_dict(self, state: dict | list[dict]) -> None:
-        """Restore from this rank's state, or from all ranks' states of any old layout."""
-        states = [state] if isinstance(state, dict) else list(state)
+        """Restore from this rank's state, or from all ranks' states of any old layout.
+        The states given are not modified."""
+        states = copy.deepcopy([state] if isinstance(state, dict) else list(state))
         own = (
             len(states) == 1
             and states[0].get("rank") == self.rank
@@ -265,6 +297,7 @@ class TokenLoader:
         if self.num_workers == 0:
             self._pipes[0].set_weights(weights)
             self._weights = new
+            self._check_readers()
             return
         states = [dict(s, weights=new, mix_tokens={}) for s in self.state_dict()["readers"]]
         self._close()

@@ -93,7 +93,12 @@ class ReaderPipeline:
         self.mixer = Mixer(weights, ws.get("mix_tokens"))
         self.rr = {name: int(ws.get("rr", {}).get(name, 0)) for name in sources}
         self._low: dict[str, int] = {}  # lowest shard epoch per sub-dataset (a cache)
-        self.done = bool(ws.get("done", False))
+        # whether a sub-dataset holds any document of min_doc_len tokens (found by a scan
+        # of its documents when an endless stream skips for long: a cache, never state)
+        self._has_long: dict[str, bool] = {}
+        # not read from the saved state: whether anything is left follows from the
+        # cursors and the config (num_epochs may have been raised since it was saved)
+        self.done = False
         self._active = [n for n in sources if self._usable(n)]
         self._np_dtype = np.dtype(config.out_dtype)
         self._source_index = {d.name: i for i, d in enumerate(config.datasets)}
@@ -136,6 +141,7 @@ class ReaderPipeline:
     def set_weights(self, weights: dict[str, float]) -> None:
         self.mixer.set_weights(weights)
         self._active = [n for n in self.sources if self._usable(n)]
+        self.done = False  # a sub-dataset given weight again may have documents left
 
     # -- document selection ------------------------------------------------------------
     def _finished(self, sc: ShardCursors, slot: int) -> bool:
@@ -143,8 +149,14 @@ class ReaderPipeline:
         return ne is not None and sc.epoch[slot] >= ne
 
     def _usable(self, name: str) -> bool:
+        """Whether this reader can still emit a document of ``name``: it owns shards that
+        are not finished, and (outside ``local`` mode, where a shard's block and so its
+        size change every epoch) one of them is not empty; and the sub-dataset is not
+        known to hold only documents shorter than ``min_doc_len``."""
         sc = self.shards[name]
-        if not sc.ids or sc.num_docs == 0:
+        if not sc.ids or sc.num_docs == 0 or self._has_long.get(name) is False:
+            return False
+        if sc.mode != "local" and all(sc.size(s) == 0 for s in range(len(sc.ids))):
             return False
         return not all(self._finished(sc, s) for s in range(len(sc.ids)))
 
@@ -179,7 +191,7 @@ class ReaderPipeline:
         low = self._low.get(name)  # epochs only grow, so a cached minimum stays a lower bound
         if low is None:
             low = self._low[name] = min(epoch)
-        start, rolled = self.rr[name], 0
+        start = self.rr[name]
         while ne is None or low < ne:  # finished shards (epoch >= num_epochs) are never lowest
             slot = _index(epoch, low, start)
             if slot is None:  # every shard is past epoch ``low``: the reader moves on
@@ -189,11 +201,11 @@ class ReaderPipeline:
             if sc.counter[slot] < sc.size(slot):
                 self.rr[name] = (slot + 1) % n
                 return slot
-            epoch[slot] += 1  # empty block in this epoch (N < L, or local mode): skip it
+            # an empty block in this epoch (N < L): skip it. Some owned shard is not empty
+            # (``_usable``), or in ``local`` mode will not be in a later epoch (its block
+            # changes every epoch, and N > 0 blocks hold documents), so this ends
+            epoch[slot] += 1
             sc.counter[slot] = 0
-            rolled += 1
-            if rolled > 4 * n:  # nothing to read for several epochs: unusable
-                return None
             start = (slot + 1) % n
         return None
 
@@ -215,12 +227,30 @@ class ReaderPipeline:
                     return name, slot, toks
                 self._roll(sc, slot)  # too short (or empty): skip, never emit
                 skipped += 1
-                if budget is None:  # a full pass of skips means nothing usable is left
-                    budget = sum(sc.size(s) for s in range(len(sc.ids))) + len(sc.ids) + 1
+                if self.config.num_epochs is not None:
+                    continue  # the shards finish: skipping ends, and no document is lost
+                if budget is None:  # two passes (a gap may span an epoch's end)
+                    budget = 2 * sum(sc.size(s) for s in range(len(sc.ids))) + len(sc.ids) + 1
                 if skipped > budget:
+                    if self._holds_long(name, sc):
+                        skipped = 0  # a long document comes in a later epoch's order
+                        continue
                     break
             self._active.remove(name)  # exhausted (finite) or holds no usable document
         return None
+
+    def _holds_long(self, name: str, sc: ShardCursors) -> bool:
+        """Whether an endless stream of ``name`` will reach a document of ``min_doc_len``
+        tokens: in ``none`` mode this reader reads the same blocks every epoch, so the
+        passes just skipped decide (none); otherwise every document passes through every
+        reader's shards in time, so any document of the sub-dataset counts. Scanned once,
+        stopping at the first such document."""
+        if sc.mode == "none":
+            self._has_long[name] = False
+        elif name not in self._has_long:
+            src, min_len = self.sources[name], self.config.min_doc_len
+            self._has_long[name] = any(len(src.doc(i)) >= min_len for i in range(sc.num_docs))
+        return self._has_long[name]
 
     # -- packing -----------------------------------------------------------------------
     def next_batch(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,147 @@
+"""Sub-datasets with fewer documents than shards, or few long enough to emit: no reader may
+drop one that still has documents for it, and what it does drop must follow from the
+config and the cursors alone, so a resume continues token-identically."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from loaders import DatasetSpec, LoaderConfig, TokenLoader
+from loaders.errors import LoaderInputError
+from tests.loaders_helpers import write_arrow
+
+
+class Memory:
+    """In-memory source: document ``i`` is ``(base + i + 1) * 1000 + arange(length)``."""
+
+    def __init__(self, lengths: list[int], base: int = 0) -> None:
+        self.lengths, self.base, self.num_docs = list(lengths), base, len(lengths)
+
+    def doc(self, i: int) -> np.ndarray:
+        return ((self.base + i + 1) * 1000 + np.arange(self.lengths[i])).astype(np.int32)
+
+
+def _config(sources: list[tuple[str, object, float]], **kw) -> LoaderConfig:
+    base = dict(seq_len=16, batch_size=2, bos_id=1, eos_id=2, pad_id=0, num_shards=8)
+    base.update(kw)
+    return LoaderConfig(
+        datasets=[DatasetSpec(name=n, path=s, weight=w) for n, s, w in sources], **base
+    )
+
+
+def _body(batches: list[dict]) -> np.ndarray:
+    ids = np.concatenate([b["input_ids"].numpy().reshape(-1) for b in batches])
+    return ids[ids >= 1000]
+
+
+def _take(loader: TokenLoader, n: int) -> list[dict]:
+    return [b for _, b in zip(range(n), loader, strict=False)]
+
+
+def test_local_mode_keeps_a_sub_dataset_smaller_than_num_shards():
+    """With N < L most local blocks are empty in a given epoch; a reader whose shards draw
+    empty blocks for many epochs in a row still reaches the documents later."""
+    small = Memory([5] * 3)
+    finite = _config([("a", small, 1.0)], shuffle="local", num_epochs=10, seq_len=8, batch_size=1)
+    toks = np.concatenate([_body(list(TokenLoader(finite, rank=r, world_size=8)))
+                           for r in range(8)])  # fmt: skip
+    assert {int((toks == small.doc(i)[0]).sum()) for i in range(3)} == {10}
+    endless = _config([("a", small, 1.0)], shuffle="local", seq_len=8, batch_size=1)
+    for r in range(8):
+        assert len(_take(TokenLoader(endless, rank=r, world_size=8), 30)) == 30
+    mix = _config([("big", Memory([20] * 2000), 0.5), ("small", Memory([20] * 10, 10**5), 0.5)],
+                  num_shards=64, shuffle="local", seq_len=64, batch_size=4)  # fmt: skip
+    for r in (0, 13, 31):
+        got = _body(_take(TokenLoader(mix, rank=r, world_size=32), 60))
+        assert abs(float((got >= (10**5 + 1) * 1000).mean()) - 0.5) < 0.05
+
+
+@pytest.mark.parametrize("shuffle", ["global", "local", "none"])
+def test_rare_long_documents_are_not_dropped(shuffle):
+    """Only document 7 passes ``min_doc_len``: the skips between two of its emissions span
+    an epoch's end, and that must not count as a sub-dataset with nothing left."""
+    lengths = [1] * 50
+    lengths[7] = 10
+    src = Memory(lengths)
+    endless = _config([("a", src, 1.0)], num_shards=1, min_doc_len=5, shuffle=shuffle)
+    assert len(_take(TokenLoader(endless), 200)) == 200
+    finite = _config([("a", src, 1.0)], num_shards=1, min_doc_len=5, num_epochs=20,
+                     shuffle=shuffle)  # fmt: skip
+    assert int((_body(list(TokenLoader(finite))) == 8000).sum()) == 20
+
+
+def test_a_dropped_sub_dataset_resumes_identically():
+    """A sub-dataset with no document of ``min_doc_len`` tokens is dropped from an endless
+    stream; a resume at the same layout drops it again and continues token-identically."""
+    short, long = Memory([2] * 40), Memory([6] * 40, 100)
+    cfg = _config([("a", short, 1.0), ("b", long, 1.0)], num_shards=4, min_doc_len=5)
+    ref = TokenLoader(cfg)
+    _take(ref, 6)
+    assert ref.readers[0]._active == ["b"]
+    state = json.loads(json.dumps(ref.state_dict()))
+    want = [b["input_ids"] for b in _take(ref, 8)]
+    resumed = TokenLoader(cfg)
+    resumed.load_state_dict(state)
+    got = [b["input_ids"] for b in _take(resumed, 8)]
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(want, got, strict=True))
+    # the same in `none` mode, where a reader's own blocks decide (here: none is long)
+    one = _config([("a", Memory([2] * 8 + [9] * 8), 1.0)], num_shards=2, min_doc_len=5,
+                  shuffle="none")  # fmt: skip
+    readers = [TokenLoader(one, rank=r, world_size=2) for r in range(2)]
+    assert len(_take(readers[1], 20)) == 20
+    with pytest.raises(StopIteration):
+        next(readers[0])
+
+
+def test_an_endless_stream_refuses_a_reader_without_documents(tmp_path):
+    write_arrow(tmp_path / "empty" / "part-000.arrow", [])
+    with pytest.raises(LoaderInputError, match="'e' .*empty.* holds no documents"):
+        TokenLoader(_config([("e", tmp_path / "empty", 1.0)]))
+    three = Memory([5] * 3)
+    for rank in range(4):  # every rank raises, not only the one left without documents
+        with pytest.raises(LoaderInputError, match="reader 0 of 4 .*num_epochs=None"):
+            TokenLoader(_config([("a", three, 1.0)]), rank=rank, world_size=4)
+    # finite epochs (ranks end unevenly anyway) and local blocks (they move) are fine
+    TokenLoader(_config([("a", three, 1.0)], num_epochs=1), rank=0, world_size=4)
+    TokenLoader(_config([("a", three, 1.0)], shuffle="local"), rank=0, world_size=4)
+    # a sub-dataset with no weight does not count; giving it one is checked too
+    cfg = _config([("a", three, 1.0), ("b", Memory([5] * 40, 100), 0.0)])
+    with pytest.raises(LoaderInputError, match="reader 0 of 4"):
+        TokenLoader(cfg, rank=1, world_size=4)
+    ok = TokenLoader(_config([("a", Memory([5] * 40), 1.0), ("b", three, 0.0)]), rank=1,
+                     world_size=4)  # fmt: skip
+    with pytest.raises(LoaderInputError, match="reader 0 of 4"):
+        ok.set_weights({"a": 0.0, "b": 1.0})
+
+
+def test_raising_num_epochs_on_resume_continues():
+    """A finished run resumed with more epochs goes on, at the same layout as at another."""
+    src = Memory([5] * 20)
+    one = TokenLoader(_config([("a", src, 1.0)], num_shards=4, num_epochs=1))
+    first = _body(list(one))
+    state = json.loads(json.dumps(one.state_dict()))
+    two = _config([("a", src, 1.0)], num_shards=4, num_epochs=2)
+    same = TokenLoader(two)
+    same.load_state_dict(state)
+    second = _body(list(same))
+    assert np.array_equal(np.sort(first), np.sort(second))  # each document once more
+    halves = [TokenLoader(two, rank=r, world_size=2) for r in range(2)]
+    for h in halves:
+        h.load_state_dict([state])
+    assert np.array_equal(np.sort(np.concatenate([_body(list(h)) for h in halves])),
+                          np.sort(second))  # fmt: skip
+
+
+def test_load_state_dict_leaves_its_argument_alone():
+    cfg = _config([("a", Memory([7] * 40), 1.0), ("b", Memory([5] * 40, 100), 1.0)])
+    ld = TokenLoader(cfg)
+    _take(ld, 5)
+    state = json.loads(json.dumps(ld.state_dict()))
+    pristine = copy.deepcopy(state)
+    other = _config([("a", Memory([7] * 40), 3.0), ("b", Memory([5] * 40, 100), 1.0)])
+    TokenLoader(other).load_state_dict(state)  # its weights changed: counters restart
+    assert state == pristine
