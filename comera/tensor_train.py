@@ -132,7 +132,9 @@ def from_dense(
             f"{spec.label}: from_dense expects a weight of shape {expected}, "
             f"got {tuple(weight.shape)}"
         )
-    w = weight.detach().to(spec.dtype)
+    # the SVDs run in at least fp32: torch has no half-precision SVD, and the cores are
+    # cast to the spec's dtype once they are found
+    w = weight.detach().to(torch.promote_types(spec.dtype, torch.float32))
     if isinstance(spec, TTLinearSpec):
         cores = _tt_svd(w.reshape(spec.modes), spec.ranks)
     else:
@@ -148,7 +150,7 @@ def from_dense(
             c.reshape(c.shape[0], v, dd, c.shape[-1])
             for c, v, dd in zip(cores, spec.vocab_modes, spec.dim_modes, strict=True)
         ]
-    cores = [c.contiguous() for c in cores]
+    cores = [c.to(spec.dtype).contiguous() for c in cores]
     ranks = [c.shape[-1] for c in cores[:-1]]
     params: Params = {
         "cores": cores,

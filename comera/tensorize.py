@@ -380,6 +380,11 @@ def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, l
     parent reads its weight directly (``nn.MultiheadAttention``'s ``out_proj``)."""
     parent_name = name.rpartition(".")[0]
     parent = model.get_submodule(parent_name) if parent_name else model
+    base = next((k for k in (nn.Embedding, nn.Linear) if isinstance(module, k)), None)
+    if base is not None and type(module).forward is not base.forward:
+        # a scaled word embedding (BART's), a positional one with an offset (OPT's): the
+        # adapter is a plain lookup or product and would silently drop what they add
+        return f"skipped: {type(module).__name__} has its own forward, which the adapter lacks"
     if isinstance(parent, nn.MultiheadAttention):
         return f"skipped: {parent_name or 'the model'} (nn.MultiheadAttention) reads its weight"
     weight = module.weight

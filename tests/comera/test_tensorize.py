@@ -340,3 +340,47 @@ def test_ties_shared_modules_and_attention_are_respected() -> None:
     assert "MultiheadAttention" in rows["layer.self_attn.out_proj"].skipped
     assert "padding_idx dropped" in rows["emb"].padded
     assert model(torch.randint(0, 100, (2, 5))).shape == (2, 5, 64)
+
+
+def test_subclasses_with_their_own_forward_are_skipped() -> None:
+    """A scaled word embedding (BART's) or an offset positional one (OPT's) adds to the
+    plain lookup: replacing it by a TTM lookup would drop that silently."""
+
+    class Scaled(nn.Embedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) * 4.0
+
+    class Plain(nn.Linear):  # a subclass that keeps the forward is still a linear
+        pass
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.proj = Scaled(100, 64), Plain(64, 64)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.proj(self.emb(ids))
+
+    torch.manual_seed(0)
+    model, ids = Model().double(), torch.randint(0, 100, (2, 5))
+    want = model(ids)
+    summary = tensorize_(model, TensorizeConfig(target_modules=("*",), **EXACT))
+    rows = {r.name: r for r in summary.layers}
+    assert type(model.emb) is Scaled and "Scaled has its own forward" in rows["emb"].skipped
+    assert isinstance(model.proj, C.TTLinear) and not rows["proj"].skipped
+    torch.testing.assert_close(model(ids), want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_models_are_compressed_in_their_dtype(dtype: torch.dtype) -> None:
+    """torch has no half-precision SVD: the TT-SVD runs in fp32 and the cores come back in
+    the model's dtype."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Embedding(256, 64)).to(dtype)
+    x, ids = torch.randn(3, 64, dtype=dtype), torch.randint(0, 256, (3,))
+    want = model[0](x).float(), model[1](ids).float()
+    tensorize_(model, TensorizeConfig(target_modules=("0", "1"), **EXACT))
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(model[0](x).float(), want[0], **tol)
+    torch.testing.assert_close(model[1](ids).float(), want[1], **tol)
