@@ -293,7 +293,9 @@ class Trainer:
         """Decide every ``auto`` plan and lookup (:mod:`comera.autotune`) before a step: one
         eager forward of ``batch`` times what the tuner has not seen, with the RNG streams
         saved and restored around it (the step that follows draws the same dropout and
-        masks); then every rank adopts rank 0's decisions. The loop runs it where a step
+        masks) and on a copy of the state (a module's running statistics, which a training
+        forward updates, see one update per step as without ``auto``); then every rank
+        adopts rank 0's decisions. The loop runs it where a step
         cannot time (``compile``, ``cuda_graph``); for ``compile`` TT linears choose
         between ``comera`` and ``dense`` only (opt_einsum's paths do not trace). The
         forward runs in a :class:`comera.layers.SyncFreeLookups` scope, as those steps do:
@@ -312,7 +314,9 @@ class Trainer:
                 torch.enable_grad(),
                 torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16),
             ):
-                self.task.loss(self.params, self.state, batch, train=True)
+                state = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
+                                 self.state)  # fmt: skip
+                self.task.loss(self.params, state, batch, train=True)
         finally:
             ck.set_rng_state(rngs, self.device)
         if self.world > 1:

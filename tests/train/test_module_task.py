@@ -185,3 +185,18 @@ def test_batch_norm_trains_under_the_compiled_step(tmp_path) -> None:
     _task(model).trainer(_cfg(tmp_path, steps=4, step_mode="compile")).fit()
     bn = model.get_submodule("1")
     assert int(bn.num_batches_tracked) == 4 and float(bn.running_mean.abs().sum()) > 0
+
+
+def test_tuning_plans_leaves_the_running_statistics_alone(tmp_path) -> None:
+    """``tune_plans`` runs one extra training forward before a traced step: on a copy of
+    the state, so batch norm counts only the steps, as without ``auto`` plans."""
+    model = _bn_model()
+    trainer = _task(model).trainer(_cfg(tmp_path, steps=2), auto_plans=True)
+    bn = model.get_submodule("1")
+    before = {n: b.clone() for n, b in bn.named_buffers()}
+    trainer.tune_plans(next(iter(trainer.task.train_iter)))
+    for n, b in bn.named_buffers():
+        assert torch.equal(b, before[n]), n
+    assert trainer.state[BUFFERS]["1.running_mean"] is bn.running_mean
+    trainer.fit()
+    assert int(bn.num_batches_tracked) == 2
