@@ -79,7 +79,8 @@ def write_model(directory: Path, payload: dict, keep: int) -> Path:
     _atomic(path, lambda p: torch.save(payload, p))
     root = directory.parent
     for old in complete_checkpoints(root.parent)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != directory:  # never the one just written, whatever else the folder holds
+            shutil.rmtree(old, ignore_errors=True)
     for d in root.iterdir():  # debris of a save that died before its model file
         m = _STEP_RE.match(d.name)
         if m and d != directory and not (d / MODEL).is_file():

@@ -23,6 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from comera.autotune import LINEAR_CANDIDATES, current_tuner, summarize_decisions
+from comera.errors import CheckpointError
 from comera.layers import SyncFreeLookups
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig
@@ -155,6 +156,13 @@ class Trainer:
         self.cfg, self.task = cfg, task
         self.device = torch.device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
+        held = [] if resume else ck.complete_checkpoints(self.run_dir)
+        if held:  # its newer checkpoints would win over this run's: each new one deleted
+            raise CheckpointError(
+                f"{self.run_dir} already holds checkpoints of a run (newest: {held[-1].name}); "
+                "continue it with resume=True, or give this run another run_dir (nothing "
+                "there is overwritten)"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world = rank_world()
         # the loop updates its parameters in place: a copy unless the caller hands them over

@@ -104,6 +104,27 @@ def test_keeps_the_newest_checkpoints_and_names_the_previous_one(tmp_path):
         Trainer(dataclasses.replace(cfg, steps=21), ToyTask(), *_toy_model(), resume=True)
 
 
+def test_a_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path):
+    """A new run in a used run dir would lose its own work: the old run's newer
+    checkpoints win the keep-newest rule, so each new one would be deleted at once and a
+    resume would load the old model. It is refused, and the old run resumes as before."""
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    with pytest.raises(CheckpointError, match="already holds checkpoints .*step_00000010.*"
+                       "resume=True"):  # fmt: skip
+        Trainer(cfg, ToyTask(), *_toy_model())
+    assert [p.name for p in complete_checkpoints(cfg.run_dir)] == ["step_00000005",
+                                                                   "step_00000010"]  # fmt: skip
+    assert Trainer(cfg, ToyTask(), *_toy_model(), resume=True).step == 10
+    # the keep-newest rule never deletes the checkpoint it has just written
+    from comera.train.checkpoint import write_model
+
+    older = Path(cfg.run_dir) / "checkpoints" / "step_00000003"
+    older.mkdir()
+    write_model(older, {"step": 3}, keep=1)
+    assert (older / "model.pt").is_file()
+
+
 def test_debris_of_a_save_that_died_is_ignored_and_cleaned(tmp_path):
     cfg = _cfg(tmp_path, steps=10, checkpoint_every=5)
     tr = Trainer(cfg, ToyTask(), *_toy_model())
