@@ -89,7 +89,11 @@ class GaLore:
             and any(fnmatch.fnmatchcase(path, g) for g in cfg.targets)
             for path, p in zip(paths, self.leaves, strict=True)
         ]  # fmt: skip
-        groups = [{"params": [p for p, j in zip(self.leaves, projected, strict=True) if not j]}]
+        # AdamW's rule, as the trainer's: matrices decay, vectors (biases, norm gains) not
+        kept = [p for p, j in zip(self.leaves, projected, strict=True) if not j]
+        groups = [{"params": [p for p in kept if p.dim() >= 2]},
+                  {"params": [p for p in kept if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+        groups = [g for g in groups if g["params"]]
         low = [p for p, j in zip(self.leaves, projected, strict=True) if j]
         if low:
             groups.append({"params": low, "rank": cfg.rank, "scale": cfg.scale,
@@ -125,8 +129,32 @@ class GaLore:
         return self.torch.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.torch.load_state_dict(state)
+        self.torch.load_state_dict(self._regrouped(state))
         for p in self.leaves:  # moments follow their params; the projectors must be moved
             projector = self.torch.state.get(p, {}).get("projector")
             if projector is not None:
                 _move_projector(projector, p.device)
+
+    def _regrouped(self, state: dict) -> dict:
+        """A state saved when every unprojected leaf was in one group (decayed alike) in
+        this optimizer's groups: the per-leaf state follows its leaf, the groups' settings
+        are this config's."""
+        groups = self.torch.param_groups
+        if len(state["param_groups"]) == len(groups):
+            return state
+        index = {id(p): i for i, p in enumerate(self.leaves)}
+        now = [index[id(p)] for g in groups for p in g["params"]]
+        low = {index[id(p)] for g in groups if "rank" in g for p in g["params"]}
+        # the old order: the unprojected leaves, then the projected, each in leaf order
+        before = [i for i in range(len(self.leaves)) if i not in low] + sorted(low)
+        if len(state["param_groups"]) != 1 + bool(low) or len(before) != len(now):
+            raise ValueError("GaLore state: its parameter groups do not match this model's")
+        at = {leaf: k for k, leaf in enumerate(now)}
+        moved = {at[before[int(k)]]: v for k, v in state["state"].items()}
+        params, start = [], 0
+        for g in groups:
+            n = len(g["params"])
+            params.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(start, start + n))})  # fmt: skip
+            start += n
+        return {"state": moved, "param_groups": params}

@@ -82,3 +82,40 @@ def test_galore_is_refused_for_a_comera_run_and_on_resume_from_adamw(tmp_path: P
     adamw.fit()  # an AdamW run with a checkpoint at step 5
     with pytest.raises(CheckpointError, match="holds adamw optimizer state.*'galore'"):
         _galore_trainer(tmp_path, 5, resume=True)
+
+
+def test_galore_decays_matrices_only_and_reads_states_of_the_old_grouping() -> None:
+    """Weight decay as the trainer's AdamW applies it (matrices, not biases or gains);
+    a state saved when all unprojected leaves shared one group loads leaf by leaf."""
+    pytest.importorskip("galore_torch")
+    from galore_torch import GaLoreAdamW
+
+    from comera.train.galore import GaLore, GaLoreConfig
+
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(32, 32, generator=g), "e": torch.randn(4, 32, generator=g),
+            "b": torch.ones(32)}  # fmt: skip
+    cfg = GaLoreConfig(rank=8, update_proj_gap=4, scale=1.0, targets=("w",))
+    tree = {k: v.clone() for k, v in base.items()}
+    opt = GaLore(tree, cfg, 1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.5)
+    grads = [torch.randn(32, 32, generator=g), torch.zeros(4, 32), torch.zeros(32)]
+    for _ in range(5):
+        opt.step(grads)
+    assert torch.equal(tree["b"], base["b"])  # no gradient, no decay
+    assert float(tree["e"].norm()) < float(base["e"].norm())  # decayed
+    old = {k: v.clone() for k, v in base.items()}
+    before = GaLoreAdamW([{"params": [old["e"], old["b"]]},
+                          {"params": [old["w"]], "rank": 8, "scale": 1.0,
+                           "update_proj_gap": 4, "proj_type": "std"}],
+                         lr=1e-2, weight_decay=0.5, no_deprecation_warning=True)  # fmt: skip
+    for _ in range(3):
+        for p, grad in zip((old["w"], old["e"], old["b"]), grads, strict=True):
+            p.grad = grad.clone()
+        before.step()
+    fresh = {k: v.clone() for k, v in old.items()}
+    now = GaLore(fresh, cfg, 1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.5)
+    now.load_state_dict(before.state_dict())
+    for name in ("w", "e", "b"):
+        saved, loaded = before.state[old[name]], now.torch.state[fresh[name]]
+        torch.testing.assert_close(loaded["exp_avg"], saved["exp_avg"], rtol=0, atol=0)
+        assert loaded["step"] == saved["step"]
