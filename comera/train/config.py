@@ -7,6 +7,7 @@ values with a message naming the field; experiments build them from presets and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -87,10 +88,10 @@ class ComeraConfig:
     target_compression: float | None = None  # whole model vs reference; overrides size_ratio
 
     def __post_init__(self) -> None:
-        if self.gamma < 0 or self.tau < 0:
-            raise ConfigError(
-                f"ComeraConfig: gamma and tau must be >= 0, got {self.gamma}, {self.tau}"
-            )
+        for name in ("gamma", "tau", "rho"):  # NaN passes a ``< 0`` test: ask for finite
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"ComeraConfig.{name} must be a finite number >= 0, got {value}")
         if self.regularizer not in REGULARIZERS:
             raise ConfigError(
                 f"ComeraConfig.regularizer={self.regularizer!r}; choose one of {REGULARIZERS}"
@@ -123,7 +124,9 @@ class ComeraConfig:
             )
         if not 0 < self.prune_ramp <= 1:
             raise ConfigError(f"ComeraConfig.prune_ramp must be in (0, 1], got {self.prune_ramp}")
-        if self.target_compression is not None and not self.target_compression >= 1:
+        if self.target_compression is not None and not (
+            math.isfinite(self.target_compression) and self.target_compression >= 1
+        ):
             raise ConfigError(
                 "ComeraConfig.target_compression (X in reference size / X) must be >= 1, "
                 f"got {self.target_compression}"
@@ -138,8 +141,12 @@ class ComeraConfig:
                 "stage (size_objective='paper', late_prune='threshold') aims at size_ratio x "
                 "S; set late_prune='schedule' or drop target_compression"
             )
-        if self.loss_target is not None and self.loss_target <= 0:
-            raise ConfigError(f"ComeraConfig.loss_target must be > 0, got {self.loss_target}")
+        if self.loss_target is not None and not (
+            math.isfinite(self.loss_target) and self.loss_target > 0
+        ):
+            raise ConfigError(
+                f"ComeraConfig.loss_target must be a finite number > 0, got {self.loss_target}"
+            )
         if self.enabled and self.early_steps == 0 and self.loss_target is None:
             raise ConfigError(
                 "ComeraConfig: early_steps=0 starts in the late stage, which needs a loss "

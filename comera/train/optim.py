@@ -8,12 +8,14 @@ rates, as in the paper: TT ``cores``, rank ``gates``, and the ``rest``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_flatten_with_path, tree_map
 
 from comera.errors import ConfigError
+from comera.tensor_train import is_tt_params
 from comera.tree import leaves as tree_leaves
 
 __all__ = [
@@ -43,22 +45,32 @@ class AdamWConfig:
 
     def __post_init__(self) -> None:
         for name in ("lr_cores", "lr_gates", "lr_rest", "eps", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"AdamWConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"AdamWConfig.betas must be in [0, 1), got {self.betas}")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):  # NaN passes a ``< 0`` test
+                raise ConfigError(f"AdamWConfig.{name} must be a finite number >= 0, got {value}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(
+                f"AdamWConfig.betas must be two numbers in [0, 1), got {tuple(self.betas)}"
+            )
 
     def lr(self, group: str) -> float:
         return {"cores": self.lr_cores, "gates": self.lr_gates, "rest": self.lr_rest}[group]
 
 
 def leaf_groups(params: object) -> list[str]:
-    """Group of every leaf, in ``tree_flatten`` order: a leaf under a ``cores`` or
-    ``gates`` list is a TT core or gate, everything else (biases, norms, dense) is rest."""
+    """Group of every leaf, in ``tree_flatten`` order: an element of a TT/TTM layer's
+    ``cores`` or ``gates`` list is a TT core or gate, everything else (biases, norms,
+    dense, and a dense tensor that is merely named ``gates``, such as a router) is rest."""
     out = []
     for path, _ in tree_flatten_with_path(params)[0]:
-        keys = [getattr(k, "key", None) for k in path]
-        out.append("cores" if "cores" in keys else "gates" if "gates" in keys else "rest")
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        group = "rest"
+        if len(keys) >= 2 and keys[-2] in ("cores", "gates"):
+            node = params
+            for k in keys[:-2]:
+                node = node[k]  # type: ignore[index]
+            group = keys[-2] if is_tt_params(node) else "rest"
+        out.append(group)
     return out
 
 
@@ -171,10 +183,12 @@ class SGDConfig:
     lr_gates: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.lr > 0 or (self.lr_gates is not None and self.lr_gates < 0):
+        if not (math.isfinite(self.lr) and self.lr > 0) or (
+            self.lr_gates is not None and not (math.isfinite(self.lr_gates) and self.lr_gates >= 0)
+        ):
             raise ConfigError(
-                f"SGDConfig: lr must be > 0 and lr_gates None or >= 0, got {self.lr}, "
-                f"{self.lr_gates}"
+                f"SGDConfig: lr must be finite and > 0, lr_gates None or finite and >= 0, "
+                f"got {self.lr}, {self.lr_gates}"
             )
 
     def lr_for(self, group: str) -> float:

@@ -249,9 +249,35 @@ def test_bad_late_stage_settings_name_the_field():
         ({"late_prune": "never"}, "late_prune"),
         ({"prune_ramp": 0.0}, "prune_ramp"),
         ({"target_compression": 0.5}, "target_compression"),
+        ({"target_compression": math.inf}, "target_compression"),
+        ({"gamma": math.nan}, "gamma"),
+        ({"tau": math.nan}, "tau"),
+        ({"rho": -1.0}, "rho"),
+        ({"rho": math.nan}, "rho"),
+        ({"loss_target": math.nan}, "loss_target"),
     ]:
         with pytest.raises(ConfigError, match=field):
             ComeraConfig(**kw)
+
+
+def test_bad_optimizer_settings_name_the_field():
+    """NaN passes a ``< 0`` check and would train NaN into a checkpoint; a betas of the
+    wrong length would pass until the first update."""
+    from comera.train.optim import AdamWConfig, SGDConfig
+
+    for kw, field in [
+        ({"lr_cores": math.nan}, "lr_cores"),
+        ({"lr_gates": math.inf}, "lr_gates"),
+        ({"eps": math.nan}, "eps"),
+        ({"weight_decay": math.nan}, "weight_decay"),
+        ({"betas": (0.9,)}, "betas"),
+        ({"betas": (0.9, 0.99, 0.5)}, "betas"),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            AdamWConfig(**kw)
+    for kw in ({"lr": math.nan}, {"lr_gates": math.nan}):
+        with pytest.raises(ConfigError, match="SGDConfig"):
+            SGDConfig(**kw)
 
 
 def _late_cfg(tmp_path, **comera):

@@ -494,3 +494,14 @@ def test_fit_until_pauses_and_a_later_fit_ends_where_one_fit_does(tmp_path):
     assert paused.step == once.step == 60
     for a, b in zip(tree_flatten(once.params)[0], tree_flatten(paused.params)[0], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_optimizer_groups_follow_the_tt_structure_not_key_names():
+    """A dense tensor named ``gates`` (a router) is rest, decayed at the rest's rate; a
+    TT layer's own bias is rest wherever the layer sits."""
+    from comera.train.optim import leaf_groups
+
+    params, _ = C.init(C.TTLinearSpec(out_modes=(4,), in_modes=(4,), ranks=(3,)))
+    tree = {"moe": {"gates": torch.randn(4, 8)}, "gates": params}
+    got = leaf_groups(tree)
+    assert got == ["rest", "cores", "cores", "gates", "rest"]
