@@ -72,14 +72,13 @@ def _accumulate(into: list[torch.Tensor | None], grads: tuple[torch.Tensor | Non
                 continue
             taken = spans.setdefault(g.untyped_storage().data_ptr(), [])
             if g.is_contiguous():  # the bytes it spans in its storage
-                lo = g.storage_offset() * g.element_size()
-                hi = lo + g.numel() * g.element_size()
+                size = g.element_size()
+                lo = g.storage_offset() * size
+                hi = lo + g.numel() * size
+                kept = not taken or not any(a < hi and lo < b for a, b in taken)
             else:  # a strided view may reach anywhere in its storage
-                lo, hi = -math.inf, math.inf
-            if g.is_contiguous() and not any(a < hi and lo < b for a, b in taken):
-                into[i] = g
-            else:
-                into[i] = g.clone(memory_format=torch.contiguous_format)
+                lo, hi, kept = -math.inf, math.inf, False
+            into[i] = g if kept else g.clone(memory_format=torch.contiguous_format)
             taken.append((lo, hi))
         elif acc.is_sparse:
             into[i] = g + acc  # sparse + sparse stays sparse; a dense g makes it dense
@@ -90,7 +89,11 @@ def _accumulate(into: list[torch.Tensor | None], grads: tuple[torch.Tensor | Non
 def _grad_norm(grads: list[torch.Tensor | None]) -> torch.Tensor:
     """Global L2 norm of dense and (coalesced) sparse gradients."""
     dense = [g for g in grads if g is not None and not g.is_sparse]
-    parts = [n.float() for n in torch._foreach_norm(dense)] if dense else []
+    parts: list[torch.Tensor] = []
+    if dense:  # the norms in fp32 by the call itself, not a cast per leaf (fp64 cast after)
+        wide = any(g.dtype == torch.float64 for g in dense)
+        norms = torch._foreach_norm(dense, 2, dtype=torch.float64 if wide else torch.float32)
+        parts = [n.float() for n in norms] if wide else list(norms)
     parts += [g._values().float().norm() for g in grads if g is not None and g.is_sparse]
     if not parts:
         return torch.zeros(())

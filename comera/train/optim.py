@@ -113,24 +113,30 @@ def adamw_step(
     step = opt["step"] + 1
     b1, b2 = cfg.betas
     bc1, bc2 = 1 - b1**step, 1 - b2**step
+    # one pass sorts the leaves to update by group and by decay (a TT model has hundreds
+    # of tiny leaves: passes over them, not the kernel, are most of this step's cost)
+    work: dict[str, tuple[list[int], list[int]]] = {g: ([], []) for g in GROUPS}
+    for i, (gr, g, p) in enumerate(zip(groups, grads, leaves, strict=True)):
+        if g is not None and p.numel() and gr in work:
+            work[gr][p.dim() < 2].append(i)  # matrices and cores first, then vectors
     for group in GROUPS:
-        idx = [
-            i
-            for i, (gr, g, p) in enumerate(zip(groups, grads, leaves, strict=True))
-            if gr == group and g is not None and p.numel()
-        ]
+        mats, vecs = work[group]
+        idx = mats + vecs
         if not idx:
             continue
         ps, gs = [leaves[i] for i in idx], [grads[i] for i in idx]
         m, v = [ms[i] for i in idx], [vs[i] for i in idx]
         lr = cfg.lr(group) * lr_scale
         if _fusable(ps, gs, m, v):
-            _fused(ps, gs, m, v, step, lr, cfg, decay=group != "gates")
+            decay = cfg.weight_decay if group != "gates" else 0.0
+            count = torch.full((), float(step), device=ps[0].device)  # its bias corrections
+            # the kernel takes one weight decay per call: decayed matrices, then the rest
+            for lo, hi, wd in ((0, len(mats), decay), (len(mats), len(idx), 0.0)):
+                if lo < hi:
+                    _fused(ps[lo:hi], gs[lo:hi], m[lo:hi], v[lo:hi], count, lr, cfg, wd)
             continue
-        if cfg.weight_decay and group != "gates":
-            decayed = [p for p in ps if p.dim() >= 2]
-            if decayed:
-                torch._foreach_mul_(decayed, 1 - lr * cfg.weight_decay)
+        if cfg.weight_decay and group != "gates" and mats:
+            torch._foreach_mul_(ps[: len(mats)], 1 - lr * cfg.weight_decay)
         torch._foreach_lerp_(m, gs, 1 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, gs, gs, value=1 - b2)
@@ -147,29 +153,26 @@ def _fusable(ps: list[torch.Tensor], gs: list[torch.Tensor], m: list[torch.Tenso
     floating dtype and device, dense, and every tensor contiguous (the kernel walks raw
     memory: a transposed or sliced parameter would be updated out of place)."""
     first = ps[0]
-    if first.device.type not in ("cpu", "cuda") or not first.is_floating_point():
+    device = first.device
+    if device.type not in ("cpu", "cuda") or not first.is_floating_point():
         return False
-    if any(t.is_sparse or not t.is_contiguous() for t in (*ps, *gs, *m, *v)):
-        return False
-    return all(t.dtype == first.dtype and t.device == first.device for t in (*ps, *gs, *m, *v))
+    dtype = first.dtype
+    for ts in (ps, gs, m, v):  # one loop, no generator: it meets every leaf four times
+        for t in ts:
+            if t.is_sparse or t.dtype != dtype or not t.is_contiguous() or t.device != device:
+                return False
+    return True
 
 
-def _fused(ps: list, gs: list, m: list, v: list, step: int, lr: float, cfg: AdamWConfig,
-           *, decay: bool) -> None:  # fmt: skip
-    """One AdamW update of a group by ``torch._fused_adamw_``, decay only where ``dim >= 2``
-    (the kernel takes one weight decay per call). The math is the foreach path's."""
-    count = torch.full((), float(step), device=ps[0].device)  # the kernel's bias corrections
+def _fused(ps: list, gs: list, m: list, v: list, count: torch.Tensor, lr: float,
+           cfg: AdamWConfig, weight_decay: float) -> None:  # fmt: skip
+    """One ``torch._fused_adamw_`` call (one weight decay); the math is the foreach
+    path's. ``count`` is the step as a tensor: the kernel's bias corrections."""
     b1, b2 = cfg.betas
-    for keep in (True, False):
-        idx = [i for i, p in enumerate(ps) if (decay and p.dim() >= 2) == keep]
-        if not idx:
-            continue
-        torch._fused_adamw_(
-            [ps[i] for i in idx], [gs[i] for i in idx], [m[i] for i in idx],
-            [v[i] for i in idx], [], [count] * len(idx), lr=lr, beta1=b1, beta2=b2,
-            weight_decay=cfg.weight_decay if keep else 0.0, eps=cfg.eps, amsgrad=False,
-            maximize=False,
-        )  # fmt: skip
+    torch._fused_adamw_(
+        ps, gs, m, v, [], [count] * len(ps), lr=lr, beta1=b1, beta2=b2,
+        weight_decay=weight_decay, eps=cfg.eps, amsgrad=False, maximize=False,
+    )  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)

@@ -161,6 +161,25 @@ def test_accumulate_keeps_shared_gradients_apart():
     assert into[1].untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
 
 
+def test_grad_norm_mixes_dtypes_and_sparse_gradients():
+    """The global norm in fp32 over fp32, bf16, fp64 and sparse gradients alike, missing
+    ones skipped; no gradient at all gives 0."""
+    from comera.train.loop import _grad_norm
+
+    torch.manual_seed(0)
+    dense = [torch.randn(3, 4), torch.randn(5).bfloat16(), torch.randn(2, 2).double()]
+    sparse = torch.sparse_coo_tensor([[0, 2]], torch.randn(2, 3), (4, 3), check_invariants=True)
+    sparse = sparse.coalesce()
+    want = torch.cat([g.double().reshape(-1) for g in [*dense, sparse.to_dense()]]).norm()
+    for grads in (dense, [*dense, None, sparse], dense[:2]):
+        total = _grad_norm(grads)
+        assert total.dtype == torch.float32
+        ref = want if len(grads) > 3 else torch.cat(
+            [g.double().reshape(-1) for g in grads]).norm()  # fmt: skip
+        torch.testing.assert_close(total.double(), ref, rtol=1e-6, atol=0)
+    assert float(_grad_norm([None])) == 0.0
+
+
 # ----------------------------------------------------------------------------- training
 
 
