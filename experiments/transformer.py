@@ -80,7 +80,12 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.d_model % self.heads:
+        for name in ("d_model", "heads", "ffn", "max_len"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.layers < 0:
+            problems.append(f"layers must be >= 0, got {self.layers}")
+        if self.heads >= 1 and self.d_model % self.heads:
             problems.append(f"d_model={self.d_model} is not divisible by heads={self.heads}")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")

@@ -120,6 +120,12 @@ class Preset:
                 "--step-mode eager or sync_free"
             )
         check_step_mode(self.model, self.train.step_mode)
+        if self.data.seq_len > self.model.max_len:  # else the first step fails
+            raise ConfigError(
+                f"data.seq_len={self.data.seq_len} is longer than the model's positions, "
+                f"model.max_len={self.model.max_len}; raise model.max_len too "
+                f"(--set model.max_len={self.data.seq_len})"
+            )
 
 
 def preset(name: str) -> Preset:

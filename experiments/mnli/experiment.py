@@ -58,6 +58,12 @@ class Preset:
     def __post_init__(self) -> None:
         check_step_mode(self.model, self.train.step_mode)
         cli.check_batch_sizes(self.batch_size, self.eval_batch_size)
+        if self.data.max_length > self.model.max_len:  # else the first step fails
+            raise ConfigError(
+                f"data.max_length={self.data.max_length} is longer than the model's "
+                f"positions, model.max_len={self.model.max_len}; raise model.max_len too "
+                f"(--set model.max_len={self.data.max_length})"
+            )
 
 
 def preset(name: str, run_dir: str | None = None) -> Preset:

@@ -158,6 +158,12 @@ def test_bad_inputs_are_one_line_raised_as_user_errors(tmp_path, monkeypatch, ca
     refused(["--set", "train.device=gpu"], cli.CLIError, "'gpu' is not a torch device")
     refused(["--resume", str(tmp_path / "none")], cli.CLIError, "no config.json there")
     refused(["--set", "eval_batch_size=0"], UserError, "batch_size and eval_batch_size must be")
+    refused(["--set", "model.heads=0"], UserError, "heads must be >= 1, got 0")
+    refused(["--set", "model.heads=-4"], UserError, "heads must be >= 1, got -4")
+    # longer rows than the model has positions: refused before the run dir is claimed
+    longer = [*FAST, "--run-dir", str(tmp_path / "long"), "--set", "data.max_length=32"]
+    refused(longer, UserError, "raise model.max_len too (--set model.max_len=32)")
+    assert not (tmp_path / "long").exists()
     # a config check that runs while the data is built, not in the dataclass
     run = [*FAST, "--run-dir", str(tmp_path / "r")]
     refused([*run, "--set", "batch_size=1000"], ConfigError, "lower batch_size")
@@ -222,3 +228,13 @@ def test_every_preset_refuses_an_empty_batch():
             with pytest.raises(ConfigError, match=r"batch_size and eval_batch_size must be >= 1"):
                 dataclasses.replace(p, **{field: 0})
         assert dataclasses.replace(p, batch_size=1).batch_size == 1
+
+
+def test_codebert_rows_longer_than_the_positions_are_refused():
+    import dataclasses
+
+    from experiments.codebert import experiment as cb
+
+    p = cb.preset("smoke")
+    with pytest.raises(ConfigError, match=r"data.seq_len=256 .*model.max_len=128"):
+        dataclasses.replace(p, data=dataclasses.replace(p.data, seq_len=256))
