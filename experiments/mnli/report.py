@@ -45,6 +45,13 @@ PAPER = {
 }
 
 
+def epoch_seconds(cfg: dict, steps_per_s: float) -> float | None:
+    """Seconds per epoch of the training examples at ``steps_per_s`` optimizer steps, each
+    of ``accum_steps`` micro-batches of ``batch_size`` examples (None: no speed logged)."""
+    per_step = max(cfg.get("batch_size", 1), 1) * max(cfg.get("train", {}).get("accum_steps", 1), 1)
+    return (cfg.get("train_examples", 0) // per_step) / steps_per_s if steps_per_s else None
+
+
 def _summary(run: dict) -> dict:
     """One run's figures and curves, as the report's JSON holds them."""
     cfg, rows = run["config"], run["rows"]
@@ -52,7 +59,6 @@ def _summary(run: dict) -> dict:
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     last_eval = evals[-1] if evals else {}
     last = train[-1]
-    steps_per_epoch = cfg.get("train_examples", 0) // max(cfg.get("batch_size", 1), 1)
     acc_keys = sorted({k for r in evals for k in r if k.endswith("accuracy")})
     rank_keys = sorted({k for r in train for k in r if k.startswith("ranks/")})
     dense = bool(cfg.get("dense"))
@@ -66,7 +72,7 @@ def _summary(run: dict) -> dict:
         "live_params": last["live_params"],
         "model_mb": last["live_params"] * 4 / 2**20,
         "compression": cfg.get("dense_params", last["live_params"]) / last["live_params"],
-        "epoch_s": steps_per_epoch / last["steps_per_s"] if last["steps_per_s"] else None,
+        "epoch_s": epoch_seconds(cfg, last["steps_per_s"]),
         "peak_mb": last["peak_memory_mb"],
         "early_end": run["ranks"].get("end_of_early", {}).get("step"),
         "ranks": run["ranks"],
@@ -310,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
             render(data, args.out.parent, args.out.name)
             path = args.out
         else:
+            if not args.runs:  # a glob that matched nothing: keep the report as it is
+                raise ConfigError(
+                    "give at least one run dir (or --from-json FILE); nothing was written"
+                )
             argv_used = sys.argv[1:] if argv is None else argv
             path = write_report(args.runs, args.out, " ".join([PROG, *argv_used]))
     except UserError as e:  # e.g. a path that is not a run dir: one line, status 2

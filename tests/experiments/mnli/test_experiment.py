@@ -199,6 +199,12 @@ def test_report_from_run_dirs(tmp_path, capsys):
     assert "is " + str(tmp_path / "nothing") + " a run dir" in _one_error_line(capsys)
     assert report.main(["--from-json", str(out), "--out", str(again)]) == 2  # markdown, not JSON
     assert "--from-json" in _one_error_line(capsys)
+    assert report.main(["--out", str(out)]) == 2  # no run dir (a glob that matched none)
+    assert "at least one run dir" in _one_error_line(capsys) and out.read_text() == text
+    # an optimizer step of accum_steps micro-batches covers that many more examples
+    for accum, want in ((1, 20.0), (4, 5.0)):
+        cfg = {"train": {"accum_steps": accum}, "batch_size": 8, "train_examples": 320}
+        assert report.epoch_seconds(cfg, 2.0) == want
     # the old command forwards, naming the new one in one line first
     cmd = [sys.executable, "-m", "experiments.report", str(tmp_path / "nothing"), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
