@@ -35,7 +35,9 @@ import comera as C
 from comera import autotune
 from comera.errors import ConfigError, UserError
 from comera.train import NonFiniteLoss, Trainer, init_distributed
+from comera.train.checkpoint import complete_checkpoints
 from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES
+from comera.train.logging import truncate_metrics
 from comera.tree import iter_tt
 from experiments.cache import cache_root
 from experiments.malloc import apply_cpu_malloc, restart_for
@@ -691,6 +693,16 @@ def prepare(
             "another --run-dir (nothing there is overwritten)"
         )
     rank, world = init_distributed(cfg.train.device)
+    if resume and not complete_checkpoints(run_dir):
+        # it stopped before its first checkpoint (a crash, Ctrl-C): nothing to continue,
+        # so it starts over from step 0 with its saved config, as resuming would have at
+        # step 0 (the rows it logged are dropped, as those after a checkpoint are)
+        resume = False
+        if rank == 0:
+            truncate_metrics(run_dir / "metrics.jsonl", 0)
+            (run_dir / "ranks.json").unlink(missing_ok=True)
+            print(f"{run_dir}: no checkpoint was written; starting it over from step 0 "
+                  "with its saved config", file=sys.stderr)  # fmt: skip
     if uses_auto(cfg.plans):  # decisions cached on disk: a second run times nothing
         plans_dir = cache_root("plans")
         if autotune.current_tuner().cache_dir != plans_dir:
@@ -716,7 +728,7 @@ def prepare(
         auto_plans=uses_auto(cfg.plans),
     )
     kind = "dense" if getattr(cfg, "dense", False) else "CoMERA"
-    if rank == 0:
+    if rank == 0 and not resume:
         record_host(run_dir)  # the machine a report on this run names in its header
         shown = {k: v for k, v in info.items() if isinstance(v, int | float | str)}
         facts = ", ".join(
@@ -732,9 +744,11 @@ def prepare(
 
 def train(run: Prepared) -> dict:
     """Fit a prepared run; prints the summary table; returns the final metrics."""
-    t0 = time.perf_counter()
+    t0, start = time.perf_counter(), run.trainer.step
     out = run.trainer.fit()
     out["wall_s"] = time.perf_counter() - t0
+    if run.rank == 0 and run.trainer.step > start:  # a resume that trained: its machine
+        record_host(Path(run.cfg.train.run_dir))  # (one that trained nothing keeps the host)
     if run.rank == 0:
         print(summary_table(run.exp.name, run.kind, out, run.trainer.step), file=sys.stderr)
     return out

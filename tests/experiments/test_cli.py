@@ -177,6 +177,34 @@ def test_resume_replays_config_and_allows_only_reporting_changes(tmp_path, capsy
     assert "drop --set train.comera.gamma" in capsys.readouterr().err
 
 
+def test_resume_of_a_run_without_a_checkpoint_starts_it_over(tmp_path, capsys):
+    """A run stopped before its first checkpoint (a crash, Ctrl-C) could be neither rerun
+    (the dir is in use) nor resumed (nothing saved): ``--resume`` now starts it over from
+    step 0 with its saved config; its rows are not doubled."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    assert mnli.main([*FAST, "--run-dir", str(run_dir), "--set", "train.comera.gamma=0.07"]) == 0
+    shutil.rmtree(run_dir / "checkpoints")
+    capsys.readouterr()
+    assert mnli.main(["--resume", str(run_dir)]) == 0
+    assert "no checkpoint was written; starting it over" in capsys.readouterr().err
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [3]  # not doubled
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["train"]["comera"]["gamma"] == 0.07
+
+
+def test_a_resume_that_trains_nothing_keeps_the_host_record(tmp_path, capsys):
+    """Reports name the machine in ``host.json``; resuming a finished run (as the report
+    commands do) must not rename it after the machine that only read it."""
+    run_dir = tmp_path / "run"
+    assert mnli.main([*FAST, "--run-dir", str(run_dir)]) == 0
+    (run_dir / "host.json").write_text('{"cpu": "elsewhere"}')
+    assert mnli.main(["--resume", str(run_dir)]) == 0
+    assert json.loads((run_dir / "host.json").read_text()) == {"cpu": "elsewhere"}
+
+
 def test_dense_flag_and_legacy_flags_still_work(tmp_path):
     run_dir = tmp_path / "dense"
     argv = ["--preset", "smoke", "--wandb", "disabled", "--set", "data.generated_train=200"]
