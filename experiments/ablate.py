@@ -294,18 +294,20 @@ def run_ablation(
 ) -> list[dict]:
     """Train every variant of ``base``; returns one record per variant."""
     group = base.train.wandb_group or f"ablate-{name}-{base.train.run_name or exp.name}"
-    records = []
+    built = []  # every variant's config first: a bad value fails before any variant trains
     for v in chosen:
         cfg = base
         for key, value in v.overrides:
             cfg = cli.set_field(cfg, key, value, text=text_values, label=f"--values {value}")
         run_dir = variant_dir(runs_root, v.label)
-        shutil.rmtree(run_dir, ignore_errors=True)  # the ablation's own output: rerun afresh
         over = [("train.run_dir", str(run_dir)), ("train.wandb_group", group)]
         over.append(("train.run_name", f"{name}:{v.label}"))
         if name == "contraction":  # every step's loss: step 1 is the equivalence check
             over.append(("train.log_every", 1))
-        cfg = cli.apply_overrides(cfg, over, [])
+        built.append((v, cli.apply_overrides(cfg, over, []), run_dir))
+    records = []
+    for v, cfg, run_dir in built:
+        shutil.rmtree(run_dir, ignore_errors=True)  # the ablation's own output: rerun afresh
         print(f"ablate {name}: {v.label} -> {run_dir}", file=sys.stderr)
         final = cli.run_experiment(exp, cfg, argv=None)
         record_host(run_dir)  # the machine, torch and date the report's header names
@@ -367,10 +369,12 @@ def _size_record(run_dir: Path) -> dict:
 def gather(name: str, records: list[dict], command: str) -> dict:
     """The ablation report's data: the host that made the runs, the command, and one
     summary per variant with its curves (for ``contraction`` also its loss differences
-    from the first variant: at step 1, over steps 1-10 and over the whole run)."""
+    from the ``comera`` variant, the paper's path, or else the first: at step 1, over steps
+    1-10 and over the whole run)."""
     rows = [_summary(r) for r in records]
     if name == "contraction":
-        ref = rows[0]["curve"]
+        # the paper's path where it ran (``auto`` may pick any plan per shape), else the first
+        ref = next((r for r in rows if r["label"] == "comera"), rows[0])["curve"]
         for r in rows:
             diffs = [(a[0], abs(a[1] - b[1])) for a, b in zip(ref, r["curve"], strict=False)]
             r["first_diff"] = diffs[0][1] if diffs and diffs[0][0] == 1 else None
@@ -414,7 +418,8 @@ def render_report(data: dict, out: Path) -> str:
     head += "compression "
     head += "| live params | median step (ms) | train time (s) |"
     if name == "contraction":
-        head += f" loss diff vs {rows[0]['label']}: step 1 | steps 1-10 | whole run |"
+        ref = next((r["label"] for r in rows if r["label"] == "comera"), rows[0]["label"])
+        head += f" loss diff vs {ref}: step 1 | steps 1-10 | whole run |"
     if name in SIZE_ABLATIONS:
         lines += _size_table(rows)
     lines += ["", head, "|" + "---|" * (head.count("|") - 1)]

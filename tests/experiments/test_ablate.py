@@ -19,7 +19,7 @@ SMALL += ["--set", "train.progress=false"]
 
 def test_contraction_ablation_writes_report_and_plot(tmp_path):
     argv = ["contraction", "--experiment", "mnli", "--preset", "smoke", "--set", "train.steps=6"]
-    argv += [*SMALL, "--values", "comera,dp,dense"]
+    argv += [*SMALL, "--values", "dp,comera,dense"]  # comera, the reference, not first
     argv += ["--runs-dir", str(tmp_path / "runs"), "--reports", str(tmp_path / "rep")]
     assert ablate.main(argv) == 0
     assert (tmp_path / "rep" / "ablation_contraction.png").stat().st_size > 5000
@@ -28,8 +28,9 @@ def test_contraction_ablation_writes_report_and_plot(tmp_path):
     assert data["meta"]["torch"] == torch.__version__ and data["meta"]["cpu"]
     assert data["ablation"] == "contraction"
     rows = data["variants"]
-    assert [(r["label"], r["steps"]) for r in rows] == [("comera", 6), ("dp", 6), ("dense", 6)]
+    assert [(r["label"], r["steps"]) for r in rows] == [("dp", 6), ("comera", 6), ("dense", 6)]
     assert all(r["first_diff"] < 1e-5 for r in rows)  # every strategy computes the same model
+    assert rows[1]["max_diff"] == 0.0  # measured against the paper's path
     assert all(r["early_diff"] < 1e-3 for r in rows)
     for label in ("comera", "dp", "dense"):
         saved = json.loads(
@@ -43,6 +44,7 @@ def test_contraction_ablation_writes_report_and_plot(tmp_path):
         assert host == {k: data["meta"][k] for k in ("cpu", "torch", "date")}
     # the markdown is a function of the JSON alone
     md = tmp_path / "rep" / "ablation_contraction.md"
+    assert "loss diff vs comera" in md.read_text()
     (tmp_path / "again").mkdir()
     assert ablate.render_report(data, tmp_path / "again" / md.name) == md.read_text()
 
@@ -212,6 +214,12 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--report-only: no run in" in err[0], err
     assert "(and 3 more variants)" in err[0] and "without --report-only first" in err[0]
+    # a bad value late in --values fails before any variant trains
+    argv = ["gamma", "--values", "0.05,-1", "--runs-dir", str(tmp_path / "runs"), *SMALL]
+    assert ablate.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--values -1" in err[0], err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("config.json"))
 
 
 def test_dlrm_rank_ablation_on_the_criteo_sample(tmp_path):
