@@ -115,7 +115,7 @@ def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True
     ``complete=False`` accepts a subset of ranks (a rank reloading its own state).
     """
     if not states:
-        raise ValueError("merge_states: no states given")
+        raise LoaderInputError("no loader states given: pass a rank's state or every rank's")
     L = fingerprint["num_shards"]
     for s in states:
         if s.get("format") != STATE_FORMAT or s.get("version") != STATE_VERSION:

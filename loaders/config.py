@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,6 +11,20 @@ from typing import Any
 from loaders.errors import LoaderInputError, LoaderPathError
 
 SHUFFLE_MODES = ("global", "local", "none")
+_ID_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+
+
+def _is_int(value: object) -> bool:
+    """An integer, not a bool, a float or a string (a CLI or YAML may pass any)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_weight(where: str, value: object) -> float:
+    """``value`` as a finite weight >= 0, or a :class:`LoaderInputError` naming ``where``."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < 0:  # type: ignore[arg-type]
+        raise LoaderInputError(f"{where}: weight must be a finite number >= 0, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,8 +47,12 @@ class DatasetSpec:
             raise LoaderInputError(
                 f"DatasetSpec.name must be a non-empty string, got {self.name!r}"
             )
-        if not (self.weight >= 0.0):
-            raise LoaderInputError(f"dataset {self.name!r}: weight must be >= 0, got {self.weight}")
+        check_weight(f"dataset {self.name!r}", self.weight)
+        if self.path is None:
+            raise LoaderInputError(
+                f"dataset {self.name!r}: path is None; give a folder of token files or, with "
+                "a tokenizer, text"
+            )
         if isinstance(self.path, str):
             self.path = Path(self.path)
 
@@ -78,23 +98,34 @@ class LoaderConfig:
             raise LoaderInputError(
                 "LoaderConfig: all dataset weights are 0; give one a positive weight"
             )
-        for key in ("seq_len", "batch_size", "num_shards"):
-            if getattr(self, key) < 1:
-                raise LoaderInputError(f"LoaderConfig.{key} must be >= 1, got {getattr(self, key)}")
-        if self.min_doc_len < 1:
-            raise LoaderInputError(f"LoaderConfig.min_doc_len must be >= 1, got {self.min_doc_len}")
+        for key in ("seq_len", "batch_size", "num_shards", "min_doc_len"):
+            value = getattr(self, key)
+            if not _is_int(value) or value < 1:
+                raise LoaderInputError(f"LoaderConfig.{key} must be an integer >= 1, got {value!r}")
+        if not _is_int(self.seed):
+            raise LoaderInputError(f"LoaderConfig.seed must be an integer, got {self.seed!r}")
         if self.shuffle not in SHUFFLE_MODES:
             raise LoaderInputError(
                 f"LoaderConfig.shuffle={self.shuffle!r}; use one of {SHUFFLE_MODES}"
             )
-        if self.num_epochs is not None and self.num_epochs < 1:
+        if self.num_epochs is not None and (not _is_int(self.num_epochs) or self.num_epochs < 1):
             raise LoaderInputError(
-                f"LoaderConfig.num_epochs must be >= 1 or None, got {self.num_epochs}"
+                f"LoaderConfig.num_epochs must be an integer >= 1 or None, got {self.num_epochs!r}"
             )
-        if self.out_dtype not in ("int64", "int32"):
+        if self.out_dtype not in _ID_RANGE:
             raise LoaderInputError(
                 f"LoaderConfig.out_dtype={self.out_dtype!r}; use 'int64' or 'int32'"
             )
+        lo, hi = _ID_RANGE[self.out_dtype]
+        for key in ("bos_id", "eos_id", "pad_id"):
+            value = getattr(self, key)
+            if value is None and key != "pad_id":
+                continue
+            if not _is_int(value) or not lo <= value <= hi:
+                raise LoaderInputError(
+                    f"LoaderConfig.{key} must be an integer that out_dtype={self.out_dtype!r} "
+                    f"holds{'' if key == 'pad_id' else ' (or None)'}, got {value!r}"
+                )
 
     @property
     def row_len(self) -> int:

@@ -107,8 +107,8 @@ class TokenLoader:
     ) -> None:
         self.config = config
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
-        if num_workers < 0:
-            raise LoaderInputError(f"num_workers must be >= 0, got {num_workers}")
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+            raise LoaderInputError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         self.num_workers = num_workers
         self._readers = max(1, num_workers)
         self._dl_kwargs = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from loaders.config import check_weight
 from loaders.errors import LoaderInputError
 
 
@@ -36,10 +37,8 @@ class Mixer:
             raise LoaderInputError(
                 f"weights for unknown sub-datasets {unknown}; known sub-datasets: {self.names}"
             )
-        bad = {k: v for k, v in weights.items() if not (float(v) >= 0.0)}
-        if bad:
-            raise LoaderInputError(f"weights must be >= 0, got {bad}")
-        new = {**self.weights, **{k: float(v) for k, v in weights.items()}}
+        new = {**self.weights, **{k: check_weight(f"set_weights {k!r}", v)
+                                  for k, v in weights.items()}}  # fmt: skip
         if sum(new.values()) <= 0:
             raise LoaderInputError(
                 f"weights {new} are all 0; give one sub-dataset a positive weight"

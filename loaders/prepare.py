@@ -51,6 +51,7 @@ from loaders.text import TEXT_SUFFIXES, load_tokenizer, read_text_table
 __all__ = ["SPECIAL_TOKENS", "Doc", "PrepareError", "heldout_docs", "prepare", "train_tokenizer"]
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, as RoBERTa
+MIN_TRAIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte and every special
 PLAN_NAME = "prepare_plan.json"
 
 
@@ -101,6 +102,10 @@ def list_docs(source: str, *, glob: str | None, text_column: str) -> list[Doc]:
     if path.is_dir():
         if not glob:
             raise PrepareError(f"{source} is a folder: pass --glob PATTERN (e.g. '**/*.py')")
+        if Path(glob).is_absolute():
+            raise PrepareError(
+                f"--glob {glob!r} is absolute; give a pattern relative to {source} (e.g. '**/*.py')"
+            )
         files = sorted(p for p in path.glob(glob) if p.is_file())
         if not files:
             raise PrepareError(f"{source}: no file matches --glob {glob!r}")
@@ -264,6 +269,11 @@ def prepare(
         )
     if max_doc_tokens is not None and max_doc_tokens < 1:
         raise PrepareError(f"--max-doc-tokens must be >= 1, got {max_doc_tokens}")
+    if train_vocab is not None and train_vocab < MIN_TRAIN_VOCAB:
+        raise PrepareError(
+            f"--train-tokenizer {train_vocab}: a byte-level BPE needs a vocabulary of at least "
+            f"{MIN_TRAIN_VOCAB} (256 bytes and the specials)"
+        )
     out = Path(out)
     hub, docs = None, []
     for src in sources:

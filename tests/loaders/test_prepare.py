@@ -143,6 +143,14 @@ def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
             ["{src}", "--glob", "**/*.py", "--out", "{out}", "--tokenizer", "~/no/such/tok"],
             "'~/no/such/tok' does not exist; pass a tokenizer.json path",
         ),
+        (
+            ["{src}", "--glob", "**/*.py", "--out", "{out}", "--train-tokenizer", "-5"],
+            "needs a vocabulary of at least 261",
+        ),
+        (
+            ["{src}", "--glob", "{src}/*.py", "--out", "{out}", "--train-tokenizer", "300"],
+            "is absolute; give a pattern relative to",
+        ),
     ],
 )
 def test_bad_input_is_one_line(tmp_path: Path, capsys, args: list[str], message: str) -> None:

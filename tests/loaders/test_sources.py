@@ -225,7 +225,7 @@ def test_unknown_weight_and_bad_config(tmp_path):
         config([("a", tmp_path / "a", 1.0), ("a", tmp_path / "a", 1.0)])
     with pytest.raises(ValueError, match="shuffle='random'"):
         config([("a", tmp_path / "a", 1.0)], shuffle="random")
-    with pytest.raises(ValueError, match="weight must be >= 0"):
+    with pytest.raises(ValueError, match="weight must be a finite number >= 0"):
         DatasetSpec(name="x", path=tmp_path, weight=-1)
     with pytest.raises(ValueError, match="36 readers but only num_shards=35"):
         TokenLoader(config([("a", tmp_path / "a", 1.0)]), rank=0, world_size=12, num_workers=3)
