@@ -84,6 +84,21 @@ class _ReaderDataset(IterableDataset):
             yield batch
 
 
+def _recount_offsets(state: dict, bos: bool) -> None:
+    """Shift the offsets of partly emitted documents in ``state`` (in place) from the BOS
+    setting it was saved with to ``bos``: an offset counts tokens of ``[BOS] tokens [EOS]``,
+    so without the shift a resume that turns BOS on would repeat a token of every such
+    document, and one that turns it off would drop one. States saved before this was
+    recorded are taken to share the config's setting."""
+    stream = state.get("stream") if isinstance(state, dict) else None
+    if not isinstance(stream, dict) or (stream.get("bos_id") is not None) == bos:
+        return
+    shift = 1 if bos else -1
+    for reader in state.get("readers") or []:
+        for shard in (reader or {}).get("shards", {}).values():
+            shard["offset"] = [max(o + shift, 0) if o > 0 else 0 for o in shard["offset"]]
+
+
 class TokenLoader:
     """Stateful, rescalable, mixed, packed token loader for one rank.
 
@@ -254,6 +269,8 @@ class TokenLoader:
             "next_worker": self._next_worker,
             "config_weights": dict(self._config_weights),
             "weights": dict(self._weights),
+            # what a shard's offset counts: a resume with BOS turned on or off shifts it
+            "stream": {"bos_id": self.config.bos_id, "eos_id": self.config.eos_id},
             "readers": [dict(s) for s in self._reader_states],
         }
 
@@ -261,6 +278,8 @@ class TokenLoader:
         """Restore from this rank's state, or from all ranks' states of any old layout.
         The states given are not modified."""
         states = copy.deepcopy([state] if isinstance(state, dict) else list(state))
+        for st in states:
+            _recount_offsets(st, self.config.bos_id is not None)
         own = (
             len(states) == 1
             and states[0].get("rank") == self.rank

@@ -270,6 +270,10 @@ class ReaderPipeline:
             name, slot, toks = self._cur
             sc = self.shards[name]
             off = sc.offset[slot]
+            if off >= stream_len(len(toks), bos, eos):  # all emitted (EOS since turned off)
+                self._roll(sc, slot)
+                self._cur = None
+                continue
             doc = -1
             if cfg.provenance:
                 doc = (self._source_index[name] << 32) + int(sc.current_doc(slot))

@@ -145,3 +145,37 @@ def test_load_state_dict_leaves_its_argument_alone():
     other = _config([("a", Memory([7] * 40), 3.0), ("b", Memory([5] * 40, 100), 1.0)])
     TokenLoader(other).load_state_dict(state)  # its weights changed: counters restart
     assert state == pristine
+
+
+@pytest.mark.parametrize(("old", "new"), [(1, None), (None, 1), (1, 3)])
+@pytest.mark.parametrize("world", [1, 2])
+def test_turning_bos_on_or_off_on_resume_keeps_every_token_once(old, new, world):
+    """A partly emitted document's offset counts ``[BOS] tokens [EOS]``: a resume that
+    turns BOS on or off shifts it, at the same layout and at another."""
+    src = Memory([10] * 8)
+    kw = dict(num_shards=2, num_epochs=1, seq_len=7, batch_size=1)
+    first = TokenLoader(_config([("a", src, 1.0)], bos_id=old, **kw))
+    got = [next(first) for _ in range(3)]
+    state = json.loads(json.dumps(first.state_dict()))
+    for r in range(world):
+        again = TokenLoader(_config([("a", src, 1.0)], bos_id=new, **kw), rank=r, world_size=world)
+        again.load_state_dict([state])
+        got += list(again)
+    want = np.sort(np.concatenate([src.doc(i) for i in range(8)]))
+    assert np.array_equal(np.sort(_body(got)), want)
+
+
+def test_turning_eos_off_on_resume_ends_a_document_waiting_for_it():
+    """A row that ended right after a document's last token leaves its EOS pending; with
+    EOS turned off the document is done, and the stream goes on with the next one."""
+    src = Memory([6] * 6)
+    kw = dict(num_shards=1, num_epochs=1, batch_size=1, bos_id=None)
+    first = TokenLoader(_config([("a", src, 1.0)], eos_id=2, seq_len=6, **kw))
+    got = [next(first)]  # exactly one document's tokens: its EOS is next
+    state = json.loads(json.dumps(first.state_dict()))
+    again = TokenLoader(_config([("a", src, 1.0)], eos_id=None, seq_len=6, **kw))
+    again.load_state_dict(state)
+    rest = list(again)
+    want = np.sort(np.concatenate([src.doc(i) for i in range(6)]))
+    assert np.array_equal(np.sort(_body(got + rest)), want)
+    assert all(int(b["segment_ids"].max()) == 1 for b in rest)  # one piece per row
