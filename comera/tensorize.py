@@ -406,9 +406,10 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     module names. Linear layers tied to a replaced embedding (``weight is
     embedding.weight``) become a :class:`TiedDecoder` of it, whether or not a glob names
     them; a module reached by several paths is replaced at every one. A matched module
-    whose weight is shared with one that stays (a tie the rewrite would break), or whose
-    parent reads its weight directly (``nn.MultiheadAttention.out_proj``), is left as it
-    is and listed as skipped. Other modules are not touched. An embedding's
+    whose weight is shared with one that stays (a tie the rewrite would break), whose
+    parent reads its weight directly (``nn.MultiheadAttention.out_proj``), or whose class
+    overrides ``forward`` (what it adds would be lost) is left as it is and listed as
+    skipped. Other modules are not touched. An embedding's
     ``padding_idx``, ``max_norm`` and ``sparse`` have no TTM counterpart: the summary
     notes them when set."""
     kinds = (nn.Linear, nn.Embedding)
