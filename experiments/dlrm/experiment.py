@@ -29,7 +29,7 @@ from comera.tree import iter_tt
 from experiments import cli
 from experiments.dlrm.batches import RowBatches
 from experiments.dlrm.data import CriteoDataConfig, load_criteo
-from experiments.dlrm.model import DLRMConfig, dense_param_count, init_dlrm
+from experiments.dlrm.model import DLRMConfig, check_lookup_impl, dense_param_count, init_dlrm
 from experiments.dlrm.task import DLRMTask
 
 __all__ = ["EXPERIMENT", "Preset", "build", "dense_overrides", "main", "preset", "run"]
@@ -159,6 +159,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
             "this preset reads the raw Criteo Kaggle train.txt: pass --data PATH "
             "(or --data generated for the planted-signal file)"
         )
+    if not p.dense:  # before the data: a lookup that cannot run as recorded is refused
+        check_lookup_impl(p.model, p.plans.embedding_impl)
     if p.model.hot_rows and p.data.id_order != "frequency":
         raise ConfigError(
             f"model.hot_rows={p.model.hot_rows} keeps the most frequent ids of each table, "
@@ -232,9 +234,28 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
         out.append(("data.cache_dir", args.cache_dir))
     if args.max_ind_range is not None:
         out.append(("data.max_ind_range", args.max_ind_range))
-    if getattr(args, "dense", False) and not args.resume:  # --set may override these
-        out += _reference_training(preset(args.preset).dense_optimizer)
+    if getattr(args, "dense", False) and not args.resume:
+        out += _dense_defaults(args)
     return out
+
+
+def _dense_defaults(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """``--dense``'s reference training as defaults: the flag hook's items are applied
+    after a ``--config`` file's and before ``--set``'s, so the keys the file sets are left
+    out here (``--set`` wins by coming last). The optimizer is the preset's
+    ``dense_optimizer``, or the one the file or a ``--set`` gives that field."""
+    cfg = preset(args.preset)
+    from_file = cli.config_file_items(args.config, cfg) if args.config else []
+    optimizer = cfg.dense_optimizer
+    for key, value, label in from_file:
+        if key == "dense_optimizer":
+            optimizer = cli.set_field(cfg, key, value, label=label).dense_optimizer
+    for item in args.sets:
+        key, _, text = item.partition("=")
+        if key.strip() == "dense_optimizer":
+            optimizer = cli.set_field(cfg, key.strip(), text, text=True).dense_optimizer
+    in_file = {key for key, _, _ in from_file}
+    return [(k, v) for k, v in _reference_training(optimizer) if k not in in_file]
 
 
 def _reference_training(optimizer: str) -> list[tuple[str, Any]]:

@@ -27,7 +27,20 @@ import torch.nn.functional as F
 import comera as C
 from comera.errors import ConfigError
 
-__all__ = ["DLRMConfig", "dlrm_logits", "embed", "init_dlrm", "table_specs"]
+__all__ = [
+    "BATCHED_LOOKUP_IMPLS",
+    "DLRMConfig",
+    "check_lookup_impl",
+    "dlrm_logits",
+    "embed",
+    "init_dlrm",
+    "table_specs",
+]
+
+# the ``plans.embedding_impl`` values the table-batched lookup runs as asked: it is one
+# implementation, ``optimized``'s dedup and pair merges over all tables at once, and
+# ``auto`` (``benchmarks.plans``' variant) leaves the choice to the framework
+BATCHED_LOOKUP_IMPLS = ("optimized", "auto")
 
 KAGGLE_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -154,6 +167,18 @@ def table_specs(cfg: DLRMConfig) -> dict[str, C.TTMEmbeddingSpec]:
     return out
 
 
+def check_lookup_impl(cfg: DLRMConfig, impl: str) -> None:
+    """Refuse a TTM lookup ``impl`` the model's lookups cannot run: the table-batched one
+    (``batched_lookup``) has no other implementation than ``BATCHED_LOOKUP_IMPLS``."""
+    if cfg.tt and cfg.batched_lookup and impl not in BATCHED_LOOKUP_IMPLS:
+        raise ConfigError(
+            f"--embedding-impl {impl} (plans.embedding_impl) cannot apply to the "
+            "table-batched TTM lookup (model.batched_lookup=true), which runs only "
+            f"{' or '.join(BATCHED_LOOKUP_IMPLS)}; add --set model.batched_lookup=false to "
+            "look each table up with it, or drop --embedding-impl"
+        )
+
+
 def _tt_linear_spec(cfg: DLRMConfig, name: str, n_out: int, n_in: int) -> C.TTLinearSpec:
     return C.propose_tt_linear(
         n_out, n_in, d=cfg.tt_layer_cores, ranks=cfg.tt_layer_rank, name=name
@@ -219,10 +244,11 @@ def embed(
     *,
     sparse: bool = False,
     specs: dict[str, C.TTMEmbeddingSpec] | None = None,
+    impl: str = "optimized",
 ) -> torch.Tensor:
     """``cat (B, T)`` -> ``(B, T, D)``: dense tables by ``F.embedding`` (``sparse``
-    gradients for SGD), TTM tables together (table-batched) or one call each, plus their
-    hot rows where the model has them."""
+    gradients for SGD), TTM tables together (table-batched) or one call each (by TTM
+    lookup ``impl``), plus their hot rows where the model has them."""
     tables, states = params["tables"], state["tables"]
     specs = specs if specs is not None else table_specs(cfg)
     tt_cols = [i for i, n in enumerate(cfg.names) if "cores" in tables[n]]
@@ -232,6 +258,7 @@ def embed(
             ids = cat[:, i] % cfg.table_rows(i) if cfg.is_hashed(i) else cat[:, i]
             out[i] = F.embedding(ids, tables[name]["weight"], sparse=sparse)  # (B, D)
     if tt_cols and cfg.batched_lookup:
+        check_lookup_impl(cfg, impl)
         names = [cfg.names[i] for i in tt_cols]
         rows = C.ttm_embedding_batched(
             [tables[n] for n in names],
@@ -244,7 +271,9 @@ def embed(
     else:
         for i in tt_cols:
             name = cfg.names[i]
-            out[i] = C.ttm_embedding(tables[name], states[name], cat[:, i], spec=specs.get(name))
+            out[i] = C.ttm_embedding(
+                tables[name], states[name], cat[:, i], impl=impl, spec=specs.get(name)
+            )
     for name, hot in params.get("hot", {}).items():
         i = cfg.names.index(name)
         ids, k = cat[:, i], hot["weight"].shape[0]
@@ -285,7 +314,9 @@ def dlrm_logits(
     """Click logits ``(B,)`` for ``batch`` (``dense (B, 13)``, ``cat (B, 26)``)."""
     plans = plans or C.LayerPlans()
     x = _mlp(params["bottom"], state["bottom"], batch["dense"], plans, "bottom", True)  # (B, D)
-    emb = embed(cfg, params, state, batch["cat"], sparse=sparse, specs=specs)  # (B, T, D)
+    emb = embed(
+        cfg, params, state, batch["cat"], sparse=sparse, specs=specs, impl=plans.embedding_impl
+    )  # (B, T, D)
     vecs = torch.cat([x.unsqueeze(1), emb], 1)  # (B, T+1, D)
     z = torch.bmm(vecs, vecs.transpose(1, 2))  # (B, T+1, T+1)
     n = vecs.shape[1]

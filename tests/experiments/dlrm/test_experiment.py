@@ -539,6 +539,98 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     assert losses[1] == pytest.approx(losses[2], rel=1e-4)
 
 
+def test_embedding_impl_reaches_the_per_table_lookups(monkeypatch) -> None:
+    """``plans.embedding_impl`` (``--embedding-impl``) is the impl of every per-table TTM
+    lookup (``model.batched_lookup=false``); the table-batched lookup runs only the
+    default (``optimized``) or ``auto`` and refuses any other, naming both settings."""
+    from comera.errors import ConfigError
+
+    seen: list[str] = []
+    original = C.ttm_embedding
+
+    def spy(*args, impl: str = "optimized", **kw):
+        seen.append(impl)
+        return original(*args, impl=impl, **kw)
+
+    monkeypatch.setattr(C, "ttm_embedding", spy)
+    cfg = _model(batched_lookup=False)
+    params, state = init_dlrm(cfg, generator=torch.Generator().manual_seed(0))
+    batch = _batch(16)
+    ref = dlrm_logits(cfg, params, state, batch)
+    naive = dlrm_logits(cfg, params, state, batch, plans=C.LayerPlans(embedding_impl="naive"))
+    assert seen == ["optimized"] * 4 + ["naive"] * 4  # the four TTM tables, one call each
+    torch.testing.assert_close(naive, ref, rtol=1e-5, atol=1e-5)
+    batched = _model()
+    for impl in ("optimized", "auto"):  # what the table-batched lookup runs
+        dlrm_logits(batched, params, state, batch, plans=C.LayerPlans(embedding_impl=impl))
+    for impl in ("naive", "static", "table"):
+        with pytest.raises(ConfigError, match="--embedding-impl.*model.batched_lookup"):
+            dlrm_logits(batched, params, state, batch, plans=C.LayerPlans(embedding_impl=impl))
+
+
+def test_cli_embedding_impl_on_the_table_batched_lookup(tmp_path: Path, capsys) -> None:
+    """``--embedding-impl naive`` with the table-batched lookup is one line, exit 2,
+    before the run dir is made; with ``model.batched_lookup=false`` it trains and is
+    recorded; ``--dense`` (no TTM lookup) and ``auto`` are accepted."""
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--embedding-impl", "naive")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "--embedding-impl naive" in err[0] and "model.batched_lookup" in err[0]
+    assert not (tmp_path / "r").exists()
+    short = ("--set", "train.steps=2", "--set", "train.eval_every=2")
+    for name, extra in (
+        ("per_table", ("--embedding-impl", "naive", "--set", "model.batched_lookup=false")),
+        ("auto", ("--embedding-impl", "auto")),
+        ("dense", ("--embedding-impl", "naive", "--dense")),
+    ):
+        assert _cli(tmp_path, "--run-dir", str(tmp_path / name), *extra, *short) == 0, name
+    config = json.loads((tmp_path / "per_table" / "config.json").read_text())
+    assert config["plans"]["embedding_impl"] == "naive"
+
+
+def test_dense_reference_training_gives_way_to_config_and_set(tmp_path: Path) -> None:
+    """``--dense``'s reference training (SGD, constant lr, no warmup, no clipping) are
+    defaults: a ``--config`` file's keys win over them, as ``--set`` does (and ``--set``
+    over the file); only the keys that make the model dense cannot be undone there. The
+    file's or a ``--set``'s ``dense_optimizer`` picks the reference training."""
+    from experiments.dlrm.experiment import EXPERIMENT
+
+    def resolve(*argv: str):
+        ap = cli.build_parser(EXPERIMENT)
+        args = ap.parse_args(["--preset", "kaggle", "--dense", "--data", "t.txt", *argv])
+        return cli.resolve_config(EXPERIMENT, args, ap)
+
+    def training(cfg) -> tuple:
+        t = cfg.train
+        return t.optimizer, t.schedule, t.warmup_steps, t.grad_clip
+
+    base = resolve()
+    assert training(base) == ("sgd", "constant", 0, None)
+    from experiments.dlrm.experiment import preset
+
+    kaggle = preset("kaggle").train
+    file = tmp_path / "adamw.toml"
+    file.write_text('[train]\noptimizer = "adamw"\nschedule = "cosine"\nwarmup_steps = 7\n'
+                    "grad_clip = 2.0\n")  # fmt: skip
+    cfg = resolve("--config", str(file))
+    assert training(cfg) == ("adamw", "cosine", 7, 2.0)
+    assert cfg.dense and not cfg.train.comera.enabled  # still the dense model
+    partial = tmp_path / "partial.toml"
+    partial.write_text('"train.optimizer" = "adamw"\n')
+    assert training(resolve("--config", str(partial))) == ("adamw", "constant", 0, None)
+    sets = resolve("--config", str(file), "--set", "train.schedule=constant")
+    assert training(sets) == ("adamw", "constant", 7, 2.0)  # --set wins over the file
+    pick = tmp_path / "pick.toml"
+    pick.write_text('dense_optimizer = "adamw"\n')
+    for argv in (("--config", str(pick)), ("--set", "dense_optimizer=adamw")):
+        cfg = resolve(*argv)  # AdamW's reference training: the preset's own schedule
+        assert training(cfg) == ("adamw", kaggle.schedule, kaggle.warmup_steps, None), argv
+    comera = tmp_path / "comera.toml"
+    comera.write_text('dense = false\n"train.comera.enabled" = true\n')
+    cfg = resolve("--config", str(comera))  # --dense's own keys win over the file
+    assert cfg.dense and not cfg.train.comera.enabled
+
+
 def test_step_modes_on_dlrm(tmp_path: Path, capsys) -> None:
     """The reference's SGD under ``sync_free`` trains with dense embedding gradients (the
     sync-free step refuses sparse ones); CUDA graphs are refused in one line."""
