@@ -39,7 +39,16 @@ from experiments.mnli import experiment as mnli
 from experiments.mnli.batches import BatchIterator
 from experiments.mnli.data import MNLIData, MNLIDataConfig, load_mnli
 
-__all__ = ["EXPERIMENT", "ModelConfig", "Preset", "build", "main", "preset"]
+__all__ = [
+    "EXPERIMENT",
+    "ModelConfig",
+    "Preset",
+    "build",
+    "check_fits",
+    "load_model",
+    "main",
+    "preset",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,16 +145,19 @@ def _transformers() -> Any:
     return transformers
 
 
-def load_model(cfg: ModelConfig, data: MNLIData) -> nn.Module:
-    """The classifier: ``cfg.path``'s (local folder, or hub name) or a BERT from a config."""
+def load_model(cfg: ModelConfig, data: MNLIData, *, quiet: bool = False) -> nn.Module:
+    """The classifier: ``cfg.path``'s (local folder, or hub name) or a BERT from a config.
+
+    A saved model that cannot be loaded with a head of ``cfg.num_labels`` labels is a
+    ``ConfigError`` naming ``--model``; unless ``quiet``, the weights it lacks (a fresh
+    head) are named on stderr."""
     tf = _transformers()
     if cfg.path is not None:
-        try:
-            return tf.AutoModelForSequenceClassification.from_pretrained(
-                cfg.path, num_labels=cfg.num_labels
-            )
-        except OSError as e:  # no such folder, no weights in it, or an unreachable hub
-            raise ConfigError(f"--model {cfg.path}: cannot load a model there ({e})") from None
+        model, missing = _load_pretrained(tf, cfg)
+        if missing and not quiet:
+            print(f"--model {cfg.path}: newly initialized (not in its checkpoint): "
+                  f"{', '.join(missing)}", file=sys.stderr)  # fmt: skip
+        return model
     bert = tf.BertConfig(
         vocab_size=data.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
         num_attention_heads=cfg.heads, intermediate_size=cfg.ffn,
@@ -154,6 +166,72 @@ def load_model(cfg: ModelConfig, data: MNLIData) -> nn.Module:
         pad_token_id=data.pad_id, num_labels=cfg.num_labels, initializer_range=cfg.init_std,
     )  # fmt: skip
     return tf.BertForSequenceClassification(bert)
+
+
+def _load_pretrained(tf: Any, cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
+    """``cfg.path``'s classifier with a ``cfg.num_labels`` head and the names of the
+    weights its checkpoint lacks. transformers' own load report and progress bar are
+    silenced (a failure becomes one line here); weights whose saved shape differs (a head
+    trained for another label count) are refused, naming ``model.num_labels``."""
+    log = tf.utils.logging
+    verbosity, bar = log.get_verbosity(), log.is_progress_bar_enabled()
+    log.set_verbosity_error()
+    log.disable_progress_bar()
+    try:
+        model, info = tf.AutoModelForSequenceClassification.from_pretrained(
+            cfg.path, num_labels=cfg.num_labels, ignore_mismatched_sizes=True,
+            output_loading_info=True,
+        )  # fmt: skip
+    except OSError as e:  # no such folder, no weights in it, or an unreachable hub
+        raise ConfigError(f"--model {cfg.path}: cannot load a model there ({e})") from None
+    except (RuntimeError, ValueError) as e:  # an unknown architecture, weights that do not fit
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"--model {cfg.path}: cannot load it as a sequence classifier with "
+            f"model.num_labels={cfg.num_labels} labels ({first})"
+        ) from None
+    finally:
+        log.set_verbosity(verbosity)
+        if bar:
+            log.enable_progress_bar()
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        shapes = "; ".join(
+            f"{key} is {tuple(saved)} there, {tuple(wanted)} here"
+            for key, saved, wanted in mismatched
+        )
+        raise ConfigError(
+            f"--model {cfg.path}: its saved weights do not fit model.num_labels="
+            f"{cfg.num_labels} ({shapes}); give a model whose head has {cfg.num_labels} "
+            "labels, or one saved without a classification head (a fresh head is made)"
+        )
+    return model, sorted(info.get("missing_keys") or ())
+
+
+def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
+    """Refuse data the model cannot read, before any training: token ids (or token type
+    ids) past its embeddings' sizes, or labels past its head's ``num_labels``."""
+    splits = [s for s in (data.train, *data.eval.values()) if len(s)]
+    source = f"--model {cfg.path}" if cfg.path is not None else "the model"
+    config = getattr(model, "config", None)
+    for field_, limit_name, what in (
+        ("input_ids", "vocab_size", "token ids"),
+        ("token_type_ids", "type_vocab_size", "token type ids"),
+    ):
+        limit = getattr(config, limit_name, None)
+        top = max((int(getattr(s, field_).max()) for s in splits), default=-1)
+        if isinstance(limit, int) and top >= limit:
+            raise ConfigError(
+                f"--tokenizer {data.tokenizer_path_or_name} gives {what} up to {top}, past "
+                f"what {source} reads ({limit_name} {limit}: ids 0..{limit - 1}); give "
+                "--tokenizer the tokenizer that --model was trained with"
+            )
+    top = max((int(s.labels.max()) for s in splits), default=-1)
+    if top >= cfg.num_labels:
+        raise ConfigError(
+            f"the data has label ids up to {top} but model.num_labels={cfg.num_labels}; "
+            f"set --set model.num_labels={top + 1}"
+        )
 
 
 class _Eval:
@@ -188,7 +266,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     """Data, the (tensorized) model and its task; returns the CLI's five-tuple."""
     data = load_mnli(p.data)
     torch.manual_seed(p.train.seed)
-    model = load_model(p.model, data)
+    model = load_model(p.model, data, quiet=rank != 0)
+    check_fits(model, p.model, data)
     dense_size = sum(t.numel() for t in model.parameters())
     summary = None
     if not p.dense:
@@ -196,6 +275,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
         for name, module in model.named_modules():
             if isinstance(module, C.TTLinear):
                 module.plan = p.plans.for_layer(name)
+            elif isinstance(module, C.TTMEmbedding):  # the lookup --embedding-impl names
+                module.impl = p.plans.embedding_impl
         if rank == 0:
             print(summary, file=sys.stderr)
     device = torch.device(p.train.device)

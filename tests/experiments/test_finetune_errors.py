@@ -1,0 +1,110 @@
+"""``python -m experiments.finetune``: ``--embedding-impl`` reaches the tensorized embedding,
+and a ``--model`` that does not fit the run (another label count, a smaller vocabulary)
+is one line, exit 2, before the run dir is made."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import transformers as tf  # noqa: E402
+
+import comera as C  # noqa: E402
+from experiments import cli  # noqa: E402
+from experiments.finetune import main  # noqa: E402
+from experiments.finetune.experiment import EXPERIMENT, build, load_model, preset  # noqa: E402
+from experiments.mnli.data import build_generated_tokenizer, load_mnli  # noqa: E402
+
+SETS = ["train.steps=2", "train.eval_every=None", "data.generated_train=60",
+        "data.generated_eval=12", "batch_size=16"]  # fmt: skip
+
+
+def _argv(tmp_path: Path, run: str, *extra: str) -> list[str]:
+    argv = ["--preset", "smoke", "--run-dir", str(tmp_path / run), "--no-progress",
+            "--wandb", "disabled", *extra]  # fmt: skip
+    for kv in SETS:
+        argv += ["--set", kv]
+    return argv
+
+
+def _save_bert(path: Path, *, labels: int = 3, vocab: int | None = None, head: bool = True) -> str:
+    """A tiny BERT saved to ``path``: a classifier of ``labels`` labels (or, without
+    ``head``, the encoder alone) over ``vocab`` ids (default: the generated task's)."""
+    if vocab is None:
+        vocab = build_generated_tokenizer().get_vocab_size(with_added_tokens=True)
+    config = tf.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=1,
+                           num_attention_heads=4, intermediate_size=64,
+                           max_position_embeddings=160, num_labels=labels)  # fmt: skip
+    model = tf.BertForSequenceClassification(config) if head else tf.BertModel(config)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _saved(capsys: pytest.CaptureFixture[str], path: Path, **kw: Any) -> str:
+    """:func:`_save_bert`, its progress bar dropped from the captured stderr."""
+    out = _save_bert(path, **kw)
+    capsys.readouterr()
+    return out
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith("python -m experiments.finetune: error: "), err
+    return err[0]
+
+
+def test_embedding_impl_reaches_the_tensorized_embedding() -> None:
+    """``--embedding-impl naive`` is the impl of the tensorized word embedding (it was
+    recorded but the module kept ``optimized``)."""
+    ap = cli.build_parser(EXPERIMENT)
+    args = ap.parse_args(["--preset", "smoke", "--embedding-impl", "naive",
+                          *(x for kv in SETS for x in ("--set", kv))])  # fmt: skip
+    cfg = cli.resolve_config(EXPERIMENT, args, ap)
+    task = build(cfg)[0]
+    impls = {name: m.impl for name, m in task.model.named_modules()
+             if isinstance(m, C.TTMEmbedding)}  # fmt: skip
+    assert impls == {"bert.embeddings.word_embeddings": "naive"}
+
+
+def test_a_model_with_another_label_count_is_one_line(tmp_path: Path, capsys) -> None:
+    """A saved classifier whose head has 2 labels, for a 3-label run: one line naming
+    ``--model`` and ``model.num_labels`` (transformers' load report silenced), no run
+    dir. An encoder saved without a head loads, its fresh head named on stderr."""
+    two = _saved(capsys, tmp_path / "two", labels=2)
+    assert main(_argv(tmp_path, "r", "--model", two)) == 2
+    line = _one_line(capsys)
+    assert f"--model {two}" in line and "model.num_labels=3" in line
+    assert "classifier.weight is (2, 32) there, (3, 32) here" in line
+    assert not (tmp_path / "r").exists()
+    p = cli.set_field(preset("smoke"), "model.path", _saved(capsys, tmp_path / "enc", head=False))
+    p = cli.set_field(p, "data.generated_train", 30)
+    capsys.readouterr()
+    model = load_model(p.model, load_mnli(p.data))
+    assert model.config.num_labels == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "newly initialized" in err[0] and "classifier.weight" in err[0]
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_model_whose_vocabulary_the_tokenizer_overruns_is_one_line(
+    tmp_path: Path, dense: bool, capsys
+) -> None:
+    """Token ids at or past the model's ``vocab_size`` are refused in ``build``, naming
+    ``--tokenizer`` and ``--model``, before training (they were an IndexError at step 1),
+    CoMERA and ``--dense`` alike; labels past ``model.num_labels`` likewise."""
+    small = _saved(capsys, tmp_path / "small", vocab=20)
+    extra = ["--dense"] if dense else []
+    assert main(_argv(tmp_path, "r", "--model", small, *extra)) == 2
+    line = _one_line(capsys)
+    assert "--tokenizer" in line and f"--model {small}" in line and "vocab_size 20" in line
+    assert not (tmp_path / "r").exists()
+    two = _saved(capsys, tmp_path / "two", labels=2)
+    assert main(_argv(tmp_path, "l", "--model", two, "--set", "model.num_labels=2", *extra)) == 2
+    line = _one_line(capsys)
+    assert "model.num_labels=2" in line and "label ids up to 2" in line
+    assert not (tmp_path / "l").exists()
