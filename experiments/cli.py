@@ -37,7 +37,7 @@ from comera.errors import ConfigError, UserError
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.checkpoint import complete_checkpoints
 from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES
-from comera.train.logging import truncate_metrics
+from comera.train.logging import read_metrics, truncate_metrics
 from comera.tree import iter_tt
 from experiments.cache import cache_root
 from experiments.malloc import apply_cpu_malloc, restart_for
@@ -747,11 +747,24 @@ def train(run: Prepared) -> dict:
     t0, start = time.perf_counter(), run.trainer.step
     out = run.trainer.fit()
     out["wall_s"] = time.perf_counter() - t0
+    run_dir = Path(run.cfg.train.run_dir)
     if run.rank == 0 and run.trainer.step > start:  # a resume that trained: its machine
-        record_host(Path(run.cfg.train.run_dir))  # (one that trained nothing keeps the host)
+        record_host(run_dir)  # (one that trained nothing keeps the host)
+    if "loss" not in out and (run_dir / "metrics.jsonl").is_file():
+        out = {**_last_logged(read_metrics(run_dir / "metrics.jsonl")), **out}
     if run.rank == 0:
         print(summary_table(run.exp.name, run.kind, out, run.trainer.step), file=sys.stderr)
     return out
+
+
+def _last_logged(rows: list[dict]) -> dict:
+    """A finished run's last training row with its last eval (a resume of it trains
+    nothing, and its summary shows these rather than an empty table)."""
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    last_eval = evals[-1] if evals else {}
+    return {**(train[-1] if train else {}),
+            **{k: v for k, v in last_eval.items() if k.startswith("eval/")}}  # fmt: skip
 
 
 def run_experiment(

@@ -201,8 +201,12 @@ def test_a_resume_that_trains_nothing_keeps_the_host_record(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert mnli.main([*FAST, "--run-dir", str(run_dir)]) == 0
     (run_dir / "host.json").write_text('{"cpu": "elsewhere"}')
+    capsys.readouterr()
     assert mnli.main(["--resume", str(run_dir)]) == 0
     assert json.loads((run_dir / "host.json").read_text()) == {"cpu": "elsewhere"}
+    # its summary shows what the run logged last, not an empty table
+    summary = capsys.readouterr().err
+    assert "| loss " in summary and "| compression " in summary, summary
 
 
 def test_dense_flag_and_legacy_flags_still_work(tmp_path):
