@@ -232,7 +232,7 @@ class Trainer:
         """Kill ranks by the prune rule; in the late stage with ``late_prune="schedule"``,
         then the smallest-share ranks until the model fits ``budget`` (default: the
         stage controller's budget for this step)."""
-        c = self.cfg.comera
+        c, before = self.cfg.comera, self.state
         self.state = prune_tree(self.params, self.state, c.tau, rule=c.prune_rule)
         if self.stages.prunes_to_budget():
             if budget is None:
@@ -241,7 +241,24 @@ class Trainer:
             if budget is not None and excess > 0:
                 self.state, removed = prune_to_size(self.params, self.state, excess)
                 self._size_miss = None if removed >= excess else self._why_short()
+        self._masks_in_place(before)
         self.stages.live_params = model_size(self.params, self.state)
+
+    def _masks_in_place(self, before: object) -> None:
+        """Write the pruned masks into the mask tensors they replace (the shapes hold until
+        a compaction), and keep those: whatever else holds them (a ModuleTask's module, its
+        ``state_dict``, a captured step) computes with the trainer's ranks, not stale ones."""
+        old = {path: s for path, _, s in iter_tt(self.params, before)}
+        for path, _, s in iter_tt(self.params, self.state):
+            held = old.get(path)
+            if held is None or held is s:
+                continue
+            masks = list(s["masks"])
+            for k, (m_old, m_new) in enumerate(zip(held["masks"], masks, strict=False)):
+                if m_old is not m_new and m_old.shape == m_new.shape:
+                    m_old.copy_(m_new)
+                    masks[k] = m_old
+            s["masks"] = masks
 
     def _why_short(self) -> str:
         """Why a budget prune removed less than it was asked to."""

@@ -200,3 +200,25 @@ def test_tuning_plans_leaves_the_running_statistics_alone(tmp_path) -> None:
     assert trainer.state[BUFFERS]["1.running_mean"] is bn.running_mean
     trainer.fit()
     assert int(bn.num_batches_tracked) == 2
+
+
+def test_a_prune_between_compactions_reaches_the_module(tmp_path) -> None:
+    """The trainer's prune events write the new masks into the tensors the module holds:
+    ``model(x)`` (an eval callback, ``state_dict``, ``save_pretrained``) computes with the
+    trainer's ranks during training and after a pause, not with the ones it started with."""
+    from comera.train.config import ComeraConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    C.tensorize_(model, C.TensorizeConfig(target_modules=("0", "2"), rank=8, cores=2,
+                                          min_compression=0))  # fmt: skip
+    task = _task(model)
+    cfg = _cfg(tmp_path, steps=100, comera=ComeraConfig(gamma=0.5, tau=0.9, early_steps=40,
+                                                         prune_every=10))  # fmt: skip
+    trainer = task.trainer(cfg)
+    trainer.fit(until=12)  # a prune event at step 10, no compaction yet
+    live = {p: [int(m.sum()) for m in model.get_submodule(p).state()["masks"]] for p in "02"}
+    assert live == trainer.ranks() and live != {"0": [8], "2": [8]}
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), task._call(trainer.params, trainer.state)(x))
