@@ -82,10 +82,18 @@ class _TTModule(nn.Module):
 
     @torch.no_grad()
     def compact(self) -> None:
-        """Physically remove dead ranks. Parameters are replaced: rebuild the optimizer
-        (or use ``comera`` training utilities, which carry optimizer state over)."""
+        """Physically remove dead ranks. The cores and gates are replaced (keeping each one's
+        ``requires_grad``), the bias is kept: rebuild the optimizer (or use ``comera``
+        training utilities, which carry optimizer state over)."""
+        frozen = {k: [not p.requires_grad for p in getattr(self, k)] for k in ("cores", "gates")}
+        bias = getattr(self, "bias", None)
         params, state = pruning.compact(self.params(), self.state())
         self.load_tensors(params, state)
+        for k, flags in frozen.items():  # a frozen layer stays frozen, a trained one trained
+            for p, off in zip(getattr(self, k), flags, strict=True):
+                p.requires_grad_(not off)
+        if bias is not None:  # never sliced: the same parameter (and its optimizer state)
+            self.bias = bias
 
     def to_dense(self) -> torch.Tensor:
         return tensor_train.to_dense(self.params(), self.state(), self.spec)

@@ -384,3 +384,25 @@ def test_half_precision_models_are_compressed_in_their_dtype(dtype: torch.dtype)
     tol = {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(model[0](x).float(), want[0], **tol)
     torch.testing.assert_close(model[1](ids).float(), want[1], **tol)
+
+
+def test_compact_keeps_what_was_frozen_and_the_bias_parameter() -> None:
+    """``compact()`` replaces the cores and gates: each keeps its ``requires_grad`` (an
+    optimizer rebuilt from the trainable parameters must not train a frozen layer), and
+    the bias, which compaction never slices, stays the same parameter."""
+    torch.manual_seed(0)
+    lin = C.TTLinear(C.propose_tt_linear(64, 64, d=2, ranks=8))
+    emb = C.TTMEmbedding(C.TTMEmbeddingSpec(vocab_modes=(8, 8), dim_modes=(4, 4), ranks=(6,)))
+    for module in (lin, emb):
+        module.requires_grad_(False)
+        module.prune(0.5 if module is lin else 10.0)
+    lin.bias.requires_grad_(True)  # a layer frozen but its bias
+    bias = lin.bias
+    for module in (lin, emb):
+        module.compact()
+    assert [n for n, p in lin.named_parameters() if p.requires_grad] == ["bias"]
+    assert lin.bias is bias and not any(p.requires_grad for p in emb.parameters())
+    trained = C.TTLinear(C.propose_tt_linear(64, 64, d=2, ranks=8))
+    trained.prune(0.5)
+    trained.compact()
+    assert all(p.requires_grad for p in trained.parameters())
