@@ -21,6 +21,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from comera.errors import ConfigError
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
 
 Params = dict[str, object]
@@ -127,6 +128,11 @@ def from_dense(
     Use this to start CoMERA training from a pretrained dense model.
     """
     expected = spec.dense_shape
+    if bias is not None and not (isinstance(spec, TTLinearSpec) and spec.bias):
+        raise ConfigError(
+            f"{spec.label}: from_dense got a bias but the spec has none (bias=False), so the "
+            "layer would compute without it; build the spec with bias=True"
+        )
     if tuple(weight.shape) != expected:
         raise ValueError(
             f"{spec.label}: from_dense expects a weight of shape {expected}, "

@@ -73,3 +73,9 @@ def test_from_dense_shape_mismatch():
     spec = C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=2, name="k")
     with pytest.raises(ValueError, match=r"'k'.*shape \(6, 6\), got \(6, 5\)"):
         C.from_dense(torch.randn(6, 5), spec)
+    # a bias the spec has no place for would be dropped: the layer computes without it
+    bare = C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=2, name="k", bias=False)
+    with pytest.raises(ValueError, match=r"'k'.*got a bias but the spec has none"):
+        C.from_dense(torch.randn(6, 6), bare, torch.randn(6))
+    with pytest.raises(ValueError, match="got a bias"):
+        C.TTLinear.from_linear(torch.nn.Linear(6, 6), bare)
