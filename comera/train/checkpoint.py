@@ -237,6 +237,12 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
                 f"checkpoint in {tr.run_dir} was written with {key}={saved.get(key)}, "
                 f"this run has {key}={getattr(tr.cfg, key)}; resume with the same config"
             )
+    enabled = saved.get("comera", {}).get("enabled")  # a dense run's stages are not CoMERA's
+    if enabled is not None and enabled != tr.cfg.comera.enabled:
+        raise CheckpointError(
+            f"checkpoint in {tr.run_dir} was written with comera.enabled={enabled}, this run "
+            f"has comera.enabled={tr.cfg.comera.enabled}; resume with the same config"
+        )
     rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
     it, saved_world = tr.task.train_iter, len(datas)
     if saved_world == tr.world:

@@ -102,6 +102,9 @@ def test_keeps_the_newest_checkpoints_and_names_the_previous_one(tmp_path):
     assert tr.step == 15
     with pytest.raises(CheckpointError, match="steps=20.*steps=21"):
         Trainer(dataclasses.replace(cfg, steps=21), ToyTask(), *_toy_model(), resume=True)
+    dense = dataclasses.replace(cfg, comera=dataclasses.replace(cfg.comera, enabled=False))
+    with pytest.raises(CheckpointError, match="comera.enabled=True.*comera.enabled=False"):
+        Trainer(dense, ToyTask(), *_toy_model(), resume=True)
 
 
 def test_a_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path):
