@@ -128,6 +128,12 @@ def _file_key(path: str) -> str:
     return path
 
 
+def _stamp(path: Path) -> str:
+    """A corpus file's identity for cache keys: its path, size and mtime."""
+    st = Path(path).stat()
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+
+
 def _digest(*parts: object) -> str:
     return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).hexdigest()
 
@@ -138,7 +144,9 @@ def _prepare_groups(
 ) -> Corpus:  # fmt: skip
     """Files by group -> prepared sub-datasets; a BPE of ``vocab`` is trained on the
     training files of all groups unless ``tokenizer`` is given."""
-    key = json.dumps({k: [str(p) for p in v] for k, v in groups.items()}, sort_keys=True)
+    # each file with its size and mtime: an edited file (or a Python upgrade's stdlib) is a
+    # new corpus, not the tokens and BPE of the old one served again
+    key = json.dumps({k: [_stamp(p) for p in v] for k, v in groups.items()}, sort_keys=True)
     # 3: no held-out file in the BPE; held-out keys relative to the corpus root
     root = root / _digest(key, vocab if tokenizer is None else _file_key(tokenizer), heldout,
                           max_doc_tokens, 3)  # fmt: skip

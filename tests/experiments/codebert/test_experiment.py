@@ -361,3 +361,24 @@ def test_a_folder_of_javascript_trains(tmp_path: Path, capsys) -> None:
     assert main(_argv(tmp_path, "bad", "--corpus", f"js={tmp_path / 'js'}:**/*.rs")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no file matches '**/*.rs'" in err[0]
+
+
+def test_an_edited_corpus_is_prepared_again(tmp_path: Path) -> None:
+    """The prepared corpus is cached by each file's path, size and mtime: files edited in
+    place are a new corpus, not the old tokens and BPE served again."""
+    import os
+
+    from experiments.codebert.data import corpus_from_paths
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x + {i}\n")
+    first = corpus_from_paths({"app": str(src)}, tmp_path / "c", vocab=300, progress=False)
+    again = corpus_from_paths({"app": str(src)}, tmp_path / "c", vocab=300, progress=False)
+    assert again.root == first.root  # unchanged files: the cache serves
+    (src / "m03.py").write_text("class Changed:\n    value = 1\n")
+    os.utime(src / "m03.py", ns=(1, 1))  # a new mtime whatever the clock's resolution
+    edited = corpus_from_paths({"app": str(src)}, tmp_path / "c", vocab=300, progress=False)
+    assert edited.root != first.root
+
