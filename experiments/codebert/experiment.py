@@ -267,16 +267,18 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                         "needs both (a RoBERTa-style tokenizer)")  # fmt: skip
     special = tuple(i for i in ids.values() if i is not None)
 
-    def loader_cfg(folders: dict[str, Path], **kw: Any) -> LoaderConfig:
-        specs = [DatasetSpec(name=n, path=str(f), weight=p.data.mix.get(n, 1.0))
+    def loader_cfg(folders: dict[str, Path], mix: dict[str, float], **kw: Any) -> LoaderConfig:
+        specs = [DatasetSpec(name=n, path=str(f), weight=mix.get(n, 1.0))
                  for n, f in folders.items()]  # fmt: skip
         return LoaderConfig(datasets=specs, seq_len=p.data.seq_len, batch_size=p.batch_size,
                             bos_id=bos, eos_id=eos, pad_id=pad, seed=p.train.seed,
                             num_shards=64, **kw)  # fmt: skip
 
-    train_iter = TokenLoader(loader_cfg(corpus.train, provenance=p.data.provenance),
+    train_iter = TokenLoader(loader_cfg(corpus.train, p.data.mix, provenance=p.data.provenance),
                              rank=rank, world_size=world)  # fmt: skip
-    held = iter(TokenLoader(loader_cfg(corpus.heldout, shuffle="none", num_epochs=1),
+    # the held-out batches weigh every group alike, whatever --mix: a mix changed on resume
+    # (or a group given no weight) leaves the held-out loss measured on the same tokens
+    held = iter(TokenLoader(loader_cfg(corpus.heldout, {}, shuffle="none", num_epochs=1),
                             rank=0, world_size=1))  # fmt: skip
     model = fit_vocab(p.model, vocab_size)
     if p.dense:

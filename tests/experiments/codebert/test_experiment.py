@@ -382,3 +382,30 @@ def test_an_edited_corpus_is_prepared_again(tmp_path: Path) -> None:
     edited = corpus_from_paths({"app": str(src)}, tmp_path / "c", vocab=300, progress=False)
     assert edited.root != first.root
 
+
+def test_the_heldout_batches_do_not_follow_the_mix(tmp_path: Path) -> None:
+    """--mix may change on resume; the held-out loss must stay measured on the same
+    tokens, a group given no weight included."""
+    import dataclasses
+
+    from experiments.codebert.experiment import CorpusConfig, build, preset
+
+    for g in ("a", "b"):
+        (tmp_path / g).mkdir()
+        for i in range(20):
+            (tmp_path / g / f"{g}{i:02d}.py").write_text(
+                f"def {g}{i}(x):\n    return x * {i}\n" * 8
+            )
+
+    def heldout(mix: dict[str, float]) -> list:
+        p = preset("smoke")
+        data = CorpusConfig(source="paths", paths={g: str(tmp_path / g) for g in "ab"}, mix=mix,
+                            vocab=300, seq_len=64, eval_batches=2, heldout=0.2,
+                            cache_dir=str(tmp_path / "cache"), default_glob=None)  # fmt: skip
+        task, *_ = build(dataclasses.replace(p, data=data))
+        return task.eval_batches
+
+    even, skewed = heldout({}), heldout({"a": 1.0, "b": 0.0})
+    assert all(
+        torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(even, skewed, strict=True)
+    )
