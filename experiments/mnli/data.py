@@ -241,13 +241,15 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
     labels = np.empty(len(raw_labels), dtype=np.int64)
     for i, v in enumerate(raw_labels):
         v = LABEL_NAMES.index(v) if v in LABEL_NAMES else v
+        if v == "-":  # MultiNLI's own files: no annotator consensus, unlabelled
+            v = -1
         if isinstance(v, str) and v.lstrip("-").isdigit():
             v = int(v)
         if not isinstance(v, int) or v not in (-1, 0, 1, 2):
             raise DataError(
                 f"{source}: label {v!r} in column {cfg.label_column!r} (row {i}) is not one of "
-                f"0/1/2 ({'/'.join(LABEL_NAMES)}) or -1 (unlabelled, dropped); fix the file or "
-                "point --label-column at the right column"
+                f"0/1/2 ({'/'.join(LABEL_NAMES)}) or -1 / '-' (unlabelled, dropped); fix the "
+                "file or point --label-column at the right column"
             )
         labels[i] = v
     return text[0], text[1], labels

@@ -201,6 +201,8 @@ def test_label_minus_one_dropped_and_logged(tmp_path, gen_files, caplog):
 
 def test_label_names_accepted(tmp_path, gen_files):
     rows = [dict(r, label=md.LABEL_NAMES[r["label"]]) for r in ROWS]
+    # MultiNLI's own files mark examples without annotator consensus "-": unlabelled
+    rows.append({"premise": "a", "hypothesis": "b", "label": "-"})
     path = _write(tmp_path / "n.jsonl", rows)
     data = load_mnli(MNLIDataConfig(train_file=path, tokenizer=str(gen_files[2])))
     assert data.train.labels.tolist() == [0, 1, 2] and data.eval == {}
