@@ -203,7 +203,8 @@ def run(
             "step_time_ratio_vs_dense_half_ranks": 0.5,
             "peak_memory_ratio_vs_dense": 0.3,
         },
-        "seq": SEQ,
+        "seq": 64 if tiny else SEQ,
+        **({"tiny": True} if tiny else {}),
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),
         "steps_timed": steps,
@@ -224,6 +225,8 @@ def render(figures: dict) -> str:
     cmd = "python -m benchmarks.codebert_step"
     if figures.get("steps_timed", STEPS) != STEPS:
         cmd += f" --steps {figures['steps_timed']}"
+    if figures.get("tiny"):
+        cmd += " --tiny"
     lines = report_header("CodeBERT masked-LM training step: CoMERA vs dense", cmd, meta)
     lines += [
         f"Sequence {figures.get('seq', SEQ)}, {figures.get('threads', '?')} threads, "
@@ -254,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--device", default="cpu", help="cpu (the only device this bench runs on)")
     ap.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant")
-    ap.add_argument("--out", type=Path, default=REPORT_JSON, help="the JSON written")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the JSON written (default reports/codebert_bench.json)")  # fmt: skip
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="measure nothing: print the tables of a saved result")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="toy model (tests of the plumbing)")
@@ -284,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.variant:
         print(json.dumps(run_variant(a.variant, a.batch, a.steps, a.tiny)))
         return 0
-    return run(json_out=a.json, steps=a.steps, tiny=a.tiny, out=a.out)
+    if a.tiny and a.out is None:  # toy figures must not pass for the report's
+        return error("--tiny measures a toy model: give --out PATH (the default is the "
+                     "report's JSON)")  # fmt: skip
+    return run(json_out=a.json, steps=a.steps, tiny=a.tiny, out=a.out or REPORT_JSON)
 
 
 if __name__ == "__main__":

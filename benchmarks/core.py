@@ -710,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.processes is not None and args.processes < 1:
         ap.error(f"--processes must be >= 1, got {args.processes}")
+    if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
+        ap.error(f"--threads and --repeats must be >= 1, got {args.threads}, {args.repeats}")
     if args.repeats is not None and args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     from experiments.cli import CLIError, check_device  # as the training commands check it

@@ -202,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     if not batches or min(batches) < 1:
         print(f"{ap.prog}: error: --batches needs positive sizes", file=sys.stderr)
         return 2
+    if args.repeats < 1 or args.threads < 1:
+        print(f"{ap.prog}: error: --repeats and --threads must be >= 1, got {args.repeats}, "
+              f"{args.threads}", file=sys.stderr)  # fmt: skip
+        return 2
     result = sweep(batches, args.repeats, args.threads, args.tiny)
     write_json(args.out / "efficiency.json", result)
     print(write_report(result, args.out))

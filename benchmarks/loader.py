@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             write_text(args.report, render(res))
         print(render(res))
         return 0
+    if args.tokens < 1 or args.measure_tokens < 1:
+        p.error(f"--tokens and --measure-tokens must be >= 1, got {args.tokens}, "
+                f"{args.measure_tokens}")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="loader-bench-") as tmp:
         res = run(args.tokens, args.measure_tokens, Path(tmp))
     if not args.no_report:

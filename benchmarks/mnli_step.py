@@ -327,6 +327,7 @@ def run(
             "compression_ratio": by["dense", 32]["params"] / by["comera_half", 32]["params"],
         },
         **({"galore_error": galore_error} if galore_error else {}),
+        **({"tiny": True} if tiny else {}),
         "device": device,
         "threads": threads,
         "cpu": cpu_model(),
@@ -348,6 +349,7 @@ def command(result: dict) -> str:
     parts = ["python -m benchmarks.mnli_step", "--device", str(result.get("device", "cpu"))]
     parts += ["--repeats", str(result["repeats"])] if result.get("repeats", 5) != 5 else []
     parts += ["--threads", str(result["threads"])] if result.get("threads", 2) != 2 else []
+    parts += ["--tiny"] if result.get("tiny") else []
     return " ".join(parts)
 
 
@@ -415,8 +417,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.render is not None:
         return print_rendered(a.render, render, ap.prog)
-    if a.repeats < 1:
-        print(f"{ap.prog}: error: --repeats must be >= 1, got {a.repeats}", file=sys.stderr)
+    if a.repeats < 1 or a.threads < 1:
+        print(f"{ap.prog}: error: --repeats and --threads must be >= 1, got {a.repeats}, "
+              f"{a.threads}", file=sys.stderr)  # fmt: skip
+        return 2
+    if a.tiny and a.out is None and not a.worker:  # toy figures must not pass for the report
+        print(f"{ap.prog}: error: --tiny measures a toy model: give --out PATH (the default "
+              "is the report's JSON)", file=sys.stderr)  # fmt: skip
         return 2
     if a.device is not None and not a.worker:  # the bench checked its workers' device
         from experiments.cli import CLIError, check_device

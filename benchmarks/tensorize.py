@@ -138,12 +138,14 @@ def run(*, json_out: bool = False, steps: int = STEPS, tiny: bool = False,
     r = runs
     result = {
         "meta": {**host_meta(), "command": "python -m benchmarks.tensorize"
+                 + (" --tiny" if tiny else "") + (f" --steps {steps}" if steps != STEPS else "")
                  + (" --json" if json_out else ""), "threads": torch.get_num_threads()},
         "compression_ratio": r["dense_b4"]["params"] / r["comera_b4"]["params"],
         "step_time_ratio_vs_dense": r["comera_b4"]["step_s"] / r["dense_b4"]["step_s"],
         "peak_memory_ratio_vs_dense": r["comera_b1"]["peak_mb"] / r["dense_b1"]["peak_mb"],
         "targets": TARGETS,
-        "seq": SEQ,
+        "seq": 32 if tiny else SEQ,
+        **({"tiny": True} if tiny else {}),
         "rank": RANK,
         "embedding_rank": EMBEDDING_RANK,
         "steps_timed": steps,
@@ -192,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n")[0])  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant")
-    ap.add_argument("--out", type=Path, default=REPORTS / "tensorize.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the JSON written (default reports/tensorize.json)")  # fmt: skip
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="measure nothing: print the tables of a saved result")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="toy model (tests of the plumbing)")
@@ -207,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.variant:
         print(json.dumps(run_variant(a.variant, a.batch, a.steps, a.tiny)))
         return 0
-    return run(json_out=a.json, steps=a.steps, tiny=a.tiny, out=a.out)
+    if a.tiny and a.out is None:  # toy figures must not pass for the report's
+        print(f"{ap.prog}: error: --tiny measures a toy model: give --out PATH (the default "
+              "is the report's JSON)", file=sys.stderr)  # fmt: skip
+        return 2
+    return run(json_out=a.json, steps=a.steps, tiny=a.tiny, out=a.out or REPORTS / "tensorize.json")
 
 
 if __name__ == "__main__":

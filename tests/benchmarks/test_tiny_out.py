@@ -1,0 +1,40 @@
+"""A toy run (``--tiny``) measures nothing useful: it must name where it writes, or it would
+overwrite the report's JSON with figures the report then shows as real."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import codebert_step, mnli_step, tensorize
+
+
+@pytest.mark.parametrize("bench", [mnli_step, codebert_step, tensorize])
+def test_tiny_without_out_is_refused_in_one_line(bench, capsys) -> None:  # noqa: ANN001
+    assert bench.main(["--tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tiny measures a toy model: give --out PATH" in err[0], err
+
+
+def test_mnli_step_refuses_zero_threads(capsys) -> None:
+    assert mnli_step.main(["--threads", "0"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "text"),
+    [
+        ("core", ["--threads", "0"], "--threads and --repeats must be >= 1"),
+        ("loader", ["--tokens", "0"], "--tokens and --measure-tokens must be >= 1"),
+        ("efficiency", ["--repeats", "0"], "--repeats and --threads must be >= 1"),
+    ],
+)
+def test_counts_below_one_are_one_line(module: str, argv: list[str], text: str, capsys) -> None:  # noqa: ANN001
+    import importlib
+
+    bench = importlib.import_module(f"benchmarks.{module}")
+    with pytest.raises(SystemExit) as stop:  # argparse's own error: one line and exit 2
+        code = bench.main(argv)
+        raise SystemExit(code)
+    assert stop.value.code == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
+    assert len(err) == 1 and text in err[0], err
