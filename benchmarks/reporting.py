@@ -48,12 +48,20 @@ def read_result(path: Path, flag: str = "--render") -> dict:
 
 
 def print_rendered(path: Path, render: Callable[[dict], str], prog: str) -> int:
-    """``--render PATH``: print ``render`` of the saved result; an unreadable file is one
-    line naming it and exit status 2, a bug inside ``render`` keeps its traceback."""
+    """``--render PATH``: print ``render`` of the saved result; an unreadable file, or the
+    result of another benchmark (a key this one's has is missing), is one line naming it
+    and exit status 2 (each committed report is rendered by the tests, so a missing key is
+    the file's, not the renderer's)."""
     try:
         result = read_result(path)
     except DataError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    print(render(result))
+    try:
+        text = render(result)
+    except KeyError as e:
+        print(f"{prog}: error: {path} is not a result of {prog} (it has no {e} key); give "
+              "the JSON this benchmark wrote", file=sys.stderr)  # fmt: skip
+        return 2
+    print(text)
     return 0

@@ -3,6 +3,8 @@ overwrite the report's JSON with figures the report then shows as real."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks import codebert_step, mnli_step, tensorize
@@ -38,3 +40,10 @@ def test_counts_below_one_are_one_line(module: str, argv: list[str], text: str, 
     assert stop.value.code == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
     assert len(err) == 1 and text in err[0], err
+
+
+def test_render_of_another_benchmarks_result_is_one_line(capsys) -> None:  # noqa: ANN001
+    plans = Path(__file__).resolve().parents[2] / "reports" / "plans.json"
+    assert tensorize.main(["--render", str(plans)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "plans.json is not a result of" in err[0], err
