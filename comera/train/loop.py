@@ -129,8 +129,10 @@ class Trainer:
     ``reference_size`` is what compression is measured against (e.g. the dense model's
     parameter count); by default the model's size at the start. ``on_compact`` holds
     callbacks run after every compaction (the task's ``on_compaction`` is one).
-    ``copy=False`` hands the tensors of ``params`` to the trainer, which then updates them
-    in place instead of copying them first (the CLI does this: it built them for the run).
+    ``copy=False`` hands the tensors of ``params`` and ``state`` to the trainer, which then
+    updates them in place (parameters by the optimizer, rank masks by each prune) instead
+    of copying them first (the CLI does this: it built them for the run; a
+    :class:`~comera.train.ModuleTask` does, so its module follows the trainer).
     ``auto_plans=True`` says the model asks for ``plan="auto"`` (:mod:`comera.autotune`):
     the trainer then decides the plans in an eager pass before a compiled or captured
     step, keeps every rank on rank 0's decisions and reinstalls a resumed run's; the
@@ -172,7 +174,7 @@ class Trainer:
         self.params = tree_map(
             lambda t: t.detach().to(self.device, copy=copy).requires_grad_(True), params
         )
-        self.state = tree_map(lambda t: t.to(self.device), state)
+        self.state = tree_map(lambda t: t.to(self.device, copy=copy), state)
         self.opt = adamw_init(self.params) if cfg.optimizer == "adamw" else {"step": 0}
         self.galore = (
             GaLore.with_adamw(self.params, cfg.galore, cfg.optim)
