@@ -194,10 +194,13 @@ def prune(params: Params, state: State, tau: float, *, rule: str = "gate") -> St
     ranks that really carry little of the weight die. On every bond the shares of a
     non-zero weight add up to at least 1 (triangle inequality over ``W = sum_i term_i``),
     so the largest is at least
-    ``1 / live_rank``: with ``tau < 1 / max live rank`` every bond keeps a live rank and
-    :func:`compact` can never turn the layer into the zero map, unless ``W`` is already
-    zero (then every share is 0 and every rank dies, which changes nothing). Pruning one
-    bond moves ``W`` by at most the sum of the shares removed there, times ``||W||_F``.
+    ``1 / live_rank``: with ``tau < 1 / max live rank`` every bond keeps a live rank (unless
+    ``W`` is already zero: then every share is 0 and every rank dies, which changes
+    nothing). Pruning one bond moves ``W`` by at most the sum of the shares removed there,
+    times ``||W||_F``. All bonds are judged on the unpruned weight and cut together, so
+    that bound is per bond: terms that cancel exactly across two bonds can leave ranks
+    that no longer connect, and in such a contrived case the pruned layer may compute far
+    less than the bound says (even the zero map).
     Random cores give nearly orthogonal terms with shares about ``1 / sqrt(r)``
     (0.18 at rank 30), so ``tau = 1e-2`` is a safe threshold. Costs ``O(n r^3)`` per
     core (float64 Gram matrices, no dense weight).
