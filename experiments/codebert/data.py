@@ -26,6 +26,7 @@ from pathlib import Path
 from comera.errors import DataError
 from loaders.metadata import METADATA_NAME
 from loaders.prepare import PLAN_NAME, Doc, heldout_docs, prepare, train_tokenizer
+from loaders.text import TEXT_SUFFIXES
 
 __all__ = [
     "CODESEARCHNET_LANGUAGES",
@@ -257,6 +258,19 @@ def corpus_from_paths(
             raise DataError(
                 f"--corpus {name}={folder}: {what}; name the files with "
                 f"--corpus {name}={folder}:GLOB (e.g. {name}={folder}:**/*.txt)"
+            )
+        tables = [p for p in groups[name] if p.suffix in TEXT_SUFFIXES]
+        if tables:  # prepare would read them as tables of rows, not as one document each
+            raise DataError(
+                f"--corpus {name}={folder}: {tables[0].name} (and {len(tables) - 1} more) is a "
+                f"table file ({', '.join(TEXT_SUFFIXES)}); a folder's files are documents: "
+                "prepare a table with python -m loaders.prepare FILE --out DIR --heldout "
+                f"{heldout} (and --tokenizer or --train-tokenizer), then pass --corpus {name}=DIR"
+            )
+        if len(groups[name]) < 2:  # one file is all train or all held out
+            raise DataError(
+                f"--corpus {name}={folder}: {len(groups[name])} file; a group needs at least "
+                "2, one of them held out (data.heldout)"
             )
     if tokenizer is not None:
         toks.add(tokenizer)

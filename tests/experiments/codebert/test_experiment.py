@@ -409,3 +409,21 @@ def test_the_heldout_batches_do_not_follow_the_mix(tmp_path: Path) -> None:
     assert all(
         torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(even, skewed, strict=True)
     )
+
+
+def test_a_group_of_one_file_or_of_tables_is_refused(tmp_path: Path) -> None:
+    """One file is all train or all held out, and a globbed table file would be read as
+    rows rather than as one document: both are refused naming --corpus."""
+    from comera.errors import DataError
+    from experiments.codebert.data import corpus_from_paths
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.py").write_text("x = 1\n")
+    with pytest.raises(DataError, match=r"--corpus one=.*: 1 file; a group needs at least 2"):
+        corpus_from_paths({"one": str(tmp_path / "one")}, tmp_path / "c", vocab=300)
+    (tmp_path / "logs").mkdir()
+    for i in range(3):
+        (tmp_path / "logs" / f"l{i}.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(DataError, match=r"--corpus logs=.*l0.jsonl \(and 2 more\) is a table"):
+        corpus_from_paths({"logs": str(tmp_path / "logs")}, tmp_path / "c", vocab=300,
+                          globs={"logs": "*.jsonl"})  # fmt: skip
