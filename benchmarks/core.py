@@ -662,7 +662,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for tests")
     ap.add_argument("--repeats", type=int, default=None, help="rounds (default 9, quick 1)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch threads (default: torch's own, as training uses)",
+    )
     ap.add_argument(
         "--malloc",
         choices=CPU_MALLOC_POLICIES,

@@ -178,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n")[0])  # fmt: skip
     ap.add_argument("--batches", default=",".join(map(str, DEFAULTS["batches"])))
     ap.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
-    ap.add_argument("--threads", type=int, default=DEFAULTS["threads"])
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch threads (default: torch's own, as training uses)",
+    )
     ap.add_argument("--tiny", action="store_true", help="toy model (tests of the plumbing)")
     ap.add_argument("--out", type=Path, default=REPORTS, help="report dir")
     ap.add_argument("--render", type=Path, metavar="JSON",

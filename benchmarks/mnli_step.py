@@ -399,7 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where present)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch threads (default: torch's own, as training uses)",
+    )
     ap.add_argument(
         "--out",
         type=Path,

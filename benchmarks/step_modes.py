@@ -194,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: smoke,paper")
     ap.add_argument("--modes", default="eager,sync_free,compile", help=f"comma-separated: {MODES}")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch threads (default: torch's own, as training uses)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (for cuda_graph)")
     ap.add_argument(
         "--out", type=Path, default=None, help="report dir (default reports/; cuda: reports/gpu/)"
