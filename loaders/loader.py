@@ -30,6 +30,7 @@ from loaders.checkpoint import (
 )
 from loaders.config import LoaderConfig
 from loaders.errors import LoaderInputError
+from loaders.mixing import Mixer
 from loaders.pipeline import Layout, ReaderPipeline, open_source
 from loaders.shards import owned_shards
 
@@ -154,7 +155,7 @@ class TokenLoader:
         self._start_pipes()  # validates ownership now and gives state_dict() a value
 
     # -- iteration ---------------------------------------------------------------------
-    def _check_readers(self) -> None:
+    def _check_readers(self, weights: dict[str, float] | None = None) -> None:
         """An endless stream must give every reader of the layout a document: a reader
         with none would end at once, and its rank with it while the others go on (a data
         parallel job then hangs). Checked for every rank's readers, so every rank raises.
@@ -162,7 +163,8 @@ class TokenLoader:
         cfg = self.config
         if cfg.num_epochs is not None or cfg.shuffle == "local":
             return
-        docs = {n: int(src.num_docs) for n, src in self.sources.items() if self._weights[n] > 0}
+        weights = self._weights if weights is None else weights
+        docs = {n: int(src.num_docs) for n, src in self.sources.items() if weights.get(n, 0) > 0}
         total, L = self.world_size * self._readers, cfg.num_shards
         for g in range(total):
             ids = owned_shards(L, g // self._readers, self.world_size, g % self._readers,
@@ -310,13 +312,15 @@ class TokenLoader:
         self._start_pipes()
 
     def set_weights(self, weights: dict[str, float]) -> None:
-        """Change target token shares now; no sub-dataset loses its position."""
-        self._pipes[0].mixer.set_weights(weights)  # validates names and values
-        new = dict(self._pipes[0].mixer.weights)
+        """Change target token shares now; no sub-dataset loses its position. Weights
+        that cannot work are refused before anything changes."""
+        probe = Mixer(dict(self._weights))
+        probe.set_weights(weights)  # validates names and values
+        new = dict(probe.weights)
+        self._check_readers(new)
         if self.num_workers == 0:
             self._pipes[0].set_weights(weights)
             self._weights = new
-            self._check_readers()
             return
         states = [dict(s, weights=new, mix_tokens={}) for s in self.state_dict()["readers"]]
         self._close()

@@ -116,6 +116,8 @@ def test_an_endless_stream_refuses_a_reader_without_documents(tmp_path):
                      world_size=4)  # fmt: skip
     with pytest.raises(LoaderInputError, match="reader 0 of 4"):
         ok.set_weights({"a": 0.0, "b": 1.0})
+    assert ok.state_dict()["weights"] == {"a": 1.0, "b": 0.0}  # refused before any change
+    assert ok.readers[0].mixer.weights == {"a": 1.0, "b": 0.0}
 
 
 def test_raising_num_epochs_on_resume_continues():
