@@ -728,8 +728,9 @@ def prepare(
         auto_plans=uses_auto(cfg.plans),
     )
     kind = "dense" if getattr(cfg, "dense", False) else "CoMERA"
-    if rank == 0 and not resume:
-        record_host(run_dir)  # the machine a report on this run names in its header
+    if rank == 0:
+        if not resume:  # a resume records it after training (train), if it trains
+            record_host(run_dir)  # the machine a report on this run names in its header
         shown = {k: v for k, v in info.items() if isinstance(v, int | float | str)}
         facts = ", ".join(
             f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in shown.items()

@@ -204,9 +204,10 @@ def test_a_resume_that_trains_nothing_keeps_the_host_record(tmp_path, capsys):
     capsys.readouterr()
     assert mnli.main(["--resume", str(run_dir)]) == 0
     assert json.loads((run_dir / "host.json").read_text()) == {"cpu": "elsewhere"}
-    # its summary shows what the run logged last, not an empty table
+    # its summary shows what the run logged last, not an empty table; the model line stays
     summary = capsys.readouterr().err
     assert "| loss " in summary and "| compression " in summary, summary
+    assert "mnli: CoMERA model," in summary
 
 
 def test_dense_flag_and_legacy_flags_still_work(tmp_path):
