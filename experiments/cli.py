@@ -680,9 +680,16 @@ def uses_auto(plans: C.LayerPlans) -> bool:
 
 
 def prepare(
-    exp: Experiment, cfg: Any, *, resume: bool = False, argv: list[str] | None = None
+    exp: Experiment,
+    cfg: Any,
+    *,
+    resume: bool = False,
+    argv: list[str] | None = None,
+    preset: str | None = None,
 ) -> Prepared:
     """Build the task and model of ``cfg`` and its trainer (restored when ``resume``).
+    ``preset`` is the preset's name for the run's record (``config.json``; default its run
+    name, as before).
 
     Everything that can fail on bad input (files, columns, labels, hub, checkpoint) fails
     here, before any training."""
@@ -698,6 +705,9 @@ def prepare(
         # so it starts over from step 0 with its saved config, as resuming would have at
         # step 0 (the rows it logged are dropped, as those after a checkpoint are)
         resume = False
+        saved = run_dir / "config.json"  # the record it is written again from keeps its preset
+        if preset is None and saved.is_file():
+            preset = json.loads(saved.read_text()).get("preset")
         if rank == 0:
             truncate_metrics(run_dir / "metrics.jsonl", 0)
             (run_dir / "ranks.json").unlink(missing_ok=True)
@@ -714,7 +724,8 @@ def prepare(
     if layers:  # a dense baseline has no TT layer for a plan to name
         cfg.plans.check_layers(layers)
     record = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "train"}
-    record |= {"experiment": exp.name, "preset": cfg.train.run_name, "argv": argv, **info}
+    record |= {"experiment": exp.name, "preset": preset or cfg.train.run_name, "argv": argv,
+               **info}  # fmt: skip
     record = json.loads(json.dumps(record, default=_jsonable))
     trainer = Trainer(
         cfg.train,
@@ -825,7 +836,8 @@ def main(exp: Experiment, argv: list[str] | None = None) -> int:
         )
         if from_command_line and torch.device(cfg.train.device).type == "cpu":
             restart_for(cfg.train.cpu_malloc)  # lean: re-executed with huge pages enabled
-        run = prepare(exp, cfg, resume=args.resume is not None, argv=argv)
+        run = prepare(exp, cfg, resume=args.resume is not None, argv=argv,
+                      preset=None if args.resume is not None else args.preset)  # fmt: skip
     except USER_ERRORS as e:
         return user_error(ap.prog, e)
     try:

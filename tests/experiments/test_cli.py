@@ -324,3 +324,16 @@ def test_bench_device_errors_are_one_line(capsys, monkeypatch):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 2 and "has moved to `python -m benchmarks." in err[0], err
         assert "step bench runs on the CPU; drop --device" in err[1], err
+
+
+def test_the_record_names_the_preset_not_the_run(tmp_path, capsys):
+    """``config.json``'s ``preset`` (the MNLI report's "Runs:") is the preset's name, not
+    the run name ``--wandb-name`` sets; a checkpointless run started over keeps it."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    assert mnli.main([*FAST, "--run-dir", str(run_dir), "--wandb-name", "my-try"]) == 0
+    assert json.loads((run_dir / "config.json").read_text())["preset"] == "smoke"
+    shutil.rmtree(run_dir / "checkpoints")
+    assert mnli.main(["--resume", str(run_dir)]) == 0
+    assert json.loads((run_dir / "config.json").read_text())["preset"] == "smoke"
