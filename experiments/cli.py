@@ -37,7 +37,7 @@ from comera.errors import ConfigError, UserError
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.checkpoint import complete_checkpoints
 from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES
-from comera.train.logging import read_metrics, truncate_metrics
+from comera.train.logging import read_metrics, truncate_metrics, write_json_atomic
 from comera.tree import iter_tt
 from experiments.cache import cache_root
 from experiments.malloc import apply_cpu_malloc, restart_for
@@ -739,6 +739,13 @@ def prepare(
         auto_plans=uses_auto(cfg.plans),
     )
     kind = "dense" if getattr(cfg, "dense", False) else "CoMERA"
+    saved = run_dir / "config.json"
+    if rank == 0 and resume and saved.is_file():
+        # what a resume may change (--mix, --device, ...) is in its command line: recorded
+        # beside the config the run was started with, which stays as it was
+        data = json.loads(saved.read_text())
+        data["resumes"] = [*data.get("resumes", []), {"step": trainer.step, "argv": argv}]
+        write_json_atomic(saved, data)
     if rank == 0:
         if not resume:  # a resume records it after training (train), if it trains
             record_host(run_dir)  # the machine a report on this run names in its header

@@ -175,6 +175,12 @@ def test_resume_replays_config_and_allows_only_reporting_changes(tmp_path, capsy
     assert cfg.train.wandb_group == "g" and cfg.train.run_dir == str(run_dir)
     assert mnli.main(["--resume", str(run_dir), "--set", "train.comera.gamma=0.1"]) == 2
     assert "drop --set train.comera.gamma" in capsys.readouterr().err
+    # a resume's command line is recorded beside the config the run started with
+    assert mnli.main(["--resume", str(run_dir), "--wandb-group", "g2"]) == 0
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["resumes"] == [{"step": 3, "argv": ["--resume", str(run_dir), "--wandb-group",
+                                                      "g2"]}]  # fmt: skip
+    assert saved["train"]["comera"]["gamma"] == 0.07
 
 
 def test_resume_of_a_run_without_a_checkpoint_starts_it_over(tmp_path, capsys):
