@@ -25,7 +25,14 @@ from pathlib import Path
 
 from comera.errors import DataError
 from loaders.metadata import METADATA_NAME
-from loaders.prepare import PLAN_NAME, Doc, heldout_docs, prepare, train_tokenizer
+from loaders.prepare import (
+    PLAN_NAME,
+    Doc,
+    PrepareError,
+    heldout_docs,
+    prepare,
+    train_tokenizer,
+)
 from loaders.text import TEXT_SUFFIXES
 
 __all__ = [
@@ -295,9 +302,17 @@ def corpus_from_hub(
     given tokenizer (e.g. ``microsoft/codebert-base``); needs the network or a warm cache."""
     root = root / _digest(dataset, configs, tokenizer, text_column, heldout, max_doc_tokens)
     for name in configs:
-        prepare([f"hub:{dataset}"], root / name, tokenizer=tokenizer, text_column=text_column,
-                heldout=heldout, hub_config=name, max_doc_tokens=max_doc_tokens,
-                workers=max(1, (os.cpu_count() or 2) // 2), progress=progress)  # fmt: skip
+        try:
+            prepare([f"hub:{dataset}"], root / name, tokenizer=tokenizer,
+                    text_column=text_column, heldout=heldout, hub_config=name,
+                    max_doc_tokens=max_doc_tokens,
+                    workers=max(1, (os.cpu_count() or 2) // 2), progress=progress)  # fmt: skip
+        except PrepareError as e:  # offline: the route this command takes for local data
+            raise DataError(
+                f"{e}. Offline, prepare a local copy into token shards (python -m "
+                f"loaders.prepare FILE --out DIR --tokenizer {tokenizer} --text-column "
+                f"{text_column} --heldout {heldout}) and pass --corpus {name}=DIR"
+            ) from None
     return Corpus(
         root=root,
         tokenizer=tokenizer,

@@ -427,3 +427,20 @@ def test_a_group_of_one_file_or_of_tables_is_refused(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"--corpus logs=.*l0.jsonl \(and 2 more\) is a table"):
         corpus_from_paths({"logs": str(tmp_path / "logs")}, tmp_path / "c", vocab=300,
                           globs={"logs": "*.jsonl"})  # fmt: skip
+
+
+def test_an_unreachable_hub_names_the_local_route(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Offline, a hub corpus fails in one line that says how to run on a local copy with
+    this command's own flags."""
+    from loaders import prepare as prep
+
+    def offline(name: str, config: str, split: str, column: str) -> None:
+        raise prep.PrepareError(f"cannot load hub dataset {name!r}: no network")
+
+    monkeypatch.setattr(prep, "_load_hub", offline)
+    argv = _argv(tmp_path, "run", "--set", "data.tokenizer=tok.json", "--set", "data.source=hub",
+                 "--set", "data.hub_configs=python")  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "python -m loaders.prepare FILE --out DIR" in err[0], err
+    assert "--corpus python=DIR" in err[0]
