@@ -700,14 +700,18 @@ def prepare(
             "another --run-dir (nothing there is overwritten)"
         )
     rank, world = init_distributed(cfg.train.device)
+    history: dict = {}  # what a restarted run's record keeps of the one it restarts
     if resume and not complete_checkpoints(run_dir):
         # it stopped before its first checkpoint (a crash, Ctrl-C): nothing to continue,
         # so it starts over from step 0 with its saved config, as resuming would have at
         # step 0 (the rows it logged are dropped, as those after a checkpoint are)
         resume = False
-        saved = run_dir / "config.json"  # the record it is written again from keeps its preset
-        if preset is None and saved.is_file():
-            preset = json.loads(saved.read_text()).get("preset")
+        saved = run_dir / "config.json"  # rewritten at the start: its history carries over
+        old = json.loads(saved.read_text()) if saved.is_file() else {}
+        preset = preset or old.get("preset")
+        history = {"argv": old.get("argv", argv),
+                   "resumes": [*old.get("resumes", []),
+                               {"step": 0, "argv": argv, "restarted": True}]}  # fmt: skip
         if rank == 0:
             truncate_metrics(run_dir / "metrics.jsonl", 0)
             (run_dir / "ranks.json").unlink(missing_ok=True)
@@ -725,7 +729,7 @@ def prepare(
         cfg.plans.check_layers(layers)
     record = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "train"}
     record |= {"experiment": exp.name, "preset": preset or cfg.train.run_name, "argv": argv,
-               **info}  # fmt: skip
+               **info, **history}  # fmt: skip
     record = json.loads(json.dumps(record, default=_jsonable))
     trainer = Trainer(
         cfg.train,

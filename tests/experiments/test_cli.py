@@ -199,6 +199,10 @@ def test_resume_of_a_run_without_a_checkpoint_starts_it_over(tmp_path, capsys):
     assert [r["step"] for r in rows if "loss" in r] == [3]  # not doubled
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["train"]["comera"]["gamma"] == 0.07
+    # the command that made the run stays, and the restart is recorded
+    assert saved["argv"][-2:] == ["--set", "train.comera.gamma=0.07"]
+    assert saved["resumes"] == [{"step": 0, "argv": ["--resume", str(run_dir)],
+                                 "restarted": True}]  # fmt: skip
 
 
 def test_a_resume_that_trains_nothing_keeps_the_host_record(tmp_path, capsys):
