@@ -294,6 +294,7 @@ class TokenLoader:
         else:
             weights = dict(self._config_weights)  # the config changed: its weights win
         same = resume.world_size == self.world_size and resume.num_workers == self._readers
+        self._check_readers(weights)  # refused before anything changes
         self._close()
         self._cursors = resume.cursors
         self._weights = weights
@@ -321,6 +322,7 @@ class TokenLoader:
         if self.num_workers == 0:
             self._pipes[0].set_weights(weights)
             self._weights = new
+            self._close()  # a stream that had ended goes on with what the weights revive
             return
         states = [dict(s, weights=new, mix_tokens={}) for s in self.state_dict()["readers"]]
         self._close()

@@ -181,3 +181,14 @@ def test_turning_eos_off_on_resume_ends_a_document_waiting_for_it():
     want = np.sort(np.concatenate([src.doc(i) for i in range(6)]))
     assert np.array_equal(np.sort(_body(got + rest)), want)
     assert all(int(b["segment_ids"].max()) == 1 for b in rest)  # one piece per row
+
+
+def test_weights_given_to_a_sub_dataset_after_the_end_revive_the_stream():
+    """A finite stream that ended with a weight-0 sub-dataset unread goes on when it gets
+    a weight, in-process as with workers."""
+    src = [("a", Memory([5] * 8), 1.0), ("b", Memory([5] * 8, 100), 0.0)]
+    ld = TokenLoader(_config(src, num_shards=2, num_epochs=1))
+    first = list(ld)
+    ld.set_weights({"b": 1.0})
+    rest = list(ld)
+    assert first and rest and int((_body(rest) >= 101_000).sum()) == 40  # b's 8 x 5 tokens
