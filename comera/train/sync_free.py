@@ -324,10 +324,10 @@ class SyncFreeStep:
         A CUDA graph holds the addresses of the tensors it was captured with, so it is
         rebuilt whenever one is replaced (a compaction, a checkpoint restore) or the late
         targets change; a prune writes its masks into the tensors it had (the trainer's
-        ``_masks_in_place``), so the graph replays with them. Compiled code takes the tensors as inputs and
-        only depends on their shapes: it is rebuilt after a compaction (and the stage
-        transition), not after a prune, and old graphs are dropped rather than left to
-        fill dynamo's recompile limit."""
+        ``_masks_in_place``), so the graph replays with them. Compiled code takes the
+        tensors as inputs and only depends on their shapes: it is rebuilt after a
+        compaction (and the stage transition), not after a prune, and old graphs are
+        dropped rather than left to fill dynamo's recompile limit."""
         leaves = [*tree_flatten((params, state, m, v))[0]]
         if self.mode == "compile":
             if any(t.dim() == 0 for t in leaves):  # rank masks are never 0-dim
