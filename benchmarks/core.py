@@ -398,7 +398,7 @@ def command(cfg: dict) -> str:
         parts += ["--device", str(cfg["device"])]
     malloc = str(cfg.get("malloc", "default")).split()[0]
     parts += ["--malloc", malloc] if malloc != "default" else []
-    parts += ["--threads", str(cfg["threads"])] if cfg.get("threads", 2) != 2 else []
+    parts += ["--threads", str(cfg["threads"])] if "threads" in cfg else []  # not a default
     if cfg.get("repeats", 1 if quick else 9) != (1 if quick else 9):
         parts += ["--repeats", str(cfg["repeats"])]
     processes = cfg.get("processes", 1)

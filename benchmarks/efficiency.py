@@ -30,7 +30,7 @@ __all__ = ["main", "render", "sweep", "write_report"]
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 VARIANTS = ("comera", "dense", "galore")
-DEFAULTS = {"batches": [1, 8, 32, 64], "repeats": 3, "threads": 2}
+DEFAULTS = {"batches": [1, 8, 32, 64], "repeats": 3}
 PAPER = (
     "| | paper (Figure 1, RTX 3090, six-encoder transformer) |\n"
     "|---|---|\n"
@@ -89,9 +89,10 @@ def command(result: dict) -> str:
     parts += ["--tiny"] if result.get("tiny") else []
     if result.get("batches", DEFAULTS["batches"]) != DEFAULTS["batches"]:
         parts += ["--batches", ",".join(map(str, result["batches"]))]
-    for key in ("repeats", "threads"):
-        if result.get(key, DEFAULTS[key]) != DEFAULTS[key]:
-            parts += [f"--{key}", str(result[key])]
+    if result.get("repeats", DEFAULTS["repeats"]) != DEFAULTS["repeats"]:
+        parts += ["--repeats", str(result["repeats"])]
+    if "threads" in result:  # always: the default is the machine's own count
+        parts += ["--threads", str(result["threads"])]
     return " ".join(parts)
 
 

@@ -133,9 +133,10 @@ def command(result: dict) -> str:
         parts += ["--models", ",".join(models)]
     if modes and modes != ["eager", "sync_free", "compile"]:
         parts += ["--modes", ",".join(modes)]
-    for key, default in (("repeats", 10), ("threads", 2)):
-        if result.get(key, default) != default:
-            parts += [f"--{key}", str(result[key])]
+    if result.get("repeats", 10) != 10:
+        parts += ["--repeats", str(result["repeats"])]
+    if "threads" in result:  # always: the default is the machine's own count
+        parts += ["--threads", str(result["threads"])]
     if result.get("device", "cpu") != "cpu":
         parts += ["--device", str(result["device"])]
     return " ".join(parts)

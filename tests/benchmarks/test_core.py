@@ -52,7 +52,7 @@ def test_bench_quick_json(capsys, tmp_path):
     assert saved == out and report.read_text() == render(saved)
     header = report_header(render(saved).splitlines()[0][2:], command(cfg), cfg)
     assert render(saved).splitlines()[: len(header)] == header
-    assert command(cfg) == "python -m benchmarks.core --quick"
+    assert command(cfg) == f"python -m benchmarks.core --quick --threads {cfg['threads']}"
 
 
 def test_cpu_model_reads_cpuinfo_and_falls_back(tmp_path, monkeypatch):
@@ -137,7 +137,10 @@ def test_lean_bench_gets_the_huge_pages_training_gets(tmp_path):
     mode = malloc._thp_mode()
     want = mode == "always" or (mode == "madvise" and malloc._glibc_tunable_exists())
     assert cfg["malloc"] == "lean" and cfg["hugepages"] is want
-    assert command(cfg) == "python -m benchmarks.core --quick --malloc lean"
+    assert (
+        command(cfg)
+        == f"python -m benchmarks.core --quick --malloc lean --threads {cfg['threads']}"
+    )
 
 
 def test_merge_runs_takes_medians_and_keeps_each_process():
@@ -190,4 +193,7 @@ def test_bench_runs_in_fresh_processes(tmp_path):
     assert done.stderr.count("benchmarks.core: quick shapes") == 2
     assert json.loads(report.with_suffix(".json").read_text()) == out
     assert report.read_text() == render(out)
-    assert command(out["config"]) == "python -m benchmarks.core --quick --processes 2"
+    n = out["config"]["threads"]  # named always: the default is the machine's own count
+    assert (
+        command(out["config"]) == f"python -m benchmarks.core --quick --threads {n} --processes 2"
+    )

@@ -53,6 +53,7 @@ def test_step_modes_bench_writes_its_table(tmp_path) -> None:
     assert (tmp_path / "step_modes.md").read_text() == step_modes.render(result)
     assert step_modes.command(result) == (
         "python -m benchmarks.step_modes --tiny --models smoke --modes eager,sync_free --repeats 1"
+        f" --threads {result['threads']}"
     )
     assert step_modes.main(["--modes", "turbo"]) == 2
 
