@@ -136,12 +136,17 @@ class GaLore:
                 _move_projector(projector, p.device)
 
     def _regrouped(self, state: dict) -> dict:
-        """A state saved when every unprojected leaf was in one group (decayed alike) in
-        this optimizer's groups: the per-leaf state follows its leaf, the groups' settings
-        are this config's."""
+        """``state`` in this optimizer's groups, whose settings (weight decay, rank, ...) are
+        always this config's, as the trainer's AdamW takes them from its config each step.
+        A state saved when every unprojected leaf was in one group (decayed alike) is
+        regrouped: the per-leaf state follows its leaf."""
         groups = self.torch.param_groups
         if len(state["param_groups"]) == len(groups):
-            return state
+            return {"state": state["state"],
+                    "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                                      "params": saved["params"]}
+                                     for g, saved in zip(groups, state["param_groups"],
+                                                         strict=True)]}  # fmt: skip
         index = {id(p): i for i, p in enumerate(self.leaves)}
         now = [index[id(p)] for g in groups for p in g["params"]]
         low = {index[id(p)] for g in groups if "rank" in g for p in g["params"]}

@@ -119,3 +119,27 @@ def test_galore_decays_matrices_only_and_reads_states_of_the_old_grouping() -> N
         saved, loaded = before.state[old[name]], now.torch.state[fresh[name]]
         torch.testing.assert_close(loaded["exp_avg"], saved["exp_avg"], rtol=0, atol=0)
         assert loaded["step"] == saved["step"]
+
+
+def test_galore_groups_take_this_configs_settings_on_load() -> None:
+    """A saved GaLore state brings each leaf's moments; the groups' settings (weight decay
+    of the vectors here, saved from the old single group) are the current config's."""
+    pytest.importorskip("galore_torch")
+    from galore_torch import GaLoreAdamW
+
+    from comera.train.galore import GaLore, GaLoreConfig
+
+    old = {"b": torch.ones(8), "g": torch.ones(8)}  # vectors only: one group either way
+    before = GaLoreAdamW([{"params": [old["b"], old["g"]]}], lr=1e-2, weight_decay=0.5,
+                         no_deprecation_warning=True)  # fmt: skip
+    for p in old.values():
+        p.grad = torch.ones(8)
+    before.step()
+    fresh = {k: v.clone() for k, v in old.items()}
+    now = GaLore(fresh, GaLoreConfig(targets=()), 1e-2, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.5)  # fmt: skip
+    now.load_state_dict(before.state_dict())
+    assert [g["weight_decay"] for g in now.torch.param_groups] == [0.0]
+    torch.testing.assert_close(
+        now.torch.state[fresh["b"]]["exp_avg"], before.state[old["b"]]["exp_avg"]
+    )
