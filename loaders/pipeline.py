@@ -210,17 +210,28 @@ class ReaderPipeline:
         return None
 
     def _open(self) -> tuple[str, int, np.ndarray] | None:
-        """Pick the next document (mixing, then shard), skipping short ones."""
+        """Pick the next document (mixing, then shard), skipping short ones.
+
+        In an endless stream a sub-dataset whose long documents are rare may skip two
+        passes of this reader's shards without finding one: it is then passed over for
+        this document (its cursors keep what was skipped) so the others are served, and
+        chosen again for the next. Alone, or with only such sub-datasets left, it skips on
+        until one comes. The skip count lives in this call only, so a resumed reader
+        passes over what the uninterrupted one did."""
         min_len = self.config.min_doc_len
+        passed: set[str] = set()
         while self._active:
-            name = self.mixer.choose(self._active)
+            name = self.mixer.choose([n for n in self._active if n not in passed])
+            if name is None and passed:  # only the passed-over ones have weight: wait on one
+                name = self.mixer.choose(self._active)
             if name is None:
                 return None
             sc = self.shards[name]
-            skipped, budget = 0, None
+            skipped, budget, dropped = 0, None, False
             while True:
                 slot = self._next_slot(name)
                 if slot is None:
+                    dropped = True
                     break
                 toks = self._tokens(name, slot)
                 if len(toks) >= min_len or sc.offset[slot] > 0:
@@ -232,11 +243,17 @@ class ReaderPipeline:
                 if budget is None:  # two passes (a gap may span an epoch's end)
                     budget = 2 * sum(sc.size(s) for s in range(len(sc.ids))) + len(sc.ids) + 1
                 if skipped > budget:
-                    if self._holds_long(name, sc):
-                        skipped = 0  # a long document comes in a later epoch's order
-                        continue
-                    break
-            self._active.remove(name)  # exhausted (finite) or holds no usable document
+                    if not self._holds_long(name, sc):
+                        dropped = True
+                        break
+                    if name not in passed and any(
+                        n not in passed and n != name for n in self._active
+                    ):
+                        passed.add(name)  # served after the others, this time
+                        break
+                    skipped = 0  # a long document comes in a later epoch's order
+            if dropped:
+                self._active.remove(name)  # exhausted (finite) or holds no usable document
         return None
 
     def _holds_long(self, name: str, sc: ShardCursors) -> bool:

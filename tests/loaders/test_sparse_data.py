@@ -192,3 +192,30 @@ def test_weights_given_to_a_sub_dataset_after_the_end_revive_the_stream():
     ld.set_weights({"b": 1.0})
     rest = list(ld)
     assert first and rest and int((_body(rest) >= 101_000).sum()) == 40  # b's 8 x 5 tokens
+
+
+class _Counted(Memory):
+    """A :class:`Memory` that counts its document reads."""
+
+    def __init__(self, lengths: list[int], base: int = 0) -> None:
+        super().__init__(lengths, base)
+        self.reads = 0
+
+    def doc(self, i: int) -> np.ndarray:
+        self.reads += 1
+        return super().doc(i)
+
+
+@pytest.mark.parametrize("rank", [0, 7])
+def test_a_rare_long_document_does_not_hold_the_others_up(rank):
+    """One long document among 2,000 short ones reaches a reader of 8 about once in 8
+    epochs. Waiting on it, the reader serves the other sub-dataset after at most about two
+    passes of skips (250 documents each) per document, instead of skipping until it comes."""
+    rare = _Counted([1] * 2000)
+    rare.lengths[0] = 10
+    other = Memory([6] * 200, 10_000)
+    cfg = _config([("a", rare, 1.0), ("b", other, 1.0)], min_doc_len=5)
+    ld = TokenLoader(cfg, rank=rank, world_size=8)
+    ids = _body([next(ld) for _ in range(3)])
+    served = len(set((ids[ids >= 10_001_000] // 1000).tolist()))
+    assert served >= 7 and rare.reads / served < 700, (served, rare.reads)
