@@ -219,3 +219,19 @@ def test_a_rare_long_document_does_not_hold_the_others_up(rank):
     ids = _body([next(ld) for _ in range(3)])
     served = len(set((ids[ids >= 10_001_000] // 1000).tolist()))
     assert served >= 7 and rare.reads / served < 700, (served, rare.reads)
+
+
+def test_passing_over_a_sub_dataset_resumes_identically():
+    """Whether a sub-dataset is passed over is decided within one choice, from the
+    cursors: a resumed reader passes over what the uninterrupted one did."""
+    rare = Memory([1] * 2000)
+    rare.lengths[0], rare.lengths[1500] = 10, 12
+    cfg = _config([("a", rare, 1.0), ("b", Memory([6] * 200, 10_000), 1.0)], min_doc_len=5)
+    ref = TokenLoader(cfg, rank=3, world_size=8)
+    _take(ref, 4)
+    state = json.loads(json.dumps(ref.state_dict()))
+    want = [b["input_ids"] for b in _take(ref, 10)]
+    again = TokenLoader(cfg, rank=3, world_size=8)
+    again.load_state_dict(state)
+    got = [b["input_ids"] for b in _take(again, 10)]
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(want, got, strict=True))
