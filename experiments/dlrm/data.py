@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from comera.errors import ConfigError, DataError, MissingFileError
+from comera.errors import ConfigError, DataError, MissingFileError, UserError
 from experiments.cache import cache_root
 
 __all__ = [
@@ -87,10 +87,11 @@ class CriteoDataConfig:
     eval_rows: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_ind_range < 0 or self.min_count < 1 or self.days < 2:
+        if not 0 <= self.max_ind_range < 2**32 or self.min_count < 1 or self.days < 2:
             raise ConfigError(
-                f"CriteoDataConfig: need max_ind_range >= 0, min_count >= 1, days >= 2; got "
-                f"{self.max_ind_range}, {self.min_count}, {self.days} (--set data.*)"
+                f"CriteoDataConfig: need 0 <= max_ind_range < 2**32 (ids are uint32), "
+                f"min_count >= 1, days >= 2; got {self.max_ind_range}, {self.min_count}, "
+                f"{self.days} (--max-ind-range, --set data.*)"
             )
         if self.id_order not in ("frequency", "hash"):
             raise ConfigError(f"data.id_order={self.id_order!r}; choose 'frequency' or 'hash'")
@@ -441,7 +442,23 @@ def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> C
 
 
 def load_criteo(cfg: CriteoDataConfig, *, progress: bool = True) -> CriteoData:
-    """The preprocessed data ``cfg`` names: a Criteo file, or the generated one."""
+    """The preprocessed data ``cfg`` names: a Criteo file, or the generated one. A cache
+    that cannot be written (not a folder, no room, no permission) is one
+    :class:`~comera.errors.DataError` naming ``--cache-dir``."""
+    try:
+        return _load(cfg, progress)
+    except UserError:
+        raise
+    except OSError as e:
+        root = cache_root("criteo", cfg.cache_dir)
+        raise DataError(
+            f"cannot build the Criteo cache under {root}: {e.strerror or e}"
+            f"{f' ({e.filename})' if e.filename else ''}; point --cache-dir (data.cache_dir) at "
+            "a writable folder with room for it"
+        ) from None
+
+
+def _load(cfg: CriteoDataConfig, progress: bool) -> CriteoData:
     if cfg.path == "generated":
         from experiments.dlrm.generate import write_generated
 

@@ -21,7 +21,7 @@ def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
     scores = np.asarray(scores, dtype=np.float64)
     labels = np.asarray(labels).astype(bool)
     pos, neg = int(labels.sum()), int((~labels).sum())
-    if pos == 0 or neg == 0:
+    if pos == 0 or neg == 0 or not np.isfinite(scores).all():  # NaN has no rank: no AUC
         return float("nan")
     _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
     first = np.cumsum(counts) - counts  # 0-based rank where each distinct score starts

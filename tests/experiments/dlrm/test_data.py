@@ -221,6 +221,21 @@ def test_auc_is_exact_with_ties() -> None:
     m = click_metrics(np.zeros(300), labels.astype(float))  # logit 0: p = 0.5
     assert m["auc"] == 0.5 and m["logloss"] == pytest.approx(math.log(2))
     assert m["nce"] > 1  # worse than predicting the base rate
+    # a NaN score has no rank: a model that produced one has no AUC, not a plausible one
+    assert math.isnan(roc_auc(np.array([np.nan, 0.0, 1.0, np.nan]), np.array([0, 0, 1, 1])))
+
+
+def test_settings_and_caches_that_cannot_work_are_one_error(tmp_path: Path) -> None:
+    """ids are uint32, so --max-ind-range must stay below 2**32; a cache dir that cannot
+    be written is a DataError naming --cache-dir, not an OSError traceback."""
+    from comera.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_ind_range < 2\*\*32"):
+        CriteoDataConfig(path=str(SAMPLE), max_ind_range=2**32)
+    (tmp_path / "afile").write_text("")
+    cfg = CriteoDataConfig(path=str(SAMPLE), cache_dir=str(tmp_path / "afile"))
+    with pytest.raises(DataError, match=r"cannot build the Criteo cache .*--cache-dir"):
+        load_criteo(cfg, progress=False)
 
 
 def test_unreadable_file_is_named(tmp_path: Path, monkeypatch) -> None:
