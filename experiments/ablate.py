@@ -53,7 +53,7 @@ from comera.tree import iter_tt
 from experiments import cli
 from experiments.host import report_header
 from experiments.malloc import restart_for
-from experiments.report import record_host, runs_host, write_report_json
+from experiments.report import record_host, runs_host, train_and_eval_rows, write_report_json
 
 __all__ = [
     "ABLATIONS",
@@ -317,8 +317,7 @@ def run_ablation(
 
 def _summary(rec: dict) -> dict:
     rows = read_metrics(Path(rec["dir"]) / "metrics.jsonl")
-    train = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    train, evals = train_and_eval_rows(rows)
     acc_key = next((k for k in (evals[-1] if evals else {}) if k.endswith("accuracy")), None)
     auc_key = next((k for k in (evals[-1] if evals else {}) if k.endswith("/auc")), None)
     loss_key = next(

@@ -41,7 +41,7 @@ from comera.train.logging import read_metrics, truncate_metrics, write_json_atom
 from comera.tree import iter_tt
 from experiments.cache import cache_root
 from experiments.malloc import apply_cpu_malloc, restart_for
-from experiments.report import record_host
+from experiments.report import record_host, train_and_eval_rows
 from loaders.errors import LoaderInputError
 
 __all__ = [
@@ -783,8 +783,7 @@ def train(run: Prepared) -> dict:
 def _last_logged(rows: list[dict]) -> dict:
     """A finished run's last training row with its last eval (a resume of it trains
     nothing, and its summary shows these rather than an empty table)."""
-    train = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    train, evals = train_and_eval_rows(rows)
     last_eval = evals[-1] if evals else {}
     return {**(train[-1] if train else {}),
             **{k: v for k, v in last_eval.items() if k.startswith("eval/")}}  # fmt: skip

@@ -38,6 +38,7 @@ __all__ = [
     "runs_host",
     "series",
     "smoke_report_main",
+    "train_and_eval_rows",
     "write_report_json",
 ]
 
@@ -148,6 +149,14 @@ def load_run(run_dir: str | Path) -> dict:
         "rows": rows,
         "ranks": ranks,
     }
+
+
+def train_and_eval_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """A run's ``metrics.jsonl`` rows split into its training rows (they hold ``loss``) and
+    its eval rows (they hold an ``eval/`` metric), each in step order."""
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    return train, evals
 
 
 def series(rows: list[dict], key: str) -> list[list[float]]:

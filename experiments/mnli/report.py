@@ -29,6 +29,7 @@ from experiments.report import (
     read_report_json,
     runs_host,
     series,
+    train_and_eval_rows,
     write_report_json,
 )
 
@@ -55,8 +56,7 @@ def epoch_seconds(cfg: dict, steps_per_s: float) -> float | None:
 def _summary(run: dict) -> dict:
     """One run's figures and curves, as the report's JSON holds them."""
     cfg, rows = run["config"], run["rows"]
-    train = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    train, evals = train_and_eval_rows(rows)
     last_eval = evals[-1] if evals else {}
     last = train[-1]
     acc_keys = sorted({k for r in evals for k in r if k.endswith("accuracy")})
