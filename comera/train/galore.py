@@ -141,12 +141,14 @@ class GaLore:
         A state saved when every unprojected leaf was in one group (decayed alike) is
         regrouped: the per-leaf state follows its leaf."""
         groups = self.torch.param_groups
+
+        def ours(ids: list[list[int]]) -> list[dict]:  # this config's groups over saved ids
+            return [{**{k: v for k, v in g.items() if k != "params"}, "params": i}
+                    for g, i in zip(groups, ids, strict=True)]  # fmt: skip
+
         if len(state["param_groups"]) == len(groups):
             return {"state": state["state"],
-                    "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
-                                      "params": saved["params"]}
-                                     for g, saved in zip(groups, state["param_groups"],
-                                                         strict=True)]}  # fmt: skip
+                    "param_groups": ours([g["params"] for g in state["param_groups"]])}  # fmt: skip
         index = {id(p): i for i, p in enumerate(self.leaves)}
         now = [index[id(p)] for g in groups for p in g["params"]]
         low = {index[id(p)] for g in groups if "rank" in g for p in g["params"]}
@@ -156,10 +158,8 @@ class GaLore:
             raise ValueError("GaLore state: its parameter groups do not match this model's")
         at = {leaf: k for k, leaf in enumerate(now)}
         moved = {at[before[int(k)]]: v for k, v in state["state"].items()}
-        params, start = [], 0
+        ids, start = [], 0  # the groups' leaves, numbered in order as torch saves them
         for g in groups:
-            n = len(g["params"])
-            params.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + n))})  # fmt: skip
-            start += n
-        return {"state": moved, "param_groups": params}
+            ids.append(list(range(start, start + len(g["params"]))))
+            start += len(g["params"])
+        return {"state": moved, "param_groups": ours(ids)}
