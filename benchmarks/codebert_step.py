@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import print_rendered
+from benchmarks.reporting import TINY_NEEDS_OUT, print_rendered
 from benchmarks.timing import timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import cpu_model, report_header
@@ -289,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_variant(a.variant, a.batch, a.steps, a.tiny)))
         return 0
     if a.tiny and a.out is None:  # toy figures must not pass for the report's
-        return error("--tiny measures a toy model: give --out PATH (the default is the "
-                     "report's JSON)")  # fmt: skip
+        return error(TINY_NEEDS_OUT)
     return run(json_out=a.json, steps=a.steps, tiny=a.tiny, out=a.out or REPORT_JSON)
 
 

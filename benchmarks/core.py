@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.memory import peak_memory_bytes
-from benchmarks.reporting import read_result, write_json, write_text
+from benchmarks.reporting import add_threads_flag, read_result, write_json, write_text
 from comera.accounting import tt_linear_flops, ttm_embedding_flops
 from comera.errors import DataError
 from comera.layers import tt_linear, tt_linear_shared_input, ttm_embedding
@@ -662,12 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for tests")
     ap.add_argument("--repeats", type=int, default=None, help="rounds (default 9, quick 1)")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=torch.get_num_threads(),
-        help="torch threads (default: torch's own, as training uses)",
-    )
+    add_threads_flag(ap)
     ap.add_argument(
         "--malloc",
         choices=CPU_MALLOC_POLICIES,

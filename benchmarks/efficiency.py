@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.mnli_step import SEQ, run_worker
-from benchmarks.reporting import read_result, write_json, write_text
+from benchmarks.reporting import add_threads_flag, read_result, write_json, write_text
 from comera.errors import DataError
 from experiments.host import cpu_model, report_header
 
@@ -179,12 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n")[0])  # fmt: skip
     ap.add_argument("--batches", default=",".join(map(str, DEFAULTS["batches"])))
     ap.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=torch.get_num_threads(),
-        help="torch threads (default: torch's own, as training uses)",
-    )
+    add_threads_flag(ap)
     ap.add_argument("--tiny", action="store_true", help="toy model (tests of the plumbing)")
     ap.add_argument("--out", type=Path, default=REPORTS, help="report dir")
     ap.add_argument("--render", type=Path, metavar="JSON",

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import print_rendered
+from benchmarks.reporting import TINY_NEEDS_OUT, add_threads_flag, print_rendered
 from benchmarks.timing import timed_steps
 from comera.train.logging import write_json_atomic
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
@@ -399,12 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where present)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=torch.get_num_threads(),
-        help="torch threads (default: torch's own, as training uses)",
-    )
+    add_threads_flag(ap)
     ap.add_argument(
         "--out",
         type=Path,
@@ -427,8 +422,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{a.threads}", file=sys.stderr)  # fmt: skip
         return 2
     if a.tiny and a.out is None and not a.worker:  # toy figures must not pass for the report
-        print(f"{ap.prog}: error: --tiny measures a toy model: give --out PATH (the default "
-              "is the report's JSON)", file=sys.stderr)  # fmt: skip
+        print(f"{ap.prog}: error: {TINY_NEEDS_OUT}", file=sys.stderr)
         return 2
     if a.device is not None and not a.worker:  # the bench checked its workers' device
         from experiments.cli import CLIError, check_device

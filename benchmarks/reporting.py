@@ -8,15 +8,27 @@ again, and its header (command, CPU, torch version, date) says what the JSON rec
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from comera.errors import DataError
 
-__all__ = ["read_result", "write_json", "write_text"]
+__all__ = ["TINY_NEEDS_OUT", "add_threads_flag", "read_result", "write_json", "write_text"]
+
+# a toy run's figures must not pass for the report's: its JSON goes where it is told
+TINY_NEEDS_OUT = "--tiny measures a toy model: give --out PATH (the default is the report's JSON)"
+
+
+def add_threads_flag(ap: argparse.ArgumentParser) -> None:
+    """``--threads N``, by default torch's own count: what a training command runs at."""
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="torch threads (default: torch's own, as training uses)")  # fmt: skip
 
 
 def write_text(path: Path, text: str) -> None:

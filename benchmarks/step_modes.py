@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import read_result, write_text
+from benchmarks.reporting import add_threads_flag, read_result, write_text
 from comera.errors import DataError
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
@@ -195,12 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: smoke,paper")
     ap.add_argument("--modes", default="eager,sync_free,compile", help=f"comma-separated: {MODES}")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=torch.get_num_threads(),
-        help="torch threads (default: torch's own, as training uses)",
-    )
+    add_threads_flag(ap)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (for cuda_graph)")
     ap.add_argument(
         "--out", type=Path, default=None, help="report dir (default reports/; cuda: reports/gpu/)"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import print_rendered, write_json, write_text
+from benchmarks.reporting import TINY_NEEDS_OUT, print_rendered, write_json, write_text
 from benchmarks.timing import timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import host_meta, report_header
@@ -211,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_variant(a.variant, a.batch, a.steps, a.tiny)))
         return 0
     if a.tiny and a.out is None:  # toy figures must not pass for the report's
-        print(f"{ap.prog}: error: --tiny measures a toy model: give --out PATH (the default "
-              "is the report's JSON)", file=sys.stderr)  # fmt: skip
+        print(f"{ap.prog}: error: {TINY_NEEDS_OUT}", file=sys.stderr)
         return 2
     return run(json_out=a.json, steps=a.steps, tiny=a.tiny, out=a.out or REPORTS / "tensorize.json")
 
