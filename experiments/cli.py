@@ -24,8 +24,8 @@ import sys
 import time
 import types
 import typing
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,9 @@ class Experiment:
     # ``--bench`` (the old command of a benchmark): ``bench(args)`` forwards to it
     bench: Callable[[argparse.Namespace], int] | None = None
     resume_mutable: frozenset[str] = frozenset()
+    # config keys the build sets itself (key -> where from): a ``--set`` of one is refused,
+    # as the build would replace its value without a word
+    derived: Mapping[str, str] = field(default_factory=dict)
     description: str = ""
     epilog: str = ""
 
@@ -604,6 +607,10 @@ def check_device(device: str, what: str = "--device") -> None:
 def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.ArgumentParser):
     """The effective config: a preset with every flag and ``--set`` applied, or, with
     ``--resume``, the saved config with the few settings that may change."""
+    derived = [k for k in (s.partition("=")[0].strip() for s in args.sets) if k in exp.derived]
+    if derived:
+        k = derived[0]
+        raise CLIError(f"--set {k}: {exp.name} sets {k} itself ({exp.derived[k]}); drop the --set")
     if not args.resume:
         cfg = exp.presets[args.preset]()
         own = exp.flag_overrides(args) if exp.flag_overrides else []

@@ -368,6 +368,11 @@ EXPERIMENT = cli.Experiment(
     flag_overrides=_flag_overrides,
     bench=_bench,
     resume_mutable=frozenset({"data.mix"}),  # --mix may change on resume
+    derived={
+        "model.vocab_size": (
+            "the tokenizer's: data.tokenizer, or data.vocab for a BPE trained on the corpus"
+        )
+    },
     description=__doc__.split("\n")[0],
 )
 

@@ -287,6 +287,7 @@ EXPERIMENT = cli.Experiment(
     flags=data_flags,
     flag_overrides=data_flag_overrides,
     bench=_bench,
+    derived={"model.vocab_size": "the tokenizer's vocabulary; --tokenizer picks another"},
     description=__doc__.split("\n")[0],
 )
 

@@ -37,10 +37,10 @@ def _record_user_errors(monkeypatch) -> list[BaseException]:
     return seen
 
 
-def _one_line(capsys) -> str:
+def _one_line(capsys, prog: str = "experiments.mnli") -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0], err
-    assert err[0].startswith("python -m experiments.mnli: error: "), err
+    assert err[0].startswith(f"python -m {prog}: error: "), err
     return err[0]
 
 
@@ -160,6 +160,8 @@ def test_bad_inputs_are_one_line_raised_as_user_errors(tmp_path, monkeypatch, ca
     refused(["--set", "eval_batch_size=0"], UserError, "batch_size and eval_batch_size must be")
     refused(["--set", "model.heads=0"], UserError, "heads must be >= 1, got 0")
     refused(["--set", "model.heads=-4"], UserError, "heads must be >= 1, got -4")
+    # a key the build sets from the tokenizer: refused, not silently replaced
+    refused(["--set", "model.vocab_size=500"], cli.CLIError, "drop the --set")
     # longer rows than the model has positions: refused before the run dir is claimed
     longer = [*FAST, "--run-dir", str(tmp_path / "long"), "--set", "data.max_length=32"]
     refused(longer, UserError, "raise model.max_len too (--set model.max_len=32)")
@@ -228,6 +230,14 @@ def test_every_preset_refuses_an_empty_batch():
             with pytest.raises(ConfigError, match=r"batch_size and eval_batch_size must be >= 1"):
                 dataclasses.replace(p, **{field: 0})
         assert dataclasses.replace(p, batch_size=1).batch_size == 1
+
+
+def test_codebert_refuses_a_set_vocab_size(tmp_path, capsys):
+    from experiments.codebert import experiment as cb
+
+    assert cb.main(["--set", "model.vocab_size=500", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "data.tokenizer, or data.vocab" in _one_line(capsys, "experiments.codebert")
+    assert not (tmp_path / "r").exists()
 
 
 def test_codebert_rows_longer_than_the_positions_are_refused():
