@@ -270,6 +270,13 @@ class ContractionPlan:
         """``x2d (T, N)`` -> ``(T, M)``, adding ``bias`` if given."""
         if self.strategy in ("comera", "dense"):
             return contract_halves(self.strategy, x2d, cores, bias)
+        dev = x2d.device.type
+        if torch.is_autocast_enabled(dev):
+            # the path mixes einsum steps, which autocast runs in its dtype, with tensordot
+            # steps, which it leaves alone and which refuse mixed dtypes: cast up front
+            dt = torch.get_autocast_dtype(dev)
+            x2d, cores = x2d.to(dt), [c.to(dt) for c in cores]
+            bias = None if bias is None else bias.to(dt)
         d = len(cores) // 2
         n_modes = [c.shape[1] for c in cores[d:]]
         m = math.prod(c.shape[1] for c in cores[:d])

@@ -81,6 +81,28 @@ def test_all_strategies_agree_in_float32_outputs_and_gradients(seed):
 
 
 @pytest.mark.parametrize("strategy", [*C.STRATEGIES, "explicit"])
+def test_every_plan_runs_under_bf16_autocast(strategy):
+    """opt_einsum's paths mix einsum steps (which autocast casts) with tensordot steps
+    (which it does not, and which refuse mixed dtypes): every plan must still run, in
+    autocast's dtype, close to the fp32 values, with fp32 gradients for the fp32 leaves."""
+    from comera.autotune import PlanTuner, use_tuner
+
+    gen = torch.Generator().manual_seed(4)
+    spec = C.TTLinearSpec(out_modes=(4, 5), in_modes=(4, 6), ranks=3, bias=True)
+    params, state = C.init(spec, generator=gen)
+    x = torch.randn(8, 24, generator=gen)
+    ref = C.tt_linear(params, state, x, plan="dense")
+    plan = [(0, 4), (0, 3), (0, 2), (0, 1)] if strategy == "explicit" else strategy
+    leaves = {**params, "cores": [c.clone().requires_grad_() for c in params["cores"]]}
+    with use_tuner(PlanTuner()), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = C.tt_linear(leaves, state, x, plan=plan)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, rtol=0.05, atol=0.05)
+    y.float().sum().backward()
+    assert all(c.grad is not None and c.grad.dtype == torch.float32 for c in leaves["cores"])
+
+
+@pytest.mark.parametrize("strategy", [*C.STRATEGIES, "explicit"])
 def test_gradcheck_float64(strategy):
     gen = torch.Generator().manual_seed(3)
     spec = C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=(2, 3, 2), dtype=torch.float64)
