@@ -110,18 +110,22 @@ def _chain_forward(
     the rows ``(U, D)`` (``None`` when ``last`` is False: the backward skips the last
     GEMM), the gathered slices ``(U, r, d*r')`` and the partial products ``(U, D_acc, r)``
     that enter each GEMM."""
+    # every size explicit: a table pruned to the zero map has rank-0 bonds, and a
+    # reshape of 0 elements cannot infer a -1
     u = len(idx[0])
     slices = [
-        _gather_core_rows(t, i).reshape(u, t.shape[1], -1) for t, i in zip(tables, idx, strict=True)
+        _gather_core_rows(t, i).reshape(u, t.shape[1], t.shape[2] * t.shape[3])
+        for t, i in zip(tables, idx, strict=True)
     ]
-    acc = slices[0].reshape(u, -1, tables[0].shape[3])  # (U, D_1, r_1): r_0 is 1
+    acc = slices[0].reshape(u, tables[0].shape[2], tables[0].shape[3])  # (U, D_1, r_1)
     accs = [acc]
     for sl, core in zip(slices[1:-1], tables[1:-1], strict=True):
-        acc = torch.bmm(acc, sl).reshape(u, -1, core.shape[3])  # (U, D_acc*d, r')
+        d_acc = acc.shape[1] * core.shape[2]
+        acc = torch.bmm(acc, sl).reshape(u, d_acc, core.shape[3])  # (U, D_acc*d, r')
         accs.append(acc)
     if not last or len(slices) == 1:
-        return (acc.reshape(u, -1) if last else None), slices, accs
-    return torch.bmm(acc, slices[-1]).reshape(u, -1), slices, accs
+        return (acc.reshape(u, acc.shape[1] * acc.shape[2]) if last else None), slices, accs
+    return torch.bmm(acc, slices[-1]).reshape(u, acc.shape[1] * tables[-1].shape[2]), slices, accs
 
 
 class _GatheredChain(torch.autograd.Function):

@@ -116,6 +116,27 @@ def test_many_blocks_and_empty_batches(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("stack", list(STACKINGS))
+@pytest.mark.parametrize("tables", [1, 2])
+def test_a_table_pruned_to_the_zero_map_gives_zero_rows(stack: str, tables: int, monkeypatch):
+    """A table whose bond lost every rank compacts to rank-0 cores, the zero map: zero rows
+    and zero gradients, as ``ttm_embedding`` gives (a group of such tables included)."""
+    _stacking(stack, monkeypatch)
+    spec = C.TTMEmbeddingSpec(num_embeddings=60, embedding_dim=12, vocab_modes=(3, 4, 5),
+                              dim_modes=(2, 3, 2), ranks=(3, 4))  # fmt: skip
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    masks = [m.clone() for m in s["masks"]]
+    masks[0][:] = False
+    p, s = C.compact(p, {"masks": masks})
+    assert p["cores"][0].shape[-1] == 0
+    p = {k: [t.detach().requires_grad_() for t in v] for k, v in p.items()}
+    ids = torch.tensor([[1], [5], [59], [5]]).repeat(1, tables)
+    out = C.ttm_embedding_batched([p] * tables, [s] * tables, ids)
+    assert out.shape == (4, tables, 12) and not out.any()
+    grads = torch.autograd.grad(out.sum(), p["cores"], allow_unused=True)
+    assert all(g is None or not g.any() for g in grads)
+
+
+@pytest.mark.parametrize("stack", list(STACKINGS))
 def test_gradients_only_where_asked(stack: str, monkeypatch) -> None:
     """Tables (and cores) that do not require grad get none; the others get what separate
     lookups give."""
