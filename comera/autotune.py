@@ -305,10 +305,14 @@ class PlanTuner:
         parts = [kind, str(tuple(tuple(int(x) for x in s) for s in shapes)), f"T{bucket}",
                  str(dtype), _device_name(device), f"grad={int(grad)}"]  # fmt: skip
         if kind == "tt_linear":
-            bias, dx = extra
+            bias, dx, dw, halves = extra
             parts.append(f"bias={int(bias)}")
             if grad and not dx:  # timed without the dx GEMM: not the answer for a call with it
                 parts.append("dx=0")
+            if grad and not dw:  # a frozen layer: timed without the weight gradients
+                parts.append("dw=0")
+            if halves:  # comera and dense read halves built beforehand (GroupedHalves)
+                parts.append("halves=1")
         else:
             parts.append(f"sync_free={int(extra)}")
         key = "|".join([*parts, f"from={','.join(cands)}", f"torch {torch.__version__}"])
@@ -348,10 +352,14 @@ class PlanTuner:
         x2d: torch.Tensor,
         bias: torch.Tensor | None,
         fallback: str = "comera",
+        *,
+        halves: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> str:
-        """The plan for ``tt_linear`` of ``x2d (T, N)`` with these gated ``cores``."""
-        base = _linear_call(cores, x2d, bias)
-        _, shapes, bucket, dtype, _, grad, (_, dx) = base
+        """The plan for ``tt_linear`` of ``x2d (T, N)`` with these gated ``cores``;
+        ``halves``: the layer's ``(A, B)`` built beforehand (:class:`GroupedHalves`), which
+        the ``comera`` and ``dense`` paths then read (and are timed reading)."""
+        base = _linear_call(cores, x2d, bias, halves is not None)
+        _, shapes, bucket, dtype, _, grad, (has_bias, dx, dw, _) = base
         tokens = x2d.shape[0]
         key, choice = self._fast_lookup(base)
         if choice is not None:
@@ -363,8 +371,11 @@ class PlanTuner:
         ranks = [s[2] for s in shapes[:-1]]
         fewest = _fewest(bucket)
         no_dx = " no dx" if grad and not dx else ""
+        no_dw = " no dW" if grad and not dw else ""
         what = (f"{m}x{n} ranks {','.join(map(str, ranks))} tokens {bucket} {dtype}"
-                f"{'' if grad else ' no grad'}{no_dx}")  # fmt: skip
+                f"{'' if grad else ' no grad'}{no_dx}{no_dw}{' bias' if has_bias else ''}"
+                f"{' halves' if halves is not None else ''}"
+                f"{self._restricted('tt_linear')}")  # fmt: skip
         skipped: dict[str, str] = {}
         flops = {c: tt_linear_plan(c, shapes, tokens).flops for c in self.linear_candidates}
         cheapest = max(min(flops.values()), 1)  # a dead bond's map costs nothing
@@ -375,8 +386,15 @@ class PlanTuner:
             elif flops[c] > FLOP_PRUNE * cheapest and c != fallback:
                 skipped[c] = f"{flops[c] / cheapest:.0f}x the cheapest forward FLOPs"
             else:
-                runs[c] = self._linear_run(c, shapes, x2d, cores, bias, grad)
+                runs[c] = self._linear_run(c, shapes, x2d, cores, bias, grad, halves)
         return self._decide(base, key, what, runs, skipped)
+
+    def _restricted(self, kind: str) -> str:
+        """`` of a/b`` when ``kind``'s candidates are not the default set (a decision
+        under :meth:`restrict` is another decision, and says so)."""
+        cands = self._candidates(kind)
+        default = LINEAR_CANDIDATES if kind == "tt_linear" else EMBEDDING_CANDIDATES
+        return "" if cands == tuple(default) else f" of {'/'.join(cands)}"
 
     @staticmethod
     def _linear_run(
@@ -386,17 +404,23 @@ class PlanTuner:
         cores: Sequence[torch.Tensor],
         bias: torch.Tensor | None,
         grad: bool,
+        halves: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Callable[[], None]:
-        x = _fresh(x2d, grad and x2d.requires_grad)  # no dx where the call needs none
-        gs = [_fresh(c, grad) for c in cores]
-        b = _fresh(bias, grad)
+        # what the call differentiates, no more: no dx, or no weight gradients for a
+        # frozen layer; with built halves comera and dense read (and differentiate) those
+        x = _fresh(x2d, grad and x2d.requires_grad)
+        direct = strategy in ("comera", "dense")
+        weights = halves if direct and halves is not None else cores
+        gs = [_fresh(c, grad and c.requires_grad) for c in weights]
+        b = _fresh(bias, grad and bias is not None and bias.requires_grad)
         leaves = [t for t in (x, *gs, b) if t is not None and t.requires_grad]
-        plan = tt_linear_plan(strategy, shapes, x2d.shape[0]) if strategy not in (
-            "comera", "dense") else None  # fmt: skip
+        plan = None if direct else tt_linear_plan(strategy, shapes, x2d.shape[0])
+        built = direct and halves is not None
 
         def run() -> None:
             with torch.set_grad_enabled(grad):
-                y = contract_halves(strategy, x, gs, b) if plan is None else plan(x, gs, b)
+                y = (contract_halves(strategy, x, gs, b, built=built) if plan is None
+                     else plan(x, gs, b))  # fmt: skip
                 if grad:
                     torch.autograd.grad(y, leaves, torch.ones_like(y), allow_unused=True)
 
@@ -429,7 +453,8 @@ class PlanTuner:
         ranks = [s[3] for s in shapes[:-1]]
         fewest = _fewest(bucket)
         what = (f"{rows}x{dim} ranks {','.join(map(str, ranks))} ids={bucket} {dtype}"
-                f"{'' if grad else ' no grad'}")  # fmt: skip
+                f"{'' if grad else ' no grad'}{' sync-free' if sync_free else ''}"
+                f"{self._restricted('ttm_embedding')}")  # fmt: skip
         skipped: dict[str, str] = {}
         runs: dict[str, Callable[[], None]] = {}
         for c in self.embedding_candidates:
@@ -458,14 +483,19 @@ class PlanTuner:
 
 
 def _linear_call(
-    cores: Sequence[torch.Tensor], x2d: torch.Tensor, bias: torch.Tensor | None
+    cores: Sequence[torch.Tensor],
+    x2d: torch.Tensor,
+    bias: torch.Tensor | None,
+    halves: bool = False,
 ) -> tuple:
-    grad = torch.is_grad_enabled() and (x2d.requires_grad or any(c.requires_grad for c in cores))
+    weights = any(c.requires_grad for c in cores) or (bias is not None and bias.requires_grad)
+    grad = torch.is_grad_enabled() and (x2d.requires_grad or weights)
     shapes = tuple(tuple(c.shape) for c in cores)
     bucket = token_bucket(x2d.shape[0])
-    dx = grad and x2d.requires_grad  # the timing runs compute dx only where the call does
+    # the timing runs compute dx and the weight gradients only where the call does
+    dx, dw = grad and x2d.requires_grad, grad and weights
     return ("tt_linear", shapes, bucket, _compute_dtype(x2d), x2d.device, grad,
-            (bias is not None, dx))  # fmt: skip
+            (bias is not None, dx, dw, halves))  # fmt: skip
 
 
 TRACEABLE = ("comera", "dense", "optimized", "static", "table")  # plans torch.compile traces
@@ -480,13 +510,16 @@ def _traced_choice(base: tuple, fallback: str) -> str:
 
 
 def choose_linear(
-    cores: Sequence[torch.Tensor], x2d: torch.Tensor, bias: torch.Tensor | None
+    cores: Sequence[torch.Tensor],
+    x2d: torch.Tensor,
+    bias: torch.Tensor | None,
+    halves: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> str:
     """The ``auto`` plan of a ``tt_linear`` call: the tuner in force decides (or a traced
-    call reads what it decided)."""
+    call reads what it decided). ``halves``: the layer's prebuilt ``(A, B)``, if any."""
     if torch.compiler.is_compiling():
-        return _traced_choice(_linear_call(cores, x2d, bias), "comera")
-    return current_tuner().linear(cores, x2d, bias)
+        return _traced_choice(_linear_call(cores, x2d, bias, halves is not None), "comera")
+    return current_tuner().linear(cores, x2d, bias, halves=halves)
 
 
 def choose_embedding(

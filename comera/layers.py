@@ -127,7 +127,7 @@ def tt_linear(
     g = gated_cores(params, state, name) if built is None else params["cores"]
     strategy = resolve_plan(plan, name)
     if strategy == "auto":
-        strategy = choose_linear(g, x2, params.get("bias"))  # type: ignore[arg-type]
+        strategy = choose_linear(g, x2, params.get("bias"), built)  # type: ignore[arg-type]
     if strategy in ("comera", "dense"):  # direct GEMMs: no plan to look up (nor to trace)
         operands = g if built is None else built
         y = contract_halves(strategy, x2, operands, params.get("bias"), built=built is not None)

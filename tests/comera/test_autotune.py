@@ -61,6 +61,33 @@ def test_candidates_can_be_restricted() -> None:
     assert next(iter(tuner.decisions.values())).choice == "dp"
 
 
+def test_decisions_of_other_keys_are_told_apart_where_they_are_shown() -> None:
+    """``what`` (describe(), config.json's ``plans``) names what makes a decision another:
+    a bias, a restricted candidate set, a sync-free lookup; so no two decisions of one
+    run share it."""
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0, "optimized": 1.0, "table": 2.0})
+    tuner = A.PlanTuner(timer=timer)
+    p, s = _linear()
+    no_bias = {k: v for k, v in p.items() if k != "bias"}
+    spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5), dim_modes=(4, 4), ranks=6, num_embeddings=18)
+    e, es = C.init(spec, generator=torch.Generator().manual_seed(0))
+    e = {k: [t.requires_grad_() for t in v] for k, v in e.items()}
+    ids = torch.randint(0, 18, (4, 16), generator=torch.Generator().manual_seed(2))
+    with A.use_tuner(tuner):
+        C.tt_linear(p, s, _x(), plan="auto")
+        C.tt_linear(no_bias, s, _x(), plan="auto")
+        with tuner.restrict(("comera", "dense")):
+            C.tt_linear(p, s, _x(), plan="auto")
+        C.ttm_embedding(e, es, ids, impl="auto", spec=spec)
+        with C.layers.SyncFreeLookups():
+            C.ttm_embedding(e, es, ids, impl="auto", spec=spec)
+    whats = [d.what for d in tuner.decisions.values()]
+    assert len(whats) == 5 and len(set(whats)) == 5, whats
+    assert sum(" bias" in w for w in whats) == 2
+    assert sum(w.endswith(" of comera/dense") for w in whats) == 1
+    assert sum(" sync-free" in w for w in whats) == 1
+
+
 @pytest.mark.parametrize("forced", ["comera", "dense", "dp"])
 def test_every_choice_gives_comeras_values_and_gradients(forced: str) -> None:
     others = {c: 5.0 for c in A.LINEAR_CANDIDATES}
@@ -199,7 +226,71 @@ def test_an_input_that_needs_a_gradient_is_another_decision() -> None:
             C.tt_linear(p, s, _x().requires_grad_(), plan="auto")  # no gradient at all
     assert timer.calls == 3
     whats = sorted(d.what for d in tuner.decisions.values())
-    assert [w.endswith(" no dx") for w in whats].count(True) == 1
+    assert [" no dx" in w for w in whats].count(True) == 1
+
+
+def _flops_timer(seen: dict[str, int]):
+    """A timer that runs each candidate once and records its matmul FLOPs (what a timing
+    run computes, deterministically); every candidate takes 1 ms."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def timer(runs: dict) -> dict[str, float]:
+        for c, run in runs.items():
+            with FlopCounterMode(display=False) as fc:
+                run()
+            seen[c] = fc.get_total_flops()
+        return dict.fromkeys(runs, 1e-3)
+
+    return timer
+
+
+def _call_flops(fn) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
+@pytest.mark.parametrize("plan", ["comera", "dense"])
+def test_a_frozen_layer_is_timed_without_weight_gradients(plan: str) -> None:
+    """A frozen TT layer fed by an input that needs a gradient computes dx only: its
+    timing runs do the same, and the decision is apart from a trained layer's."""
+    seen: dict[str, int] = {}
+    tuner = A.PlanTuner(timer=_flops_timer(seen), linear_candidates=(plan,))
+    p, s = _linear()
+    frozen = {k: [t.detach() for t in v] if isinstance(v, list) else v.detach()
+              for k, v in p.items()}  # fmt: skip
+    x = _x().requires_grad_()
+    with A.use_tuner(tuner):
+        C.tt_linear(frozen, s, x, plan="auto")
+        C.tt_linear(p, s, x, plan="auto")
+    assert tuner.timings == 2
+    assert [" no dW" in d.what for d in tuner.decisions.values()] == [True, False]
+    real = _call_flops(lambda: C.tt_linear(frozen, s, x, plan=plan).sum().backward())
+    tuner2 = A.PlanTuner(timer=_flops_timer(seen), linear_candidates=(plan,))
+    with A.use_tuner(tuner2):
+        C.tt_linear(frozen, s, x, plan="auto")
+    assert seen[plan] == real
+
+
+@pytest.mark.parametrize("plan", ["comera", "dense"])
+def test_grouped_halves_are_timed_as_the_call_reads_them(plan: str) -> None:
+    """With halves built beforehand (GroupedHalves) comera and dense read them: the
+    timing run does the call's work, not a rebuild of the halves."""
+    seen: dict[str, int] = {}
+    p, s = _linear()
+    x = _x().requires_grad_()
+    with A.use_tuner(A.PlanTuner(timer=_flops_timer(seen), linear_candidates=(plan,))) as t:
+        grouped = C.plans.GroupedHalves([(p, s)])
+        C.tt_linear(p, s, x, plan="auto", halves=grouped)
+    assert "halves" in next(iter(t.decisions.values())).what
+    grouped = C.plans.GroupedHalves([(p, s)])
+    halves = list(grouped.get(p))  # the call's own work ends at the halves' gradients
+    real = _call_flops(
+        lambda: C.tt_linear(p, s, x, plan=plan, halves=grouped).sum().backward(inputs=[x, *halves])
+    )
+    assert seen[plan] > 0 and seen[plan] == real
 
 
 def test_compaction_re_decides_for_the_new_ranks() -> None:
