@@ -37,12 +37,14 @@ import os
 import platform
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -191,6 +193,8 @@ class PlanTuner:
         self._fast: dict[tuple, tuple[str, str]] = {}  # (call, threads) -> (key, choice)
         self._last: dict[tuple, str] = {}  # call -> its latest choice (read under compile)
         self._loaded = False
+        # one decision (timing, then recording and saving) at a time among threads
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ the cache
 
@@ -200,24 +204,42 @@ class PlanTuner:
         return self.cache_dir / CACHE_FILE if self.cache_dir is not None else None
 
     @staticmethod
-    def _read_table(path: Path) -> dict[str, Decision]:
-        """The decisions in a cache file; anything unreadable or of the wrong shape is
-        dropped (it is decided again, never trusted), as is a choice its key does not
-        list among the candidates."""
+    def _read_raw(path: Path) -> dict[str, Any]:
+        """A cache file's entries as stored, or nothing when it is not a JSON object."""
         try:
             table = json.loads(path.read_text())
-            out = {k: Decision(**v) for k, v in table.items()}
-        except Exception:  # noqa: BLE001 - a damaged cache of any kind: decide again
+        except (OSError, ValueError):  # unreadable, not UTF-8, not JSON: decide again
             return {}
-        return {k: d for k, d in out.items() if _choice_in_key(k, d.choice)}
+        return table if isinstance(table, dict) else {}
+
+    @staticmethod
+    def _parse(raw: dict[str, Any]) -> dict[str, Decision]:
+        """The entries that make a decision, each on its own: one of the wrong shape (from
+        another version, or damaged) is dropped (decided again, never trusted), as is a
+        choice its key does not list among the candidates; the others stand."""
+        out = {}
+        for k, v in raw.items():
+            try:
+                d = Decision(**v)
+            except TypeError:  # not a mapping, or other fields
+                continue
+            if isinstance(d.choice, str) and _choice_in_key(k, d.choice):
+                out[k] = d
+        return out
+
+    @classmethod
+    def _read_table(cls, path: Path) -> dict[str, Decision]:
+        """The decisions in a cache file (see :meth:`_parse`)."""
+        return cls._parse(cls._read_raw(path))
 
     def _load(self) -> None:
-        if self._loaded:
-            return
-        self._loaded = True
-        path = self.cache_file
-        if path is not None and path.is_file():
-            self.decisions = {**self._read_table(path), **self.decisions}
+        with self._lock:  # threads sharing the tuner see the table once it is read
+            if self._loaded:
+                return
+            path = self.cache_file
+            if path is not None and path.is_file():
+                self.decisions = {**self._read_table(path), **self.decisions}
+            self._loaded = True
 
     def _save(self) -> None:
         """Merge our decisions into the cache file (another run's keys kept), written
@@ -228,9 +250,10 @@ class PlanTuner:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            disk = self._read_table(path) if path.is_file() else {}
-            merged = {**disk, **self.decisions}
-            text = json.dumps({k: asdict(v) for k, v in sorted(merged.items())}, indent=1)
+            # entries as stored: one this version cannot read (another version's) is kept
+            disk = self._read_raw(path) if path.is_file() else {}
+            merged = {**disk, **{k: asdict(v) for k, v in self.decisions.items()}}
+            text = json.dumps(dict(sorted(merged.items())), indent=1)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
             with os.fdopen(fd, "w") as f:
                 f.write(text)
@@ -252,16 +275,18 @@ class PlanTuner:
     def install(self, table: dict[str, dict]) -> None:
         """Adopt ``table``'s decisions (rank 0's, on every rank), replacing any of our own."""
         self._load()
-        self.decisions.update({k: Decision(**v) for k, v in table.items()})
-        for fast, (key, choice) in list(self._fast.items()):  # calls already seen follow
-            new = self.decisions[key].choice if key in self.decisions else choice
-            self._fast[fast] = (key, new)
-            self._last[fast[0]] = new
+        with self._lock:
+            self.decisions.update({k: Decision(**v) for k, v in table.items()})
+            for fast, (key, choice) in list(self._fast.items()):  # calls already seen follow
+                new = self.decisions[key].choice if key in self.decisions else choice
+                self._fast[fast] = (key, new)
+                self._last[fast[0]] = new
 
     def take_used(self) -> dict[str, Decision]:
         """The decisions asked for since the last call (what a run reports), then forget."""
-        used = {k: self.decisions[k] for k in sorted(self.used) if k in self.decisions}
-        self.used = set()
+        with self._lock:
+            used = {k: self.decisions[k] for k in sorted(self.used) if k in self.decisions}
+            self.used = set()
         return used
 
     def describe(self, decisions: dict[str, Decision] | None = None) -> str:
@@ -277,15 +302,20 @@ class PlanTuner:
                 skipped: dict[str, str]) -> str:  # fmt: skip
         if not runs:  # nothing may run here: the paper's path, undecided
             return "comera" if base[0] == "tt_linear" else "optimized"
-        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            # a timing run saves its own tensors: never into an enclosing checkpoint's
-            # saved-tensor hooks (activation recomputation would count them as its own)
-            times = {c: 1e3 * t for c, t in self.timer(runs).items()}
-        choice = min(times, key=lambda c: (times[c], list(runs).index(c)))
-        self.decisions[key] = Decision(base[0], what, choice, times, skipped)
-        self._remember(base, key, choice)
-        self.timings += 1
-        self._save()
+        with self._lock:
+            known = self.decisions.get(key)  # another thread decided it meanwhile
+            if known is not None:
+                self._remember(base, key, known.choice)
+                return known.choice
+            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                # a timing run saves its own tensors: never into an enclosing checkpoint's
+                # saved-tensor hooks (activation recomputation would count them as its own)
+                times = {c: 1e3 * t for c, t in self.timer(runs).items()}
+            choice = min(times, key=lambda c: (times[c], list(runs).index(c)))
+            self.decisions[key] = Decision(base[0], what, choice, times, skipped)
+            self._remember(base, key, choice)
+            self.timings += 1
+            self._save()
         return choice
 
     def _candidates(self, kind: str) -> tuple[str, ...]:

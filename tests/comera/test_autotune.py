@@ -151,7 +151,62 @@ def test_a_damaged_cache_is_re_decided(tmp_path, text: str) -> None:
     with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)):
         C.tt_linear(*_linear(), _x(), plan="auto")
     assert timer.calls == 1
-    assert len(json.loads((tmp_path / A.CACHE_FILE).read_text())) == 1
+    table = json.loads((tmp_path / A.CACHE_FILE).read_text())
+    # an entry of the wrong shape is kept as stored (another version may read it), never
+    # trusted; a file that is no JSON object is replaced
+    assert len(table) == (2 if text.startswith('{"k"') else 1)
+
+
+def test_one_bad_entry_costs_only_itself(tmp_path) -> None:
+    """An entry this version cannot read (a newer version's field, or damage) is decided
+    again; the cache's other decisions stand, and a save keeps every entry."""
+    p, s = _linear()
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)):
+        C.tt_linear(p, s, _x(64), plan="auto")
+    path = tmp_path / A.CACHE_FILE
+    table = json.loads(path.read_text())
+    (key,) = table
+    other = key.replace("T64", "T128")  # a valid decision the next run does not revisit
+    newer = key.replace("T64", "T2048")
+    table[other] = dict(table[key])
+    table[newer] = dict(table[key], note="a field of a newer version")
+    path.write_text(json.dumps(table))
+    tuner = A.PlanTuner(tmp_path, timer=timer)
+    with A.use_tuner(tuner):
+        C.tt_linear(p, s, _x(64), plan="auto")  # read from the cache
+        C.tt_linear(p, s, _x(16), plan="auto")  # a new key: timed and saved
+    assert tuner.timings == 1 and set(tuner.decisions) >= {key, other}
+    after = json.loads(path.read_text())
+    assert {key, other, newer} < set(after) and after[newer]["note"]
+
+
+def test_threads_sharing_a_tuner_read_the_cache_before_timing(tmp_path, monkeypatch) -> None:
+    """A thread that asks while another is still reading the cache file waits for it: a
+    decision on disk is never timed again (nor chosen anew)."""
+    import threading
+    import time
+
+    p, s = _linear()
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)), torch.no_grad():
+        C.tt_linear(p, s, _x(), plan="auto")
+    read = A.PlanTuner._read_raw
+    monkeypatch.setattr(A.PlanTuner, "_read_raw",
+                        staticmethod(lambda path: (time.sleep(0.3), read(path))[1]))  # fmt: skip
+    tuner = A.PlanTuner(tmp_path, timer=timer)
+
+    def call() -> None:
+        with A.use_tuner(tuner), torch.no_grad():
+            C.tt_linear(p, s, _x(), plan="auto")
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    threads[0].start()
+    time.sleep(0.05)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert tuner.timings == 0
 
 
 def test_a_cached_choice_outside_its_candidates_is_not_trusted(tmp_path) -> None:
