@@ -175,13 +175,22 @@ class LayerPlans:
                 chosen = strategy
         return chosen
 
-    def check_layers(self, paths: Sequence[str]) -> None:
-        """Refuse a per-layer rule that matches no layer: a typo would silently do nothing."""
+    def check_layers(self, paths: Sequence[str], embeddings: Sequence[str] = ()) -> None:
+        """Refuse a per-layer rule that matches no TT linear of ``paths``: a typo would
+        silently do nothing, and so would a rule for the TTM ``embeddings`` (a lookup takes
+        ``embedding_impl``, never a contraction plan)."""
         for pattern, _ in self.per_layer:
-            if not any(fnmatch.fnmatchcase(p, pattern) for p in paths):
+            if any(fnmatch.fnmatchcase(p, pattern) for p in paths):
+                continue
+            hit = [e for e in embeddings if fnmatch.fnmatchcase(e, pattern)]
+            if hit:
                 raise ConfigError(
-                    f"plan rule {pattern!r} matches no TT layer; layers are: {', '.join(paths)}"
+                    f"plan rule {pattern!r} matches only TTM embeddings ({', '.join(hit)}), "
+                    "which take embedding_impl (--embedding-impl), not a contraction plan"
                 )
+            raise ConfigError(
+                f"plan rule {pattern!r} matches no TT layer; layers are: {', '.join(paths)}"
+            )
 
 
 def token_bucket(tokens: int) -> int:

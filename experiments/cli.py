@@ -731,9 +731,11 @@ def prepare(
     if torch.device(cfg.train.device).type == "cpu":
         apply_cpu_malloc(cfg.train.cpu_malloc)  # the command's policy: the library sets none
     task, params, state, reference, info = exp.build(cfg, rank, world)
-    layers = [path for path, _, _ in iter_tt(params, state)]
+    layers = [(path, p["cores"][0].dim() == 3) for path, p, _ in iter_tt(params, state)]
     if layers:  # a dense baseline has no TT layer for a plan to name
-        cfg.plans.check_layers(layers)
+        # TT linears' cores are (r, n, r'), TTM lookups' (r, v, d, r')
+        cfg.plans.check_layers([p for p, linear in layers if linear],
+                               [p for p, linear in layers if not linear])  # fmt: skip
     record = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "train"}
     record |= {"experiment": exp.name, "preset": preset or cfg.train.run_name, "argv": argv,
                **info, **history}  # fmt: skip

@@ -163,6 +163,18 @@ def test_plan_chosen_on_the_cli_is_the_plan_that_runs(tmp_path, monkeypatch):
     assert mnli.main(["--resume", str(run_dir), "--no-progress"]) == 0
 
 
+def test_a_plan_rule_must_reach_a_tt_linear(tmp_path, capsys):
+    """A ``--plan-for`` rule that matches nothing, or only TTM lookups (which take
+    ``--embedding-impl``), would do nothing: one line, before the run dir is claimed."""
+    for rule, text in [("embed.*=dp", "matches only TTM embeddings (embed.word)"),
+                       ("layer.*.q=dp", "matches no TT layer")]:  # fmt: skip
+        run_dir = tmp_path / rule.partition("=")[0]
+        assert mnli.main([*FAST, "--run-dir", str(run_dir), "--plan-for", rule]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and text in err[0], err
+        assert not (run_dir / "checkpoints").exists()
+
+
 def test_resume_replays_config_and_allows_only_reporting_changes(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert mnli.main([*FAST, "--run-dir", str(run_dir), "--set", "train.comera.gamma=0.07"]) == 0
