@@ -11,13 +11,16 @@ decided (or read from the cache) afresh.
 
 Two rules bound what ``auto`` may pick:
 
-- **Memory.** A plan that rebuilds the weight (``dense``) is a candidate for a training
-  call only when ``W`` (``M x N``) is at most :data:`DENSE_SHARE` (5%) of the call's
-  input and output activations (``T x (N + M)``) for every token count ``T`` its key
-  covers (half its power-of-two bucket and up): autograd keeps the rebuilt ``W`` for the
-  backward pass, so this bounds what ``auto`` adds to a step's saved tensors at 5% of the
-  TT layers' own activations. A TTM lookup rebuilds its table (``table``) only when the
-  table has no more rows than the fewest ids its key covers.
+- **Memory.** What a plan builds from the cores alone, before ``x`` joins, autograd
+  keeps for the backward pass whatever the token count. A plan that builds more of it than
+  the ``comera`` plan does (its halves) is a candidate for a training call only when the
+  excess is at most :data:`DENSE_SHARE` (5%) of the call's input and output activations
+  (``T x (N + M)``) for every token count ``T`` its key covers (half its power-of-two
+  bucket and up). For ``dense`` the excess is the rebuilt ``W`` (``M x N``); an opt_einsum
+  path (``dp``) may contract cores into tensors as large. This bounds what ``auto`` adds
+  to a step's saved tensors at 5% of the TT layers' own activations. A TTM lookup
+  rebuilds its table (``table``) only when the table has no more rows than the fewest
+  ids its key covers.
 - **Cost.** A candidate whose forward FLOPs (opt_einsum's count, ``describe()``) exceed
   :data:`FLOP_PRUNE` times the cheapest's is not timed.
 
@@ -407,12 +410,19 @@ class PlanTuner:
                 f"{' halves' if halves is not None else ''}"
                 f"{self._restricted('tt_linear')}")  # fmt: skip
         skipped: dict[str, str] = {}
-        flops = {c: tt_linear_plan(c, shapes, tokens).flops for c in self.linear_candidates}
+        plans = {c: tt_linear_plan(c, shapes, tokens) for c in {*self.linear_candidates, "comera"}}
+        flops = {c: plans[c].flops for c in self.linear_candidates}
         cheapest = max(min(flops.values()), 1)  # a dead bond's map costs nothing
+        # the memory rule: tensors built from the cores alone (dense's W, an opt_einsum
+        # path's cores contracted before x) are kept for backward; beyond what the comera
+        # plan builds (its halves), at most 5% of the call's activations
+        own = plans["comera"].weight_elements()
         runs: dict[str, Callable[[], None]] = {}
         for c in self.linear_candidates:
-            if c == "dense" and grad and m * n > DENSE_SHARE * fewest * (m + n):
-                skipped[c] = f"W {m}x{n} > {DENSE_SHARE:g} of T x (N + M) at T = {fewest}"
+            extra = plans[c].weight_elements() - own if grad and c != "comera" else 0
+            if extra > DENSE_SHARE * fewest * (m + n):
+                built = f"W {m}x{n}" if c == "dense" else f"{extra} more weight elements"
+                skipped[c] = f"{built} > {DENSE_SHARE:g} of T x (N + M) at T = {fewest}"
             elif flops[c] > FLOP_PRUNE * cheapest and c != fallback:
                 skipped[c] = f"{flops[c] / cheapest:.0f}x the cheapest forward FLOPs"
             else:

@@ -299,6 +299,31 @@ class ContractionPlan:
         executed: the ``comera`` path's zero rank padding included."""
         return _path_cost(self.strategy, self.equation, self.path, self.core_shapes, tokens)
 
+    def weight_elements(self) -> int:
+        """Elements of the tensors the path builds from the cores alone, before ``x``
+        joins (``comera``'s halves and their partial chains; ``dense``'s the same and
+        ``W``): weight-sized tensors a training step keeps for backward whatever its token
+        count."""
+        inputs, output = self.equation.split("->")
+        terms = inputs.split(",")
+        sizes: dict[str, int] = {}
+        for term, shape in zip(terms, _operand_shapes(self.core_shapes, self.tokens),
+                               strict=True):  # fmt: skip
+            sizes.update(zip(term, shape, strict=True))
+        live = [(t, i == 0) for i, t in enumerate(terms)]  # (indices, holds x)
+        total = 0
+        for step in self.path:
+            taken = [live[i] for i in step]
+            for i in sorted(step, reverse=True):
+                live.pop(i)
+            keep = set(output).union(*(t for t, _ in live))
+            idx = "".join(sorted({c for t, _ in taken for c in t} & keep))
+            has_x = any(x for _, x in taken)
+            if not has_x:
+                total += math.prod(sizes[c] for c in idx)
+            live.append((idx, has_x))
+        return total
+
     def describe(self) -> str:
         d = len(self.core_shapes) // 2
         r = self.core_shapes[d][0]

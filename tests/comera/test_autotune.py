@@ -126,6 +126,31 @@ def test_a_rebuilt_weight_must_be_small_against_the_activations() -> None:
     assert no_grad.choice == "dense"
 
 
+def test_a_contraction_path_that_builds_a_weight_obeys_the_memory_rule_too() -> None:
+    """opt_einsum's ``dp`` path can contract cores into tensors larger than ``W`` before
+    ``x`` joins (ranks above the modes): what it builds beyond the ``comera`` plan's halves
+    is bound by the rule ``dense``'s ``W`` is; with no gradient nothing is kept."""
+    from comera.plans import tt_linear_plan
+
+    shapes = [(1, 2, 32), (32, 2, 8), (8, 8, 64), (64, 16, 1)]  # 4 x 128, tokens 16
+    own = tt_linear_plan("comera", shapes, 16).weight_elements()
+    assert tt_linear_plan("dense", shapes, 16).weight_elements() - own == 4 * 128  # W
+    assert tt_linear_plan("dp", shapes, 16).weight_elements() - own == 1536
+    cores = [torch.randn(s, generator=torch.Generator().manual_seed(i)).requires_grad_()
+             for i, s in enumerate(shapes)]  # fmt: skip
+    p = {"cores": cores, "gates": [torch.ones(s[2]).requires_grad_() for s in shapes[:-1]]}
+    s = {"masks": [torch.ones(s[2], dtype=torch.bool) for s in shapes[:-1]]}
+    tuner = A.PlanTuner(timer=StubTimer({"comera": 3.0, "dense": 2.0, "dp": 1.0}))
+    with A.use_tuner(tuner):
+        C.tt_linear(p, s, torch.randn(16, 128), plan="auto")  # 0.05 * 9 * 132 = 59.4
+        with torch.no_grad():
+            C.tt_linear(p, s, torch.randn(16, 128), plan="auto")
+    train, no_grad = tuner.decisions.values()
+    assert train.choice == "comera" and "1536 more weight elements" in train.skipped["dp"]
+    assert "W 4x128" in train.skipped["dense"]
+    assert no_grad.choice == "dp" and not no_grad.skipped
+
+
 def test_decisions_are_cached_on_disk_and_reused(tmp_path) -> None:
     p, s = _linear()
     first = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
