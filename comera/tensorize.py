@@ -19,8 +19,11 @@ the TTM embedding's table.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import math
+import re
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -182,7 +185,12 @@ class TiedDecoder(nn.Module):
     def __init__(self, embedding: TTMEmbedding, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.embedding = embedding
-        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+        # the bias itself, not a copy: a model that ties it elsewhere too (BERT's MLM head,
+        # ``cls.predictions.bias``) keeps one parameter, trained once
+        if bias is None or isinstance(bias, nn.Parameter):
+            self.bias = bias
+        else:
+            self.bias = nn.Parameter(bias.detach().clone())
         # a state dict from before the embedding was unregistered holds its cores here too
         self._register_load_state_dict_pre_hook(_drop_embedding_keys)
 
@@ -373,8 +381,20 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
 
 
+@lru_cache(maxsize=256)
+def _reads_weight(cls: type, child: str) -> bool:
+    """Whether ``cls.forward``'s source reads ``self.<child>.weight`` (a TT adapter has no
+    ``weight``: the first forward would fail); False where the source cannot be read."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # built-in, compiled or generated: nothing to read
+        return False
+    return re.search(rf"\bself\.{re.escape(child)}\.weight\b", source) is not None
+
+
 def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, list[str]],
-             paths: dict[int, list[str]], embeddings: dict[int, TTMEmbedding]) -> str:  # fmt: skip
+             paths: dict[int, list[str]], embeddings: dict[int, TTMEmbedding],
+             exclude: tuple[str, ...] = ()) -> str:  # fmt: skip
     """Why a matched module must stay as it is, or ``""``: its weight is shared with a
     module that is not being replaced with it (a tie this rewrite would break), or its
     parent reads its weight directly (``nn.MultiheadAttention``'s ``out_proj``)."""
@@ -387,12 +407,17 @@ def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, l
         return f"skipped: {type(module).__name__} has its own forward, which the adapter lacks"
     if isinstance(parent, nn.MultiheadAttention):
         return f"skipped: {parent_name or 'the model'} (nn.MultiheadAttention) reads its weight"
+    child = name.rpartition(".")[2]
+    if _reads_weight(type(parent), child):  # T5's feed-forward reads wo.weight.dtype
+        return f"skipped: {type(parent).__name__}'s forward reads {child}.weight"
     weight = module.weight
     if isinstance(module, nn.Linear) and id(weight) in embeddings:
         return ""  # tied to a replaced embedding: a TiedDecoder of it
     others = [o for o in owners.get(id(weight), []) if o not in paths[id(module)]]
-    if isinstance(module, nn.Embedding):  # a linear tied to it becomes its TiedDecoder
-        others = [o for o in others if not isinstance(model.get_submodule(o), nn.Linear)]
+    if isinstance(module, nn.Embedding):  # a linear tied to it becomes its TiedDecoder,
+        # unless an exclude glob keeps it (it then keeps the weight, and the embedding too)
+        kept = [o for o in others if _match(o, exclude)]
+        others = kept + [o for o in others if not isinstance(model.get_submodule(o), nn.Linear)]
     if others:
         return f"skipped: its weight is shared with {others[0]}, which this rewrite keeps"
     return ""
@@ -404,14 +429,14 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
 
     A target glob that matches no replaceable module is an error that lists the model's
     module names. Linear layers tied to a replaced embedding (``weight is
-    embedding.weight``) become a :class:`TiedDecoder` of it, whether or not a glob names
-    them; a module reached by several paths is replaced at every one. A matched module
-    whose weight is shared with one that stays (a tie the rewrite would break), whose
-    parent reads its weight directly (``nn.MultiheadAttention.out_proj``), or whose class
-    overrides ``forward`` (what it adds would be lost) is left as it is and listed as
-    skipped. Other modules are not touched. An embedding's
-    ``padding_idx``, ``max_norm`` and ``sparse`` have no TTM counterpart: the summary
-    notes them when set."""
+    embedding.weight``) become a :class:`TiedDecoder` of it, whether or not a target glob
+    names them (one an ``exclude`` glob names stays, and so does the embedding); a module
+    reached by several paths is replaced at every one. A matched module whose weight is
+    shared with one that stays (a tie the rewrite would break), whose parent reads its
+    weight directly (``nn.MultiheadAttention.out_proj``), or whose class overrides
+    ``forward`` (what it adds would be lost) is left as it is and listed as skipped. Other
+    modules are not touched. An embedding's ``padding_idx``, ``max_norm`` and ``sparse``
+    have no TTM counterpart: the summary notes them when set."""
     kinds = (nn.Linear, nn.Embedding)
     candidates = [(n, m) for n, m in model.named_modules()
                   if n and (isinstance(m, kinds) or _is_conv1d(m))]  # fmt: skip
@@ -436,7 +461,7 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     summary = TensorizeSummary()
     embeddings: dict[int, TTMEmbedding] = {}  # id(old weight) -> its replacement
     for name, module in chosen:
-        why = _why_not(name, module, model, owners, paths, embeddings)
+        why = _why_not(name, module, model, owners, paths, embeddings, config.exclude)
         new: nn.Module | None = None
         if why:
             shape = tuple(module.weight.shape)  # type: ignore[union-attr]

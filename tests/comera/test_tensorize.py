@@ -335,11 +335,69 @@ def test_ties_shared_modules_and_attention_are_respected() -> None:
                                                 embedding_cores=2))  # fmt: skip
     assert isinstance(model.a, C.TTLinear) and model.b is model.a
     assert isinstance(model.layer.self_attn.out_proj, nn.Linear)
-    assert isinstance(model.layer.linear1, C.TTLinear)
+    # the layer's inference fast path reads linear1.weight: a TT adapter there would fail
+    assert isinstance(model.layer.linear1, nn.Linear)
     rows = {r.name: r for r in summary.layers}
     assert "MultiheadAttention" in rows["layer.self_attn.out_proj"].skipped
+    assert "TransformerEncoderLayer's forward reads linear1.weight" in rows["layer.linear1"].skipped
     assert "padding_idx dropped" in rows["emb"].padded
     assert model(torch.randint(0, 100, (2, 5))).shape == (2, 5, 64)
+    with torch.no_grad():
+        assert model.eval()(torch.randint(0, 100, (2, 5))).shape == (2, 5, 64)
+
+
+def test_a_module_whose_parent_reads_its_weight_is_skipped() -> None:
+    """T5's feed-forward reads ``self.wo.weight.dtype``: a TT adapter has no ``weight``,
+    so ``wo`` stays dense (listed as skipped) and the model still runs."""
+
+    class FeedForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wi, self.wo = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.wi(x))
+            return self.wo(h.to(self.wo.weight.dtype))
+
+    model = FeedForward()
+    summary = tensorize_(model, TensorizeConfig(target_modules=("wi", "wo"), rank=4, cores=2))
+    rows = {r.name: r.skipped for r in summary.layers}
+    assert rows == {"wi": "", "wo": "skipped: FeedForward's forward reads wo.weight"}
+    assert isinstance(model.wi, C.TTLinear) and isinstance(model.wo, nn.Linear)
+    assert model(torch.randn(3, 16)).shape == (3, 16)
+
+
+def test_exclude_keeps_a_tied_head_and_so_its_embedding() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=96, n_positions=16, n_embd=32, n_layer=1, n_head=4))  # fmt: skip
+    summary = tensorize_(gpt, TensorizeConfig(target_modules=("wte",), exclude=("lm_head",),
+                                              rank=4, cores=2, embedding_cores=2))  # fmt: skip
+    assert isinstance(gpt.lm_head, nn.Linear) and gpt.lm_head.weight is gpt.transformer.wte.weight
+    assert [r.skipped for r in summary.layers] == [
+        "skipped: its weight is shared with lm_head, which this rewrite keeps"
+    ]
+
+
+def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
+    """BERT's MLM head ties ``decoder.bias`` to ``cls.predictions.bias``: the decoder
+    reads that parameter itself, so it is trained once, counted once and saved once."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=120, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=16))  # fmt: skip
+    tensorize_(bert, TensorizeConfig(target_modules=("word_embeddings",), rank=4, cores=2,
+                                     embedding_cores=2))  # fmt: skip
+    head = bert.cls.predictions
+    assert isinstance(head.decoder, TiedDecoder) and head.decoder.bias is head.bias
+    ids = torch.randint(0, 120, (2, 8), generator=torch.Generator().manual_seed(1))
+    bert(input_ids=ids, labels=ids).loss.backward()
+    assert head.bias.grad is not None
+    names = [n for n, _ in bert.named_parameters() if n.endswith("predictions.bias")
+             or n.endswith("decoder.bias")]  # fmt: skip
+    assert names == ["cls.predictions.bias"]
 
 
 def test_subclasses_with_their_own_forward_are_skipped() -> None:
