@@ -48,8 +48,9 @@ class TensorizeConfig:
     ``target_modules``: globs over qualified module names (``fnmatch``); a glob with no
     ``.`` also matches a name's last part, as PEFT's ``target_modules`` do (``"query"``
     matches ``encoder.layer.0.attention.self.query``). ``exclude``: globs never replaced.
-    ``rank``: every bond's rank (capped by what a bond can carry); ``rank_for``: per-glob
-    ``(glob, rank)`` overrides, later rules winning. ``compression``: instead of a fixed
+    ``rank``: every bond's rank (capped by what a bond can carry); ``embedding_rank``: an
+    embedding table's instead, when given; ``rank_for``: per-glob ``(glob, rank)``
+    overrides of both, later rules winning. ``compression``: instead of a fixed
     rank, the largest rank (up to ``rank``) at which each layer is at least this many times
     smaller than its dense weight. ``cores``: modes per side of a linear map (``2 * cores``
     TT cores); ``embedding_cores``: TTM cores of an embedding. ``min_compression``: a
@@ -59,6 +60,7 @@ class TensorizeConfig:
     target_modules: tuple[str, ...]
     exclude: tuple[str, ...] = ()
     rank: int = 16
+    embedding_rank: int | None = None
     rank_for: tuple[tuple[str, int], ...] = ()
     compression: float | None = None
     cores: int = 3
@@ -75,9 +77,10 @@ class TensorizeConfig:
             raise ConfigError("TensorizeConfig.target_modules: give at least one glob")
         if self.init not in INITS:
             raise ConfigError(f"TensorizeConfig.init={self.init!r}; choose one of {INITS}")
-        if self.rank < 1 or any(r < 1 for _, r in self.rank_for):
+        if (self.rank < 1 or (self.embedding_rank is not None and self.embedding_rank < 1)
+                or any(r < 1 for _, r in self.rank_for)):  # fmt: skip
             raise ConfigError(f"TensorizeConfig: ranks must be >= 1, got {self.rank}, "
-                              f"{list(self.rank_for)}")  # fmt: skip
+                              f"{self.embedding_rank}, {list(self.rank_for)}")  # fmt: skip
         if self.compression is not None and not self.compression > 1:
             raise ConfigError(f"TensorizeConfig.compression must be > 1, got {self.compression}")
         if self.min_compression < 0:
@@ -90,8 +93,9 @@ class TensorizeConfig:
         """Whether the module at ``name`` is a target (and not excluded)."""
         return _match(name, self.target_modules) and not _match(name, self.exclude)
 
-    def rank_of(self, name: str) -> int:
-        chosen = self.rank
+    def rank_of(self, name: str, embedding: bool = False) -> int:
+        """The rank of the module at ``name`` (an embedding table's, if ``embedding``)."""
+        chosen = self.embedding_rank if embedding and self.embedding_rank else self.rank
         for glob, r in self.rank_for:
             if _match(name, (glob,)):
                 chosen = r
@@ -356,7 +360,7 @@ def _replace_embedding(name: str, emb: nn.Embedding,
     if dim_p != dim:
         return None, LayerReport(**report, skipped=f"skipped: dim {dim} has no balanced split")
     merged = tuple(v * d for v, d in zip(vocab_m, dim_m, strict=True))
-    rank = _pick_rank(merged, cfg.rank_of(name), rows * dim, 0, cfg, name)
+    rank = _pick_rank(merged, cfg.rank_of(name, embedding=True), rows * dim, 0, cfg, name)
     if rows * dim < cfg.min_compression * _size(merged, rank, 0, name):
         why = f"skipped: a rank-{rank} train is not {cfg.min_compression:g}x smaller"
         return None, LayerReport(**report, skipped=why)

@@ -97,7 +97,7 @@ class ModelConfig:
     def tensorize(self) -> C.TensorizeConfig:
         return C.TensorizeConfig(
             target_modules=self.target, exclude=self.exclude, rank=self.rank,
-            rank_for=(("*embeddings*", self.embedding_rank),),
+            embedding_rank=self.embedding_rank,  # by kind: GPT-2's wte is a table too
             cores=self.cores, embedding_cores=self.embedding_cores,
             init=self.init if self.init != "auto" else ("svd" if self.path else "random"),
             min_compression=self.min_compression,

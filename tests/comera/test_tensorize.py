@@ -346,6 +346,23 @@ def test_ties_shared_modules_and_attention_are_respected() -> None:
         assert model.eval()(torch.randint(0, 100, (2, 5))).shape == (2, 5, 64)
 
 
+def test_embedding_rank_goes_by_kind_and_globs_override_it() -> None:
+    """``embedding_rank`` is every embedding table's rank whatever its name (GPT-2's
+    ``wte``), never a linear's; a ``rank_for`` glob overrides either."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.pos = nn.Embedding(256, 64), nn.Embedding(64, 64)
+            self.embeddings_project = nn.Linear(64, 64)
+
+    cfg = TensorizeConfig(target_modules=("*",), rank=4, embedding_rank=6, cores=2,
+                          embedding_cores=2, rank_for=(("pos", 5),), min_compression=0)  # fmt: skip
+    summary = tensorize_(Model(), cfg)
+    ranks = {r.name: r.ranks for r in summary.layers}
+    assert ranks == {"wte": (6,), "pos": (5,), "embeddings_project": (4, 4, 4)}
+
+
 def test_a_module_whose_parent_reads_its_weight_is_skipped() -> None:
     """T5's feed-forward reads ``self.wo.weight.dtype``: a TT adapter has no ``weight``,
     so ``wo`` stays dense (listed as skipped) and the model still runs."""
