@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera as C
-from comera.errors import ConfigError
+from comera.errors import ConfigError, MissingFileError
 from comera.tensorize import INITS
 from comera.train import TrainConfig
 from comera.train.module_task import ModuleTask
@@ -157,6 +158,11 @@ def load_model(cfg: ModelConfig, data: MNLIData, *, quiet: bool = False) -> nn.M
         if missing and not quiet:
             print(f"--model {cfg.path}: newly initialized (not in its checkpoint): "
                   f"{', '.join(missing)}", file=sys.stderr)  # fmt: skip
+        config = getattr(model, "config", None)
+        if config is not None and getattr(config, "pad_token_id", 0) is None:
+            # a decoder-only classifier (GPT-2, Llama) finds each row's last token by the
+            # pad id, and its configs often have none: the data's, as a built BERT gets
+            config.pad_token_id = data.pad_id
         return model
     bert = tf.BertConfig(
         vocab_size=data.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
@@ -168,11 +174,34 @@ def load_model(cfg: ModelConfig, data: MNLIData, *, quiet: bool = False) -> nn.M
     return tf.BertForSequenceClassification(bert)
 
 
+def _first(e: BaseException) -> str:
+    """An exception's first line (a library's message can run to several)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _check_local_path(path: str) -> None:
+    """Refuse ``--model`` paths that are plainly local and wrong before transformers tries
+    them (or the hub, for tens of seconds): a file, not the folder; a folder that does not
+    exist where its parent does (``models/bert_typo``), or a path written as local."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        raise ConfigError(
+            f"--model {path}: that is a file; give the folder that holds config.json and "
+            "the weights"
+        )
+    local = path.startswith((".", "/", "~")) or (
+        len(p.parts) > 1 and Path(p.parts[0]).expanduser().is_dir()
+    )
+    if local and not p.exists():
+        raise MissingFileError(f"--model {path}: no such folder")
+
+
 def _load_pretrained(tf: Any, cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
     """``cfg.path``'s classifier with a ``cfg.num_labels`` head and the names of the
     weights its checkpoint lacks. transformers' own load report and progress bar are
     silenced (a failure becomes one line here); weights whose saved shape differs (a head
     trained for another label count) are refused, naming ``model.num_labels``."""
+    _check_local_path(cfg.path)  # type: ignore[arg-type]
     log = tf.utils.logging
     verbosity, bar = log.get_verbosity(), log.is_progress_bar_enabled()
     log.set_verbosity_error()
@@ -183,12 +212,16 @@ def _load_pretrained(tf: Any, cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
             output_loading_info=True,
         )  # fmt: skip
     except OSError as e:  # no such folder, no weights in it, or an unreachable hub
-        raise ConfigError(f"--model {cfg.path}: cannot load a model there ({e})") from None
+        raise ConfigError(f"--model {cfg.path}: cannot load a model there ({_first(e)})") from None
     except (RuntimeError, ValueError) as e:  # an unknown architecture, weights that do not fit
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(
             f"--model {cfg.path}: cannot load it as a sequence classifier with "
-            f"model.num_labels={cfg.num_labels} labels ({first})"
+            f"model.num_labels={cfg.num_labels} labels ({_first(e)})"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - damaged weights (safetensors', pickle's errors)
+        raise ConfigError(
+            f"--model {cfg.path}: cannot read the model saved there ({type(e).__name__}: "
+            f"{_first(e)})"
         ) from None
     finally:
         log.set_verbosity(verbosity)
@@ -226,12 +259,33 @@ def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
                 f"what {source} reads ({limit_name} {limit}: ids 0..{limit - 1}); give "
                 "--tokenizer the tokenizer that --model was trained with"
             )
+    positions = _positions(config)
+    longest = max((int(s.input_ids.shape[1]) for s in splits), default=0)
+    if positions is not None and longest > positions:
+        raise ConfigError(
+            f"the data's rows are {longest} tokens long but {source} has {positions} "
+            f"positions; lower data.max_length (--set data.max_length={positions}) or give "
+            "--model one with more"
+        )
     top = max((int(s.labels.max()) for s in splits), default=-1)
     if top >= cfg.num_labels:
         raise ConfigError(
             f"the data has label ids up to {top} but model.num_labels={cfg.num_labels}; "
             f"set --set model.num_labels={top + 1}"
         )
+
+
+def _positions(config: object) -> int | None:
+    """How many token positions a model reads, or None when its config does not say.
+    RoBERTa-style models number positions from ``pad_token_id + 1``: as many fewer."""
+    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    rotary = any(hasattr(config, k) for k in ("rope_theta", "rope_scaling", "rope_parameters"))
+    kind = getattr(config, "position_embedding_type", "absolute")
+    if not isinstance(n, int) or rotary or kind not in ("absolute", None):
+        return None  # relative or rotary positions: no table to run past
+    if "roberta" in str(getattr(config, "model_type", "")):
+        n -= int(getattr(config, "pad_token_id", None) or 0) + 1
+    return n
 
 
 class _Eval:

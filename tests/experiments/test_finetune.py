@@ -74,6 +74,47 @@ def test_a_local_model_folder_and_bad_input(tmp_path: Path, capsys) -> None:
     assert len(err) == 1 and "'attn.*' matches no" in err[0] and "query" in err[0]
 
 
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def test_a_saved_decoder_classifier_and_path_mistakes(tmp_path: Path, capsys) -> None:
+    """A GPT-2 classifier saved with no pad id (GPT-2's configs have none) trains with the
+    data's; fewer positions than the rows, a file for the folder, a mistyped local folder
+    and damaged weights are each one line, before the run dir is claimed."""
+    import transformers as tf
+
+    from experiments.mnli.data import build_generated_tokenizer
+
+    vocab = build_generated_tokenizer().get_vocab_size(with_added_tokens=True)
+    tiny = dict(vocab_size=vocab, n_embd=32, n_layer=1, n_head=4, num_labels=3)
+    tf.GPT2ForSequenceClassification(tf.GPT2Config(n_positions=64, **tiny)).save_pretrained(
+        tmp_path / "gpt2"
+    )
+    tf.GPT2ForSequenceClassification(tf.GPT2Config(n_positions=8, **tiny)).save_pretrained(
+        tmp_path / "short"
+    )
+    fast = ["--set", "train.steps=2", "--set", "train.eval_every=None", "--dense"]
+    assert main([*_argv(tmp_path, "run-gpt2", "--model", str(tmp_path / "gpt2")), *fast]) == 0
+    capsys.readouterr()
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.json").write_text((tmp_path / "gpt2" / "config.json").read_text())
+    (damaged / "model.safetensors").write_bytes(b"\x01\x02 not a safetensors file")
+    for model, text in [
+        (tmp_path / "short", "16 tokens long but --model"),
+        (tmp_path / "gpt2" / "config.json", "that is a file; give the folder"),
+        (tmp_path / "gpt2_typo" / "x", "no such folder"),
+        (damaged, "cannot read the model saved there"),
+    ]:
+        run = tmp_path / "refused"
+        assert main([*_argv(tmp_path, "refused", "--model", str(model)), *fast]) == 2, model
+        assert text in _one_error(capsys)
+        assert not (run / "config.json").exists()
+
+
 @pytest.mark.slow
 def test_a_run_resumed_from_a_mid_run_checkpoint_ends_where_the_whole_run_did(
     tmp_path: Path,
