@@ -422,6 +422,11 @@ def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, l
         # unless an exclude glob keeps it (it then keeps the weight, and the embedding too)
         kept = [o for o in others if _match(o, exclude)]
         others = kept + [o for o in others if not isinstance(model.get_submodule(o), nn.Linear)]
+        if others and all(isinstance(model.get_submodule(o), nn.Embedding) for o in others):
+            # T5's shared and embed_tokens: other modules, one weight; one TTM at several
+            # paths would be one module under several names, which HF's save refuses
+            return (f"skipped: other embedding modules hold its weight too ({', '.join(others)});"
+                    " one TTM for several embedding modules is not supported")  # fmt: skip
     if others:
         return f"skipped: its weight is shared with {others[0]}, which this rewrite keeps"
     return ""

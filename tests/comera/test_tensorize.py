@@ -397,6 +397,21 @@ def test_exclude_keeps_a_tied_head_and_so_its_embedding() -> None:
     ]
 
 
+def test_embedding_modules_sharing_one_weight_stay_and_say_why() -> None:
+    """T5 holds one weight in three embedding modules (and its head): one TTM cannot
+    stand for several modules, so each stays, naming the others (not a circular 'kept')."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))  # fmt: skip
+    summary = tensorize_(t5, TensorizeConfig(target_modules=("shared", "embed_tokens"), rank=4,
+                                             cores=2, embedding_cores=2))  # fmt: skip
+    rows = {r.name: r.skipped for r in summary.layers}
+    assert "(encoder.embed_tokens, decoder.embed_tokens); one TTM" in rows["shared"]
+    assert all("not supported" in why for why in rows.values()) and len(rows) == 3
+    assert type(t5.shared) is nn.Embedding
+
+
 def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
     """BERT's MLM head ties ``decoder.bias`` to ``cls.predictions.bias``: the decoder
     reads that parameter itself, so it is trained once, counted once and saved once."""
