@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if a.render is not None:
-        return print_rendered(a.render, render, ap.prog)
+        return print_rendered(a.render, render, ap.prog, ("step_time_ratio_vs_dense",))
     if a.device != "cpu":  # named only to be refused: a worker never imports the CLI
         from experiments.cli import CLIError, check_device
 

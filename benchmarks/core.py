@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.memory import peak_memory_bytes
-from benchmarks.reporting import add_threads_flag, read_result, write_json, write_text
+from benchmarks.reporting import add_threads_flag, render_saved, write_json, write_text
 from comera.accounting import tt_linear_flops, ttm_embedding_flops
-from comera.errors import DataError
 from comera.layers import tt_linear, tt_linear_shared_input, ttm_embedding
 from comera.plans import FIXED_STRATEGIES as STRATEGIES
 from comera.plans import RANK_ALIGN
@@ -696,17 +695,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.render is not None:
-        try:
-            result = read_result(args.render)
-        except DataError as e:
-            print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        done = render_saved(args.render, render, ap.prog, ("config",))
+        if done is None:
             return 2
+        result, text = done
         on_cpu = result.get("config", {}).get("device", "cpu") == "cpu"
         if not args.no_report:
             path = args.report or (REPORT if on_cpu else GPU_REPORT)
-            write_text(path, render(result))
+            write_text(path, text)
             _log(f"wrote {path}")
-        print(render(result))
+        print(text)
         return 0
     if args.processes is not None and args.processes < 1:
         ap.error(f"--processes must be >= 1, got {args.processes}")

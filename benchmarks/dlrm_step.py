@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.render is not None:
-        return print_rendered(args.render, render, ap.prog)
+        return print_rendered(args.render, render, ap.prog, ("variants",))
     try:
         check_device(args.device)
     except CLIError as e:

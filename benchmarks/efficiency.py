@@ -22,8 +22,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.mnli_step import SEQ, run_worker
-from benchmarks.reporting import add_threads_flag, read_result, write_json, write_text
-from comera.errors import DataError
+from benchmarks.reporting import (
+    TINY_NEEDS_OUT,
+    add_threads_flag,
+    render_saved,
+    write_json,
+    write_text,
+)
 from experiments.host import cpu_model, report_header
 
 __all__ = ["main", "render", "sweep", "write_report"]
@@ -181,19 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
     add_threads_flag(ap)
     ap.add_argument("--tiny", action="store_true", help="toy model (tests of the plumbing)")
-    ap.add_argument("--out", type=Path, default=REPORTS, help="report dir")
+    ap.add_argument("--out", type=Path, help="report dir (default: reports/)")
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="measure nothing: render efficiency.md and .png into --out from a "
                     "saved sweep (efficiency.json)")  # fmt: skip
     args = ap.parse_args(argv)
+    out = args.out or REPORTS
     if args.render is not None:
-        try:
-            result = read_result(args.render)
-        except DataError as e:
-            print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        done = render_saved(args.render, render, ap.prog, ("runs",))
+        if done is None:
             return 2
-        print(write_report(result, args.out))
+        print(write_report(done[0], out))
         return 0
+    if args.tiny and args.out is None:
+        print(f"{ap.prog}: error: {TINY_NEEDS_OUT}", file=sys.stderr)
+        return 2
     try:
         batches = [int(b) for b in args.batches.split(",") if b]
     except ValueError:
@@ -208,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.threads}", file=sys.stderr)  # fmt: skip
         return 2
     result = sweep(batches, args.repeats, args.threads, args.tiny)
-    write_json(args.out / "efficiency.json", result)
-    print(write_report(result, args.out))
+    write_json(out / "efficiency.json", result)
+    print(write_report(result, out))
     return 0
 
 

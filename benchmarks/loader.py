@@ -24,8 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from benchmarks.reporting import read_result, write_json, write_text
-from comera.errors import DataError
+from benchmarks.reporting import render_saved, write_json, write_text
 from experiments.host import cpu_model, host_meta, report_header
 from loaders.config import DatasetSpec, LoaderConfig
 from loaders.loader import TokenLoader
@@ -240,14 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure nothing: render the report from a saved result")  # fmt: skip
     args = p.parse_args(argv)
     if args.render is not None:
-        try:
-            res = read_result(args.render)
-        except DataError as e:
-            print(f"{p.prog}: error: {e}", file=sys.stderr)
+        done = render_saved(args.render, render, p.prog, ("tokens_per_s",))
+        if done is None:
             return 2
         if not args.no_report:
-            write_text(args.report, render(res))
-        print(render(res))
+            write_text(args.report, done[1])
+        print(done[1])
         return 0
     if args.tokens < 1 or args.measure_tokens < 1:
         p.error(f"--tokens and --measure-tokens must be >= 1, got {args.tokens}, "

@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=argparse.SUPPRESS)  # fmt: skip
     a = ap.parse_args(argv)
     if a.render is not None:
-        return print_rendered(a.render, render, ap.prog)
+        return print_rendered(a.render, render, ap.prog, ("step_time_ratio_vs_dense",))
     if a.repeats < 1 or a.threads < 1:
         print(f"{ap.prog}: error: --repeats and --threads must be >= 1, got {a.repeats}, "
               f"{a.threads}", file=sys.stderr)  # fmt: skip

@@ -19,7 +19,15 @@ import torch
 
 from comera.errors import DataError
 
-__all__ = ["TINY_NEEDS_OUT", "add_threads_flag", "read_result", "write_json", "write_text"]
+__all__ = [
+    "TINY_NEEDS_OUT",
+    "add_threads_flag",
+    "print_rendered",
+    "read_result",
+    "render_saved",
+    "write_json",
+    "write_text",
+]
 
 # a toy run's figures must not pass for the report's: its JSON goes where it is told
 TINY_NEEDS_OUT = "--tiny measures a toy model: give --out PATH (the default is the report's JSON)"
@@ -59,21 +67,37 @@ def read_result(path: Path, flag: str = "--render") -> dict:
     return result
 
 
-def print_rendered(path: Path, render: Callable[[dict], str], prog: str) -> int:
-    """``--render PATH``: print ``render`` of the saved result; an unreadable file, or the
-    result of another benchmark (a key this one's has is missing), is one line naming it
-    and exit status 2 (each committed report is rendered by the tests, so a missing key is
-    the file's, not the renderer's)."""
+def render_saved(
+    path: Path, render: Callable[[dict], str], prog: str, required: tuple[str, ...] = ()
+) -> tuple[dict, str] | None:
+    """``--render PATH``: the saved result and ``render`` of it, or None after one error
+    line on stderr: an unreadable file, or the result of another benchmark (a ``required``
+    key, or one the renderer reads, is missing or of another shape). Each committed report
+    is rendered by the tests, so such a failure is the file's, not the renderer's."""
     try:
         result = read_result(path)
     except DataError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+        return None
+    missing = [k for k in required if k not in result]
     try:
-        text = render(result)
-    except KeyError as e:
-        print(f"{prog}: error: {path} is not a result of {prog} (it has no {e} key); give "
-              "the JSON this benchmark wrote", file=sys.stderr)  # fmt: skip
+        if missing:
+            raise KeyError(missing[0])
+        return result, render(result)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        what = f"it has no {e} key" if isinstance(e, KeyError) else "its fields are not this one's"
+        print(f"{prog}: error: {path} is not a result of {prog} ({what}); give the JSON this "
+              "benchmark wrote", file=sys.stderr)  # fmt: skip
+        return None
+
+
+def print_rendered(
+    path: Path, render: Callable[[dict], str], prog: str, required: tuple[str, ...] = ()
+) -> int:
+    """``--render PATH``: print ``render`` of the saved result (:func:`render_saved`);
+    exit status 2 after its one error line."""
+    done = render_saved(path, render, prog, required)
+    if done is None:
         return 2
-    print(text)
+    print(done[1])
     return 0

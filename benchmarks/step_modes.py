@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import add_threads_flag, read_result, write_text
-from comera.errors import DataError
+from benchmarks.reporting import add_threads_flag, render_saved, write_text
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
 from experiments.host import cpu_model, report_header
@@ -213,12 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.render is not None:
-        try:
-            result = read_result(args.render)
-        except DataError as e:
-            print(f"step_modes: error: {e}", file=sys.stderr)
+        done = render_saved(args.render, render, ap.prog, ("runs",))
+        if done is None:
             return 2
-        md = render(result)
+        md = done[1]
         write_text((args.out or REPORTS) / "step_modes.md", md)
         print(md)
         return 0

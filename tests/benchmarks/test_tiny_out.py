@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import codebert_step, mnli_step, tensorize
+from benchmarks import codebert_step, efficiency, mnli_step, tensorize
 
 
-@pytest.mark.parametrize("bench", [mnli_step, codebert_step, tensorize])
+@pytest.mark.parametrize("bench", [mnli_step, codebert_step, tensorize, efficiency])
 def test_tiny_without_out_is_refused_in_one_line(bench, capsys) -> None:  # noqa: ANN001
     assert bench.main(["--tiny"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -42,8 +42,31 @@ def test_counts_below_one_are_one_line(module: str, argv: list[str], text: str, 
     assert len(err) == 1 and text in err[0], err
 
 
-def test_render_of_another_benchmarks_result_is_one_line(capsys) -> None:  # noqa: ANN001
-    plans = Path(__file__).resolve().parents[2] / "reports" / "plans.json"
-    assert tensorize.main(["--render", str(plans)]) == 2
+RENDERERS = ["tensorize", "core", "loader", "step_modes", "efficiency", "mnli_step",
+             "codebert_step", "dlrm_step"]  # fmt: skip
+
+
+@pytest.mark.parametrize("module", RENDERERS)
+@pytest.mark.parametrize("saved", ["plans.json", "{}"])
+def test_render_of_another_benchmarks_result_is_one_line(
+    module: str,
+    saved: str,
+    tmp_path: Path,
+    capsys,  # noqa: ANN001
+) -> None:
+    """Another benchmark's JSON (or an empty object): one line and exit 2, never a
+    traceback, an empty table, or a report written from it."""
+    import importlib
+
+    path = Path(__file__).resolve().parents[2] / "reports" / saved
+    if saved == "{}":
+        path = tmp_path / "empty.json"
+        path.write_text("{}")
+    bench = importlib.import_module(f"benchmarks.{module}")
+    out = ["--out", str(tmp_path)]
+    extra = {"core": ["--no-report"], "loader": ["--no-report"], "step_modes": out,
+             "efficiency": out}  # fmt: skip
+    assert bench.main(["--render", str(path), *extra.get(module, [])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "plans.json is not a result of" in err[0], err
+    assert len(err) == 1 and f"{path.name} is not a result of" in err[0], err
+    assert not list(tmp_path.glob("*.md"))
