@@ -34,6 +34,7 @@ __all__ = [
     "load_run",
     "rank_table",
     "read_report_json",
+    "render_report_json",
     "record_host",
     "runs_host",
     "series",
@@ -110,13 +111,15 @@ def smoke_report_main(
     args = ap.parse_args(argv)
     out = Path(args.out)
     if getattr(args, "from_json", None):
+        path = Path(args.from_json)
         try:
-            data = read_report_json(Path(args.from_json), "--from-json")
+            data = read_report_json(path, "--from-json", prog)
+            out.mkdir(parents=True, exist_ok=True)
+            text = render_report_json(lambda: render(data, out), path, "--from-json", prog)
         except DataError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
-        out.mkdir(parents=True, exist_ok=True)
-        print(render(data, out))
+        print(text)
         return 0
     bench = None
     if args.bench_json:  # read before training: a bad path fails now, not after the runs
@@ -135,20 +138,20 @@ def smoke_report_main(
     return 0
 
 
-def load_run(run_dir: str | Path) -> dict:
-    """Config, metric rows and rank snapshots of one run, with a clear error if missing."""
+def load_run(run_dir: str | Path, experiment: str | None = None) -> dict:
+    """Config, metric rows and rank snapshots of one run, with a clear error if missing;
+    with ``experiment``, a run of another experiment (its ``config.json`` says) is refused."""
     d = Path(run_dir)
     for name in ("config.json", "metrics.jsonl"):
         if not (d / name).is_file():
             raise MissingFileError(f"{d / name} not found: is {d} a run dir written by training?")
     rows = read_metrics(d / "metrics.jsonl")
     ranks = json.loads((d / "ranks.json").read_text()) if (d / "ranks.json").is_file() else {}
-    return {
-        "dir": d,
-        "config": json.loads((d / "config.json").read_text()),
-        "rows": rows,
-        "ranks": ranks,
-    }
+    config = json.loads((d / "config.json").read_text())
+    ran = config.get("experiment") if isinstance(config, dict) else None
+    if experiment is not None and ran is not None and ran != experiment:
+        raise DataError(f"{d} is a run of experiments.{ran}, not of experiments.{experiment}")
+    return {"dir": d, "config": config, "rows": rows, "ranks": ranks}
 
 
 def train_and_eval_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -282,12 +285,30 @@ def _read_bench(path: Path) -> dict:
     return data
 
 
-def read_report_json(path: Path, flag: str) -> dict:
-    """A report's JSON (:func:`write_report_json`), or a :class:`DataError` naming ``flag``."""
+def read_report_json(path: Path, flag: str, prog: str | None = None) -> dict:
+    """A report's JSON (:func:`write_report_json`), or a :class:`DataError` naming ``flag``;
+    with ``prog`` (``python -m experiments.mnli.report``), one that another report's
+    command wrote is refused too (its ``meta.command`` names that command)."""
     data = _load_json(path, flag, "a report's JSON")
     if not isinstance(data, dict) or "meta" not in data:
         raise DataError(f"{flag} {path}: not a report's JSON (no 'meta' key)")
+    command = data["meta"].get("command") if isinstance(data["meta"], dict) else None
+    ours = isinstance(command, str) and command.startswith("python -m experiments.")
+    if prog and ours and command.split(" ")[:3] != prog.split(" ")[:3]:  # type: ignore[union-attr]
+        other = " ".join(command.split(" ")[:3])
+        raise DataError(f"{flag} {path}: that is the JSON of {other}, not of {prog}")
     return data
+
+
+def render_report_json(render: Callable[[], object], path: Path, flag: str, prog: str) -> object:
+    """``render()`` of a report's JSON read from ``path``; a field missing or of another
+    shape (a JSON this report did not write) is a :class:`DataError`, not a traceback."""
+    try:
+        return render()
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise DataError(
+            f"{flag} {path}: not a JSON of {prog} ({type(e).__name__}: {e}); give the one it wrote"
+        ) from None
 
 
 def _scalar(value: object) -> bool:

@@ -27,6 +27,7 @@ from experiments.report import (
     load_run,
     rank_table,
     read_report_json,
+    render_report_json,
     runs_host,
     series,
     train_and_eval_rows,
@@ -89,7 +90,7 @@ def _summary(run: dict) -> dict:
 def gather(run_dirs: list[str], bench: dict | None, command: str) -> dict:
     """The report's data: the host that made the runs, each run's summary and curves, the
     paper's figures and the step benchmark's JSON (``None`` when absent)."""
-    runs = [load_run(d) for d in run_dirs]
+    runs = [load_run(d, "mnli") for d in run_dirs]
     return {
         "meta": {"command": command, **runs_host(r["dir"] for r in runs)},
         "paper": PAPER,
@@ -311,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_json:
             if args.runs:
                 raise ConfigError("give run dirs or --from-json FILE, not both")
-            data = read_report_json(args.from_json, "--from-json")
+            data = read_report_json(args.from_json, "--from-json", PROG)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            render(data, args.out.parent, args.out.name)
+            render_report_json(lambda: render(data, args.out.parent, args.out.name),
+                               args.from_json, "--from-json", PROG)  # fmt: skip
             path = args.out
         else:
             if not args.runs:  # a glob that matched nothing: keep the report as it is

@@ -82,6 +82,34 @@ def test_from_json_renders_without_training(tmp_path: Path, capsys) -> None:
     assert len(err) == 1 and err[0].startswith("python -m experiments.x.report: error: ")
 
 
+@pytest.mark.parametrize("name", ["mnli", "dlrm", "codebert", "finetune"])
+def test_another_reports_json_or_run_is_one_line(name: str, tmp_path: Path, capsys) -> None:
+    """Each report refuses the committed JSON of another report (its meta.command names
+    that report), and a JSON of its own name whose fields are another's; the MNLI report
+    also refuses the run dir of another experiment."""
+    import importlib
+
+    main = importlib.import_module(f"experiments.{name}.report").main
+    other = report.REPORTS / ("dlrm.json" if name == "mnli" else "mnli.json")
+    out = ["--out", str(tmp_path / ("out/x.md" if name == "mnli" else "out"))]
+    assert main(["--from-json", str(other), *out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"that is the JSON of python -m experiments.{other.stem}" in err[0]
+    forged = json.loads(other.read_text())
+    forged["meta"]["command"] = f"python -m experiments.{name}.report"
+    (tmp_path / "forged.json").write_text(json.dumps(forged))
+    assert main(["--from-json", str(tmp_path / "forged.json"), *out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a JSON of" in err[0] and "Traceback" not in err[0], err
+    if name == "mnli":
+        run = tmp_path / "dlrm-run"
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"experiment": "dlrm"}))
+        (run / "metrics.jsonl").write_text("")
+        assert main([str(run), *out]) == 2
+        assert "is a run of experiments.dlrm, not of experiments.mnli" in capsys.readouterr().err
+
+
 def test_a_bad_bench_json_fails_before_any_training(tmp_path: Path, capsys) -> None:
     def no_training(argv: list[str]) -> int:
         raise AssertionError("a bad --bench-json must fail before training")
