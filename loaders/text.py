@@ -27,6 +27,11 @@ def looks_like_path(name: str) -> bool:
     return name.endswith(".json") or name.startswith(("/", ".", "~")) or Path(name).exists()
 
 
+def _first_line(exc: BaseException) -> str:
+    """An exception's first line (a hub client's message can run to several)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
     """A ``str -> list[int]`` function from a tokenizer object, a local path or a hub name.
 
@@ -59,7 +64,14 @@ def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
     if path.is_file():
-        return load_tokenizer(tokenizers.Tokenizer.from_file(str(path)))
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise LoaderInputError(
+                f"tokenizer {str(tokenizer)!r} is not a tokenizer.json ({_first_line(exc)}); "
+                "pass a tokenizer.json path"
+            ) from None
+        return load_tokenizer(tok)
     if looks_like_path(str(tokenizer)) and not path.exists():  # a path: never a hub name
         raise LoaderInputError(
             f"tokenizer {str(tokenizer)!r} does not exist; pass a tokenizer.json path"
@@ -77,13 +89,14 @@ def load_tokenizer(tokenizer: Any) -> Callable[[str], list[int]]:
             ) from None
     except Exception as exc:
         raise LoaderInputError(
-            f"cannot load tokenizer {tokenizer!r}: {exc}; pass a local path"
+            f"cannot load tokenizer {tokenizer!r}: {_first_line(exc)}; pass a local path"
         ) from exc
     try:
         return load_tokenizer(tokenizers.Tokenizer.from_pretrained(str(tokenizer)))
     except Exception as exc:
         raise LoaderInputError(
-            f"cannot load tokenizer {tokenizer!r} ({exc}); pass a local tokenizer.json path"
+            f"cannot load tokenizer {tokenizer!r} ({_first_line(exc)}); pass a local "
+            "tokenizer.json path"
         ) from exc
 
 

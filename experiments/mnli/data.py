@@ -151,7 +151,14 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
                 f"tokenizer file {str(path)!r} does not exist; pass --tokenizer a tokenizer.json "
                 "or a directory holding one (write_generated_files writes one)"
             )
-        return Tokenizer.from_file(str(path))
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise DataError(
+                f"tokenizer file {str(path)!r} is not a tokenizer.json ({first}); pass "
+                "--tokenizer a tokenizer.json or a directory holding one"
+            ) from None
     try:
         return Tokenizer.from_pretrained(name_or_path)
     except Exception as exc:
@@ -176,14 +183,15 @@ def _is_unreachable(exc: BaseException) -> bool:
 def _hub_error(exc: Exception, what: str) -> Exception:
     """The error to raise for a failed hub load: unreachable hub, a name the hub does not
     have (``datasets`` raises a ``FileNotFoundError`` kind), or ``exc`` itself."""
+    first = (str(exc).strip().splitlines() or [""])[0]  # a hub message can run to several
     if not _is_unreachable(exc):
         if isinstance(exc, FileNotFoundError):
-            return DataError(f"cannot load {what} from the hub ({exc}); check the name. "
+            return DataError(f"cannot load {what} from the hub ({first}); check the name. "
                              f"{_OFFLINE_HELP}")  # fmt: skip
         return exc
     return HubUnreachableError(
         f"Could not reach the Hugging Face Hub to load {what} "
-        f"({type(exc).__name__}: {exc}). {_OFFLINE_HELP}"
+        f"({type(exc).__name__}: {first}). {_OFFLINE_HELP}"
     )
 
 

@@ -248,3 +248,27 @@ def test_codebert_rows_longer_than_the_positions_are_refused():
     p = cb.preset("smoke")
     with pytest.raises(ConfigError, match=r"data.seq_len=256 .*model.max_len=128"):
         dataclasses.replace(p, data=dataclasses.replace(p.data, seq_len=256))
+
+
+def test_a_file_that_is_no_tokenizer_is_one_clear_error(tmp_path) -> None:
+    """A --tokenizer that points at another file (or a damaged tokenizer.json) is refused
+    with the file's name, as the MNLI and CodeBERT commands refuse it: never a bare
+    ``Exception`` from the tokenizers library."""
+    from comera.errors import DataError
+    from experiments.codebert.data import tokenizer_info
+    from experiments.mnli.data import load_tokenizer as mnli_tokenizer
+    from loaders.errors import LoaderInputError
+    from loaders.text import load_tokenizer
+
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"premise": "a", "label": 1}\n')
+    damaged = tmp_path / "tok"
+    damaged.mkdir()
+    (damaged / "tokenizer.json").write_text('{"version": "1.0"}')
+    for path in (bad, damaged):
+        with pytest.raises(LoaderInputError, match="is not a tokenizer.json"):
+            load_tokenizer(str(path))
+        with pytest.raises(DataError, match="is not a tokenizer.json"):
+            mnli_tokenizer(str(path))
+        with pytest.raises(DataError, match="is not a tokenizer.json"):
+            tokenizer_info(str(path))
