@@ -15,6 +15,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from comera.errors import ConfigError
 from comera.train.config import WANDB_MODES, TrainConfig
 
 __all__ = [
@@ -114,18 +115,25 @@ class RunLog:
         if run_id is None:
             run_id = uuid.uuid4().hex[:8]  # wandb's id alphabet: lowercase letters, digits
             id_path.write_text(run_id + "\n")
-        self.wandb = wandb.init(
-            project=cfg.wandb_project,
-            entity=cfg.wandb_entity,
-            group=cfg.wandb_group,
-            tags=list(cfg.wandb_tags) or None,
-            name=cfg.run_name,
-            dir=str(self.run_dir),
-            mode=mode,
-            id=run_id,
-            resume="allow" if resume else None,
-            config=config,
-        )
+        try:
+            self.wandb = wandb.init(
+                project=cfg.wandb_project,
+                entity=cfg.wandb_entity,
+                group=cfg.wandb_group,
+                tags=list(cfg.wandb_tags) or None,
+                name=cfg.run_name,
+                dir=str(self.run_dir),
+                mode=mode,
+                id=run_id,
+                resume="allow" if resume else None,
+                config=config,
+            )
+        except wandb.errors.Error as e:  # no API key, a refused login, an unknown entity
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(
+                f"wandb={mode!r}: wandb could not start ({first}); log in (wandb login, or "
+                f"WANDB_API_KEY) or use --wandb offline, and go on with --resume {self.run_dir}"
+            ) from None
 
     def log(self, row: dict) -> None:
         if self.rank != 0:

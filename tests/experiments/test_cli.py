@@ -293,6 +293,25 @@ def test_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
     assert first["config"]["train"]["comera"]["gamma"] == cfg.comera.gamma
 
 
+def test_a_wandb_that_cannot_start_is_one_line_and_the_run_resumes(tmp_path, monkeypatch,
+                                                                    capsys):  # fmt: skip
+    """``--wandb online`` with no login: wandb raises its own error at init; the command
+    says what to do in one line (exit 2), and the run goes on with ``--resume``."""
+    import wandb
+
+    def refuse(**kw):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    run_dir = tmp_path / "run"
+    assert mnli.main([*FAST, "--run-dir", str(run_dir), "--wandb", "online"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    err = [line for line in err.splitlines() if ": error: " in line]  # after the model line
+    assert len(err) == 1 and "No API key configured" in err[0] and "--wandb offline" in err[0]
+    assert mnli.main(["--resume", str(run_dir), "--no-progress", "--wandb", "disabled"]) == 0
+
+
 def test_trainconfig_accepts_none_wandb():
     assert TrainConfig(steps=1, run_dir="x").wandb is None
     assert C.LayerPlans().for_layer("anything") is None
