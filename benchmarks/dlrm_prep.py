@@ -96,6 +96,8 @@ def measure(path: Path) -> dict:
                 peak_anon, peak_file = max(peak_anon, mb[0]), max(peak_file, mb[1])
             time.sleep(0.05)
         out = proc.stdout.read() if proc.stdout else ""
+        if proc.returncode == 2:  # bad input: the child said what in one line
+            raise SystemExit(2)
         if proc.returncode:
             raise SystemExit(f"benchmarks.dlrm_prep: preprocessing failed (exit {proc.returncode})")
         res = json.loads(out.strip().splitlines()[-1])
@@ -147,7 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        _child(*args.child)
+        from comera.errors import UserError
+
+        try:
+            _child(*args.child)
+        except UserError as e:  # a file that is not Criteo: one line, as training says it
+            print(f"{ap.prog}: error: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.render is not None:
         return print_rendered(args.render, render, ap.prog)

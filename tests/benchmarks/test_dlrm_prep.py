@@ -26,3 +26,20 @@ def test_prep_bench_measures_a_kaggle_shaped_file(tmp_path: Path, capsys) -> Non
     assert res["peak_anon_mb"] >= res["peak_anon_above_baseline_mb"] >= 0
     assert prep_bench.main(["--file", str(tmp_path / "missing.txt")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_prep_bench_names_a_file_that_is_not_criteo_in_one_line(tmp_path: Path) -> None:
+    """The child's CriteoFormatError is its one line, exit 2, as the training command
+    gives: no child traceback, no second 'failed' line."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "x.txt"
+    bad.write_text("a\tb\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.dlrm_prep", "--file", str(bad)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert "x.txt, line 1: expected 40 tab-separated fields" in err[0]
