@@ -233,13 +233,13 @@ def _parsed(value: Any, hint: Any, key: str, text: bool, label: str) -> Any:
     """``value`` as the field's type: ``--set`` text parsed by its annotation, a typed value
     converted (a file's string for a non-string field parsed as text would be: YAML reads
     ``1e-3`` as one), then checked to be of the field's kind."""
-    if not text and isinstance(value, str) and hint not in (str, Any):
+    if text or (isinstance(value, str) and hint not in (str, Any)):
         try:
             value = parse_value(value, hint, key)
-        except CLIError as e:  # named after the item, not a --set
+        except CLIError as e:  # named after the item (a --set, a file's key, --values)
             raise CLIError(f"{label}: {str(e).partition(': ')[2]}") from None
     else:
-        value = parse_value(value, hint, key) if text else _convert(value, hint)
+        value = _convert(value, hint)
     _check_type(value, hint, label)
     return value
 
@@ -366,9 +366,51 @@ def apply_overrides(
     return _rebuild(cfg, "", changes, asked)
 
 
+def _describe(hint: Any, plural: bool = False) -> str:
+    """A type annotation as a user writes the value: ``list of 2 lists of ints``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return " or ".join(_describe(a, plural) for a in args)
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        lists = "lists" if plural else "list"
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"{lists} of {_describe(args[0], True)}"
+        kinds = {_describe(a, True) for a in args}
+        return f"{lists} of {len(args)} {kinds.pop() if len(kinds) == 1 else 'items'}"
+    name = getattr(hint, "__name__", str(hint))
+    return name + ("s" if plural else "")
+
+
+def _tuple_shape_ok(value: Any, hint: Any, inner: bool = False) -> bool:
+    """Whether ``value`` nests like the tuple annotation ``hint`` (lists where it has
+    tuples, items of its plain kinds inside them); a plain value at the top is left to
+    :func:`_check_type`'s own check."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return value is None or any(_tuple_shape_ok(value, a, inner) for a in args)
+    if typing.get_origin(hint) is not tuple:
+        if not inner or hint not in (bool, int, float, str):
+            return True
+        if hint is float:
+            return isinstance(value, int | float) and not isinstance(value, bool)
+        return isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
+    if not isinstance(value, list | tuple):
+        return False
+    args = typing.get_args(hint)
+    if len(args) == 2 and args[1] is Ellipsis:
+        return all(_tuple_shape_ok(v, args[0], True) for v in value)
+    return len(value) == len(args) and all(
+        _tuple_shape_ok(v, a, True) for v, a in zip(value, args, strict=True)
+    )
+
+
 def _check_type(value: Any, hint: Any, label: str) -> None:
-    """Refuse a plain value of the wrong kind (a file's ``"7"`` for an int field) in one
+    """Refuse a plain value of the wrong kind (a file's ``"7"`` for an int field), or a
+    list nested otherwise than its field (``[4,4]`` for modes ``[[4,4],[4,4]]``), in one
     line, before a config check or the run trips over it."""
+    if not _tuple_shape_ok(value, hint):
+        raise CLIError(f"{label}: expected a {_describe(hint)}, got {value!r}")
     args = (
         typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
     )

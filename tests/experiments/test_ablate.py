@@ -311,6 +311,8 @@ def test_compression_ablation_meets_each_target_and_renders_the_path(tmp_path):
 def test_size_ablations_refuse_bad_values(capsys):
     assert ablate.main(["compression", "--values", "0.5"]) == 2
     assert "numbers >= 1" in capsys.readouterr().err
+    assert ablate.main(["gamma", "--values", "a,b"]) == 2  # named as typed, not as a --set
+    assert "error: --values a: expected a value of type float" in capsys.readouterr().err
     assert ablate.main(["target_compression"]) == 2
     assert "needs --values" in capsys.readouterr().err
     assert ablate.main(["target_compression", "--values", "8,x"]) == 2

@@ -162,6 +162,8 @@ def test_bad_inputs_are_one_line_raised_as_user_errors(tmp_path, monkeypatch, ca
     refused(["--set", "model.heads=-4"], UserError, "heads must be >= 1, got -4")
     # a key the build sets from the tokenizer: refused, not silently replaced
     refused(["--set", "model.vocab_size=500"], cli.CLIError, "drop the --set")
+    refused(["--set", "model.attn_modes=[4,4]"], cli.CLIError,
+            "expected a list of 2 lists of ints, got (4, 4)")  # fmt: skip
     # longer rows than the model has positions: refused before the run dir is claimed
     longer = [*FAST, "--run-dir", str(tmp_path / "long"), "--set", "data.max_length=32"]
     refused(longer, UserError, "raise model.max_len too (--set model.max_len=32)")
