@@ -605,6 +605,9 @@ def _plot_size(rows: list[dict], axes: Any) -> None:
     ax.legend(fontsize=8)
 
 
+ABLATION_RECORD = "ablation.json"  # in an ablation's runs dir: the command that trained it
+
+
 def main(argv: list[str] | None = None) -> int:
     from_command_line = argv is None  # only a command may re-execute itself
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -636,7 +639,14 @@ def main(argv: list[str] | None = None) -> int:
         named = args.experiment != "mnli" or args.ablation in NAMED_BY_EXPERIMENT
         tag = f"{args.experiment}-" if named else ""
         root = Path(args.runs_dir) / f"ablate-{tag}{args.ablation}-{preset}"
+        # the command that trains the runs, kept beside them: a --report-only rebuild
+        # names it, whatever --set items the rebuild is given
+        ran = [a for a in argv if not (a.startswith("--report-") and "--report-only".startswith(a))]
+        command = "python -m experiments.ablate " + " ".join(ran)
+        record = root / ABLATION_RECORD
         if args.report_only:
+            if record.is_file():
+                command = json.loads(record.read_text()).get("command", command)
             records = [{"label": v.label, "dir": variant_dir(root, v.label)} for v in chosen]
             missing = [str(r["dir"]) for r in records if not (r["dir"] / "metrics.jsonl").is_file()]
             if missing:
@@ -646,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
                     "without --report-only first (same --runs-dir, --experiment and --preset)"
                 )
         else:
+            root.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps({"command": command}) + "\n")
             records = run_ablation(
                 args.ablation,
                 exp,
@@ -660,9 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     named = args.experiment != "mnli" or args.ablation in NAMED_BY_EXPERIMENT
     tag = f"{args.experiment}_" if named else ""
     out = Path(args.reports) / f"ablation_{tag}{args.ablation}.md"
-    # the command that trained the runs: a --report-only rebuild names it, not itself
-    ran = [a for a in argv if not (a.startswith("--report-") and "--report-only".startswith(a))]
-    write_report(args.ablation, records, out, "python -m experiments.ablate " + " ".join(ran))
+    write_report(args.ablation, records, out, command)
     print(out.read_text())
     return 0
 

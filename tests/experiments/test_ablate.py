@@ -202,6 +202,9 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch):
     assert cmds[-1] == "python -m experiments.ablate " + " ".join(args)  # what trained them
     monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-on"])  # an abbreviation
     assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + " ".join(args)
+    # a rebuild given other --set items still names the command that trained the runs
+    monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only", "--set", "train.steps=9"])
+    assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + " ".join(args)
     monkeypatch.setattr("sys.argv", ["ablate", *args])
     assert ablate.main() == 0 and calls == ["lean"]  # DLRM's presets train under lean
 
