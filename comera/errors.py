@@ -18,7 +18,20 @@ existing ``except`` clauses keep working.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "MissingFileError", "UserError"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "MissingFileError",
+    "UserError",
+    "first_line",
+]
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, to quote in a one-line error (a library's message, a
+    hub client's above all, can run to several)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 class UserError(Exception):

@@ -15,7 +15,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from comera.errors import ConfigError
+from comera.errors import ConfigError, first_line
 from comera.train.config import WANDB_MODES, TrainConfig
 
 __all__ = [
@@ -129,9 +129,8 @@ class RunLog:
                 config=config,
             )
         except wandb.errors.Error as e:  # no API key, a refused login, an unknown entity
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(
-                f"wandb={mode!r}: wandb could not start ({first}); log in (wandb login, or "
+                f"wandb={mode!r}: wandb could not start ({first_line(e)}); log in (wandb login, or "
                 f"WANDB_API_KEY) or use --wandb offline, and go on with --resume {self.run_dir}"
             ) from None
 

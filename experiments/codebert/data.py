@@ -23,7 +23,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from comera.errors import DataError
+from comera.errors import DataError, first_line
 from loaders.metadata import METADATA_NAME
 from loaders.prepare import (
     PLAN_NAME,
@@ -70,11 +70,6 @@ class Corpus:
     heldout: dict[str, Path]
 
 
-def _first_line(exc: BaseException) -> str:
-    """An exception's first line (a hub client's message can run to several)."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
 def tokenizer_info(tokenizer: str) -> tuple[int, dict[str, int | None]]:
     """Vocabulary size and the ids of RoBERTa's specials (``None`` when absent) of a local
     ``tokenizer.json`` (or a folder holding one) or a hub tokenizer (needs the network or
@@ -89,7 +84,7 @@ def tokenizer_info(tokenizer: str) -> tuple[int, dict[str, int | None]]:
             tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
             raise DataError(f"data.tokenizer={tokenizer!r}: {path} is not a tokenizer.json "
-                            f"({_first_line(exc)})") from None  # fmt: skip
+                            f"({first_line(exc)})") from None  # fmt: skip
         return tok.get_vocab_size(), {t: tok.token_to_id(t) for t in SPECIALS}
     try:
         import transformers
@@ -101,12 +96,12 @@ def tokenizer_info(tokenizer: str) -> tuple[int, dict[str, int | None]]:
     except ImportError:
         pass
     except Exception as exc:
-        raise DataError(f"data.tokenizer={tokenizer!r}: cannot load it ({_first_line(exc)}); "
+        raise DataError(f"data.tokenizer={tokenizer!r}: cannot load it ({first_line(exc)}); "
                         "pass a local tokenizer.json") from exc  # fmt: skip
     try:
         tok = Tokenizer.from_pretrained(tokenizer)
     except Exception as exc:
-        raise DataError(f"data.tokenizer={tokenizer!r}: cannot load it ({_first_line(exc)}); "
+        raise DataError(f"data.tokenizer={tokenizer!r}: cannot load it ({first_line(exc)}); "
                         "pass a local tokenizer.json") from exc  # fmt: skip
     return tok.get_vocab_size(), {t: tok.token_to_id(t) for t in SPECIALS}
 

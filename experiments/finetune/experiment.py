@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera as C
-from comera.errors import ConfigError, MissingFileError
+from comera.errors import ConfigError, MissingFileError, first_line
 from comera.tensorize import INITS
 from comera.train import TrainConfig
 from comera.train.module_task import ModuleTask
@@ -174,11 +174,6 @@ def load_model(cfg: ModelConfig, data: MNLIData, *, quiet: bool = False) -> nn.M
     return tf.BertForSequenceClassification(bert)
 
 
-def _first(e: BaseException) -> str:
-    """An exception's first line (a library's message can run to several)."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def _check_local_path(path: str) -> None:
     """Refuse ``--model`` paths that are plainly local and wrong before transformers tries
     them (or the hub, for tens of seconds): a file, not the folder; a folder that does not
@@ -212,16 +207,18 @@ def _load_pretrained(tf: Any, cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
             output_loading_info=True,
         )  # fmt: skip
     except OSError as e:  # no such folder, no weights in it, or an unreachable hub
-        raise ConfigError(f"--model {cfg.path}: cannot load a model there ({_first(e)})") from None
+        raise ConfigError(
+            f"--model {cfg.path}: cannot load a model there ({first_line(e)})"
+        ) from None
     except (RuntimeError, ValueError) as e:  # an unknown architecture, weights that do not fit
         raise ConfigError(
             f"--model {cfg.path}: cannot load it as a sequence classifier with "
-            f"model.num_labels={cfg.num_labels} labels ({_first(e)})"
+            f"model.num_labels={cfg.num_labels} labels ({first_line(e)})"
         ) from None
     except Exception as e:  # noqa: BLE001 - damaged weights (safetensors', pickle's errors)
         raise ConfigError(
             f"--model {cfg.path}: cannot read the model saved there ({type(e).__name__}: "
-            f"{_first(e)})"
+            f"{first_line(e)})"
         ) from None
     finally:
         log.set_verbosity(verbosity)

@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 from tokenizers import Tokenizer, processors
 
-from comera.errors import ConfigError, DataError, MissingFileError, UserError
+from comera.errors import ConfigError, DataError, MissingFileError, UserError, first_line
 from experiments.mnli.batches import EncodedSplit
 from experiments.mnli.generated import (
     GENERATED_WORDS,
@@ -154,9 +154,8 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
         try:
             return Tokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise DataError(
-                f"tokenizer file {str(path)!r} is not a tokenizer.json ({first}); pass "
+                f"tokenizer file {str(path)!r} is not a tokenizer.json ({first_line(exc)}); pass "
                 "--tokenizer a tokenizer.json or a directory holding one"
             ) from None
     try:
@@ -183,7 +182,7 @@ def _is_unreachable(exc: BaseException) -> bool:
 def _hub_error(exc: Exception, what: str) -> Exception:
     """The error to raise for a failed hub load: unreachable hub, a name the hub does not
     have (``datasets`` raises a ``FileNotFoundError`` kind), or ``exc`` itself."""
-    first = (str(exc).strip().splitlines() or [""])[0]  # a hub message can run to several
+    first = first_line(exc)  # a hub client's message can run to several lines
     if not _is_unreachable(exc):
         if isinstance(exc, FileNotFoundError):
             return DataError(f"cannot load {what} from the hub ({first}); check the name. "
