@@ -186,17 +186,23 @@ class TiedDecoder(nn.Module):
     the same model (as :func:`tensorize_` leaves it) for ``.to()`` and the optimizer to
     reach it."""
 
-    def __init__(self, embedding: TTMEmbedding, bias: torch.Tensor | None) -> None:
+    def __init__(self, embedding: TTMEmbedding, bias: torch.Tensor | None,
+                 bias_owned_elsewhere: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.embedding = embedding
-        # the bias itself, not a copy: a model that ties it elsewhere too (BERT's MLM head,
-        # ``cls.predictions.bias``) keeps one parameter, trained once
-        if bias is None or isinstance(bias, nn.Parameter):
+        self._bias_elsewhere = bias_owned_elsewhere and isinstance(bias, nn.Parameter)
+        if self._bias_elsewhere:
+            # the bias itself, read like the embedding: a model that ties it elsewhere too
+            # (BERT's MLM head, ``cls.predictions.bias``) keeps one parameter, trained once
+            # and saved once, under that module's path (so a saved file loads strictly)
+            object.__setattr__(self, "bias", bias)
+        elif bias is None or isinstance(bias, nn.Parameter):
             self.bias = bias
         else:
             self.bias = nn.Parameter(bias.detach().clone())
-        # a state dict from before the embedding was unregistered holds its cores here too
-        self._register_load_state_dict_pre_hook(_drop_embedding_keys)
+        # a state dict from before the embedding (or a shared bias) was unregistered holds
+        # copies here too
+        self._register_load_state_dict_pre_hook(_drop_read_keys, with_module=True)
 
     @property
     def embedding(self) -> TTMEmbedding:
@@ -219,12 +225,15 @@ class TiedDecoder(nn.Module):
         return f"tied to a TTM embedding of {self.embedding.spec.num_embeddings} rows"  # type: ignore[union-attr]
 
 
-def _drop_embedding_keys(state_dict: dict, prefix: str, *args: object) -> None:
-    """A :class:`TiedDecoder`'s load pre-hook: drop ``<prefix>embedding.*``, the copies of
-    the embedding's tensors that state dicts held while the decoder registered it (the
-    embedding loads them under its own path)."""
+def _drop_read_keys(decoder: TiedDecoder, state_dict: dict, prefix: str, *args: object) -> None:
+    """A :class:`TiedDecoder`'s load pre-hook: drop ``<prefix>embedding.*`` (and
+    ``<prefix>bias`` when the bias is another module's), the copies of tensors the decoder
+    reads but does not own, which state dicts held while it registered them (their owners
+    load them under their own paths)."""
     for key in [k for k in state_dict if k.startswith(prefix + "embedding.")]:
         del state_dict[key]
+    if decoder._bias_elsewhere:
+        state_dict.pop(prefix + "bias", None)
 
 
 def _untie_in_config(model: nn.Module, tied: list[nn.Module]) -> None:
@@ -500,7 +509,10 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     for name, module in candidates:  # tied decoders, named by a glob or not
         if isinstance(module, nn.Linear) and id(module.weight) in embeddings:
             emb = embeddings[id(module.weight)]
-            decoder = TiedDecoder(emb, module.bias)  # one module (one bias) at every path
+            bias = module.bias  # another module (BERT's cls.predictions) may hold it too
+            elsewhere = bias is not None and any(
+                o not in paths[id(module)] for o in owners.get(id(bias), []))  # fmt: skip
+            decoder = TiedDecoder(emb, bias, elsewhere)  # one module (one bias) at every path
             for path in paths[id(module)]:
                 model.set_submodule(path, decoder)
             summary.layers.append(LayerReport(

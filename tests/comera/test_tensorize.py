@@ -416,10 +416,14 @@ def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
     """BERT's MLM head ties ``decoder.bias`` to ``cls.predictions.bias``: the decoder
     reads that parameter itself, so it is trained once, counted once and saved once."""
     transformers = pytest.importorskip("transformers")
+
+    def config() -> object:
+        return transformers.BertConfig(
+            vocab_size=120, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=16)  # fmt: skip
+
     torch.manual_seed(0)
-    bert = transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=120, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=16))  # fmt: skip
+    bert = transformers.BertForMaskedLM(config())
     tensorize_(bert, TensorizeConfig(target_modules=("word_embeddings",), rank=4, cores=2,
                                      embedding_cores=2))  # fmt: skip
     head = bert.cls.predictions
@@ -430,6 +434,18 @@ def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
     names = [n for n, _ in bert.named_parameters() if n.endswith("predictions.bias")
              or n.endswith("decoder.bias")]  # fmt: skip
     assert names == ["cls.predictions.bias"]
+    # saved once, so a strict load into a twin tensorized the same way finds every key;
+    # a state dict that also holds the decoder's copy (as files did) loads too
+    torch.manual_seed(2)
+    twin = transformers.BertForMaskedLM(config())  # the original config: tied
+    tensorize_(twin, TensorizeConfig(target_modules=("word_embeddings",), rank=4, cores=2,
+                                     embedding_cores=2))  # fmt: skip
+    state = bert.state_dict()
+    assert "cls.predictions.decoder.bias" not in state
+    twin.load_state_dict(state)  # strict
+    assert torch.equal(twin.cls.predictions.decoder.bias, head.bias)
+    twin.load_state_dict({**state, "cls.predictions.decoder.bias": head.bias.detach() + 1})
+    assert torch.equal(twin.cls.predictions.bias, head.bias)
 
 
 def test_subclasses_with_their_own_forward_are_skipped() -> None:
