@@ -397,7 +397,11 @@ def _is_conv1d(module: nn.Module) -> bool:
 @lru_cache(maxsize=256)
 def _reads_weight(cls: type, child: str) -> bool:
     """Whether ``cls.forward``'s source reads ``self.<child>.weight`` (a TT adapter has no
-    ``weight``: the first forward would fail); False where the source cannot be read."""
+    ``weight``: the first forward would fail); False where the source cannot be read.
+
+    A read in any branch counts, on purpose: which branch runs depends on the config, the
+    device and the mode (``nn.TransformerEncoderLayer``'s fast path, Mamba mixers' CUDA
+    kernels), and a layer wrongly left dense still trains where one wrongly replaced fails."""
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):  # built-in, compiled or generated: nothing to read
@@ -430,12 +434,17 @@ def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, l
     if isinstance(module, nn.Embedding):  # a linear tied to it becomes its TiedDecoder,
         # unless an exclude glob keeps it (it then keeps the weight, and the embedding too)
         kept = [o for o in others if _match(o, exclude)]
-        others = kept + [o for o in others if not isinstance(model.get_submodule(o), nn.Linear)]
+        unlinear = [o for o in others if not isinstance(model.get_submodule(o), nn.Linear)]
+        others = list(dict.fromkeys(kept + unlinear))
         if others and all(isinstance(model.get_submodule(o), nn.Embedding) for o in others):
             # T5's shared and embed_tokens: other modules, one weight; one TTM at several
             # paths would be one module under several names, which HF's save refuses
-            return (f"skipped: other embedding modules hold its weight too ({', '.join(others)});"
-                    " one TTM for several embedding modules is not supported")  # fmt: skip
+            why = "one TTM for several embedding modules is not supported"
+            if kept:
+                why = f"the exclude keeps {', '.join(kept)}"
+            return (
+                f"skipped: other embedding modules hold its weight too ({', '.join(others)}); {why}"
+            )
     if others:
         return f"skipped: its weight is shared with {others[0]}, which this rewrite keeps"
     return ""

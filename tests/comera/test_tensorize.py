@@ -410,6 +410,12 @@ def test_embedding_modules_sharing_one_weight_stay_and_say_why() -> None:
     assert "(encoder.embed_tokens, decoder.embed_tokens); one TTM" in rows["shared"]
     assert all("not supported" in why for why in rows.values()) and len(rows) == 3
     assert type(t5.shared) is nn.Embedding
+    # an exclude that keeps the others is the reason given, each named once
+    only = TensorizeConfig(target_modules=("shared",), exclude=("embed_tokens",), rank=4)
+    summary = tensorize_(t5, only)
+    (why,) = [r.skipped for r in summary.layers]
+    assert why.endswith("(encoder.embed_tokens, decoder.embed_tokens); the exclude keeps "
+                        "encoder.embed_tokens, decoder.embed_tokens")  # fmt: skip
 
 
 def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
