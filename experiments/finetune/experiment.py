@@ -256,7 +256,7 @@ def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
                 f"what {source} reads ({limit_name} {limit}: ids 0..{limit - 1}); give "
                 "--tokenizer the tokenizer that --model was trained with"
             )
-    positions = _positions(config)
+    positions = _positions(model)
     longest = max((int(s.input_ids.shape[1]) for s in splits), default=0)
     if positions is not None and longest > positions:
         raise ConfigError(
@@ -272,16 +272,23 @@ def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
         )
 
 
-def _positions(config: object) -> int | None:
-    """How many token positions a model reads, or None when its config does not say.
-    RoBERTa-style models number positions from ``pad_token_id + 1``: as many fewer."""
+def _positions(model: nn.Module) -> int | None:
+    """How many token positions a model reads, or None where nothing bounds it (relative or
+    rotary positions, DeBERTa-v3's ``position_biased_input=False``, XLNet's -1) or its
+    config does not say. RoBERTa-style tables (CamemBERT, XLM-R, Data2Vec, Longformer...:
+    a ``position_embeddings`` with a ``padding_idx``) number positions from
+    ``padding_idx + 1``: as many fewer."""
+    config = getattr(model, "config", None)
     n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     rotary = any(hasattr(config, k) for k in ("rope_theta", "rope_scaling", "rope_parameters"))
     kind = getattr(config, "position_embedding_type", "absolute")
-    if not isinstance(n, int) or rotary or kind not in ("absolute", None):
+    unbiased = getattr(config, "position_biased_input", True) is False  # relative only
+    if not isinstance(n, int) or n <= 0 or rotary or unbiased or kind not in ("absolute", None):
         return None  # relative or rotary positions: no table to run past
-    if "roberta" in str(getattr(config, "model_type", "")):
-        n -= int(getattr(config, "pad_token_id", None) or 0) + 1
+    for name, module in model.named_modules():
+        if (name.rpartition(".")[2] == "position_embeddings" and type(module) is nn.Embedding
+                and module.padding_idx is not None):  # fmt: skip
+            return module.num_embeddings - (module.padding_idx + 1)
     return n
 
 

@@ -115,6 +115,37 @@ def test_a_saved_decoder_classifier_and_path_mistakes(tmp_path: Path, capsys) ->
         assert not (run / "config.json").exists()
 
 
+def test_the_position_limit_is_the_table_the_model_reads() -> None:
+    """RoBERTa-style tables (CamemBERT, Data2Vec: any ``position_embeddings`` with a
+    padding_idx) lose ``padding_idx + 1`` rows; relative-only DeBERTa-v3 and XLNet (-1)
+    have no limit; BERT reads its whole table. The limit found is the longest row that runs."""
+    import torch
+    import transformers as tf
+
+    from experiments.finetune.experiment import _positions
+
+    tiny = dict(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                intermediate_size=64, max_position_embeddings=18, num_labels=3)  # fmt: skip
+    torch.manual_seed(0)
+    for cls, conf, want in [
+        (tf.BertForSequenceClassification, tf.BertConfig(**tiny), 18),
+        (tf.RobertaForSequenceClassification, tf.RobertaConfig(pad_token_id=1, **tiny), 16),
+        (tf.CamembertForSequenceClassification, tf.CamembertConfig(pad_token_id=1, **tiny), 16),
+        (tf.Data2VecTextForSequenceClassification,
+         tf.Data2VecTextConfig(pad_token_id=1, **tiny), 16),
+        (tf.DebertaV2ForSequenceClassification,
+         tf.DebertaV2Config(position_biased_input=False, relative_attention=True, **tiny), None),
+    ]:  # fmt: skip
+        model = cls(conf).eval()
+        assert _positions(model) == want, cls.__name__
+        if want is not None:
+            with torch.no_grad():
+                model(torch.randint(5, 50, (1, want)))
+    xlnet = tf.XLNetForSequenceClassification(tf.XLNetConfig(
+        vocab_size=50, d_model=32, n_layer=1, n_head=4, d_inner=64))  # fmt: skip
+    assert _positions(xlnet) is None
+
+
 @pytest.mark.slow
 def test_a_run_resumed_from_a_mid_run_checkpoint_ends_where_the_whole_run_did(
     tmp_path: Path,
