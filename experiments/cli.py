@@ -237,7 +237,10 @@ def _parsed(value: Any, hint: Any, key: str, text: bool, label: str) -> Any:
         try:
             value = parse_value(value, hint, key)
         except CLIError as e:  # named after the item (a --set, a file's key, --values)
-            raise CLIError(f"{label}: {str(e).partition(': ')[2]}") from None
+            msg = str(e)
+            for prefix in (f"--set {key}={value}: ", f"--set {key}=None: "):
+                msg = msg.removeprefix(prefix)  # the reason alone (the text may hold ': ')
+            raise CLIError(f"{label}: {msg}") from None
     else:
         value = _convert(value, hint)
     _check_type(value, hint, label)

@@ -43,6 +43,13 @@ def test_set_parses_by_annotation_and_revalidates():
         cli.apply_overrides(cfg, [], ["train.steps=1.5"])
     with pytest.raises(cli.CLIError, match="train.steps cannot be None"):
         cli.apply_overrides(cfg, [], ["train.steps=None"])
+    for item, reason in [  # a value holding ": " is quoted whole, then the reason once
+        ("train.steps=a: b", "expected a value of type int"),
+        ("model.attn_modes=[[8, 8]: [8, 8]]", "not a Python literal"),
+    ]:
+        with pytest.raises(cli.CLIError) as err:
+            cli.apply_overrides(cfg, [], [item])
+        assert str(err.value).startswith(f"--set {item}: {reason}")
     with pytest.raises(cli.CLIError, match="size_ratio"):  # the dataclass check runs again
         cli.apply_overrides(cfg, [], ["train.comera.size_ratio=2"])
     with pytest.raises(cli.CLIError, match="expected KEY=VALUE"):
