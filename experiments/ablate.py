@@ -283,6 +283,9 @@ def variant_dir(runs_root: Path, label: str) -> Path:
     return runs_root / label.replace("/", "_")
 
 
+ABLATION_RECORD = "ablation.json"  # in an ablation's runs dir: the command that trained it
+
+
 def run_ablation(
     name: str,
     exp: cli.Experiment,
@@ -291,8 +294,11 @@ def run_ablation(
     runs_root: Path,
     *,
     text_values: bool = False,
+    command: str | None = None,
 ) -> list[dict]:
-    """Train every variant of ``base``; returns one record per variant."""
+    """Train every variant of ``base``; returns one record per variant. ``command``, the
+    one that trains them, is kept in ``runs_root`` once every variant's config is built (a
+    refused command leaves the last good one for ``--report-only``)."""
     group = base.train.wandb_group or f"ablate-{name}-{base.train.run_name or exp.name}"
     built = []  # every variant's config first: a bad value fails before any variant trains
     for v in chosen:
@@ -305,6 +311,9 @@ def run_ablation(
         if name == "contraction":  # every step's loss: step 1 is the equivalence check
             over.append(("train.log_every", 1))
         built.append((v, cli.apply_overrides(cfg, over, []), run_dir))
+    if command is not None:
+        runs_root.mkdir(parents=True, exist_ok=True)
+        (runs_root / ABLATION_RECORD).write_text(json.dumps({"command": command}) + "\n")
     records = []
     for v, cfg, run_dir in built:
         shutil.rmtree(run_dir, ignore_errors=True)  # the ablation's own output: rerun afresh
@@ -605,7 +614,17 @@ def _plot_size(rows: list[dict], axes: Any) -> None:
     ax.legend(fontsize=8)
 
 
-ABLATION_RECORD = "ablation.json"  # in an ablation's runs dir: the command that trained it
+def _recorded_command(record: Path, default: str) -> str:
+    """The training command kept in an ablation's ``record`` (``default`` when it names
+    none); an unreadable record is a one-line error naming the file."""
+    try:
+        saved = json.loads(record.read_text())
+    except (ValueError, OSError) as e:  # not JSON, bad UTF-8, unreadable
+        raise cli.CLIError(f"--report-only: cannot read {record} ({e}); delete it") from None
+    command = saved.get("command", default) if isinstance(saved, dict) else None
+    if not isinstance(command, str):
+        raise cli.CLIError(f"--report-only: {record} names no training command; delete it")
+    return command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -630,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         if preset not in exp.presets:
             raise cli.CLIError(f"--preset {preset!r}: choose one of {sorted(exp.presets)}")
         over = [("train.wandb", args.wandb)] if args.wandb else []
+        cli.refuse_derived(exp, [(s.partition("=")[0].strip(), "--set") for s in args.sets])
         base = cli.apply_overrides(exp.presets[preset](), over, args.sets)
         chosen = variants(args.ablation, base, exp, args.values)  # user errors before a restart
         if from_command_line and not args.report_only:
@@ -646,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         record = root / ABLATION_RECORD
         if args.report_only:
             if record.is_file():
-                command = json.loads(record.read_text()).get("command", command)
+                command = _recorded_command(record, command)
             records = [{"label": v.label, "dir": variant_dir(root, v.label)} for v in chosen]
             missing = [str(r["dir"]) for r in records if not (r["dir"] / "metrics.jsonl").is_file()]
             if missing:
@@ -656,8 +676,6 @@ def main(argv: list[str] | None = None) -> int:
                     "without --report-only first (same --runs-dir, --experiment and --preset)"
                 )
         else:
-            root.mkdir(parents=True, exist_ok=True)
-            record.write_text(json.dumps({"command": command}) + "\n")
             records = run_ablation(
                 args.ablation,
                 exp,
@@ -666,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
                 root,
                 # --values text goes to the config as typed; compression's are parsed here
                 text_values=args.values is not None and args.ablation != "compression",
+                command=command,
             )
     except cli.USER_ERRORS as e:  # bad input: one line; anything else keeps its traceback
         return cli.user_error(ap.prog, e)

@@ -649,17 +649,26 @@ def check_device(device: str, what: str = "--device") -> None:
         raise CLIError(f"{what} {device}: this machine has {count} CUDA device(s); use cuda:0")
 
 
+def refuse_derived(exp: Experiment, keys: list[tuple[str, str]]) -> None:
+    """Refuse a key the experiment sets itself (``exp.derived``: MNLI's
+    ``model.vocab_size`` comes from the tokenizer), so a value given for it is not dropped
+    without a word; ``keys`` are ``(dotted key, where it was given)``."""
+    for key, where in keys:
+        if key in exp.derived:
+            raise CLIError(
+                f"{where} {key}: {exp.name} sets {key} itself ({exp.derived[key]}); drop it"
+            )
+
+
 def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.ArgumentParser):
     """The effective config: a preset with every flag and ``--set`` applied, or, with
     ``--resume``, the saved config with the few settings that may change."""
-    derived = [k for k in (s.partition("=")[0].strip() for s in args.sets) if k in exp.derived]
-    if derived:
-        k = derived[0]
-        raise CLIError(f"--set {k}: {exp.name} sets {k} itself ({exp.derived[k]}); drop the --set")
+    refuse_derived(exp, [(s.partition("=")[0].strip(), "--set") for s in args.sets])
     if not args.resume:
         cfg = exp.presets[args.preset]()
         own = exp.flag_overrides(args) if exp.flag_overrides else []
         from_file = config_file_items(args.config, cfg) if args.config else []
+        refuse_derived(exp, [(k, f"--config {args.config}:") for k, _, _ in from_file])
         return apply_overrides(
             cfg, [*own, *_common_overrides(args, cfg)], args.sets, file_items=from_file
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,19 +178,18 @@ def test_summary_reports_the_best_eval_and_its_step(tmp_path):
     assert data["variants"][1]["eval_curve"] == [] and (tmp_path / "d.png").is_file()
 
 
-def test_restart_only_from_the_command_line(tmp_path, monkeypatch):
+def test_restart_only_from_the_command_line(tmp_path, monkeypatch, capsys):
     """Only ``python -m experiments.ablate`` re-executes itself for its allocator policy:
     not a call with ``argv`` (tests, scripts), nor ``--report-only``."""
     calls: list[str] = []
     monkeypatch.setattr(ablate, "restart_for", calls.append)
 
-    def train(name, exp, base, chosen, root, **kw):  # leaves finished runs to report on
-        for v in chosen:
-            ablate.variant_dir(root, v.label).mkdir(parents=True, exist_ok=True)
-            (ablate.variant_dir(root, v.label) / "metrics.jsonl").write_text("")
-        return []
+    def train(exp, cfg, argv=None):  # leaves a finished run to report on
+        Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.train.run_dir) / "metrics.jsonl").write_text("")
+        return {}
 
-    monkeypatch.setattr(ablate, "run_ablation", train)
+    monkeypatch.setattr(ablate.cli, "run_experiment", train)
     cmds: list[str] = []
     monkeypatch.setattr(
         ablate, "write_report", lambda name, recs, out, cmd: cmds.append(cmd) or out.write_text("")
@@ -205,6 +205,15 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch):
     # a rebuild given other --set items still names the command that trained the runs
     monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only", "--set", "train.steps=9"])
     assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + " ".join(args)
+    # a refused command (a bad --values) trains nothing and keeps the record
+    assert ablate.main([*args, "--values", "0.1,x"]) == 2
+    monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
+    assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + " ".join(args)
+    record = next(tmp_path.glob("ablate-*/ablation.json"))
+    for damaged in ("not json", "[1]", '{"command": 3}'):  # one line naming the file
+        record.write_text(damaged)
+        assert ablate.main() == 2
+        assert str(record) in capsys.readouterr().err.strip().splitlines()[-1]
     monkeypatch.setattr("sys.argv", ["ablate", *args])
     assert ablate.main() == 0 and calls == ["lean"]  # DLRM's presets train under lean
 
@@ -311,15 +320,20 @@ def test_compression_ablation_meets_each_target_and_renders_the_path(tmp_path):
     assert (tmp_path / "rep" / "ablation_mnli_compression.png").is_file()
 
 
-def test_size_ablations_refuse_bad_values(capsys):
+def test_size_ablations_refuse_bad_values(capsys, tmp_path):
     assert ablate.main(["compression", "--values", "0.5"]) == 2
     assert "numbers >= 1" in capsys.readouterr().err
-    assert ablate.main(["gamma", "--values", "a,b"]) == 2  # named as typed, not as a --set
+    runs = ["--runs-dir", str(tmp_path)]
+    assert ablate.main(["gamma", "--values", "a,b", *runs]) == 2  # as typed, not as a --set
     assert "error: --values a: expected a value of type float" in capsys.readouterr().err
     assert ablate.main(["target_compression"]) == 2
     assert "needs --values" in capsys.readouterr().err
     assert ablate.main(["target_compression", "--values", "8,x"]) == 2
     assert "--values 'x': whole-model compressions" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written for a refused command
+    # a key the experiment sets itself is refused here too
+    assert ablate.main(["gamma", "--set", "model.vocab_size=9", *runs]) == 2
+    assert "sets model.vocab_size itself" in capsys.readouterr().err
     codebert = importlib.import_module("experiments.codebert.experiment")
     cfg = dataclasses.replace(  # a ratio whose inverse is not exact: used as it is
         codebert.preset("smoke"),

@@ -161,7 +161,10 @@ def test_bad_inputs_are_one_line_raised_as_user_errors(tmp_path, monkeypatch, ca
     refused(["--set", "model.heads=0"], UserError, "heads must be >= 1, got 0")
     refused(["--set", "model.heads=-4"], UserError, "heads must be >= 1, got -4")
     # a key the build sets from the tokenizer: refused, not silently replaced
-    refused(["--set", "model.vocab_size=500"], cli.CLIError, "drop the --set")
+    refused(["--set", "model.vocab_size=500"], cli.CLIError, "sets model.vocab_size itself")
+    (tmp_path / "vocab.toml").write_text("[model]\nvocab_size = 500\n")
+    refused(["--config", str(tmp_path / "vocab.toml")], cli.CLIError,
+            "vocab.toml: model.vocab_size: mnli sets model.vocab_size itself")  # fmt: skip
     refused(["--set", "model.attn_modes=[4,4]"], cli.CLIError,
             "expected a list of 2 lists of ints, got (4, 4)")  # fmt: skip
     # longer rows than the model has positions: refused before the run dir is claimed
