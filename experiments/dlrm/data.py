@@ -105,7 +105,7 @@ class CriteoDataConfig:
 # --------------------------------------------------------------------------- validation
 
 
-_DECIMAL = re.compile(r"-?[0-9]+")
+_DECIMAL = re.compile(r" *-?[0-9]+ *")  # the fast reader skips spaces around it
 
 
 def check_line(line: str, path: str | Path, lineno: int) -> None:
@@ -121,9 +121,9 @@ def check_line(line: str, path: str | Path, lineno: int) -> None:
         raise CriteoFormatError(f"{where}, field label: expected 0 or 1, got {fields[0]!r}")
     for name, value in zip(DENSE_COLUMNS, fields[1:14], strict=True):
         if value:
-            # ASCII decimal only: Python's int() also takes "+5", "1_000" and other scripts'
-            # digits, which the fast reader refuses, so a bad line it meets deep in the
-            # file would not be found again here to be named
+            # ASCII decimal only (spaces around it allowed): Python's int() also takes "+5",
+            # "1_000" and other scripts' digits, which the fast reader refuses, so a bad
+            # line it meets deep in the file would not be found again here to be named
             if not _DECIMAL.fullmatch(value) or not -(2**63) <= int(value) < 2**63:
                 raise CriteoFormatError(
                     f"{where}, field {name}: expected a 64-bit integer or nothing, got {value!r}"
