@@ -415,11 +415,14 @@ class PlanTuner:
         cheapest = max(min(flops.values()), 1)  # a dead bond's map costs nothing
         # the memory rule: tensors built from the cores alone (dense's W, an opt_einsum
         # path's cores contracted before x) are kept for backward; beyond what the comera
-        # plan builds (its halves), at most 5% of the call's activations
+        # plan builds (its halves), at most 5% of the call's activations. Halves built
+        # beforehand exist whatever the plan: dense reads them (its excess is W), while
+        # another path builds all of its core-only tensors on top
         own = plans["comera"].weight_elements()
         runs: dict[str, Callable[[], None]] = {}
         for c in self.linear_candidates:
-            extra = plans[c].weight_elements() - own if grad and c != "comera" else 0
+            base_elements = own if halves is None or c == "dense" else 0
+            extra = plans[c].weight_elements() - base_elements if grad and c != "comera" else 0
             if extra > DENSE_SHARE * fewest * (m + n):
                 built = f"W {m}x{n}" if c == "dense" else f"{extra} more weight elements"
                 skipped[c] = f"{built} > {DENSE_SHARE:g} of T x (N + M) at T = {fewest}"

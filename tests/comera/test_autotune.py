@@ -151,6 +151,25 @@ def test_a_contraction_path_that_builds_a_weight_obeys_the_memory_rule_too() -> 
     assert no_grad.choice == "dp" and not no_grad.skipped
 
 
+def test_with_prebuilt_halves_every_core_only_tensor_of_a_path_is_extra() -> None:
+    """Halves built beforehand (:class:`GroupedHalves`) exist whatever the plan, so a
+    ``dp`` path's core-only tensors are all extra (here 128 > 0.05 * 5 * 32), while on
+    its own ``dp`` builds less than the halves it saves and stays a candidate."""
+    spec = C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=8)
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    p = {k: [t.requires_grad_() for t in v] if isinstance(v, list) else v.requires_grad_()
+         for k, v in p.items()}  # fmt: skip
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    tuner = A.PlanTuner(timer=StubTimer({"comera": 3.0, "dense": 2.0, "dp": 1.0}))
+    with A.use_tuner(tuner):
+        C.tt_linear(p, s, x, plan="auto", halves=C.plans.GroupedHalves([(p, s)]))
+        C.tt_linear(p, s, x, plan="auto")
+    grouped, alone = tuner.decisions.values()
+    assert grouped.choice == "comera" and "128 more weight elements" in grouped.skipped["dp"]
+    assert "W 16x16" in grouped.skipped["dense"]
+    assert alone.choice == "dp"
+
+
 def test_decisions_are_cached_on_disk_and_reused(tmp_path) -> None:
     p, s = _linear()
     first = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
