@@ -24,6 +24,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -187,22 +188,28 @@ class TiedDecoder(nn.Module):
     reach it."""
 
     def __init__(self, embedding: TTMEmbedding, bias: torch.Tensor | None,
-                 bias_owned_elsewhere: bool = False) -> None:  # fmt: skip
+                 bias_from: tuple[nn.Module, str] | None = None) -> None:  # fmt: skip
         super().__init__()
         self.embedding = embedding
-        self._bias_elsewhere = bias_owned_elsewhere and isinstance(bias, nn.Parameter)
-        if self._bias_elsewhere:
-            # the bias itself, read like the embedding: a model that ties it elsewhere too
-            # (BERT's MLM head, ``cls.predictions.bias``) keeps one parameter, trained once
-            # and saved once, under that module's path (so a saved file loads strictly)
-            object.__setattr__(self, "bias", bias)
-        elif bias is None or isinstance(bias, nn.Parameter):
-            self.bias = bias
-        else:
-            self.bias = nn.Parameter(bias.detach().clone())
+        # a bias another module registers (BERT's ``cls.predictions.bias``) is read through
+        # that module, like the embedding: one parameter, trained once and saved once under
+        # its owner's path, and whatever that module holds now (functional_call, a load
+        # with assign=True, to_empty) is what the decoder adds
+        object.__setattr__(self, "_bias_from", bias_from)
+        if bias_from is None:
+            if bias is None or isinstance(bias, nn.Parameter):
+                self.bias = bias
+            else:
+                self.bias = nn.Parameter(bias.detach().clone())
         # a state dict from before the embedding (or a shared bias) was unregistered holds
         # copies here too
-        self._register_load_state_dict_pre_hook(_drop_read_keys, with_module=True)
+        self._register_load_state_dict_pre_hook(_load_read_keys, with_module=True)
+
+    def __getattr__(self, name: str) -> Any:
+        source = self.__dict__.get("_bias_from")
+        if name == "bias" and source is not None:
+            return getattr(source[0], source[1])
+        return super().__getattr__(name)
 
     @property
     def embedding(self) -> TTMEmbedding:
@@ -225,15 +232,18 @@ class TiedDecoder(nn.Module):
         return f"tied to a TTM embedding of {self.embedding.spec.num_embeddings} rows"  # type: ignore[union-attr]
 
 
-def _drop_read_keys(decoder: TiedDecoder, state_dict: dict, prefix: str, *args: object) -> None:
-    """A :class:`TiedDecoder`'s load pre-hook: drop ``<prefix>embedding.*`` (and
-    ``<prefix>bias`` when the bias is another module's), the copies of tensors the decoder
-    reads but does not own, which state dicts held while it registered them (their owners
-    load them under their own paths)."""
+def _load_read_keys(decoder: TiedDecoder, state_dict: dict, prefix: str, *args: object) -> None:
+    """A :class:`TiedDecoder`'s load pre-hook for state dicts saved while it registered
+    what it now reads: drop ``<prefix>embedding.*`` (the embedding loads its cores under its
+    own path), and load ``<prefix>bias`` into a bias another module owns (the decoder
+    trained its own copy then, so that copy is the trained one; the owner's module loads
+    first when it is the decoder's parent, as in BERT's head)."""
     for key in [k for k in state_dict if k.startswith(prefix + "embedding.")]:
         del state_dict[key]
-    if decoder._bias_elsewhere:
-        state_dict.pop(prefix + "bias", None)
+    if decoder._bias_from is not None and prefix + "bias" in state_dict:
+        value = state_dict.pop(prefix + "bias")
+        with torch.no_grad():
+            decoder.bias.copy_(value)
 
 
 def _untie_in_config(model: nn.Module, tied: list[nn.Module]) -> None:
@@ -440,7 +450,7 @@ def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, l
             # T5's shared and embed_tokens: other modules, one weight; one TTM at several
             # paths would be one module under several names, which HF's save refuses
             why = "one TTM for several embedding modules is not supported"
-            if kept:
+            if set(others) <= set(kept):  # the exclude alone keeps them all
                 why = f"the exclude keeps {', '.join(kept)}"
             return (
                 f"skipped: other embedding modules hold its weight too ({', '.join(others)}); {why}"
@@ -515,13 +525,24 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             for path in paths[id(module)]:
                 model.set_submodule(path, new)
     tied: list[nn.Module] = []  # the tied decoders and their embeddings
+    heads = [m for _, m in candidates if isinstance(m, nn.Linear) and id(m.weight) in embeddings]
+    head_paths = {p for m in heads for p in paths[id(m)]}
+    bias_from: dict[int, tuple[nn.Module, str]] = {}  # id(bias) -> the module registering it
     for name, module in candidates:  # tied decoders, named by a glob or not
         if isinstance(module, nn.Linear) and id(module.weight) in embeddings:
             emb = embeddings[id(module.weight)]
             bias = module.bias  # another module (BERT's cls.predictions) may hold it too
-            elsewhere = bias is not None and any(
-                o not in paths[id(module)] for o in owners.get(id(bias), []))  # fmt: skip
-            decoder = TiedDecoder(emb, bias, elsewhere)  # one module (one bias) at every path
+            source = None
+            if isinstance(bias, nn.Parameter):
+                source = bias_from.get(id(bias))  # another head already registers it
+                stays = [o for o in owners.get(id(bias), []) if o not in head_paths]
+                if source is None and stays:
+                    owner = model.get_submodule(stays[0])
+                    attr = next(k for k, v in owner._parameters.items() if v is bias)
+                    source = bias_from[id(bias)] = (owner, attr)
+            decoder = TiedDecoder(emb, bias, source)  # one module (one bias) at every path
+            if isinstance(bias, nn.Parameter) and source is None:
+                bias_from[id(bias)] = (decoder, "bias")  # registered here: others read it
             for path in paths[id(module)]:
                 model.set_submodule(path, decoder)
             summary.layers.append(LayerReport(

@@ -416,6 +416,10 @@ def test_embedding_modules_sharing_one_weight_stay_and_say_why() -> None:
     (why,) = [r.skipped for r in summary.layers]
     assert why.endswith("(encoder.embed_tokens, decoder.embed_tokens); the exclude keeps "
                         "encoder.embed_tokens, decoder.embed_tokens")  # fmt: skip
+    # one excluded, one not: dropping the exclude would change nothing, so not named
+    part = TensorizeConfig(target_modules=("shared",), exclude=("encoder.embed_tokens",), rank=4)
+    (why,) = [r.skipped for r in tensorize_(t5, part).layers]
+    assert why.endswith("not supported")
 
 
 def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
@@ -441,7 +445,8 @@ def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
              or n.endswith("decoder.bias")]  # fmt: skip
     assert names == ["cls.predictions.bias"]
     # saved once, so a strict load into a twin tensorized the same way finds every key;
-    # a state dict that also holds the decoder's copy (as files did) loads too
+    # a state dict that also holds the decoder's own copy (files from when it trained one)
+    # loads that copy, the trained one
     torch.manual_seed(2)
     twin = transformers.BertForMaskedLM(config())  # the original config: tied
     tensorize_(twin, TensorizeConfig(target_modules=("word_embeddings",), rank=4, cores=2,
@@ -451,7 +456,43 @@ def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
     twin.load_state_dict(state)  # strict
     assert torch.equal(twin.cls.predictions.decoder.bias, head.bias)
     twin.load_state_dict({**state, "cls.predictions.decoder.bias": head.bias.detach() + 1})
-    assert torch.equal(twin.cls.predictions.bias, head.bias)
+    assert torch.equal(twin.cls.predictions.bias, head.bias + 1)
+    # the decoder adds whatever its owner holds now: functional_call, assign=True
+    from torch.func import functional_call
+
+    bert.eval()
+    other = {"cls.predictions.bias": torch.full_like(head.bias, 3.0)}
+    swapped = functional_call(bert, other, (ids,)).logits
+    plain = bert(input_ids=ids).logits
+    torch.testing.assert_close(swapped - plain, (3.0 - head.bias).expand_as(plain))
+    twin.load_state_dict(state, assign=True)
+    assert twin.cls.predictions.decoder.bias is twin.cls.predictions.bias
+
+
+def test_tied_heads_sharing_only_their_bias_register_it_once() -> None:
+    """Two heads tied to one embedding and sharing a bias with nothing else: the first
+    decoder registers the bias, the second reads it; it stays a trained parameter."""
+
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(64, 16)
+            self.head, self.other = nn.Linear(16, 64), nn.Linear(16, 64)
+            self.head.weight = self.other.weight = self.emb.weight
+            self.other.bias = self.head.bias
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.emb(ids)
+            return self.head(h) + self.other(h)
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    tensorize_(model, TensorizeConfig(target_modules=("emb",), rank=4, embedding_cores=2))
+    assert isinstance(model.head, TiedDecoder) and isinstance(model.other, TiedDecoder)
+    assert [n for n, _ in model.named_parameters() if "bias" in n] == ["head.bias"]
+    assert model.other.bias is model.head.bias
+    model(torch.arange(8)).sum().backward()
+    assert model.head.bias.grad is not None
 
 
 def test_subclasses_with_their_own_forward_are_skipped() -> None:
