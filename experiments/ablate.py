@@ -297,8 +297,10 @@ def run_ablation(
     command: str | None = None,
 ) -> list[dict]:
     """Train every variant of ``base``; returns one record per variant. ``command``, the
-    one that trains them, is kept in ``runs_root`` once every variant's config is built (a
-    refused command leaves the last good one for ``--report-only``)."""
+    one that trains them, is kept in ``runs_root`` once the first variant is prepared (a
+    command refused before that leaves the last good one for ``--report-only``). A variant's
+    earlier run is set aside while its new one is prepared and put back if that is refused:
+    a bad input loses nothing already trained."""
     group = base.train.wandb_group or f"ablate-{name}-{base.train.run_name or exp.name}"
     built = []  # every variant's config first: a bad value fails before any variant trains
     for v in chosen:
@@ -311,17 +313,35 @@ def run_ablation(
         if name == "contraction":  # every step's loss: step 1 is the equivalence check
             over.append(("train.log_every", 1))
         built.append((v, cli.apply_overrides(cfg, over, []), run_dir))
-    if command is not None:
-        runs_root.mkdir(parents=True, exist_ok=True)
-        (runs_root / ABLATION_RECORD).write_text(json.dumps({"command": command}) + "\n")
     records = []
     for v, cfg, run_dir in built:
-        shutil.rmtree(run_dir, ignore_errors=True)  # the ablation's own output: rerun afresh
         print(f"ablate {name}: {v.label} -> {run_dir}", file=sys.stderr)
-        final = cli.run_experiment(exp, cfg, argv=None)
+        run = _prepare_afresh(exp, cfg, run_dir)  # the ablation's own output: rerun afresh
+        if command is not None and not records:  # prepared: this command trains the runs
+            runs_root.mkdir(parents=True, exist_ok=True)
+            (runs_root / ABLATION_RECORD).write_text(json.dumps({"command": command}) + "\n")
+        final = cli.train(run)
         record_host(run_dir)  # the machine, torch and date the report's header names
         records.append({"label": v.label, "dir": run_dir, "final": final})
     return records
+
+
+def _prepare_afresh(exp: cli.Experiment, cfg: Any, run_dir: Path) -> cli.Prepared:
+    """``cli.prepare`` of ``cfg`` in an emptied ``run_dir``; the run that was there is
+    moved aside meanwhile and put back if preparing fails (a missing file, a bad value)."""
+    aside = run_dir.with_name(run_dir.name + ".replaced")
+    shutil.rmtree(aside, ignore_errors=True)
+    if run_dir.exists():
+        run_dir.rename(aside)
+    try:
+        run = cli.prepare(exp, cfg)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if aside.exists():
+            aside.rename(run_dir)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+    return run
 
 
 def _summary(rec: dict) -> dict:

@@ -184,12 +184,21 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch, capsys):
     calls: list[str] = []
     monkeypatch.setattr(ablate, "restart_for", calls.append)
 
-    def train(exp, cfg, argv=None):  # leaves a finished run to report on
+    refusing: list[bool] = []
+
+    def prepare(exp, cfg):  # when refusing: as a missing data file would be refused
+        if refusing:
+            Path(cfg.train.run_dir).mkdir(parents=True)  # what it wrote so far is dropped
+            raise ablate.cli.CLIError("refused while building")
+        return cfg
+
+    def train(cfg):  # leaves a finished run to report on
         Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.train.run_dir) / "metrics.jsonl").write_text("")
+        (Path(cfg.train.run_dir) / "metrics.jsonl").write_text("trained\n")
         return {}
 
-    monkeypatch.setattr(ablate.cli, "run_experiment", train)
+    monkeypatch.setattr(ablate.cli, "prepare", prepare)
+    monkeypatch.setattr(ablate.cli, "train", train)
     cmds: list[str] = []
     monkeypatch.setattr(
         ablate, "write_report", lambda name, recs, out, cmd: cmds.append(cmd) or out.write_text("")
@@ -205,8 +214,15 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch, capsys):
     # a rebuild given other --set items still names the command that trained the runs
     monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only", "--set", "train.steps=9"])
     assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + " ".join(args)
-    # a refused command (a bad --values) trains nothing and keeps the record
+    # a refused command (a bad --values, or one the build refuses) trains nothing, keeps
+    # the record and loses no run
     assert ablate.main([*args, "--values", "0.1,x"]) == 2
+    refusing.append(True)
+    assert ablate.main([*args, "--values", "0.05,0.1"]) == 2
+    assert "refused while building" in capsys.readouterr().err
+    first = ablate.variant_dir(next(tmp_path.glob("ablate-*")), "gamma=0.05")
+    assert (first / "metrics.jsonl").read_text() == "trained\n"
+    refusing.clear()
     monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
     assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + " ".join(args)
     record = next(tmp_path.glob("ablate-*/ablation.json"))
