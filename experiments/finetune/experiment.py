@@ -272,24 +272,29 @@ def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
         )
 
 
+_POSITION_TABLES = ("wpe", "embed_positions")  # GPT-2's, OPT's and BART's (offset inside)
+
+
 def _positions(model: nn.Module) -> int | None:
-    """How many token positions a model reads, or None where nothing bounds it (relative or
-    rotary positions, DeBERTa-v3's ``position_biased_input=False``, XLNet's -1) or its
-    config does not say. RoBERTa-style tables (CamemBERT, XLM-R, Data2Vec, Longformer...:
-    a ``position_embeddings`` with a ``padding_idx``) number positions from
-    ``padding_idx + 1``: as many fewer."""
+    """How many token positions a model reads, or None where nothing bounds it. A
+    ``position_embeddings`` table (BERT's, ESM-1b's) gives its rows, fewer ``padding_idx + 1``
+    where positions are numbered after the pad (RoBERTa, CamemBERT, I-BERT...); GPT-2's
+    ``wpe``, OPT's and BART's ``embed_positions`` give the config's count. No table means
+    relative or rotary positions (DeBERTa-v3, Funnel, Llama, T5, XLNet): no limit."""
     config = getattr(model, "config", None)
     n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    rotary = any(hasattr(config, k) for k in ("rope_theta", "rope_scaling", "rope_parameters"))
     kind = getattr(config, "position_embedding_type", "absolute")
-    unbiased = getattr(config, "position_biased_input", True) is False  # relative only
-    if not isinstance(n, int) or n <= 0 or rotary or unbiased or kind not in ("absolute", None):
-        return None  # relative or rotary positions: no table to run past
-    for name, module in model.named_modules():
-        if (name.rpartition(".")[2] == "position_embeddings" and type(module) is nn.Embedding
-                and module.padding_idx is not None):  # fmt: skip
-            return module.num_embeddings - (module.padding_idx + 1)
-    return n
+    if getattr(config, "position_biased_input", True) is False or kind not in ("absolute", None):
+        return None  # relative positions, though a table may be built
+    tables = {name.rpartition(".")[2]: m for name, m in model.named_modules()}
+    table = tables.get("position_embeddings")
+    weight = getattr(table, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        pad = getattr(table, "padding_idx", None)
+        return weight.shape[0] - (pad + 1 if isinstance(pad, int) else 0)
+    if isinstance(n, int) and n > 0 and any(k in tables for k in _POSITION_TABLES):
+        return n
+    return None
 
 
 class _Eval:

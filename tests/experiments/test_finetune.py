@@ -116,9 +116,9 @@ def test_a_saved_decoder_classifier_and_path_mistakes(tmp_path: Path, capsys) ->
 
 
 def test_the_position_limit_is_the_table_the_model_reads() -> None:
-    """RoBERTa-style tables (CamemBERT, Data2Vec: any ``position_embeddings`` with a
-    padding_idx) lose ``padding_idx + 1`` rows; relative-only DeBERTa-v3 and XLNet (-1)
-    have no limit; BERT reads its whole table. The limit found is the longest row that runs."""
+    """RoBERTa-style tables (CamemBERT, Data2Vec, I-BERT: any ``position_embeddings`` with
+    a padding_idx) lose ``padding_idx + 1`` rows; relative-only DeBERTa-v3, Funnel and
+    XLNet have no limit; BERT reads its whole table. A limit found is a length that runs."""
     import torch
     import transformers as tf
 
@@ -133,8 +133,15 @@ def test_the_position_limit_is_the_table_the_model_reads() -> None:
         (tf.CamembertForSequenceClassification, tf.CamembertConfig(pad_token_id=1, **tiny), 16),
         (tf.Data2VecTextForSequenceClassification,
          tf.Data2VecTextConfig(pad_token_id=1, **tiny), 16),
+        (tf.IBertForSequenceClassification, tf.IBertConfig(pad_token_id=1, **tiny), 16),
+        (tf.EsmForSequenceClassification,  # ESM-1b: absolute, though its config has rope_theta
+         tf.EsmConfig(pad_token_id=1, mask_token_id=2, position_embedding_type="absolute",
+                      **tiny), 16),
         (tf.DebertaV2ForSequenceClassification,
          tf.DebertaV2Config(position_biased_input=False, relative_attention=True, **tiny), None),
+        (tf.FunnelForSequenceClassification,  # relative only: no table
+         tf.FunnelConfig(vocab_size=50, d_model=32, block_sizes=[1], n_head=4, d_head=8,
+                         d_inner=64, max_position_embeddings=18, num_labels=3), None),
     ]:  # fmt: skip
         model = cls(conf).eval()
         assert _positions(model) == want, cls.__name__
