@@ -222,6 +222,10 @@ def test_other_commands_catch_user_errors_not_value_errors(tmp_path, monkeypatch
     monkeypatch.setattr(demo, "run_demo", planted(DataError))
     assert demo.main(["--runs-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == "python -m experiments.mnli.demo: error: planted"
+    monkeypatch.undo()  # the real demo: a key the build sets itself is refused first
+    assert demo.main(["--runs-dir", str(tmp_path), "--set", "model.vocab_size=9"]) == 2
+    assert "mnli sets model.vocab_size itself" in capsys.readouterr().err
+    assert not list(tmp_path.glob("mnli-smoke-*"))
 
 
 def test_every_preset_refuses_an_empty_batch():
