@@ -159,20 +159,22 @@ def test_blank_lines_and_overflow_are_named(tmp_path: Path, case: str) -> None:
 
 
 def test_spaces_around_an_integer_read_as_the_fast_reader_reads_them(tmp_path: Path) -> None:
-    """The fast reader takes " 5" and "7 " as 5 and 7: the head's check lets them through,
-    and the data built equals that of the file without the spaces."""
+    """The fast reader takes " 5" and "7 " as 5 and 7 (and " 1" as label 1): the head's
+    check lets them through, and the data built equals that of the file without spaces."""
     lines = SAMPLE.read_text().splitlines()
     _set_field(lines, 2, 2, "5")
     _set_field(lines, 151, 2, "7")
     plain, spaced = tmp_path / "plain.txt", tmp_path / "spaced.txt"
     plain.write_text("\n".join(lines) + "\n")
     _set_field(lines, 2, 2, " 5")  # in the head the check reads
+    lines[3] = " " + lines[3]  # a spaced label too
     _set_field(lines, 151, 2, "7 ")  # deep, where the fast reader alone reads
     spaced.write_text("\n".join(lines) + "\n")
     a = preprocess(plain, _cfg(tmp_path / "a"), progress=False)
     b = preprocess(spaced, _cfg(tmp_path / "b"), progress=False)
     np.testing.assert_array_equal(a.dense, b.dense)
     np.testing.assert_array_equal(a.cat, b.cat)
+    np.testing.assert_array_equal(a.label, b.label)
 
 
 def test_stale_partial_builds_are_removed(tmp_path: Path) -> None:
