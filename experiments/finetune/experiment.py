@@ -272,29 +272,31 @@ def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
         )
 
 
-_POSITION_TABLES = ("wpe", "embed_positions")  # GPT-2's, OPT's and BART's (offset inside)
-
-
 def _positions(model: nn.Module) -> int | None:
-    """How many token positions a model reads, or None where nothing bounds it. A
-    ``position_embeddings`` table (BERT's, ESM-1b's) gives its rows, fewer ``padding_idx + 1``
-    where positions are numbered after the pad (RoBERTa, CamemBERT, I-BERT...); GPT-2's
-    ``wpe``, OPT's and BART's ``embed_positions`` give the config's count. No table means
-    relative or rotary positions (DeBERTa-v3, Funnel, Llama, T5, XLNet): no limit."""
+    """How many token positions a model reads, or None where nothing bounds it. The
+    config's count (``max_position_embeddings``, ``n_positions``, ``max_seq_len``), lowered
+    to what a ``position_embeddings`` table holds: its rows, fewer ``padding_idx + 1`` where
+    positions are numbered after the pad (RoBERTa, I-BERT, LUKE...). None for relative positions
+    (DeBERTa-v3's ``position_biased_input=False``, XLNet's -1) and for rotary ones with no
+    table (Llama); an absolute table counts even where the config names a rope (ESM-1b)."""
     config = getattr(model, "config", None)
-    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    counts = ("max_position_embeddings", "n_positions", "max_seq_len")  # BERT, GPT-2, MPT
+    n = next((getattr(config, k) for k in counts if getattr(config, k, None)), None)
+    n = n if isinstance(n, int) and n > 0 else None
     kind = getattr(config, "position_embedding_type", "absolute")
     if getattr(config, "position_biased_input", True) is False or kind not in ("absolute", None):
         return None  # relative positions, though a table may be built
-    tables = {name.rpartition(".")[2]: m for name, m in model.named_modules()}
-    table = tables.get("position_embeddings")
-    weight = getattr(table, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        pad = getattr(table, "padding_idx", None)
-        return weight.shape[0] - (pad + 1 if isinstance(pad, int) else 0)
-    if isinstance(n, int) and n > 0 and any(k in tables for k in _POSITION_TABLES):
-        return n
-    return None
+    rows = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if name.rpartition(".")[2] == "position_embeddings" and isinstance(weight, torch.Tensor):
+            pad = getattr(module, "padding_idx", None)
+            rows.append(weight.shape[0] - (pad + 1 if isinstance(pad, int) else 0))
+    if rows:
+        return min([*rows, *([n] if n is not None else [])])
+    if any(hasattr(config, k) for k in ("rope_theta", "rope_scaling", "rope_parameters")):
+        return None  # rotary positions: no table to run past
+    return n
 
 
 class _Eval:

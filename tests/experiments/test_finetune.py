@@ -117,8 +117,9 @@ def test_a_saved_decoder_classifier_and_path_mistakes(tmp_path: Path, capsys) ->
 
 def test_the_position_limit_is_the_table_the_model_reads() -> None:
     """RoBERTa-style tables (CamemBERT, Data2Vec, I-BERT: any ``position_embeddings`` with
-    a padding_idx) lose ``padding_idx + 1`` rows; relative-only DeBERTa-v3, Funnel and
-    XLNet have no limit; BERT reads its whole table. A limit found is a length that runs."""
+    a padding_idx) lose ``padding_idx + 1`` rows; relative-only DeBERTa-v3 and XLNet have
+    no limit; BERT reads its whole table, OpenAI GPT its config's count. A limit found is a
+    length that runs."""
     import torch
     import transformers as tf
 
@@ -139,9 +140,14 @@ def test_the_position_limit_is_the_table_the_model_reads() -> None:
                       **tiny), 16),
         (tf.DebertaV2ForSequenceClassification,
          tf.DebertaV2Config(position_biased_input=False, relative_attention=True, **tiny), None),
-        (tf.FunnelForSequenceClassification,  # relative only: no table
+        (tf.FunnelForSequenceClassification,  # relative, unflagged: held to its config
          tf.FunnelConfig(vocab_size=50, d_model=32, block_sizes=[1], n_head=4, d_head=8,
-                         d_inner=64, max_position_embeddings=18, num_labels=3), None),
+                         d_inner=64, max_position_embeddings=18, num_labels=3), 18),
+        (tf.LukeForSequenceClassification,  # two tables: the word positions' is smaller
+         tf.LukeConfig(entity_vocab_size=10, entity_emb_size=16, pad_token_id=1, **tiny), 16),
+        (tf.OpenAIGPTForSequenceClassification,  # no table by that name: the config's count
+         tf.OpenAIGPTConfig(vocab_size=50, n_embd=32, n_layer=1, n_head=4, n_positions=18,
+                            num_labels=3, pad_token_id=0), 18),
     ]:  # fmt: skip
         model = cls(conf).eval()
         assert _positions(model) == want, cls.__name__
