@@ -217,8 +217,11 @@ class TiedDecoder(nn.Module):
         return self._tied_embedding
 
     def __setattr__(self, name: str, value: object) -> None:
+        source = self.__dict__.get("_bias_from")
         if name == "embedding":  # read, not registered (nn.Module would register it)
             object.__setattr__(self, "_tied_embedding", value)
+        elif name == "bias" and source is not None:  # the owner's: set there (HF's tying)
+            setattr(source[0], source[1], value)
         else:
             super().__setattr__(name, value)
 
@@ -232,7 +235,10 @@ class TiedDecoder(nn.Module):
         return f"tied to a TTM embedding of {self.embedding.spec.num_embeddings} rows"  # type: ignore[union-attr]
 
 
-def _load_read_keys(decoder: TiedDecoder, state_dict: dict, prefix: str, *args: object) -> None:
+def _load_read_keys(
+    decoder: TiedDecoder, state_dict: dict, prefix: str, metadata: dict, strict: bool,
+    missing: list, unexpected: list, errors: list,
+) -> None:  # fmt: skip
     """A :class:`TiedDecoder`'s load pre-hook for state dicts saved while it registered
     what it now reads: drop ``<prefix>embedding.*`` (the embedding loads its cores under its
     own path), and load ``<prefix>bias`` into a bias another module owns (the decoder
@@ -241,9 +247,21 @@ def _load_read_keys(decoder: TiedDecoder, state_dict: dict, prefix: str, *args: 
     for key in [k for k in state_dict if k.startswith(prefix + "embedding.")]:
         del state_dict[key]
     if decoder._bias_from is not None and prefix + "bias" in state_dict:
-        value = state_dict.pop(prefix + "bias")
+        value, bias = state_dict.pop(prefix + "bias"), decoder.bias
+        if value.shape != bias.shape:  # as load_state_dict says it of its own keys
+            errors.append(f"size mismatch for {prefix}bias: copying a param with shape "
+                            f"{tuple(value.shape)} from checkpoint, the shape in current "
+                            f"model is {tuple(bias.shape)}.")  # fmt: skip
+            return
         with torch.no_grad():
-            decoder.bias.copy_(value)
+            bias.copy_(value)
+
+
+def _drop_embedding_keys(state_dict: dict, prefix: str, *args: object) -> None:
+    """The load pre-hook of decoders pickled whole before :func:`_load_read_keys` (their
+    pickle names this function): drop ``<prefix>embedding.*``, as it always did."""
+    for key in [k for k in state_dict if k.startswith(prefix + "embedding.")]:
+        del state_dict[key]
 
 
 def _untie_in_config(model: nn.Module, tied: list[nn.Module]) -> None:

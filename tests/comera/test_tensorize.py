@@ -467,6 +467,15 @@ def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
     torch.testing.assert_close(swapped - plain, (3.0 - head.bias).expand_as(plain))
     twin.load_state_dict(state, assign=True)
     assert twin.cls.predictions.decoder.bias is twin.cls.predictions.bias
+    # a wrong shape under the decoder's old key is named as load_state_dict names its own
+    with pytest.raises(RuntimeError, match=r"size mismatch for cls\.predictions\.decoder\.bias"):
+        twin.load_state_dict({**state, "cls.predictions.decoder.bias": torch.zeros(1)})
+    # setting the decoder's bias (as HF's tying does) sets the owner's
+    new = nn.Parameter(torch.full_like(head.bias, 7.0))
+    twin.cls.predictions.decoder.bias = new
+    assert (
+        twin.cls.predictions.bias is new and "bias" not in twin.cls.predictions.decoder._parameters
+    )
 
 
 def test_tied_heads_sharing_only_their_bias_register_it_once() -> None:
