@@ -326,11 +326,21 @@ def run_ablation(
     return records
 
 
+def _put_back(run_dir: Path) -> Path:
+    """Where :func:`_prepare_afresh` sets ``run_dir``'s run aside; a run left there by a
+    command killed while preparing (the new run dir then holds no finished run) is put back
+    first."""
+    aside = run_dir.with_name(run_dir.name + ".replaced")
+    if aside.is_dir():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        aside.rename(run_dir)
+    return aside
+
+
 def _prepare_afresh(exp: cli.Experiment, cfg: Any, run_dir: Path) -> cli.Prepared:
     """``cli.prepare`` of ``cfg`` in an emptied ``run_dir``; the run that was there is
     moved aside meanwhile and put back if preparing fails (a missing file, a bad value)."""
-    aside = run_dir.with_name(run_dir.name + ".replaced")
-    shutil.rmtree(aside, ignore_errors=True)
+    aside = _put_back(run_dir)
     if run_dir.exists():
         run_dir.rename(aside)
     try:
@@ -688,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
             if record.is_file():
                 command = _recorded_command(record, command)
             records = [{"label": v.label, "dir": variant_dir(root, v.label)} for v in chosen]
+            for r in records:
+                _put_back(r["dir"])  # a run set aside by a command killed while preparing
             missing = [str(r["dir"]) for r in records if not (r["dir"] / "metrics.jsonl").is_file()]
             if missing:
                 more = f" (and {len(missing) - 1} more variants)" if len(missing) > 1 else ""

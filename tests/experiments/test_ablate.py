@@ -223,6 +223,13 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch, capsys):
     first = ablate.variant_dir(next(tmp_path.glob("ablate-*")), "gamma=0.05")
     assert (first / "metrics.jsonl").read_text() == "trained\n"
     refusing.clear()
+    # a command killed while preparing left the old run aside: it is put back
+    first.rename(first.with_name(first.name + ".replaced"))
+    first.mkdir()
+    (first / "config.json").write_text("{}")  # the killed command's start
+    monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
+    assert ablate.main() == 0 and (first / "metrics.jsonl").read_text() == "trained\n"
+    assert not first.with_name(first.name + ".replaced").exists()
     monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
     assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + " ".join(args)
     record = next(tmp_path.glob("ablate-*/ablation.json"))
