@@ -554,10 +554,12 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             if isinstance(bias, nn.Parameter):
                 source = bias_from.get(id(bias))  # another head already registers it
                 stays = [o for o in owners.get(id(bias), []) if o not in head_paths]
-                if source is None and stays:
-                    owner = model.get_submodule(stays[0])
-                    attr = next(k for k, v in owner._parameters.items() if v is bias)
-                    source = bias_from[id(bias)] = (owner, attr)
+                for path in stays if source is None else ():  # one still holding it
+                    owner = model.get_submodule(path)  # (a replaced linear holds a copy)
+                    attr = next((k for k, v in owner._parameters.items() if v is bias), None)
+                    if attr is not None:
+                        source = bias_from[id(bias)] = (owner, attr)
+                        break
             decoder = TiedDecoder(emb, bias, source)  # one module (one bias) at every path
             if isinstance(bias, nn.Parameter) and source is None:
                 bias_from[id(bias)] = (decoder, "bias")  # registered here: others read it

@@ -298,9 +298,9 @@ def run_ablation(
 ) -> list[dict]:
     """Train every variant of ``base``; returns one record per variant. ``command``, the
     one that trains them, is kept in ``runs_root`` once the first variant is prepared (a
-    command refused before that leaves the last good one for ``--report-only``). A variant's
-    earlier run is set aside while its new one is prepared and put back if that is refused:
-    a bad input loses nothing already trained."""
+    command refused before that leaves the last good one for ``--report-only``). The first
+    variant's earlier run is set aside while its new one is prepared and put back if that
+    is refused: a command refused before it trains anything loses nothing."""
     group = base.train.wandb_group or f"ablate-{name}-{base.train.run_name or exp.name}"
     built = []  # every variant's config first: a bad value fails before any variant trains
     for v in chosen:
@@ -316,7 +316,8 @@ def run_ablation(
     records = []
     for v, cfg, run_dir in built:
         print(f"ablate {name}: {v.label} -> {run_dir}", file=sys.stderr)
-        run = _prepare_afresh(exp, cfg, run_dir)  # the ablation's own output: rerun afresh
+        # the ablation's own output: rerun afresh (the old runs kept until one trains)
+        run = _prepare_afresh(exp, cfg, run_dir, keep_old=not records)
         if command is not None and not records:  # prepared: this command trains the runs
             runs_root.mkdir(parents=True, exist_ok=True)
             (runs_root / ABLATION_RECORD).write_text(json.dumps({"command": command}) + "\n")
@@ -337,10 +338,16 @@ def _put_back(run_dir: Path) -> Path:
     return aside
 
 
-def _prepare_afresh(exp: cli.Experiment, cfg: Any, run_dir: Path) -> cli.Prepared:
-    """``cli.prepare`` of ``cfg`` in an emptied ``run_dir``; the run that was there is
-    moved aside meanwhile and put back if preparing fails (a missing file, a bad value)."""
+def _prepare_afresh(
+    exp: cli.Experiment, cfg: Any, run_dir: Path, *, keep_old: bool = True
+) -> cli.Prepared:
+    """``cli.prepare`` of ``cfg`` in an emptied ``run_dir``; with ``keep_old`` the run that
+    was there is moved aside meanwhile and put back if preparing fails (a missing file, a
+    bad value), otherwise it is deleted first (a later variant of a command that already
+    retrained others: an old run kept there would mix two commands in one report)."""
     aside = _put_back(run_dir)
+    if not keep_old:
+        shutil.rmtree(run_dir, ignore_errors=True)
     if run_dir.exists():
         run_dir.rename(aside)
     try:
@@ -698,8 +705,6 @@ def main(argv: list[str] | None = None) -> int:
             if record.is_file():
                 command = _recorded_command(record, command)
             records = [{"label": v.label, "dir": variant_dir(root, v.label)} for v in chosen]
-            for r in records:
-                _put_back(r["dir"])  # a run set aside by a command killed while preparing
             missing = [str(r["dir"]) for r in records if not (r["dir"] / "metrics.jsonl").is_file()]
             if missing:
                 more = f" (and {len(missing) - 1} more variants)" if len(missing) > 1 else ""

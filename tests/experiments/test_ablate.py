@@ -184,10 +184,10 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch, capsys):
     calls: list[str] = []
     monkeypatch.setattr(ablate, "restart_for", calls.append)
 
-    refusing: list[bool] = []
+    refusing: list[float] = []  # the gammas whose build is refused
 
-    def prepare(exp, cfg):  # when refusing: as a missing data file would be refused
-        if refusing:
+    def prepare(exp, cfg):  # as a missing data file would be refused
+        if cfg.train.comera.gamma in refusing:
             Path(cfg.train.run_dir).mkdir(parents=True)  # what it wrote so far is dropped
             raise ablate.cli.CLIError("refused while building")
         return cfg
@@ -217,21 +217,29 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch, capsys):
     # a refused command (a bad --values, or one the build refuses) trains nothing, keeps
     # the record and loses no run
     assert ablate.main([*args, "--values", "0.1,x"]) == 2
-    refusing.append(True)
+    assert ablate.main([*args, "--values", "0.05,0.1"]) == 0
+    first = ablate.variant_dir(next(tmp_path.glob("ablate-*")), "0.05")
+    assert (first / "metrics.jsonl").read_text() == "trained\n"
+    refusing.append(0.05)
     assert ablate.main([*args, "--values", "0.05,0.1"]) == 2
     assert "refused while building" in capsys.readouterr().err
-    first = ablate.variant_dir(next(tmp_path.glob("ablate-*")), "gamma=0.05")
     assert (first / "metrics.jsonl").read_text() == "trained\n"
+    # refused at a later variant, once the first retrained: that variant's old run goes,
+    # so --report-only refuses rather than mix two commands' runs
+    refusing[:] = [0.1]
+    assert ablate.main([*args, "--values", "0.05,0.1"]) == 2
+    assert not (ablate.variant_dir(first.parent, "0.1") / "metrics.jsonl").exists()
     refusing.clear()
     # a command killed while preparing left the old run aside: it is put back
     first.rename(first.with_name(first.name + ".replaced"))
     first.mkdir()
     (first / "config.json").write_text("{}")  # the killed command's start
-    monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
-    assert ablate.main() == 0 and (first / "metrics.jsonl").read_text() == "trained\n"
+    ablate._put_back(first)  # as the next training command does first
+    assert (first / "metrics.jsonl").read_text() == "trained\n"
     assert not first.with_name(first.name + ".replaced").exists()
     monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
-    assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + " ".join(args)
+    last = " ".join([*args, "--values", "0.05,0.1"])  # the last command that trained
+    assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + last
     record = next(tmp_path.glob("ablate-*/ablation.json"))
     for damaged in ("not json", "[1]", '{"command": 3}'):  # one line naming the file
         record.write_text(damaged)
