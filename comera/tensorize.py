@@ -244,8 +244,7 @@ def _load_read_keys(
     own path), and load ``<prefix>bias`` into a bias another module owns (the decoder
     trained its own copy then, so that copy is the trained one; the owner's module loads
     first when it is the decoder's parent, as in BERT's head)."""
-    for key in [k for k in state_dict if k.startswith(prefix + "embedding.")]:
-        del state_dict[key]
+    _drop_embedding_keys(state_dict, prefix)
     if decoder._bias_from is not None and prefix + "bias" in state_dict:
         value, bias = state_dict.pop(prefix + "bias"), decoder.bias
         if value.shape != bias.shape:  # as load_state_dict says it of its own keys
@@ -258,8 +257,8 @@ def _load_read_keys(
 
 
 def _drop_embedding_keys(state_dict: dict, prefix: str, *args: object) -> None:
-    """The load pre-hook of decoders pickled whole before :func:`_load_read_keys` (their
-    pickle names this function): drop ``<prefix>embedding.*``, as it always did."""
+    """Drop ``<prefix>embedding.*`` (see :func:`_load_read_keys`); also the load pre-hook
+    of decoders pickled whole before that one (their pickle names this function)."""
     for key in [k for k in state_dict if k.startswith(prefix + "embedding.")]:
         del state_dict[key]
 

@@ -686,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         if preset not in exp.presets:
             raise cli.CLIError(f"--preset {preset!r}: choose one of {sorted(exp.presets)}")
         over = [("train.wandb", args.wandb)] if args.wandb else []
-        cli.refuse_derived(exp, [(s.partition("=")[0].strip(), "--set") for s in args.sets])
+        cli.refuse_derived_sets(exp, args.sets)
         base = cli.apply_overrides(exp.presets[preset](), over, args.sets)
         chosen = variants(args.ablation, base, exp, args.values)  # user errors before a restart
         if from_command_line and not args.report_only:

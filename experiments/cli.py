@@ -660,10 +660,15 @@ def refuse_derived(exp: Experiment, keys: list[tuple[str, str]]) -> None:
             )
 
 
+def refuse_derived_sets(exp: Experiment, sets: list[str]) -> None:
+    """:func:`refuse_derived` of ``--set KEY=VALUE`` items."""
+    refuse_derived(exp, [(s.partition("=")[0].strip(), "--set") for s in sets])
+
+
 def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.ArgumentParser):
     """The effective config: a preset with every flag and ``--set`` applied, or, with
     ``--resume``, the saved config with the few settings that may change."""
-    refuse_derived(exp, [(s.partition("=")[0].strip(), "--set") for s in args.sets])
+    refuse_derived_sets(exp, args.sets)
     if not args.resume:
         cfg = exp.presets[args.preset]()
         own = exp.flag_overrides(args) if exp.flag_overrides else []

@@ -24,7 +24,7 @@ __all__ = ["main", "run_demo"]
 def run_demo(sets: list[str], runs_dir: Path) -> dict:
     """Both runs; returns ``{"comera": metrics, "dense": metrics, "cue": acc, ...}``."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    cli.refuse_derived(mnli.EXPERIMENT, [(s.partition("=")[0].strip(), "--set") for s in sets])
+    cli.refuse_derived_sets(mnli.EXPERIMENT, sets)
     base = cli.apply_overrides(mnli.preset("smoke"), [], sets)
     out: dict = {}
     for kind in ("comera", "dense"):
