@@ -388,7 +388,7 @@ def ttm_logits(
     from torch.utils.checkpoint import checkpoint
 
     cores = gated_cores(params, state, "ttm_logits")
-    padded = math.prod(int(c.shape[1]) for c in cores)
+    padded = math.prod([int(c.shape[1]) for c in cores])
     if rows is not None and not 1 <= rows <= padded:
         raise ValueError(
             f"ttm_logits: rows={rows}; pass 1 to {padded} (the table's padded vocabulary)"

@@ -399,8 +399,8 @@ def to_dense(params: Params, state: State, spec: Spec | None = None) -> torch.Te
     cores = gated_cores(params, state)
     if cores[0].dim() == 3:
         d = len(cores) // 2
-        m = math.prod(c.shape[1] for c in cores[:d])
-        n = math.prod(c.shape[1] for c in cores[d:])
+        m = math.prod([c.shape[1] for c in cores[:d]])
+        n = math.prod([c.shape[1] for c in cores[d:]])
         return chain(cores).reshape(m, n)
     t = ttm_table(cores)
     if spec is not None:

@@ -296,6 +296,39 @@ def test_ttm_logits_equal_the_dense_table_in_values_and_gradients(
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("whole", [None, 0])  # the table built whole; checkpointed blocks
+def test_a_tied_head_compiles_as_one_graph(whole: int | None, monkeypatch) -> None:
+    """``fullgraph=True`` refuses any graph break: an embedding and its tied decoder
+    compile whole and give eager's values and gradients."""
+    import comera.layers
+    from comera.nn import TTMEmbedding
+
+    if whole is not None:
+        monkeypatch.setattr(comera.layers, "WHOLE_TABLE_ELEMENTS", whole)
+    spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5, 3), dim_modes=(2, 3, 2), ranks=4,
+                              num_embeddings=55, dtype=torch.float64)  # fmt: skip
+    emb = TTMEmbedding(spec, generator=torch.Generator().manual_seed(0))
+    head = TiedDecoder(emb, torch.zeros(55, dtype=torch.float64))
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    ids = torch.randint(0, 55, (1, 5), generator=torch.Generator().manual_seed(1))
+
+    def loss(m: torch.nn.Module) -> torch.Tensor:
+        return m["head"](m["emb"](ids)).square().sum()
+
+    leaves = list(model.parameters())
+    want = loss(model)
+    want_grads = torch.autograd.grad(want, leaves)
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(loss, fullgraph=True, backend="aot_eager")(model)
+        grads = torch.autograd.grad(got, leaves)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want)
+    for a, b in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("rows", [0, 61])
 def test_ttm_logits_refuse_rows_outside_the_table(rows: int) -> None:
     from comera.layers import ttm_logits
