@@ -287,7 +287,9 @@ EXPERIMENT = cli.Experiment(
     flags=data_flags,
     flag_overrides=data_flag_overrides,
     bench=_bench,
-    derived={"model.vocab_size": "the tokenizer's vocabulary; --tokenizer picks another"},
+    derived={
+        "model.vocab_size": "the tokenizer's vocabulary: data.tokenizer (--tokenizer) picks another"
+    },
     description=__doc__.split("\n")[0],
 )
 

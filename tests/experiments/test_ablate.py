@@ -364,7 +364,9 @@ def test_size_ablations_refuse_bad_values(capsys, tmp_path):
     assert not list(tmp_path.iterdir())  # nothing written for a refused command
     # a key the experiment sets itself is refused here too
     assert ablate.main(["gamma", "--set", "model.vocab_size=9", *runs]) == 2
-    assert "sets model.vocab_size itself" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # the hint names the key this command takes (ablate has no --tokenizer flag)
+    assert "sets model.vocab_size itself" in err and "data.tokenizer" in err
     codebert = importlib.import_module("experiments.codebert.experiment")
     cfg = dataclasses.replace(  # a ratio whose inverse is not exact: used as it is
         codebert.preset("smoke"),
