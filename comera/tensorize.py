@@ -187,8 +187,13 @@ class TiedDecoder(nn.Module):
     the same model (as :func:`tensorize_` leaves it) for ``.to()`` and the optimizer to
     reach it."""
 
-    def __init__(self, embedding: TTMEmbedding, bias: torch.Tensor | None,
+    def __init__(self, embedding: TTMEmbedding, bias: torch.Tensor | None, *,
                  bias_from: tuple[nn.Module, str] | None = None) -> None:  # fmt: skip
+        """``bias_from``: ``(module, attribute)`` of a bias another module registers; the
+        decoder then adds whatever that attribute holds (``bias`` may be that tensor or
+        None)."""
+        if bias_from is not None:
+            _check_bias_from(bias_from, bias)
         super().__init__()
         self.embedding = embedding
         # a bias another module registers (BERT's ``cls.predictions.bias``) is read through
@@ -233,6 +238,28 @@ class TiedDecoder(nn.Module):
 
     def extra_repr(self) -> str:
         return f"tied to a TTM embedding of {self.embedding.spec.num_embeddings} rows"  # type: ignore[union-attr]
+
+
+def _check_bias_from(bias_from: object, bias: torch.Tensor | None) -> None:
+    """Refuse a ``bias_from`` that is not an ``(nn.Module, attribute)`` pair naming a
+    tensor, or that disagrees with the ``bias`` given beside it."""
+    if not (isinstance(bias_from, tuple) and len(bias_from) == 2
+            and isinstance(bias_from[0], nn.Module) and isinstance(bias_from[1], str)):  # fmt: skip
+        raise TypeError(
+            f"TiedDecoder: bias_from must be an (nn.Module, attribute name) pair, got {bias_from!r}"
+        )
+    owner, attr = bias_from
+    held = getattr(owner, attr, None)
+    if not isinstance(held, torch.Tensor):
+        raise ValueError(
+            f"TiedDecoder: bias_from names {type(owner).__name__}.{attr}, which holds "
+            f"{type(held).__name__}, not a bias tensor"
+        )
+    if bias is not None and bias is not held:
+        raise ValueError(
+            f"TiedDecoder: bias is not the tensor {type(owner).__name__}.{attr} holds; pass "
+            "that tensor or None with bias_from (the decoder reads the owner's)"
+        )
 
 
 def _load_read_keys(
@@ -559,7 +586,9 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
                     if attr is not None:
                         source = bias_from[id(bias)] = (owner, attr)
                         break
-            decoder = TiedDecoder(emb, bias, source)  # one module (one bias) at every path
+            decoder = TiedDecoder(
+                emb, bias, bias_from=source
+            )  # one module (one bias) at every path
             if isinstance(bias, nn.Parameter) and source is None:
                 bias_from[id(bias)] = (decoder, "bias")  # registered here: others read it
             for path in paths[id(module)]:

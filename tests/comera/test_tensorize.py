@@ -455,6 +455,34 @@ def test_embedding_modules_sharing_one_weight_stay_and_say_why() -> None:
     assert why.endswith("not supported")
 
 
+def test_a_tied_decoder_checks_the_bias_it_reads_elsewhere() -> None:
+    """``bias_from`` is keyword-only, names a module's tensor, and agrees with ``bias``;
+    the decoder then adds what the owner holds now."""
+    from comera.nn import TTMEmbedding
+
+    spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5), dim_modes=(2, 3), ranks=3, num_embeddings=18)
+    emb = TTMEmbedding(spec, generator=torch.Generator().manual_seed(0))
+    owner = torch.nn.Module()
+    owner.bias = torch.nn.Parameter(torch.zeros(18))
+    with pytest.raises(TypeError):
+        TiedDecoder(emb, owner.bias, (owner, "bias"))  # type: ignore[misc]
+    with pytest.raises(TypeError, match=r"bias_from must be an \(nn.Module, attribute"):
+        TiedDecoder(emb, None, bias_from=(owner.bias, "bias"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Module.weight, which holds NoneType"):
+        TiedDecoder(emb, None, bias_from=(owner, "weight"))
+    with pytest.raises(ValueError, match="bias is not the tensor Module.bias holds"):
+        TiedDecoder(emb, torch.zeros(18), bias_from=(owner, "bias"))
+    x = torch.randn(2, 6)
+    for given in (owner.bias, None):
+        head = TiedDecoder(emb, given, bias_from=(owner, "bias"))
+        assert head.bias is owner.bias and not list(head.parameters())
+        with torch.no_grad():
+            owner.bias.fill_(1.0)
+        torch.testing.assert_close(head(x), TiedDecoder(emb, None)(x) + 1.0)
+        with torch.no_grad():
+            owner.bias.zero_()
+
+
 def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
     """BERT's MLM head ties ``decoder.bias`` to ``cls.predictions.bias``: the decoder
     reads that parameter itself, so it is trained once, counted once and saved once."""
