@@ -117,7 +117,8 @@ def check_line(line: str, path: str | Path, lineno: int) -> None:
             f"{where}: expected 40 tab-separated fields (label, I1..I13, C1..C26), got "
             f"{len(fields)}; is this a Criteo Kaggle train.txt?"
         )
-    if fields[0].strip(" ") not in ("0", "1"):  # spaces around it: as the fast reader reads it
+    # as the fast reader reads it: spaces around it, "01", "-0"
+    if not _DECIMAL.fullmatch(fields[0]) or int(fields[0]) not in (0, 1):
         raise CriteoFormatError(f"{where}, field label: expected 0 or 1, got {fields[0]!r}")
     for name, value in zip(DENSE_COLUMNS, fields[1:14], strict=True):
         if value:

@@ -159,8 +159,9 @@ def test_blank_lines_and_overflow_are_named(tmp_path: Path, case: str) -> None:
 
 
 def test_spaces_around_an_integer_read_as_the_fast_reader_reads_them(tmp_path: Path) -> None:
-    """The fast reader takes " 5" and "7 " as 5 and 7 (and " 1" as label 1): the head's
-    check lets them through, and the data built equals that of the file without spaces."""
+    """The fast reader takes " 5" and "7 " as 5 and 7 (and " 1", "01", "-0" as labels 1,
+    1, 0): the head's check lets them through, and the data built equals that of the
+    plain file."""
     lines = SAMPLE.read_text().splitlines()
     _set_field(lines, 2, 2, "5")
     _set_field(lines, 151, 2, "7")
@@ -168,6 +169,8 @@ def test_spaces_around_an_integer_read_as_the_fast_reader_reads_them(tmp_path: P
     plain.write_text("\n".join(lines) + "\n")
     _set_field(lines, 2, 2, " 5")  # in the head the check reads
     lines[3] = " " + lines[3]  # a spaced label too
+    lines[4] = ("01" if lines[4][0] == "1" else "-0") + lines[4][1:]  # labels int() reads
+    lines[160] = ("01" if lines[160][0] == "1" else "00") + lines[160][1:]
     _set_field(lines, 151, 2, "7 ")  # deep, where the fast reader alone reads
     spaced.write_text("\n".join(lines) + "\n")
     a = preprocess(plain, _cfg(tmp_path / "a"), progress=False)
