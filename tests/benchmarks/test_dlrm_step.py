@@ -44,6 +44,26 @@ def test_bench_alternates_the_headline_pair_and_keeps_medians(monkeypatch, capsy
     assert {"cpu", "torch", "date"} <= set(out)  # what a header of these figures names
 
 
+def test_lookup_bench_times_the_gradients_comera_trains_with(monkeypatch) -> None:
+    """The lookup comparison runs the embedding stage as CoMERA's training does (AdamW:
+    dense gradients for the dense tables, no ``sparse=True``), batched and separate."""
+    import experiments.dlrm.model as dlrm_model
+    from benchmarks import dlrm_step as bench
+
+    seen: list[tuple[bool, bool]] = []
+    real = dlrm_model.embed
+
+    def embed(cfg, *args, **kwargs):
+        seen.append((cfg.batched_lookup, kwargs["sparse"]))
+        return real(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(dlrm_model, "embed", embed)
+    monkeypatch.setattr(bench, "BATCH", 64)
+    out = bench.embedding_times(repeats=1)
+    assert sorted(set(seen)) == [(False, False), (True, False)] and len(seen) == 4
+    assert out["embedding_time_ratio_batched_vs_separate"] > 0
+
+
 def test_bench_child_failure_names_the_point_and_its_error():
     """A failed fresh-process point ends the bench with one message: which point, and the
     child's own error (here argparse's, for a variant that does not exist)."""
