@@ -24,8 +24,9 @@ step time is the median of 10 timed steps after one warm-up step; ``comera`` and
 ``dense_sgd`` under the training policy run :data:`ROUNDS` times, alternating, and keep
 the median step time and peak of their runs. The lookup
 comparison (``embedding_time_ratio_batched_vs_separate``) times the embedding stage
-alone, forward and backward, table-batched vs one call per table, in one fresh process
-under the training policy (and again under glibc as found). On a GPU machine,
+alone, forward and backward, table-batched vs one call per table, in
+:data:`LOOKUP_ROUNDS` fresh processes under the training policy (the median of their
+ratios; and once under glibc as found). On a GPU machine,
 ``python -m benchmarks.dlrm_step --embedding --device cuda`` times the same comparison
 on the GPU (``make gpu-check`` runs it).
 """
@@ -66,6 +67,9 @@ GLIBC_TAG = "@glibc_default"
 # the median of its runs: on a shared CPU a step's time drifts between processes (three
 # single-run benches of the same code gave step ratios 1.10, 1.35 and 1.55)
 ROUNDS = 3
+# fresh processes of the lookup comparison under the training policy: one process's
+# batched/separate ratio ranged 0.69-0.97 between processes on one machine
+LOOKUP_ROUNDS = 5
 
 
 def training_policy() -> str:
@@ -195,6 +199,21 @@ def _embedding_in_process(malloc: str) -> dict:
     return _in_child(["--embedding", "--malloc", malloc], "lookup timing")
 
 
+def _embedding_rounds(malloc: str, rounds: int) -> dict:
+    """:func:`embedding_times` in ``rounds`` fresh processes under ``malloc``: the median
+    of each process's batched/separate ratio (each measured side by side), the medians of
+    the two times, and every process's ratio."""
+    outs = [_embedding_in_process(malloc) for _ in range(rounds)]
+    key = "embedding_time_ratio_batched_vs_separate"
+    return {
+        **outs[0],
+        "embedding_batched_s": statistics.median(o["embedding_batched_s"] for o in outs),
+        "embedding_separate_s": statistics.median(o["embedding_separate_s"] for o in outs),
+        key: statistics.median(o[key] for o in outs),
+        f"{key}_runs": [o[key] for o in outs],
+    }
+
+
 def run(json_out: bool = False) -> int:
     """Run every variant in a fresh process, then the lookup comparison; print the figures
     (``json_out``: as one JSON object) and return the exit status."""
@@ -216,7 +235,7 @@ def run(json_out: bool = False) -> int:
             for key in ("step_time_s", "peak_rss_mb"):
                 results[label][key] = statistics.median(o[key] for o in outs)
                 results[label][f"{key}_runs"] = [o[key] for o in outs]
-    emb = _embedding_in_process(policy)
+    emb = _embedding_rounds(policy, LOOKUP_ROUNDS)
     emb_glibc = _embedding_in_process("default") if policy != "default" else emb
     c, d, a = results["comera"], results["dense_sgd"], results["dense_adam"]
     figures = {

@@ -18,11 +18,15 @@ def test_bench_alternates_the_headline_pair_and_keeps_medians(monkeypatch, capsy
 
     calls: list[tuple[str, str]] = []
     steps = {"comera": iter([0.30, 0.50, 0.31]), "dense_sgd": iter([0.20, 0.40, 0.21])}
+    lookups = iter([0.9, 0.5, 0.7, 0.95, 0.6, 1.1])  # LOOKUP_ROUNDS, then glibc's one
+    policies: list[str] = []
 
     def child(args: list[str], what: str) -> dict:
         if "--embedding" in args:  # what embedding_times returns
-            return {"embedding_batched_s": 0.9, "embedding_separate_s": 1.0,
-                    "embedding_time_ratio_batched_vs_separate": 0.9, "device": "cpu"}  # fmt: skip
+            policies.append(args[-1])
+            r = next(lookups)
+            return {"embedding_batched_s": r, "embedding_separate_s": 1.0,
+                    "embedding_time_ratio_batched_vs_separate": r, "device": "cpu"}  # fmt: skip
         v, malloc = args[1], args[3]
         calls.append((v, malloc))
         step = next(steps[v]) if len(calls) <= 2 * bench.ROUNDS else 1.0  # then the rest
@@ -39,6 +43,13 @@ def test_bench_alternates_the_headline_pair_and_keeps_medians(monkeypatch, capsy
     assert out["variants"]["comera"]["step_time_s_runs"] == [0.30, 0.50, 0.31]
     assert out["step_time_ratio_vs_dense"] == pytest.approx(0.31 / 0.21)
     assert out["peak_memory_ratio_vs_dense"] == pytest.approx(100.0 / 1004.0)  # median of 1002/4/6
+    # the lookup comparison: the median of LOOKUP_ROUNDS processes under the policy
+    assert bench.LOOKUP_ROUNDS == 5 and policies[:5] == [policy] * 5
+    assert out["embedding_time_ratio_batched_vs_separate"] == 0.7
+    assert out["embedding_time_ratio_batched_vs_separate_runs"] == [0.9, 0.5, 0.7, 0.95, 0.6]
+    if policy != "default":
+        assert policies[5:] == ["default"]
+        assert out["embedding_time_ratio_batched_vs_separate_glibc_default"] == 1.1
     # every key of the committed figures (measured by the old command) is still printed
     assert set(json.loads((REPORTS / "dlrm_bench.json").read_text())) <= set(out)
     assert {"cpu", "torch", "date"} <= set(out)  # what a header of these figures names
