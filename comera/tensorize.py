@@ -279,6 +279,13 @@ def _load_read_keys(
                             f"{tuple(value.shape)} from checkpoint, the shape in current "
                             f"model is {tuple(bias.shape)}.")  # fmt: skip
             return
+        if metadata.get("assign_to_params_buffers", False):
+            # assign=True: the owner takes the file's tensor, as the load assigns its own
+            # keys (a copy would write into the tensor the owner took from the caller)
+            if isinstance(bias, nn.Parameter) and not isinstance(value, nn.Parameter):
+                value = nn.Parameter(value, requires_grad=bias.requires_grad)
+            decoder.bias = value  # set on the owner
+            return
         with torch.no_grad():
             bias.copy_(value)
 

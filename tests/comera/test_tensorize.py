@@ -526,6 +526,15 @@ def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
     swapped = functional_call(bert, other, (ids,)).logits
     plain = bert(input_ids=ids).logits
     torch.testing.assert_close(swapped - plain, (3.0 - head.bias).expand_as(plain))
+    # an older file under assign=True: the owner takes the decoder's trained copy, and
+    # the tensors the caller passed stay as they were
+    old = {k: v.clone() for k, v in state.items()}
+    given, trained = old["cls.predictions.bias"], head.bias.detach() + 5
+    kept = given.clone()
+    twin.load_state_dict({**old, "cls.predictions.decoder.bias": trained}, assign=True)
+    assert torch.equal(given, kept) and torch.equal(twin.cls.predictions.bias, trained)
+    assert isinstance(twin.cls.predictions.bias, nn.Parameter)
+    assert twin.cls.predictions.bias.requires_grad
     twin.load_state_dict(state, assign=True)
     assert twin.cls.predictions.decoder.bias is twin.cls.predictions.bias
     # a wrong shape under the decoder's old key is named as load_state_dict names its own
