@@ -4,11 +4,12 @@ under ``train.step_mode`` eager, sync_free and compile (``cuda_graph`` needs a G
     python -m benchmarks.step_modes [--models smoke,paper] [--repeats 10] [--threads 2]
     python -m benchmarks.step_modes --render reports/step_modes.json   # the report, no run
 
-Two models: the ``smoke`` preset as it trains (batch 128 x 16 tokens) and the paper's
-six-encoder model (``EncoderConfig()``) at batch 32 x 128 tokens, both on the generated
-MNLI task. Each (model, mode) point runs in a fresh process: build the task and trainer,
-one step (which compiles, for ``compile``), two more untimed steps, then ``repeats``
-timed steps; the median is reported. Writes ``reports/step_modes.json`` and
+Two models: the ``smoke`` preset as it trains (batch 128 x 16 tokens) and the ``paper``
+preset's six-encoder model and training settings (gate regularizer from step 0, its
+schedule and clipping) at batch 32 x 128 tokens, both on the generated MNLI task. Each
+(model, mode) point runs in a fresh process: build the task and trainer, one step (which
+compiles, for ``compile``), two more untimed steps, then ``repeats`` timed steps; the
+median is reported. Writes ``reports/step_modes.json`` and
 ``reports/step_modes.md``, rendered from it alone. Each worker applies the preset's
 ``train.cpu_malloc`` as the training command does (glibc as found, the default).
 """
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,22 +42,19 @@ MODES = ("eager", "sync_free", "compile", "cuda_graph")
 MODELS = ("smoke", "paper")
 
 
-def worker(
-    model: str, mode: str, repeats: int, threads: int, tiny: bool = False, device: str = "cpu"
-) -> dict:
-    """Time the trainer's step for one (model, mode) in this process."""
-    from comera.train import Trainer
-    from experiments.malloc import apply_cpu_malloc
+def point_preset(model: str, mode: str, run_dir: str, tiny: bool = False,
+                 device: str = "cpu") -> Any:  # fmt: skip
+    """The MNLI preset one point trains: ``smoke`` as it is, or the ``paper`` preset's
+    model and training (its objective from step 0, its schedule and clipping) on the
+    generated task at 128 tokens; ``mode`` as the step mode, no wandb or progress bar."""
     from experiments.mnli import experiment as mnli
-    from experiments.transformer import EncoderConfig
 
-    torch.set_num_threads(threads)
-    base = baseline_rss_mb()
-    p = mnli.preset("smoke", run_dir=tempfile.mkdtemp(prefix="step_modes_"))
+    p = mnli.preset("smoke", run_dir=run_dir)
     if model == "paper":
-        p.model = EncoderConfig()
+        paper = mnli.preset("paper", run_dir=run_dir)
+        p.model, p.train = paper.model, paper.train
         p.data = dataclasses.replace(p.data, max_length=128)
-        p.batch_size = 32
+        p.batch_size = paper.batch_size
     if tiny:  # the test's size: a few steps of a small slice
         p.batch_size = min(p.batch_size, 8)
     p.data = dataclasses.replace(p.data, generated_train=max(4 * p.batch_size, 256),
@@ -63,6 +62,20 @@ def worker(
     p.train = dataclasses.replace(
         p.train, step_mode=mode, wandb="disabled", progress=False, device=device
     )
+    return p
+
+
+def worker(
+    model: str, mode: str, repeats: int, threads: int, tiny: bool = False, device: str = "cpu"
+) -> dict:
+    """Time the trainer's step for one (model, mode) in this process."""
+    from comera.train import Trainer
+    from experiments.malloc import apply_cpu_malloc
+    from experiments.mnli import experiment as mnli
+
+    torch.set_num_threads(threads)
+    base = baseline_rss_mb()
+    p = point_preset(model, mode, tempfile.mkdtemp(prefix="step_modes_"), tiny, device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
@@ -152,7 +165,9 @@ def render(result: dict) -> str:
         f"Device {device}"
         + (f", {result['threads']} threads, glibc malloc as found. " if on_cpu else ". ")
         + "The trainer's `train_step` "
-        "(CoMERA, early stage, AdamW) on the generated MNLI task; a fresh process per row; "
+        "(CoMERA, early stage, AdamW) on the generated MNLI task, with each preset's "
+        "training settings (smoke: its first steps, before its gate regularizer starts at "
+        "step 1000; paper: the regularizer from step 0); a fresh process per row; "
         f"median of {result['repeats']} steps after three untimed ones.",
         "",
         "| model | batch x seq | mode | first step (s) | step (s) | vs eager | peak MB |",

@@ -58,6 +58,25 @@ def test_step_modes_bench_writes_its_table(tmp_path) -> None:
     assert step_modes.main(["--modes", "turbo"]) == 2
 
 
+def test_step_modes_paper_point_trains_as_the_paper_preset(tmp_path) -> None:
+    """The paper row's step is the paper preset's (model, objective from step 0,
+    schedule, clipping) with only the step mode, device and logging changed."""
+    import dataclasses
+
+    from benchmarks import step_modes
+    from experiments.mnli import experiment as mnli
+
+    paper = mnli.preset("paper", run_dir=str(tmp_path))
+    p = step_modes.point_preset("paper", "sync_free", str(tmp_path))
+    assert p.model == paper.model and p.batch_size == paper.batch_size == 32
+    want = dataclasses.replace(paper.train, step_mode="sync_free", wandb="disabled",
+                               progress=False, device="cpu")  # fmt: skip
+    assert p.train == want
+    assert p.train.comera.reg_start_step == 0 and p.data.max_length == 128
+    smoke = step_modes.point_preset("smoke", "eager", str(tmp_path))
+    assert smoke.train.comera == mnli.preset("smoke").train.comera and smoke.batch_size == 128
+
+
 def test_step_modes_refuses_a_cuda_device_this_machine_lacks(tmp_path, monkeypatch, capsys):
     """Refused before any worker runs (it ran every point to failure and left a partial
     JSON), with the flag named; CUDA is hidden so the test runs on GPU machines too."""
