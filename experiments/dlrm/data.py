@@ -105,7 +105,21 @@ class CriteoDataConfig:
 # --------------------------------------------------------------------------- validation
 
 
-_DECIMAL = re.compile(r" *-?[0-9]+ *")  # the fast reader skips spaces around it
+# what the fast reader (pyarrow) takes as an integer: ASCII decimal, or hex as a 64-bit
+# pattern (0x... at most 2**64 - 1, read two's complement), spaces around it skipped
+_INTEGER = re.compile(r" *(?:(-?[0-9]+)|0[xX]([0-9a-fA-F]+)) *")
+
+
+def _integer(text: str) -> int | None:
+    """``text`` as the fast reader reads an int64 field, or None where it fails."""
+    m = _INTEGER.fullmatch(text)
+    if m is None:
+        return None
+    if m.group(1) is not None:
+        value = int(m.group(1))
+        return value if -(2**63) <= value < 2**63 else None
+    value = int(m.group(2), 16)
+    return None if value >= 2**64 else value - 2**64 if value >= 2**63 else value
 
 
 def check_line(line: str, path: str | Path, lineno: int) -> None:
@@ -117,15 +131,15 @@ def check_line(line: str, path: str | Path, lineno: int) -> None:
             f"{where}: expected 40 tab-separated fields (label, I1..I13, C1..C26), got "
             f"{len(fields)}; is this a Criteo Kaggle train.txt?"
         )
-    # as the fast reader reads it: spaces around it, "01", "-0"
-    if not _DECIMAL.fullmatch(fields[0]) or int(fields[0]) not in (0, 1):
+    # as the fast reader reads it: spaces around it, "01", "-0", "0x1"
+    if _integer(fields[0]) not in (0, 1):
         raise CriteoFormatError(f"{where}, field label: expected 0 or 1, got {fields[0]!r}")
     for name, value in zip(DENSE_COLUMNS, fields[1:14], strict=True):
         if value:
-            # ASCII decimal only (spaces around it allowed): Python's int() also takes "+5",
-            # "1_000" and other scripts' digits, which the fast reader refuses, so a bad
-            # line it meets deep in the file would not be found again here to be named
-            if not _DECIMAL.fullmatch(value) or not -(2**63) <= int(value) < 2**63:
+            # as the fast reader reads it (:func:`_integer`): Python's int() also takes
+            # "+5", "1_000" and other scripts' digits, which the fast reader refuses, so a
+            # bad line it meets deep in the file would not be found again here to be named
+            if _integer(value) is None:
                 raise CriteoFormatError(
                     f"{where}, field {name}: expected a 64-bit integer or nothing, got {value!r}"
                 )

@@ -139,7 +139,9 @@ def _set_field(lines: list[str], i: int, field: int, value: str) -> None:
     lines[i] = "\t".join(fields)
 
 
-@pytest.mark.parametrize("case", ["blank", "overflow", "+5", "1_000", "\uff15"])
+@pytest.mark.parametrize(
+    "case", ["blank", "overflow", "+5", "1_000", "\uff15", "-0x1", "0x", "0x1" + "0" * 16]
+)
 def test_blank_lines_and_overflow_are_named(tmp_path: Path, case: str) -> None:
     lines = SAMPLE.read_text().splitlines()
     if case == "blank":
@@ -159,18 +161,25 @@ def test_blank_lines_and_overflow_are_named(tmp_path: Path, case: str) -> None:
 
 
 def test_spaces_around_an_integer_read_as_the_fast_reader_reads_them(tmp_path: Path) -> None:
-    """The fast reader takes " 5" and "7 " as 5 and 7 (and " 1", "01", "-0" as labels 1,
-    1, 0): the head's check lets them through, and the data built equals that of the
-    plain file."""
+    """The fast reader takes " 5", "7 " and hex ("0x1a", 64-bit patterns) as integers
+    (and " 1", "01", "-0", "0x1" as labels): the head's check lets them through, and the
+    data built equals that of the plain file."""
     lines = SAMPLE.read_text().splitlines()
     _set_field(lines, 2, 2, "5")
     _set_field(lines, 151, 2, "7")
+    for i in (2, 151):
+        _set_field(lines, i, 3, "26")
+    _set_field(lines, 6, 4, "-1")
     plain, spaced = tmp_path / "plain.txt", tmp_path / "spaced.txt"
     plain.write_text("\n".join(lines) + "\n")
     _set_field(lines, 2, 2, " 5")  # in the head the check reads
     lines[3] = " " + lines[3]  # a spaced label too
     lines[4] = ("01" if lines[4][0] == "1" else "-0") + lines[4][1:]  # labels int() reads
+    lines[5] = ("0x1" if lines[5][0] == "1" else "0X0") + lines[5][1:]  # and hex ones
     lines[160] = ("01" if lines[160][0] == "1" else "00") + lines[160][1:]
+    _set_field(lines, 2, 3, "0x1a")  # hex, as the fast reader reads it
+    _set_field(lines, 151, 3, " 0X1A ")
+    _set_field(lines, 6, 4, "0xFFFFFFFFFFFFFFFF")  # a 64-bit pattern: -1
     _set_field(lines, 151, 2, "7 ")  # deep, where the fast reader alone reads
     spaced.write_text("\n".join(lines) + "\n")
     a = preprocess(plain, _cfg(tmp_path / "a"), progress=False)
