@@ -251,9 +251,10 @@ def _check_bias_from(bias_from: object, bias: torch.Tensor | None) -> None:
     owner, attr = bias_from
     held = getattr(owner, attr, None)
     if not isinstance(held, torch.Tensor):
+        what = type(held).__name__ if hasattr(owner, attr) else "nothing"
         raise ValueError(
             f"TiedDecoder: bias_from names {type(owner).__name__}.{attr}, which holds "
-            f"{type(held).__name__}, not a bias tensor"
+            f"{what}, not a bias tensor"
         )
     if bias is not None and bias is not held:
         raise ValueError(
@@ -279,12 +280,14 @@ def _load_read_keys(
                             f"{tuple(value.shape)} from checkpoint, the shape in current "
                             f"model is {tuple(bias.shape)}.")  # fmt: skip
             return
-        if metadata.get("assign_to_params_buffers", False):
-            # assign=True: the owner takes the file's tensor, as the load assigns its own
-            # keys (a copy would write into the tensor the owner took from the caller)
-            if isinstance(bias, nn.Parameter) and not isinstance(value, nn.Parameter):
-                value = nn.Parameter(value, requires_grad=bias.requires_grad)
-            decoder.bias = value  # set on the owner
+        owner, attr = decoder._bias_from
+        if attr in owner._parameters or attr in owner._buffers:
+            # the owner loads it as it loads its own keys: a copy, or under assign=True the
+            # file's tensor itself (a copy would write into the tensor the owner took from
+            # the caller), with torch's requires_grad and swap rules
+            assign = metadata.get("assign_to_params_buffers", False)
+            meta = {"assign_to_params_buffers": assign}
+            owner._load_from_state_dict({attr: value}, "", meta, False, [], [], errors)
             return
         with torch.no_grad():
             bias.copy_(value)

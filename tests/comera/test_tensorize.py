@@ -468,7 +468,7 @@ def test_a_tied_decoder_checks_the_bias_it_reads_elsewhere() -> None:
         TiedDecoder(emb, owner.bias, (owner, "bias"))  # type: ignore[misc]
     with pytest.raises(TypeError, match=r"bias_from must be an \(nn.Module, attribute"):
         TiedDecoder(emb, None, bias_from=(owner.bias, "bias"))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="Module.weight, which holds NoneType"):
+    with pytest.raises(ValueError, match="Module.weight, which holds nothing, not a bias"):
         TiedDecoder(emb, None, bias_from=(owner, "weight"))
     with pytest.raises(ValueError, match="bias is not the tensor Module.bias holds"):
         TiedDecoder(emb, torch.zeros(18), bias_from=(owner, "bias"))
@@ -535,6 +535,12 @@ def test_a_tied_decoder_keeps_a_bias_tied_elsewhere_one_parameter() -> None:
     assert torch.equal(given, kept) and torch.equal(twin.cls.predictions.bias, trained)
     assert isinstance(twin.cls.predictions.bias, nn.Parameter)
     assert twin.cls.predictions.bias.requires_grad
+    # as torch assigns its own keys: a frozen bias stays frozen, whatever the file holds
+    twin.cls.predictions.bias.requires_grad_(False)
+    twin.load_state_dict({**old, "cls.predictions.decoder.bias": nn.Parameter(trained + 1)},
+                         assign=True)  # fmt: skip
+    assert torch.equal(twin.cls.predictions.bias, trained + 1)
+    assert not twin.cls.predictions.bias.requires_grad
     twin.load_state_dict(state, assign=True)
     assert twin.cls.predictions.decoder.bias is twin.cls.predictions.bias
     # a wrong shape under the decoder's old key is named as load_state_dict names its own
