@@ -10,9 +10,9 @@ trainer's ``train_step`` on the experiment's ``MLMTask`` (dynamic masking, atten
 inside each packed document, the tied decoder, the loss over masked tokens, the CoMERA
 early-stage objective, clipping and AdamW), one update per batch (the ``paper`` preset
 accumulates 8 micro-batches of 32 rows per update: the update weighs more here, but
-dense's fused AdamW takes about 0.07 s of a 29 s step). Rows are 512 tokens packed from
-documents of 64-448 tokens; token ids are uniform over the vocabulary (speed does not
-depend on them).
+dense's fused AdamW took 0.07 s timed alone, against a dense step of about 26 s). Rows
+are 512 tokens packed from documents of 64-448 tokens; token ids are uniform over the
+vocabulary (speed does not depend on them).
 
 Variants (``codebert_model()``: the ``paper`` and ``base`` presets' encoder, 12 x 768,
 vocab 50,265): ``comera`` (TT linears at rank 30, TTM embedding at rank 32), ``dense``

@@ -253,6 +253,17 @@ def _bench_section(b: dict) -> list[str]:
     """The step benchmark's variants and ratios, beside the paper's figure where it has one."""
     v = b["variants"]
     malloc = b.get("malloc", "default")
+    runs = b.get("embedding_time_ratio_batched_vs_separate_runs")
+    lookup = (  # figures from before the rounds (one process) say nothing of them
+        f"The lookup comparison times the embedding stage alone, forward and backward, "
+        f"with the dense gradients CoMERA trains with, in {len(runs)} fresh processes "
+        f"under `{malloc}`: its ratio is the median of theirs "
+        f"({min(runs):.2f}-{max(runs):.2f}), and the two times are each the median of "
+        "their own, so their quotient differs from it; its `_glibc_default` twin is one "
+        "process under glibc as found."
+        if runs
+        else ""
+    )
     out = [
         "## Benchmark: one training step at the Kaggle table sizes",
         "",
@@ -271,7 +282,7 @@ def _bench_section(b: dict) -> list[str]:
         f"Allocator: `cpu_malloc={malloc}`, the policy DLRM trains under on CPU (its presets' "
         "default; dense and CoMERA alike): glibc returns blocks of 1 MiB and up when freed "
         "and puts those of 2 MiB and up on transparent huge pages. The `@glibc_default` rows "
-        "run the same step under glibc as found (one run each).",
+        "run the same step under glibc as found (one run each). " + lookup,
         "",
         "| variant | params | compression | step time (s) | peak RSS (MB) |",
         "|---|---|---|---|---|",
