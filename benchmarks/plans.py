@@ -18,7 +18,9 @@ Two parts:
   ``auto`` step times its candidates and is not counted).
   ``smoke_step_time_ratio_vs_dense`` is auto's median over dense's. The same for a
   late-stage auto step (``late_step_time_ratio_vs_dense``): the size objective the late
-  stage adds to every step is not in the early steps above.
+  stage adds to every step is not in the early steps above. All of it runs in
+  :data:`SMOKE_ROUNDS` fresh processes per experiment; each figure is the median over
+  them (a ratio: of the processes' own ratios, all of which are kept).
 - **Shapes.** What the tuner decided for every TT layer and lookup the smoke steps ran,
   and for the paper-size models at one step's token count (MNLI: batch 32 x 128;
   CodeBERT: batch 8 x 512; DLRM at the Kaggle sizes: batch 10,000 through its TT MLP
@@ -58,6 +60,7 @@ __all__ = [
     "run",
     "shape_decisions",
     "smoke_policy",
+    "smoke_rounds",
     "smoke_steps",
 ]
 
@@ -118,33 +121,64 @@ def smoke_policy(name: str) -> str:
 
 # a worker's limit: an experiment's smoke steps and shapes take minutes, never an hour
 WORKER_TIMEOUT_S = 3600
+# fresh processes of each experiment's smoke steps; each figure is their median. One
+# process's ratios move with the machine's state: two processes of the same code, hours
+# apart, gave DLRM's auto/dense 1.686 and 1.354 (MNLI 1.230 and 1.165, CodeBERT 1.254
+# and 1.123); each process takes 10-25 s
+SMOKE_ROUNDS = 5
+# the smoke figures taken as the median over rounds: ratios (each process's own, measured
+# side by side) and times
+_RATIOS = ("smoke_step_time_ratio_vs_dense", "smoke_step_time_ratio_vs_dense_comera_plan",
+           "smoke_step_time_ratio_floor", "late_step_time_ratio_vs_dense")  # fmt: skip
+_TIMES = ("step_ms", "one_example_step_ms", "late_step_ms")
 
 
-def _smoke_in_child(name: str, steps: int) -> dict:
+def _smoke_in_child(name: str, steps: int, shapes: bool = True) -> dict:
     """:func:`experiment_worker` of ``name`` in a fresh process that starts as the
     experiment's command does: under its allocator policy and, for ``lean``, restarted
     with huge pages (:func:`experiments.malloc.restart_for`). A process cannot undo a
     policy, so in one process the first experiment's would reach the next one's steps;
-    and a ``lean`` run without the restart pays 4 KiB page faults its command does not."""
+    and a ``lean`` run without the restart pays 4 KiB page faults its command does not.
+    ``shapes=False``: the smoke steps alone."""
     from experiments.malloc import clean_malloc_env
     from experiments.workers import run_json_worker
 
     cmd = [sys.executable, "-m", "benchmarks.plans", "--smoke-worker", name,
-           "--steps", str(steps)]  # fmt: skip
+           "--steps", str(steps), *([] if shapes else ["--no-shapes"])]  # fmt: skip
     return run_json_worker(cmd, f"plans bench: {name} smoke steps", env=clean_malloc_env(),
                            timeout=WORKER_TIMEOUT_S)  # fmt: skip
 
 
-def experiment_worker(name: str, steps: int) -> dict:
+def experiment_worker(name: str, steps: int, shapes: bool = True) -> dict:
     """What one worker measures for ``name``, in its own process: the smoke steps, the
-    paper-size shapes' decisions (timed under the same policy), and the policy itself
-    (``malloc``, ``hugepages``: whether ``lean`` got the huge pages its command has)."""
+    paper-size shapes' decisions (timed under the same policy; not with ``shapes=False``),
+    and the policy itself (``malloc``, ``hugepages``: whether ``lean`` got the huge pages
+    its command has)."""
     from experiments.malloc import hugepages_active
 
     smoke = smoke_steps(name, steps=steps)
-    print(f"plans bench: {name} paper-size shapes ...", file=sys.stderr, flush=True)
-    return {**smoke, "paper_shapes": shape_decisions(name), "malloc": smoke_policy(name),
-            "hugepages": hugepages_active()}  # fmt: skip
+    if shapes:
+        print(f"plans bench: {name} paper-size shapes ...", file=sys.stderr, flush=True)
+        smoke["paper_shapes"] = shape_decisions(name)
+    return {**smoke, "malloc": smoke_policy(name), "hugepages": hugepages_active()}
+
+
+def smoke_rounds(name: str, steps: int, rounds: int = SMOKE_ROUNDS) -> dict:
+    """``name``'s smoke steps in ``rounds`` fresh processes (the first also decides the
+    paper-size shapes): the first process's result, with each ratio and time replaced by
+    the median over the processes (a ratio: of each process's own) and every process's
+    ratios kept under ``<key>_runs``."""
+    outs = [_smoke_in_child(name, steps, shapes=i == 0) for i in range(rounds)]
+    result = {**outs[0], "smoke_rounds": rounds}
+    result["hugepages"] = all(o.get("hugepages", False) for o in outs)
+    for key in (k for k in _RATIOS if k in outs[0]):
+        result[key] = statistics.median(o[key] for o in outs)
+        result[f"{key}_runs"] = [o[key] for o in outs]
+    for key in (k for k in _TIMES if k in outs[0]):
+        result[key] = {v: statistics.median(o[key][v] for o in outs) for v in outs[0][key]}
+    if "fixed_extra_ms" in outs[0]:
+        result["fixed_extra_ms"] = statistics.median(o["fixed_extra_ms"] for o in outs)
+    return result
 
 
 def smoke_steps(name: str, *, steps: int = STEPS, warmup: int = WARMUP,
@@ -375,7 +409,7 @@ def run(
                              "threads": torch.get_num_threads()}}  # fmt: skip
     for name in experiments:
         print(f"plans bench: {name} smoke steps ...", file=sys.stderr, flush=True)
-        result[name] = _smoke_in_child(name, steps)
+        result[name] = smoke_rounds(name, steps)
         if paper_steps_timed:
             result[name].update(paper_steps(name, paper_steps_timed))
     write_json(out, result)
@@ -404,15 +438,29 @@ def _decision_rows(decisions: list[dict]) -> list[str]:
     return rows
 
 
+def _range(values: list[float]) -> str:
+    """``lo-hi`` of per-process figures (``-`` for none)."""
+    return f"{min(values):.3f}-{max(values):.3f}" if values else "-"
+
+
 def render(result: dict) -> str:
     """The report (markdown) from the JSON alone."""
     meta = result["meta"]
     lines = report_header("Contraction plans: what `auto` chooses", meta["command"], meta)
+    names = [n for n in EXPERIMENTS if n in result]
+    rounds = {result[n].get("smoke_rounds", 1) for n in names}
     lines += [
         f"{meta.get('threads', '?')} torch threads. Smoke steps: the three variants take "
         "turns through the six orders of the three, one `Trainer.train_step` each on the "
-        "same batches; medians after warm-up. "
-        f"Target: auto's step at most {TARGET}x dense's. `one example`: the same steps "
+        "same batches; medians after warm-up"
+        + (
+            f", in {rounds.pop()} fresh processes per experiment: each time below is the "
+            "median over the processes, each ratio the median of the processes' own "
+            "ratios (their range follows the table). "
+            if rounds != {1} and len(rounds) == 1
+            else ". "
+        )
+        + f"Target: auto's step at most {TARGET}x dense's. `one example`: the same steps "
         "on each batch's first example, where the arithmetic is all but gone; `fixed "
         "extra` is auto's step over dense's there (the per-step cost of dispatching the "
         "TT layers' many small ops and updating their leaves), and `floor` is "
@@ -424,7 +472,6 @@ def render(result: dict) -> str:
         "| comera / dense | one example: auto, dense (ms) | fixed extra (ms) | floor |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    names = [n for n in EXPERIMENTS if n in result]
     for n in names:
         r = result[n]
         ms = r["step_ms"]
@@ -439,6 +486,14 @@ def render(result: dict) -> str:
                 else "- | - | - |"
             )
         )
+    spread = [n for n in names if "smoke_step_time_ratio_vs_dense_runs" in result[n]]
+    if spread:
+        lines += ["", "Per process: " + "; ".join(
+            f"{n} auto / dense " + _range(result[n]["smoke_step_time_ratio_vs_dense_runs"])
+            + ", floor " + _range(result[n].get("smoke_step_time_ratio_floor_runs", []))
+            + ", late stage " + _range(result[n].get("late_step_time_ratio_vs_dense_runs", []))
+            for n in spread
+        ) + "."]  # fmt: skip
     policies = [n for n in names if "malloc" in result[n]]
     if policies:
         lines += [
@@ -548,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="measure nothing: print the tables of a saved result")  # fmt: skip
     ap.add_argument("--smoke-worker", choices=EXPERIMENTS, help=argparse.SUPPRESS)
+    ap.add_argument("--no-shapes", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.render is not None:
         return print_rendered(a.render, render, ap.prog)
@@ -558,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if argv is None:  # a real process (not a test's call): start as the command does
             restart_for(smoke_policy(a.smoke_worker))
-        print(json.dumps(experiment_worker(a.smoke_worker, a.steps)))
+        print(json.dumps(experiment_worker(a.smoke_worker, a.steps, not a.no_shapes)))
         return 0
     chosen = tuple(x for x in a.experiments.split(",") if x)
     bad = [x for x in chosen if x not in EXPERIMENTS]

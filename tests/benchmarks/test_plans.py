@@ -103,6 +103,16 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
     assert "The same shapes and plans" in section("## dlrm: late stage, decisions")
     assert "mnli `default`, dlrm `lean`." in out
     assert "dlrm smoke steps ran under `cpu_malloc=lean` without huge pages" in out
+    assert "fresh processes" not in out and "Per process" not in out  # one process each
+    # several processes per experiment (smoke_rounds): said, and each ratio's range given
+    runs = {"smoke_rounds": 3, "smoke_step_time_ratio_vs_dense_runs": [0.95, 0.909, 0.8],
+            "smoke_step_time_ratio_floor_runs": [1.0, 1.2, 1.091]}  # fmt: skip
+    path.write_text(json.dumps({**result, "mnli": {**step, **runs},
+                                "dlrm": {**dlrm, **runs}}))  # fmt: skip
+    assert plans.main(["--render", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "in 3 fresh processes per experiment" in out
+    assert "mnli auto / dense 0.800-0.950, floor 1.000-1.200, late stage -;" in out
 
 
 def test_bad_flags_are_one_line(capsys) -> None:
@@ -157,12 +167,16 @@ def test_each_experiment_s_smoke_steps_run_in_a_worker_under_its_policy(
 
     assert plans.smoke_policy("dlrm") == "lean" and plans.smoke_policy("mnli") == "default"
     seen = []
+    ratios = iter([1.3, 1.1, 1.2, 1.5, 1.0] * 2)
 
     def worker(cmd, what, *, env=None, timeout=None):
-        seen.append(cmd[cmd.index("--smoke-worker") + 1])
+        seen.append((cmd[cmd.index("--smoke-worker") + 1], "--no-shapes" in cmd))
         # the child decides its own restart, and a hung one cannot hang the bench
         assert env is not None and "COMERA_MALLOC_RESTARTED" not in env and timeout
-        return {"fake": True}
+        r = next(ratios)
+        shapes = {} if "--no-shapes" in cmd else {"paper_shapes": ["first"]}
+        return {"smoke_step_time_ratio_vs_dense": r, "step_ms": {"auto": 10 * r, "dense": 10},
+                "fixed_extra_ms": r, "malloc": "lean", "hugepages": r != 1.5, **shapes}  # fmt: skip
 
     monkeypatch.setattr(experiments.workers, "run_json_worker", worker)
     monkeypatch.setattr(plans, "render", lambda result: "")
@@ -170,8 +184,15 @@ def test_each_experiment_s_smoke_steps_run_in_a_worker_under_its_policy(
     monkeypatch.setattr(plans, "shape_decisions", lambda name: pytest.fail("ran in-process"))
     out = tmp_path / "plans.json"
     plans.run(experiments=("mnli", "dlrm"), paper_steps_timed=0, out=out)
-    assert json.loads(out.read_text())["dlrm"]["fake"] is True
-    assert seen == ["mnli", "dlrm"]
+    # SMOKE_ROUNDS processes each, the first alone deciding the paper-size shapes; each
+    # figure the median over them, every process's ratio kept
+    assert plans.SMOKE_ROUNDS == 5
+    assert seen == [(n, i > 0) for n in ("mnli", "dlrm") for i in range(5)]
+    dlrm = json.loads(out.read_text())["dlrm"]
+    assert dlrm["smoke_rounds"] == 5 and dlrm["paper_shapes"] == ["first"]
+    assert dlrm["smoke_step_time_ratio_vs_dense"] == 1.2 and dlrm["fixed_extra_ms"] == 1.2
+    assert dlrm["smoke_step_time_ratio_vs_dense_runs"] == [1.3, 1.1, 1.2, 1.5, 1.0]
+    assert dlrm["step_ms"] == {"auto": 12.0, "dense": 10} and dlrm["hugepages"] is False
     # the worker entry, as its own process runs it (no argv): restarted for its policy
     restarts = []
     monkeypatch.setattr(experiments.malloc, "restart_for", restarts.append)
@@ -184,3 +205,6 @@ def test_each_experiment_s_smoke_steps_run_in_a_worker_under_its_policy(
     assert restarts == ["lean"] and got["name"] == "dlrm" and got["steps"] == 4
     assert got["paper_shapes"] == ["dlrm"] and got["malloc"] == "lean"
     assert got["hugepages"] == experiments.malloc.hugepages_active()
+    monkeypatch.setattr(sys, "argv", ["plans", "--smoke-worker", "dlrm", "--no-shapes"])
+    assert plans.main() == 0
+    assert "paper_shapes" not in json.loads(capsys.readouterr().out)  # the later rounds
