@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from comera.errors import DataError, first_line
+from experiments.hub import hub_unreachable, offline_tip, quiet_hub
 from loaders.metadata import METADATA_NAME
 from loaders.prepare import (
     PLAN_NAME,
@@ -89,21 +90,29 @@ def tokenizer_info(tokenizer: str) -> tuple[int, dict[str, int | None]]:
     try:
         import transformers
 
-        hf = transformers.AutoTokenizer.from_pretrained(tokenizer)
+        with quiet_hub():
+            hf = transformers.AutoTokenizer.from_pretrained(tokenizer)
         ids = {t: hf.convert_tokens_to_ids(t) for t in SPECIALS}
         return len(hf), {t: (i if i != hf.unk_token_id or t == "<unk>" else None)
                          for t, i in ids.items()}  # fmt: skip
     except ImportError:
         pass
     except Exception as exc:
-        raise DataError(f"data.tokenizer={tokenizer!r}: cannot load it ({first_line(exc)}); "
-                        "pass a local tokenizer.json") from exc  # fmt: skip
+        raise _tokenizer_error(tokenizer, exc) from exc
     try:
-        tok = Tokenizer.from_pretrained(tokenizer)
+        with quiet_hub():
+            tok = Tokenizer.from_pretrained(tokenizer)
     except Exception as exc:
-        raise DataError(f"data.tokenizer={tokenizer!r}: cannot load it ({first_line(exc)}); "
-                        "pass a local tokenizer.json") from exc  # fmt: skip
+        raise _tokenizer_error(tokenizer, exc) from exc
     return tok.get_vocab_size(), {t: tok.token_to_id(t) for t in SPECIALS}
+
+
+def _tokenizer_error(tokenizer: str, exc: Exception) -> DataError:
+    """One line for a tokenizer that would not load; an unreachable hub says how to work
+    offline."""
+    tip = f" ({offline_tip()})" if hub_unreachable(exc) and offline_tip() else ""
+    return DataError(f"data.tokenizer={tokenizer!r}: cannot load it ({first_line(exc)}); "
+                     f"pass a local tokenizer.json{tip}")  # fmt: skip
 
 
 def stdlib_groups(max_files: int | None = None) -> dict[str, list[Path]]:

@@ -36,6 +36,7 @@ from comera.tensorize import INITS
 from comera.train import TrainConfig
 from comera.train.module_task import ModuleTask
 from experiments import cli
+from experiments.hub import hub_unreachable, offline_tip, quiet_hub
 from experiments.mnli import experiment as mnli
 from experiments.mnli.batches import BatchIterator
 from experiments.mnli.data import MNLIData, MNLIDataConfig, load_mnli
@@ -202,13 +203,17 @@ def _load_pretrained(tf: Any, cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
     log.set_verbosity_error()
     log.disable_progress_bar()
     try:
-        model, info = tf.AutoModelForSequenceClassification.from_pretrained(
-            cfg.path, num_labels=cfg.num_labels, ignore_mismatched_sizes=True,
-            output_loading_info=True,
-        )  # fmt: skip
+        with quiet_hub():
+            model, info = tf.AutoModelForSequenceClassification.from_pretrained(
+                cfg.path, num_labels=cfg.num_labels, ignore_mismatched_sizes=True,
+                output_loading_info=True,
+            )  # fmt: skip
     except OSError as e:  # no such folder, no weights in it, or an unreachable hub
+        tip = ""
+        if hub_unreachable(e):
+            tip = "; pass a local folder" + (f" ({t})" if (t := offline_tip()) else "")
         raise ConfigError(
-            f"--model {cfg.path}: cannot load a model there ({first_line(e)})"
+            f"--model {cfg.path}: cannot load a model there ({first_line(e)}){tip}"
         ) from None
     except (RuntimeError, ValueError) as e:  # an unknown architecture, weights that do not fit
         raise ConfigError(

@@ -19,6 +19,7 @@ import torch
 from tokenizers import Tokenizer, processors
 
 from comera.errors import ConfigError, DataError, MissingFileError, UserError, first_line
+from experiments.hub import hub_unreachable, offline_tip, quiet_hub
 from experiments.mnli.batches import EncodedSplit
 from experiments.mnli.generated import (
     GENERATED_WORDS,
@@ -39,6 +40,11 @@ _OFFLINE_HELP = (
     "synthetic task with --dataset generated, and a local tokenizer with --tokenizer PATH "
     "(a tokenizer.json file or a directory holding one)."
 )
+
+
+def _offline_help() -> str:
+    tip = offline_tip()
+    return _OFFLINE_HELP + (f" {tip}." if tip else "")
 
 
 class HubUnreachableError(UserError, RuntimeError):
@@ -159,38 +165,24 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
                 "--tokenizer a tokenizer.json or a directory holding one"
             ) from None
     try:
-        return Tokenizer.from_pretrained(name_or_path)
+        with quiet_hub():
+            return Tokenizer.from_pretrained(name_or_path)
     except Exception as exc:
         raise _hub_error(exc, f"tokenizer {name_or_path!r}") from exc
-
-
-def _is_unreachable(exc: BaseException) -> bool:
-    names = {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectError", "ConnectTimeout"}
-    keys = ("offline", "connect", "network", "name or service", "timed out", "resolve host")
-    chain: BaseException | None = exc
-    while chain is not None:
-        if isinstance(chain, ConnectionError | TimeoutError) or names & {
-            c.__name__ for c in type(chain).__mro__
-        }:
-            return True
-        if any(k in str(chain).lower() for k in keys):
-            return True
-        chain = chain.__cause__ or chain.__context__
-    return False
 
 
 def _hub_error(exc: Exception, what: str) -> Exception:
     """The error to raise for a failed hub load: unreachable hub, a name the hub does not
     have (``datasets`` raises a ``FileNotFoundError`` kind), or ``exc`` itself."""
     first = first_line(exc)  # a hub client's message can run to several lines
-    if not _is_unreachable(exc):
+    if not hub_unreachable(exc):
         if isinstance(exc, FileNotFoundError):
             return DataError(f"cannot load {what} from the hub ({first}); check the name. "
-                             f"{_OFFLINE_HELP}")  # fmt: skip
+                             f"{_offline_help()}")  # fmt: skip
         return exc
     return HubUnreachableError(
         f"Could not reach the Hugging Face Hub to load {what} "
-        f"({type(exc).__name__}: {first}). {_OFFLINE_HELP}"
+        f"({type(exc).__name__}: {first}). {_offline_help()}"
     )
 
 
@@ -280,7 +272,8 @@ def _load_hub(cfg: MNLIDataConfig) -> dict[str, tuple[str, pa.Table]]:
     import datasets
 
     try:
-        dsd = datasets.load_dataset(cfg.dataset, cfg.dataset_config)
+        with quiet_hub():
+            dsd = datasets.load_dataset(cfg.dataset, cfg.dataset_config)
     except Exception as exc:
         raise _hub_error(exc, f"dataset {cfg.dataset!r} (config {cfg.dataset_config!r})") from exc
     evals = sorted(s for s in dsd if s.startswith("validation"))
