@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reporting import print_rendered
-from benchmarks.timing import timed_steps
+from benchmarks.timing import medians_over, timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
 from experiments.host import cpu_model, report_header
@@ -204,14 +204,9 @@ def _embedding_rounds(malloc: str, rounds: int) -> dict:
     of each process's batched/separate ratio (each measured side by side), the medians of
     the two times, and every process's ratio."""
     outs = [_embedding_in_process(malloc) for _ in range(rounds)]
-    key = "embedding_time_ratio_batched_vs_separate"
-    return {
-        **outs[0],
-        "embedding_batched_s": statistics.median(o["embedding_batched_s"] for o in outs),
-        "embedding_separate_s": statistics.median(o["embedding_separate_s"] for o in outs),
-        key: statistics.median(o[key] for o in outs),
-        f"{key}_runs": [o[key] for o in outs],
-    }
+    times = medians_over(outs, ("embedding_batched_s", "embedding_separate_s"), runs=False)
+    return {**outs[0], **times,
+            **medians_over(outs, ["embedding_time_ratio_batched_vs_separate"])}  # fmt: skip
 
 
 def run(json_out: bool = False) -> int:
@@ -232,9 +227,7 @@ def run(json_out: bool = False) -> int:
         results[label] = {**outs[0], "variant": label}
         if len(outs) > 1:
             results[label]["hugepages"] = all(o.get("hugepages", False) for o in outs)
-            for key in ("step_time_s", "peak_rss_mb"):
-                results[label][key] = statistics.median(o[key] for o in outs)
-                results[label][f"{key}_runs"] = [o[key] for o in outs]
+            results[label].update(medians_over(outs, ("step_time_s", "peak_rss_mb")))
     emb = _embedding_rounds(policy, LOOKUP_ROUNDS)
     emb_glibc = _embedding_in_process("default") if policy != "default" else emb
     c, d, a = results["comera"], results["dense_sgd"], results["dense_adam"]

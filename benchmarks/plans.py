@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from benchmarks.reporting import print_rendered, write_json, write_text
+from benchmarks.timing import medians_over
 from comera import autotune as A
 from comera.layers import ttm_lookup
 from comera.tensor_train import gated_cores
@@ -171,13 +172,10 @@ def smoke_rounds(name: str, steps: int, rounds: int = SMOKE_ROUNDS) -> dict:
     outs = [_smoke_in_child(name, steps, shapes=i == 0) for i in range(rounds)]
     result = {**outs[0], "smoke_rounds": rounds}
     result["hugepages"] = all(o.get("hugepages", False) for o in outs)
-    for key in (k for k in _RATIOS if k in outs[0]):
-        result[key] = statistics.median(o[key] for o in outs)
-        result[f"{key}_runs"] = [o[key] for o in outs]
-    for key in (k for k in _TIMES if k in outs[0]):
+    result |= medians_over(outs, [k for k in _RATIOS if k in outs[0]])
+    result |= medians_over(outs, [k for k in ("fixed_extra_ms",) if k in outs[0]], runs=False)
+    for key in (k for k in _TIMES if k in outs[0]):  # per variant
         result[key] = {v: statistics.median(o[key][v] for o in outs) for v in outs[0][key]}
-    if "fixed_extra_ms" in outs[0]:
-        result["fixed_extra_ms"] = statistics.median(o["fixed_extra_ms"] for o in outs)
     return result
 
 
@@ -377,8 +375,7 @@ def paper_steps(name: str, steps: int, tiny: bool = False) -> dict:
     runs = {
         v: {
             "batch": rs[0]["batch"],
-            "step_s": statistics.median(r["step_s"] for r in rs),
-            "peak_mb": statistics.median(r["peak_mb"] for r in rs),
+            **medians_over(rs, ("step_s", "peak_mb"), runs=False),
             "rounds": rounds,
         }
         for v, rs in each.items()

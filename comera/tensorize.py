@@ -596,9 +596,8 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
                     if attr is not None:
                         source = bias_from[id(bias)] = (owner, attr)
                         break
-            decoder = TiedDecoder(
-                emb, bias, bias_from=source
-            )  # one module (one bias) at every path
+            # one module (one bias) at every path
+            decoder = TiedDecoder(emb, bias, bias_from=source)
             if isinstance(bias, nn.Parameter) and source is None:
                 bias_from[id(bias)] = (decoder, "bias")  # registered here: others read it
             for path in paths[id(module)]:

@@ -110,9 +110,9 @@ def tokenizer_info(tokenizer: str) -> tuple[int, dict[str, int | None]]:
 def _tokenizer_error(tokenizer: str, exc: Exception) -> DataError:
     """One line for a tokenizer that would not load; an unreachable hub says how to work
     offline."""
-    tip = f" ({offline_tip()})" if hub_unreachable(exc) and offline_tip() else ""
+    tip = offline_tip() if hub_unreachable(exc) else ""
     return DataError(f"data.tokenizer={tokenizer!r}: cannot load it ({first_line(exc)}); "
-                     f"pass a local tokenizer.json{tip}")  # fmt: skip
+                     "pass a local tokenizer.json" + (f" ({tip})" if tip else ""))  # fmt: skip
 
 
 def stdlib_groups(max_files: int | None = None) -> dict[str, list[Path]]:
