@@ -79,11 +79,12 @@ def _check_operand(name: str, what: str, t: torch.Tensor, core: torch.Tensor) ->
             f"{name}: {what} is on {t.device} but the cores are on {core.device}; "
             f"move one of them (e.g. {what}.to({str(core.device)!r}))"
         )
-    if (
-        t.dtype != core.dtype
-        and t.is_floating_point()
-        and not torch.is_autocast_enabled(t.device.type)
-    ):
+    if not (t.is_floating_point() or t.is_complex()):  # autocast does not cast these
+        raise ValueError(
+            f"{name}: {what} has dtype {t.dtype} but a TT layer takes floating-point "
+            f"input; cast it with {what}.to({core.dtype})"
+        )
+    if t.dtype != core.dtype and not torch.is_autocast_enabled(t.device.type):
         raise ValueError(
             f"{name}: {what} has dtype {t.dtype} but the cores have dtype {core.dtype}; "
             f"cast it with {what}.to({core.dtype}) or run under torch.autocast"

@@ -31,6 +31,10 @@ def test_input_dtype_device_and_shape_mismatch():
     layer = C.TTLinear(spec)
     with pytest.raises(ValueError, match=r"'v'.*dtype torch.float64.*torch.float32"):
         layer(torch.randn(2, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"'v'.*dtype torch.int64.*floating-point.*torch.float32"):
+        layer(torch.ones(2, 6, dtype=torch.long))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="int64"):
+        layer(torch.ones(2, 6, dtype=torch.long))
     with pytest.raises(ValueError, match=r"'v'.*shape \(2, 5\).*last dim of 6"):
         layer(torch.randn(2, 5))
     with pytest.raises(ValueError, match=r"'v'.*on meta but the cores are on cpu"):
