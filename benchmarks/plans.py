@@ -420,7 +420,20 @@ def run(
     return 0
 
 
+# what a section without decisions says: no layer the smoke steps ran asks for ``auto``
+NO_DECISION = "None: no layer of these steps asks for `auto`."
+NO_DECISIONS = {
+    "dlrm": "None: no layer of these steps asks for `auto`. The smoke model's TTM tables go "
+    "through the table-batched lookup, which has no `auto`, and its MLP layers are dense "
+    "(`tt_layers` is empty), so its auto and comera-plan steps run the same code: the "
+    "difference between their ratios above is the machine's noise.",
+}
+
+
 def _decision_rows(decisions: list[dict]) -> list[str]:
+    """The table of ``decisions``; no lines for none (the caller says why)."""
+    if not decisions:
+        return []
     rows = ["| kind | shapes | layers | auto chose | fwd+bwd median (ms) | not timed |",
             "|---|---|---|---|---|---|"]  # fmt: skip
     for d in decisions:
@@ -571,18 +584,18 @@ def render(result: dict) -> str:
             )
     for n in names:
         lines += ["", f"## {n}: smoke preset, decisions of the timed steps", ""]
-        lines += _decision_rows(result[n]["decisions"])
+        lines += _decision_rows(result[n]["decisions"]) or [NO_DECISIONS.get(n, NO_DECISION)]
         if "late_decisions" in result[n]:
             early = {d["what"] for d in result[n]["decisions"]}
             late = [d for d in result[n]["late_decisions"] if d["what"] not in early]
             lines += ["", f"## {n}: late stage, decisions of the timed steps", ""]
-            lines += (
-                _decision_rows(late)
-                if late
-                else ["The same shapes and plans as the early steps above."]
-            )
+            lines += _decision_rows(late) or [
+                "The same shapes and plans as the early steps above."
+                if result[n]["decisions"]
+                else "None either."
+            ]
         lines += ["", f"## {n}: paper-size shapes, one step's tokens", ""]
-        lines += _decision_rows(result[n]["paper_shapes"])
+        lines += _decision_rows(result[n]["paper_shapes"]) or [NO_DECISION]
     return "\n".join(lines) + "\n"
 
 

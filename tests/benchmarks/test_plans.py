@@ -102,6 +102,8 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
     assert "ranks 8,5,8" in late and "ranks 8,8,8" not in late
     assert "The same shapes and plans" in section("## dlrm: late stage, decisions")
     assert "mnli `default`, dlrm `lean`." in out
+    assert "| kind |" not in section("## mnli: paper-size shapes")  # none: said, no empty table
+    assert "None: no layer of these steps asks for `auto`." in section("## mnli: paper-size")
     assert "dlrm smoke steps ran under `cpu_malloc=lean` without huge pages" in out
     assert "fresh processes" not in out and "Per process" not in out  # one process each
     # several processes per experiment (smoke_rounds): said, and each ratio's range given
@@ -113,6 +115,14 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "in 3 fresh processes per experiment" in out
     assert "mnli auto / dense 0.800-0.950, floor 1.000-1.200, late stage -;" in out
+    # DLRM's smoke model asks for no auto at all: the report says why, not an empty table
+    none = {"decisions": [], "late_decisions": []}
+    path.write_text(json.dumps({**result, "dlrm": {**dlrm, **none}}))
+    assert plans.main(["--render", str(path)]) == 0
+    out = capsys.readouterr().out
+    early = out[out.index("## dlrm: smoke preset, decisions") :].split("\n## ")[0]
+    assert "| kind |" not in early and "table-batched lookup, which has no `auto`" in early
+    assert "None either." in out[out.index("## dlrm: late stage, decisions") :]
 
 
 def test_bad_flags_are_one_line(capsys) -> None:
