@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loaders.config import is_int
 from loaders.errors import LoaderInputError, LoaderPathError
 from loaders.metadata import atomic_write_text
 
@@ -77,6 +78,7 @@ def load_states(directory: str | Path) -> list[dict]:
             raise LoaderInputError(
                 f"loader state {p} is unreadable ({exc}); use an older checkpoint"
             ) from exc
+        check_state(states[-1], f"loader state {p}")
     worlds = {int(s.get("world_size", -1)) for s in states}
     if len(worlds) != 1:
         raise LoaderInputError(
@@ -94,6 +96,78 @@ def load_states(directory: str | Path) -> list[dict]:
     if len(steps) > 1:
         raise LoaderInputError(f"loader states in {directory} are from different steps {steps}")
     return states
+
+
+def check_state(state: object, where: str = "loader state") -> None:
+    """Refuse anything that is not one rank's state as :meth:`TokenLoader.state_dict`
+    writes it, naming the first field that is missing or malformed, before any of it is
+    used: a damaged file would otherwise fail deep inside the merge, or start a reader at
+    a position the state never held."""
+
+    def bad(field: str, why: str) -> LoaderInputError:
+        return LoaderInputError(
+            f"{where}: {field} {why}; the state is damaged or not a loader state: use another "
+            "checkpoint"
+        )
+
+    def ints(value: object, n: int | None = None) -> bool:
+        return (
+            isinstance(value, list)
+            and all(is_int(v) for v in value)
+            and (n is None or len(value) == n)
+        )
+
+    if not isinstance(state, dict):
+        raise bad("the state", f"is a {type(state).__name__}, not a dict")
+    if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+        raise LoaderInputError(
+            f"{where}: not a loader state (format={state.get('format')!r}, "
+            f"version={state.get('version')!r}); expected format={STATE_FORMAT!r} version "
+            f"{STATE_VERSION}"
+        )
+    fp = state.get("fingerprint")
+    if not isinstance(fp, dict):
+        raise bad("fingerprint", "is missing")
+    for key in ("num_shards", "seed"):
+        if not is_int(fp.get(key)):
+            raise bad(f"fingerprint.{key}", "is not an integer")
+    docs = fp.get("docs")
+    if not isinstance(fp.get("shuffle"), str) or not isinstance(docs, dict):
+        raise bad("fingerprint", "lacks shuffle or docs")
+    for key in ("rank", "world_size", "num_workers"):
+        if not is_int(state.get(key)):
+            raise bad(key, "is not an integer")
+    if not 0 <= state["rank"] < state["world_size"]:
+        raise bad("rank", f"{state['rank']} is outside world_size {state['world_size']}")
+    readers = state.get("readers")
+    if not isinstance(readers, list) or not all(isinstance(r, dict) for r in readers):
+        raise bad("readers", "is not a list of reader states")
+    for r in readers:
+        if not is_int(r.get("worker")) or not isinstance(r.get("shards"), dict):
+            raise bad("a reader", "lacks its worker or shards")
+        shards = r["shards"]
+        for name, sh in shards.items():
+            at = f"readers[worker {r['worker']}].shards[{name!r}]"
+            if name not in docs:
+                raise bad(at, "names a sub-dataset the fingerprint lacks")
+            span = sh.get("range") if isinstance(sh, dict) else None
+            if not ints(span, 2) or not 0 <= span[0] <= span[1] <= fp["num_shards"]:
+                raise bad(f"{at}.range", f"is not a shard range within {fp['num_shards']}")
+            for key in ("epoch", "counter", "offset"):
+                if not ints(sh.get(key), span[1] - span[0]):
+                    raise bad(f"{at}.{key}", f"is not {span[1] - span[0]} integers")
+        cur = r.get("current")
+        if cur is not None and not (
+            isinstance(cur, list)
+            and len(cur) == 2
+            and cur[0] in shards
+            and is_int(cur[1])
+            and shards[cur[0]]["range"][0] <= cur[1] < shards[cur[0]]["range"][1]
+        ):
+            raise bad(f"readers[worker {r['worker']}].current", "is not one of its shards")
+    for key in ("weights", "config_weights"):
+        if not isinstance(state.get(key, {}), dict):
+            raise bad(key, "is not a dict")
 
 
 @dataclass(slots=True)
@@ -118,11 +192,7 @@ def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True
         raise LoaderInputError("no loader states given: pass a rank's state or every rank's")
     L = fingerprint["num_shards"]
     for s in states:
-        if s.get("format") != STATE_FORMAT or s.get("version") != STATE_VERSION:
-            raise LoaderInputError(
-                f"not a loader state (format={s.get('format')!r}, version={s.get('version')!r}); "
-                f"expected format={STATE_FORMAT!r} version {STATE_VERSION}"
-            )
+        check_state(s)
         fp = s["fingerprint"]
         for key in ("num_shards", "seed", "shuffle"):
             if fp[key] != fingerprint[key]:

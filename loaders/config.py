@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ SHUFFLE_MODES = ("global", "local", "none")
 _ID_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     """An integer, not a bool, a float or a string (a CLI or YAML may pass any)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -47,7 +48,7 @@ class DatasetSpec:
             raise LoaderInputError(
                 f"DatasetSpec.name must be a non-empty string, got {self.name!r}"
             )
-        check_weight(f"dataset {self.name!r}", self.weight)
+        self.weight = check_weight(f"dataset {self.name!r}", self.weight)
         if self.path is None:
             raise LoaderInputError(
                 f"dataset {self.name!r}: path is None; give a folder of token files or, with "
@@ -55,6 +56,18 @@ class DatasetSpec:
             )
         if isinstance(self.path, str):
             self.path = Path(self.path)
+        source = hasattr(self.path, "doc")  # an already built source object
+        if self.tokenizer is None and not (isinstance(self.path, os.PathLike) or source):
+            raise LoaderInputError(
+                f"dataset {self.name!r}: path {self.path!r} ({type(self.path).__name__}) "
+                "must be a folder or file of token files (str or Path) when no tokenizer is "
+                "given; give DatasetSpec.tokenizer to read text from a Dataset or Table"
+            )
+
+
+# LoaderConfig's integer fields, stored as Python ints whatever integer type was given
+INT_FIELDS = ("seq_len", "batch_size", "bos_id", "eos_id", "pad_id", "min_doc_len",
+              "num_shards", "seed", "num_epochs")  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,6 +104,12 @@ class LoaderConfig:
     def __post_init__(self) -> None:
         if not self.datasets:
             raise LoaderInputError("LoaderConfig.datasets is empty; give at least one DatasetSpec")
+        for i, d in enumerate(self.datasets):
+            if not isinstance(d, DatasetSpec):
+                raise LoaderInputError(
+                    f"LoaderConfig.datasets[{i}] is a {type(d).__name__}, not a DatasetSpec; "
+                    "build each as DatasetSpec(name=..., path=...) (a dict d: DatasetSpec(**d))"
+                )
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
             raise LoaderInputError(f"LoaderConfig.datasets has duplicate names: {names}")
@@ -100,17 +119,22 @@ class LoaderConfig:
             )
         for key in ("seq_len", "batch_size", "num_shards", "min_doc_len"):
             value = getattr(self, key)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise LoaderInputError(f"LoaderConfig.{key} must be an integer >= 1, got {value!r}")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise LoaderInputError(f"LoaderConfig.seed must be an integer, got {self.seed!r}")
         if self.shuffle not in SHUFFLE_MODES:
             raise LoaderInputError(
                 f"LoaderConfig.shuffle={self.shuffle!r}; use one of {SHUFFLE_MODES}"
             )
-        if self.num_epochs is not None and (not _is_int(self.num_epochs) or self.num_epochs < 1):
+        if self.num_epochs is not None and (not is_int(self.num_epochs) or self.num_epochs < 1):
             raise LoaderInputError(
                 f"LoaderConfig.num_epochs must be an integer >= 1 or None, got {self.num_epochs!r}"
+            )
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise LoaderInputError(
+                f"LoaderConfig.cache_dir must be a folder path (str or Path) or None, got "
+                f"{self.cache_dir!r}"
             )
         if self.out_dtype not in _ID_RANGE:
             raise LoaderInputError(
@@ -121,11 +145,17 @@ class LoaderConfig:
             value = getattr(self, key)
             if value is None and key != "pad_id":
                 continue
-            if not _is_int(value) or not lo <= value <= hi:
+            if not is_int(value) or not lo <= value <= hi:
                 raise LoaderInputError(
                     f"LoaderConfig.{key} must be an integer that out_dtype={self.out_dtype!r} "
                     f"holds{'' if key == 'pad_id' else ' (or None)'}, got {value!r}"
                 )
+        # plain ints from here on: a numpy integer (accepted above) would reach the
+        # loader's state, which is JSON, and fail its first save
+        for key in INT_FIELDS:
+            value = getattr(self, key)
+            if value is not None:
+                setattr(self, key, int(value))
 
     @property
     def row_len(self) -> int:

@@ -28,7 +28,7 @@ from loaders.checkpoint import (
     merge_states,
     save_state,
 )
-from loaders.config import LoaderConfig
+from loaders.config import LoaderConfig, is_int
 from loaders.errors import LoaderInputError
 from loaders.mixing import Mixer
 from loaders.pipeline import Layout, ReaderPipeline, open_source
@@ -39,17 +39,34 @@ _STATE_KEY = "_reader_state"
 
 def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """Rank and world size: explicit arguments, else the process group, else env vars."""
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and not is_int(value):
+            raise LoaderInputError(f"{name} must be an integer, got {value!r}")
     if rank is None or world_size is None:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             r, w = dist.get_rank(), dist.get_world_size()
         else:
-            r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+            r, w = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
         rank = r if rank is None else rank
         world_size = w if world_size is None else world_size
     if not 0 <= rank < world_size:
         raise LoaderInputError(f"rank {rank} is outside world_size {world_size}")
     return int(rank), int(world_size)
+
+
+def _env_int(name: str, default: int) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise LoaderInputError(
+            f"environment variable {name}={text!r} is not an integer; fix it (torchrun sets "
+            "it) or pass rank= and world_size= to TokenLoader"
+        ) from None
 
 
 def _identity(batch: Any) -> Any:
@@ -123,9 +140,9 @@ class TokenLoader:
     ) -> None:
         self.config = config
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
-        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        if not is_int(num_workers) or num_workers < 0:
             raise LoaderInputError(f"num_workers must be an integer >= 0, got {num_workers!r}")
-        self.num_workers = num_workers
+        self.num_workers = int(num_workers)
         self._readers = max(1, num_workers)
         self._dl_kwargs = {
             "prefetch_factor": prefetch_factor,
@@ -146,6 +163,7 @@ class TokenLoader:
             "docs": {name: int(src.num_docs) for name, src in self.sources.items()},
         }
         self._config_weights = config.weights
+        self._has_long: dict[str, bool] = {}  # see _holds_long
         self._weights = dict(self._config_weights)
         self._cursors: dict[str, dict[int, tuple[int, int, int]]] = {}
         self._reader_states: list[dict | None] = [None] * self._readers
@@ -164,7 +182,16 @@ class TokenLoader:
         if cfg.num_epochs is not None or cfg.shuffle == "local":
             return
         weights = self._weights if weights is None else weights
-        docs = {n: int(src.num_docs) for n, src in self.sources.items() if weights.get(n, 0) > 0}
+        # a sub-dataset with no document of min_doc_len tokens is dropped by every reader
+        docs = {n: int(src.num_docs) for n, src in self.sources.items()
+                if weights.get(n, 0) > 0 and self._holds_long(n)}  # fmt: skip
+        if not docs:
+            raise LoaderInputError(
+                f"no sub-dataset with a positive weight holds a document of min_doc_len="
+                f"{cfg.min_doc_len} tokens, and an endless stream (num_epochs=None) would end "
+                "at once; lower LoaderConfig.min_doc_len or give weight to a sub-dataset "
+                "with longer documents"
+            )
         total, L = self.world_size * self._readers, cfg.num_shards
         for g in range(total):
             ids = owned_shards(L, g // self._readers, self.world_size, g % self._readers,
@@ -173,10 +200,19 @@ class TokenLoader:
                 raise LoaderInputError(
                     f"reader {g} of {total} ({self.world_size} ranks x {self._readers} "
                     f"workers) would get no document of {docs} (documents of the sub-datasets "
-                    f"with a positive weight, cut into num_shards={L}), and an endless stream "
+                    f"with a positive weight and a document of min_doc_len={cfg.min_doc_len} "
+                    f"tokens, cut into num_shards={L}), and an endless stream "
                     "(num_epochs=None) would end at once there; use fewer ranks or workers, "
                     "more documents, shuffle='local', or set num_epochs"
                 )
+
+    def _holds_long(self, name: str) -> bool:
+        """Whether sub-dataset ``name`` holds a document of ``min_doc_len`` tokens (scanned
+        once, up to the first such document; cached)."""
+        if name not in self._has_long:
+            src, n = self.sources[name], self.config.min_doc_len
+            self._has_long[name] = any(len(src.doc(i)) >= n for i in range(int(src.num_docs)))
+        return self._has_long[name]
 
     def _start_pipes(self) -> None:
         """Build every reader on this process (cheap: no data is read) for state/iteration."""

@@ -10,7 +10,7 @@ shard cursors and are untouched.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from loaders.config import check_weight
 from loaders.errors import LoaderInputError
@@ -32,6 +32,11 @@ class Mixer:
 
     def set_weights(self, weights: dict[str, float]) -> None:
         """New targets; unknown names are an error, missing names keep their weight."""
+        if not isinstance(weights, Mapping):
+            raise LoaderInputError(
+                f"weights must map sub-dataset names to weights (e.g. {{{self.names[0]!r}: "
+                f"0.5}}), got {weights!r}"
+            )
         unknown = sorted(set(weights) - set(self.names))
         if unknown:
             raise LoaderInputError(

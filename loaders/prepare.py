@@ -291,6 +291,8 @@ def prepare(
     splits = {"train": [d for d in docs if d not in held]}
     if heldout:
         splits["heldout"] = [d for d in docs if d in held]
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"--out {out} is a file; give a folder (new or prepared before)")
     out.mkdir(parents=True, exist_ok=True)
     settings = {
         "sources": sources, "glob": glob, "text_column": text_column, "heldout": heldout,
@@ -302,8 +304,13 @@ def prepare(
         settings["max_doc_tokens"] = max_doc_tokens
     plan_path = out / PLAN_NAME
     if plan_path.is_file():
-        saved = json.loads(plan_path.read_text())
-        if saved.get("settings") != settings:
+        try:
+            saved = json.loads(plan_path.read_text())
+        except ValueError as e:
+            raise PrepareError(
+                f"{plan_path} is unreadable ({e}); delete {out} or pass another --out"
+            ) from None
+        if not isinstance(saved, dict) or saved.get("settings") != settings:
             raise PrepareError(
                 f"{out} was prepared with other settings ({plan_path}); pass another --out "
                 "or delete that folder"

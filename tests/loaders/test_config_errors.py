@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from loaders import DatasetSpec, LoaderConfig, LoaderInputError, TokenLoader
 
@@ -40,6 +41,12 @@ def _config(**kw) -> LoaderConfig:
         (lambda: TokenLoader(_config()).set_weights({"a": "x"}), "set_weights 'a'"),
         (lambda: TokenLoader(_config()).set_weights({"a": math.inf}), "set_weights 'a'"),
         (lambda: TokenLoader(_config()).load_state_dict([]), "no loader states given"),
+        # from a YAML file or a CLI: types that failed deep inside with a bare traceback
+        (lambda: LoaderConfig(datasets=[{"name": "a", "path": "x"}]), r"datasets\[0\] is a dict"),
+        (lambda: DatasetSpec(name="a", path=5), "path 5 .int. must be a folder"),
+        (lambda: _config(cache_dir=5), "cache_dir"),
+        (lambda: TokenLoader(_config(), rank="0", world_size=2), "rank must be an integer"),
+        (lambda: TokenLoader(_config()).set_weights([0.5]), "weights must map sub-dataset names"),
     ],
 )
 def test_bad_values_name_their_field(build, field):
@@ -47,7 +54,93 @@ def test_bad_values_name_their_field(build, field):
         build()
 
 
-def test_numpy_numbers_are_numbers():
-    cfg = _config(seq_len=np.int64(8), bos_id=np.int32(1))
+def test_numpy_numbers_are_numbers(tmp_path):
+    cfg = LoaderConfig(datasets=[DatasetSpec(name="a", path=_Docs())], seq_len=np.int64(8),
+                       bos_id=np.int32(1), seed=np.int64(3), num_shards=np.int64(4),
+                       eos_id=np.int16(2))  # fmt: skip
     assert cfg.seq_len == 8 and next(iter(TokenLoader(cfg)))["input_ids"].shape == (1, 8)
     assert DatasetSpec(name="b", path=_Docs(), weight=np.float32(0.5)).weight == 0.5
+    # they are stored as ints: the state is JSON, and its first save used to fail on them
+    loader = TokenLoader(cfg, num_workers=np.int64(0), rank=np.int64(0), world_size=np.int64(1))
+    next(loader)
+    loader.save(tmp_path)
+    again = TokenLoader(cfg)
+    again.load(tmp_path)
+    assert torch.equal(next(again)["input_ids"], next(loader)["input_ids"])
+
+
+def test_a_bad_environment_rank_is_named(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(LoaderInputError, match="WORLD_SIZE='two' is not an integer"):
+        TokenLoader(_config())
+
+
+def _damage(state: dict, how: str) -> object:
+    if how == "a list":
+        return [state]
+    if how == "no fingerprint":
+        del state["fingerprint"]
+    elif how == "short counter":
+        state["readers"][0]["shards"]["a"]["counter"].pop()
+    elif how == "unknown current":
+        state["readers"][0]["current"] = ["zz", 0]
+    elif how == "rank as text":
+        state["rank"] = "0"
+    elif how == "range past num_shards":
+        state["readers"][0]["shards"]["a"]["range"] = [0, 99]
+    return state
+
+
+@pytest.mark.parametrize(
+    ("how", "field"),
+    [
+        ("a list", "the state is a list"),
+        ("no fingerprint", "fingerprint is missing"),
+        ("short counter", r"shards\['a'\].counter is not 4 integers"),
+        ("unknown current", "current is not one of its shards"),
+        ("rank as text", "rank is not an integer"),
+        ("range past num_shards", r"range is not a shard range within 4"),
+    ],
+)
+def test_a_damaged_state_file_is_refused_before_anything_changes(tmp_path, how, field):
+    """A state file edited or cut short fails with the field named (it used to fail with a
+    bare KeyError or IndexError deep in the merge), and the loader keeps its position."""
+    import json
+
+    loader = TokenLoader(_config())
+    next(loader)
+    loader.save(tmp_path)
+    path = next(tmp_path.glob("loader_rank*.json"))
+    path.write_text(json.dumps(_damage(json.loads(path.read_text()), how)))
+    fresh = TokenLoader(_config())
+    first = fresh.state_dict()
+    with pytest.raises(LoaderInputError, match=field):
+        fresh.load(tmp_path)
+    assert fresh.state_dict() == first
+
+
+def test_an_endless_stream_counts_only_documents_of_min_doc_len(tmp_path):
+    """Global mode: rank 0's shards reach only a sub-dataset of documents shorter than
+    ``min_doc_len`` (every reader drops it), so its stream would end at once while rank 1
+    streams on; both ranks now refuse it up front, as they do a reader with no document."""
+
+    class Short(_Docs):
+        num_docs = 10
+
+        def doc(self, i: int) -> np.ndarray:
+            return np.array([7 + i], dtype=np.int32)
+
+    class OneLong(_Docs):
+        num_docs = 1
+
+    specs = [DatasetSpec(name="long", path=OneLong()), DatasetSpec(name="short", path=Short())]
+    cfg = LoaderConfig(datasets=specs, num_shards=4, min_doc_len=3, seq_len=4)
+    for rank in (0, 1):
+        with pytest.raises(LoaderInputError, match="reader 0 of 2 .* min_doc_len=3"):
+            TokenLoader(cfg, rank=rank, world_size=2)
+    TokenLoader(cfg, rank=0, world_size=1)  # one reader: it reaches the long document
+    only_short = LoaderConfig(datasets=specs[1:], num_shards=4, min_doc_len=3, seq_len=4)
+    with pytest.raises(LoaderInputError, match="no sub-dataset .* min_doc_len=3"):
+        TokenLoader(only_short)
+    finite = LoaderConfig(datasets=specs, num_shards=4, min_doc_len=3, seq_len=4, num_epochs=1)
+    TokenLoader(finite, rank=0, world_size=2)  # a finite stream ends on every rank anyway

@@ -111,6 +111,14 @@ def test_rerun_finishes_a_crashed_run_and_refuses_other_settings(tmp_path: Path)
     assert all(p.stat().st_mtime_ns == stamps[p.name] for p in shards if p != shards[2])
     with pytest.raises(PrepareError, match="other settings"):
         prepare([str(tmp_path / "src")], out, **{**kw, "docs_per_shard": 5})
+    # a damaged plan (a crash while it was written by hand, a bad edit) is named, not a
+    # JSONDecodeError with exit status 1; an --out that is a file likewise
+    (out / "prepare_plan.json").write_text("{bad")
+    with pytest.raises(PrepareError, match="prepare_plan.json is unreadable"):
+        prepare([str(tmp_path / "src")], out, **kw)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(PrepareError, match="is a file; give a folder"):
+        prepare([str(tmp_path / "src")], tmp_path / "file", **kw)
 
 
 def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from loaders import (
     ArrowTokenFile,
     DatasetSpec,
     LoaderConfig,
+    LoaderInputError,
     TokenFolder,
     TokenLoader,
     datasets_from_root,
@@ -260,6 +261,9 @@ def test_zero_length_and_short_documents_are_skipped_without_hanging(tmp_path):
     cfg = config([("a", tmp_path / "a", 0.5), ("z", tmp_path / "z", 0.5)])
     batches = [next(iter(ld)) for ld in [TokenLoader(cfg)] for _ in range(5)]
     assert len(body_tokens(batches)) > 0
-    only_empty = TokenLoader(config([("z", tmp_path / "z", 1.0)]))
+    # nothing to stream at all: refused when built (on every rank), not a silent empty stream
+    with pytest.raises(LoaderInputError, match="no sub-dataset .* min_doc_len=1"):
+        TokenLoader(config([("z", tmp_path / "z", 1.0)]))
+    finite = TokenLoader(config([("z", tmp_path / "z", 1.0)], num_epochs=1))
     with pytest.raises(StopIteration):
-        next(only_empty)
+        next(finite)
