@@ -376,8 +376,9 @@ class Trainer:
 
     def _record_plans(self, log: RunLog | None) -> None:
         """Record the ``auto`` decisions first used since the last call: ``config.json``
-        (``plans``: shapes -> choice), ``plans.json`` (each decision's timings, by step),
-        wandb's config and one line on stderr (rank 0)."""
+        (``auto_plans``: shapes -> choice; beside the run's ``plans`` settings, which a
+        resume rebuilds), ``plans.json`` (each decision's timings, by step), wandb's config
+        and one line on stderr (rank 0)."""
         new = {
             k: dataclasses.asdict(d)
             for k, d in current_tuner().take_used().items()
@@ -389,14 +390,14 @@ class Trainer:
         if self.rank != 0:
             return
         chosen = {d["what"]: d["choice"] for d in self.plans.values()}
-        self.config_dict["plans"] = chosen
+        self.config_dict["auto_plans"] = chosen
         write_json_atomic(self.run_dir / "config.json", self.config_dict)
         path = self.run_dir / "plans.json"
         history = json.loads(path.read_text()) if path.is_file() else {}
         history[str(self.step)] = new
         write_json_atomic(path, history)
         if log is not None:
-            log.update_config({"plans": chosen})
+            log.update_config({"auto_plans": chosen})
         line = f"comera: auto plans at step {self.step}: {summarize_decisions(new)}"
         print(line, file=sys.stderr)
 

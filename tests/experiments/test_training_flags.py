@@ -124,7 +124,7 @@ def test_plan_auto_from_the_cli_caches_on_disk_and_records_its_choices(tmp_path,
         for run in ("first", "second"):
             autotune.set_tuner(None)  # what a new process starts with
             argv = [*FAST, "--run-dir", str(tmp_path / run), "--plan", "auto",
-                    "--embedding-impl", "auto"]  # fmt: skip
+                    "--plan-for", "pooler=comera", "--embedding-impl", "auto"]  # fmt: skip
             assert mnli.main(argv) == 0
             if run == "first":
                 first = list(timed)
@@ -138,6 +138,13 @@ def test_plan_auto_from_the_cli_caches_on_disk_and_records_its_choices(tmp_path,
         config = json.loads((tmp_path / run / "config.json").read_text())
         history = json.loads((tmp_path / run / "plans.json").read_text())
         decided = {d["what"]: d["choice"] for h in history.values() for d in h.values()}
-        assert config["plans"] == decided and config["plans"]
+        assert config["auto_plans"] == decided and config["auto_plans"]
         assert {d["kind"] for h in history.values() for d in h.values()} == {
             "tt_linear", "ttm_embedding"}  # fmt: skip
+    # the decisions sit beside the run's plan settings, so a resume keeps them: when they
+    # overwrote config.json's ``plans``, a resume ran LayerPlans() (no auto, no rules)
+    ap = cli.build_parser(mnli.EXPERIMENT)
+    args = ap.parse_args(["--resume", str(tmp_path / "first")])
+    assert cli.resolve_config(mnli.EXPERIMENT, args, ap).plans == C.LayerPlans(
+        default="auto", per_layer=(("pooler", "comera"),), embedding_impl="auto"
+    )

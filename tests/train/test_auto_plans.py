@@ -56,8 +56,8 @@ def test_auto_choosing_comera_trains_exactly_like_comera(tmp_path, capsys) -> No
         {d["what"] for h in later for d in h.values()}
     )
     config = json.loads((tmp_path / "auto" / "run" / "config.json").read_text())
-    assert set(config["plans"].values()) == {"comera"}
-    assert len(config["plans"]) == sum(len(h) for h in history.values())
+    assert set(config["auto_plans"].values()) == {"comera"}
+    assert len(config["auto_plans"]) == sum(len(h) for h in history.values())
     assert "comera: auto plans at step 1: tt_linear: comera" in capsys.readouterr().err
     assert not (tmp_path / "comera" / "run" / "plans.json").exists()
 
