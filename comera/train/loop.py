@@ -404,10 +404,19 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def _non_finite(self, what: str, value: float) -> NonFiniteLoss:
+        # a resume continues the saved config, so the advice is a new run: what it
+        # computes (learning rates, clipping) is fixed for the run
+        saved = ck.complete_checkpoints(self.run_dir)
+        kept = (
+            f"the last good checkpoint ({saved[-1]}) was left untouched"
+            if saved
+            else "no checkpoint had been written yet"
+        )
         return NonFiniteLoss(
             f"{what} is {value} at step {self.step + 1} (stage {self.stage}); nothing was "
-            f"updated and the last good checkpoint in {self.run_dir / ck.CHECKPOINTS} was left "
-            "untouched. Lower the learning rates or enable gradient clipping, then --resume."
+            f"updated and {kept}. Start a new run (another run dir) with lower learning "
+            "rates or gradient clipping (train.optim.lr_*, train.grad_clip): a resume "
+            "continues the saved config."
         )
 
     def train_step(self, *batches: Any) -> dict:

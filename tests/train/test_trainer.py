@@ -296,10 +296,16 @@ def test_resume_is_bit_identical(tmp_path):
 def test_nan_stops_with_step_and_keeps_last_checkpoint(tmp_path):
     params, state = _toy_model()
     cfg = _cfg(tmp_path, checkpoint_every=10)
-    with pytest.raises(NonFiniteLoss, match=r"loss is nan at step 15"):
+    with pytest.raises(NonFiniteLoss, match=r"loss is nan at step 15") as err:
         Trainer(cfg, ToyTask(nan_at=15), params, state).fit()
+    # the advice is one a user can follow: --resume refuses new learning rates
+    assert "step_00000010) was left untouched" in str(err.value)
+    assert "Start a new run" in str(err.value) and "then --resume" not in str(err.value)
     ckpt = load_checkpoint(cfg.run_dir)
     assert ckpt["step"] == 10
+    early = _cfg(tmp_path / "early", checkpoint_every=10)  # before the first checkpoint
+    with pytest.raises(NonFiniteLoss, match="no checkpoint had been written yet"):
+        Trainer(early, ToyTask(nan_at=5), *_toy_model()).fit()
     assert all(torch.isfinite(t).all() for t in torch.utils._pytree.tree_flatten(ckpt["params"])[0])
 
 
