@@ -20,6 +20,7 @@ import argparse
 import ast
 import dataclasses
 import json
+import os
 import sys
 import time
 import types
@@ -297,7 +298,8 @@ def _read_config_file(path: str) -> Any:
     except CLIError:
         raise
     except Exception as e:  # noqa: BLE001 - each parser has its own error types
-        raise CLIError(f"--config {path}: cannot read it as {suffix[1:].upper()} ({e})") from None
+        why = " ".join(str(e).split())  # YAML's errors span lines (a caret under the spot)
+        raise CLIError(f"--config {path}: cannot read it as {suffix[1:].upper()} ({why})") from None
     raise CLIError(f"--config {path}: unknown format {suffix!r}; use .toml, .yaml, .yml or .json")
 
 
@@ -637,6 +639,17 @@ def check_device(device: str, what: str = "--device") -> None:
         raise CLIError(
             f"{what} {device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
         ) from None
+    if dev.type == "meta":
+        raise CLIError(f"{what} {device!r}: a meta tensor holds no data to train; use cpu or cuda")
+    if dev.type not in ("cpu", "cuda"):  # mps, xpu, ...: torch's own check, if it has one
+        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
+        usable = getattr(backend, "is_available", None)
+        if usable is None or not usable():
+            raise CLIError(
+                f"{what} {device}: this torch {torch.__version__} has no usable {dev.type} "
+                "device here; use --device cpu (or cuda on a GPU machine)"
+            )
+        return
     if dev.type != "cuda":
         return
     if not torch.cuda.is_available():
@@ -760,6 +773,16 @@ def prepare(
     Everything that can fail on bad input (files, columns, labels, hub, checkpoint) fails
     here, before any training."""
     run_dir = Path(cfg.train.run_dir)
+    flag = "--resume" if resume else "--run-dir"
+    # refused here, as one line, not as a traceback when the trainer writes its first file
+    # (a refused run leaves no folder behind, so nothing is created to find out)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise CLIError(f"{flag} {run_dir} is a file; give a folder")
+    base = next(p for p in (run_dir, *run_dir.resolve().parents) if p.exists())
+    if not base.is_dir():
+        raise CLIError(f"{flag} {run_dir}: {base} is a file, so the folder cannot be created")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise CLIError(f"{flag} {run_dir}: {base} is not writable here; give another folder")
     if not resume and any((run_dir / f).exists() for f in RUN_FILES):
         raise CLIError(
             f"{run_dir} already holds a run; continue it with --resume {run_dir}, or give "
@@ -791,6 +814,11 @@ def prepare(
         apply_cpu_malloc(cfg.train.cpu_malloc)  # the command's policy: the library sets none
     task, params, state, reference, info = exp.build(cfg, rank, world)
     layers = [(path, p["cores"][0].dim() == 3) for path, p, _ in iter_tt(params, state)]
+    if not layers and cfg.train.comera.enabled:  # refused before the run dir is written
+        raise CLIError(
+            f"{exp.name}: the CoMERA model has no TT/TTM layer, so it has no ranks to adapt; "
+            "compress some layers (the experiment's model.* settings) or train --dense"
+        )
     if layers:  # a dense baseline has no TT layer for a plan to name
         # TT linears' cores are (r, n, r'), TTM lookups' (r, v, d, r')
         cfg.plans.check_layers([p for p, linear in layers if linear],

@@ -342,6 +342,16 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     summary = None
     if not p.dense:
         summary = C.tensorize_(model, p.model.tensorize())
+        tt = (C.TTLinear, C.TTMEmbedding)
+        if p.train.comera.enabled and not any(isinstance(m, tt) for m in model.modules()):
+            why = "; ".join(f"{r.name}: {r.skipped}" for r in summary.layers[:3] if r.skipped)
+            raise ConfigError(
+                f"no module was tensorized (--target {','.join(p.model.target)}"
+                + (f", --exclude {','.join(p.model.exclude)}" if p.model.exclude else "")
+                + (f"; {why}" if why else "")
+                + "), so CoMERA has no ranks to adapt; name modules to compress with --target "
+                "and --exclude, or train --dense"
+            )
         for name, module in model.named_modules():
             if isinstance(module, C.TTLinear):
                 module.plan = p.plans.for_layer(name)

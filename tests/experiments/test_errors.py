@@ -281,3 +281,30 @@ def test_a_file_that_is_no_tokenizer_is_one_clear_error(tmp_path) -> None:
             mnli_tokenizer(str(path))
         with pytest.raises(DataError, match="is not a tokenizer.json"):
             tokenizer_info(str(path))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--device", "mps"], "--device mps: this torch"),
+        (["--set", "train.device=meta"], "train.device 'meta': a meta tensor holds no data"),
+        (["--run-dir", "{file}"], "is a file; give a folder"),
+        (["--run-dir", "{file}/run"], "is a file, so the folder cannot be created"),
+        (["--config", "{yaml}"], "cannot read it as YAML (while parsing"),
+    ],
+)
+def test_bad_places_and_files_are_one_line(tmp_path, capsys, monkeypatch, extra, message):
+    """A device torch cannot use here (not only CUDA), a run dir that cannot be one, and a
+    config file the parser rejects: each was a traceback (or, for YAML, several lines);
+    now one line and status 2, with nothing created."""
+    import torch
+
+    if torch.backends.mps.is_available():  # the refusal is for machines without it
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "bad.yaml").write_text("train:\n  steps: 2\n bad: [\n")
+    fill = {"file": str(tmp_path / "file"), "yaml": str(tmp_path / "bad.yaml")}
+    argv = [*FAST, "--run-dir", str(tmp_path / "run"), *(a.format(**fill) for a in extra)]
+    assert mnli.main(argv) == 2
+    assert message in _one_line(capsys)
+    assert not (tmp_path / "run").exists()

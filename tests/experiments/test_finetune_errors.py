@@ -108,3 +108,13 @@ def test_a_model_whose_vocabulary_the_tokenizer_overruns_is_one_line(
     line = _one_line(capsys)
     assert "model.num_labels=2" in line and "label ids up to 2" in line
     assert not (tmp_path / "l").exists()
+
+
+def test_a_comera_run_with_nothing_tensorized_is_one_line(tmp_path: Path, capsys) -> None:
+    """``--exclude '*'`` leaves CoMERA no TT layer: refused in ``build`` naming the globs,
+    with no run dir (it was a traceback at step 1 that left config.json claiming the dir);
+    ``--dense`` runs the same model."""
+    assert main(_argv(tmp_path, "r", "--exclude", "*")) == 2
+    line = _one_line(capsys)
+    assert "no module was tensorized" in line and "--exclude *" in line and "--dense" in line
+    assert not (tmp_path / "r").exists()
