@@ -93,23 +93,32 @@ def test_experiment_bench_flag_forwards_json_and_device(exp, new, monkeypatch, c
 
 def test_bench_flag_refusal_comes_from_the_benchmark(monkeypatch, capsys) -> None:
     """The CPU-only step benches refuse another device themselves (one line, exit 2), run
-    for real through the forward (a device torch knows that is not CUDA, so no GPU is
-    needed)."""
-    from experiments.codebert import experiment as codebert
+    for real through the forward: a CUDA device is faked as present, so the forward's
+    device check passes where no GPU is, and the benchmark's own refusal speaks."""
+    import torch
 
-    assert codebert.main(["--bench", "--device", "meta"]) == 2
+    from experiments.codebert import experiment as codebert
+    from experiments.dlrm import experiment as dlrm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert codebert.main(["--bench", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2
     assert _notice("experiments.codebert --bench", "benchmarks.codebert_step") in err[0]
     assert err[1] == (
-        "python -m benchmarks.codebert_step: error: --device meta: the codebert step bench runs "
+        "python -m benchmarks.codebert_step: error: --device cuda: the codebert step bench runs "
         "on the CPU; drop --device"
     )
+    assert dlrm.main(["--bench", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(
+        "python -m benchmarks.dlrm_step: error: --device cuda: the dlrm step bench runs on the CPU"
+    )
+    # a device torch cannot use here is the forward's refusal, before any bench starts
     proc = _run("experiments.dlrm", "--bench", "--device", "meta")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.splitlines()[-1].startswith(
-        "python -m benchmarks.dlrm_step: error: --device meta: the dlrm step bench runs on the CPU"
-    )
+    assert "--device 'meta': a meta tensor holds no data" in proc.stderr.splitlines()[-1]
 
 
 def test_run_module_turns_system_exit_into_a_status(monkeypatch, capsys) -> None:
