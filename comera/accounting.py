@@ -9,7 +9,7 @@ Compression ratios compare the dense layer's parameters with the live TT paramet
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -156,7 +156,9 @@ class LayerSummary:
         return self.dense_params / self.live_params if self.live_params else math.inf
 
 
-def _walk(params: object, state: object, path: str) -> Iterator[LayerSummary]:
+def _walk(
+    params: object, state: object, path: str, rows: Mapping[str, int]
+) -> Iterator[LayerSummary]:
     if is_tt_params(params):
         p: Params = params  # type: ignore[assignment]
         st: State = (
@@ -168,8 +170,10 @@ def _walk(params: object, state: object, path: str) -> Iterator[LayerSummary]:
         )
         cores: list[torch.Tensor] = p["cores"]  # type: ignore[assignment]
         ttm = _is_ttm(p)
+        vocab = rows.get(path or "<root>") if ttm else None
         if ttm:
-            shape = (math.prod(c.shape[1] for c in cores), math.prod(c.shape[2] for c in cores))
+            shape = (vocab or math.prod(c.shape[1] for c in cores),
+                     math.prod(c.shape[2] for c in cores))  # fmt: skip
         else:
             d = len(cores) // 2
             shape = (
@@ -182,35 +186,45 @@ def _walk(params: object, state: object, path: str) -> Iterator[LayerSummary]:
             dense_shape=shape,
             stored_params=param_count(p),
             live_params=live_param_count(p, st),
-            dense_params=dense_param_count(p),
+            dense_params=dense_param_count(p, vocab),
             ranks=tuple(int(c.shape[-1]) for c in cores[:-1]),
             live=tuple(live_ranks(st)),
         )
     elif isinstance(params, dict):
         for k, v in params.items():
             sub = state.get(k) if isinstance(state, dict) else None
-            yield from _walk(v, sub, f"{path}.{k}" if path else str(k))
+            yield from _walk(v, sub, f"{path}.{k}" if path else str(k), rows)
     elif isinstance(params, list | tuple):
         for i, v in enumerate(params):
             sub = state[i] if isinstance(state, list | tuple) and i < len(state) else None
-            yield from _walk(v, sub, f"{path}.{i}" if path else str(i))
+            yield from _walk(v, sub, f"{path}.{i}" if path else str(i), rows)
     elif isinstance(params, torch.Tensor):
         n = params.numel()
         yield LayerSummary(path, "dense", tuple(params.shape), n, n, n, (), ())
 
 
-def summarize(params: object, state: object = None) -> list[LayerSummary]:
+def summarize(
+    params: object, state: object = None, *, num_embeddings: Mapping[str, int] | None = None
+) -> list[LayerSummary]:
     """One row per TT/TTM layer and per dense tensor in a model's params pytree.
 
     ``state`` mirrors the params tree (a TT layer's state sits at the same path);
-    where it is missing every rank counts as live.
+    where it is missing every rank counts as live. A TTM table's params do not hold its
+    row count, so its dense size counts the padded vocabulary (``prod(vocab_modes)``)
+    unless ``num_embeddings`` maps its path to the real one (``spec.num_embeddings``).
     """
-    return list(_walk(params, state, ""))
+    return list(_walk(params, state, "", num_embeddings or {}))
 
 
-def summary_table(params: object, state: object = None, *, dense_rows: bool = False) -> str:
+def summary_table(
+    params: object,
+    state: object = None,
+    *,
+    dense_rows: bool = False,
+    num_embeddings: Mapping[str, int] | None = None,
+) -> str:
     """A markdown table of :func:`summarize` with a total row (dense tensors folded in)."""
-    rows = summarize(params, state)
+    rows = summarize(params, state, num_embeddings=num_embeddings)
     lines = [
         "| layer | kind | dense shape | ranks (live/stored) | params (live) | dense params "
         "| compression |",

@@ -85,15 +85,55 @@ class _TTModule(nn.Module):
         """Physically remove dead ranks. The cores and gates are replaced (keeping each one's
         ``requires_grad``), the bias is kept: rebuild the optimizer (or use ``comera``
         training utilities, which carry optimizer state over)."""
+        self._swap_trains(*pruning.compact(self.params(), self.state()))
+
+    def _swap_trains(self, params: Params, state: State) -> None:
+        """Hold new cores, gates and masks, keeping each parameter's ``requires_grad`` (a
+        frozen layer stays frozen, a trained one trained) and the bias itself (never
+        resized: the same parameter, and its optimizer state)."""
         frozen = {k: [not p.requires_grad for p in getattr(self, k)] for k in ("cores", "gates")}
         bias = getattr(self, "bias", None)
-        params, state = pruning.compact(self.params(), self.state())
         self.load_tensors(params, state)
-        for k, flags in frozen.items():  # a frozen layer stays frozen, a trained one trained
+        for k, flags in frozen.items():
             for p, off in zip(getattr(self, k), flags, strict=True):
                 p.requires_grad_(not off)
-        if bias is not None:  # never sliced: the same parameter (and its optimizer state)
+        if bias is not None:
             self.bias = bias
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
+        """A state dict saved after compaction (other ranks, the same modes) loads into a
+        layer built at the spec's ranks, as into one compacted alike: the layer first takes
+        the saved ranks (new parameters: build the optimizer after loading), then loads
+        the values as usual. Anything else (other modes, a partial dict) meets torch's own
+        checks and errors."""
+        with torch.no_grad():
+            ranks = self._saved_ranks(state_dict, prefix)
+            if ranks is not None and ranks != tensor_train.bond_ranks(self.params()):
+                edges = zip(self.cores, [1, *ranks], [*ranks, 1], strict=True)
+                cores = [c.new_empty((a, *c.shape[1:-1], b)) for c, a, b in edges]
+                gates = [g.new_ones(r) for g, r in zip(self.gates, ranks, strict=True)]
+                masks = [m.new_ones(r) for m, r in zip(self.masks.as_list(), ranks, strict=True)]
+                self._swap_trains({"cores": cores, "gates": gates}, {"masks": masks})
+        super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[arg-type]
+
+    def _saved_ranks(self, state_dict: dict, prefix: str) -> list[int] | None:
+        """The bond ranks of the train saved under ``prefix``, when it is this layer's
+        train at other ranks (the same number of cores and modes, consistent ranks)."""
+        n = len(self.cores)
+        cores = [state_dict.get(f"{prefix}cores.{k}") for k in range(n)]
+        gates = [state_dict.get(f"{prefix}gates.{k}") for k in range(n - 1)]
+        masks = [state_dict.get(f"{prefix}masks.{k}") for k in range(n - 1)]
+        if not all(isinstance(t, torch.Tensor) for t in (*cores, *gates, *masks)):
+            return None
+        if any(t.dim() != c.dim() or t.shape[1:-1] != c.shape[1:-1]
+               for t, c in zip(cores, self.cores, strict=True)):  # fmt: skip
+            return None
+        ranks = [int(t.shape[-1]) for t in cores[:-1]]
+        chained = [int(t.shape[0]) for t in cores[1:]] == ranks
+        edges = int(cores[0].shape[0]) == 1 and int(cores[-1].shape[-1]) == 1
+        sized = all(tuple(t.shape) == (r,) for ts in (gates, masks)
+                    for t, r in zip(ts, ranks, strict=True))  # fmt: skip
+        return ranks if chained and edges and sized else None
 
     def to_dense(self) -> torch.Tensor:
         return tensor_train.to_dense(self.params(), self.state(), self.spec)

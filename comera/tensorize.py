@@ -175,6 +175,14 @@ class PaddedTTLinear(nn.Module):
         pad = self.inner.spec.in_features - self.in_features  # type: ignore[union-attr]
         return self.inner(F.pad(x, (0, pad)) if pad else x)[..., : self.out_features]
 
+    def prune(self, tau: float) -> list[int]:
+        """:meth:`TTLinear.prune` of the padded train (every replaced layer has it)."""
+        return self.inner.prune(tau)
+
+    def compact(self) -> None:
+        """:meth:`TTLinear.compact` of the padded train."""
+        self.inner.compact()
+
 
 class TiedDecoder(nn.Module):
     """A decoder whose weight is a TTM embedding's table (a tied LM head): ``x E^T + b``
@@ -432,6 +440,9 @@ def _replace_embedding(name: str, emb: nn.Embedding,
               "params_before": emb.weight.numel()}  # fmt: skip
     if dim_p != dim:
         return None, LayerReport(**report, skipped=f"skipped: dim {dim} has no balanced split")
+    if len(vocab_m) < 2:  # a TTM train has at least two cores
+        why = f"skipped: {rows}x{dim} has no split into 2 or more cores"
+        return None, LayerReport(**report, skipped=why)
     merged = tuple(v * d for v, d in zip(vocab_m, dim_m, strict=True))
     rank = _pick_rank(merged, cfg.rank_of(name, embedding=True), rows * dim, 0, cfg, name)
     if rows * dim < cfg.min_compression * _size(merged, rank, 0, name):

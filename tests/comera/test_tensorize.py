@@ -644,3 +644,73 @@ def test_compact_keeps_what_was_frozen_and_the_bias_parameter() -> None:
     trained.prune(0.5)
     trained.compact()
     assert all(p.requires_grad for p in trained.parameters())
+
+
+def test_a_table_too_small_for_two_cores_is_skipped_not_fatal() -> None:
+    """BERT's 2-row ``token_type_embeddings`` has no split into the two cores a TTM train
+    needs: it is listed as skipped (it raised a ConfigError after the word embedding had
+    been replaced, leaving the model half rewritten), and a padded linear has ``prune``
+    and ``compact`` like every replaced layer."""
+    model = nn.ModuleDict({"words": nn.Embedding(1000, 64), "types": nn.Embedding(2, 64),
+                           "odd": nn.Linear(64, 97)})  # fmt: skip
+    summary = tensorize_(model, TensorizeConfig(target_modules=("words", "types", "odd")))
+    assert isinstance(model["words"], C.TTMEmbedding) and isinstance(model["types"], nn.Embedding)
+    (types,) = [r for r in summary.layers if r.name == "types"]
+    assert types.skipped == "skipped: 2x64 has no split into 2 or more cores"
+    odd = model["odd"]
+    assert isinstance(odd, PaddedTTLinear)
+    x = torch.randn(3, 64)
+    before = odd(x)
+    with torch.no_grad():
+        odd.inner.gates[0][::2] = 0
+    live = odd.prune(1e-6)
+    after_prune = odd(x)
+    odd.compact()
+    assert tuple(C.tensor_train.bond_ranks(odd.inner.params()))[0] == live[0] < 8
+    torch.testing.assert_close(odd(x), after_prune)
+    assert not torch.equal(after_prune, before)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_compacted_state_dict_loads_into_a_model_tensorized_alike(assign: bool) -> None:
+    """After compaction the trains are smaller than a fresh tensorization's: loading the
+    saved state dict resizes each layer to the saved ranks first (it failed with size
+    mismatches, assign or not), and the model computes what the saved one did."""
+    torch.manual_seed(0)
+    cfg = TensorizeConfig(target_modules=("embed", "up", "down", "odd"), rank=8)
+    saved = Toy()
+    tensorize_(saved, cfg)
+    for m in saved.modules():
+        if isinstance(m, (C.TTLinear, C.TTMEmbedding)):
+            with torch.no_grad():
+                m.gates[0][1::2] = 0
+            m.prune(1e-6)
+            m.compact()
+    saved.down.requires_grad_(False)
+    ids = torch.randint(0, 100, (2, 5))
+    fresh = Toy()
+    tensorize_(fresh, cfg)
+    fresh.down.requires_grad_(False)  # frozen stays frozen through the resize
+    fresh.load_state_dict(saved.state_dict(), assign=assign)
+    torch.testing.assert_close(fresh(ids), saved(ids), rtol=0, atol=0)
+    assert [p.shape for p in fresh.parameters()] == [p.shape for p in saved.parameters()]
+    assert not any(p.requires_grad for p in fresh.down.parameters())
+    # other modes are not a train at other ranks: torch's own size-mismatch error
+    other = C.TTLinear(C.TTLinearSpec(out_modes=(8, 16), in_modes=(8, 8), ranks=4))
+    state = {k: v for k, v in saved.up.state_dict().items()}
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        other.load_state_dict(state)
+
+
+def test_summaries_count_a_padded_table_at_its_rows_when_told() -> None:
+    spec = C.propose_ttm_embedding(1009, 64, d=3, ranks=8)
+    p, s = C.init(spec)
+    assert spec.padded_vocab > 1009
+    (padded,) = C.summarize({"emb": p}, {"emb": s})
+    (real,) = C.summarize({"emb": p}, {"emb": s}, num_embeddings={"emb": 1009})
+    assert padded.dense_params == spec.padded_vocab * 64 and padded.dense_shape[0] > 1009
+    assert real.dense_params == 1009 * 64 and real.dense_shape == (1009, 64)
+    assert real.compression == pytest.approx(C.compression_ratio(p, s, 1009))
+    assert "| emb | ttm_embedding | 1009x64 |" in C.summary_table(
+        {"emb": p}, {"emb": s}, num_embeddings={"emb": 1009}
+    )
