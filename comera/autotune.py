@@ -186,7 +186,8 @@ class PlanTuner:
         linear_candidates: Sequence[str] = LINEAR_CANDIDATES,
         embedding_candidates: Sequence[str] = EMBEDDING_CANDIDATES,
     ) -> None:
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        # ``~`` as the shell would (a config file or a quoted argument keeps it literal)
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self.timer = timer or median_timer()
         self.linear_candidates = tuple(linear_candidates)
         self.embedding_candidates = tuple(embedding_candidates)

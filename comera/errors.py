@@ -7,7 +7,8 @@ from inside the library included, is a bug and keeps its traceback.
 
 * :class:`ConfigError`: a config field, preset, plan or flag value that cannot work;
 * :class:`DataError`: a data file, column, label, tokenizer or corpus folder that cannot be
-  used; :class:`MissingFileError` when a given path does not exist;
+  used (:class:`IdOutOfRangeError` for an id outside its table, also an ``IndexError``);
+  :class:`MissingFileError` when a given path does not exist;
 * :class:`CheckpointError`: a checkpoint that is missing, corrupt, incomplete or from an
   incompatible run.
 
@@ -22,6 +23,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DataError",
+    "IdOutOfRangeError",
     "MissingFileError",
     "UserError",
     "first_line",
@@ -44,6 +46,11 @@ class ConfigError(UserError, ValueError):
 
 class DataError(UserError, ValueError):
     """A data file, column, label, tokenizer or corpus that cannot be used as given."""
+
+
+class IdOutOfRangeError(DataError, IndexError):
+    """A token or category id outside its table's vocabulary (an ``IndexError`` too, as
+    indexing a dense table raises)."""
 
 
 class MissingFileError(DataError, FileNotFoundError):

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from comera.autotune import choose_embedding, choose_linear
+from comera.errors import ConfigError, IdOutOfRangeError
 from comera.plans import (
     EMBEDDING_IMPLS,
     GroupedHalves,
@@ -292,7 +293,7 @@ def ttm_embedding(
     """
     name = spec.label if spec is not None else "ttm_embedding"
     if impl not in EMBEDDING_IMPLS:
-        raise ValueError(f"{name}: unknown impl {impl!r}; expected one of {EMBEDDING_IMPLS}")
+        raise ConfigError(f"{name}: unknown impl {impl!r}; expected one of {EMBEDDING_IMPLS}")
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     vocab_modes = [c.shape[1] for c in cores]
     vocab = spec.num_embeddings if spec is not None else math.prod(vocab_modes)
@@ -304,7 +305,7 @@ def ttm_embedding(
             f"move them with ids.to({str(cores[0].device)!r})"
         )
     if max_unique is not None and (impl != "static" or max_unique < 1):
-        raise ValueError(f"{name}: max_unique={max_unique} needs impl='static' and a value >= 1")
+        raise ConfigError(f"{name}: max_unique={max_unique} needs impl='static' and a value >= 1")
     no_sync = _no_host_sync(sync_free)
     if impl == "optimized" and no_sync:
         impl = "static"  # torch.unique would sync (CUDA graphs) or break the graph
@@ -319,7 +320,7 @@ def ttm_embedding(
         bad = (ids < 0) | (ids >= vocab)
         if bool(bad.any()):
             value = int(ids[bad].flatten()[0])
-            raise IndexError(
+            raise IdOutOfRangeError(
                 f"{name}: id {value} is out of range; ids must be in [0, {vocab}) "
                 f"(the vocabulary size{'' if spec is None else ' of this layer'})"
             )
@@ -391,7 +392,7 @@ def ttm_logits(
     cores = gated_cores(params, state, "ttm_logits")
     padded = math.prod([int(c.shape[1]) for c in cores])
     if rows is not None and not 1 <= rows <= padded:
-        raise ValueError(
+        raise ConfigError(
             f"ttm_logits: rows={rows}; pass 1 to {padded} (the table's padded vocabulary)"
         )
     h2 = h.reshape(-1, h.shape[-1])

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -97,7 +98,7 @@ def resolve_plan(plan: PlanLike, name: str) -> Strategy:
             )
         return plan
     try:
-        pairs = tuple(tuple(int(i) for i in step) for step in plan)
+        pairs = tuple(tuple(operator.index(i) for i in step) for step in plan)
     except TypeError:
         raise ConfigError(
             f"{name}: a plan must be a strategy name or a list of (i, j) pairs, got {plan!r}"

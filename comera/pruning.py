@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from comera.errors import ConfigError
 from comera.tensor_train import Params, State, check_state
 
 __all__ = [
@@ -177,7 +178,7 @@ PRUNE_RULES = ("gate", "contribution")
 def check_prune_rule(rule: str) -> None:
     """Raise ``ValueError`` naming the valid rules when ``rule`` is not one of them."""
     if rule not in PRUNE_RULES:
-        raise ValueError(f"unknown prune rule {rule!r}; valid rules: {', '.join(PRUNE_RULES)}")
+        raise ConfigError(f"unknown prune rule {rule!r}; valid rules: {', '.join(PRUNE_RULES)}")
 
 
 def prune(params: Params, state: State, tau: float, *, rule: str = "gate") -> State:

@@ -9,6 +9,8 @@ Current ranks after pruning/compaction are read from the core shapes, not from h
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -29,8 +31,8 @@ __all__ = [
 
 def _as_tuple(name: str, what: str, value: object) -> tuple[int, ...]:
     """Normalize a sequence of positive ints, raising an error that names the layer."""
-    try:
-        out = tuple(int(v) for v in value)  # type: ignore[union-attr]
+    try:  # ints only: int() would take 2.5 as 2 and "12" as 12
+        out = tuple(operator.index(v) for v in value)  # type: ignore[union-attr]
     except TypeError:
         raise ConfigError(f"{name}: {what} must be a sequence of ints, got {value!r}") from None
     if any(v < 1 for v in out):
@@ -56,15 +58,21 @@ def cap_ranks(
     one int per bond (``len(modes) - 1`` of them).
     """
     n_bonds = len(modes) - 1
-    if isinstance(ranks, int):
-        requested = (ranks,) * n_bonds
-    else:
-        requested = tuple(int(r) for r in ranks)
-        if len(requested) != n_bonds:
-            raise ConfigError(
-                f"{name}: expected {n_bonds} internal ranks for {len(modes)} cores "
-                f"(one per bond), got {len(requested)}: {list(requested)}"
-            )
+    try:
+        requested = (
+            (operator.index(ranks),) * n_bonds  # type: ignore[arg-type]
+            if not isinstance(ranks, Iterable)
+            else tuple(operator.index(r) for r in ranks)
+        )
+    except TypeError:
+        raise ConfigError(
+            f"{name}: ranks must be an int or one int per bond ({n_bonds}), got {ranks!r}"
+        ) from None
+    if len(requested) != n_bonds:
+        raise ConfigError(
+            f"{name}: expected {n_bonds} internal ranks for {len(modes)} cores "
+            f"(one per bond), got {len(requested)}: {list(requested)}"
+        )
     if any(r < 1 for r in requested):
         raise ConfigError(f"{name}: ranks must be >= 1, got {list(requested)}")
     out = []

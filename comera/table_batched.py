@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from comera.errors import ConfigError, IdOutOfRangeError
 from comera.layers import gather_rows, pair_cores, ttm_embedding
 from comera.spec import TTMEmbeddingSpec
 from comera.tensor_train import (
@@ -322,7 +323,7 @@ def ttm_embedding_batched(
     cores = [list(p["cores"]) for p in params]  # type: ignore[call-overload]
     dims = {math.prod(int(c.shape[2]) for c in cs) for cs in cores}
     if len(dims) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"ttm_embedding_batched: tables have embedding dims {sorted(dims)}; "
             "a batched lookup needs one dim (look the others up separately)"
         )
@@ -344,7 +345,7 @@ def ttm_embedding_batched(
         if bool(bad.any()):
             col = int(bad.any(0).nonzero()[0])
             value = int(flat[:, col][bad[:, col]][0])
-            raise IndexError(
+            raise IdOutOfRangeError(
                 f"ttm_embedding_batched: {names[col]}: id {value} is out of range; ids must "
                 f"be in [0, {vocab[col]})"
             )

@@ -134,9 +134,15 @@ def from_dense(
             "layer would compute without it; build the spec with bias=True"
         )
     if tuple(weight.shape) != expected:
-        raise ValueError(
+        raise ConfigError(
             f"{spec.label}: from_dense expects a weight of shape {expected}, "
             f"got {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (spec.out_features,):  # type: ignore[union-attr]
+        # a (1,) bias would broadcast under some plans and fail under others
+        raise ConfigError(
+            f"{spec.label}: from_dense expects a bias of shape ({spec.out_features},) "  # type: ignore[union-attr]
+            f"(out_features), got {tuple(bias.shape)}"
         )
     # the SVDs run in at least fp32: torch has no half-precision SVD, and the cores are
     # cast to the spec's dtype once they are found

@@ -487,3 +487,11 @@ def test_auto_is_a_strategy_but_has_no_fixed_plan() -> None:
     assert C.LayerPlans(default="auto", embedding_impl="auto").for_layer("x") == "auto"
     with pytest.raises(C.errors.ConfigError, match="decided per call"):
         C.plans.tt_linear_plan("auto", [(1, 4, 2), (2, 4, 1)], 8)
+
+
+def test_a_cache_dir_under_home_is_expanded(tmp_path, monkeypatch) -> None:
+    """``~`` in a cache dir (a config file or a quoted argument keeps it literal) means the
+    home folder, as the docs' examples write it; it made a folder named ``~`` in the cwd."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert A.PlanTuner("~/plans").cache_dir == tmp_path / "home" / "plans"

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import comera as C
+from comera.errors import ConfigError, IdOutOfRangeError, UserError
 
 
 def test_modes_must_multiply_to_dims():
@@ -83,3 +84,66 @@ def test_from_dense_shape_mismatch():
         C.from_dense(torch.randn(6, 6), bare, torch.randn(6))
     with pytest.raises(ValueError, match="got a bias"):
         C.TTLinear.from_linear(torch.nn.Linear(6, 6), bare)
+    # a bias of another shape: some plans broadcast a (1,) bias, others failed in torch
+    for bias in (torch.randn(1), torch.randn(5)):
+        with pytest.raises(
+            ConfigError, match=r"'k'.*bias of shape \(6,\).*got \(" + str(len(bias))
+        ):
+            C.from_dense(torch.randn(6, 6), spec, bias)
+
+
+@pytest.mark.parametrize(
+    ("call", "kind", "message"),
+    [
+        (
+            lambda: C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=2.5),
+            ConfigError,
+            r"ranks must be an int or one int per bond \(3\), got 2.5",
+        ),
+        (
+            lambda: C.TTLinearSpec(out_modes="ab", in_modes=(3, 2), ranks=2),
+            ConfigError,
+            "out_modes must be a sequence of ints, got 'ab'",
+        ),
+        (
+            lambda: C.TTLinearSpec(out_modes=(2.5, 2), in_modes=(5,), ranks=2),
+            ConfigError,
+            "out_modes must be a sequence of ints",
+        ),
+        (
+            lambda: C.tt_linear(*_layer(), torch.randn(2, 6), plan=["dp"]),
+            ConfigError,
+            "a plan must be a strategy name or a list of",
+        ),
+        (lambda: C.prune(*_layer(), tau=0.1, rule="x"), ConfigError, "unknown prune rule 'x'"),
+        (lambda: _table()(torch.tensor([18])), IdOutOfRangeError, "id 18 is out of range"),
+        (
+            lambda: C.ttm_embedding(*_table().params_state(), torch.tensor([1]), impl="fast"),
+            ConfigError,
+            "unknown impl 'fast'",
+        ),
+    ],
+)
+def test_bad_values_are_user_errors_naming_the_argument(call, kind, message):
+    """What a user's configuration gets wrong is a UserError kind (one line from a
+    command), its message naming the argument; an id out of range is an IndexError too.
+    These were plain ValueErrors (a bug's kind) or bare torch messages."""
+    with pytest.raises(kind, match=message) as err:
+        call()
+    assert isinstance(err.value, UserError)
+    if kind is IdOutOfRangeError:
+        assert isinstance(err.value, IndexError)
+
+
+def _layer():
+    return C.init(C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=2, name="o"))
+
+
+class _Table(C.TTMEmbedding):
+    def params_state(self):
+        return self.params(), self.state()
+
+
+def _table() -> _Table:
+    spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5), dim_modes=(2, 3), ranks=2, num_embeddings=18)
+    return _Table(spec)

@@ -385,3 +385,14 @@ def test_the_record_names_the_preset_not_the_run(tmp_path, capsys):
     shutil.rmtree(run_dir / "checkpoints")
     assert mnli.main(["--resume", str(run_dir)]) == 0
     assert json.loads((run_dir / "config.json").read_text())["preset"] == "smoke"
+
+
+def test_cache_dirs_expand_home(tmp_path, monkeypatch) -> None:
+    """``--cache-dir ~/x`` from a config file, or ``COMERA_CACHE=~/c`` set where no shell
+    expands it, means the home folder, not a folder named ``~`` in the cwd."""
+    from experiments.cache import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root("plans", "~/x") == tmp_path / "home" / "x"
+    monkeypatch.setenv("COMERA_CACHE", "~/c")
+    assert cache_root("plans") == tmp_path / "home" / "c" / "plans"
