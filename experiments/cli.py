@@ -37,7 +37,7 @@ from comera import autotune
 from comera.errors import ConfigError, UserError
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.checkpoint import complete_checkpoints
-from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES
+from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES, usable_device
 from comera.train.logging import read_metrics, truncate_metrics, write_json_atomic
 from comera.tree import iter_tt
 from experiments.cache import cache_root
@@ -634,32 +634,9 @@ def check_device(device: str, what: str = "--device") -> None:
     this a run (or a benchmark's every worker) on a CPU-only machine ends in a traceback
     at its first ``.to(device)``."""
     try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise CLIError(
-            f"{what} {device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
-        ) from None
-    if dev.type == "meta":
-        raise CLIError(f"{what} {device!r}: a meta tensor holds no data to train; use cpu or cuda")
-    if dev.type not in ("cpu", "cuda"):  # mps, xpu, ...: torch's own check, if it has one
-        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
-        usable = getattr(backend, "is_available", None)
-        if usable is None or not usable():
-            raise CLIError(
-                f"{what} {device}: this torch {torch.__version__} has no usable {dev.type} "
-                "device here; use --device cpu (or cuda on a GPU machine)"
-            )
-        return
-    if dev.type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        raise CLIError(
-            f"{what} {device}: no CUDA device here (this torch {torch.__version__} sees "
-            "none); use --device cpu"
-        )
-    count = torch.cuda.device_count()
-    if dev.index is not None and dev.index >= count:
-        raise CLIError(f"{what} {device}: this machine has {count} CUDA device(s); use cuda:0")
+        usable_device(device, what, cpu="--device cpu")
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
 
 
 def refuse_derived(exp: Experiment, keys: list[tuple[str, str]]) -> None:

@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +204,8 @@ def save_trainer(tr: Any) -> Path:
     """Checkpoint a :class:`~comera.train.Trainer`: every rank its RNG and data position,
     then (after a barrier) rank 0 the model, optimizer and stage controller."""
     d = checkpoint_dir(tr.run_dir, tr.step)
-    data = tr.task.train_iter.state_dict()
+    it = tr.task.train_iter  # one without a state_dict saves no position (warned at start)
+    data = it.state_dict() if hasattr(it, "state_dict") else None
     write_rank_files(d, tr.step, tr.rank, tr.world, rng_state(tr.device), data)
     if tr.world > 1:
         dist.barrier()
@@ -245,7 +247,19 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
         )
     rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
     it, saved_world = tr.task.train_iter, len(datas)
-    if saved_world == tr.world:
+    if all(d["state"] is None for d in datas):  # saved by an iterator without a state_dict
+        warnings.warn(
+            f"{ckpt['dir']} holds no data position (its train_iter had no state_dict): the "
+            "data restarts from its beginning, so this resume is not exact",
+            stacklevel=3,
+        )
+    elif not hasattr(it, "load_state_dict"):
+        raise CheckpointError(
+            f"{ckpt['dir']} holds a data position, but this run's train_iter "
+            f"({type(it).__name__}) has no load_state_dict to restore it; resume with the "
+            "iterator the run was saved with"
+        )
+    elif saved_world == tr.world:
         it.load_state_dict(datas[tr.rank]["state"])
     elif getattr(it, "rescalable", False):
         it.load_state_dict([d["state"] for d in datas])

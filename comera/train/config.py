@@ -273,3 +273,39 @@ class TrainConfig:
                 f"TrainConfig.grad_clip must be None (off) or > 0, got {self.grad_clip}"
             )
         self.wandb_tags = tuple(self.wandb_tags)
+
+
+def usable_device(device: str, what: str = "TrainConfig.device", cpu: str = "device='cpu'") -> None:
+    """Refuse a device this process cannot train on, naming ``what`` to change and
+    ``cpu`` as the way out: a CUDA device torch does not see, another type (mps, xpu)
+    torch says is unavailable, or ``meta`` (no data). Without it a run fails with a bare
+    traceback at its first ``.to(device)``."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(
+            f"{what} {device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
+        ) from None
+    if dev.type == "meta":
+        raise ConfigError(
+            f"{what} {device!r}: a meta tensor holds no data to train; use cpu or cuda"
+        )
+    if dev.type not in ("cpu", "cuda"):  # mps, xpu, ...: torch's own check, if it has one
+        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
+        usable = getattr(backend, "is_available", None)
+        if usable is None or not usable():
+            raise ConfigError(
+                f"{what} {device}: this torch {torch.__version__} has no usable {dev.type} "
+                f"device here; use {cpu} (or cuda on a GPU machine)"
+            )
+        return
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"{what} {device}: no CUDA device here (this torch {torch.__version__} sees "
+            f"none); use {cpu}"
+        )
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ConfigError(f"{what} {device}: this machine has {count} CUDA device(s); use cuda:0")

@@ -15,7 +15,8 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,10 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from comera.autotune import LINEAR_CANDIDATES, current_tuner, summarize_decisions
-from comera.errors import CheckpointError
+from comera.errors import CheckpointError, DataError
 from comera.layers import SyncFreeLookups
 from comera.train import checkpoint as ck
-from comera.train.config import TrainConfig
+from comera.train.config import TrainConfig, usable_device
 from comera.train.distributed import (
     broadcast_object,
     broadcast_tensors,
@@ -159,6 +160,7 @@ class Trainer:
         auto_plans: bool = False,
     ) -> None:
         self.cfg, self.task = cfg, task
+        usable_device(cfg.device)  # a bare traceback at the first .to() otherwise
         self.device = torch.device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
         held = [] if resume else ck.complete_checkpoints(self.run_dir)
@@ -168,8 +170,25 @@ class Trainer:
                 "continue it with resume=True, or give this run another run_dir (nothing "
                 "there is overwritten)"
             )
+        metrics = self.run_dir / "metrics.jsonl"
+        if not resume and metrics.is_file() and metrics.stat().st_size:
+            # a run that stopped before its first checkpoint: this run's rows would follow
+            # its rows in one file (the CLI's --resume starts such a run over instead)
+            raise CheckpointError(
+                f"{self.run_dir} holds metrics.jsonl of a run that wrote no checkpoint; give "
+                "this run another run_dir, or delete that file to start over there (nothing "
+                "is overwritten)"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world = rank_world()
+        it = task.train_iter
+        if not hasattr(it, "state_dict") or not hasattr(it, "load_state_dict"):
+            warnings.warn(
+                f"train_iter ({type(it).__name__}) has no state_dict/load_state_dict: "
+                "checkpoints cannot hold its position, so a resume restarts it from its "
+                "beginning (not exact); give it both methods for an exact resume",
+                stacklevel=2,
+            )
         # the loop updates its parameters in place: a copy unless the caller hands them over
         self.params = tree_map(
             lambda t: t.detach().to(self.device, copy=copy).requires_grad_(True), params
@@ -614,7 +633,7 @@ class Trainer:
             stop = cfg.steps if until is None else min(until, cfg.steps)
             while self.step < stop:
                 t_step = time.perf_counter()
-                batches = [next(it) for _ in range(cfg.accum_steps)]
+                batches = self._next_batches(it)
                 if self._tune_due:  # its timing runs are not the step's time
                     t_tune = time.perf_counter()
                     self.tune_plans(batches[0])
@@ -657,6 +676,18 @@ class Trainer:
             bar.close()
             log.close()
         return last
+
+    def _next_batches(self, it: Iterator) -> list:
+        """The next ``accum_steps`` batches; an iterator that ends before ``cfg.steps`` is
+        named (a bare ``StopIteration`` left ``fit`` with an empty message)."""
+        try:
+            return [next(it) for _ in range(self.cfg.accum_steps)]
+        except StopIteration:
+            raise DataError(
+                f"train_iter ended during step {self.step + 1} of {self.cfg.steps} (rank "
+                f"{self.rank}); give an endless iterator (itertools.cycle, or a loader "
+                "that repeats epochs) or fewer steps"
+            ) from None
 
     def _log_row(
         self, log: RunLog, metrics: dict, step_time: float, t0: float, steps0: int

@@ -37,7 +37,8 @@ class ModuleTask:
     (the module's forward, on the trainer's tensors); it returns a scalar mean (one loss
     term) or ``(sum, count, metrics)``. ``evaluate(call)`` (optional) returns held-out
     metrics as the trainer expects (floats, or ``(sum, count)`` pairs). ``train_iter``
-    yields batches; for resumable runs it has ``state_dict`` / ``load_state_dict``.
+    yields batches; with ``state_dict`` / ``load_state_dict`` a resume continues it exactly
+    (without them, a resume restarts it from its beginning: warned).
 
     The module's persistent buffers (batch norm's running statistics, say) ride in the
     state: the module updates them as it runs (in place, or, in eager steps, by assigning

@@ -18,8 +18,9 @@ class Task(Protocol):
     mean returns ``(mean, 1, metrics)`` (one term). ``evaluate(params, state, rank=,
     world=)`` returns metrics as ``(sum, count)`` pairs over this rank's share of the
     held-out data (reduced exactly) or plain floats (averaged over ranks). ``train_iter``
-    has ``state_dict``/``load_state_dict`` and ``rescalable = True`` when it can load the
-    states of another world size.
+    yields ``steps x accum_steps`` batches; it has ``state_dict``/``load_state_dict`` for an
+    exact resume (without them a resume restarts it, warned) and ``rescalable = True``
+    when it can load the states of another world size.
     An optional ``on_compaction(params, state)`` rebuilds anything shape-dependent.
     Optional ``batch_tokens(batch) -> int`` counts a batch's input tokens: the trainer then
     logs ``tokens`` per step and ``tokens_per_s`` (all ranks together). Optional

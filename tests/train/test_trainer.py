@@ -530,3 +530,78 @@ def test_optimizer_groups_follow_the_tt_structure_not_key_names():
     tree = {"moe": {"gates": torch.randn(4, 8)}, "gates": params}
     got = leaf_groups(tree)
     assert got == ["rest", "cores", "cores", "gates", "rest"]
+
+
+class _PlainIter:
+    """The toy stream without state_dict / load_state_dict, optionally finite."""
+
+    def __init__(self, task: ToyTask, limit: int | None = None) -> None:
+        self.inner, self.limit, self.n = task.train_iter, limit, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.limit is not None and self.n >= self.limit:
+            raise StopIteration
+        self.n += 1
+        return next(self.inner)
+
+
+def test_an_iterator_without_a_state_dict_trains_checkpoints_and_resumes_warned(tmp_path):
+    """A train_iter without state_dict (a cycle over a list) used to fail in the final
+    checkpoint after the whole run had trained; now the run is warned at the start, its
+    checkpoints hold no data position, and a resume restarts the data, warned again."""
+    task = ToyTask()
+    task.train_iter = _PlainIter(task)
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    with pytest.warns(UserWarning, match="train_iter .*_PlainIter.* has no state_dict"):
+        tr = Trainer(cfg, task, *_toy_model())
+    tr.fit()
+    ckpt = load_checkpoint(cfg.run_dir)
+    assert ckpt["step"] == 20
+    data = json.loads((Path(ckpt["dir"]) / "data_rank00000.json").read_text())
+    assert data["state"] is None
+    again = ToyTask()
+    again.train_iter = _PlainIter(again)
+    with pytest.warns(UserWarning, match="holds no data position"):
+        Trainer(dataclasses.replace(cfg, steps=20), again, *_toy_model(), resume=True)
+    # a saved position this iterator cannot take is refused, not dropped
+    Trainer(_cfg(tmp_path / "b", steps=10), ToyTask(), *_toy_model()).fit()
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="no load_state_dict"):
+        Trainer(_cfg(tmp_path / "b", steps=10), again, *_toy_model(), resume=True)
+
+
+def test_an_iterator_that_ends_early_is_named(tmp_path):
+    task = ToyTask()
+    task.train_iter = _PlainIter(task, limit=5)
+    with pytest.warns(UserWarning):
+        tr = Trainer(_cfg(tmp_path, steps=20), task, *_toy_model())
+    with pytest.raises(C.errors.DataError, match="train_iter ended during step 6 of 20"):
+        tr.fit()
+
+
+def test_a_fresh_run_refuses_rows_of_a_run_without_checkpoints(tmp_path):
+    """A run stopped before its first checkpoint leaves metrics.jsonl: a fresh run there
+    appended its rows to the old ones ([5, 10, 5, 10, ...]); now it is refused, and
+    starts once the file is deleted."""
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=100)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit(until=10)  # a pause: saved at step 10
+    ck = Path(cfg.run_dir) / "checkpoints"
+    for d in ck.iterdir():  # as if it had died before saving
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+    with pytest.raises(CheckpointError, match="metrics.jsonl of a run that wrote no checkpoint"):
+        Trainer(cfg, ToyTask(), *_toy_model())
+    (Path(cfg.run_dir) / "metrics.jsonl").unlink()
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    assert [r["step"] for r in _metrics(cfg.run_dir) if "loss" in r] == [5, 10, 15, 20]
+
+
+def test_a_device_this_process_cannot_use_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device, message in (("cuda", "no CUDA device here"), ("meta", "holds no data")):
+        with pytest.raises(C.errors.ConfigError, match=f"TrainConfig.device .*{message}"):
+            Trainer(_cfg(tmp_path, device=device), ToyTask(), *_toy_model())
+    assert not (tmp_path / "run").exists()
