@@ -227,13 +227,19 @@ def compact(params: Params, state: State) -> tuple[Params, State]:
     """Physically drop dead ranks so cores, gates and FLOPs shrink; the function is unchanged.
 
     If any bond has no live rank the whole train is the zero map, so every bond is
-    emptied and the layer keeps zero TT parameters (a bias, if any, remains).
+    emptied and the layer keeps zero TT parameters (a bias, if any, remains). The new
+    cores and gates are leaves with their old tensors' ``requires_grad``, as the bias
+    keeps its own, so ``torch.autograd.grad`` over the result works as before.
     """
     check_state(params, state)
     keep = kept_indices(state)
     masks: list[torch.Tensor] = list(state["masks"])  # type: ignore[arg-type]
     new_state = {**state, "masks": [m.index_select(0, i) for m, i in zip(masks, keep, strict=True)]}
-    return slice_ranks(params, keep), new_state
+    new = slice_ranks(params, keep)
+    for key in ("cores", "gates"):
+        for old, t in zip(params[key], new[key], strict=True):  # type: ignore[call-overload]
+            t.requires_grad_(old.requires_grad)
+    return new, new_state
 
 
 def slice_ranks(tree: Params, keep: list[torch.Tensor]) -> Params:

@@ -243,3 +243,21 @@ def test_tree_leaves_match_torch_pytree():
     pair = collections.namedtuple("Pair", "x y")
     odd = {"n": pair(1, t), "o": collections.OrderedDict(b=2, a=3)}
     assert leaves(odd) == tree_flatten(odd)[0]
+
+
+def test_compact_keeps_requires_grad_so_autograd_reaches_the_result():
+    """The functional compact returned detached cores and gates (requires_grad False) but
+    the bias as it was; each now keeps its old tensor's flag, as the module adapter does."""
+    spec = C.TTLinearSpec(out_modes=(3, 4), in_modes=(2, 5), ranks=4)
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    for t in [*p["cores"], *p["gates"], p["bias"]]:
+        t.requires_grad_()
+    p["gates"][0].requires_grad_(False)  # one frozen: stays frozen
+    s = {"masks": [s["masks"][0], s["masks"][1].clone().fill_(True), s["masks"][2]]}
+    s["masks"][1][0] = False
+    p2, s2 = C.compact(p, s)
+    assert [c.requires_grad for c in p2["cores"]] == [True] * 4
+    assert [g.requires_grad for g in p2["gates"]] == [False, True, True]
+    loss = C.tt_linear(p2, s2, torch.randn(2, 10)).sum()
+    grads = torch.autograd.grad(loss, p2["cores"])
+    assert [g.shape for g in grads] == [c.shape for c in p2["cores"]]
