@@ -38,7 +38,8 @@ from comera.errors import ConfigError, UserError
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.checkpoint import complete_checkpoints
 from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES, usable_device
-from comera.train.logging import read_metrics, truncate_metrics, write_json_atomic
+from comera.train.distributed import rank_first
+from comera.train.logging import read_metrics, write_json_atomic
 from comera.tree import iter_tt
 from experiments.cache import cache_root
 from experiments.malloc import apply_cpu_malloc, restart_for
@@ -778,11 +779,18 @@ def prepare(
         history = {"argv": old.get("argv", argv),
                    "resumes": [*old.get("resumes", []),
                                {"step": 0, "argv": argv, "restarted": True}]}  # fmt: skip
-        if rank == 0:
-            truncate_metrics(run_dir / "metrics.jsonl", 0)
+
+        def clear() -> None:
+            if rank != 0:
+                return
+            # every row is the stopped attempt's (a step-0 row too): the Trainer refuses a
+            # fresh run beside another run's rows
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
             (run_dir / "ranks.json").unlink(missing_ok=True)
             print(f"{run_dir}: no checkpoint was written; starting it over from step 0 "
                   "with its saved config", file=sys.stderr)  # fmt: skip
+
+        rank_first(clear, rank, world)  # every rank's Trainer then finds the rows gone
     if uses_auto(cfg.plans):  # decisions cached on disk: a second run times nothing
         plans_dir = cache_root("plans")
         if autotune.current_tuner().cache_dir != plans_dir:
