@@ -8,6 +8,8 @@ buffer names: ``masks.K``.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -114,6 +116,12 @@ class _TTModule(nn.Module):
                 gates = [g.new_ones(r) for g, r in zip(self.gates, ranks, strict=True)]
                 masks = [m.new_ones(r) for m, r in zip(self.masks.as_list(), ranks, strict=True)]
                 self._swap_trains({"cores": cores, "gates": gates}, {"masks": masks})
+                warnings.warn(  # one text for every layer: shown once, not per layer
+                    "a TT/TTM layer took the saved state dict's ranks: its cores and gates "
+                    "are new parameters, so build the optimizer (and any DDP/FSDP wrapper) "
+                    "after loading",
+                    stacklevel=2,
+                )
         super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[arg-type]
 
     def _saved_ranks(self, state_dict: dict, prefix: str) -> list[int] | None:

@@ -176,7 +176,7 @@ PRUNE_RULES = ("gate", "contribution")
 
 
 def check_prune_rule(rule: str) -> None:
-    """Raise ``ValueError`` naming the valid rules when ``rule`` is not one of them."""
+    """Raise a ``ConfigError`` naming the valid rules when ``rule`` is not one of them."""
     if rule not in PRUNE_RULES:
         raise ConfigError(f"unknown prune rule {rule!r}; valid rules: {', '.join(PRUNE_RULES)}")
 

@@ -729,6 +729,31 @@ class Prepared:
     rank: int
 
 
+def _clear_stopped_attempt(run_dir: Path, rank: int, world: int) -> None:
+    """Drop the rows and rank table of a run that stopped before its first checkpoint,
+    which starts over: every row is that attempt's (a step-0 row too), and the Trainer
+    refuses a fresh run beside another run's rows. Rank 0 deletes while the others wait,
+    so every rank's Trainer finds them gone; a failure is reported after the wait (a rank
+    that raised before it would leave the others waiting)."""
+    failed: list[OSError] = []
+
+    def clear() -> None:
+        if rank != 0:
+            return
+        try:
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            (run_dir / "ranks.json").unlink(missing_ok=True)
+        except OSError as e:
+            failed.append(e)
+            return
+        print(f"{run_dir}: no checkpoint was written; starting it over from step 0 with "
+              "its saved config", file=sys.stderr)  # fmt: skip
+
+    rank_first(clear, rank, world)
+    if failed:
+        raise CLIError(f"--resume {run_dir}: cannot clear the stopped attempt's rows ({failed[0]})")
+
+
 def uses_auto(plans: C.LayerPlans) -> bool:
     """Whether any layer of a run may ask the tuner: ``auto`` as the model-wide or a
     per-layer plan, or as the embedding implementation."""
@@ -780,17 +805,6 @@ def prepare(
                    "resumes": [*old.get("resumes", []),
                                {"step": 0, "argv": argv, "restarted": True}]}  # fmt: skip
 
-        def clear() -> None:
-            if rank != 0:
-                return
-            # every row is the stopped attempt's (a step-0 row too): the Trainer refuses a
-            # fresh run beside another run's rows
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            (run_dir / "ranks.json").unlink(missing_ok=True)
-            print(f"{run_dir}: no checkpoint was written; starting it over from step 0 "
-                  "with its saved config", file=sys.stderr)  # fmt: skip
-
-        rank_first(clear, rank, world)  # every rank's Trainer then finds the rows gone
     if uses_auto(cfg.plans):  # decisions cached on disk: a second run times nothing
         plans_dir = cache_root("plans")
         if autotune.current_tuner().cache_dir != plans_dir:
@@ -812,6 +826,8 @@ def prepare(
     record |= {"experiment": exp.name, "preset": preset or cfg.train.run_name, "argv": argv,
                **info, **history}  # fmt: skip
     record = json.loads(json.dumps(record, default=_jsonable))
+    if history:  # a restart: its rows go once nothing else can refuse the run
+        _clear_stopped_attempt(run_dir, rank, world)
     trainer = Trainer(
         cfg.train,
         task,

@@ -24,6 +24,7 @@ from loaders.checkpoint import (
     STATE_FORMAT,
     STATE_VERSION,
     Resume,
+    check_state,
     load_states,
     merge_states,
     save_state,
@@ -315,7 +316,14 @@ class TokenLoader:
     def load_state_dict(self, state: dict | list[dict]) -> None:
         """Restore from this rank's state, or from all ranks' states of any old layout.
         The states given are not modified."""
+        if not isinstance(state, (dict, list, tuple)):
+            raise LoaderInputError(
+                f"a loader state is a dict (or a list of every rank's), got "
+                f"{type(state).__name__}; pass TokenLoader.state_dict()'s result"
+            )
         states = copy.deepcopy([state] if isinstance(state, dict) else list(state))
+        for st in states:  # before any of it is read
+            check_state(st)
         for st in states:
             _recount_offsets(st, self.config.bos_id is not None)
         own = (

@@ -204,8 +204,18 @@ def save_trainer(tr: Any) -> Path:
     """Checkpoint a :class:`~comera.train.Trainer`: every rank its RNG and data position,
     then (after a barrier) rank 0 the model, optimizer and stage controller."""
     d = checkpoint_dir(tr.run_dir, tr.step)
-    it = tr.task.train_iter  # one without a state_dict saves no position (warned at start)
-    data = it.state_dict() if hasattr(it, "state_dict") else None
+    it = tr.task.train_iter
+    data = None  # an iterator that cannot restore a position saves none (warned once)
+    if hasattr(it, "state_dict") and hasattr(it, "load_state_dict"):
+        data = it.state_dict()
+    elif not getattr(tr, "_warned_no_position", False):
+        tr._warned_no_position = True
+        warnings.warn(
+            f"train_iter ({type(it).__name__}) has no state_dict/load_state_dict: "
+            "checkpoints cannot hold its position, so a resume restarts it from its "
+            "beginning (not exact); give it both methods for an exact resume",
+            stacklevel=3,
+        )
     write_rank_files(d, tr.step, tr.rank, tr.world, rng_state(tr.device), data)
     if tr.world > 1:
         dist.barrier()

@@ -278,7 +278,8 @@ class TrainConfig:
 def usable_device(device: str, what: str = "TrainConfig.device", cpu: str = "device='cpu'") -> None:
     """Refuse a device this process cannot train on, naming ``what`` to change and
     ``cpu`` as the way out: a CUDA device torch does not see, another type (mps, xpu)
-    torch says is unavailable, or ``meta`` (no data). Without it a run fails with a bare
+    torch says is unavailable, or ``meta`` (no data). A type torch has no availability
+    check for (xla, a plugin's backend) is let through. Without it a run fails with a bare
     traceback at its first ``.to(device)``."""
     try:
         dev = torch.device(device)
@@ -290,10 +291,10 @@ def usable_device(device: str, what: str = "TrainConfig.device", cpu: str = "dev
         raise ConfigError(
             f"{what} {device!r}: a meta tensor holds no data to train; use cpu or cuda"
         )
-    if dev.type not in ("cpu", "cuda"):  # mps, xpu, ...: torch's own check, if it has one
+    if dev.type not in ("cpu", "cuda"):  # mps, xpu, ...: torch's own check, where it has one
         backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
         usable = getattr(backend, "is_available", None)
-        if usable is None or not usable():
+        if usable is not None and not usable():  # none (xla, a plugin's): left to torch
             raise ConfigError(
                 f"{what} {device}: this torch {torch.__version__} has no usable {dev.type} "
                 f"device here; use {cpu} (or cuda on a GPU machine)"

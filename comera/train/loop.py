@@ -15,7 +15,6 @@ import math
 import random
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -181,14 +180,6 @@ class Trainer:
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world = rank_world()
-        it = task.train_iter
-        if not hasattr(it, "state_dict") or not hasattr(it, "load_state_dict"):
-            warnings.warn(
-                f"train_iter ({type(it).__name__}) has no state_dict/load_state_dict: "
-                "checkpoints cannot hold its position, so a resume restarts it from its "
-                "beginning (not exact); give it both methods for an exact resume",
-                stacklevel=2,
-            )
         # the loop updates its parameters in place: a copy unless the caller hands them over
         self.params = tree_map(
             lambda t: t.detach().to(self.device, copy=copy).requires_grad_(True), params

@@ -47,6 +47,8 @@ def _config(**kw) -> LoaderConfig:
         (lambda: _config(cache_dir=5), "cache_dir"),
         (lambda: TokenLoader(_config(), rank="0", world_size=2), "rank must be an integer"),
         (lambda: TokenLoader(_config()).set_weights([0.5]), "weights must map sub-dataset names"),
+        (lambda: TokenLoader(_config()).load_state_dict("x"), "a loader state is a dict"),
+        (lambda: TokenLoader(_config()).load_state_dict([[1]]), "the state is a list"),
     ],
 )
 def test_bad_values_name_their_field(build, field):
