@@ -75,6 +75,17 @@ def _hash01(key: str) -> float:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
 
 
+def _sources_digest(docs: list[Doc]) -> str:
+    """A digest of every local source file's path, size and modification time: a rerun
+    into a prepared folder after the files changed would otherwise keep its old shards
+    (and tokenizer). Hub sources are not covered (their version is the hub's)."""
+    h = hashlib.blake2b(digest_size=16)
+    for path in sorted({d.path for d in docs if not d.path.startswith("hub:")}):
+        st = os.stat(path)
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
 def heldout_docs(docs: list[Doc], fraction: float) -> set[Doc]:
     """The documents :func:`prepare` holds out: those whose key hashes below ``fraction``
     (fixed across runs); when that picks none or all of several documents, exactly the one
@@ -303,6 +314,7 @@ def prepare(
     if max_doc_tokens is not None:  # (absent when unset: older plans stay valid)
         settings["max_doc_tokens"] = max_doc_tokens
     plan_path = out / PLAN_NAME
+    sources = _sources_digest(docs)
     if plan_path.is_file():
         try:
             saved = json.loads(plan_path.read_text())
@@ -315,6 +327,13 @@ def prepare(
                 f"{out} was prepared with other settings ({plan_path}); pass another --out "
                 "or delete that folder"
             )
+        # (a plan written before sources were fingerprinted has none: taken as it is)
+        if saved.get("sources", sources) != sources:
+            raise PrepareError(
+                f"{out} was prepared from other versions of these files (sizes or times "
+                f"changed since, {plan_path}): its shards would be stale; pass another --out "
+                "or delete that folder"
+            )
     if train_vocab is not None:
         tok_path = out / "tokenizer.json"
         if not tok_path.is_file():
@@ -324,7 +343,8 @@ def prepare(
     load_tokenizer(tokenizer)  # fail here, not in a worker
     layout = {name: _plan(ds, docs_per_shard) for name, ds in splits.items()}
     atomic_write_text(
-        plan_path, json.dumps({"settings": settings, "tokenizer": tokenizer}, indent=1)
+        plan_path,
+        json.dumps({"settings": settings, "tokenizer": tokenizer, "sources": sources}, indent=1),
     )
     summary: dict = {"out": str(out), "tokenizer": tokenizer, "splits": {}}
     for name, shards in layout.items():

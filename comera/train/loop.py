@@ -588,7 +588,9 @@ class Trainer:
         pairs = [raw[k] if isinstance(raw[k], tuple) else (float(raw[k]), 1.0) for k in keys]
         flat = torch.tensor([x for p in pairs for x in p], dtype=torch.float64, device=self.device)
         flat = sum_across_ranks([flat])[0].cpu().tolist()
-        out = {k: flat[2 * i] / max(flat[2 * i + 1], 1e-12) for i, k in enumerate(keys)}
+        # nothing counted (an empty held-out split) is NaN, not a perfect 0 loss
+        out = {k: flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else math.nan
+               for i, k in enumerate(keys)}  # fmt: skip
         derive = getattr(self.task, "derive_eval", None)
         return {**out, **derive(out)} if derive is not None else out
 

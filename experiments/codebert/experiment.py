@@ -288,6 +288,12 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
     gen = torch.Generator().manual_seed(1234)  # the held-out masks never change
     for _, batch in zip(range(p.data.eval_batches), held, strict=False):
         task.eval_batches.append(task.mask(batch, generator=gen))
+    if p.data.eval_batches and not task.eval_batches:  # would report loss 0, perplexity 1
+        raise DataError(
+            f"the held-out split ({', '.join(str(f) for f in corpus.heldout.values())}) gives "
+            "no batch: it holds no token; hold out more files (data.heldout) or give "
+            "a corpus whose held-out part is not empty"
+        )
     params, state = init_mlm(model, generator=torch.Generator().manual_seed(p.train.seed))
     # the dense model: the encoder (its pooler's d x d + d count stands for the head's dense
     # layer; no classifier), the head's LayerNorm and the output bias (decoder tied)
@@ -340,7 +346,19 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
         paths, globs = {}, {}
         for item in args.corpus:
             for name, value in _parse_pairs("--corpus", item, str).items():
+                if name in paths:  # the later one replaced the earlier without a word
+                    raise cli.CLIError(f"--corpus {item!r}: sub-dataset {name!r} is named twice")
+                if name in (".", "..") or "/" in name or "\\" in name:  # its cache folder
+                    raise cli.CLIError(
+                        f"--corpus {item!r}: {name!r} is not a sub-dataset name (no path "
+                        "separators, not . or ..)"
+                    )
                 paths[name], glob = _folder_and_glob(value)
+                if glob and Path(glob).is_absolute():
+                    raise cli.CLIError(
+                        f"--corpus {item!r}: the glob {glob!r} is absolute; give a pattern "
+                        "relative to the folder (e.g. **/*.py)"
+                    )
                 if glob:
                     globs[name] = glob
         out += [("data.paths", paths), ("data.source", "paths")]  # paths first: validated

@@ -310,7 +310,7 @@ class _Eval:
     def __init__(self, data: MNLIData, batch_size: int, device: torch.device) -> None:
         self.data, self.batch_size, self.device = data, batch_size, device
 
-    def __call__(self, call: Any) -> dict[str, float]:
+    def __call__(self, call: Any) -> dict[str, tuple[float, float]]:
         out = {}
         with torch.no_grad():
             for name, split in self.data.eval.items():
@@ -321,8 +321,9 @@ class _Eval:
                     logits = _logits(call, batch)
                     loss_sum += float(F.cross_entropy(logits, batch["labels"], reduction="sum"))
                     correct += float((logits.argmax(-1) == batch["labels"]).sum())
-                out[f"{name}/accuracy"] = correct / max(len(split), 1)
-                out[f"{name}/loss"] = loss_sum / max(len(split), 1)
+                # (sum, count): an empty split is NaN, not a perfect 0 loss
+                out[f"{name}/accuracy"] = (correct, float(len(split)))
+                out[f"{name}/loss"] = (loss_sum, float(len(split)))
         return out
 
 

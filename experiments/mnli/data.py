@@ -244,7 +244,7 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
             v = -1
         if isinstance(v, str) and v.lstrip("-").isdigit():
             v = int(v)
-        if not isinstance(v, int) or v not in (-1, 0, 1, 2):
+        if isinstance(v, bool) or not isinstance(v, int) or v not in (-1, 0, 1, 2):
             raise DataError(
                 f"{source}: label {v!r} in column {cfg.label_column!r} (row {i}) is not one of "
                 f"0/1/2 ({'/'.join(LABEL_NAMES)}) or -1 / '-' (unlabelled, dropped); fix the "
@@ -275,6 +275,11 @@ def _load_hub(cfg: MNLIDataConfig) -> dict[str, tuple[str, pa.Table]]:
         with quiet_hub():
             dsd = datasets.load_dataset(cfg.dataset, cfg.dataset_config)
     except Exception as exc:
+        if "BuilderConfig" in str(exc) and "not found" in str(exc):  # no such config there
+            raise DataError(
+                f"dataset {cfg.dataset!r} has no config {cfg.dataset_config!r} "
+                f"({first_line(exc)}); pass --set data.dataset_config=NAME"
+            ) from None
         raise _hub_error(exc, f"dataset {cfg.dataset!r} (config {cfg.dataset_config!r})") from exc
     evals = sorted(s for s in dsd if s.startswith("validation"))
     if "train" not in dsd or not evals:
@@ -350,7 +355,18 @@ def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
     enc = {}
     for split, (src, raw) in raws.items():
         limit = cfg.max_train_examples if split == "train" else cfg.max_eval_examples
-        enc[split] = encode_pairs(tok, *_clean(raw, src, limit))
+        cleaned = _clean(raw, src, limit)
+        if not len(cleaned[2]):  # an empty eval split would score 0 loss and 0 accuracy
+            raise DataError(
+                f"{src} ({split}) holds no labelled example (0/1/2) of its {len(raw[2])} rows"
+                + (
+                    f" under data.max_{'train' if split == 'train' else 'eval'}_examples={limit}"
+                    if limit is not None
+                    else ""
+                )  # fmt: skip
+                + "; fix the file, or drop the split"
+            )
+        enc[split] = encode_pairs(tok, *cleaned)
         log.info("%s: %d examples encoded to length %d", src, len(enc[split]), cfg.max_length)
     train = enc.pop("train")
     return MNLIData(

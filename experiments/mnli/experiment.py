@@ -229,11 +229,16 @@ def _build(p: Preset, rank: int, world: int) -> tuple:
 def _parse_eval_files(values: list[str] | None) -> dict[str, str] | None:
     if not values:
         return None
-    out = {}
+    out: dict[str, str] = {}
     for v in values:
         name, sep, path = v.partition("=")
-        if not sep:
+        if not sep or "/" in name or "\\" in name:  # a path (which may hold "="), unnamed
             name, path = Path(v).stem, v
+        if name in out:  # the later one replaced the earlier without a word
+            raise ConfigError(
+                f"--eval-file {v!r}: the split name {name!r} is taken by {out[name]!r}; "
+                "name each split (--eval-file NAME=PATH)"
+            )
         out[name] = path
     return out
 

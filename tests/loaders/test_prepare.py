@@ -119,6 +119,13 @@ def test_rerun_finishes_a_crashed_run_and_refuses_other_settings(tmp_path: Path)
     (tmp_path / "file").write_text("x")
     with pytest.raises(PrepareError, match="is a file; give a folder"):
         prepare([str(tmp_path / "src")], tmp_path / "file", **kw)
+    # sources edited since: the old shards (and tokenizer) would be served as they were
+    (out / "prepare_plan.json").unlink()
+    prepare([str(tmp_path / "src")], out, **kw)  # the plan again, with the sources' digest
+    first = sorted((tmp_path / "src").rglob("*.py"))[0]
+    first.write_text(first.read_text() + "\nx = 1\n")
+    with pytest.raises(PrepareError, match="other versions of these files"):
+        prepare([str(tmp_path / "src")], out, **kw)
 
 
 def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:

@@ -609,3 +609,16 @@ def test_a_device_this_process_cannot_use_is_a_config_error(tmp_path, monkeypatc
     from comera.train.config import usable_device
 
     usable_device("xla")
+
+
+def test_an_empty_held_out_split_is_nan_not_a_perfect_score(tmp_path):
+    """A (sum, count) metric over nothing was 0 / 1e-12 = 0: a loss of 0 (perplexity 1)
+    for a split that measured nothing. It is NaN now."""
+
+    class Empty(ToyTask):
+        def evaluate(self, params, state):
+            return {"loss": (0.0, 0.0), "mse": (2.0, 4.0)}
+
+    tr = Trainer(_cfg(tmp_path, steps=1), Empty(), *_toy_model())
+    out = tr.evaluate()
+    assert math.isnan(out["loss"]) and out["mse"] == 0.5

@@ -444,3 +444,26 @@ def test_an_unreachable_hub_names_the_local_route(tmp_path: Path, monkeypatch, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "python -m loaders.prepare FILE --out DIR" in err[0], err
     assert "--corpus python=DIR" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("corpus", "message"),
+    [
+        (["a={src}", "a={src}"], "sub-dataset 'a' is named twice"),
+        (["a={src}:/tmp/*.py"], "the glob '/tmp/\\*.py' is absolute"),
+        (["../../x={src}"], "is not a sub-dataset name"),
+    ],
+)
+def test_corpus_flags_that_would_drop_or_escape_are_one_line(
+    tmp_path: Path, capsys, corpus: list[str], message: str
+) -> None:
+    """A name given twice kept only the last folder; an absolute glob was a traceback;
+    a name with path separators wrote shards outside the cache."""
+    (tmp_path / "src").mkdir()
+    argv = []
+    for c in corpus:
+        argv += ["--corpus", c.format(src=tmp_path / "src")]
+    assert main(_argv(tmp_path, "r", *argv)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    assert not (tmp_path / "r").exists()

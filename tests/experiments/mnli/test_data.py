@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from comera.errors import DataError
 from experiments.mnli import data as md
 from experiments.mnli import generated as mg
 from experiments.mnli.batches import BatchIterator, EncodedSplit, eval_batches
@@ -355,3 +356,30 @@ def test_eval_batches_in_order_without_dropping():
 
 
 # The generated task itself (rules, balance, cue baselines, files): test_mnli_generated.py
+
+
+def test_splits_left_empty_and_boolean_labels_are_refused(tmp_path, gen_files):
+    """An eval split with no labelled example scored loss 0 and accuracy 0 as if measured;
+    a JSON ``true`` passed as label 1. Both are refused, naming the file."""
+    tok = str(gen_files[2])
+    train = _write(tmp_path / "t.jsonl", ROWS)
+    dev = _write(tmp_path / "dev.jsonl", [dict(r, label=-1) for r in ROWS])
+    with pytest.raises(DataError, match=r"dev\.jsonl \(v\) holds no labelled example .* 3 rows"):
+        load_mnli(MNLIDataConfig(train_file=train, eval_files={"v": dev}, tokenizer=tok))
+    flag = _write(tmp_path / "b.jsonl", [{"premise": "a", "hypothesis": "b", "label": True}])
+    with pytest.raises(DataError, match=r"label True"):
+        load_mnli(MNLIDataConfig(train_file=flag, tokenizer=tok))
+
+
+def test_a_dataset_without_the_config_names_the_field(monkeypatch, gen_files):
+    """A local dataset folder (or another hub dataset) has no ``mnli`` config: one line
+    naming ``data.dataset_config``, not datasets' bare ValueError."""
+    import datasets
+
+    def load(name, config):
+        raise ValueError(f"BuilderConfig '{config}' not found. Available: ['default']")
+
+    monkeypatch.setattr(datasets, "load_dataset", load)
+    with pytest.raises(DataError, match=r"no config 'mnli' .*Available: \['default'\].*"
+                                        r"data\.dataset_config"):  # fmt: skip
+        load_mnli(MNLIDataConfig(dataset="/data/nli", tokenizer=str(gen_files[2])))

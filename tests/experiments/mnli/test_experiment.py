@@ -348,3 +348,15 @@ def test_bad_local_data_is_reported_before_the_tokenizer_loads(tmp_path, capsys,
     argv = ["--tokenizer", str(tmp_path / "tok.json"), "--wandb", "disabled"]
     assert mnli.main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
     assert "tok.json' does not exist; pass --tokenizer" in _one_error_line(capsys)
+
+
+def test_eval_file_names_are_unique_and_paths_may_hold_equals() -> None:
+    """Two unnamed eval files of one stem (a/dev.jsonl, b/dev.jsonl) kept only the last;
+    a path holding '=' was cut there as if it named its split."""
+    from comera.errors import ConfigError
+    from experiments.mnli.experiment import _parse_eval_files
+
+    assert _parse_eval_files(["/data/run=1/dev.jsonl", "m=/x/y.jsonl"]) == {
+        "dev": "/data/run=1/dev.jsonl", "m": "/x/y.jsonl"}  # fmt: skip
+    with pytest.raises(ConfigError, match="split name 'dev' is taken by 'a/dev.jsonl'"):
+        _parse_eval_files(["a/dev.jsonl", "b/dev.jsonl"])
