@@ -224,6 +224,8 @@ def _parse_table(path: str, fmt: str) -> pa.Table:
 
 def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
     fields = ("premise_column", "hypothesis_column", "label_column")
+    if not table.num_columns:  # an empty file: "missing column, columns present: []"
+        raise DataError(f"{source} is empty: no rows, no columns; check the path")
     for name in fields:
         col = getattr(cfg, name)
         if col not in table.column_names:

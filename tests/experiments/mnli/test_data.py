@@ -366,6 +366,9 @@ def test_splits_left_empty_and_boolean_labels_are_refused(tmp_path, gen_files):
     dev = _write(tmp_path / "dev.jsonl", [dict(r, label=-1) for r in ROWS])
     with pytest.raises(DataError, match=r"dev\.jsonl \(v\) holds no labelled example .* 3 rows"):
         load_mnli(MNLIDataConfig(train_file=train, eval_files={"v": dev}, tokenizer=tok))
+    (tmp_path / "empty.jsonl").write_text("")  # not "missing column, columns present: []"
+    with pytest.raises(DataError, match=r"empty\.jsonl is empty"):
+        load_mnli(MNLIDataConfig(train_file=str(tmp_path / "empty.jsonl"), tokenizer=tok))
     flag = _write(tmp_path / "b.jsonl", [{"premise": "a", "hypothesis": "b", "label": True}])
     with pytest.raises(DataError, match=r"label True"):
         load_mnli(MNLIDataConfig(train_file=flag, tokenizer=tok))
