@@ -60,7 +60,7 @@ def read_result(path: Path, flag: str = "--render") -> dict:
         result = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise DataError(f"{flag} {path}: no such file") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # JSONDecodeError, or bytes that are not UTF-8
         raise DataError(f"{flag} {path}: cannot read it as JSON ({e})") from None
     if not isinstance(result, dict):
         raise DataError(f"{flag} {path}: expected a JSON object, got {type(result).__name__}")

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.reporting import add_threads_flag, render_saved, write_text
+from benchmarks.reporting import TINY_NEEDS_OUT, add_threads_flag, render_saved, write_text
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
 from experiments.host import cpu_model, report_header
@@ -247,6 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     if bad or args.repeats < 1:
         print(f"step_modes: unknown model or mode {bad} (models {MODELS}, modes {MODES}), "
               "or --repeats < 1", file=sys.stderr)  # fmt: skip
+        return 2
+    if not models or not modes:  # an empty table would replace the report
+        print(f"step_modes: --models and --modes need at least one of {MODELS} and {MODES}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.threads < 1:  # each worker would fail in torch.set_num_threads
+        print(f"step_modes: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
+    if args.tiny and args.out is None:  # toy figures must not replace the report's
+        print(f"step_modes: {TINY_NEEDS_OUT}", file=sys.stderr)
         return 2
     try:
         check_device(args.device)

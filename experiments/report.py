@@ -92,10 +92,13 @@ def smoke_report_main(
     argv: list[str] | None,
     description: str,
     render: Callable[[dict, Path], str] | None = None,
+    bench_section: Callable[[dict], list[str]] | None = None,
 ) -> int:
     """The ``python -m experiments.<name>.report`` command: the smoke preset's CoMERA and
     dense runs (``RUNS/<name>-smoke``, ``-smoke-dense``), then ``write(runs, out, bench,
-    command=...)``; with ``--from-json FILE``, ``render(json, out)`` alone (no training)."""
+    command=...)``; with ``--from-json FILE``, ``render(json, out)`` alone (no training).
+    ``bench_section`` renders the ``--bench-json`` figures: tried on them first, so another
+    benchmark's JSON is refused before any run trains or any report file is written."""
     prog = f"python -m experiments.{name}.report"
     ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--runs", default="runs")
@@ -125,6 +128,14 @@ def smoke_report_main(
     if args.bench_json:  # read before training: a bad path fails now, not after the runs
         try:
             bench = _read_bench(Path(args.bench_json))
+            if bench_section is not None:
+                try:
+                    bench_section(bench)
+                except (KeyError, TypeError, IndexError, ValueError) as e:
+                    raise DataError(
+                        f"--bench-json {args.bench_json}: not python -m benchmarks.{name}_step's "
+                        f"JSON (it lacks {e})"
+                    ) from None
         except DataError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
@@ -273,7 +284,7 @@ def _load_json(path: Path, flag: str, what: str) -> object:
         raise MissingFileError(f"{flag} {path}: no such file; give {what}")
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8 text
         raise DataError(f"{flag} {path}: not JSON ({e})") from None
 
 

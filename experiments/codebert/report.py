@@ -397,7 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.codebert.experiment import main as exp_main
 
     return smoke_report_main(
-        "codebert", exp_main, write_report, argv, __doc__.split("\n")[0], render=render
+        "codebert",
+        exp_main,
+        write_report,
+        argv,
+        __doc__.split("\n")[0],
+        render=render,
+        bench_section=_bench_section,
     )
 
 

@@ -322,7 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         restart_for(CPU_MALLOC)
 
     return smoke_report_main(
-        "dlrm", exp_main, write_report, argv, __doc__.split("\n")[0], render=render
+        "dlrm",
+        exp_main,
+        write_report,
+        argv,
+        __doc__.split("\n")[0],
+        render=render,
+        bench_section=_bench_section,
     )
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import codebert_step, efficiency, mnli_step, tensorize
+from benchmarks import codebert_step, efficiency, mnli_step, step_modes, tensorize
 
 
-@pytest.mark.parametrize("bench", [mnli_step, codebert_step, tensorize, efficiency])
+@pytest.mark.parametrize("bench", [mnli_step, codebert_step, tensorize, efficiency, step_modes])
 def test_tiny_without_out_is_refused_in_one_line(bench, capsys) -> None:  # noqa: ANN001
     assert bench.main(["--tiny"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -20,6 +20,20 @@ def test_tiny_without_out_is_refused_in_one_line(bench, capsys) -> None:  # noqa
 def test_mnli_step_refuses_zero_threads(capsys) -> None:
     assert mnli_step.main(["--threads", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "text"),
+    [
+        (["--threads", "0"], "--threads must be >= 1"),  # each worker's traceback
+        (["--models", ","], "need at least one of"),  # an empty table over the report
+    ],
+)
+def test_step_modes_refuses_what_would_fail_or_write_nothing(tmp_path, capsys, argv, text) -> None:
+    assert step_modes.main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and text in err[0], err
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(

@@ -115,14 +115,24 @@ def test_a_bad_bench_json_fails_before_any_training(tmp_path: Path, capsys) -> N
         raise AssertionError("a bad --bench-json must fail before training")
 
     (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "bytes.json").write_bytes(b"\xc5\xff{")  # not UTF-8: a traceback before
+    (tmp_path / "other.json").write_text(json.dumps({"date": "d"}))  # another bench's
     for path, why in [
         (tmp_path / "none.json", "no such file"),
         (tmp_path / "bad.json", "not JSON"),
+        (tmp_path / "bytes.json", "not JSON"),
+        (tmp_path / "other.json", "not python -m benchmarks.x_step's JSON (it lacks 'variants')"),
     ]:
         argv = ["--bench-json", str(path), "--runs", str(tmp_path / "runs")]
-        assert report.smoke_report_main("x", no_training, None, argv, "x") == 2
+        assert (
+            report.smoke_report_main(
+                "x", no_training, None, argv, "x", bench_section=lambda b: [b["variants"]]
+            )
+            == 2
+        )
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"--bench-json {path}: {why}" in err[0]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_rank_table_shows_the_late_stage_target_and_how_it_was_met():
