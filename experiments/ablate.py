@@ -265,6 +265,8 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     of single-key ablations."""
     if values is None:
         return ABLATIONS[name](cfg, exp)
+    if not any(v.strip() for v in values.split(",")):  # an empty report over the real one
+        raise cli.CLIError(f"--values {values!r}: give at least one value")
     if name == "compression":
         what = "compression factors beyond the early stage (1 = the late stage off)"
         return _compression_variants(_factors(values, what))
@@ -318,12 +320,16 @@ def run_ablation(
         print(f"ablate {name}: {v.label} -> {run_dir}", file=sys.stderr)
         # the ablation's own output: rerun afresh (the old runs kept until one trains)
         run = _prepare_afresh(exp, cfg, run_dir, keep_old=not records)
+        record = runs_root / ABLATION_RECORD
         if command is not None and not records:  # prepared: this command trains the runs
             runs_root.mkdir(parents=True, exist_ok=True)
-            (runs_root / ABLATION_RECORD).write_text(json.dumps({"command": command}) + "\n")
+            record.write_text(json.dumps({"command": command, "finished": []}) + "\n")
         final = cli.train(run)
         record_host(run_dir)  # the machine, torch and date the report's header names
         records.append({"label": v.label, "dir": run_dir, "final": final})
+        if command is not None:  # what --report-only may show under this command
+            done = [r["label"] for r in records]
+            record.write_text(json.dumps({"command": command, "finished": done}) + "\n")
     return records
 
 
@@ -664,6 +670,25 @@ def _recorded_command(record: Path, default: str) -> str:
     return command
 
 
+def _recorded_finished(record: Path) -> list[str] | None:
+    """The variants an ablation's ``record`` says its command finished (None in a record
+    written before it kept them)."""
+    saved = json.loads(record.read_text())
+    done = saved.get("finished") if isinstance(saved, dict) else None
+    return [str(x) for x in done] if isinstance(done, list) else None
+
+
+def _values_of(command: str) -> str | None:
+    """The ``--values`` a recorded ablation command was given (None: its defaults)."""
+    words = command.split()
+    for i, w in enumerate(words):
+        if w == "--values" and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith("--values="):
+            return w.partition("=")[2]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from_command_line = argv is None  # only a command may re-execute itself
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -702,9 +727,20 @@ def main(argv: list[str] | None = None) -> int:
         command = "python -m experiments.ablate " + " ".join(ran)
         record = root / ABLATION_RECORD
         if args.report_only:
+            finished = None
             if record.is_file():
                 command = _recorded_command(record, command)
+                finished = _recorded_finished(record)
+                if args.values is None:  # the variants the recorded command trained
+                    chosen = variants(args.ablation, base, exp, _values_of(command))
             records = [{"label": v.label, "dir": variant_dir(root, v.label)} for v in chosen]
+            unfinished = [r["label"] for r in records
+                          if finished is not None and r["label"] not in finished]  # fmt: skip
+            if unfinished:  # a run cut short, or one an earlier command trained
+                raise cli.CLIError(
+                    f"--report-only: variants {unfinished} did not finish under the recorded "
+                    f"command ({command}); rerun it without --report-only"
+                )
             missing = [str(r["dir"]) for r in records if not (r["dir"] / "metrics.jsonl").is_file()]
             if missing:
                 more = f" (and {len(missing) - 1} more variants)" if len(missing) > 1 else ""

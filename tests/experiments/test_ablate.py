@@ -238,7 +238,12 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch, capsys):
     assert (first / "metrics.jsonl").read_text() == "trained\n"
     assert not first.with_name(first.name + ".replaced").exists()
     monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
+    # the recorded command's 0.1 was refused: its variants are not all its own runs
+    assert ablate.main() == 2
+    assert "variants ['0.1'] did not finish under the recorded" in capsys.readouterr().err
+    assert ablate.main([*args, "--values", "0.05,0.1"]) == 0  # the whole command again
     last = " ".join([*args, "--values", "0.05,0.1"])  # the last command that trained
+    # its --values are read back from the record: no --values needed to rebuild it
     assert ablate.main() == 0 and cmds[-1] == "python -m experiments.ablate " + last
     record = next(tmp_path.glob("ablate-*/ablation.json"))
     for damaged in ("not json", "[1]", '{"command": 3}'):  # one line naming the file
@@ -247,6 +252,32 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch, capsys):
         assert str(record) in capsys.readouterr().err.strip().splitlines()[-1]
     monkeypatch.setattr("sys.argv", ["ablate", *args])
     assert ablate.main() == 0 and calls == ["lean"]  # DLRM's presets train under lean
+
+
+def test_empty_values_and_interrupted_runs_are_refused(tmp_path, monkeypatch, capsys):
+    """An empty --values wrote an empty report over the real one; --report-only after a
+    command cut short showed the killed run and an older command's runs under the new
+    command's name."""
+    for values in ("", ","):
+        assert ablate.main(["gamma", "--values", values, "--runs-dir", str(tmp_path)]) == 2
+        assert "give at least one value" in capsys.readouterr().err
+    trained: list[str] = []
+
+    def train(run):  # the second variant is killed mid-run
+        trained.append(run.train.run_dir)
+        Path(run.train.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(run.train.run_dir) / "metrics.jsonl").write_text("trained\n")
+        if len(trained) == 2:
+            raise KeyboardInterrupt
+        return {}
+
+    monkeypatch.setattr(ablate.cli, "prepare", lambda exp, cfg: cfg)
+    monkeypatch.setattr(ablate.cli, "train", train)
+    args = ["gamma", "--experiment", "dlrm", "--runs-dir", str(tmp_path), "--values", "0.1,0.2"]
+    with pytest.raises(KeyboardInterrupt):
+        ablate.main(args)
+    assert ablate.main([*args, "--report-only", "--reports", str(tmp_path)]) == 2
+    assert "variants ['0.2'] did not finish" in capsys.readouterr().err
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
