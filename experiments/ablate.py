@@ -277,7 +277,7 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     key = _rank_key(cfg) if name == "rank" else _KEYS[name]
     if name == "hot_rows":
         _require_model_field(cfg, name)
-    return [Variant(v, ((key, v),)) for v in values.split(",") if v]
+    return [Variant(v, ((key, v),)) for v in (x.strip() for x in values.split(",")) if v]
 
 
 def variant_dir(runs_root: Path, label: str) -> Path:
@@ -297,6 +297,7 @@ def run_ablation(
     *,
     text_values: bool = False,
     command: str | None = None,
+    argv: list[str] | None = None,
 ) -> list[dict]:
     """Train every variant of ``base``; returns one record per variant. ``command``, the
     one that trains them, is kept in ``runs_root`` once the first variant is prepared (a
@@ -323,13 +324,14 @@ def run_ablation(
         record = runs_root / ABLATION_RECORD
         if command is not None and not records:  # prepared: this command trains the runs
             runs_root.mkdir(parents=True, exist_ok=True)
-            record.write_text(json.dumps({"command": command, "finished": []}) + "\n")
+            record.write_text(json.dumps({"command": command, "argv": argv, "finished": []}) + "\n")
         final = cli.train(run)
         record_host(run_dir)  # the machine, torch and date the report's header names
         records.append({"label": v.label, "dir": run_dir, "final": final})
         if command is not None:  # what --report-only may show under this command
             done = [r["label"] for r in records]
-            record.write_text(json.dumps({"command": command, "finished": done}) + "\n")
+            kept = {"command": command, "argv": argv, "finished": done}
+            record.write_text(json.dumps(kept) + "\n")
     return records
 
 
@@ -678,15 +680,20 @@ def _recorded_finished(record: Path) -> list[str] | None:
     return [str(x) for x in done] if isinstance(done, list) else None
 
 
-def _values_of(command: str) -> str | None:
-    """The ``--values`` a recorded ablation command was given (None: its defaults)."""
-    words = command.split()
-    for i, w in enumerate(words):
-        if w == "--values" and i + 1 < len(words):
-            return words[i + 1]
-        if w.startswith("--values="):
-            return w.partition("=")[2]
-    return None
+def _recorded_values(record: Path, ap: argparse.ArgumentParser) -> str | None:
+    """The ``--values`` the recorded command was given, parsed as the command parsed them
+    (abbreviations, repeats, spaces); None for its defaults, or a record without its
+    arguments (written before they were kept)."""
+    saved = json.loads(record.read_text())
+    argv = saved.get("argv") if isinstance(saved, dict) else None
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        return None
+    try:
+        return ap.parse_args(argv).values
+    except SystemExit:  # (argparse's own exit) a record this parser cannot read
+        raise cli.CLIError(
+            f"--report-only: {record} holds arguments this command refuses; delete it"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -732,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
                 command = _recorded_command(record, command)
                 finished = _recorded_finished(record)
                 if args.values is None:  # the variants the recorded command trained
-                    chosen = variants(args.ablation, base, exp, _values_of(command))
+                    chosen = variants(args.ablation, base, exp, _recorded_values(record, ap))
             records = [{"label": v.label, "dir": variant_dir(root, v.label)} for v in chosen]
             unfinished = [r["label"] for r in records
                           if finished is not None and r["label"] not in finished]  # fmt: skip
@@ -758,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
                 # --values text goes to the config as typed; compression's are parsed here
                 text_values=args.values is not None and args.ablation != "compression",
                 command=command,
+                argv=ran,
             )
     except cli.USER_ERRORS as e:  # bad input: one line; anything else keeps its traceback
         return cli.user_error(ap.prog, e)

@@ -86,6 +86,18 @@ class CorpusConfig:
             raise ConfigError(f"data.source={self.source!r}; choose 'stdlib', 'paths' or 'hub'")
         if self.source == "paths" and not self.paths:
             raise ConfigError("data.source='paths' needs --corpus NAME=FOLDER")
+        for name in self.paths:  # a name is a cache folder's name
+            if name in ("", ".", "..") or "/" in name or "\\" in name:
+                raise ConfigError(
+                    f"data.paths: {name!r} is not a sub-dataset name (no path separators, "
+                    "not . or ..); name it as in --corpus NAME=FOLDER"
+                )
+        for name, glob in self.globs.items():
+            if Path(glob).is_absolute():  # Path.glob refuses it with a traceback
+                raise ConfigError(
+                    f"data.globs: the glob {glob!r} of {name!r} is absolute; give a pattern "
+                    "relative to the folder (e.g. **/*.py)"
+                )
         stray = sorted(set(self.globs) - set(self.paths))
         if stray:
             raise ConfigError(
@@ -324,6 +336,8 @@ def _parse_pairs(flag: str, text: str, convert: type) -> dict:
         name, sep, value = item.partition("=")
         if not sep or not name:
             raise cli.CLIError(f"{flag} {item!r}: expected NAME=VALUE")
+        if name in out:  # the later one replaced the earlier without a word
+            raise cli.CLIError(f"{flag} {text!r}: {name!r} is named twice")
         try:
             out[name] = convert(value)
         except ValueError:
@@ -348,17 +362,7 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
             for name, value in _parse_pairs("--corpus", item, str).items():
                 if name in paths:  # the later one replaced the earlier without a word
                     raise cli.CLIError(f"--corpus {item!r}: sub-dataset {name!r} is named twice")
-                if name in (".", "..") or "/" in name or "\\" in name:  # its cache folder
-                    raise cli.CLIError(
-                        f"--corpus {item!r}: {name!r} is not a sub-dataset name (no path "
-                        "separators, not . or ..)"
-                    )
                 paths[name], glob = _folder_and_glob(value)
-                if glob and Path(glob).is_absolute():
-                    raise cli.CLIError(
-                        f"--corpus {item!r}: the glob {glob!r} is absolute; give a pattern "
-                        "relative to the folder (e.g. **/*.py)"
-                    )
                 if glob:
                     globs[name] = glob
         out += [("data.paths", paths), ("data.source", "paths")]  # paths first: validated

@@ -232,7 +232,8 @@ def _parse_eval_files(values: list[str] | None) -> dict[str, str] | None:
     out: dict[str, str] = {}
     for v in values:
         name, sep, path = v.partition("=")
-        if not sep or "/" in name or "\\" in name:  # a path (which may hold "="), unnamed
+        # a path (which may hold "="), unnamed: one that exists, or whose "name" is a path
+        if not sep or "/" in name or "\\" in name or Path(v).is_file():
             name, path = Path(v).stem, v
         if name in out:  # the later one replaced the earlier without a word
             raise ConfigError(

@@ -26,7 +26,7 @@ def test_mnli_step_refuses_zero_threads(capsys) -> None:
     ("argv", "text"),
     [
         (["--threads", "0"], "--threads must be >= 1"),  # each worker's traceback
-        (["--models", ","], "need at least one of"),  # an empty table over the report
+        (["--models", ","], "--models needs at least one of"),  # an empty table over the report
     ],
 )
 def test_step_modes_refuses_what_would_fail_or_write_nothing(tmp_path, capsys, argv, text) -> None:

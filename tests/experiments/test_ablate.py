@@ -261,13 +261,14 @@ def test_empty_values_and_interrupted_runs_are_refused(tmp_path, monkeypatch, ca
     for values in ("", ","):
         assert ablate.main(["gamma", "--values", values, "--runs-dir", str(tmp_path)]) == 2
         assert "give at least one value" in capsys.readouterr().err
-    trained: list[str] = []
+    trained: list = []
+    kill_at = [2]  # the second variant is killed mid-run
 
-    def train(run):  # the second variant is killed mid-run
+    def train(run):
         trained.append(run.train.run_dir)
         Path(run.train.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(run.train.run_dir) / "metrics.jsonl").write_text("trained\n")
-        if len(trained) == 2:
+        if len(trained) == kill_at[0]:
             raise KeyboardInterrupt
         return {}
 
@@ -278,6 +279,15 @@ def test_empty_values_and_interrupted_runs_are_refused(tmp_path, monkeypatch, ca
         ablate.main(args)
     assert ablate.main([*args, "--report-only", "--reports", str(tmp_path)]) == 2
     assert "variants ['0.2'] did not finish" in capsys.readouterr().err
+    # the recorded values are read back as the command parsed them: an abbreviated flag,
+    # spaces, a repeat (the last wins); the report then shows exactly those variants
+    monkeypatch.setattr(ablate, "write_report", lambda name, recs, out, cmd: trained.append(
+        [r["label"] for r in recs]) or out.write_text(""))  # fmt: skip
+    base = ["gamma", "--experiment", "dlrm", "--runs-dir", str(tmp_path / "b")]
+    kill_at[0] = 0  # no kill from here on
+    assert ablate.main([*base, "--values", "9", "--val", "0.05, 0.1"]) == 0
+    assert ablate.main([*base, "--report-only", "--reports", str(tmp_path)]) == 0
+    assert trained[-1] == ["0.05", "0.1"]
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

@@ -450,8 +450,10 @@ def test_an_unreachable_hub_names_the_local_route(tmp_path: Path, monkeypatch, c
     ("corpus", "message"),
     [
         (["a={src}", "a={src}"], "sub-dataset 'a' is named twice"),
-        (["a={src}:/tmp/*.py"], "the glob '/tmp/\\*.py' is absolute"),
+        (["a={src}:/tmp/*.py"], "the glob '/tmp/\\*.py' of 'a' is absolute"),
         (["../../x={src}"], "is not a sub-dataset name"),
+        (["a={src},a={src}"], "'a' is named twice"),  # within one flag too
+        (["a={src}", "--set", 'data.paths={{"../x": "{src}"}}'], "is not a sub-dataset name"),
     ],
 )
 def test_corpus_flags_that_would_drop_or_escape_are_one_line(
@@ -462,7 +464,8 @@ def test_corpus_flags_that_would_drop_or_escape_are_one_line(
     (tmp_path / "src").mkdir()
     argv = []
     for c in corpus:
-        argv += ["--corpus", c.format(src=tmp_path / "src")]
+        argv += [c.format(src=tmp_path / "src")] if c.startswith(("--", "data.")) else [
+            "--corpus", c.format(src=tmp_path / "src")]  # fmt: skip
     assert main(_argv(tmp_path, "r", *argv)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(message, err[0]), err

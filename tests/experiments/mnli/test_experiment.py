@@ -350,7 +350,7 @@ def test_bad_local_data_is_reported_before_the_tokenizer_loads(tmp_path, capsys,
     assert "tok.json' does not exist; pass --tokenizer" in _one_error_line(capsys)
 
 
-def test_eval_file_names_are_unique_and_paths_may_hold_equals() -> None:
+def test_eval_file_names_are_unique_and_paths_may_hold_equals(tmp_path, monkeypatch) -> None:
     """Two unnamed eval files of one stem (a/dev.jsonl, b/dev.jsonl) kept only the last;
     a path holding '=' was cut there as if it named its split."""
     from comera.errors import ConfigError
@@ -358,5 +358,9 @@ def test_eval_file_names_are_unique_and_paths_may_hold_equals() -> None:
 
     assert _parse_eval_files(["/data/run=1/dev.jsonl", "m=/x/y.jsonl"]) == {
         "dev": "/data/run=1/dev.jsonl", "m": "/x/y.jsonl"}  # fmt: skip
+    (tmp_path / "run=1").mkdir()
+    (tmp_path / "run=1" / "dev.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)  # a relative path that exists is a path, "=" or not
+    assert _parse_eval_files(["run=1/dev.jsonl"]) == {"dev": "run=1/dev.jsonl"}
     with pytest.raises(ConfigError, match="split name 'dev' is taken by 'a/dev.jsonl'"):
         _parse_eval_files(["a/dev.jsonl", "b/dev.jsonl"])
