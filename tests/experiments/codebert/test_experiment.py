@@ -470,3 +470,18 @@ def test_corpus_flags_that_would_drop_or_escape_are_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(message, err[0]), err
     assert not (tmp_path / "r").exists()
+
+
+def test_an_empty_held_out_part_is_refused(tmp_path: Path, capsys) -> None:
+    """The held-out file of a corpus is empty: the held-out loss used to read 0 and the
+    perplexity 1, as if measured; the build now refuses it naming data.heldout."""
+    import json as _json
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("")  # the one file held out (the smallest hash of the two)
+    (src / "b.py").write_text(Path(_json.__file__).read_text())  # a real module
+    assert main(_argv(tmp_path, "r", "--corpus", f"e={src}")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gives no batch" in err[0] and "data.heldout" in err[0], err
+    assert not (tmp_path / "r").exists()
