@@ -111,8 +111,10 @@ class RunLog:
         import wandb  # lazily: runs without wandb never import it
 
         id_path = self.run_dir / WANDB_ID
-        run_id = id_path.read_text().strip() if id_path.is_file() else None
-        if run_id is None:
+        # only a resume continues the recorded wandb run: a fresh one (a restart of a run
+        # that stopped before its first checkpoint) is a new run, not the stopped one's
+        run_id = id_path.read_text().strip() if resume and id_path.is_file() else None
+        if not run_id:
             run_id = uuid.uuid4().hex[:8]  # wandb's id alphabet: lowercase letters, digits
             id_path.write_text(run_id + "\n")
         try:

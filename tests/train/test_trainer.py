@@ -622,3 +622,27 @@ def test_an_empty_held_out_split_is_nan_not_a_perfect_score(tmp_path):
     tr = Trainer(_cfg(tmp_path, steps=1), Empty(), *_toy_model())
     out = tr.evaluate()
     assert math.isnan(out["loss"]) and out["mse"] == 0.5
+
+
+def test_only_a_resume_continues_the_recorded_wandb_run(tmp_path, monkeypatch):
+    """A fresh run in a dir whose stopped attempt left a wandb id (the CLI restarts such a
+    run from step 0) reused that id; it starts a wandb run of its own now."""
+    import importlib.machinery
+    import types
+
+    from comera.train.logging import WANDB_ID, RunLog
+
+    seen: list[tuple] = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: seen.append((kw["id"], kw["resume"])) or types.SimpleNamespace()
+    fake.errors = types.SimpleNamespace(Error=RuntimeError)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = _cfg(tmp_path, wandb="offline")
+    Path(cfg.run_dir).mkdir(parents=True)
+    (Path(cfg.run_dir) / WANDB_ID).write_text("stale123\n")
+    RunLog(cfg, 0, {}, resume=False)
+    fresh = (Path(cfg.run_dir) / WANDB_ID).read_text().strip()
+    RunLog(cfg, 0, {}, resume=True)
+    assert seen[0][0] != "stale123" and seen[0][0] == fresh and seen[0][1] is None
+    assert seen[1] == (fresh, "allow")  # a resume continues the recorded run
