@@ -128,6 +128,11 @@ def smoke_report_main(
     if args.bench_json:  # read before training: a bad path fails now, not after the runs
         try:
             bench = _read_bench(Path(args.bench_json))
+            if bench.get("tiny"):  # a toy model's figures, not the report's
+                raise DataError(
+                    f"--bench-json {args.bench_json}: a --tiny run's figures (a toy model); "
+                    f"give a full python -m benchmarks.{name}_step --json result"
+                )
             if bench_section is not None:
                 try:
                     bench_section(bench)

@@ -117,7 +117,9 @@ def test_a_bad_bench_json_fails_before_any_training(tmp_path: Path, capsys) -> N
     (tmp_path / "bad.json").write_text("{")
     (tmp_path / "bytes.json").write_bytes(b"\xc5\xff{")  # not UTF-8: a traceback before
     (tmp_path / "other.json").write_text(json.dumps({"date": "d"}))  # another bench's
+    (tmp_path / "toy.json").write_text(json.dumps({"tiny": True}))
     for path, why in [
+        (tmp_path / "toy.json", "a --tiny run's figures (a toy model)"),
         (tmp_path / "none.json", "no such file"),
         (tmp_path / "bad.json", "not JSON"),
         (tmp_path / "bytes.json", "not JSON"),
