@@ -184,7 +184,9 @@ class Resume:
 
 
 def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True) -> Resume:
-    """Check rank states against the current corpus/config and merge their cursors.
+    """Check rank states against the current corpus/config and merge their cursors. Each
+    state must have passed :func:`check_state` (``TokenLoader.load_state_dict`` checks
+    every one before anything reads it).
 
     ``complete=False`` accepts a subset of ranks (a rank reloading its own state).
     """
@@ -192,7 +194,6 @@ def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True
         raise LoaderInputError("no loader states given: pass a rank's state or every rank's")
     L = fingerprint["num_shards"]
     for s in states:
-        check_state(s)
         fp = s["fingerprint"]
         for key in ("num_shards", "seed", "shuffle"):
             if fp[key] != fingerprint[key]:

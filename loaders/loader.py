@@ -32,7 +32,7 @@ from loaders.checkpoint import (
 from loaders.config import LoaderConfig, is_int
 from loaders.errors import LoaderInputError
 from loaders.mixing import Mixer
-from loaders.pipeline import Layout, ReaderPipeline, open_source
+from loaders.pipeline import Layout, ReaderPipeline, holds_long, open_source
 from loaders.shards import owned_shards
 
 _STATE_KEY = "_reader_state"
@@ -211,8 +211,7 @@ class TokenLoader:
         """Whether sub-dataset ``name`` holds a document of ``min_doc_len`` tokens (scanned
         once, up to the first such document; cached)."""
         if name not in self._has_long:
-            src, n = self.sources[name], self.config.min_doc_len
-            self._has_long[name] = any(len(src.doc(i)) >= n for i in range(int(src.num_docs)))
+            self._has_long[name] = holds_long(self.sources[name], self.config.min_doc_len)
         return self._has_long[name]
 
     def _start_pipes(self) -> None:

@@ -33,6 +33,12 @@ def open_source(spec: DatasetSpec, cache_dir: Any = None) -> Any:
     return TokenFolder(spec.path, token_column=spec.token_column, cache_dir=cache_dir)
 
 
+def holds_long(src: Any, min_len: int) -> bool:
+    """Whether source ``src`` holds a document of ``min_len`` tokens, scanning its
+    documents in order up to the first such one."""
+    return any(len(src.doc(i)) >= min_len for i in range(int(src.num_docs)))
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """Where a reader sits: rank in world, worker among the rank's dataloader workers."""
@@ -265,8 +271,7 @@ class ReaderPipeline:
         if sc.mode == "none":
             self._has_long[name] = False
         elif name not in self._has_long:
-            src, min_len = self.sources[name], self.config.min_doc_len
-            self._has_long[name] = any(len(src.doc(i)) >= min_len for i in range(sc.num_docs))
+            self._has_long[name] = holds_long(self.sources[name], self.config.min_doc_len)
         return self._has_long[name]
 
     # -- packing -----------------------------------------------------------------------
