@@ -316,22 +316,24 @@ def run_ablation(
         if name == "contraction":  # every step's loss: step 1 is the equivalence check
             over.append(("train.log_every", 1))
         built.append((v, cli.apply_overrides(cfg, over, []), run_dir))
+
+    def keep(finished: list[str]) -> None:  # the record --report-only reads
+        kept = {"command": command, "argv": argv, "finished": finished}
+        (runs_root / ABLATION_RECORD).write_text(json.dumps(kept) + "\n")
+
     records = []
     for v, cfg, run_dir in built:
         print(f"ablate {name}: {v.label} -> {run_dir}", file=sys.stderr)
         # the ablation's own output: rerun afresh (the old runs kept until one trains)
         run = _prepare_afresh(exp, cfg, run_dir, keep_old=not records)
-        record = runs_root / ABLATION_RECORD
         if command is not None and not records:  # prepared: this command trains the runs
             runs_root.mkdir(parents=True, exist_ok=True)
-            record.write_text(json.dumps({"command": command, "argv": argv, "finished": []}) + "\n")
+            keep([])
         final = cli.train(run)
         record_host(run_dir)  # the machine, torch and date the report's header names
         records.append({"label": v.label, "dir": run_dir, "final": final})
         if command is not None:  # what --report-only may show under this command
-            done = [r["label"] for r in records]
-            kept = {"command": command, "argv": argv, "finished": done}
-            record.write_text(json.dumps(kept) + "\n")
+            keep([r["label"] for r in records])
     return records
 
 
@@ -659,9 +661,10 @@ def _plot_size(rows: list[dict], axes: Any) -> None:
     ax.legend(fontsize=8)
 
 
-def _recorded_command(record: Path, default: str) -> str:
-    """The training command kept in an ablation's ``record`` (``default`` when it names
-    none); an unreadable record is a one-line error naming the file."""
+def _read_record(record: Path, default: str) -> dict:
+    """An ablation's ``record``, read once: its training ``command`` (``default`` when it
+    names none) and what else it kept; an unreadable record is a one-line error naming
+    the file."""
     try:
         saved = json.loads(record.read_text())
     except (ValueError, OSError) as e:  # not JSON, bad UTF-8, unreadable
@@ -669,23 +672,21 @@ def _recorded_command(record: Path, default: str) -> str:
     command = saved.get("command", default) if isinstance(saved, dict) else None
     if not isinstance(command, str):
         raise cli.CLIError(f"--report-only: {record} names no training command; delete it")
-    return command
+    return {**saved, "command": command}
 
 
-def _recorded_finished(record: Path) -> list[str] | None:
-    """The variants an ablation's ``record`` says its command finished (None in a record
-    written before it kept them)."""
-    saved = json.loads(record.read_text())
-    done = saved.get("finished") if isinstance(saved, dict) else None
+def _recorded_finished(saved: dict) -> list[str] | None:
+    """The variants a read record says its command finished (None in a record written
+    before it kept them)."""
+    done = saved.get("finished")
     return [str(x) for x in done] if isinstance(done, list) else None
 
 
-def _recorded_values(record: Path, ap: argparse.ArgumentParser) -> str | None:
+def _recorded_values(saved: dict, record: Path, ap: argparse.ArgumentParser) -> str | None:
     """The ``--values`` the recorded command was given, parsed as the command parsed them
     (abbreviations, repeats, spaces); None for its defaults, or a record without its
     arguments (written before they were kept)."""
-    saved = json.loads(record.read_text())
-    argv = saved.get("argv") if isinstance(saved, dict) else None
+    argv = saved.get("argv")
     if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
         return None
     try:
@@ -736,10 +737,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.report_only:
             finished = None
             if record.is_file():
-                command = _recorded_command(record, command)
-                finished = _recorded_finished(record)
+                saved = _read_record(record, command)
+                command, finished = saved["command"], _recorded_finished(saved)
                 if args.values is None:  # the variants the recorded command trained
-                    chosen = variants(args.ablation, base, exp, _recorded_values(record, ap))
+                    values = _recorded_values(saved, record, ap)
+                    chosen = variants(args.ablation, base, exp, values)
             records = [{"label": v.label, "dir": variant_dir(root, v.label)} for v in chosen]
             unfinished = [r["label"] for r in records
                           if finished is not None and r["label"] not in finished]  # fmt: skip
