@@ -22,23 +22,27 @@ class EpochCursor:
     epoch: int
     batch_in_epoch: int
     rescalable = True  # the position is global: every rank saved the same one
+    data_id: str | None = None  # a digest of the examples, checked on resume where set
 
     def _advance(self) -> None:
         self.batch_in_epoch += 1
         if self.batch_in_epoch == self.steps_per_epoch:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | str]:
         """Position of the next batch: JSON-able, independent of rank and world size."""
-        return {
+        out: dict[str, int | str] = {
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "seed": self.seed,
             "n": self.n,
             "batch_size": self.batch_size,
         }
+        if self.data_id is not None:
+            out["data_id"] = self.data_id
+        return out
 
-    def load_state_dict(self, state: dict[str, int] | list[dict[str, int]]) -> None:
+    def load_state_dict(self, state: dict | list[dict]) -> None:
         """Resume so the next batch is the one an uninterrupted run would yield next.
 
         Takes this iterator's state, or every saved rank's (any old world size): they hold
@@ -54,6 +58,13 @@ class EpochCursor:
                     f"{name} state has {key}={state[key]} but this iterator has {key}={mine}; "
                     "resume with the same data and settings"
                 )
+        saved_id = state.get("data_id")
+        if saved_id is not None and self.data_id is not None and saved_id != self.data_id:
+            raise DataError(
+                f"{name}: the checkpoint was trained on other data (digest {saved_id}) than "
+                f"this run reads ({self.data_id}): the file or the data.* settings changed "
+                "since; resume with the same data, or start a new run"
+            )
         epoch, step = int(state["epoch"]), int(state["batch_in_epoch"])
         if epoch < 0 or not 0 <= step < self.steps_per_epoch:
             raise DataError(

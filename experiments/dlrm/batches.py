@@ -60,6 +60,7 @@ class RowBatches(EpochCursor):
         self.rank, self.world = rank, world
         self.steps_per_epoch = self.n // batch_size
         self.epoch = self.batch_in_epoch = 0
+        self.data_id = data.identity()  # a resume on changed data is refused
         self._cipher: tuple[int, IndexCipher] | None = None
 
     def _order(self) -> IndexCipher:

@@ -24,7 +24,7 @@ import comera as C
 from comera.errors import ConfigError
 from comera.train import ComeraConfig, TrainConfig
 from comera.train.distributed import rank_first
-from comera.train.optim import AdamWConfig, SGDConfig
+from comera.train.optim import OPTIMIZERS, AdamWConfig, SGDConfig
 from comera.tree import iter_tt
 from experiments import cli
 from experiments.dlrm.batches import RowBatches
@@ -56,6 +56,11 @@ class Preset:
                 "or compile"
             )
         cli.check_batch_sizes(self.batch_size, self.eval_batch_size)
+        if self.dense_optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"dense_optimizer={self.dense_optimizer!r} (what --dense trains with); "
+                f"choose one of {OPTIMIZERS} (--set dense_optimizer=...)"
+            )
 
 
 # On CPU, DLRM trains with glibc's large blocks returned on free, on huge pages: at batch
@@ -166,6 +171,11 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
             f"model.hot_rows={p.model.hot_rows} keeps the most frequent ids of each table, "
             f"which needs ids numbered by frequency: set data.id_order=frequency (got "
             f"{p.data.id_order!r}) or model.hot_rows=0"
+        )
+    if p.model.hot_rows and p.dense:
+        raise ConfigError(
+            f"model.hot_rows={p.model.hot_rows} adds dense rows beside CoMERA's TTM tables; "
+            "the dense baseline has no TTM table: set model.hot_rows=0 with --dense"
         )
     if p.model.hash_rows and not p.dense:
         raise ConfigError(
@@ -283,6 +293,11 @@ EXPERIMENT = cli.Experiment(
     flags=_flags,
     flag_overrides=_flag_overrides,
     bench=_bench,
+    derived={
+        "model.cardinalities": "one table per categorical column, sized by the data's ids",
+        "model.names": "the data's column names, C1..C26",
+        "model.dense_features": "the data's 13 dense columns",
+    },
     description=__doc__.split("\n")[0],
 )
 

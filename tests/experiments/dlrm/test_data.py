@@ -243,6 +243,26 @@ def test_row_batches_resume_and_rescale(sample) -> None:
         RowBatches(sample, lo, hi, 32, seed=3).load_state_dict(state)
 
 
+def test_row_batches_refuse_a_resume_on_changed_data(sample, tmp_path: Path) -> None:
+    """A position saved over one file's rows is refused over another file of as many rows
+    (the checkpoint's tables would read the new file's ids), and accepted over a copy."""
+    lo, hi = sample.splits["train"]
+    it = RowBatches(sample, lo, hi, 16, seed=3)
+    next(it)
+    state = it.state_dict()
+    lines = SAMPLE.read_text().splitlines(keepends=True)
+    (tmp_path / "copy.txt").write_text("".join(lines))
+    (tmp_path / "reversed.txt").write_text("".join(reversed(lines)))
+    copy = preprocess(tmp_path / "copy.txt", _cfg(tmp_path), progress=False)
+    flipped = preprocess(tmp_path / "reversed.txt", _cfg(tmp_path), progress=False)
+    assert len(flipped) == len(sample) and flipped.root != sample.root != copy.root
+    RowBatches(copy, lo, hi, 16, seed=3).load_state_dict(state)
+    with pytest.raises(DataError, match="trained on other data"):
+        RowBatches(flipped, lo, hi, 16, seed=3).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "data_id"}  # saved before the digest
+    RowBatches(flipped, lo, hi, 16, seed=3).load_state_dict(old)
+
+
 def test_auc_is_exact_with_ties() -> None:
     rng = np.random.default_rng(0)
     scores = rng.integers(0, 5, 300).astype(float)  # many ties

@@ -13,6 +13,7 @@ import comera as C
 from comera.train import ComeraConfig, TrainConfig, Trainer
 from comera.train.optim import SGDConfig
 from experiments import cli
+from experiments.dlrm.data import CriteoDataConfig, load_criteo
 from experiments.dlrm.experiment import main
 from experiments.dlrm.model import (
     DLRMConfig,
@@ -353,6 +354,35 @@ def test_hot_rows_need_frequency_ordered_ids(tmp_path: Path, capsys) -> None:
                 "--set", "data.id_order=hash")  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "data.id_order=frequency" in err[0]
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (("--set", "model.dense_features=12"), "model.dense_features"),
+        (("--set", "model.cardinalities=(5,5)"), "model.cardinalities"),
+        (("--set", "model.names=('a','b')"), "model.names"),
+        (("--dense", "--set", "model.hot_rows=8"), "model.hot_rows=0 with --dense"),
+        (("--set", "dense_optimizer=sgdd"), "--set dense_optimizer"),
+        (("--dense", "--set", "dense_optimizer=foo"), "--set dense_optimizer"),
+    ],
+)
+def test_settings_the_model_cannot_honour_are_refused(
+    tmp_path: Path, capsys, flags: tuple[str, ...], needle: str
+) -> None:
+    """Values the data decides (or a dense model cannot use) are refused in one line
+    before anything is written, instead of being dropped or failing mid-training."""
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), *flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "r").exists()
+
+
+def test_data_path_expands_home(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "sample.txt").write_bytes(SAMPLE.read_bytes())
+    cfg = CriteoDataConfig(path="~/sample.txt", cache_dir=str(tmp_path / "c"))
+    assert len(load_criteo(cfg, progress=False)) == 200
 
 
 @pytest.mark.slow
