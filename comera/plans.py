@@ -503,10 +503,11 @@ def shared_input_comera(
     bt = (torch.cat(blocks) if len(blocks) > 1 else blocks[0]).T.contiguous()
     if slots:
         # the bias slots' ones enter as the GEMM's own addend (beta = 1), not as a pass
-        # over h per layer; each slot is a scalar fill, not a host-to-device copy (graph safe)
+        # over h per layer; each slot is a fill of a one-element view: ``ones[c] = 1`` would
+        # copy a host scalar to the device, which CUDA graph capture refuses
         ones = bt.new_zeros(width)
         for c in slots:
-            ones[c] = 1
+            ones.narrow(0, c, 1).fill_(1)
         h_all = torch.addmm(ones, x2d, bt)  # (T, sum r + pad)
     else:
         h_all = x2d @ bt

@@ -211,4 +211,4 @@ def test_core_bench_runs_on_cuda():
     assert result["config"]["device"].startswith("cuda")
     assert result["fused_qkv"]["time_ratio_vs_dense"] > 0
     assert result["ttm_embedding"]["optimized_peak_bytes"] > 0
-    assert "Device `cuda" in bench.markdown(result)
+    assert "Device `cuda" in bench.render(result)
