@@ -254,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1:  # each worker would fail in torch.set_num_threads
         print(f"step_modes: --threads must be >= 1, got {args.threads}", file=sys.stderr)
         return 2
+    if args.point_timeout is not None and not args.point_timeout > 0:  # every point would fail
+        print(f"step_modes: --point-timeout must be > 0 s, got {args.point_timeout:g}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.tiny and args.out is None:  # toy figures must not replace the report's
         print(f"step_modes: {TINY_NEEDS_OUT}", file=sys.stderr)
         return 2

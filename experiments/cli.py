@@ -534,9 +534,8 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--compile",
-        dest="step_mode",
-        action="store_const",
-        const="compile",
+        dest="compile",
+        action="store_true",
         help="same as --step-mode compile",
     )
     ap.add_argument(
@@ -659,6 +658,11 @@ def refuse_derived_sets(exp: Experiment, sets: list[str]) -> None:
 def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.ArgumentParser):
     """The effective config: a preset with every flag and ``--set`` applied, or, with
     ``--resume``, the saved config with the few settings that may change."""
+    if getattr(args, "compile", False):  # an alias: a --step-mode saying otherwise is refused
+        if args.step_mode not in (None, "compile"):
+            raise CLIError(f"--compile is --step-mode compile; drop one of it and "
+                           f"--step-mode {args.step_mode}")  # fmt: skip
+        args.step_mode = "compile"
     refuse_derived_sets(exp, args.sets)
     if not args.resume:
         cfg = exp.presets[args.preset]()
@@ -689,7 +693,8 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
     flags |= {k: v for k, v in _COMMON.items() if k.startswith("wandb")}
     flags |= {"wandb_tags": "train.wandb_tags"}
     own_dests = getattr(ap, "experiment_dests", set())
-    extra = [k for k in _changed(ap, args) if k not in ("resume", "sets", *flags, *own_dests)]
+    extra = [k for k in _changed(ap, args)
+             if k not in ("resume", "sets", "compile", *flags, *own_dests)]  # fmt: skip
     bad_sets = [s.partition("=")[0] for s in args.sets if s.partition("=")[0] not in mutable]
     own = exp.flag_overrides(args) if exp.flag_overrides else []
     bad_own = [k for k, _ in own if k not in mutable]

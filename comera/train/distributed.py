@@ -19,9 +19,12 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from comera.errors import ConfigError
+
 __all__ = [
     "broadcast_object",
     "broadcast_tensors",
+    "check_rank_device",
     "init_distributed",
     "rank_first",
     "rank_world",
@@ -48,6 +51,23 @@ def init_distributed(device: str) -> tuple[int, int]:
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank(), dist.get_world_size()
+
+
+def check_rank_device(device: str) -> None:
+    """Refuse a CUDA device index that differs from this rank's GPU in a torchrun world:
+    :func:`init_distributed` gives each rank its ``LOCAL_RANK`` GPU, and ``cuda:0`` on
+    every rank would put them all on one device (NCCL refuses two ranks on one GPU)."""
+    rank, world = rank_world()
+    dev = torch.device(device)
+    if world <= 1 or dev.type != "cuda" or dev.index is None:
+        return
+    mine = torch.cuda.current_device()
+    if dev.index != mine:
+        raise ConfigError(
+            f"train.device={device} on rank {rank} of {world}: each rank runs on its "
+            f"LOCAL_RANK GPU (cuda:{mine} here), and one index would put every rank on one "
+            "GPU; give --device cuda"
+        )
 
 
 def _groups(tensors: list[torch.Tensor]) -> list[list[int]]:

@@ -30,6 +30,7 @@ from comera.train.config import TrainConfig, usable_device
 from comera.train.distributed import (
     broadcast_object,
     broadcast_tensors,
+    check_rank_device,
     rank_world,
     sum_across_ranks,
 )
@@ -160,6 +161,7 @@ class Trainer:
     ) -> None:
         self.cfg, self.task = cfg, task
         usable_device(cfg.device)  # a bare traceback at the first .to() otherwise
+        check_rank_device(cfg.device)
         self.device = torch.device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
         held = [] if resume else ck.complete_checkpoints(self.run_dir)

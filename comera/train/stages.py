@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from comera.errors import CheckpointError
+from comera.errors import CheckpointError, ConfigError
 from comera.train.config import ComeraConfig
 from comera.train.objectives import gate_regularizer, late_weights, share_size, size_surrogate
 
@@ -171,7 +171,7 @@ class StageController:
             # at or under the budget the size is met: a lower share size buys nothing the
             # budget prune keeps, so the step's weight goes to the loss (plus rho's pull)
             gap_live = live if live > budget else -math.inf
-            w = late_weights(loss_value, gap_live, self.targets["loss"], budget, c.rho)
+            w = late_weights(loss_value, gap_live, self.loss_target(), budget, c.rho)
             metrics = {
                 "size": size.detach(),
                 "size_budget": budget,
@@ -182,7 +182,7 @@ class StageController:
         if self.targets["size"] <= 0:  # pruned to nothing early: only the loss is left
             return Objective(1.0, None, {"size": size.detach()})
         w = late_weights(
-            loss_value, float(size.detach()), self.targets["loss"], self.targets["size"], c.rho
+            loss_value, float(size.detach()), self.loss_target(), self.targets["size"], c.rho
         )
         metrics = {"size": size.detach(), "focus_size": float(w.focus == "size")}
         return Objective(w.loss, w.size * size, metrics)
@@ -216,9 +216,6 @@ class StageController:
                 return one, None, {"gate_reg": reg.detach()}
             term = gamma.to(reg.dtype) * reg
             return one, term, {"gate_reg": reg.detach(), "@term": term.detach()}
-        l0 = self.targets["loss"]
-        if l0 <= 0:  # what late_weights refuses, said here rather than as a NaN later
-            raise ValueError(f"late stage targets must be > 0, got loss_target={l0}")
         metrics: dict = {}
         if c.size_objective == "shares":
             if self.holds or late is None:
@@ -234,6 +231,7 @@ class StageController:
                 return one, None, {"size": size.detach()}
             inv_s0 = 1.0 / self.targets["size"]
             gap_size = size.detach().double() * inv_s0 - 1.0
+        l0 = self.loss_target()  # here, where it is used: as eager, a held size needs none
         gap_loss = (loss - l0) / l0
         on_size = (gap_loss < gap_size).double()
         w_loss = c.rho / l0 + (1.0 - on_size) / l0
@@ -241,6 +239,19 @@ class StageController:
         term = w_size.to(size.dtype) * size
         metrics.update(size=size.detach(), focus_size=on_size)
         return w_loss, term, {**metrics, "@term": term.detach()}
+
+    def loss_target(self) -> float:
+        """The late stage's loss target L0, which its weights divide by: a smoothed loss
+        that is not positive (a loss that can go below 0) is a ``ConfigError`` naming the
+        setting that gives one."""
+        l0 = self.targets["loss"]
+        if not l0 > 0:
+            raise ConfigError(
+                f"the late stage's loss target L0 is {l0:.6g}, the smoothed loss at its start; "
+                "its weights need L0 > 0: set train.comera.loss_target to a positive loss to "
+                "reach"
+            )
+        return l0
 
     def late_inputs(self, step: int) -> tuple[float, float] | None:
         """The host's side of :meth:`device_objective`'s ``late`` at 1-based ``step``:

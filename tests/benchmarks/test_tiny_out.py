@@ -27,6 +27,7 @@ def test_mnli_step_refuses_zero_threads(capsys) -> None:
     [
         (["--threads", "0"], "--threads must be >= 1"),  # each worker's traceback
         (["--models", ","], "--models needs at least one of"),  # an empty table over the report
+        (["--point-timeout", "-5"], "--point-timeout must be > 0"),  # every point failed
     ],
 )
 def test_step_modes_refuses_what_would_fail_or_write_nothing(tmp_path, capsys, argv, text) -> None:

@@ -246,3 +246,19 @@ def test_torchrun_killed_then_resumed_on_one_process_reads_every_token_once(tmp_
     got = np.sort(np.concatenate([body_tokens([{"input_ids": torch.from_numpy(np.concatenate(
         consumed + tail))}])]))  # fmt: skip
     assert np.array_equal(got, expected_tokens(docs))
+
+
+def test_a_cuda_index_other_than_the_ranks_gpu_is_refused(monkeypatch):
+    """Under torchrun each rank runs on its LOCAL_RANK GPU; ``cuda:0`` on rank 1 would put
+    two ranks on one GPU, so it is refused naming the flag, and ``cuda`` is taken."""
+    from comera.errors import ConfigError
+    from comera.train import distributed
+
+    monkeypatch.setattr(distributed, "rank_world", lambda: (1, 2))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    with pytest.raises(ConfigError, match="--device cuda"):
+        distributed.check_rank_device("cuda:0")
+    for ok in ("cuda", "cuda:1", "cpu"):
+        distributed.check_rank_device(ok)
+    monkeypatch.setattr(distributed, "rank_world", lambda: (0, 1))
+    distributed.check_rank_device("cuda:0")  # one process: any GPU it names

@@ -1,11 +1,14 @@
 """The sync-free train step (``train.step_mode``): the eager loop's update, decided on the
 device; compiled and CUDA-graph versions of it."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
 import comera as C
+from comera.errors import ConfigError
 from comera.train import ComeraConfig, NonFiniteLoss, SGDConfig, Trainer, sync_free
 from tests.train_helpers import SumCountTask, ToyTask, _cfg, _toy_model
 
@@ -46,6 +49,25 @@ def test_sync_free_step_equals_eager_through_all_stages(tmp_path, accum):
     _assert_same(eager, free, rows_e, rows_f, 1e-5)
     assert {r.get("focus_size") for r in rows_f[31:]} == {0.0, 1.0}  # both late branches ran
     assert eager.opt["step"] == free.opt["step"] == 60
+
+
+class _NegativeLoss(ToyTask):
+    """A loss that sits below 0 (a bound, a log-likelihood): the late stage's L0 too."""
+
+    def loss(self, params, state, batch, *, train):
+        out = super().loss(params, state, batch, train=train)
+        return (out[0] - 10.0, *out[1:])
+
+
+@pytest.mark.parametrize("mode", ["eager", "sync_free"])
+def test_negative_loss_target_is_refused_only_where_it_is_used(tmp_path, mode):
+    """A late stage that holds its size needs no L0, in either mode; one with a size term
+    refuses a non-positive L0 in one ConfigError naming the setting that gives one."""
+    held = dataclasses.replace(STAGES, size_ratio=1.0)
+    tr, _ = _run(tmp_path / "held", mode, _NegativeLoss(), steps=40, comera=held)
+    assert tr.stage == "late" and tr.targets["loss"] < 0
+    with pytest.raises(ConfigError, match="train.comera.loss_target"):
+        _run(tmp_path / "size", mode, _NegativeLoss(), steps=40)
 
 
 def test_sync_free_sgd_and_sum_count_task(tmp_path):
@@ -119,6 +141,12 @@ def test_cli_step_mode_flags(tmp_path, capsys):
         mnli.EXPERIMENT, ap.parse_args(["--resume", str(run), "--compile"]), ap
     )
     assert cfg.train.step_mode == "compile"  # how the step runs may change on resume
+    capsys.readouterr()
+    for both in (["--compile", "--step-mode", "eager"], ["--step-mode", "sync_free", "--compile"]):
+        assert mnli.main([*fast, "--run-dir", str(tmp_path / "b"), *both]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--compile is --step-mode compile" in err[0]
+    assert not (tmp_path / "b").exists()
     assert mnli.main([*fast, "--run-dir", str(tmp_path / "t"), "--step-mode", "turbo"]) == 2
     assert "invalid choice: 'turbo'" in capsys.readouterr().err.splitlines()[-1]
     bad = [*fast, "--run-dir", str(tmp_path / "g"), "--dense", "--set", "train.optimizer=galore"]
