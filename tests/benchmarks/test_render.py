@@ -46,6 +46,22 @@ def test_committed_reports_are_their_json_rendered(module, stem) -> None:
     assert (REPORTS / f"{stem}.md").read_text() == module.render(result)
 
 
+@pytest.mark.parametrize(
+    ("module", "stem"),
+    [
+        (core, "gpu/bench_core_cuda"),
+        (mnli_step, "gpu/mnli_bench_cuda"),
+        (step_modes, "gpu/step_modes_paper/step_modes"),
+        (step_modes, "gpu/step_modes_smoke/step_modes"),
+    ],
+)
+def test_committed_gpu_reports_are_their_json_rendered(module, stem) -> None:
+    """The GPU reports (measured by scripts/gpu_check.sh on a lent GPU) are likewise their
+    JSON rendered, so a renderer change that would alter them shows here."""
+    result = read_result(REPORTS / f"{stem}.json")
+    assert (REPORTS / f"{stem}.md").read_text() == module.render(result)
+
+
 _COMMITTED = [
     (efficiency.render, "efficiency.json"),
     (step_modes.render, "step_modes.json"),
@@ -146,3 +162,13 @@ def test_dlrm_prep_render_reads_a_saved_result(tmp_path: Path, capsys) -> None:
     saved.write_text(json.dumps(res))
     assert dlrm_prep.main(["--render", str(saved)]) == 0
     assert capsys.readouterr().out == dlrm_prep.render(res) + "\n"
+
+
+def test_step_modes_report_says_when_first_step_holds_the_capture() -> None:
+    """A cuda_graph row timed through its capture says so; older results, whose first
+    cuda_graph step was a warm-up step, do not claim it."""
+    result = read_result(REPORTS / "gpu/step_modes_paper/step_modes.json")
+    assert "capture for `cuda_graph`" not in step_modes.render(result)
+    for run in result["runs"]:
+        run["first_step_includes"] = {"cuda_graph": "capture"}.get(run["mode"])
+    assert "capture for `cuda_graph`" in step_modes.render(result)
