@@ -11,6 +11,7 @@ against it (its Figure 1); here it is the dense model's third optimizer
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +28,13 @@ __all__ = ["GaLore", "GaLoreConfig", "MissingExtraError"]
 class GaLoreConfig:
     """GaLore-AdamW settings. Every 2-D weight under a path matching ``targets`` (globs
     over dotted pytree paths; default the encoder blocks' linears, as GaLore applies it to
-    attention and MLP layers, not to embeddings) with both sides >= ``rank`` gets its
+    attention and MLP layers, not to embeddings) with both sides > ``rank`` gets its
     gradient projected to ``rank`` (``proj_type`` "std", "reverse_std", "left", "right",
     "full"), the projection refreshed every ``update_proj_gap`` steps and the update scaled
     by ``scale``; every other parameter gets plain AdamW. Defaults: the GaLore paper's
     (rank 128, gap 200, scale 0.25). Learning rate, betas, eps and weight decay are the
-    trainer's AdamW ``lr_rest``, ``betas``, ``eps`` and ``weight_decay``."""
+    trainer's AdamW ``lr_rest``, ``betas``, ``eps`` and ``weight_decay``. A model with no
+    weight to project is refused: that run would be plain AdamW under GaLore's name."""
 
     rank: int = 128
     update_proj_gap: int = 200
@@ -41,10 +43,12 @@ class GaLoreConfig:
     targets: tuple[str, ...] = ("layers.*",)
 
     def __post_init__(self) -> None:
-        if self.rank < 1 or self.update_proj_gap < 1 or not self.scale > 0:
+        if (self.rank < 1 or self.update_proj_gap < 1 or not self.scale > 0
+                or not math.isfinite(self.scale)):  # fmt: skip
             raise ConfigError(
-                f"GaLoreConfig: rank and update_proj_gap >= 1, scale > 0 required, got "
-                f"{self.rank}, {self.update_proj_gap}, {self.scale}"
+                f"GaLoreConfig: rank and update_proj_gap >= 1 and a finite scale > 0 required, "
+                f"got {self.rank}, {self.update_proj_gap}, {self.scale} (train.galore.rank, "
+                "train.galore.update_proj_gap, train.galore.scale)"
             )
         if self.proj_type not in ("std", "reverse_std", "left", "right", "full"):
             raise ConfigError(f"GaLoreConfig.proj_type={self.proj_type!r} is not a GaLore type")
@@ -68,6 +72,20 @@ def _move_projector(projector: Any, device: torch.device) -> None:
         projector.ortho_matrix = [t.to(device) for t in ortho]
 
 
+def _why_none(paths: list[str], leaves: list[torch.Tensor], cfg: GaLoreConfig) -> str:
+    """Why no leaf is projected, naming the settings that would change it."""
+    matched = [any(fnmatch.fnmatchcase(path, g) for g in cfg.targets) for path in paths]
+    named = [p for p, m in zip(leaves, matched, strict=True) if m and p.dim() == 2]
+    found = (f"the largest short side among them is {max(min(p.shape) for p in named)}"
+             if named else "they name no 2-D weight")  # fmt: skip
+    return (
+        f"GaLore would project no weight: it projects 2-D weights matched by "
+        f"train.galore.targets={list(cfg.targets)} whose sides both exceed "
+        f"train.galore.rank={cfg.rank}, and {found}; lower the rank or widen the targets "
+        "(the run would otherwise be plain AdamW)"
+    )
+
+
 class GaLore:
     """``galore_torch.GaLoreAdamW`` over the leaves of a params pytree, stepped with
     gradients the caller computed (the trainer reduces and clips them first)."""
@@ -84,9 +102,11 @@ class GaLore:
         flat = tree_flatten_with_path(params)[0]
         self.leaves = [t for _, t in flat]
         paths = [_path(k) for k, _ in flat]
+        # a side equal to the rank would be projected onto itself: nothing saved, and
+        # galore-torch's reverse_std then multiplies mismatched shapes
+        named = {path for path in paths if any(fnmatch.fnmatchcase(path, g) for g in cfg.targets)}
         projected = [
-            p.dim() == 2 and min(p.shape) >= cfg.rank
-            and any(fnmatch.fnmatchcase(path, g) for g in cfg.targets)
+            p.dim() == 2 and min(p.shape) > cfg.rank and path in named
             for path, p in zip(paths, self.leaves, strict=True)
         ]  # fmt: skip
         # AdamW's rule, as the trainer's: matrices decay, vectors (biases, norm gains) not
@@ -100,6 +120,7 @@ class GaLore:
                            "update_proj_gap": cfg.update_proj_gap,
                            "proj_type": cfg.proj_type})  # fmt: skip
         self.projected = len(low)
+        self.unprojected_why = "" if low else _why_none(paths, self.leaves, cfg)
         self.base_lr = lr
         self.torch = GaLoreAdamW(
             groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -111,8 +132,11 @@ class GaLore:
         """GaLore-AdamW over ``params`` with the trainer's AdamW settings: ``lr_rest``,
         ``betas``, ``eps`` and ``weight_decay`` (how the trainer builds it, and rebuilds
         it over the leaves a checkpoint restores)."""
-        return cls(params, cfg, adamw.lr_rest, betas=adamw.betas, eps=adamw.eps,
-                   weight_decay=adamw.weight_decay)  # fmt: skip
+        out = cls(params, cfg, adamw.lr_rest, betas=adamw.betas, eps=adamw.eps,
+                  weight_decay=adamw.weight_decay)  # fmt: skip
+        if not out.projected:  # a run under GaLore's name that is plain AdamW
+            raise ConfigError(out.unprojected_why)
+        return out
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor | None], lr_scale: float = 1.0) -> None:

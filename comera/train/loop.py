@@ -321,6 +321,8 @@ class Trainer:
             "early_params": round(t["params_early"]),
             "live_over_target": live / target if target else (0.0 if not live else math.inf),
         }
+        if held := self._held_note():
+            rec["target_held_because"] = held
         if live > target:
             if c.late_prune == "threshold":
                 why = "late_prune=threshold: ranks die only when their share or gate <= tau"
@@ -328,6 +330,19 @@ class Trainer:
                 why = self._size_miss or "the budget prune stopped above the target"
             rec["above_target_because"] = why
         return rec
+
+    def _held_note(self) -> str:
+        """Why the late stage's target is not the size asked for (a target compression
+        below the early stage's: it never grows the model), or ``""``."""
+        t, c = self.stages.targets, self.cfg.comera
+        asked, early = t.get("params_asked"), t.get("params_early")
+        if asked is None or early is None or asked <= early:
+            return ""
+        return (
+            f"train.comera.target_compression={c.target_compression:g} asks for "
+            f"{round(asked):,} parameters, more than the {round(early):,} the early stage "
+            "ended with; the late stage never grows the model, so it holds that size"
+        )
 
     # ------------------------------------------------------------------ auto plans
 
@@ -567,6 +582,8 @@ class Trainer:
                 )
                 self.stages.stage = "late"
                 self._snapshot("end_of_early")
+                if self.rank == 0 and (held := self._held_note()):
+                    print(f"comera: step {self.step}: {held}", file=sys.stderr)
             elif event == "compact":
                 self.compact()
             elif event == "final":
@@ -609,6 +626,18 @@ class Trainer:
             write_json_atomic(self.run_dir / "config.json", self.config_dict)
             if self.stage != "dense":
                 self._snapshot("init")
+        c = cfg.comera
+        if (
+            self.rank == 0
+            and fresh
+            and c.enabled
+            and c.target_compression
+            and (c.early_steps >= cfg.steps)
+        ):  # the knob acts in the late stage only
+            print(f"comera: train.comera.target_compression={c.target_compression:g} acts in "
+                  f"the late stage, which starts after train.comera.early_steps="
+                  f"{c.early_steps}, at or past train.steps={cfg.steps}: this run never "
+                  "reaches it", file=sys.stderr)  # fmt: skip
         log = RunLog(cfg, self.rank, self.config_dict, resume=not fresh)
         bar = tqdm(
             total=cfg.steps,

@@ -110,6 +110,7 @@ class StageController:
             "loss": float(loss or 1.0),
             "params_early": float(live),
             "params": min(float(goal), float(live)),  # never asks to grow
+            "params_asked": float(goal),
             "late_start": float(step),
         }
         self.live_params = live

@@ -143,3 +143,37 @@ def test_galore_groups_take_this_configs_settings_on_load() -> None:
     torch.testing.assert_close(
         now.torch.state[fresh["b"]]["exp_avg"], before.state[old["b"]]["exp_avg"]
     )
+
+
+@pytest.mark.parametrize(
+    ("galore", "text"),
+    [
+        ({"rank": 64}, "largest short side among them is 32"),  # no side exceeds the rank
+        ({"rank": 32}, "largest short side among them is 32"),  # equal: nothing to save
+        ({"rank": 8, "targets": ("layers.*",)}, "they name no 2-D weight"),
+    ],
+)
+def test_galore_that_would_project_nothing_is_refused(tmp_path: Path, galore, text) -> None:
+    """A run under GaLore's name that projects no weight would be plain AdamW: refused
+    naming train.galore.rank and train.galore.targets."""
+    pytest.importorskip("galore_torch")
+    from comera.errors import ConfigError
+    from comera.train import ComeraConfig, Trainer
+    from comera.train.galore import GaLoreConfig
+
+    cfg = TrainConfig(
+        steps=2, run_dir=str(tmp_path), optimizer="galore",
+        galore=GaLoreConfig(**{"targets": ("w",), **galore}),
+        comera=ComeraConfig(enabled=False), wandb="disabled", progress=False,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=text) as e:
+        Trainer(cfg, _DenseToy(), {"w": torch.zeros(32, 32), "b": torch.zeros(32)}, {})
+    assert "train.galore.rank" in str(e.value) and "train.galore.targets" in str(e.value)
+
+
+def test_galore_scale_must_be_finite() -> None:
+    from comera.errors import ConfigError
+    from comera.train.galore import GaLoreConfig
+
+    with pytest.raises(ConfigError, match="train.galore.scale"):
+        GaLoreConfig(scale=float("inf"))

@@ -329,6 +329,28 @@ def test_target_compression_reaches_the_whole_model_compression(tmp_path):
     assert dense / live == pytest.approx(3.0, rel=0.1) and dense / live >= 3.0
 
 
+def test_a_target_below_the_early_stages_compression_is_held_and_said(tmp_path, capsys):
+    """A target compression the early stage already passed is held (the late stage never
+    grows the model): the run says so at the transition, and ranks.json's end record."""
+    params, state = _toy_model()
+    cfg = _late_cfg(tmp_path, target_compression=1.001)
+    tr = Trainer(cfg, ToyTask(), params, state, reference_size=256)
+    tr.fit()
+    end = json.loads((tmp_path / "run" / "ranks.json").read_text())["end"]
+    assert end["size_target"] == end["early_params"]
+    assert "target_compression=1.001 asks for 256 parameters" in end["target_held_because"]
+    assert "holds that size" in capsys.readouterr().err
+    plain = Trainer(_late_cfg(tmp_path / "b"), ToyTask(), *_toy_model())  # size_ratio 0.5
+    plain.fit()
+    assert "target_held_because" not in plain.size_record()
+
+
+def test_a_target_compression_the_run_never_reaches_is_said(tmp_path, capsys):
+    cfg = dataclasses.replace(_late_cfg(tmp_path, target_compression=3.0), steps=20)
+    Trainer(cfg, ToyTask(), *_toy_model(), reference_size=256).fit()
+    assert "this run never reaches it" in capsys.readouterr().err
+
+
 def test_an_old_late_stage_checkpoint_resumes_only_as_the_paper_late_stage():
     from comera.errors import CheckpointError
 
