@@ -471,17 +471,38 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 @lru_cache(maxsize=256)
 def _reads_weight(cls: type, child: str) -> bool:
-    """Whether ``cls.forward``'s source reads ``self.<child>.weight`` (a TT adapter has no
-    ``weight``: the first forward would fail); False where the source cannot be read.
+    """Whether a method of ``cls`` or of a class it derives from (below ``nn.Module``)
+    reads ``self.<child>.weight`` (a TT adapter has no ``weight``: the first forward would
+    fail); sources that cannot be read count as no read.
 
-    A read in any branch counts, on purpose: which branch runs depends on the config, the
-    device and the mode (``nn.TransformerEncoderLayer``'s fast path, Mamba mixers' CUDA
+    Every method counts, not only ``forward``: a helper it calls may read the weight
+    (DeBERTa-v2's ``get_rel_embedding`` reads ``rel_embeddings.weight``); methods that set
+    the model up (``__init__``, ``_init_weights``, ``tie_weights``: :data:`_SET_UP`) do
+    not. A read in any branch counts, on purpose: which branch runs depends on the config,
+    the device and the mode (``nn.TransformerEncoderLayer``'s fast path, Mamba mixers' CUDA
     kernels), and a layer wrongly left dense still trains where one wrongly replaced fails."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):  # built-in, compiled or generated: nothing to read
-        return False
-    return re.search(rf"\bself\.{re.escape(child)}\.weight\b", source) is not None
+    pattern = re.compile(rf"\bself\.{re.escape(child)}\.weight\b")
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object:
+            break
+        for name, member in vars(klass).items():
+            if _SET_UP.search(name):  # run before the rewrite: building, tying, initialising
+                continue
+            member = getattr(member, "__func__", None) or getattr(member, "fget", None) or member
+            if not inspect.isfunction(member):
+                continue
+            try:
+                source = inspect.getsource(member)
+            except (OSError, TypeError):  # compiled or generated: nothing to read
+                continue
+            if pattern.search(source):
+                return True
+    return False
+
+
+# methods that set a model up (and run before tensorize_), so a weight read there is
+# no read at run time: ``__init__``, ``_init_weights``, ``tie_weights``, ``reset_parameters``
+_SET_UP = re.compile(r"init|tie|reset", re.IGNORECASE)
 
 
 def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, list[str]],
@@ -501,7 +522,12 @@ def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, l
         return f"skipped: {parent_name or 'the model'} (nn.MultiheadAttention) reads its weight"
     child = name.rpartition(".")[2]
     if _reads_weight(type(parent), child):  # T5's feed-forward reads wo.weight.dtype
-        return f"skipped: {type(parent).__name__}'s forward reads {child}.weight"
+        return f"skipped: {type(parent).__name__} reads {child}.weight"
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, nn.Parameter) and bias.requires_grad != module.weight.requires_grad:
+        # BitFit-style: a TT layer's tensors train together or not at all (ModuleTask)
+        which = "weight" if not module.weight.requires_grad else "bias"
+        return f"skipped: its {which} alone is frozen; a TT layer trains all or none"
     weight = module.weight
     if isinstance(module, nn.Linear) and id(weight) in embeddings:
         return ""  # tied to a replaced embedding: a TiedDecoder of it
@@ -529,11 +555,13 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     """Replace, in place, every target ``nn.Linear``, ``nn.Embedding`` and HF ``Conv1D``
     of ``model`` by its TT / TTM adapter; returns what was done per layer (print it).
 
-    A target glob that matches no replaceable module is an error that lists the model's
-    module names. Linear layers tied to a replaced embedding (``weight is
+    A target or exclude glob that matches no replaceable module is an error that lists the
+    model's module names. Linear layers tied to a replaced embedding (``weight is
     embedding.weight``) become a :class:`TiedDecoder` of it, whether or not a target glob
     names them (one an ``exclude`` glob names stays, and so does the embedding); a module
-    reached by several paths is replaced at every one. A matched module whose weight is
+    reached by several paths is replaced at every one, unless an exclude glob names one of
+    them. A frozen layer (``requires_grad`` False) is replaced by a frozen one; one whose
+    weight or bias alone is frozen stays as it is. A matched module whose weight is
     shared with one that stays (a tie the rewrite would break), whose parent reads its
     weight directly (``nn.MultiheadAttention.out_proj``), or whose class overrides
     ``forward`` (what it adds would be lost) is left as it is and listed as skipped. Other
@@ -542,14 +570,6 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     kinds = (nn.Linear, nn.Embedding)
     candidates = [(n, m) for n, m in model.named_modules()
                   if n and (isinstance(m, kinds) or _is_conv1d(m))]  # fmt: skip
-    for glob in config.target_modules:
-        if not any(_match(n, (glob,)) for n, _ in candidates):
-            names = ", ".join(n for n, _ in candidates[:40])
-            more = f" (+{len(candidates) - 40} more)" if len(candidates) > 40 else ""
-            raise ConfigError(
-                f"tensorize_: target glob {glob!r} matches no nn.Linear, nn.Embedding or "
-                f"Conv1D; the model's are: {names or '(none)'}{more}"
-            )
     paths: dict[int, list[str]] = {}  # id(module) -> every path that reaches it
     owners: dict[int, list[str]] = {}  # id(parameter) -> the module paths that hold it
     for n, m in model.named_modules(remove_duplicate=False):
@@ -557,8 +577,25 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             paths.setdefault(id(m), []).append(n)
             for _, p in m.named_parameters(recurse=False):
                 owners.setdefault(id(p), []).append(n)
+    every = [p for _, m in candidates for p in paths[id(m)]]  # a shared module's paths too
+    for flag, globs in (("target", config.target_modules), ("exclude", config.exclude)):
+        for glob in globs:
+            if not any(_match(p, (glob,)) for p in every):
+                names = ", ".join(every[:40])
+                more = f" (+{len(every) - 40} more)" if len(every) > 40 else ""
+                raise ConfigError(
+                    f"tensorize_: {flag} glob {glob!r} matches no nn.Linear, nn.Embedding or "
+                    f"Conv1D; the model's are: {names or '(none)'}{more}"
+                )
+
+    def chosen_at(module: nn.Module) -> bool:  # a target at some path, excluded at none
+        at = paths[id(module)]
+        return any(_match(p, config.target_modules) for p in at) and not any(
+            _match(p, config.exclude) for p in at
+        )
+
     # embeddings first, so a linear tied to one is known as tied whatever the order
-    chosen = sorted(((n, m) for n, m in candidates if config.matches(n)),
+    chosen = sorted(((n, m) for n, m in candidates if chosen_at(m)),
                     key=lambda nm: not isinstance(nm[1], nn.Embedding))  # fmt: skip
     summary = TensorizeSummary()
     embeddings: dict[int, TTMEmbedding] = {}  # id(old weight) -> its replacement
@@ -587,6 +624,8 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             new, report = _replace_linear(name, w, module.bias, "conv1d", config)  # type: ignore[arg-type]
         summary.layers.append(report)
         if new is not None:
+            if not module.weight.requires_grad:  # type: ignore[union-attr]
+                new.requires_grad_(False)  # a frozen layer stays frozen (its bias too)
             for path in paths[id(module)]:
                 model.set_submodule(path, new)
     tied: list[nn.Module] = []  # the tied decoders and their embeddings

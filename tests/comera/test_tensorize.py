@@ -9,6 +9,7 @@ from torch import nn
 import comera as C
 from comera.errors import ConfigError
 from comera.tensorize import PaddedTTLinear, TensorizeConfig, TiedDecoder, tensorize_
+from comera.train import ModuleTask
 
 FULL = 10**6  # a rank no bond can carry: TT-SVD is then exact
 EXACT = {"rank": FULL, "cores": 2, "embedding_cores": 2, "min_compression": 0}
@@ -372,7 +373,7 @@ def test_ties_shared_modules_and_attention_are_respected() -> None:
     assert isinstance(model.layer.linear1, nn.Linear)
     rows = {r.name: r for r in summary.layers}
     assert "MultiheadAttention" in rows["layer.self_attn.out_proj"].skipped
-    assert "TransformerEncoderLayer's forward reads linear1.weight" in rows["layer.linear1"].skipped
+    assert "TransformerEncoderLayer reads linear1.weight" in rows["layer.linear1"].skipped
     assert "padding_idx dropped" in rows["emb"].padded
     assert model(torch.randint(0, 100, (2, 5))).shape == (2, 5, 64)
     with torch.no_grad():
@@ -412,9 +413,73 @@ def test_a_module_whose_parent_reads_its_weight_is_skipped() -> None:
     model = FeedForward()
     summary = tensorize_(model, TensorizeConfig(target_modules=("wi", "wo"), rank=4, cores=2))
     rows = {r.name: r.skipped for r in summary.layers}
-    assert rows == {"wi": "", "wo": "skipped: FeedForward's forward reads wo.weight"}
+    assert rows == {"wi": "", "wo": "skipped: FeedForward reads wo.weight"}
     assert isinstance(model.wi, C.TTLinear) and isinstance(model.wo, nn.Linear)
     assert model(torch.randn(3, 16)).shape == (3, 16)
+
+
+def test_a_weight_read_in_a_helper_method_or_a_base_class_is_seen() -> None:
+    """DeBERTa-v2's encoder reads ``rel_embeddings.weight`` in ``get_rel_embedding``, not in
+    ``forward``: a read anywhere in the parent's class (or a base below ``nn.Module``)
+    keeps the module dense, so the model still runs."""
+
+    class Base(nn.Module):
+        def positions(self) -> torch.Tensor:
+            return self.rel.weight  # read by a helper of a base class
+
+    class Encoder(Base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rel, self.proj = nn.Embedding(64, 16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x) + self.positions()[: x.shape[0]]
+
+    model = Encoder()
+    summary = tensorize_(model, TensorizeConfig(target_modules=("rel", "proj"), rank=4,
+                                                cores=2, min_compression=0))  # fmt: skip
+    rows = {r.name: r.skipped for r in summary.layers}
+    assert rows == {"rel": "skipped: Encoder reads rel.weight", "proj": ""}
+    assert model(torch.randn(5, 16)).shape == (5, 16)
+
+
+def test_frozen_layers_stay_frozen_and_half_frozen_ones_stay_dense() -> None:
+    model = _toy()
+    model.up.requires_grad_(False)
+    model.embed.requires_grad_(False)
+    model.odd.weight.requires_grad_(False)  # BitFit-style: the bias alone trains
+    summary = tensorize_(model, TensorizeConfig(target_modules=("up", "down", "odd", "embed"),
+                                                rank=4, cores=2, min_compression=0))  # fmt: skip
+    rows = {r.name: r.skipped for r in summary.layers}
+    assert rows["odd"] == "skipped: its weight alone is frozen; a TT layer trains all or none"
+    assert isinstance(model.odd, nn.Linear)
+    for frozen in (model.up, model.embed):
+        assert not any(p.requires_grad for p in frozen.parameters())
+    assert all(p.requires_grad for p in model.down.parameters())
+    ModuleTask(model, lambda call, batch: None, iter(()))  # all or none: accepted
+
+
+def test_an_exclude_glob_that_matches_nothing_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"exclude glob 'attention' matches no .*up"):
+        tensorize_(_toy(), TensorizeConfig(target_modules=("up",), exclude=("attention",)))
+
+
+def test_a_module_at_two_paths_is_targeted_or_excluded_at_either() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(64, 64)
+            self.dec = self.enc  # one module, two paths
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dec(self.enc(x))
+
+    kept = Twice()
+    tensorize_(kept, TensorizeConfig(target_modules=("*",), exclude=("dec",), rank=4))
+    assert type(kept.enc) is nn.Linear and kept.dec is kept.enc
+    named = Twice()
+    tensorize_(named, TensorizeConfig(target_modules=("dec",), rank=4))
+    assert isinstance(named.enc, C.TTLinear) and named.dec is named.enc
 
 
 def test_exclude_keeps_a_tied_head_and_so_its_embedding() -> None:
