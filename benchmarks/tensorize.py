@@ -55,6 +55,11 @@ def _model(tiny: bool) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
+def _ranks(tiny: bool) -> tuple[int, int]:
+    """The linear and embedding ranks a run uses (the toy model's are smaller)."""
+    return (4, 4) if tiny else (RANK, EMBEDDING_RANK)
+
+
 def _reset_peak() -> bool:
     """Reset the kernel's record of this process's peak RSS to its current RSS (Linux
     ``clear_refs``); False where it cannot."""
@@ -86,7 +91,7 @@ def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False
     model = _model(tiny)
     dense_params = sum(p.numel() for p in model.parameters())
     if variant == "comera":
-        rank, emb = (4, 4) if tiny else (RANK, EMBEDDING_RANK)
+        rank, emb = _ranks(tiny)
         C.tensorize_(model, C.TensorizeConfig(target_modules=TARGET, rank=rank, init="random",
                                               rank_for=(("wte", emb),)))  # fmt: skip
     seq = 32 if tiny else SEQ
@@ -146,8 +151,8 @@ def run(*, json_out: bool = False, steps: int = STEPS, tiny: bool = False,
         "targets": TARGETS,
         "seq": 32 if tiny else SEQ,
         **({"tiny": True} if tiny else {}),
-        "rank": RANK,
-        "embedding_rank": EMBEDDING_RANK,
+        "rank": _ranks(tiny)[0],
+        "embedding_rank": _ranks(tiny)[1],
         "steps_timed": steps,
         "runs": runs,
     }  # fmt: skip
@@ -164,8 +169,9 @@ def render(result: dict) -> str:
                           meta["command"], meta)  # fmt: skip
     r = result["runs"]
     lines += [
-        f"{meta.get('threads', '?')} torch threads, sequence {result['seq']}. GPT-2 small "
-        "built from a config (random weights); CoMERA: `c_attn`, `c_proj`, `c_fc` and `wte` "
+        f"{meta.get('threads', '?')} torch threads, sequence {result['seq']}. "
+        + ("A toy GPT-2 (`--tiny`: one 32-wide layer)" if result.get("tiny") else "GPT-2 small")
+        + " built from a config (random weights); CoMERA: `c_attn`, `c_proj`, `c_fc` and `wte` "
         f"tensorized at rank {result['rank']} (embedding {result['embedding_rank']}), the LM "
         "head tied to the TTM table. One `Trainer.train_step` of a `ModuleTask` per step; "
         "each variant and batch in a fresh process.",

@@ -124,10 +124,15 @@ class LayerReport:
     params_after: int = 0
     padded: str = ""
     skipped: str = ""
+    note: str = ""  # what the adapter does not carry over (an embedding's padding_idx)
 
     @property
     def compression(self) -> float:
         return self.params_before / self.params_after if self.params_after else 1.0
+
+    def describe(self) -> str:
+        """The padding and notes of a replaced layer, as the summary's note column."""
+        return "; ".join(x for x in (f"padded {self.padded}" if self.padded else "", self.note) if x)
 
 
 @dataclass(kw_only=True)
@@ -148,7 +153,7 @@ class TensorizeSummary:
         rows = ["| layer | kind | shape | modes | ranks | params | compression | note |",
                 "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in self.layers:
-            note = r.skipped or (f"padded {r.padded}" if r.padded else "")
+            note = r.skipped or r.describe()
             size = f"{r.params_before:,} -> {r.params_after:,}" if not r.skipped else "-"
             rows.append(
                 f"| {r.name} | {r.kind} | {r.shape[0]} x {r.shape[1]} | {r.modes or '-'} | "
@@ -614,7 +619,7 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
                 lost += ["sparse"] if module.sparse else []
                 if lost:
                     note = f"{', '.join(lost)} dropped (no TTM counterpart)"
-                    report = replace(report, padded=f"{report.padded}; {note}".lstrip("; "))
+                    report = replace(report, note=note)
         elif isinstance(module, nn.Linear):
             if id(module.weight) in embeddings:
                 continue  # a tied decoder: handled below with every tied linear

@@ -95,6 +95,22 @@ class ModelConfig:
             )
         if not self.target:
             raise ConfigError("model.target: give at least one module glob (--target)")
+        sizes = ("rank", "embedding_rank", "cores", "embedding_cores")
+        small = [(k, getattr(self, k)) for k in sizes if getattr(self, k) < 1]
+        if small:
+            key, value = small[0]
+            flag = " (--rank)" if key == "rank" else ""
+            raise ConfigError(f"model.{key}={value}{flag} must be >= 1")
+        if self.min_compression < 0:
+            raise ConfigError(f"model.min_compression={self.min_compression} must be >= 0")
+        if self.path is not None:  # the saved model's own: a value here would be dropped
+            built = [k for k in _BUILT if getattr(self, k) != _BUILT[k]]
+            if built:
+                raise ConfigError(
+                    f"model.{built[0]}={getattr(self, built[0])} shapes the BERT built from a "
+                    f"config, but --model {self.path} is loaded as saved; drop "
+                    f"{', '.join('model.' + k for k in built)} (or train the built model)"
+                )
 
     def tensorize(self) -> C.TensorizeConfig:
         return C.TensorizeConfig(
@@ -104,6 +120,11 @@ class ModelConfig:
             init=self.init if self.init != "auto" else ("svd" if self.path else "random"),
             min_compression=self.min_compression,
         )  # fmt: skip
+
+
+# the built BERT's settings and their defaults: a loaded model (model.path) has its own
+_BUILT = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+          if f.name in ("layers", "hidden", "heads", "ffn", "dropout", "init_std")}  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -307,8 +328,9 @@ def _positions(model: nn.Module) -> int | None:
 class _Eval:
     """Accuracy and loss on every eval split (the whole split on every rank)."""
 
-    def __init__(self, data: MNLIData, batch_size: int, device: torch.device) -> None:
-        self.data, self.batch_size, self.device = data, batch_size, device
+    def __init__(self, data: MNLIData, batch_size: int, device: torch.device,
+                 types: bool = True) -> None:  # fmt: skip
+        self.data, self.batch_size, self.device, self.types = data, batch_size, device, types
 
     def __call__(self, call: Any) -> dict[str, tuple[float, float]]:
         out = {}
@@ -318,7 +340,7 @@ class _Eval:
                 for start in range(0, len(split), self.batch_size):
                     idx = torch.arange(start, min(start + self.batch_size, len(split)))
                     batch = {k: v.to(self.device) for k, v in split.batch(idx).items()}
-                    logits = _logits(call, batch)
+                    logits = _logits(call, batch, self.types)
                     loss_sum += float(F.cross_entropy(logits, batch["labels"], reduction="sum"))
                     correct += float((logits.argmax(-1) == batch["labels"]).sum())
                 # (sum, count): an empty split is NaN, not a perfect 0 loss
@@ -327,9 +349,16 @@ class _Eval:
         return out
 
 
-def _logits(call: Any, batch: dict) -> torch.Tensor:
-    out = call(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-               attention_mask=batch["attention_mask"])  # fmt: skip
+def takes_token_types(model: nn.Module) -> bool:
+    """Whether the model has a token-type table (BERT's family: ``type_vocab_size`` > 0)
+    to read the second sentence's type ids with. GPT-2 would add them through its word
+    table, and Hugging Face never gives them to it, nor to models without the table."""
+    return (getattr(getattr(model, "config", None), "type_vocab_size", 0) or 0) > 0
+
+
+def _logits(call: Any, batch: dict, types: bool = True) -> torch.Tensor:
+    kw = {"token_type_ids": batch["token_type_ids"]} if types else {}
+    out = call(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kw)
     return out.logits.float()
 
 
@@ -362,16 +391,17 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
             print(summary, file=sys.stderr)
     device = torch.device(p.train.device)
     model.to(device)
+    types = takes_token_types(model)
 
     def loss(call: Any, batch: dict) -> tuple:
         batch = {k: v.to(device) for k, v in batch.items()}
-        logits = _logits(call, batch)
+        logits = _logits(call, batch, types)
         acc = (logits.argmax(-1) == batch["labels"]).float().mean()
         return (F.cross_entropy(logits, batch["labels"], reduction="sum"), len(batch["labels"]),
                 {"accuracy": acc.detach()})  # fmt: skip
 
     it = BatchIterator(data.train, p.batch_size, seed=p.train.seed, rank=rank, world_size=world)
-    task = ModuleTask(model, loss, it, evaluate=_Eval(data, p.eval_batch_size, device))
+    task = ModuleTask(model, loss, it, evaluate=_Eval(data, p.eval_batch_size, device, types))
     info = {
         "dense_params": dense_size,
         "vocab": data.vocab_size,
@@ -382,8 +412,9 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
                 "kind": r.kind,
                 "modes": r.modes,
                 "ranks": list(r.ranks),
-                "params": [r.params_before, r.params_after],
-                "note": r.skipped or r.padded,
+                # a layer left dense keeps its parameters
+                "params": [r.params_before, r.params_before if r.skipped else r.params_after],
+                "note": r.skipped or r.describe(),
             }
             for r in (summary.layers if summary is not None else [])
         ],  # fmt: skip
@@ -397,7 +428,8 @@ def _flags(ap: argparse.ArgumentParser) -> None:
                     help="a local folder (or hub name) of a transformers model")  # fmt: skip
     ap.add_argument("--target", help="module globs to tensorize, comma-separated")
     ap.add_argument("--exclude", help="module globs never tensorized, comma-separated")
-    ap.add_argument("--rank", type=int, help="TT rank of every tensorized layer")
+    ap.add_argument("--rank", type=int, help="TT rank of every tensorized linear layer "
+                    "(embedding tables: model.embedding_rank)")  # fmt: skip
 
 
 def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:

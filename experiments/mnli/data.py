@@ -127,14 +127,25 @@ def _bert_pair_template(cls_id: int, sep_id: int) -> processors.TemplateProcessi
     )
 
 
+# what rows are padded with: a pad token, else (GPT-2's and Llama's tokenizers have none)
+# the end-of-text token, as Hugging Face pads those models; the attention mask, not the
+# id, tells pads from text
+PAD_TOKENS = ("[PAD]", "<pad>")
+END_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
+
+
 def prepare_tokenizer(tok: Tokenizer, max_length: int) -> int:
-    """Set longest-first truncation and padding to exactly `max_length`; return the pad id.
+    """Set longest-first truncation and padding to exactly `max_length`; return the pad id
+    (a pad token's, else an end-of-text token's: :data:`END_TOKENS`).
 
     A tokenizer without a post-processor gets BERT's `[CLS] A [SEP] B [SEP]` template.
     """
-    pad = next((t for t in ("[PAD]", "<pad>") if tok.token_to_id(t) is not None), None)
+    pad = next((t for t in (*PAD_TOKENS, *END_TOKENS) if tok.token_to_id(t) is not None), None)
     if pad is None:
-        raise DataError("tokenizer has no [PAD] or <pad> token; use a BERT-style tokenizer")
+        raise DataError(
+            f"tokenizer has no pad token ({' or '.join(PAD_TOKENS)}) nor an end-of-text token "
+            f"to pad with ({', '.join(END_TOKENS)}); use a tokenizer that has one"
+        )
     if tok.post_processor is None:
         cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
         if cls_id is None or sep_id is None:

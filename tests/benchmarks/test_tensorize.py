@@ -27,6 +27,8 @@ def test_bench_plumbing_on_a_toy_gpt2(tmp_path, capsys) -> None:
         runs["comera_b4"]["step_s"] / runs["dense_b4"]["step_s"]
     )
     md = out.with_suffix(".md").read_text()
+    assert result["rank"] == result["embedding_rank"] == 4  # what the toy ran with
+    assert "A toy GPT-2" in md and "at rank 4" in md
     capsys.readouterr()
     assert tensorize.main(["--render", str(out)]) == 0
     assert capsys.readouterr().out.strip() == md.strip()

@@ -374,7 +374,8 @@ def test_ties_shared_modules_and_attention_are_respected() -> None:
     rows = {r.name: r for r in summary.layers}
     assert "MultiheadAttention" in rows["layer.self_attn.out_proj"].skipped
     assert "TransformerEncoderLayer reads linear1.weight" in rows["layer.linear1"].skipped
-    assert "padding_idx dropped" in rows["emb"].padded
+    assert "padding_idx dropped" in rows["emb"].note and not rows["emb"].padded
+    assert "padded" not in rows["emb"].describe()
     assert model(torch.randint(0, 100, (2, 5))).shape == (2, 5, 64)
     with torch.no_grad():
         assert model.eval()(torch.randint(0, 100, (2, 5))).shape == (2, 5, 64)

@@ -118,3 +118,66 @@ def test_a_comera_run_with_nothing_tensorized_is_one_line(tmp_path: Path, capsys
     line = _one_line(capsys)
     assert "no module was tensorized" in line and "--exclude *" in line and "--dense" in line
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "text"),
+    [
+        (["--rank", "0"], "model.rank=0 (--rank) must be >= 1"),
+        (["--set", "model.embedding_rank=0"], "model.embedding_rank=0 must be >= 1"),
+        (["--set", "model.layers=6"], "model.layers=6 shapes the BERT built from a config"),
+        (["--set", "model.dropout=0.3"], "drop model.dropout"),
+    ],
+)
+def test_settings_a_run_cannot_use_are_one_line(tmp_path: Path, capsys, extra, text) -> None:
+    """A rank below 1 names its flag before any data loads; the built BERT's settings
+    beside --model (whose saved config decides them) are refused, not dropped."""
+    model = _saved(capsys, tmp_path / "bert")
+    with_model = extra[0] == "--set" and extra[1].startswith(("model.layers", "model.dropout"))
+    argv = _argv(tmp_path, "r", *extra, *(["--model", model] if with_model else []))
+    assert main(argv) == 2
+    assert text in _one_line(capsys)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_layer_left_dense_keeps_its_parameters_in_the_record(tmp_path: Path, capsys) -> None:
+    ap = cli.build_parser(EXPERIMENT)
+    args = ap.parse_args(
+        _argv(
+            tmp_path,
+            "r",
+            "--set",
+            "model.min_compression=1000",
+            "--set",
+            "train.comera.enabled=false",
+        )
+    )
+    *_, info = build(cli.resolve_config(EXPERIMENT, args, ap))
+    capsys.readouterr()
+    skipped = [t for t in info["tensorized"] if t["note"].startswith("skipped")]
+    assert skipped and all(t["params"][0] == t["params"][1] > 0 for t in skipped)
+    notes = [t["note"] for t in info["tensorized"]]
+    assert not any(n.startswith("padded padding_idx") for n in notes), notes
+
+
+def test_a_gpt2_tokenizer_pads_with_its_end_token_and_gets_no_token_types(tmp_path: Path) -> None:
+    """GPT-2's tokenizer has no pad token: rows are padded with <|endoftext|> (the
+    attention mask marks them), and GPT-2, which has no token-type table, is given none."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from experiments.finetune.experiment import takes_token_types
+    from experiments.mnli.data import prepare_tokenizer
+
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "a": 1, "b": 2, "[UNK]": 3},
+                                     unk_token="[UNK]"))  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.ByteLevel()
+    assert prepare_tokenizer(tok, 6) == 0
+    row = tok.encode("a b", "b")
+    assert row.ids[:3] == [1, 2, 2] and row.ids[3:] == [0, 0, 0]
+    assert row.attention_mask == [1, 1, 1, 0, 0, 0]
+    gpt2 = tf.GPT2ForSequenceClassification(tf.GPT2Config(vocab_size=8, n_embd=16, n_layer=1,
+                                                          n_head=2, n_positions=8))  # fmt: skip
+    bert = tf.BertModel(tf.BertConfig(vocab_size=8, hidden_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, intermediate_size=32))  # fmt: skip
+    assert not takes_token_types(gpt2) and takes_token_types(bert)
