@@ -132,7 +132,8 @@ class LayerReport:
 
     def describe(self) -> str:
         """The padding and notes of a replaced layer, as the summary's note column."""
-        return "; ".join(x for x in (f"padded {self.padded}" if self.padded else "", self.note) if x)
+        padded = f"padded {self.padded}" if self.padded else ""
+        return "; ".join(x for x in (padded, self.note) if x)
 
 
 @dataclass(kw_only=True)
