@@ -8,7 +8,8 @@ Two models: the ``smoke`` preset as it trains (batch 128 x 16 tokens) and the ``
 preset's six-encoder model and training settings (gate regularizer from step 0, its
 schedule and clipping) at batch 32 x 128 tokens, both on the generated MNLI task. Each
 (model, mode) point runs in a fresh process: build the task and trainer, one step (which
-compiles, for ``compile``), two more untimed steps, then ``repeats`` timed steps; the
+compiles, for ``compile``; for ``cuda_graph``, the capture, after its eager warm-up
+steps), two more untimed steps, then ``repeats`` timed steps; the
 median is reported. Writes ``reports/step_modes.json`` and
 ``reports/step_modes.md``, rendered from it alone. Each worker applies the preset's
 ``train.cpu_malloc`` as the training command does (glibc as found, the default).

@@ -508,7 +508,9 @@ def _reads_weight(cls: type, child: str) -> bool:
 
 # methods that set a model up (and run before tensorize_), so a weight read there is
 # no read at run time: ``__init__``, ``_init_weights``, ``tie_weights``, ``reset_parameters``
-_SET_UP = re.compile(r"init|tie|reset", re.IGNORECASE)
+_SET_UP = re.compile(
+    r"^(__init__|post_init|_?init_\w*|\w*_init_weights|_?tie_\w*|\w*_tie_weights|_?reset_\w*)$"
+)
 
 
 def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, list[str]],
@@ -529,14 +531,14 @@ def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, l
     child = name.rpartition(".")[2]
     if _reads_weight(type(parent), child):  # T5's feed-forward reads wo.weight.dtype
         return f"skipped: {type(parent).__name__} reads {child}.weight"
-    bias = getattr(module, "bias", None)
-    if isinstance(bias, nn.Parameter) and bias.requires_grad != module.weight.requires_grad:
-        # BitFit-style: a TT layer's tensors train together or not at all (ModuleTask)
-        which = "weight" if not module.weight.requires_grad else "bias"
-        return f"skipped: its {which} alone is frozen; a TT layer trains all or none"
     weight = module.weight
     if isinstance(module, nn.Linear) and id(weight) in embeddings:
-        return ""  # tied to a replaced embedding: a TiedDecoder of it
+        return ""  # tied to a replaced embedding: a TiedDecoder of it (its bias kept as is)
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, nn.Parameter) and bias.requires_grad != weight.requires_grad:
+        # BitFit-style: a TT layer's tensors train together or not at all (ModuleTask)
+        which = "weight" if not weight.requires_grad else "bias"
+        return f"skipped: its {which} alone is frozen; a TT layer trains all or none"
     others = [o for o in owners.get(id(weight), []) if o not in paths[id(module)]]
     if isinstance(module, nn.Embedding):  # a linear tied to it becomes its TiedDecoder,
         # unless an exclude glob keeps it (it then keeps the weight, and the embedding too)

@@ -62,8 +62,8 @@ class EpochCursor:
         if saved_id is not None and self.data_id is not None and saved_id != self.data_id:
             raise DataError(
                 f"{name}: the checkpoint was trained on other data (digest {saved_id}) than "
-                f"this run reads ({self.data_id}): the file or the data.* settings changed "
-                "since; resume with the same data, or start a new run"
+                f"this run reads ({self.data_id}): the file, or the settings that split it or "
+                "number its ids, changed since; resume with the same data, or start a new run"
             )
         epoch, step = int(state["epoch"]), int(state["batch_in_epoch"])
         if epoch < 0 or not 0 <= step < self.steps_per_epoch:

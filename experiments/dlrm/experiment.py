@@ -56,6 +56,11 @@ class Preset:
                 "or compile"
             )
         cli.check_batch_sizes(self.batch_size, self.eval_batch_size)
+        if self.model.hot_rows and self.dense:  # before anything trains (an ablation's runs)
+            raise ConfigError(
+                f"model.hot_rows={self.model.hot_rows} adds dense rows beside CoMERA's TTM "
+                "tables; the dense baseline has no TTM table: set model.hot_rows=0 with --dense"
+            )
         if self.dense_optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"dense_optimizer={self.dense_optimizer!r} (what --dense trains with); "
@@ -171,11 +176,6 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
             f"model.hot_rows={p.model.hot_rows} keeps the most frequent ids of each table, "
             f"which needs ids numbered by frequency: set data.id_order=frequency (got "
             f"{p.data.id_order!r}) or model.hot_rows=0"
-        )
-    if p.model.hot_rows and p.dense:
-        raise ConfigError(
-            f"model.hot_rows={p.model.hot_rows} adds dense rows beside CoMERA's TTM tables; "
-            "the dense baseline has no TTM table: set model.hot_rows=0 with --dense"
         )
     if p.model.hash_rows and not p.dense:
         raise ConfigError(
@@ -316,6 +316,7 @@ def dense_overrides(p: Preset, optimizer: str | None = None) -> list[tuple[str, 
     experiment's reference training with ``optimizer`` (default: the preset's
     ``dense_optimizer``, what ``--dense`` trains with). A test holds the two in step."""
     return [
+        ("model.hot_rows", 0),  # every row of the dense model's tables is dense already
         ("dense", True),
         ("train.comera.enabled", False),
         *_reference_training(optimizer or p.dense_optimizer),

@@ -131,7 +131,7 @@ def _bert_pair_template(cls_id: int, sep_id: int) -> processors.TemplateProcessi
 # the end-of-text token, as Hugging Face pads those models; the attention mask, not the
 # id, tells pads from text
 PAD_TOKENS = ("[PAD]", "<pad>")
-END_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
+END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
 
 def prepare_tokenizer(tok: Tokenizer, max_length: int) -> int:

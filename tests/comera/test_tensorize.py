@@ -460,6 +460,39 @@ def test_frozen_layers_stay_frozen_and_half_frozen_ones_stay_dense() -> None:
     ModuleTask(model, lambda call, batch: None, iter(()))  # all or none: accepted
 
 
+def test_a_frozen_tied_head_with_a_trained_bias_is_one_tied_decoder() -> None:
+    """The half-frozen check is for layers replaced on their own: a head tied to a frozen
+    embedding becomes its TiedDecoder (keeping its bias as is), listed once."""
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(ids))
+
+    model = Head()
+    model.emb.requires_grad_(False)  # the head's bias still trains
+    summary = tensorize_(model, TensorizeConfig(target_modules=("emb", "head"), rank=4,
+                                                embedding_cores=2))  # fmt: skip
+    assert [r.name for r in summary.layers] == ["emb", "head"]
+    assert summary.layers[1].skipped == "tied to emb" and isinstance(model.head, TiedDecoder)
+    assert model.head.bias.requires_grad
+    assert not any(p.requires_grad for p in model.emb.parameters())
+
+
+def test_set_up_methods_alone_are_passed_over_when_looking_for_weight_reads() -> None:
+    from comera.tensorize import _SET_UP
+
+    for name in ("__init__", "_init_weights", "init_weights", "post_init", "tie_weights",
+                 "_tie_or_clone_weights", "reset_parameters"):  # fmt: skip
+        assert _SET_UP.search(name), name
+    for name in ("forward", "entity_positions", "get_rel_embedding", "properties", "preset"):
+        assert not _SET_UP.search(name), name
+
+
 def test_an_exclude_glob_that_matches_nothing_is_an_error() -> None:
     with pytest.raises(ConfigError, match=r"exclude glob 'attention' matches no .*up"):
         tensorize_(_toy(), TensorizeConfig(target_modules=("up",), exclude=("attention",)))

@@ -378,6 +378,20 @@ def test_settings_the_model_cannot_honour_are_refused(
     assert not (tmp_path / "r").exists()
 
 
+def test_the_ablations_dense_baseline_drops_hot_rows() -> None:
+    """``--set model.hot_rows=K`` on an ablation applies to CoMERA's variants; its dense
+    baseline (``dense_overrides``) has every row dense and sets 0, so it is not refused
+    after the other variants have trained."""
+    from experiments.dlrm.experiment import dense_overrides, preset
+
+    cfg = cli.set_field(preset("smoke"), "model.hot_rows", 256)
+    dense = cli.apply_overrides(cfg, dense_overrides(cfg), [])
+    assert dense.dense and dense.model.hot_rows == 0
+    for key, value in dense_overrides(cfg):  # one at a time, as run(dense=True) sets them
+        cfg = cli.set_field(cfg, key, value)
+    assert cfg.model.hot_rows == 0
+
+
 def test_data_path_expands_home(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "sample.txt").write_bytes(SAMPLE.read_bytes())
