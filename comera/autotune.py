@@ -120,6 +120,37 @@ class Decision:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
+def _well_formed(d: Decision) -> bool:
+    """Whether a decision read from disk has the field types a run relies on."""
+    texts = all(isinstance(x, str) for x in (d.kind, d.what, d.choice))
+    times = isinstance(d.times_ms, dict) and all(
+        isinstance(c, str) and isinstance(t, int | float) and not isinstance(t, bool)
+        for c, t in d.times_ms.items()
+    )
+    skipped = isinstance(d.skipped, dict) and all(
+        isinstance(c, str) and isinstance(why, str) for c, why in d.skipped.items()
+    )
+    return texts and times and skipped
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created if missing) while the block runs,
+    so two processes saving one cache do not drop each other's entries; where ``fcntl``
+    does not exist (Windows), no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _choice_in_key(key: str, choice: str) -> bool:
     """Whether ``choice`` is one of the candidates a cache key names (``from=a,b``)."""
     part = next((p for p in key.split("|") if p.startswith("from=")), None)
@@ -227,7 +258,7 @@ class PlanTuner:
                 d = Decision(**v)
             except TypeError:  # not a mapping, or other fields
                 continue
-            if isinstance(d.choice, str) and _choice_in_key(k, d.choice):
+            if _well_formed(d) and _choice_in_key(k, d.choice):
                 out[k] = d
         return out
 
@@ -254,14 +285,16 @@ class PlanTuner:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # entries as stored: one this version cannot read (another version's) is kept
-            disk = self._read_raw(path) if path.is_file() else {}
-            merged = {**disk, **{k: asdict(v) for k, v in self.decisions.items()}}
-            text = json.dumps(dict(sorted(merged.items())), indent=1)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)
+            with _file_lock(path.with_name(path.name + ".lock")):  # other processes' saves
+                # entries as stored: one this version cannot read (another version's) is kept
+                disk = self._read_raw(path) if path.is_file() else {}
+                merged = {**disk, **{k: asdict(v) for k, v in self.decisions.items()}}
+                text = json.dumps(dict(sorted(merged.items())), indent=1)
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from others
+                os.replace(tmp, path)
         except OSError as e:
             warnings.warn(f"comera.autotune: cannot write the plan cache {path}: {e}",
                           stacklevel=2)  # fmt: skip
@@ -406,7 +439,10 @@ class PlanTuner:
         fewest = _fewest(bucket)
         no_dx = " no dx" if grad and not dx else ""
         no_dw = " no dW" if grad and not dw else ""
-        what = (f"{m}x{n} ranks {','.join(map(str, ranks))} tokens {bucket} {dtype}"
+        # the modes too: two layers of one size and ranks but other modes are other calls
+        modes = (f"[{','.join(str(s[1]) for s in shapes[:d])} | "
+                 f"{','.join(str(s[1]) for s in shapes[d:])}]")  # fmt: skip
+        what = (f"{m}x{n} {modes} ranks {','.join(map(str, ranks))} tokens {bucket} {dtype}"
                 f"{'' if grad else ' no grad'}{no_dx}{no_dw}{' bias' if has_bias else ''}"
                 f"{' halves' if halves is not None else ''}"
                 f"{self._restricted('tt_linear')}")  # fmt: skip
@@ -496,7 +532,9 @@ class PlanTuner:
         dim = math.prod(s[2] for s in shapes)
         ranks = [s[3] for s in shapes[:-1]]
         fewest = _fewest(bucket)
-        what = (f"{rows}x{dim} ranks {','.join(map(str, ranks))} ids={bucket} {dtype}"
+        modes = (f"[{','.join(str(s[1]) for s in shapes)} x "
+                 f"{','.join(str(s[2]) for s in shapes)}]")  # fmt: skip
+        what = (f"{rows}x{dim} {modes} ranks {','.join(map(str, ranks))} ids={bucket} {dtype}"
                 f"{'' if grad else ' no grad'}{' sync-free' if sync_free else ''}"
                 f"{self._restricted('ttm_embedding')}")  # fmt: skip
         skipped: dict[str, str] = {}
@@ -532,11 +570,13 @@ def _linear_call(
     bias: torch.Tensor | None,
     halves: bool = False,
 ) -> tuple:
-    weights = any(c.requires_grad for c in cores) or (bias is not None and bias.requires_grad)
-    grad = torch.is_grad_enabled() and (x2d.requires_grad or weights)
+    weights = any(c.requires_grad for c in cores)
+    trained_bias = bias is not None and bias.requires_grad
+    grad = torch.is_grad_enabled() and (x2d.requires_grad or weights or trained_bias)
     shapes = tuple(tuple(c.shape) for c in cores)
     bucket = token_bucket(x2d.shape[0])
-    # the timing runs compute dx and the weight gradients only where the call does
+    # the timing runs compute dx and the cores' gradients only where the call does (a
+    # bias's alone is a sum over tokens: it does not make a call one of the cores' dW)
     dx, dw = grad and x2d.requires_grad, grad and weights
     return ("tt_linear", shapes, bucket, _compute_dtype(x2d), x2d.device, grad,
             (bias is not None, dx, dw, halves))  # fmt: skip

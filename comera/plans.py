@@ -190,7 +190,8 @@ class LayerPlans:
                     "which take embedding_impl (--embedding-impl), not a contraction plan"
                 )
             raise ConfigError(
-                f"plan rule {pattern!r} matches no TT layer; layers are: {', '.join(paths)}"
+                f"plan rule {pattern!r} (--plan-for, plans.per_layer) matches no TT layer; "
+                f"layers are: {', '.join(paths)}"
             )
 
 

@@ -616,6 +616,9 @@ def _common_overrides(
             glob, sep, strategy = item.partition("=")
             if not sep or not glob:
                 raise CLIError(f"--plan-for {item!r}: expected LAYER_GLOB=STRATEGY")
+            if strategy not in C.STRATEGIES:  # named here: the rule's section names no flag
+                raise CLIError(f"--plan-for {item!r}: unknown strategy {strategy!r}; choose "
+                               f"one of {', '.join(C.STRATEGIES)}")  # fmt: skip
             rules.append((glob, strategy))
         out.append(("plans.per_layer", (*cfg.plans.per_layer, *rules)))
     if args.dense:
@@ -735,9 +738,9 @@ class Prepared:
 
 
 def _clear_stopped_attempt(run_dir: Path, rank: int, world: int) -> None:
-    """Drop the rows and rank table of a run that stopped before its first checkpoint,
-    which starts over: every row is that attempt's (a step-0 row too), and the Trainer
-    refuses a fresh run beside another run's rows. Rank 0 deletes while the others wait,
+    """Drop the rows, rank table and plan history of a run that stopped before its first
+    checkpoint, which starts over: every row is that attempt's (a step-0 row too), and the
+    Trainer refuses a fresh run beside another run's rows. Rank 0 deletes while the others wait,
     so every rank's Trainer finds them gone; a failure is reported after the wait (a rank
     that raised before it would leave the others waiting)."""
     failed: list[OSError] = []
@@ -746,8 +749,8 @@ def _clear_stopped_attempt(run_dir: Path, rank: int, world: int) -> None:
         if rank != 0:
             return
         try:
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            (run_dir / "ranks.json").unlink(missing_ok=True)
+            for name in ("metrics.jsonl", "ranks.json", "plans.json"):
+                (run_dir / name).unlink(missing_ok=True)
         except OSError as e:
             failed.append(e)
             return

@@ -215,6 +215,7 @@ class Trainer:
         self._tune_due = self._tune_first
         self._timed = 0  # the tuner's timing count at the last sync
         self.plans: dict[str, dict] = {}  # the auto-plan decisions this run has used
+        self._history = resume  # plans.json holds this run's history (a fresh run's: none)
         if resume:
             self._reinstall_plans()
             ck.restore_trainer(self, ck.load_checkpoint(self.run_dir))
@@ -380,13 +381,15 @@ class Trainer:
             tuner.install(broadcast_object(tuner.export()))
 
     def _sync_plans(self) -> None:
-        """After a step in which any rank timed a decision, every rank adopts rank 0's (an
-        eager step decides as it goes, so ranks agree from the next step on). Whether any
-        rank timed is one small sum across ranks per step, for ``auto_plans`` runs only."""
+        """After a step (or an evaluation) in which any rank timed a decision or first used
+        one (its own cache's, which may differ from rank 0's), every rank adopts rank 0's:
+        an eager step decides as it goes, so ranks agree from the next step on. Whether
+        any rank did is one small sum across ranks per step, for ``auto_plans`` runs only."""
         if not self.auto_plans or self.world == 1:
             return
         tuner = current_tuner()
-        new = torch.tensor([float(tuner.timings - self._timed)], device=self.device)
+        fresh = len(tuner.used - set(self.plans))  # first used by this run
+        new = torch.tensor([float(tuner.timings - self._timed + fresh)], device=self.device)
         self._timed = tuner.timings
         if float(sum_across_ranks([new])[0]) > 0:
             tuner.install(broadcast_object(tuner.export()))
@@ -418,9 +421,12 @@ class Trainer:
             return
         chosen = {d["what"]: d["choice"] for d in self.plans.values()}
         self.config_dict["auto_plans"] = chosen
-        write_json_atomic(self.run_dir / "config.json", self.config_dict)
-        path = self.run_dir / "plans.json"
-        history = json.loads(path.read_text()) if path.is_file() else {}
+        saved = self.run_dir / "config.json"  # as written (a resume's record kept)
+        record = json.loads(saved.read_text()) if saved.is_file() else self.config_dict
+        write_json_atomic(saved, {**record, "auto_plans": chosen})
+        path = self.run_dir / "plans.json"  # a fresh run's history starts empty
+        history = json.loads(path.read_text()) if path.is_file() and self._history else {}
+        self._history = True
         history[str(self.step)] = new
         write_json_atomic(path, history)
         if log is not None:
@@ -680,6 +686,7 @@ class Trainer:
                     )
                 if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     ev = {f"eval/{k}": v for k, v in self.evaluate().items()}
+                    self._sync_plans()  # evaluation's shapes: decided by each rank
                     self._record_plans(log)
                     live = model_size(self.params, self.state)  # the size each eval is at
                     log.log(

@@ -5,6 +5,7 @@ device, keeps the memory rule, and every choice computes what ``comera`` compute
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,6 +171,37 @@ def test_with_prebuilt_halves_every_core_only_tensor_of_a_path_is_extra() -> Non
     assert alone.choice == "dp"
 
 
+def test_layers_of_one_size_and_rank_with_other_modes_are_told_apart() -> None:
+    """Two 16x16 layers, modes 2,8 | 8,2 and 8,2 | 2,8: other calls, so other decisions
+    and other names (a run's ``auto_plans`` is keyed by the name)."""
+    tuner = A.PlanTuner(timer=StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0}))
+    x = _x()
+    with A.use_tuner(tuner):
+        for out, inp in (((2, 8), (8, 2)), ((8, 2), (2, 8))):
+            spec = C.TTLinearSpec(out_modes=out, in_modes=inp, ranks=2)
+            C.tt_linear(*C.init(spec, generator=torch.Generator().manual_seed(0)), x,
+                        plan="auto")  # fmt: skip
+    whats = [d.what for d in tuner.decisions.values()]
+    assert len(whats) == 2 and len(set(whats)) == 2, whats
+
+
+def test_a_trained_bias_alone_is_not_a_weight_gradient_call() -> None:
+    """A layer whose cores are frozen and bias trained runs no core gradient: its decision
+    is not the one a fully trained layer of those shapes reads."""
+    tuner = A.PlanTuner(timer=StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0}))
+    spec = C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=4, bias=True)
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    p = {k: [t.requires_grad_() for t in v] if isinstance(v, list) else v.requires_grad_()
+         for k, v in p.items()}  # fmt: skip
+    frozen = {**p, "cores": [c.detach() for c in p["cores"]],
+              "gates": [g.detach() for g in p["gates"]]}  # fmt: skip
+    with A.use_tuner(tuner):
+        C.tt_linear(p, s, _x(), plan="auto")
+        C.tt_linear(frozen, s, _x(), plan="auto")
+    assert tuner.timings == 2
+    assert sorted(" no dW" in d.what for d in tuner.decisions.values()) == [False, True]
+
+
 def test_decisions_are_cached_on_disk_and_reused(tmp_path) -> None:
     p, s = _linear()
     first = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
@@ -199,6 +231,53 @@ def test_a_damaged_cache_is_re_decided(tmp_path, text: str) -> None:
     # an entry of the wrong shape is kept as stored (another version may read it), never
     # trusted; a file that is no JSON object is replaced
     assert len(table) == (2 if text.startswith('{"k"') else 1)
+
+
+@pytest.mark.parametrize(
+    "damage", [{"what": ["x"]}, {"times_ms": None}, {"skipped": {"dp": 3}}, {"kind": 7}]
+)
+def test_an_entry_with_fields_of_the_wrong_type_is_decided_again(tmp_path, damage) -> None:
+    """An entry whose fields parse but hold the wrong types is never trusted: it would
+    fail later, where a run records or describes its decisions."""
+    p, s = _linear()
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)):
+        C.tt_linear(p, s, _x(), plan="auto")
+    path = tmp_path / A.CACHE_FILE
+    table = json.loads(path.read_text())
+    (key,) = table
+    path.write_text(json.dumps({key: {**table[key], **damage}}))
+    tuner = A.PlanTuner(tmp_path, timer=timer)
+    with A.use_tuner(tuner):
+        C.tt_linear(p, s, _x(), plan="auto")
+    assert tuner.timings == 1 and tuner.describe()
+
+
+SAVER = """
+import sys
+from comera import autotune as A
+tuner = A.PlanTuner(sys.argv[1])
+for i in range(200):
+    key = f"{sys.argv[2]}{i}|from=comera,dense"
+    tuner.decisions[key] = A.Decision("tt_linear", key, "comera")
+    tuner._save()
+"""
+
+
+def test_processes_saving_one_cache_keep_each_others_entries(tmp_path) -> None:
+    """Saves read, merge and rename under a lock: two processes saving at once lose no
+    entry, and the file is readable by others sharing the cache."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path), tag], env=env)
+             for tag in ("a", "b")]  # fmt: skip
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    table = json.loads((tmp_path / A.CACHE_FILE).read_text())
+    assert len(table) == 400
+    assert (tmp_path / A.CACHE_FILE).stat().st_mode & 0o777 == 0o644
 
 
 def test_one_bad_entry_costs_only_itself(tmp_path) -> None:

@@ -173,8 +173,10 @@ def test_plan_chosen_on_the_cli_is_the_plan_that_runs(tmp_path, monkeypatch):
 def test_a_plan_rule_must_reach_a_tt_linear(tmp_path, capsys):
     """A ``--plan-for`` rule that matches nothing, or only TTM lookups (which take
     ``--embedding-impl``), would do nothing: one line, before the run dir is claimed."""
-    for rule, text in [("embed.*=dp", "matches only TTM embeddings (embed.word)"),
-                       ("layer.*.q=dp", "matches no TT layer")]:  # fmt: skip
+    rules = [("embed.*=dp", "matches only TTM embeddings (embed.word)"),
+             ("layer.*.q=dp", "(--plan-for, plans.per_layer) matches no TT layer"),
+             ("layers.*=bogus", "--plan-for 'layers.*=bogus': unknown strategy")]  # fmt: skip
+    for rule, text in rules:
         run_dir = tmp_path / rule.partition("=")[0]
         assert mnli.main([*FAST, "--run-dir", str(run_dir), "--plan-for", rule]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -62,6 +62,33 @@ def test_auto_choosing_comera_trains_exactly_like_comera(tmp_path, capsys) -> No
     assert not (tmp_path / "comera" / "run" / "plans.json").exists()
 
 
+def test_a_resume_keeps_the_runs_record_and_a_fresh_run_its_own_history(tmp_path) -> None:
+    """Recording new decisions on resume sets ``auto_plans`` in ``config.json`` as written
+    (the CLI's ``argv`` and ``resumes`` stay); a fresh run in a dir that holds a stopped
+    attempt's ``plans.json`` starts its own history."""
+    tuner = A.PlanTuner(timer=StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0}))
+    cfg = _cfg(tmp_path / "a", steps=60, comera=STAGES, checkpoint_every=10)
+    run = tmp_path / "a" / "run"
+    with A.use_tuner(tuner), C.default_plan("auto"):
+        tr = Trainer(cfg, ToyTask(noise=0.1), *_toy_model(), auto_plans=True,
+                     extra_config={"argv": ["first"]})  # fmt: skip
+        tr.fit(until=20)  # before the transition's compaction: new shapes after it
+        record = json.loads((run / "config.json").read_text())
+        record["resumes"] = [{"step": 20, "argv": ["again"]}]  # what the CLI adds
+        (run / "config.json").write_text(json.dumps(record))
+        again = Trainer(cfg, ToyTask(noise=0.1), *_toy_model(), auto_plans=True, resume=True,
+                        extra_config={"argv": ["again"]})  # fmt: skip
+        again.fit()
+    after = json.loads((run / "config.json").read_text())
+    assert after["argv"] == ["first"] and after["resumes"] == record["resumes"]
+    assert len(after["auto_plans"]) > len(record["auto_plans"])  # the compacted shapes too
+    stale = tmp_path / "b" / "run"
+    stale.mkdir(parents=True)
+    (stale / "plans.json").write_text(json.dumps({"999": {"gone": {"what": "x"}}}))
+    _fit(tmp_path, "b", "auto")
+    assert "999" not in json.loads((stale / "plans.json").read_text())
+
+
 def test_sync_free_steps_decide_before_the_step(tmp_path) -> None:
     """The sync-free step runs eagerly, so it decides inside its first step: its plans
     are the timed ones (here ``dp``: ``dense`` is fastest but its 16 x 16 ``W`` is over 5%
@@ -126,6 +153,19 @@ with A.use_tuner(tuner), C.default_plan("auto"):
     tr.fit()
 choices = {k: d.choice for k, d in tuner.decisions.items()}
 (out / f"choices_{rank}.json").write_text(json.dumps(choices))
+# then each rank reads its own cache, which disagrees: rank 1's flipped to other choices;
+# nothing is timed, and the ranks still end on rank 0's
+if rank == 1:
+    other = lambda k, c: next(x for x in k.split("from=")[1].split("|")[0].split(",") if x != c)
+    flip = {k: {**vars(d), "choice": other(k, d.choice)} for k, d in tuner.decisions.items()}
+    tuner.install(flip)
+timed = tuner.timings
+with A.use_tuner(tuner), C.default_plan("auto"):
+    Trainer(_cfg(out / "again", steps=2), ToyTask(rank=rank, world=2), *_toy_model(),
+            auto_plans=True).fit()
+assert tuner.timings == timed, "the second run timed"
+choices = {k: d.choice for k, d in tuner.decisions.items()}
+(out / f"cached_{rank}.json").write_text(json.dumps(choices))
 dist.destroy_process_group()
 """
 
@@ -140,6 +180,8 @@ def test_every_rank_adopts_rank_zeros_decisions(tmp_path) -> None:
     zero, one = (json.loads((tmp_path / f"choices_{r}.json").read_text()) for r in (0, 1))
     assert zero == one and zero
     assert "dp" in set(zero.values())  # rank 0's clock won where dp was a candidate
+    zero, one = (json.loads((tmp_path / f"cached_{r}.json").read_text()) for r in (0, 1))
+    assert zero == one  # decisions read from disagreeing caches: rank 0's, on every rank
 
 
 class _LookupTask:
