@@ -41,16 +41,20 @@ __all__ = ["MODES", "main", "render", "worker", "write_report"]
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 MODES = ("eager", "sync_free", "compile", "cuda_graph")
-MODELS = ("smoke", "paper")
+DEFAULT_MODELS = ("smoke", "paper")
+# each model's dense baseline too (``--dense``'s model, CoMERA off), for side-by-side ratios
+MODELS = (*DEFAULT_MODELS, *(f"{m}_dense" for m in DEFAULT_MODELS))
 
 
 def point_preset(model: str, mode: str, run_dir: str, tiny: bool = False,
                  device: str = "cpu") -> Any:  # fmt: skip
     """The MNLI preset one point trains: ``smoke`` as it is, or the ``paper`` preset's
     model and training (its objective from step 0, its schedule and clipping) on the
-    generated task at 128 tokens; ``mode`` as the step mode, no wandb or progress bar."""
+    generated task at 128 tokens; ``mode`` as the step mode, no wandb or progress bar.
+    ``<model>_dense``: that model's dense baseline, as ``--dense`` trains it."""
     from experiments.mnli import experiment as mnli
 
+    model, _, dense = model.partition("_")
     p = mnli.preset("smoke", run_dir=run_dir)
     if model == "paper":
         paper = mnli.preset("paper", run_dir=run_dir)
@@ -64,6 +68,11 @@ def point_preset(model: str, mode: str, run_dir: str, tiny: bool = False,
     p.train = dataclasses.replace(
         p.train, step_mode=mode, wandb="disabled", progress=False, device=device
     )
+    if dense:  # the CLI's --dense switch
+        p.dense = True
+        p.train = dataclasses.replace(
+            p.train, comera=dataclasses.replace(p.train.comera, enabled=False)
+        )
     return p
 
 
@@ -152,7 +161,7 @@ def command(result: dict) -> str:
     modes = list(dict.fromkeys(r["mode"] for r in runs))
     parts = ["python -m benchmarks.step_modes"]
     parts += ["--tiny"] if result.get("tiny") else []
-    if models and models != list(MODELS):
+    if models and models != list(DEFAULT_MODELS):
         parts += ["--models", ",".join(models)]
     if modes and modes != ["eager", "sync_free", "compile"]:
         parts += ["--modes", ",".join(modes)]
@@ -170,28 +179,41 @@ def render(result: dict) -> str:
     a run, and with ``--render JSON`` for a saved one."""
     device = result.get("device", "cpu")
     on_cpu = device.startswith("cpu")
+    dense = any(r["model"].endswith("_dense") for r in result["runs"])
     title = f"Step modes: eager vs sync-free vs torch.compile ({'CPU' if on_cpu else device})"
     lines = [
         *report_header(title, command(result), result),
         f"Device {device}"
         + (f", {result['threads']} threads, glibc malloc as found. " if on_cpu else ". ")
-        + "The trainer's `train_step` "
-        "(CoMERA, early stage, AdamW) on the generated MNLI task, with each preset's "
+        + "The trainer's `train_step` (CoMERA, early stage, AdamW"
+        + (
+            "; a `_dense` model: its dense baseline, CoMERA off, and `vs dense` CoMERA's "
+            "step time over its dense baseline's in the same mode"
+            if dense
+            else ""
+        )
+        + ") on the generated MNLI task, with each preset's "
         "training settings (smoke: its first steps, before its gate regularizer starts at "
         "step 1000; paper: the regularizer from step 0); a fresh process per row; "
         f"median of {result['repeats']} steps after the first and two more untimed ones.",
         "",
-        "| model | batch x seq | mode | first step (s) | step (s) | vs eager | peak MB |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| model | batch x seq | mode | first step (s) | step (s) | vs eager | "
+        + ("vs dense | " if dense else "")
+        + "peak MB |",
+        "|---|---|---|---:|---:|---:|" + ("---:|" if dense else "") + "---:|",
     ]
-    for r in result["runs"]:
-        eager = next(
-            (x for x in result["runs"] if x["model"] == r["model"] and x["mode"] == "eager"), None
-        )
+    runs = result["runs"]
+    for r in runs:
+        eager = next((x for x in runs if x["model"] == r["model"] and x["mode"] == "eager"), None)
         ratio = "-" if eager is None else f"{eager['step_s'] / r['step_s']:.2f}x"
+        base = next((x for x in runs if x["model"] == f"{r['model']}_dense"
+                     and x["mode"] == r["mode"]), None)  # fmt: skip
+        vs_dense = "-" if base is None else f"{r['step_s'] / base['step_s']:.2f}"
         lines.append(
             f"| {r['model']} | {r['batch']} x {r['seq']} | {r['mode']} | {r['first_step_s']:.1f} "
-            f"| {r['step_s']:.4f} | {ratio} | {r['peak_mb']:.0f} |"
+            f"| {r['step_s']:.4f} | {ratio} | "
+            + (f"{vs_dense} | " if dense else "")
+            + f"{r['peak_mb']:.0f} |"
         )
     lines += [
         "",
@@ -223,7 +245,11 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.step_modes", description=__doc__)
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: smoke,paper")
+    ap.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help=f"comma-separated, of {','.join(MODELS)} (_dense: the dense baseline)",
+    )
     ap.add_argument("--modes", default="eager,sync_free,compile", help=f"comma-separated: {MODES}")
     ap.add_argument("--repeats", type=int, default=10)
     add_threads_flag(ap)

@@ -164,6 +164,19 @@ def test_dlrm_prep_render_reads_a_saved_result(tmp_path: Path, capsys) -> None:
     assert capsys.readouterr().out == dlrm_prep.render(res) + "\n"
 
 
+def test_step_modes_report_sets_comera_beside_its_dense_baseline() -> None:
+    """With ``_dense`` rows the report gains a ``vs dense`` column: CoMERA's step over its
+    dense baseline's in the same mode; without them it is as it was."""
+    result = read_result(REPORTS / "gpu/step_modes_paper/step_modes.json")
+    assert "vs dense" not in step_modes.render(result)
+    result["runs"] += [{**r, "model": "paper_dense", "step_s": 2 * r["step_s"]}
+                       for r in result["runs"] if r["mode"] != "sync_free"]  # fmt: skip
+    text = step_modes.render(result)
+    assert "| vs eager | vs dense | peak MB |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| paper |")]
+    assert [row.split("|")[7].strip() for row in rows] == ["0.50", "-", "0.50"]
+
+
 def test_step_modes_report_says_when_first_step_holds_the_capture() -> None:
     """A cuda_graph row timed through its capture says so; older results, whose first
     cuda_graph step was a warm-up step, do not claim it."""
