@@ -80,9 +80,11 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("d_model", "heads", "ffn", "max_len"):
+        for name in ("d_model", "heads", "ffn", "max_len", "type_vocab"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_labels < 0:  # 0: no classifier (CodeBERT's MLM counts it so)
+            problems.append(f"num_labels must be >= 0, got {self.num_labels}")
         if self.layers < 0:
             problems.append(f"layers must be >= 0, got {self.layers}")
         if self.heads >= 1 and self.d_model % self.heads:

@@ -205,6 +205,7 @@ def build(
     """Data, task and a fresh model for a preset; returns (task, params, state, dense_size)."""
     dense = p.dense if dense is None else dense
     data = load_mnli(p.data)
+    check_fits_data(p.model, data)
     model = fit_vocab(p.model, data.vocab_size)
     if dense:
         model = dataclasses.replace(model, tt=False)
@@ -213,6 +214,25 @@ def build(
     task.device = torch.device(p.train.device)
     params, state = init_encoder(model, generator=torch.Generator().manual_seed(p.train.seed))
     return task, params, state, dense_param_count(model)
+
+
+def check_fits_data(model: EncoderConfig, data: MNLIData) -> None:
+    """Refuse a model whose token-type table or classifier is smaller than what the data
+    holds (a pair's second sentence is type 1; labels run to num_labels - 1): each would
+    fail in the first step's lookup or loss, naming no setting."""
+    splits = [data.train, *data.eval.values()]
+    types = max((int(s.token_type_ids.max()) for s in splits if len(s)), default=0)
+    if types >= model.type_vocab:
+        raise ConfigError(
+            f"the data's pairs use token types up to {types} but model.type_vocab="
+            f"{model.type_vocab}; set --set model.type_vocab={types + 1}"
+        )
+    labels = max((int(s.labels.max()) for s in splits if len(s)), default=-1)
+    if labels >= model.num_labels:
+        raise ConfigError(
+            f"the data has label ids up to {labels} but model.num_labels={model.num_labels}; "
+            f"set --set model.num_labels={labels + 1}"
+        )
 
 
 def _build(p: Preset, rank: int, world: int) -> tuple:

@@ -307,6 +307,25 @@ def test_cli_argument_errors(tmp_path, capsys):
     assert "unrecognized arguments" in _one_error_line(capsys)
 
 
+@pytest.mark.parametrize(
+    ("key", "text"),
+    [
+        ("model.type_vocab=1", "token types up to 1 but model.type_vocab=1"),
+        ("model.type_vocab=0", "type_vocab must be >= 1"),
+        ("model.num_labels=2", "label ids up to 2 but model.num_labels=2"),
+    ],
+)
+def test_a_model_smaller_than_its_data_is_one_line(tmp_path, capsys, key, text):
+    """A token-type table or classifier the data overruns failed in the first step with
+    an IndexError; it is refused before the run dir is claimed, naming the key."""
+    argv = ["--set", key, "--set", "train.steps=1", "--set", "data.generated_train=256",
+            "--set", "data.generated_eval=64", "--wandb", "disabled", "--no-progress",
+            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    assert mnli.main(argv) == 2
+    assert text in _one_error_line(capsys)
+    assert not (tmp_path / "run").exists()
+
+
 def test_bad_data_is_one_line_naming_the_flag(tmp_path, capsys):
     from experiments.mnli.generated import write_generated_files
 
