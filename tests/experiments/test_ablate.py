@@ -285,7 +285,9 @@ def test_empty_values_and_interrupted_runs_are_refused(tmp_path, monkeypatch, ca
         [r["label"] for r in recs]) or out.write_text(""))  # fmt: skip
     base = ["gamma", "--experiment", "dlrm", "--runs-dir", str(tmp_path / "b")]
     kill_at[0] = 0  # no kill from here on
-    assert ablate.main([*base, "--values", "9", "--val", "0.05, 0.1"]) == 0
+    # --reports: a run writes its report (the stub's empty one) where it says, never reports/
+    assert ablate.main([*base, "--values", "9", "--val", "0.05, 0.1", "--reports",
+                        str(tmp_path)]) == 0  # fmt: skip
     assert ablate.main([*base, "--report-only", "--reports", str(tmp_path)]) == 0
     assert trained[-1] == ["0.05", "0.1"]
 
