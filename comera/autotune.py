@@ -5,7 +5,7 @@ a concrete choice. For a key it has not seen (core shapes, token bucket, dtype, 
 thread count, torch version, whether gradients flow and reach the input) it times each
 candidate on the call's own inputs, forward and backward, and keeps the median-fastest, as
 ``torch.backends.cudnn.benchmark`` does for convolutions. Decisions live in memory and,
-when the tuner has a ``cache_dir``, in ``plans-v1.json`` there, so a second run times
+when the tuner has a ``cache_dir``, in ``plans-v2.json`` there, so a second run times
 nothing. Compaction changes core shapes, so the next call after it is a new key: it is
 decided (or read from the cache) afresh.
 
@@ -75,7 +75,9 @@ LINEAR_CANDIDATES = ("comera", "dense", "dp")
 EMBEDDING_CANDIDATES = ("optimized", "table")
 DENSE_SHARE = 0.05  # rebuilt W <= 5% of the call's T x (N + M) activations (training)
 FLOP_PRUNE = 32.0  # a candidate over 32x the cheapest forward FLOPs is not timed
-CACHE_FILE = "plans-v1.json"
+# v2: decision names carry the layers' modes, and a bias-only gradient call is a "no dW"
+# one; v1 files hold names and keys without them, so they are left to the old version
+CACHE_FILE = "plans-v2.json"
 
 # Timer({candidate: run}) -> {candidate: seconds}; ``run()`` executes one candidate once
 Timer = Callable[[dict[str, Callable[[], None]]], dict[str, float]]
@@ -135,20 +137,33 @@ def _well_formed(d: Decision) -> bool:
 
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``path`` (created if missing) while the block runs,
-    so two processes saving one cache do not drop each other's entries; where ``fcntl``
-    does not exist (Windows), no lock."""
+    """An exclusive advisory lock on ``path`` (created if missing, opened read-only: a
+    lock needs no write access, so users sharing a cache can each take it) while the block
+    runs, so two processes saving one cache do not drop each other's entries. Where it
+    cannot be taken (no ``fcntl`` on Windows, a filesystem without locks, a lock file
+    another user made unreadable), the block runs unlocked, as saves did before."""
+    fd = None
     try:
         import fcntl
-    except ImportError:
+
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        if fd is not None:
+            os.close(fd)
+        fd = None
+    try:
         yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    finally:
+        if fd is not None:
+            os.close(fd)  # closing releases the lock
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _choice_in_key(key: str, choice: str) -> bool:
@@ -235,7 +250,7 @@ class PlanTuner:
 
     @property
     def cache_file(self) -> Path | None:
-        """``cache_dir / plans-v1.json``, or None for a memory-only tuner."""
+        """``cache_dir / plans-v2.json``, or None for a memory-only tuner."""
         return self.cache_dir / CACHE_FILE if self.cache_dir is not None else None
 
     @staticmethod
@@ -293,7 +308,7 @@ class PlanTuner:
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
                 with os.fdopen(fd, "w") as f:
                     f.write(text)
-                os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from others
+                os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide a shared cache
                 os.replace(tmp, path)
         except OSError as e:
             warnings.warn(f"comera.autotune: cannot write the plan cache {path}: {e}",

@@ -30,7 +30,7 @@ ALL=(
   "1|120|tests|-m pytest -q -rs -p no:cacheprovider tests/gpu/test_gpu.py"
   "1|60|dlrm_lookup|-m benchmarks.dlrm_step --embedding --device cuda --json"
   "1|90|core_bench|-m benchmarks.core --device cuda --json"
-  "1|150|step_modes_paper|-m benchmarks.step_modes --device cuda --models paper,paper_dense --modes sync_free,cuda_graph --out $G/step_modes_paper"
+  "1|240|step_modes_paper|-m benchmarks.step_modes --device cuda --models paper,paper_dense --modes sync_free,cuda_graph --out $G/step_modes_paper"
   "2|240|step_modes_smoke|-m benchmarks.step_modes --device cuda --models smoke --modes sync_free,cuda_graph,compile --point-timeout 150 --out $G/step_modes_smoke"
   "2|240|mnli_bench|-m benchmarks.mnli_step --device cuda --json"
 )

@@ -35,8 +35,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         line = f"tests wrote into reports/: {', '.join(changed)} (give each command an --out)"
         if reporter is not None:
+            reporter.ensure_newline()
             reporter.write_line(line, red=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if exitstatus == pytest.ExitCode.OK:  # an interrupted or failed run keeps its status
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 _BEFORE = pytest.StashKey[dict]()

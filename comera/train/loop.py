@@ -388,7 +388,9 @@ class Trainer:
         if not self.auto_plans or self.world == 1:
             return
         tuner = current_tuner()
-        fresh = len(tuner.used - set(self.plans))  # first used by this run
+        # decisions first used by this run (a call that got none, with no tokens or where
+        # timing cannot run, is no decision to agree on)
+        fresh = len({k for k in tuner.used if k in tuner.decisions} - set(self.plans))
         new = torch.tensor([float(tuner.timings - self._timed + fresh)], device=self.device)
         self._timed = tuner.timings
         if float(sum_across_ranks([new])[0]) > 0:

@@ -277,7 +277,23 @@ def test_processes_saving_one_cache_keep_each_others_entries(tmp_path) -> None:
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     table = json.loads((tmp_path / A.CACHE_FILE).read_text())
     assert len(table) == 400
-    assert (tmp_path / A.CACHE_FILE).stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / A.CACHE_FILE).stat().st_mode & 0o777 == 0o666 & ~A._umask()
+
+
+def test_a_cache_without_locks_still_saves(tmp_path, monkeypatch) -> None:
+    """A filesystem without locks (flock: ENOLCK), or a lock file another user owns, costs
+    the lock, never the save."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    tuner = A.PlanTuner(tmp_path, timer=StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0}))
+    with A.use_tuner(tuner):
+        C.tt_linear(*_linear(), _x(), plan="auto")
+    assert len(json.loads((tmp_path / A.CACHE_FILE).read_text())) == 1
 
 
 def test_one_bad_entry_costs_only_itself(tmp_path) -> None:

@@ -89,6 +89,32 @@ def test_a_resume_keeps_the_runs_record_and_a_fresh_run_its_own_history(tmp_path
     assert "999" not in json.loads((stale / "plans.json").read_text())
 
 
+def test_a_call_that_got_no_decision_does_not_sync_every_step(tmp_path, monkeypatch) -> None:
+    """Ranks sync when one timed or first used a decision; a call the tuner asked about
+    but did not decide (no tokens, or where timing cannot run) is nothing to agree on."""
+    from comera.train import loop
+
+    tuner = A.PlanTuner(timer=StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0}))
+    with A.use_tuner(tuner), C.default_plan("auto"):
+        tr = Trainer(_cfg(tmp_path, steps=2), ToyTask(), *_toy_model(), auto_plans=True)
+        tr.fit()
+    sent = []
+    monkeypatch.setattr(loop, "sum_across_ranks", lambda tensors: tensors)
+    monkeypatch.setattr(loop, "broadcast_object", lambda obj: sent.append(obj) or obj)
+    monkeypatch.setattr(A, "current_tuner", lambda: tuner)
+    monkeypatch.setattr(loop, "current_tuner", lambda: tuner)
+    tr.world = 2  # as if distributed: the collectives above stand in for gloo's
+    tr._timed, tuner.used = tuner.timings, set()  # all synced and recorded so far
+    tuner.used.add("never decided")
+    tr._sync_plans()
+    assert sent == []
+    decided = next(iter(tr.plans))
+    tr.plans.pop(decided)
+    tuner.used.add(decided)  # a decision this run had not used (one from a rank's cache)
+    tr._sync_plans()
+    assert len(sent) == 1
+
+
 def test_sync_free_steps_decide_before_the_step(tmp_path) -> None:
     """The sync-free step runs eagerly, so it decides inside its first step: its plans
     are the timed ones (here ``dp``: ``dense`` is fastest but its 16 x 16 ``W`` is over 5%
