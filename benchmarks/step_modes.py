@@ -179,7 +179,8 @@ def render(result: dict) -> str:
     a run, and with ``--render JSON`` for a saved one."""
     device = result.get("device", "cpu")
     on_cpu = device.startswith("cpu")
-    dense = any(r["model"].endswith("_dense") for r in result["runs"])
+    runs = result["runs"]
+    dense = any(r["model"].endswith("_dense") for r in runs)
     title = f"Step modes: eager vs sync-free vs torch.compile ({'CPU' if on_cpu else device})"
     lines = [
         *report_header(title, command(result), result),
@@ -202,7 +203,6 @@ def render(result: dict) -> str:
         + "peak MB |",
         "|---|---|---|---:|---:|---:|" + ("---:|" if dense else "") + "---:|",
     ]
-    runs = result["runs"]
     for r in runs:
         eager = next((x for x in runs if x["model"] == r["model"] and x["mode"] == "eager"), None)
         ratio = "-" if eager is None else f"{eager['step_s'] / r['step_s']:.2f}x"
@@ -221,7 +221,7 @@ def render(result: dict) -> str:
         "includes compilation for `compile`"
         + (
             " and, after its eager warm-up steps, the capture for `cuda_graph`"
-            if any(r.get("first_step_includes") == "capture" for r in result["runs"])
+            if any(r.get("first_step_includes") == "capture" for r in runs)
             else ""
         )
         + "; it is paid again after every compaction (the "

@@ -141,6 +141,7 @@ def run(*, json_out: bool = False, steps: int = STEPS, tiny: bool = False,
         except WorkerFailed as e:
             raise SystemExit(str(e)) from None
     r = runs
+    rank, embedding_rank = _ranks(tiny)
     result = {
         "meta": {**host_meta(), "command": "python -m benchmarks.tensorize"
                  + (" --tiny" if tiny else "") + (f" --steps {steps}" if steps != STEPS else "")
@@ -151,8 +152,8 @@ def run(*, json_out: bool = False, steps: int = STEPS, tiny: bool = False,
         "targets": TARGETS,
         "seq": 32 if tiny else SEQ,
         **({"tiny": True} if tiny else {}),
-        "rank": _ranks(tiny)[0],
-        "embedding_rank": _ranks(tiny)[1],
+        "rank": rank,
+        "embedding_rank": embedding_rank,
         "steps_timed": steps,
         "runs": runs,
     }  # fmt: skip

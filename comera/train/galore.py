@@ -72,10 +72,9 @@ def _move_projector(projector: Any, device: torch.device) -> None:
         projector.ortho_matrix = [t.to(device) for t in ortho]
 
 
-def _why_none(paths: list[str], leaves: list[torch.Tensor], cfg: GaLoreConfig) -> str:
-    """Why no leaf is projected, naming the settings that would change it."""
-    matched = [any(fnmatch.fnmatchcase(path, g) for g in cfg.targets) for path in paths]
-    named = [p for p, m in zip(leaves, matched, strict=True) if m and p.dim() == 2]
+def _why_none(named: list[torch.Tensor], cfg: GaLoreConfig) -> str:
+    """Why no leaf is projected, naming the settings that would change it; ``named``: the
+    2-D leaves the targets match."""
     found = (f"the largest short side among them is {max(min(p.shape) for p in named)}"
              if named else "they name no 2-D weight")  # fmt: skip
     return (
@@ -120,7 +119,10 @@ class GaLore:
                            "update_proj_gap": cfg.update_proj_gap,
                            "proj_type": cfg.proj_type})  # fmt: skip
         self.projected = len(low)
-        self.unprojected_why = "" if low else _why_none(paths, self.leaves, cfg)
+        self.unprojected_why = "" if low else _why_none(
+            [p for path, p in zip(paths, self.leaves, strict=True)
+             if path in named and p.dim() == 2], cfg,
+        )  # fmt: skip
         self.base_lr = lr
         self.torch = GaLoreAdamW(
             groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,

@@ -267,7 +267,7 @@ def _load_pretrained(tf: Any, cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
 def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
     """Refuse data the model cannot read, before any training: token ids (or token type
     ids) past its embeddings' sizes, or labels past its head's ``num_labels``."""
-    splits = [s for s in (data.train, *data.eval.values()) if len(s)]
+    splits = data.splits()
     source = f"--model {cfg.path}" if cfg.path is not None else "the model"
     config = getattr(model, "config", None)
     for field_, limit_name, what in (
@@ -290,12 +290,7 @@ def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
             f"positions; lower data.max_length (--set data.max_length={positions}) or give "
             "--model one with more"
         )
-    top = max((int(s.labels.max()) for s in splits), default=-1)
-    if top >= cfg.num_labels:
-        raise ConfigError(
-            f"the data has label ids up to {top} but model.num_labels={cfg.num_labels}; "
-            f"set --set model.num_labels={top + 1}"
-        )
+    data.check_label_count(cfg.num_labels)
 
 
 def _positions(model: nn.Module) -> int | None:

@@ -115,6 +115,20 @@ class MNLIData:
     tokenizer_path_or_name: str
     num_labels: int = NUM_LABELS
 
+    def splits(self) -> list[EncodedSplit]:
+        """The train split and every eval split that holds rows."""
+        return [s for s in (self.train, *self.eval.values()) if len(s)]
+
+    def check_label_count(self, num_labels: int) -> None:
+        """Refuse a classifier of ``num_labels`` outputs smaller than the labels the splits
+        hold (the first step's loss would fail on them, naming no setting)."""
+        top = max((int(s.labels.max()) for s in self.splits()), default=-1)
+        if top >= num_labels:
+            raise ConfigError(
+                f"the data has label ids up to {top} but model.num_labels={num_labels}; "
+                f"set --set model.num_labels={top + 1}"
+            )
+
 
 # ---------------------------------------------------------------- tokenizer
 

@@ -220,19 +220,13 @@ def check_fits_data(model: EncoderConfig, data: MNLIData) -> None:
     """Refuse a model whose token-type table or classifier is smaller than what the data
     holds (a pair's second sentence is type 1; labels run to num_labels - 1): each would
     fail in the first step's lookup or loss, naming no setting."""
-    splits = [data.train, *data.eval.values()]
-    types = max((int(s.token_type_ids.max()) for s in splits if len(s)), default=0)
+    types = max((int(s.token_type_ids.max()) for s in data.splits()), default=0)
     if types >= model.type_vocab:
         raise ConfigError(
             f"the data's pairs use token types up to {types} but model.type_vocab="
             f"{model.type_vocab}; set --set model.type_vocab={types + 1}"
         )
-    labels = max((int(s.labels.max()) for s in splits if len(s)), default=-1)
-    if labels >= model.num_labels:
-        raise ConfigError(
-            f"the data has label ids up to {labels} but model.num_labels={model.num_labels}; "
-            f"set --set model.num_labels={labels + 1}"
-        )
+    data.check_label_count(model.num_labels)
 
 
 def _build(p: Preset, rank: int, world: int) -> tuple:
