@@ -92,6 +92,23 @@ def _check_operand(name: str, what: str, t: torch.Tensor, core: torch.Tensor) ->
         )
 
 
+def _check_bias(name: str, bias: object, m: int, core: torch.Tensor) -> None:
+    """A layer's bias must be ``(M,)`` on the cores' device, in their dtype (any under
+    autocast). Checked per call: the plans read a bias differently (a padding slot of the
+    ``comera`` path while the middle rank is not a multiple of 8, an ``addmm`` addend
+    otherwise), so a wrong one would broadcast, promote or fail by plan and rank, and a
+    compaction could turn a working run into a crash."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (m,):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(
+            f"{name}: params['bias'] has shape {shape} but the layer has {m} outputs; "
+            f"give a bias of shape ({m},) or None"
+        )
+    _check_operand(name, "params['bias']", bias, core)
+
+
 def tt_linear(
     params: Params,
     state: State,
@@ -122,6 +139,7 @@ def tt_linear(
             f"{n} (= prod(in_modes) = prod({in_modes}))"
         )
     _check_operand(name, "x", x, cores[0])
+    _check_bias(name, params.get("bias"), m, cores[0])
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n)  # (T, N)
     built = halves.get(params) if halves is not None else None
@@ -166,11 +184,14 @@ def tt_linear_shared_input(
                 f"tt_linear_shared_input: layer {k} expects a last dim of {n}, the input "
                 f"has shape {tuple(x.shape)}"
             )
-        _check_operand(f"tt_linear_shared_input layer {k}", "x", x, cores[0])
+        label = f"tt_linear_shared_input layer {k}"
+        _check_operand(label, "x", x, cores[0])
+        m = math.prod([c.shape[1] for c in cores[:d]])
+        _check_bias(label, params.get("bias"), m, cores[0])
         if not ready:
-            trains.append(gated_cores(params, state, f"tt_linear_shared_input layer {k}"))
+            trains.append(gated_cores(params, state, label))
         biases.append(params.get("bias"))
-        outs.append(math.prod([c.shape[1] for c in cores[:d]]))
+        outs.append(m)
     lead = x.shape[:-1]
     ys = shared_input_comera(x.reshape(-1, x.shape[-1]), built if ready else trains, biases,
                              built=ready)  # type: ignore[arg-type]  # fmt: skip
@@ -297,6 +318,11 @@ def ttm_embedding(
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     vocab_modes = [c.shape[1] for c in cores]
     vocab = spec.num_embeddings if spec is not None else math.prod(vocab_modes)
+    if vocab > math.prod(vocab_modes):  # ids past the cores' rows would wrap their digits
+        raise ValueError(
+            f"{name}: the spec has {vocab} rows but the cores' vocab modes {vocab_modes} "
+            f"hold {math.prod(vocab_modes)}; pass the spec these params were built from"
+        )
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"{name}: ids must be an integer tensor, got dtype {ids.dtype}")
     if ids.device != cores[0].device:
@@ -391,6 +417,13 @@ def ttm_logits(
 
     cores = gated_cores(params, state, "ttm_logits")
     padded = math.prod([int(c.shape[1]) for c in cores])
+    dim = math.prod([int(c.shape[2]) for c in cores])
+    if h.dim() < 1 or h.shape[-1] != dim:
+        raise ValueError(
+            f"ttm_logits: h has shape {tuple(h.shape)} but the table's rows have {dim} "
+            "entries (= prod(dim_modes)); h's last dim must match"
+        )
+    _check_operand("ttm_logits", "h", h, cores[0])
     if rows is not None and not 1 <= rows <= padded:
         raise ConfigError(
             f"ttm_logits: rows={rows}; pass 1 to {padded} (the table's padded vocabulary)"

@@ -211,6 +211,13 @@ def prune(params: Params, state: State, tau: float, *, rule: str = "gate") -> St
     """
     check_prune_rule(rule)
     check_state(params, state)
+    given = tau
+    try:
+        tau = float(tau)  # a number or a one-element tensor
+    except (TypeError, ValueError, RuntimeError):
+        tau = math.nan
+    if not math.isfinite(tau):  # NaN compares false: the gate rule kills all, shares none
+        raise ConfigError(f"prune: tau={given!r}; give a finite threshold (e.g. 1e-2)")
     if rule == "gate":
         keep = [g.detach().abs() > tau for g in params["gates"]]  # type: ignore[union-attr]
     else:

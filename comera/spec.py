@@ -174,7 +174,12 @@ class TTMEmbeddingSpec:
                 f"got {list(vocab_modes)} and {list(dim_modes)}"
             )
         padded = math.prod(vocab_modes)
-        num = padded if self.num_embeddings is None else int(self.num_embeddings)
+        try:  # an int only: int() would take 12.7 as 12
+            num = padded if self.num_embeddings is None else operator.index(self.num_embeddings)
+        except TypeError:
+            raise ConfigError(
+                f"{name}: num_embeddings must be an int or None, got {self.num_embeddings!r}"
+            ) from None
         if not 1 <= num <= padded:
             raise ConfigError(
                 f"{name}: num_embeddings={num} must be in [1, prod(vocab_modes)={padded}]; "

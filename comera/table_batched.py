@@ -312,7 +312,12 @@ def ttm_embedding_batched(
             + ("" if specs is None else f", {len(specs)} specs")
             + "; pass one of each per table"
         )
-    if ids.shape[-1:] != (t,) or ids.is_floating_point() or ids.dtype == torch.bool:
+    if (
+        ids.shape[-1:] != (t,)
+        or ids.is_floating_point()
+        or ids.is_complex()
+        or (ids.dtype == torch.bool)
+    ):
         raise ValueError(
             f"ttm_embedding_batched: ids must be an integer tensor (..., {t}) with one column "
             f"per table, got {tuple(ids.shape)} {ids.dtype}"

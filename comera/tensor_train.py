@@ -207,7 +207,20 @@ def check_state(params: Params, state: State, name: str = "TT layer") -> None:
             f"gates of {gates} ranks. Was the state compacted together with the params? "
             "(comera.compact returns both)"
         )
-    ranks = [int(c.shape[-1]) for c in params["cores"][:-1]]  # type: ignore[index]
+    cores = params["cores"]
+    ranks = [int(c.shape[-1]) for c in cores[:-1]]  # type: ignore[index]
+    if len(gates) < len(ranks):
+        raise ValueError(
+            f"{name}: {len(gates)} gates for {len(ranks)} bonds; a train of {len(cores)} cores "  # type: ignore[arg-type]
+            "has one gate (and one mask) per bond between cores"
+        )
+    lefts = [int(c.shape[0]) for c in cores]  # type: ignore[union-attr]
+    if lefts[1:] != ranks or lefts[0] != 1 or int(cores[-1].shape[-1]) != 1:  # type: ignore[index]
+        raise ValueError(
+            f"{name}: the cores' ranks do not chain: cores of shapes "
+            f"{[tuple(c.shape) for c in cores]} (each core's left rank must equal the one "  # type: ignore[union-attr]
+            "before it's right rank, and the first and last cores have rank 1 outside)"
+        )
     # a gate per bond; extra gates are not read by any path, as before
     for b, (g, r) in enumerate(zip(params["gates"], ranks, strict=False)):  # type: ignore[call-overload]
         if g.shape != (r,):

@@ -124,12 +124,7 @@ def share_size(params: object, state: object) -> torch.Tensor:
     for path, p, s in iter_tt(params, state):
         check_state(p, s, path)
         layers += 1
-        cores: list[torch.Tensor] = p["cores"]
-        if int(cores[0].shape[0]) != 1 or int(cores[-1].shape[-1]) != 1:
-            raise ValueError(
-                f"share_size: {path}: edge ranks {int(cores[0].shape[0])} and "
-                f"{int(cores[-1].shape[-1])}; a train's first and last cores have rank 1 outside"
-            )
+        cores: list[torch.Tensor] = p["cores"]  # edge ranks 1: check_state refuses others
         if any(int(c.shape[-1]) == 0 for c in cores[:-1]):  # no rank: the zero map, size 0
             continue
         buckets.setdefault((cores[0].dtype, cores[0].device), []).append((path, p, s))

@@ -5,6 +5,7 @@ import torch
 
 import comera as C
 from comera.errors import ConfigError, IdOutOfRangeError, UserError
+from comera.layers import tt_linear_shared_input, ttm_logits
 
 
 def test_modes_must_multiply_to_dims():
@@ -147,3 +148,66 @@ class _Table(C.TTMEmbedding):
 def _table() -> _Table:
     spec = C.TTMEmbeddingSpec(vocab_modes=(4, 5), dim_modes=(2, 3), ranks=2, num_embeddings=18)
     return _Table(spec)
+
+
+@pytest.mark.parametrize("plan", ["comera", "dense", "dp"])
+def test_a_bias_of_another_dtype_or_shape_is_refused_by_every_plan_at_every_rank(plan):
+    """The plans read a bias differently (a padding slot of the comera path while the
+    middle rank is not a multiple of 8, an addmm addend otherwise): an fp32 bias on fp64
+    cores worked at rank 7 and crashed once a compaction left rank 8, and a (1,) bias
+    broadcast under some plans. Each call now refuses both, naming the layer."""
+    x = torch.randn(4, 15, dtype=torch.float64)
+    for rank in (7, 8):
+        spec = C.TTLinearSpec(out_modes=(3, 5), in_modes=(3, 5), ranks=(3, rank, 3), name="q",
+                              dtype=torch.float64)  # fmt: skip
+        p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+        assert C.tt_linear(p, s, x, plan=plan).dtype == torch.float64
+        with pytest.raises(ValueError, match=r"'q'.*params\['bias'\] has dtype torch.float32"):
+            C.tt_linear({**p, "bias": p["bias"].float()}, s, x, plan=plan, spec=spec)
+        with pytest.raises(ValueError, match=r"'q'.*bias'\] has shape \(1,\).*shape \(15,\)"):
+            C.tt_linear({**p, "bias": p["bias"][:1]}, s, x, plan=plan, spec=spec)
+        with pytest.raises(ValueError, match=r"layer 1: params\['bias'\] has shape \(1,\)"):
+            tt_linear_shared_input([(p, s), ({**p, "bias": p["bias"][:1]}, s)], x)
+
+
+def test_trains_that_do_not_chain_or_lack_gates_are_named():
+    spec = C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=3, name="q")
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 6)
+    with pytest.raises(ValueError, match=r"'q': 2 gates for 3 bonds"):
+        C.tt_linear({**p, "gates": p["gates"][:2]}, {"masks": s["masks"][:2]}, x, spec=spec)
+    cores = list(p["cores"])
+    cores[2] = torch.randn(2, 3, cores[2].shape[2])  # left rank 2 after a bond of rank 3
+    with pytest.raises(ValueError, match=r"'q': the cores' ranks do not chain"):
+        C.tt_linear({**p, "cores": cores}, s, x, spec=spec)
+    edge = [torch.randn(2, *p["cores"][0].shape[1:]), *p["cores"][1:]]
+    with pytest.raises(ValueError, match="rank 1 outside"):
+        C.tt_linear({**p, "cores": edge}, s, x, spec=spec)
+
+
+def test_lookups_and_decoders_refuse_what_would_read_other_rows():
+    table = _table()
+    p, s = table.params_state()
+    with pytest.raises(ValueError, match=r"ttm_logits: h has shape \(3, 5\).*6 entries"):
+        ttm_logits(p, s, torch.randn(3, 5))
+    with pytest.raises(ValueError, match=r"ttm_logits: h has dtype torch.float64"):
+        ttm_logits(p, s, torch.randn(3, 6, dtype=torch.float64))
+    # a spec of more rows than the cores hold: id 20 of 25 wrapped to another row
+    big = C.TTMEmbeddingSpec(vocab_modes=(5, 5), dim_modes=(2, 3), ranks=2, name="big")
+    for impl in ("optimized", "naive", "static", "table"):
+        with pytest.raises(ValueError, match=r"'big': the spec has 25 rows.*hold 20"):
+            C.ttm_embedding(p, s, torch.tensor([19]), impl=impl, spec=big)
+    with pytest.raises(ValueError, match="integer tensor"):
+        C.ttm_embedding_batched([p], [s], torch.tensor([[7 + 3j]]))
+    with pytest.raises(ConfigError, match="num_embeddings must be an int or None, got 12.7"):
+        C.TTMEmbeddingSpec(vocab_modes=(3, 5), dim_modes=(2, 2), ranks=3, num_embeddings=12.7)
+
+
+@pytest.mark.parametrize("rule", ["gate", "contribution"])
+def test_a_threshold_that_is_not_a_finite_number_is_refused(rule):
+    """NaN compares false: the gate rule killed every rank, the share rule none."""
+    p, s = _layer()
+    for tau in (float("nan"), float("inf"), "x", None):
+        with pytest.raises(ConfigError, match=r"prune: tau=.*finite threshold"):
+            C.prune(p, s, tau, rule=rule)
+    assert C.live_ranks(C.prune(p, s, torch.tensor(1e-9), rule=rule)) == C.live_ranks(s)
