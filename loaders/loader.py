@@ -14,6 +14,7 @@ import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -167,8 +168,9 @@ class TokenLoader:
         self._has_long: dict[str, bool] = {}  # see _holds_long
         self._weights = dict(self._config_weights)
         self._cursors: dict[str, dict[int, tuple[int, int, int]]] = {}
-        self._reader_states: list[dict | None] = [None] * self._readers
-        self._next_worker = 0
+        # where each reader is, shared with the worker stream (:func:`_parallel_batches`),
+        # which must not hold the loader itself (see there)
+        self._pos = _Position([None] * self._readers)
         self._pipes: list[ReaderPipeline] = []
         self._iter: Iterator[dict] | None = None
         self._start_pipes()  # validates ownership now and gives state_dict() a value
@@ -224,68 +226,37 @@ class TokenLoader:
                 Layout(self.rank, self.world_size, w, self._readers),
                 cursors=self._cursors,
                 weights=self._weights,
-                worker_state=self._reader_states[w],
+                worker_state=self._pos.readers[w],
             )
             for w in range(self._readers)
         ]
-        self._reader_states = [p.state() for p in self._pipes]
+        self._pos.readers = [p.state() for p in self._pipes]
 
     def __iter__(self) -> TokenLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._iter is None:
-            self._iter = self._serial() if self.num_workers == 0 else self._parallel()
+            if self.num_workers == 0:
+                self._iter = _serial_batches(self._pipes[0])
+            else:
+                resume = {"cursors": self._cursors, "weights": self._weights,
+                          "readers": self._pos.readers}  # fmt: skip
+                layout = Layout(self.rank, self.world_size, 0, self._readers)
+                ds = _ReaderDataset(self.config, layout, resume)
+                self._iter = _parallel_batches(ds, self._readers, self._dl_kwargs, self._pos)
         return next(self._iter)
 
-    def _serial(self) -> Iterator[dict]:
-        pipe = self._pipes[0]
-        while True:
-            try:
-                yield pipe.next_batch()
-            except StopIteration:
-                return
+    def close(self) -> None:
+        """Stop the worker processes (``num_workers > 0``) now; a later ``next`` starts
+        new ones from the position reached. Dropping the loader does the same."""
+        self._close()
 
-    def _parallel(self) -> Iterator[dict]:
-        n = self._readers
-        resume = {
-            "cursors": self._cursors,
-            "weights": self._weights,
-            "readers": self._reader_states,
-        }
-        ds = _ReaderDataset(self.config, Layout(self.rank, self.world_size, 0, n), resume)
-        dl = DataLoader(ds, batch_size=None, num_workers=n, collate_fn=_identity, **self._dl_kwargs)
-        pending: list[deque] = [deque() for _ in range(n)]
-        alive = [True] * n
-        expected = self._next_worker
+    def __enter__(self) -> TokenLoader:
+        return self
 
-        def advance(e: int) -> int:
-            for k in range(1, n + 1):
-                c = (e + k) % n
-                if alive[c] or pending[c]:
-                    return c
-            return e
-
-        for item in dl:
-            state = item.pop(_STATE_KEY)
-            w = int(state["worker"])
-            if item.pop("_end", False):
-                alive[w] = False
-                pending[w].append((None, state))
-            else:
-                pending[w].append((item, state))
-            while pending[expected] or not alive[expected]:
-                if not pending[expected]:
-                    if not any(alive) and not any(pending):
-                        return
-                    expected = advance(expected)
-                    continue
-                batch, st = pending[expected].popleft()
-                self._reader_states[expected] = st
-                expected = advance(expected)
-                self._next_worker = expected
-                if batch is not None:
-                    yield batch
+    def __exit__(self, *exc: object) -> None:
+        self._close()
 
     @property
     def readers(self) -> list[ReaderPipeline]:
@@ -296,7 +267,7 @@ class TokenLoader:
     def state_dict(self) -> dict:
         """This rank's position: one small JSON-able dict covering all its readers."""
         if self.num_workers == 0:
-            self._reader_states[0] = self._pipes[0].state()
+            self._pos.readers[0] = self._pipes[0].state()
         return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
@@ -304,12 +275,12 @@ class TokenLoader:
             "rank": self.rank,
             "world_size": self.world_size,
             "num_workers": self._readers,
-            "next_worker": self._next_worker,
+            "next_worker": self._pos.next_worker,
             "config_weights": dict(self._config_weights),
             "weights": dict(self._weights),
             # what a shard's offset counts: a resume with BOS turned on or off shifts it
             "stream": {"bos_id": self.config.bos_id, "eos_id": self.config.eos_id},
-            "readers": [dict(s) for s in self._reader_states],
+            "readers": [dict(s) for s in self._pos.readers],
         }
 
     def load_state_dict(self, state: dict | list[dict]) -> None:
@@ -342,15 +313,15 @@ class TokenLoader:
         self._cursors = resume.cursors
         self._weights = weights
         if same:
-            self._reader_states = [resume.readers[(self.rank, w)] for w in range(self._readers)]
-            self._next_worker = resume.next_worker.get(self.rank, 0)
+            self._pos.readers = [resume.readers[(self.rank, w)] for w in range(self._readers)]
+            self._pos.next_worker = resume.next_worker.get(self.rank, 0)
             if weights != resume.weights:
-                for s in self._reader_states:
+                for s in self._pos.readers:
                     s["mix_tokens"] = {}
         else:
-            self._reader_states = [None] * self._readers
-            self._next_worker = 0
-        for s in self._reader_states:
+            self._pos.readers = [None] * self._readers
+            self._pos.next_worker = 0
+        for s in self._pos.readers:
             if s is not None:
                 s["weights"] = dict(weights)
         self._start_pipes()
@@ -370,7 +341,7 @@ class TokenLoader:
         states = [dict(s, weights=new, mix_tokens={}) for s in self.state_dict()["readers"]]
         self._close()
         self._weights = new
-        self._reader_states = states
+        self._pos.readers = states
         self._start_pipes()
 
     def _close(self) -> None:
@@ -391,3 +362,61 @@ class TokenLoader:
     def load(self, directory: str | Path) -> None:
         """Restore from every rank file in ``directory`` (any old world size)."""
         self.load_state_dict(load_states(directory))
+
+
+@dataclass(slots=True)
+class _Position:
+    """A loader's reader states and the worker whose batch comes next."""
+
+    readers: list[dict | None]
+    next_worker: int = 0
+
+
+def _serial_batches(pipe: ReaderPipeline) -> Iterator[dict]:
+    while True:
+        try:
+            yield pipe.next_batch()
+        except StopIteration:
+            return
+
+
+def _parallel_batches(
+    ds: _ReaderDataset, n: int, dl_kwargs: dict, pos: _Position
+) -> Iterator[dict]:
+    """The workers' batches in the readers' round-robin order, recording each batch's
+    reader state in ``pos``. It holds ``pos``, not the loader: a generator that held its
+    loader made a reference cycle, so a dropped loader (and its DataLoader) waited for the
+    cycle collector, its worker processes ran on until then, and that collection stalled
+    about 5 s per worker in DataLoader's shutdown."""
+    dl = DataLoader(ds, batch_size=None, num_workers=n, collate_fn=_identity, **dl_kwargs)
+    pending: list[deque] = [deque() for _ in range(n)]
+    alive = [True] * n
+    expected = pos.next_worker
+
+    def advance(e: int) -> int:
+        for k in range(1, n + 1):
+            c = (e + k) % n
+            if alive[c] or pending[c]:
+                return c
+        return e
+
+    for item in dl:
+        state = item.pop(_STATE_KEY)
+        w = int(state["worker"])
+        if item.pop("_end", False):
+            alive[w] = False
+            pending[w].append((None, state))
+        else:
+            pending[w].append((item, state))
+        while pending[expected] or not alive[expected]:
+            if not pending[expected]:
+                if not any(alive) and not any(pending):
+                    return
+                expected = advance(expected)
+                continue
+            batch, st = pending[expected].popleft()
+            pos.readers[expected] = st
+            expected = advance(expected)
+            pos.next_worker = expected
+            if batch is not None:
+                yield batch

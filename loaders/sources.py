@@ -71,7 +71,9 @@ class ArrowTokenFile:
             )
         self.num_docs = table.num_rows
         self._starts: list[int] = []  # first row of each chunk
-        self._chunks: list[tuple[np.ndarray, np.ndarray]] = []  # (offsets, values)
+        # (offsets, values, null rows or None): a null row may sit over a non-empty
+        # stretch of the values (Arrow allows it), so its offsets alone do not say empty
+        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
         row = 0
         for chunk in col.chunks:
             if len(chunk) == 0:
@@ -83,14 +85,17 @@ class ArrowTokenFile:
                 )
             offsets = chunk.offsets.to_numpy(zero_copy_only=False)
             self._starts.append(row)
-            self._chunks.append((offsets, values.to_numpy(zero_copy_only=False)))
+            nulls = chunk.is_null().to_numpy(zero_copy_only=False) if chunk.null_count else None
+            self._chunks.append((offsets, values.to_numpy(zero_copy_only=False), nulls))
             row += len(chunk)
 
     def doc(self, i: int) -> np.ndarray:
         """Tokens of row ``i`` as a view into the memory map (null rows are empty)."""
         c = 0 if len(self._starts) == 1 else bisect.bisect_right(self._starts, i) - 1
-        offsets, values = self._chunks[c]
+        offsets, values, nulls = self._chunks[c]
         j = i - self._starts[c]
+        if nulls is not None and nulls[j]:
+            return values[:0]
         return values[offsets[j] : offsets[j + 1]]
 
 

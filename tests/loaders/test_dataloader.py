@@ -148,3 +148,41 @@ def test_rank_and_world_resolution(monkeypatch, tmp_path):
     finally:
         dist.destroy_process_group()
     assert torch.distributed.is_available()
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_a_dropped_loader_stops_its_workers_at_once_and_close_resumes_in_place(corpus):
+    """The worker stream held its loader (a reference cycle): a loader dropped mid-stream
+    kept its worker processes until the cycle collector ran, and that collection then
+    stalled about 5 s per worker. Now dropping it, or ``close()``, stops them at once."""
+    import gc
+    import multiprocessing
+    import time
+
+    root, _ = corpus
+    cfg = _cfg(root)
+    was = gc.isenabled()
+    gc.disable()  # only reference counts may free the loader
+    try:
+        ld = TokenLoader(cfg, num_workers=2)
+        take(ld, 2)
+        assert len(multiprocessing.active_children()) >= 2
+        del ld
+        deadline = time.monotonic() + 20
+        while multiprocessing.active_children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not multiprocessing.active_children()
+    finally:
+        if was:
+            gc.enable()
+    # close() stops the workers; the next batch starts new ones where the stream was
+    ref = take(TokenLoader(cfg, num_workers=2), 7)
+    with TokenLoader(cfg, num_workers=2) as ld:
+        got = take(ld, 3)
+        ld.close()
+        assert not multiprocessing.active_children()
+        got += take(ld, 4)
+    assert not multiprocessing.active_children()
+    assert all(
+        bool((a["input_ids"] == b["input_ids"]).all()) for a, b in zip(got, ref, strict=True)
+    )

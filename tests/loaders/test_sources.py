@@ -46,6 +46,22 @@ def test_stream_format_and_int64_large_list(tmp_path):
     assert [f.doc(i).tolist() for i in range(3)] == [[1, 2, 3], [4], []]
 
 
+def test_a_null_row_is_empty_even_over_tokens(tmp_path):
+    """Arrow lets a null row sit over a non-empty stretch of the values; its offsets alone
+    made it a document of those tokens."""
+    values = pa.array(np.arange(100, 109), pa.int32())
+    offsets = pa.array([0, 3, 6, 9], pa.int32())
+    arr = pa.ListArray.from_arrays(offsets, values, mask=pa.array([False, True, False]))
+    table = pa.table({"tokens": arr})
+    with (
+        pa.OSFile(str(tmp_path / "n.arrow"), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema) as w,
+    ):
+        w.write_table(table)
+    f = ArrowTokenFile(tmp_path / "n.arrow")
+    assert [f.doc(i).tolist() for i in range(3)] == [[100, 101, 102], [], [106, 107, 108]]
+
+
 def test_doc_counts_metadata_written_then_used(tmp_path):
     make_corpus(tmp_path / "a", 41, files=4)
     folder = TokenFolder(tmp_path / "a")
