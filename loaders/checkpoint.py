@@ -11,6 +11,8 @@ from that map, so any N -> M rescale continues the epoch exactly once.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -134,6 +136,8 @@ def check_state(state: object, where: str = "loader state") -> None:
     docs = fp.get("docs")
     if not isinstance(fp.get("shuffle"), str) or not isinstance(docs, dict):
         raise bad("fingerprint", "lacks shuffle or docs")
+    if not all(is_int(n) and n >= 0 for n in docs.values()) or fp["num_shards"] < 1:
+        raise bad("fingerprint", "has document counts or num_shards out of range")
     for key in ("rank", "world_size", "num_workers"):
         if not is_int(state.get(key)):
             raise bad(key, "is not an integer")
@@ -154,8 +158,26 @@ def check_state(state: object, where: str = "loader state") -> None:
             if not ints(span, 2) or not 0 <= span[0] <= span[1] <= fp["num_shards"]:
                 raise bad(f"{at}.range", f"is not a shard range within {fp['num_shards']}")
             for key in ("epoch", "counter", "offset"):
-                if not ints(sh.get(key), span[1] - span[0]):
-                    raise bad(f"{at}.{key}", f"is not {span[1] - span[0]} integers")
+                if not ints(sh.get(key), span[1] - span[0]) or min(sh[key], default=0) < 0:
+                    raise bad(f"{at}.{key}", f"is not {span[1] - span[0]} integers >= 0")
+            # a shard's block holds at most ceil(N / L) documents of the N saved with it
+            most = -(-docs[name] // fp["num_shards"])
+            if max(sh["counter"], default=0) > most:
+                raise bad(f"{at}.counter", f"passes the {most} documents a shard holds")
+        missing = [n for n in docs if n not in shards]
+        if missing:  # a reader saves every sub-dataset's cursors, paused ones included
+            raise bad(f"readers[worker {r['worker']}].shards", f"lacks sub-datasets {missing}")
+
+        # rr: the next of the reader's own shards of a sub-dataset; mix_tokens: counts
+        spans = {n: max(sh["range"][1] - sh["range"][0], 1) for n, sh in shards.items()}
+        for key, top in (("rr", spans), ("mix_tokens", None)):
+            counts = r.get(key, {})
+            if not isinstance(counts, dict) or not all(
+                n in spans and is_int(v) and 0 <= v and (top is None or v < top[n])
+                for n, v in counts.items()
+            ):
+                raise bad(f"readers[worker {r['worker']}].{key}",
+                          "is not a map of its sub-datasets to integers in range")  # fmt: skip
         cur = r.get("current")
         if cur is not None and not (
             isinstance(cur, list)
@@ -165,9 +187,24 @@ def check_state(state: object, where: str = "loader state") -> None:
             and shards[cur[0]]["range"][0] <= cur[1] < shards[cur[0]]["range"][1]
         ):
             raise bad(f"readers[worker {r['worker']}].current", "is not one of its shards")
+    workers = sorted(r["worker"] for r in readers)
+    if workers != list(range(state["num_workers"])):
+        raise bad("readers", f"are of workers {workers}, not one per worker of "
+                             f"num_workers={state['num_workers']}")  # fmt: skip
+    nxt = state.get("next_worker", 0)
+    if not is_int(nxt) or not 0 <= nxt < max(state["num_workers"], 1):
+        raise bad("next_worker", f"{nxt!r} is not a worker of num_workers={state['num_workers']}")
     for key in ("weights", "config_weights"):
-        if not isinstance(state.get(key, {}), dict):
+        weights = state.get(key, {})
+        if not isinstance(weights, dict):
             raise bad(key, "is not a dict")
+        for n, v in weights.items():
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 <= v < math.inf
+            if n not in docs or not ok:
+                raise bad(f"{key}[{n!r}]", f"= {v!r} is not a finite weight >= 0 of a "
+                                           "sub-dataset of the state")  # fmt: skip
+        if weights and not sum(weights.values()) > 0:
+            raise bad(key, "are all 0")
 
 
 @dataclass(slots=True)

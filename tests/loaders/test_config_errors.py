@@ -90,6 +90,26 @@ def _damage(state: dict, how: str) -> object:
         state["rank"] = "0"
     elif how == "range past num_shards":
         state["readers"][0]["shards"]["a"]["range"] = [0, 99]
+    # values in range of their type but not of the stream: they loaded, and lost or
+    # repeated documents (a negative counter read the neighbouring shard's last one)
+    elif how == "negative counter":
+        state["readers"][0]["shards"]["a"]["counter"][1] = -1
+    elif how == "counter past the shard":
+        state["readers"][0]["shards"]["a"]["counter"][1] = 10**6
+    elif how == "negative epoch":
+        state["readers"][0]["shards"]["a"]["epoch"][2] = -2
+    elif how == "a reader without a":
+        del state["readers"][0]["shards"]["a"]
+    elif how == "negative weight":
+        state["weights"]["a"] = -1.0
+    elif how == "zero weights":
+        state["weights"] = dict.fromkeys(state["weights"], 0.0)
+    elif how == "rr as text":
+        state["readers"][0]["rr"]["a"] = "x"
+    elif how == "no readers":
+        state["readers"] = []
+    elif how == "next worker as text":
+        state["next_worker"] = "x"
     return state
 
 
@@ -102,6 +122,15 @@ def _damage(state: dict, how: str) -> object:
         ("unknown current", "current is not one of its shards"),
         ("rank as text", "rank is not an integer"),
         ("range past num_shards", r"range is not a shard range within 4"),
+        ("negative counter", r"shards\['a'\].counter is not 4 integers >= 0"),
+        ("counter past the shard", r"shards\['a'\].counter passes the \d+ documents"),
+        ("negative epoch", r"shards\['a'\].epoch is not 4 integers >= 0"),
+        ("a reader without a", r"shards lacks sub-datasets \['a'\]"),
+        ("negative weight", r"weights\['a'\] = -1.0 is not a finite weight >= 0"),
+        ("zero weights", "weights are all 0"),
+        ("rr as text", "rr is not a map of its sub-datasets to integers in range"),
+        ("no readers", "readers are of workers \\[\\], not one per worker"),
+        ("next worker as text", "next_worker 'x' is not a worker"),
     ],
 )
 def test_a_damaged_state_file_is_refused_before_anything_changes(tmp_path, how, field):
