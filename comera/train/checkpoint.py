@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten_with_path, tree_map
 
 from comera.errors import CheckpointError
 from comera.train.galore import GaLore
 from comera.train.logging import truncate_metrics
+from comera.tree import iter_tt
 
 __all__ = [
     "CheckpointError",
@@ -133,6 +134,7 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict:
             "--resume again to continue from it"
         ) from e
     ckpt["dir"] = str(found[-1])
+    ckpt["previous"] = str(found[-2]) if len(found) > 1 else None
     return ckpt
 
 
@@ -238,6 +240,84 @@ def save_trainer(tr: Any) -> Path:
     return d
 
 
+# TrainConfig fields a resume may change: where it runs, how it reports, how often it
+# evaluates and saves; never what a step computes
+RESUME_MAY_CHANGE = frozenset({
+    "run_dir", "device", "cpu_malloc", "step_mode", "wandb", "wandb_project", "wandb_entity",
+    "wandb_group", "wandb_tags", "run_name", "progress", "log_every", "eval_every",
+    "checkpoint_every", "keep_checkpoints",
+})  # fmt: skip
+
+
+def _flat(tree: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(tree, dict):
+        out: dict[str, object] = {}
+        for k, v in tree.items():
+            out |= _flat(v, f"{prefix}{k}.")
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_changes(saved: dict, now: dict) -> list[str]:
+    """``train.KEY: saved X, now Y`` for every training setting the two configs (as
+    :class:`TrainConfig` dicts) give different values, leaving out
+    :data:`RESUME_MAY_CHANGE` and keys only one has (a field added or dropped since)."""
+    a = _flat(json.loads(json.dumps(saved, default=str)))
+    b = _flat(json.loads(json.dumps(now, default=str)))
+    return [f"train.{k}: saved {a[k]!r}, now {b[k]!r}" for k in sorted(a.keys() & b.keys())
+            if k.split(".")[0] not in RESUME_MAY_CHANGE and a[k] != b[k]]  # fmt: skip
+
+
+def _shapes(tree: object) -> dict[str, object]:
+    """Per leaf of a params tree (by dotted path), what a resume must keep: a TT/TTM
+    layer's modes per core (its ranks change when it is compacted), every other leaf's
+    shape."""
+    flexible: dict[int, object] = {}
+    for _, p, _ in iter_tt(tree):
+        for c in p["cores"]:
+            flexible[id(c)] = ("modes", tuple(c.shape[1:-1]))
+        for g in p["gates"]:
+            flexible[id(g)] = "gate"
+    out: dict[str, object] = {}
+    for path, t in tree_flatten_with_path(tree)[0]:
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        out[name] = flexible.get(id(t)) or tuple(getattr(t, "shape", ()))
+    return out
+
+
+def check_same_run(tr: Any, ckpt: dict) -> None:
+    """Refuse a checkpoint of another training config or model: its params would replace
+    the model built for this run without a word (a model of other modes then failed at
+    the first step, with a traceback), and a changed objective or schedule would train on
+    silently, e.g. after a config.json edited by hand lost its CoMERA settings."""
+    changes = config_changes(ckpt["config"].get("train", {}), tr.config_dict["train"])
+    if changes:
+        more = f" (+{len(changes) - 4} more)" if len(changes) > 4 else ""
+        raise CheckpointError(
+            f"checkpoint in {ckpt['dir']} was written with other training settings: "
+            f"{'; '.join(changes[:4])}{more}; resume with the config it was saved with"
+        )
+    saved, built = _shapes(ckpt["params"]), _shapes(tr.params)
+    # a TT layer by its own path, not by each of its cores, gates and bias
+    tt = {path for tree in (ckpt["params"], tr.params) for path, _, _ in iter_tt(tree)}
+    layer = lambda k: next((t for t in tt if k.startswith(t + ".")), k)  # noqa: E731
+    only_saved = list(dict.fromkeys(layer(k) for k in saved if k not in built))
+    only_built = list(dict.fromkeys(layer(k) for k in built if k not in saved))
+    if only_saved or only_built:
+        raise CheckpointError(
+            f"checkpoint in {ckpt['dir']} holds other parameters than this run builds "
+            f"(saved only: {only_saved[:6]}, built only: {only_built[:6]}); resume with the "
+            "model settings (and trainable layers) it was saved with"
+        )
+    for k, v in saved.items():
+        if built[k] != v:
+            raise CheckpointError(
+                f"checkpoint in {ckpt['dir']} holds a model of another shape than this run "
+                f"builds ({k}: {v} saved, {built[k]} built); resume with the model settings "
+                "it was saved with"
+            )
+
+
 def restore_trainer(tr: Any, ckpt: dict) -> None:
     """Load ``ckpt`` into a trainer built with the same config: model, optimizer, stage,
     this rank's data position (or every old rank's, for a rescalable iterator at another
@@ -255,7 +335,16 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
             f"checkpoint in {tr.run_dir} was written with comera.enabled={enabled}, this run "
             f"has comera.enabled={tr.cfg.comera.enabled}; resume with the same config"
         )
-    rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
+    check_same_run(tr, ckpt)
+    try:
+        rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
+    except CheckpointError as e:  # as for an unreadable model file: say how to go on
+        if not ckpt.get("previous"):
+            raise
+        raise CheckpointError(
+            f"{e}. The previous checkpoint is {ckpt['previous']}: move {ckpt['dir']} away "
+            "and --resume again to continue from it"
+        ) from e
     it, saved_world = tr.task.train_iter, len(datas)
     if all(d["state"] is None for d in datas):  # saved by an iterator without a state_dict
         warnings.warn(

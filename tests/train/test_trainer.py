@@ -319,6 +319,43 @@ def test_checkpoint_errors(tmp_path):
         Trainer(dataclasses.replace(cfg, steps=6), ToyTask(), *_toy_model(), resume=True)
 
 
+def test_a_resume_refuses_another_training_config_or_model(tmp_path):
+    """Only steps, seed, CoMERA on/off and the optimizer were compared: another
+    objective, schedule or clip trained on silently, and a model of other modes was
+    replaced by the checkpoint's without a word (then failed at the first step)."""
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    Trainer(dataclasses.replace(cfg), ToyTask(), *_toy_model()).fit(until=10)
+    changed = [
+        (dataclasses.replace(cfg, comera=dataclasses.replace(cfg.comera, early_steps=50)),
+         r"train.comera.early_steps: saved 40, now 50"),
+        (dataclasses.replace(cfg, grad_clip=None), r"train.grad_clip: saved 1.0, now None"),
+        (dataclasses.replace(cfg, accum_steps=2), r"train.accum_steps: saved 1, now 2"),
+    ]  # fmt: skip
+    for other, named in changed:
+        with pytest.raises(CheckpointError, match=r"other training settings: " + named):
+            Trainer(other, ToyTask(), *_toy_model(), resume=True)
+    spec = C.TTLinearSpec(out_modes=(2, 8), in_modes=(4, 4), ranks=6)
+    other = C.init(spec, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(CheckpointError, match=r"another shape .*lin.cores.0: \('modes', \(4,\)\) "
+                                              r"saved, \('modes', \(2,\)\) built"):  # fmt: skip
+        Trainer(cfg, ToyTask(), {"lin": other[0]}, {"lin": other[1]}, resume=True)
+    with pytest.raises(CheckpointError, match=r"other parameters .*built only: \['extra'\]"):
+        p, s = _toy_model()
+        Trainer(cfg, ToyTask(), {**p, "extra": torch.zeros(3)}, s, resume=True)
+    # where it runs, how it reports and how often it saves may change; it goes on
+    moved = dataclasses.replace(cfg, log_every=3, progress=False, checkpoint_every=5)
+    assert Trainer(moved, ToyTask(), *_toy_model(), resume=True).step == 10
+
+
+def test_a_damaged_rank_file_names_the_previous_checkpoint(tmp_path):
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=5)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit(until=10)
+    (Path(cfg.run_dir) / "checkpoints" / "step_00000010" / "data_rank00000.json").write_text("{")
+    with pytest.raises(CheckpointError, match=r"data state .*unreadable.*The previous "
+                                              r"checkpoint is .*step_00000005: move"):  # fmt: skip
+        Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="size_ratio"):
         ComeraConfig(size_ratio=0.0)
