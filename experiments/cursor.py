@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
 from comera.errors import DataError
 
-__all__ = ["EpochCursor"]
+__all__ = ["EpochCursor", "sample_digest"]
+
+
+def sample_digest(header: object, columns: Sequence[np.ndarray]) -> str:
+    """A digest of a dataset's content for :attr:`EpochCursor.data_id`: ``header`` (sizes,
+    vocabularies: anything JSON-able) and 4,096 evenly spaced rows of each column (all
+    of them when fewer). It names the examples, not where they lie: a moved or copied
+    file resumes, a changed one is refused."""
+    n = len(columns[0])
+    rows = np.unique(np.linspace(0, n - 1, num=min(n, 4096)).astype(np.int64))
+    h = hashlib.blake2b(digest_size=8)
+    h.update(json.dumps(header).encode())
+    for column in columns:
+        h.update(np.ascontiguousarray(column[rows]).tobytes())
+    return h.hexdigest()
 
 
 class EpochCursor:

@@ -43,6 +43,7 @@ import numpy as np
 
 from comera.errors import ConfigError, DataError, MissingFileError, UserError
 from experiments.cache import cache_root
+from experiments.cursor import sample_digest
 
 __all__ = [
     "CAT_COLUMNS",
@@ -362,13 +363,8 @@ class CriteoData:
         """A digest of the table's content (its vocabularies and 4,096 evenly spaced rows),
         not of where it lies: a resume checks it, so a checkpoint's tables are never read
         with ids from a file that changed, while a moved or copied file still resumes."""
-        n = len(self)
-        rows = np.unique(np.linspace(0, n - 1, num=min(n, 4096)).astype(np.int64))
-        h = hashlib.blake2b(digest_size=8)
-        h.update(json.dumps([self.cardinalities, n, self.splits]).encode())
-        for column in (self.label, self.dense, self.cat):
-            h.update(np.ascontiguousarray(column[rows]).tobytes())
-        return h.hexdigest()
+        header = [self.cardinalities, len(self), self.splits]
+        return sample_digest(header, [self.label, self.dense, self.cat])
 
 
 def _open(root: Path) -> CriteoData:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from comera.errors import ConfigError
-from experiments.cursor import EpochCursor
+from experiments.cursor import EpochCursor, sample_digest
 
 __all__ = ["BatchIterator", "EncodedSplit", "eval_batches"]
 
@@ -37,6 +37,12 @@ class EncodedSplit:
                 )
         if shape[0] != n:
             raise ValueError(f"EncodedSplit has {shape[0]} rows of input_ids but {n} labels")
+
+    def identity(self) -> str:
+        """A digest of the encoded examples (:func:`experiments.cursor.sample_digest`): a
+        resume checks it, so a checkpoint goes on only over the data it was trained on."""
+        cols = (self.input_ids, self.token_type_ids, self.attention_mask, self.labels)
+        return sample_digest(["mnli", *self.input_ids.shape], [c.numpy() for c in cols])
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -97,6 +103,7 @@ class BatchIterator(EpochCursor):
             )
         self.epoch = self.batch_in_epoch = 0
         self._order: tuple[int, torch.Tensor] | None = None  # cache of (epoch, permutation)
+        self.data_id = split.identity()  # a resume on other examples is refused
 
     def _epoch_order(self) -> torch.Tensor:
         if self._order is None or self._order[0] != self.epoch:

@@ -308,6 +308,23 @@ def test_epoch_visits_each_example_at_most_once_and_reshuffles():
     assert it.steps_per_epoch == 11 and sum(rows, []) == list(range(103)) and len(rows[-1]) == 3
 
 
+def test_a_resume_on_other_examples_of_the_same_count_is_refused():
+    """Only the example count was checked: a --train-file changed in place, same row
+    count, resumed silently on other data. The position now holds a digest."""
+    it = BatchIterator(_split(23), 4, seed=1)
+    next(it)
+    state = json.loads(json.dumps(it.state_dict()))
+    again = BatchIterator(_split(23), 4, seed=1)  # the same examples, built anew: resumes
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    other = _split(23)
+    other.labels[5] = (other.labels[5] + 1) % 3
+    with pytest.raises(DataError, match="trained on other data"):
+        BatchIterator(other, 4, seed=1).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "data_id"}  # saved before the digest
+    BatchIterator(other, 4, seed=1).load_state_dict(old)
+
+
 def test_resume_at_every_step_continues_identically():
     split, total = _split(23), 14  # 5 steps per epoch: crosses two epoch boundaries
     ref_it = BatchIterator(split, 4, seed=1)
