@@ -335,6 +335,13 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
             f"checkpoint in {tr.run_dir} was written with comera.enabled={enabled}, this run "
             f"has comera.enabled={tr.cfg.comera.enabled}; resume with the same config"
         )
+    # checked before anything is restored: a caller that catches the error keeps its trainer
+    kind = "adamw" if "m" in ckpt["opt"] else "galore" if "galore" in ckpt["opt"] else "sgd"
+    if kind != tr.cfg.optimizer:
+        raise CheckpointError(
+            f"checkpoint in {tr.run_dir} holds {kind} optimizer state but this run uses "
+            f"optimizer={tr.cfg.optimizer!r}; resume with the saved optimizer"
+        )
     check_same_run(tr, ckpt)
     try:
         rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
@@ -375,12 +382,6 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     opt = dict(ckpt["opt"])
     galore = opt.pop("galore", None)
     tr.opt = {k: to_dev(v) if k in ("m", "v") else v for k, v in opt.items()}
-    kind = "adamw" if "m" in tr.opt else "galore" if galore is not None else "sgd"
-    if kind != tr.cfg.optimizer:
-        raise CheckpointError(
-            f"checkpoint in {tr.run_dir} holds {kind} optimizer state but this run uses "
-            f"optimizer={tr.cfg.optimizer!r}; resume with the saved optimizer"
-        )
     if galore is not None:  # a fresh GaLore over the restored leaves, then its state
         tr.galore = GaLore.with_adamw(tr.params, tr.cfg.galore, tr.cfg.optim)
         tr.galore.load_state_dict(galore)

@@ -342,6 +342,11 @@ def test_a_resume_refuses_another_training_config_or_model(tmp_path):
     with pytest.raises(CheckpointError, match=r"other parameters .*built only: \['extra'\]"):
         p, s = _toy_model()
         Trainer(cfg, ToyTask(), {**p, "extra": torch.zeros(3)}, s, resume=True)
+    # refused before anything is restored: the caller's iterator keeps its position
+    task = ToyTask()
+    with pytest.raises(CheckpointError, match="holds adamw optimizer state.*'sgd'"):
+        Trainer(dataclasses.replace(cfg, optimizer="sgd"), task, *_toy_model(), resume=True)
+    assert task.train_iter.i == 0
     # where it runs, how it reports and how often it saves may change; it goes on
     moved = dataclasses.replace(cfg, log_every=3, progress=False, checkpoint_every=5)
     assert Trainer(moved, ToyTask(), *_toy_model(), resume=True).step == 10
