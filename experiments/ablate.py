@@ -729,6 +729,9 @@ def main(argv: list[str] | None = None) -> int:
         named = args.experiment != "mnli" or args.ablation in NAMED_BY_EXPERIMENT
         tag = f"{args.experiment}-" if named else ""
         root = Path(args.runs_dir) / f"ablate-{tag}{args.ablation}-{preset}"
+        cli.check_folder(Path(args.reports), "--reports")  # not after every variant trained
+        if not args.report_only:
+            cli.check_folder(root, "--runs-dir")
         # the command that trains the runs, kept beside them: a --report-only rebuild
         # names it, whatever --set items the rebuild is given
         ran = [a for a in argv if not (a.startswith("--report-") and "--report-only".startswith(a))]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,6 +52,7 @@ __all__ = [
     "USER_ERRORS",
     "Experiment",
     "apply_overrides",
+    "check_folder",
     "config_file_items",
     "build_parser",
     "check_batch_sizes",
@@ -769,6 +771,32 @@ def uses_auto(plans: C.LayerPlans) -> bool:
     return "auto" in strategies or plans.embedding_impl == "auto"
 
 
+def check_folder(path: Path, flag: str) -> None:
+    """Refuse, as one line naming ``flag``, a folder this command could not write into: a
+    file, a path under a file, or a place where no folder can be made. Checked before
+    anything runs, not as a traceback when the first file is written; nothing is left
+    behind (a probe folder made to find out is removed at once)."""
+    if path.exists() and not path.is_dir():
+        raise CLIError(f"{flag} {path} is a file; give a folder")
+    base = next(p for p in (path, *path.resolve().parents) if p.exists())
+    if not base.is_dir():
+        raise CLIError(f"{flag} {path}: {base} is a file, so the folder cannot be created")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise CLIError(f"{flag} {path}: {base} is not writable here; give another folder")
+    if base != path.resolve():  # root passes os.access everywhere (/proc too): try it
+        probe = base / path.resolve().relative_to(base).parts[0]
+        try:
+            probe.mkdir()
+        except FileExistsError:  # made meanwhile (another rank of this run): it can be
+            pass
+        except OSError as e:
+            raise CLIError(f"{flag} {path}: cannot create a folder in {base} ({e.strerror}); "
+                           "give another folder") from None  # fmt: skip
+        else:
+            with contextlib.suppress(OSError):  # another rank may be filling it already
+                probe.rmdir()
+
+
 def prepare(
     exp: Experiment,
     cfg: Any,
@@ -785,15 +813,7 @@ def prepare(
     here, before any training."""
     run_dir = Path(cfg.train.run_dir)
     flag = "--resume" if resume else "--run-dir"
-    # refused here, as one line, not as a traceback when the trainer writes its first file
-    # (a refused run leaves no folder behind, so nothing is created to find out)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise CLIError(f"{flag} {run_dir} is a file; give a folder")
-    base = next(p for p in (run_dir, *run_dir.resolve().parents) if p.exists())
-    if not base.is_dir():
-        raise CLIError(f"{flag} {run_dir}: {base} is a file, so the folder cannot be created")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise CLIError(f"{flag} {run_dir}: {base} is not writable here; give another folder")
+    check_folder(run_dir, flag)
     if not resume and any((run_dir / f).exists() for f in RUN_FILES):
         raise CLIError(
             f"{run_dir} already holds a run; continue it with --resume {run_dir}, or give "

@@ -26,6 +26,11 @@ def run_demo(sets: list[str], runs_dir: Path) -> dict:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     cli.refuse_derived_sets(mnli.EXPERIMENT, sets)
     base = cli.apply_overrides(mnli.preset("smoke"), [], sets)
+    if not base.train.eval_every:  # refused now, not after both runs trained
+        raise cli.CLIError(
+            f"train.eval_every={base.train.eval_every}: the demo compares the runs' final eval "
+            "accuracy, so it needs evaluations; drop that --set"
+        )
     out: dict = {}
     for kind in ("comera", "dense"):
         cfg = base

@@ -290,6 +290,8 @@ def test_a_file_that_is_no_tokenizer_is_one_clear_error(tmp_path) -> None:
         (["--set", "train.device=meta"], "train.device 'meta': a meta tensor holds no data"),
         (["--run-dir", "{file}"], "is a file; give a folder"),
         (["--run-dir", "{file}/run"], "is a file, so the folder cannot be created"),
+        # no folder can be made there, even for root (whom os.access lets write anywhere)
+        (["--run-dir", "/proc/comera-run"], "--run-dir /proc/comera-run: "),
         (["--config", "{yaml}"], "cannot read it as YAML (while parsing"),
     ],
 )
@@ -308,3 +310,20 @@ def test_bad_places_and_files_are_one_line(tmp_path, capsys, monkeypatch, extra,
     assert mnli.main(argv) == 2
     assert message in _one_line(capsys)
     assert not (tmp_path / "run").exists()
+
+
+def test_ablation_and_demo_refuse_what_fails_after_training(tmp_path, capsys):
+    """A --reports that is a file failed with FileExistsError after every variant had
+    trained; the demo without evaluations failed with a KeyError after both runs."""
+    from experiments import ablate
+    from experiments.mnli import demo
+
+    (tmp_path / "file").write_text("x")
+    runs = tmp_path / "runs"
+    argv = ["gamma", "--values", "0.1", "--runs-dir", str(runs), "--reports",
+            str(tmp_path / "file"), "--set", "train.steps=2"]  # fmt: skip
+    assert ablate.main(argv) == 2
+    assert "--reports " in _one_line(capsys, "experiments.ablate") and not runs.exists()
+    assert demo.main(["--set", "train.eval_every=None", "--runs-dir", str(runs)]) == 2
+    assert "train.eval_every=None: the demo compares" in _one_line(capsys, "experiments.mnli.demo")
+    assert not runs.exists()
