@@ -143,7 +143,7 @@ def _convert(value: Any, hint: Any) -> Any:
         if value is None:
             return None
         return _convert(value, args[0]) if len(args) == 1 else value
-    if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+    if dataclasses.is_dataclass(hint):
         return config_from_dict(hint, value)
     if origin is tuple and isinstance(value, list | tuple):
         args = typing.get_args(hint)
@@ -169,15 +169,30 @@ def check_batch_sizes(batch_size: int, eval_batch_size: int) -> None:
         )
 
 
-def config_from_dict(cls: type, data: dict) -> Any:
+def config_from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     """Rebuild a (nested) config dataclass from ``dataclasses.asdict`` output; keys that are
-    not fields (derived facts stored beside the config) are ignored."""
+    not fields (derived facts stored beside the config) are ignored. A value of the wrong
+    kind (a section that is not a mapping, ``"yes"`` for a bool, a string for a map) is a
+    :class:`ConfigError` naming its dotted key: a config.json edited by hand otherwise
+    failed as an AttributeError deep in the run, or trained on a mangled value."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix[:-1] or 'the config'}: expected a section (a mapping), "
+                          f"got {data!r}")  # fmt: skip
     hints = _hints(cls)
-    kwargs = {
-        f.name: _convert(data[f.name], hints[f.name])
-        for f in dataclasses.fields(cls)
-        if f.name in data
-    }
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        key, hint, value = prefix + f.name, hints[f.name], data[f.name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[f.name] = config_from_dict(hint, value, key + ".")
+            continue
+        value = _convert(value, hint)
+        try:
+            _check_type(value, hint, key)
+        except CLIError as e:
+            raise ConfigError(str(e)) from None
+        kwargs[f.name] = value
     return cls(**kwargs)
 
 
@@ -386,6 +401,10 @@ def _describe(hint: Any, plural: bool = False) -> str:
             return f"{lists} of {_describe(args[0], True)}"
         kinds = {_describe(a, True) for a in args}
         return f"{lists} of {len(args)} {kinds.pop() if len(kinds) == 1 else 'items'}"
+    if typing.get_origin(hint) is dict:
+        k_hint, v_hint = typing.get_args(hint) or (Any, Any)
+        maps = "maps" if plural else "map"
+        return f"{maps} of {_describe(k_hint, True)} to {_describe(v_hint, True)}"
     name = getattr(hint, "__name__", str(hint))
     return name + ("s" if plural else "")
 
@@ -397,6 +416,12 @@ def _tuple_shape_ok(value: Any, hint: Any, inner: bool = False) -> bool:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return value is None or any(_tuple_shape_ok(value, a, inner) for a in args)
+    if typing.get_origin(hint) is dict:  # a map: a dict whose keys and values fit
+        if not isinstance(value, dict):
+            return False
+        k_hint, v_hint = typing.get_args(hint) or (Any, Any)
+        return all(_tuple_shape_ok(k, k_hint, True) and _tuple_shape_ok(v, v_hint, True)
+                   for k, v in value.items())  # fmt: skip
     if typing.get_origin(hint) is not tuple:
         if not inner or hint not in (bool, int, float, str):
             return True
@@ -771,6 +796,12 @@ def uses_auto(plans: C.LayerPlans) -> bool:
     return "auto" in strategies or plans.embedding_impl == "auto"
 
 
+def _resumes(record: dict) -> list:
+    """A run record's list of resumes (a hand-edited one that is not a list: none)."""
+    resumes = record.get("resumes", [])
+    return resumes if isinstance(resumes, list) else []
+
+
 def check_folder(path: Path, flag: str) -> None:
     """Refuse, as one line naming ``flag``, a folder this command could not write into: a
     file, a path under a file, or a place where no folder can be made. Checked before
@@ -783,8 +814,8 @@ def check_folder(path: Path, flag: str) -> None:
         raise CLIError(f"{flag} {path}: {base} is a file, so the folder cannot be created")
     if not os.access(base, os.W_OK | os.X_OK):
         raise CLIError(f"{flag} {path}: {base} is not writable here; give another folder")
-    if base != path.resolve():  # root passes os.access everywhere (/proc too): try it
-        probe = base / path.resolve().relative_to(base).parts[0]
+    if base is not path:  # root passes os.access everywhere (/proc too): try it
+        probe = base / path.resolve().relative_to(base.resolve()).parts[0]
         try:
             probe.mkdir()
         except FileExistsError:  # made meanwhile (another rank of this run): it can be
@@ -830,7 +861,7 @@ def prepare(
         old = json.loads(saved.read_text()) if saved.is_file() else {}
         preset = preset or old.get("preset")
         history = {"argv": old.get("argv", argv),
-                   "resumes": [*old.get("resumes", []),
+                   "resumes": [*_resumes(old),
                                {"step": 0, "argv": argv, "restarted": True}]}  # fmt: skip
 
     if uses_auto(cfg.plans):  # decisions cached on disk: a second run times nothing
@@ -873,7 +904,7 @@ def prepare(
         # what a resume may change (--mix, --device, ...) is in its command line: recorded
         # beside the config the run was started with, which stays as it was
         data = json.loads(saved.read_text())
-        data["resumes"] = [*data.get("resumes", []), {"step": trainer.step, "argv": argv}]
+        data["resumes"] = [*_resumes(data), {"step": trainer.step, "argv": argv}]
         write_json_atomic(saved, data)
     if rank == 0:
         if not resume:  # a resume records it after training (train), if it trains

@@ -135,6 +135,37 @@ def test_config_round_trips_through_config_json():
     assert cli.config_from_dict(mnli.Preset, json.loads(text)) == cfg
 
 
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda d: d.update(train=None), "train: expected a section"),
+        (lambda d: d["train"].update(comera="x"), "train.comera: expected a section"),
+        (lambda d: d.update(dense="yes"), "dense: expected a value of type bool"),
+        (lambda d: d["train"].update(wandb_tags="abc"), "train.wandb_tags: expected a list"),
+        (lambda d: d["data"].update(eval_files=[1]), "data.eval_files: expected a map of strs"),
+    ],
+)
+def test_a_hand_edited_config_is_refused_naming_the_key(edit, named):
+    """A section that is not a mapping failed as an AttributeError deep in the run; a
+    string for a bool or a tuple was taken as it came ("abc" became the tags a, b, c)."""
+    data = json.loads(json.dumps(dataclasses.asdict(mnli.preset("smoke"))))
+    edit(data)
+    with pytest.raises(C.errors.ConfigError, match=named):
+        cli.config_from_dict(mnli.Preset, data)
+
+
+def test_a_map_field_takes_only_a_map_of_its_kinds():
+    from experiments.codebert import experiment as codebert
+
+    base = codebert.preset("smoke")
+    for text in ("()", "1", "None", "{'a': 5}"):
+        with pytest.raises(cli.CLIError, match=r"expected a map of strs to strs"):
+            cli.set_field(base, "data.paths", text, text=True)
+    with pytest.raises(cli.CLIError, match=r"expected a map of strs to floats"):
+        cli.set_field(base, "data.mix", "()", text=True)
+    assert cli.set_field(base, "data.mix", "{'modules': 2}", text=True).data.mix == {"modules": 2}
+
+
 def _record_plans(monkeypatch) -> list[tuple[str, tuple]]:
     import comera.layers
 
