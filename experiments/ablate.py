@@ -267,6 +267,10 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
         return ABLATIONS[name](cfg, exp)
     if not any(v.strip() for v in values.split(",")):  # an empty report over the real one
         raise cli.CLIError(f"--values {values!r}: give at least one value")
+    given = [v.strip() for v in values.split(",") if v.strip()]
+    if len(set(given)) < len(given):  # one run dir trained twice, one row reported twice
+        twice = sorted({v for v in given if given.count(v) > 1})
+        raise cli.CLIError(f"--values {values!r}: {', '.join(twice)} given twice; give each once")
     if name == "compression":
         what = "compression factors beyond the early stage (1 = the late stage off)"
         return _compression_variants(_factors(values, what))

@@ -996,6 +996,8 @@ def main(exp: Experiment, argv: list[str] | None = None) -> int:
             if args.device:
                 check_device(args.device)  # first: a device error stays one line
             return exp.bench(args)  # type: ignore[misc]
+        if getattr(args, "json", False):  # a run prints no JSON: it was silently dropped
+            raise CLIError("--json goes with --bench (a benchmark's result); drop it for a run")
         cfg = resolve_config(exp, args, ap)
         check_device(
             cfg.train.device, "--device" if args.device == cfg.train.device else "train.device"

@@ -91,6 +91,8 @@ class EncoderConfig:
             problems.append(f"d_model={self.d_model} is not divisible by heads={self.heads}")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        if not 0 < self.init_std < math.inf:  # inf drew infinite weights: NaN at step 1
+            problems.append(f"init_std must be finite and > 0, got {self.init_std}")
         if self.tt:
             for name, (out_m, in_m), (o, i) in self._linear_modes(self.d_model, self.ffn):
                 if math.prod(out_m) != o or math.prod(in_m) != i:

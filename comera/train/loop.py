@@ -646,6 +646,10 @@ class Trainer:
                   f"the late stage, which starts after train.comera.early_steps="
                   f"{c.early_steps}, at or past train.steps={cfg.steps}: this run never "
                   "reaches it", file=sys.stderr)  # fmt: skip
+        if self.rank == 0 and fresh and cfg.warmup_steps >= cfg.steps:
+            print(f"comera: train.warmup_steps={cfg.warmup_steps} is not below train.steps="
+                  f"{cfg.steps}: the learning rate never reaches its peak in this run "
+                  "(lower train.warmup_steps for a short run)", file=sys.stderr)  # fmt: skip
         log = RunLog(cfg, self.rank, self.config_dict, resume=not fresh)
         bar = tqdm(
             total=cfg.steps,

@@ -48,6 +48,8 @@ class AdamWConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):  # NaN passes a ``< 0`` test
                 raise ConfigError(f"AdamWConfig.{name} must be a finite number >= 0, got {value}")
+        if not self.eps > 0:  # eps 0 divides 0 by 0 for a leaf whose gradient is all 0
+            raise ConfigError(f"AdamWConfig.eps must be > 0, got {self.eps}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(
                 f"AdamWConfig.betas must be two numbers in [0, 1), got {tuple(self.betas)}"

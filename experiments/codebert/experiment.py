@@ -113,6 +113,10 @@ class CorpusConfig:
                 f"CorpusConfig: need vocab >= 300, 0 < heldout < 1, seq_len >= 8; got "
                 f"{self.vocab}, {self.heldout}, {self.seq_len}"
             )
+        if self.max_files is not None and self.max_files < 1:  # 0 read all, -1 all but one
+            raise ConfigError(f"data.max_files={self.max_files} must be None (all) or >= 1")
+        if self.eval_batches < 0:
+            raise ConfigError(f"data.eval_batches={self.eval_batches} must be >= 0 (0: none)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -132,6 +136,11 @@ class Preset:
                 "--step-mode eager or sync_free"
             )
         check_step_mode(self.model, self.train.step_mode)
+        if self.train.eval_every and not self.data.eval_batches:  # every eval logged NaN
+            raise ConfigError(
+                f"data.eval_batches=0 holds nothing for the evaluations train.eval_every="
+                f"{self.train.eval_every} asks for; raise it, or set train.eval_every=None"
+            )
         if self.data.seq_len > self.model.max_len:  # else the first step fails
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} is longer than the model's positions, "

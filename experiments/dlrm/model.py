@@ -87,6 +87,12 @@ class DLRMConfig:
     names: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        for name in ("bottom", "top"):  # 0 divided by zero in init, -1 a negative dim
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ConfigError(f"model.{name}={getattr(self, name)}: every layer width "
+                                  "must be >= 1")  # fmt: skip
+        if self.emb_dim < 1:
+            raise ConfigError(f"model.emb_dim={self.emb_dim} must be >= 1")
         if len(self.cardinalities) < 1 or min(self.cardinalities) < 1:
             raise ConfigError(f"DLRMConfig.cardinalities must be >= 1, got {self.cardinalities}")
         if math.prod(self.emb_dim_modes) != self.emb_dim:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,10 +90,18 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.init not in ("auto", *INITS):
             raise ConfigError(f"model.init={self.init!r}; choose auto or one of {INITS}")
-        if self.path is None and self.hidden % self.heads:
-            raise ConfigError(
-                f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}"
-            )
+        if self.path is None:  # the BERT built from a config: sizes it cannot be built with
+            small = [k for k in ("layers", "hidden", "heads", "ffn") if getattr(self, k) < 1]
+            if small:
+                raise ConfigError(f"model.{small[0]}={getattr(self, small[0])} must be >= 1")
+            if self.hidden % self.heads:
+                raise ConfigError(
+                    f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}"
+                )
+            if not 0 < self.init_std < math.inf:
+                raise ConfigError(f"model.init_std={self.init_std} must be finite and > 0")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         if not self.target:
             raise ConfigError("model.target: give at least one module glob (--target)")
         sizes = ("rank", "embedding_rank", "cores", "embedding_cores")
@@ -101,7 +110,7 @@ class ModelConfig:
             key, value = small[0]
             flag = " (--rank)" if key == "rank" else ""
             raise ConfigError(f"model.{key}={value}{flag} must be >= 1")
-        if self.min_compression < 0:
+        if not 0 <= self.min_compression < math.inf:  # NaN passed a "< 0" check
             raise ConfigError(f"model.min_compression={self.min_compression} must be >= 0")
         if self.path is not None:  # the saved model's own: a value here would be dropped
             built = [k for k in _BUILT if getattr(self, k) != _BUILT[k]]

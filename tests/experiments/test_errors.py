@@ -327,3 +327,54 @@ def test_ablation_and_demo_refuse_what_fails_after_training(tmp_path, capsys):
     assert demo.main(["--set", "train.eval_every=None", "--runs-dir", str(runs)]) == 2
     assert "train.eval_every=None: the demo compares" in _one_line(capsys, "experiments.mnli.demo")
     assert not runs.exists()
+
+
+def _presets():
+    from experiments.codebert import experiment as codebert
+    from experiments.dlrm import experiment as dlrm
+    from experiments.finetune import experiment as finetune
+
+    return {"mnli": mnli.preset("smoke"), "dlrm": dlrm.preset("smoke"),
+            "codebert": codebert.preset("smoke"), "finetune": finetune.preset("smoke")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("experiment", "key", "value", "named"),
+    [
+        ("mnli", "train.seed", str(2**70), "seed must fit in 64 bits"),
+        ("mnli", "train.grad_clip", "inf", "grad_clip must be None .off. or finite"),
+        ("mnli", "train.optim.eps", "0", "eps must be > 0"),
+        ("mnli", "model.init_std", "inf", "init_std must be finite and > 0"),
+        ("dlrm", "model.bottom", "(0,)", r"model.bottom=\(0,\): every layer width"),
+        ("dlrm", "model.top", "(-1,)", r"model.top=\(-1,\): every layer width"),
+        ("finetune", "model.hidden", "0", "model.hidden=0 must be >= 1"),
+        ("finetune", "model.heads", "0", "model.heads=0 must be >= 1"),
+        ("finetune", "model.ffn", "-1", "model.ffn=-1 must be >= 1"),
+        ("finetune", "model.dropout", "1.5", r"model.dropout=1.5 must be in \[0, 1\)"),
+        ("finetune", "model.init_std", "-1", "model.init_std=-1.0 must be finite"),
+        ("finetune", "model.min_compression", "nan", "min_compression=nan must be >= 0"),
+        ("codebert", "data.max_files", "0", "max_files=0 must be None .all. or >= 1"),
+        ("codebert", "data.eval_batches", "-1", "eval_batches=-1 must be >= 0"),
+        ("codebert", "data.eval_batches", "0", "eval_batches=0 holds nothing for the evalua"),
+    ],
+)
+def test_values_that_cannot_train_are_refused_at_start(experiment, key, value, named):
+    """Each was accepted and then crashed (ZeroDivisionError, negative dimensions), ran
+    into a NaN with advice about learning rates, or trained on something else (inf clip
+    is no clip, max_files=-1 is all files but one, 0 eval batches logged NaN)."""
+    from comera.errors import UserError
+
+    with pytest.raises(UserError, match=named):
+        cli.set_field(_presets()[experiment], key, value, text=True)
+
+
+def test_duplicate_values_and_a_json_without_bench_are_one_line(tmp_path, capsys):
+    from experiments import ablate
+
+    argv = ["gamma", "--values", "0.1,0.2,0.1", "--runs-dir", str(tmp_path / "r"),
+            "--reports", str(tmp_path / "reports")]  # fmt: skip
+    assert ablate.main(argv) == 2
+    assert "0.1 given twice" in _one_line(capsys, "experiments.ablate")
+    assert mnli.main([*FAST, "--run-dir", str(tmp_path / "m"), "--json"]) == 2
+    assert "--json goes with --bench" in _one_line(capsys)
+    assert not (tmp_path / "m").exists()

@@ -352,6 +352,15 @@ def test_a_resume_refuses_another_training_config_or_model(tmp_path):
     assert Trainer(moved, ToyTask(), *_toy_model(), resume=True).step == 10
 
 
+def test_a_warm_up_the_run_never_finishes_is_said(tmp_path, capsys):
+    """A warm-up longer than the run (the smoke presets' 50-200 steps under a short
+    --set train.steps) kept the learning rate below its peak without a word."""
+    Trainer(_cfg(tmp_path, steps=3, warmup_steps=5), ToyTask(), *_toy_model()).fit()
+    assert "train.warmup_steps=5 is not below train.steps=3" in capsys.readouterr().err
+    Trainer(_cfg(tmp_path / "b", steps=3, warmup_steps=2), ToyTask(), *_toy_model()).fit()
+    assert "warmup_steps" not in capsys.readouterr().err
+
+
 def test_a_damaged_rank_file_names_the_previous_checkpoint(tmp_path):
     cfg = _cfg(tmp_path, steps=20, checkpoint_every=5)
     Trainer(cfg, ToyTask(), *_toy_model()).fit(until=10)
