@@ -80,7 +80,7 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("d_model", "heads", "ffn", "max_len", "type_vocab"):
+        for name in ("d_model", "heads", "ffn", "max_len", "type_vocab", "rank", "emb_rank"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_labels < 0:  # 0: no classifier (CodeBERT's MLM counts it so)

@@ -345,6 +345,8 @@ def _presets():
         ("mnli", "train.grad_clip", "inf", "grad_clip must be None .off. or finite"),
         ("mnli", "train.optim.eps", "0", "eps must be > 0"),
         ("mnli", "model.init_std", "inf", "init_std must be finite and > 0"),
+        ("mnli", "model.rank", "0", r"model.rank=0: EncoderConfig: rank must be >= 1"),
+        ("codebert", "model.emb_rank", "0", "emb_rank must be >= 1"),
         ("dlrm", "model.bottom", "(0,)", r"model.bottom=\(0,\): every layer width"),
         ("dlrm", "model.top", "(-1,)", r"model.top=\(-1,\): every layer width"),
         ("finetune", "model.hidden", "0", "model.hidden=0 must be >= 1"),
