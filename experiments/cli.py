@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 import types
 import typing
@@ -815,17 +815,11 @@ def check_folder(path: Path, flag: str) -> None:
     if not os.access(base, os.W_OK | os.X_OK):
         raise CLIError(f"{flag} {path}: {base} is not writable here; give another folder")
     if base is not path:  # root passes os.access everywhere (/proc too): try it
-        probe = base / path.resolve().relative_to(base.resolve()).parts[0]
-        try:
-            probe.mkdir()
-        except FileExistsError:  # made meanwhile (another rank of this run): it can be
-            pass
+        try:  # a probe of its own name: ranks of one run check the same path at once
+            os.rmdir(tempfile.mkdtemp(dir=base, prefix=".comera-probe-"))
         except OSError as e:
             raise CLIError(f"{flag} {path}: cannot create a folder in {base} ({e.strerror}); "
                            "give another folder") from None  # fmt: skip
-        else:
-            with contextlib.suppress(OSError):  # another rank may be filling it already
-                probe.rmdir()
 
 
 def prepare(

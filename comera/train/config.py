@@ -268,9 +268,9 @@ class TrainConfig:
                 f"TrainConfig: accum_steps >= 1 and keep_checkpoints >= 1 required, got "
                 f"{self.accum_steps}, {self.keep_checkpoints}"
             )
-        if self.grad_clip is not None and not 0 < self.grad_clip < math.inf:
-            raise ConfigError(  # inf clipped nothing: it is off, which None says
-                f"TrainConfig.grad_clip must be None (off) or finite and > 0, got {self.grad_clip}"
+        if self.grad_clip is not None and not self.grad_clip > 0:  # inf: clips nothing
+            raise ConfigError(
+                f"TrainConfig.grad_clip must be None (off) or > 0, got {self.grad_clip}"
             )
         if not -(2**63) <= self.seed < 2**63:  # torch.manual_seed's range
             raise ConfigError(f"TrainConfig.seed must fit in 64 bits (signed), got {self.seed}")

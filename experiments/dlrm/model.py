@@ -88,7 +88,7 @@ class DLRMConfig:
 
     def __post_init__(self) -> None:
         for name in ("bottom", "top"):  # 0 divided by zero in init, -1 a negative dim
-            if not getattr(self, name) or min(getattr(self, name)) < 1:
+            if any(width < 1 for width in getattr(self, name)):  # () is one linear layer
                 raise ConfigError(f"model.{name}={getattr(self, name)}: every layer width "
                                   "must be >= 1")  # fmt: skip
         if self.emb_dim < 1:

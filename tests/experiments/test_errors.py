@@ -342,13 +342,13 @@ def _presets():
     ("experiment", "key", "value", "named"),
     [
         ("mnli", "train.seed", str(2**70), "seed must fit in 64 bits"),
-        ("mnli", "train.grad_clip", "inf", "grad_clip must be None .off. or finite"),
         ("mnli", "train.optim.eps", "0", "eps must be > 0"),
         ("mnli", "model.init_std", "inf", "init_std must be finite and > 0"),
         ("mnli", "model.rank", "0", r"model.rank=0: EncoderConfig: rank must be >= 1"),
         ("codebert", "model.emb_rank", "0", "emb_rank must be >= 1"),
         ("dlrm", "model.bottom", "(0,)", r"model.bottom=\(0,\): every layer width"),
         ("dlrm", "model.top", "(-1,)", r"model.top=\(-1,\): every layer width"),
+        ("dlrm", "model.top", "(4, 0)", r"model.top=\(4, 0\): every layer width"),
         ("finetune", "model.hidden", "0", "model.hidden=0 must be >= 1"),
         ("finetune", "model.heads", "0", "model.heads=0 must be >= 1"),
         ("finetune", "model.ffn", "-1", "model.ffn=-1 must be >= 1"),
@@ -362,8 +362,8 @@ def _presets():
 )
 def test_values_that_cannot_train_are_refused_at_start(experiment, key, value, named):
     """Each was accepted and then crashed (ZeroDivisionError, negative dimensions), ran
-    into a NaN with advice about learning rates, or trained on something else (inf clip
-    is no clip, max_files=-1 is all files but one, 0 eval batches logged NaN)."""
+    into a NaN with advice about learning rates, or trained on something else
+    (max_files=-1 is all files but one, 0 eval batches logged NaN)."""
     from comera.errors import UserError
 
     with pytest.raises(UserError, match=named):
@@ -380,3 +380,10 @@ def test_duplicate_values_and_a_json_without_bench_are_one_line(tmp_path, capsys
     assert mnli.main([*FAST, "--run-dir", str(tmp_path / "m"), "--json"]) == 2
     assert "--json goes with --bench" in _one_line(capsys)
     assert not (tmp_path / "m").exists()
+
+
+def test_dlrm_mlps_without_hidden_layers_stay_allowed():
+    """``()`` is one linear layer (a logit straight from the interactions for ``top``)."""
+    base = _presets()["dlrm"]
+    assert cli.set_field(base, "model.top", "()", text=True).model.top == ()
+    assert cli.set_field(base, "model.bottom", "()", text=True).model.bottom == ()
