@@ -258,14 +258,29 @@ def _flat(tree: object, prefix: str = "") -> dict[str, object]:
     return {prefix[:-1]: tree}
 
 
+def _unread(cfg: dict) -> tuple[str, ...]:
+    """Sections of a :class:`TrainConfig` dict its run never reads: the other optimizers'
+    settings, and CoMERA's when it is off."""
+    optimizer = cfg.get("optimizer", "adamw")
+    out = {"adamw": ("sgd.", "galore."), "sgd": ("optim.", "galore."),
+           "galore": ("sgd.",)}.get(optimizer, ())  # fmt: skip
+    comera = cfg.get("comera", {})
+    if isinstance(comera, dict) and comera.get("enabled") is False:
+        out += tuple(f"comera.{k}" for k in comera if k != "enabled")
+    return out
+
+
 def config_changes(saved: dict, now: dict) -> list[str]:
     """``train.KEY: saved X, now Y`` for every training setting the two configs (as
     :class:`TrainConfig` dicts) give different values, leaving out
-    :data:`RESUME_MAY_CHANGE` and keys only one has (a field added or dropped since)."""
+    :data:`RESUME_MAY_CHANGE`, settings the run never reads (another optimizer's, CoMERA's
+    when it is off) and keys only one has (a field added or dropped since)."""
     a = _flat(json.loads(json.dumps(saved, default=str)))
     b = _flat(json.loads(json.dumps(now, default=str)))
+    unread = _unread(now)
     return [f"train.{k}: saved {a[k]!r}, now {b[k]!r}" for k in sorted(a.keys() & b.keys())
-            if k.split(".")[0] not in RESUME_MAY_CHANGE and a[k] != b[k]]  # fmt: skip
+            if k.split(".")[0] not in RESUME_MAY_CHANGE and not k.startswith(unread)
+            and a[k] != b[k]]  # fmt: skip
 
 
 def _shapes(tree: object) -> dict[str, object]:
