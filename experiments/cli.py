@@ -711,6 +711,9 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         raise CLIError(f"--resume {args.resume}: config.json is not JSON ({e})") from None
     if not isinstance(saved, dict):
         raise CLIError(f"--resume {args.resume}: config.json is not a saved run config")
+    if not isinstance(saved.get("experiment", exp.name), str):
+        raise CLIError(f"--resume {args.resume}: config.json's \"experiment\" is "
+                       f"{saved['experiment']!r}, not an experiment's name")  # fmt: skip
     if saved.get("experiment", exp.name) != exp.name:
         raise CLIError(
             f"--resume {args.resume}: that run is a {saved['experiment']!r} experiment; "
@@ -867,6 +870,12 @@ def prepare(
     task, params, state, reference, info = exp.build(cfg, rank, world)
     layers = [(path, p["cores"][0].dim() == 3) for path, p, _ in iter_tt(params, state)]
     if not layers and cfg.train.comera.enabled:  # refused before the run dir is written
+        if getattr(cfg, "dense", False):  # --set dense=true alone: --dense sets both
+            raise CLIError(
+                f"{exp.name}: dense=true builds the dense model, but train.comera.enabled is "
+                "still true, so CoMERA would adapt ranks it does not have; pass --dense "
+                "(it sets both), or also --set train.comera.enabled=false"
+            )
         raise CLIError(
             f"{exp.name}: the CoMERA model has no TT/TTM layer, so it has no ranks to adapt; "
             "compress some layers (the experiment's model.* settings) or train --dense"

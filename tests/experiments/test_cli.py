@@ -284,6 +284,22 @@ def test_dense_flag_and_legacy_flags_still_work(tmp_path):
     assert any("eval/validation/accuracy" in r for r in rows)
 
 
+def test_dense_set_alone_and_a_damaged_experiment_name_say_what_to_change(tmp_path, capsys):
+    """``--set dense=true`` without --dense was told to "train --dense"; a record whose
+    experiment is not a name was told to resume with ``python -m experiments.5``."""
+    assert mnli.main([*FAST, "--run-dir", str(tmp_path / "d"), "--set", "dense=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dense=true builds the dense model" in err[0], err
+    assert "train.comera.enabled=false" in err[0] and not (tmp_path / "d").exists()
+    run = tmp_path / "r"
+    run.mkdir()
+    data = json.loads(json.dumps(dataclasses.asdict(mnli.preset("smoke"))))
+    (run / "config.json").write_text(json.dumps({**data, "experiment": 5}))
+    assert mnli.main(["--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and '"experiment" is 5, not an experiment\'s name' in err[0], err
+
+
 # ----------------------------------------------------------------------------- wandb
 
 
