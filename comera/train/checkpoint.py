@@ -335,8 +335,8 @@ def check_same_run(tr: Any, ckpt: dict) -> None:
 
 def restore_trainer(tr: Any, ckpt: dict) -> None:
     """Load ``ckpt`` into a trainer built with the same config: model, optimizer, stage,
-    this rank's data position (or every old rank's, for a rescalable iterator at another
-    world size) and RNG streams (fresh ones at another world size)."""
+    the data position (every saved rank's for a rescalable iterator, else this rank's) and
+    RNG streams (fresh ones at another world size)."""
     saved = ckpt["config"].get("train", {})
     for key in ("steps", "seed"):
         if saved.get(key) != getattr(tr.cfg, key):
@@ -380,10 +380,12 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
             f"({type(it).__name__}) has no load_state_dict to restore it; resume with the "
             "iterator the run was saved with"
         )
+    elif getattr(it, "rescalable", False):
+        # every saved rank's state, at any world size: at an unchanged one too, since a
+        # TokenLoader whose worker count changed needs every rank's shards to re-cut them
+        it.load_state_dict([d["state"] for d in datas])
     elif saved_world == tr.world:
         it.load_state_dict(datas[tr.rank]["state"])
-    elif getattr(it, "rescalable", False):
-        it.load_state_dict([d["state"] for d in datas])
     else:
         raise CheckpointError(
             f"{ckpt['dir']} was saved by {saved_world} ranks and this run has {tr.world}; "

@@ -363,6 +363,29 @@ def test_a_warm_up_the_run_never_finishes_is_said(tmp_path, capsys):
     assert "warmup_steps" not in capsys.readouterr().err
 
 
+def test_a_rescalable_iterator_gets_every_saved_rank_at_an_unchanged_world(tmp_path):
+    """At an unchanged world size only the rank's own state was handed over, so a
+    TokenLoader whose worker count changed (it re-cuts every rank's shards) refused the
+    resume at world > 1; a rescalable iterator now always gets the whole list."""
+
+    class Rescalable(_Iter):
+        rescalable = True
+        given: object = None
+
+        def load_state_dict(self, s):
+            Rescalable.given = s
+            super().load_state_dict(s[0])
+
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    task = ToyTask()
+    task.train_iter = Rescalable(task.w)
+    Trainer(cfg, task, *_toy_model()).fit(until=10)
+    again = ToyTask()
+    again.train_iter = Rescalable(again.w)
+    assert Trainer(cfg, again, *_toy_model(), resume=True).step == 10
+    assert Rescalable.given == [{"i": 10}] and again.train_iter.i == 10
+
+
 def test_a_damaged_rank_file_names_the_previous_checkpoint(tmp_path):
     cfg = _cfg(tmp_path, steps=20, checkpoint_every=5)
     Trainer(cfg, ToyTask(), *_toy_model()).fit(until=10)
