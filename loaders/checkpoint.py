@@ -11,14 +11,12 @@ from that map, so any N -> M rescale continues the epoch exactly once.
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loaders.config import is_int
+from loaders.config import check_weight, is_int
 from loaders.errors import LoaderInputError, LoaderPathError
 from loaders.metadata import atomic_write_text
 
@@ -199,10 +197,13 @@ def check_state(state: object, where: str = "loader state") -> None:
         if not isinstance(weights, dict):
             raise bad(key, "is not a dict")
         for n, v in weights.items():
-            ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 <= v < math.inf
-            if n not in docs or not ok:
+            try:  # the config's own check of a weight, named as a damaged state's field
+                if n not in docs:
+                    raise LoaderInputError(f"unknown sub-dataset {n!r}")
+                check_weight(f"{key}[{n!r}]", v)
+            except LoaderInputError:
                 raise bad(f"{key}[{n!r}]", f"= {v!r} is not a finite weight >= 0 of a "
-                                           "sub-dataset of the state")  # fmt: skip
+                                           "sub-dataset of the state") from None  # fmt: skip
         if weights and not sum(weights.values()) > 0:
             raise bad(key, "are all 0")
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten_with_path, tree_map
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
 from comera.errors import CheckpointError
 from comera.train.galore import GaLore
@@ -283,20 +283,23 @@ def config_changes(saved: dict, now: dict) -> list[str]:
             and a[k] != b[k]]  # fmt: skip
 
 
-def _shapes(tree: object) -> dict[str, object]:
-    """Per leaf of a params tree (by dotted path), what a resume must keep: a TT/TTM
-    layer's modes per core (its ranks change when it is compacted), every other leaf's
-    shape."""
-    flexible: dict[int, object] = {}
-    for _, p, _ in iter_tt(tree):
+def _shapes(tree: object) -> dict[str, tuple[object, str]]:
+    """Per leaf of a params tree (by dotted path): what a resume must keep (a TT/TTM
+    layer's modes per core, as compaction changes its ranks; every other leaf's shape),
+    and the TT layer it belongs to (its own path for any other leaf)."""
+    kept: dict[int, object] = {}
+    owner: dict[int, str] = {}
+    for path, p, _ in iter_tt(tree):
         for c in p["cores"]:
-            flexible[id(c)] = ("modes", tuple(c.shape[1:-1]))
+            kept[id(c)] = ("modes", tuple(c.shape[1:-1]))
         for g in p["gates"]:
-            flexible[id(g)] = "gate"
-    out: dict[str, object] = {}
+            kept[id(g)] = "gate"
+        for t in tree_flatten(p)[0]:  # cores, gates and bias: named by the layer
+            owner[id(t)] = path
+    out: dict[str, tuple[object, str]] = {}
     for path, t in tree_flatten_with_path(tree)[0]:
         name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        out[name] = flexible.get(id(t)) or tuple(getattr(t, "shape", ()))
+        out[name] = (kept.get(id(t)) or tuple(getattr(t, "shape", ())), owner.get(id(t), name))
     return out
 
 
@@ -313,23 +316,20 @@ def check_same_run(tr: Any, ckpt: dict) -> None:
             f"{'; '.join(changes[:4])}{more}; resume with the config it was saved with"
         )
     saved, built = _shapes(ckpt["params"]), _shapes(tr.params)
-    # a TT layer by its own path, not by each of its cores, gates and bias
-    tt = {path for tree in (ckpt["params"], tr.params) for path, _, _ in iter_tt(tree)}
-    layer = lambda k: next((t for t in tt if k.startswith(t + ".")), k)  # noqa: E731
-    only_saved = list(dict.fromkeys(layer(k) for k in saved if k not in built))
-    only_built = list(dict.fromkeys(layer(k) for k in built if k not in saved))
+    only_saved = list(dict.fromkeys(o for k, (_, o) in saved.items() if k not in built))
+    only_built = list(dict.fromkeys(o for k, (_, o) in built.items() if k not in saved))
     if only_saved or only_built:
         raise CheckpointError(
             f"checkpoint in {ckpt['dir']} holds other parameters than this run builds "
             f"(saved only: {only_saved[:6]}, built only: {only_built[:6]}); resume with the "
             "model settings (and trainable layers) it was saved with"
         )
-    for k, v in saved.items():
-        if built[k] != v:
+    for k, (v, _) in saved.items():
+        if built[k][0] != v:
             raise CheckpointError(
                 f"checkpoint in {ckpt['dir']} holds a model of another shape than this run "
-                f"builds ({k}: {v} saved, {built[k]} built); resume with the model settings "
-                "it was saved with"
+                f"builds ({k}: {v} saved, {built[k][0]} built); resume with the model "
+                "settings it was saved with"
             )
 
 
