@@ -317,11 +317,12 @@ def ttm_embedding(
         raise ConfigError(f"{name}: unknown impl {impl!r}; expected one of {EMBEDDING_IMPLS}")
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     vocab_modes = [c.shape[1] for c in cores]
-    vocab = spec.num_embeddings if spec is not None else math.prod(vocab_modes)
-    if vocab > math.prod(vocab_modes):  # ids past the cores' rows would wrap their digits
+    padded = math.prod(vocab_modes)
+    vocab = spec.num_embeddings if spec is not None else padded
+    if vocab > padded:  # ids past the cores' rows would wrap their digits
         raise ValueError(
             f"{name}: the spec has {vocab} rows but the cores' vocab modes {vocab_modes} "
-            f"hold {math.prod(vocab_modes)}; pass the spec these params were built from"
+            f"hold {padded}; pass the spec these params were built from"
         )
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"{name}: ids must be an integer tensor, got dtype {ids.dtype}")

@@ -316,7 +316,7 @@ def ttm_embedding_batched(
         ids.shape[-1:] != (t,)
         or ids.is_floating_point()
         or ids.is_complex()
-        or (ids.dtype == torch.bool)
+        or ids.dtype == torch.bool
     ):
         raise ValueError(
             f"ttm_embedding_batched: ids must be an integer tensor (..., {t}) with one column "

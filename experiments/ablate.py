@@ -265,9 +265,9 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     of single-key ablations."""
     if values is None:
         return ABLATIONS[name](cfg, exp)
-    if not any(v.strip() for v in values.split(",")):  # an empty report over the real one
-        raise cli.CLIError(f"--values {values!r}: give at least one value")
     given = [v.strip() for v in values.split(",") if v.strip()]
+    if not given:  # an empty report over the real one
+        raise cli.CLIError(f"--values {values!r}: give at least one value")
     if len(set(given)) < len(given):  # one run dir trained twice, one row reported twice
         twice = sorted({v for v in given if given.count(v) > 1})
         raise cli.CLIError(f"--values {values!r}: {', '.join(twice)} given twice; give each once")
@@ -281,7 +281,7 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     key = _rank_key(cfg) if name == "rank" else _KEYS[name]
     if name == "hot_rows":
         _require_model_field(cfg, name)
-    return [Variant(v, ((key, v),)) for v in (x.strip() for x in values.split(",")) if v]
+    return [Variant(v, ((key, v),)) for v in given]
 
 
 def variant_dir(runs_root: Path, label: str) -> Path:

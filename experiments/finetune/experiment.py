@@ -90,10 +90,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.init not in ("auto", *INITS):
             raise ConfigError(f"model.init={self.init!r}; choose auto or one of {INITS}")
-        if self.path is None:  # the BERT built from a config: sizes it cannot be built with
-            small = [k for k in ("layers", "hidden", "heads", "ffn") if getattr(self, k) < 1]
-            if small:
-                raise ConfigError(f"model.{small[0]}={getattr(self, small[0])} must be >= 1")
+        # the sizes (the built BERT's only without model.path), before hidden % heads
+        sizes = ("layers", "hidden", "heads", "ffn") if self.path is None else ()
+        sizes += ("rank", "embedding_rank", "cores", "embedding_cores")
+        small = [(k, getattr(self, k)) for k in sizes if getattr(self, k) < 1]
+        if small:
+            key, value = small[0]
+            flag = " (--rank)" if key == "rank" else ""
+            raise ConfigError(f"model.{key}={value}{flag} must be >= 1")
+        if self.path is None:  # the BERT built from a config
             if self.hidden % self.heads:
                 raise ConfigError(
                     f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}"
@@ -104,12 +109,6 @@ class ModelConfig:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         if not self.target:
             raise ConfigError("model.target: give at least one module glob (--target)")
-        sizes = ("rank", "embedding_rank", "cores", "embedding_cores")
-        small = [(k, getattr(self, k)) for k in sizes if getattr(self, k) < 1]
-        if small:
-            key, value = small[0]
-            flag = " (--rank)" if key == "rank" else ""
-            raise ConfigError(f"model.{key}={value}{flag} must be >= 1")
         if not 0 <= self.min_compression < math.inf:  # NaN passed a "< 0" check
             raise ConfigError(f"model.min_compression={self.min_compression} must be >= 0")
         if self.path is not None:  # the saved model's own: a value here would be dropped
