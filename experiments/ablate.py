@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -185,15 +186,16 @@ def _require_model_field(cfg: Any, name: str) -> None:
 
 
 def _factors(values: str, what: str) -> list[float]:
-    """``--values`` as numbers >= 1, all checked before anything trains."""
+    """``--values`` as finite numbers >= 1, all checked before anything trains (``inf``
+    would ask the late stage for a size of 0)."""
     out = []
     for v in (x for x in values.split(",") if x):
         try:
             f = float(v)
         except ValueError:
             f = 0.0
-        if not f >= 1:
-            raise cli.CLIError(f"--values {v!r}: {what} must be numbers >= 1")
+        if not 1 <= f < math.inf:
+            raise cli.CLIError(f"--values {v!r}: {what} must be finite numbers >= 1")
         out.append(f)
     return out
 

@@ -397,6 +397,11 @@ def test_compression_ablation_meets_each_target_and_renders_the_path(tmp_path):
 def test_size_ablations_refuse_bad_values(capsys, tmp_path):
     assert ablate.main(["compression", "--values", "0.5"]) == 2
     assert "numbers >= 1" in capsys.readouterr().err
+    # inf would ask for a size of 0: named as typed, not as the size_ratio 0.0 it becomes
+    assert ablate.main(["compression", "--values", "2,inf"]) == 2
+    assert "--values 'inf': compression factors" in capsys.readouterr().err
+    assert ablate.main(["target_compression", "--values", "nan"]) == 2
+    assert "--values 'nan': whole-model compressions" in capsys.readouterr().err
     runs = ["--runs-dir", str(tmp_path)]
     assert ablate.main(["gamma", "--values", "a,b", *runs]) == 2  # as typed, not as a --set
     assert "error: --values a: expected a value of type float" in capsys.readouterr().err
