@@ -255,6 +255,17 @@ def factorize(n: int, d: int) -> tuple[int, ...] | None:
     return _best_split(n, d, limit)
 
 
+def _prime_factors(n: int) -> list[int]:
+    """``n``'s prime factors, ascending, with multiplicity (``[]`` for 1)."""
+    out, p = [], 2
+    while p * p <= n:
+        while n % p == 0:
+            n = n // p
+            out.append(p)
+        p += 1
+    return out + [n] * (n > 1)
+
+
 def propose_modes(dim: int, d: int, *, pad: bool = False, max_pad: float = 0.1) -> tuple[int, ...]:
     """Propose ``d`` balanced mode sizes for ``dim`` (ascending).
 
@@ -267,10 +278,11 @@ def propose_modes(dim: int, d: int, *, pad: bool = False, max_pad: float = 0.1) 
         raise ConfigError(f"propose_modes: need dim >= 1 and d >= 1, got dim={dim}, d={d}")
     if not pad:
         modes = factorize(dim, d)
-        if modes is None:
+        if modes is None:  # the primes say why: too few of them, or one too large
+            primes = " x ".join(map(str, _prime_factors(dim)))
             raise ConfigError(
-                f"propose_modes: {dim} has no balanced factorization into {d} modes "
-                "(it has a large prime factor); pass pad=True to pad it to a size that factors"
+                f"propose_modes: {dim} = {primes} has no balanced factorization into {d} modes "
+                "of at least 2; pass a smaller d, or pad=True to pad it to a size that factors"
             )
         return modes
     best: tuple[int, ...] | None = None

@@ -28,6 +28,11 @@ def test_factorize_rejects_large_prime_factor():
     assert factorize(2 * 3 * 5087, 3) is None
     with pytest.raises(ValueError, match="pad=True"):
         propose_modes(30522, 4)
+    # the primes show why: one too large, or too few for d modes of at least 2
+    with pytest.raises(ValueError, match="30522 = 2 x 3 x 5087 has no balanced"):
+        propose_modes(30522, 4)
+    with pytest.raises(ValueError, match="8 = 2 x 2 x 2 has no balanced .* smaller d"):
+        propose_modes(8, 4)
 
 
 def test_vocab_padding_is_balanced():
