@@ -78,6 +78,8 @@ class EncoderConfig:
     DERIVED: ClassVar[tuple[str, ...]] = ("attn_modes", "ffn_in_modes", "ffn_out_modes",
                                           "emb_dim_modes")  # fmt: skip
 
+    _PAIRS: ClassVar[tuple[str, ...]] = ("attn_modes", "ffn_in_modes", "ffn_out_modes")
+
     def __post_init__(self) -> None:
         problems = []
         for name in ("d_model", "heads", "ffn", "max_len", "type_vocab", "rank", "emb_rank"):
@@ -93,6 +95,12 @@ class EncoderConfig:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0 < self.init_std < math.inf:  # inf drew infinite weights: NaN at step 1
             problems.append(f"init_std must be finite and > 0, got {self.init_std}")
+        for name in ("attn_modes", "ffn_in_modes", "ffn_out_modes", "emb_vocab_modes",
+                     "emb_dim_modes"):  # fmt: skip
+            value = getattr(self, name)
+            flat = [m for side in value for m in side] if name in self._PAIRS else value
+            if any(m < 1 for m in flat):  # two negatives multiply to the width
+                problems.append(f"{name}={value}: every mode must be >= 1")
         if self.tt:
             for name, (out_m, in_m), (o, i) in self._linear_modes(self.d_model, self.ffn):
                 if math.prod(out_m) != o or math.prod(in_m) != i:

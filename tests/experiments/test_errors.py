@@ -160,6 +160,11 @@ def test_bad_inputs_are_one_line_raised_as_user_errors(tmp_path, monkeypatch, ca
     refused(["--set", "eval_batch_size=0"], UserError, "batch_size and eval_batch_size must be")
     refused(["--set", "model.heads=0"], UserError, "heads must be >= 1, got 0")
     refused(["--set", "model.heads=-4"], UserError, "heads must be >= 1, got -4")
+    # a mode below 1: refused, not re-proposed (vocab) or multiplied away (two negatives)
+    refused(["--set", "model.emb_vocab_modes=0,4"], UserError,
+            "emb_vocab_modes=(0, 4): every mode must be >= 1")  # fmt: skip
+    refused(["--set", "model.attn_modes=[[-4,-4],[4,4]]"], UserError,
+            "attn_modes=((-4, -4), (4, 4)): every mode must be >= 1")  # fmt: skip
     # a key the build sets from the tokenizer: refused, not silently replaced
     refused(["--set", "model.vocab_size=500"], cli.CLIError, "sets model.vocab_size itself")
     (tmp_path / "vocab.toml").write_text("[model]\nvocab_size = 500\n")
