@@ -70,22 +70,31 @@ class TensorizeConfig:
     min_compression: float = 1.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.target_modules, str):
-            object.__setattr__(self, "target_modules", (self.target_modules,))
-        if isinstance(self.exclude, str):
-            object.__setattr__(self, "exclude", (self.exclude,))
+        for key in ("target_modules", "exclude"):  # one glob, or a list of them
+            object.__setattr__(self, key, _globs(key, getattr(self, key)))
+        object.__setattr__(self, "rank_for", _rank_rules(self.rank_for))
         if not self.target_modules:
             raise ConfigError("TensorizeConfig.target_modules: give at least one glob")
         if self.init not in INITS:
             raise ConfigError(f"TensorizeConfig.init={self.init!r}; choose one of {INITS}")
+        for key in ("rank", "embedding_rank", "cores", "embedding_cores"):
+            value = getattr(self, key)
+            if not (value is None and key == "embedding_rank") and not _is_int(value):
+                raise ConfigError(f"TensorizeConfig.{key}={value!r} must be an int")
         if (self.rank < 1 or (self.embedding_rank is not None and self.embedding_rank < 1)
                 or any(r < 1 for _, r in self.rank_for)):  # fmt: skip
             raise ConfigError(f"TensorizeConfig: ranks must be >= 1, got {self.rank}, "
                               f"{self.embedding_rank}, {list(self.rank_for)}")  # fmt: skip
-        if self.compression is not None and not self.compression > 1:
-            raise ConfigError(f"TensorizeConfig.compression must be > 1, got {self.compression}")
-        if self.min_compression < 0:
-            raise ConfigError(f"TensorizeConfig.min_compression must be >= 0, got "
+        for key in ("compression", "min_compression"):
+            value = getattr(self, key)
+            if not (value is None and key == "compression") and not _is_real(value):
+                raise ConfigError(f"TensorizeConfig.{key}={value!r} must be a number")
+        if self.compression is not None and not 1 < self.compression < math.inf:
+            raise ConfigError(
+                f"TensorizeConfig.compression must be finite and > 1, got {self.compression}"
+            )
+        if not 0 <= self.min_compression < math.inf:  # NaN passed a "< 0" check
+            raise ConfigError(f"TensorizeConfig.min_compression must be finite and >= 0, got "
                               f"{self.min_compression}")  # fmt: skip
         if self.cores < 1 or self.embedding_cores < 1:
             raise ConfigError("TensorizeConfig: cores and embedding_cores must be >= 1")
@@ -101,6 +110,37 @@ class TensorizeConfig:
             if _match(name, (glob,)):
                 chosen = r
         return chosen
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _globs(key: str, value: object) -> tuple[str, ...]:
+    """``value`` as a tuple of globs (one glob may be given as a string)."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(g, str) for g in value):
+        return tuple(value)
+    raise ConfigError(f"TensorizeConfig.{key}={value!r} must be a glob or a list of globs")
+
+
+def _rank_rules(value: object) -> tuple[tuple[str, int], ...]:
+    """``rank_for`` as ``((glob, rank), ...)``; a dict ``{glob: rank}`` is taken in order."""
+    rules = tuple(value.items()) if isinstance(value, dict) else value
+    if isinstance(rules, (tuple, list)) and all(
+        isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) and _is_int(r[1])
+        for r in rules
+    ):
+        return tuple((g, r) for g, r in rules)
+    raise ConfigError(
+        f"TensorizeConfig.rank_for={value!r} must be (glob, rank) pairs, e.g. "
+        "(('*.query', 8),) or {'*.query': 8}"
+    )
 
 
 def _match(name: str, globs: tuple[str, ...]) -> bool:
@@ -405,6 +445,15 @@ def _pick_rank(modes: tuple[int, ...], rank: int, dense: int, extra: int,
     return 1
 
 
+def _check_finite(name: str, weight: torch.Tensor) -> None:
+    """Refuse to TT-SVD a weight holding NaN or inf (the SVD fails, naming no layer)."""
+    if not bool(torch.isfinite(weight).all()):
+        raise ConfigError(
+            f"tensorize_: {name}'s weight holds NaN or inf, which TT-SVD cannot compress; "
+            "fix the checkpoint, exclude the layer, or use init='random'"
+        )
+
+
 def _replace_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, kind: str,
                     cfg: TensorizeConfig) -> tuple[nn.Module | None, LayerReport]:  # fmt: skip
     """A TT replacement of the linear map ``x weight^T + bias`` (weight ``(out, in)``)."""
@@ -513,24 +562,49 @@ _SET_UP = re.compile(
 )
 
 
-def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, list[str]],
-             paths: dict[int, list[str]], embeddings: dict[int, TTMEmbedding],
-             exclude: tuple[str, ...] = ()) -> str:  # fmt: skip
-    """Why a matched module must stay as it is, or ``""``: its weight is shared with a
-    module that is not being replaced with it (a tie this rewrite would break), or its
-    parent reads its weight directly (``nn.MultiheadAttention``'s ``out_proj``)."""
-    parent_name = name.rpartition(".")[0]
-    parent = model.get_submodule(parent_name) if parent_name else model
+_HOOKS = (
+    ("_forward_pre_hooks", "forward pre-hooks"),
+    ("_forward_hooks", "forward hooks"),
+    ("_backward_pre_hooks", "backward pre-hooks"),
+    ("_backward_hooks", "backward hooks"),
+)
+
+
+def _call_problem(path: str, module: nn.Module, model: nn.Module) -> str:
+    """Why the module at ``path`` cannot be swapped for an adapter given how it is called,
+    or ``""``: its class overrides ``forward`` or the instance carries its own (what they
+    add would be lost), it has hooks (the adapter would not run them), or its parent reads
+    its weight directly (a TT adapter has none: the first forward would fail)."""
     base = next((k for k in (nn.Embedding, nn.Linear) if isinstance(module, k)), None)
     if base is not None and type(module).forward is not base.forward:
         # a scaled word embedding (BART's), a positional one with an offset (OPT's): the
         # adapter is a plain lookup or product and would silently drop what they add
-        return f"skipped: {type(module).__name__} has its own forward, which the adapter lacks"
+        return f"{type(module).__name__} has its own forward, which the adapter lacks"
+    if "forward" in vars(module):  # accelerate's hooks replace the instance's forward
+        return "the module has its own forward (set on the instance), which the adapter lacks"
+    hooks = [what for attr, what in _HOOKS if getattr(module, attr, None)]
+    if hooks:
+        return f"it has {' and '.join(hooks)}, which the adapter would not run"
+    parent_name, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
     if isinstance(parent, nn.MultiheadAttention):
-        return f"skipped: {parent_name or 'the model'} (nn.MultiheadAttention) reads its weight"
-    child = name.rpartition(".")[2]
+        return f"{parent_name or 'the model'} (nn.MultiheadAttention) reads its weight"
     if _reads_weight(type(parent), child):  # T5's feed-forward reads wo.weight.dtype
-        return f"skipped: {type(parent).__name__} reads {child}.weight"
+        return f"{type(parent).__name__} reads {child}.weight"
+    return ""
+
+
+def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, list[str]],
+             paths: dict[int, list[str]], embeddings: dict[int, TTMEmbedding],
+             exclude: tuple[str, ...] = ()) -> str:  # fmt: skip
+    """Why a matched module must stay as it is, or ``""``: how it is called at any of its
+    paths (:func:`_call_problem`), or its weight or bias is shared with a module that is
+    not being replaced with it (a tie this rewrite would break); an embedding also stays
+    when a linear tied to it cannot become its :class:`TiedDecoder`."""
+    for path in paths[id(module)]:
+        why = _call_problem(path, module, model)
+        if why:
+            return f"skipped: {why}"
     weight = module.weight
     if isinstance(module, nn.Linear) and id(weight) in embeddings:
         return ""  # tied to a replaced embedding: a TiedDecoder of it (its bias kept as is)
@@ -539,11 +613,19 @@ def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, l
         # BitFit-style: a TT layer's tensors train together or not at all (ModuleTask)
         which = "weight" if not weight.requires_grad else "bias"
         return f"skipped: its {which} alone is frozen; a TT layer trains all or none"
+    if isinstance(bias, nn.Parameter):  # the adapter would hold a copy, trained apart
+        sharing = [o for o in owners.get(id(bias), []) if o not in paths[id(module)]]
+        if sharing:
+            return f"skipped: its bias is shared with {sharing[0]}; a TT layer holds its own"
     others = [o for o in owners.get(id(weight), []) if o not in paths[id(module)]]
     if isinstance(module, nn.Embedding):  # a linear tied to it becomes its TiedDecoder,
         # unless an exclude glob keeps it (it then keeps the weight, and the embedding too)
         kept = [o for o in others if _match(o, exclude)]
         unlinear = [o for o in others if not isinstance(model.get_submodule(o), nn.Linear)]
+        for o in (o for o in others if o not in kept and o not in unlinear):
+            why = _call_problem(o, model.get_submodule(o), model)
+            if why:  # it would become a TiedDecoder, which has no weight, forward or hooks
+                return f"skipped: its weight is tied to {o}, which must stay: {why}"
         others = list(dict.fromkeys(kept + unlinear))
         if others and all(isinstance(model.get_submodule(o), nn.Embedding) for o in others):
             # T5's shared and embed_tokens: other modules, one weight; one TTM at several
@@ -569,12 +651,20 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     names them (one an ``exclude`` glob names stays, and so does the embedding); a module
     reached by several paths is replaced at every one, unless an exclude glob names one of
     them. A frozen layer (``requires_grad`` False) is replaced by a frozen one; one whose
-    weight or bias alone is frozen stays as it is. A matched module whose weight is
-    shared with one that stays (a tie the rewrite would break), whose parent reads its
-    weight directly (``nn.MultiheadAttention.out_proj``), or whose class overrides
-    ``forward`` (what it adds would be lost) is left as it is and listed as skipped. Other
+    weight or bias alone is frozen stays as it is. A matched module whose weight or bias
+    is shared with one that stays (a tie the rewrite would break), whose parent reads its
+    weight directly (``nn.MultiheadAttention.out_proj``), whose class or instance
+    overrides ``forward`` (what it adds would be lost) or that has hooks (the adapter would
+    not run them) is left as it is and listed as skipped; so is an embedding whose tied
+    linear is such a module. Globs that match nothing (``rank_for``'s too), a target
+    whose every match is excluded, and a lazy module not yet initialized are errors. Other
     modules are not touched. An embedding's ``padding_idx``, ``max_norm`` and ``sparse``
     have no TTM counterpart: the summary notes them when set."""
+    if not isinstance(config, TensorizeConfig):
+        raise TypeError(
+            f"tensorize_: config is a {type(config).__name__}; pass a TensorizeConfig, e.g. "
+            "TensorizeConfig(target_modules=('query', 'value'))"
+        )
     kinds = (nn.Linear, nn.Embedding)
     candidates = [(n, m) for n, m in model.named_modules()
                   if n and (isinstance(m, kinds) or _is_conv1d(m))]  # fmt: skip
@@ -586,7 +676,9 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             for _, p in m.named_parameters(recurse=False):
                 owners.setdefault(id(p), []).append(n)
     every = [p for _, m in candidates for p in paths[id(m)]]  # a shared module's paths too
-    for flag, globs in (("target", config.target_modules), ("exclude", config.exclude)):
+    rank_globs = tuple(g for g, _ in config.rank_for)
+    for flag, globs in (("target", config.target_modules), ("exclude", config.exclude),
+                        ("rank_for", rank_globs)):  # fmt: skip
         for glob in globs:
             if not any(_match(p, (glob,)) for p in every):
                 names = ", ".join(every[:40])
@@ -605,6 +697,20 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     # embeddings first, so a linear tied to one is known as tied whatever the order
     chosen = sorted(((n, m) for n, m in candidates if chosen_at(m)),
                     key=lambda nm: not isinstance(nm[1], nn.Embedding))  # fmt: skip
+    if not chosen:  # every match excluded: a summary with no rows would say nothing
+        raise ConfigError(
+            f"tensorize_: every module the target globs {list(config.target_modules)} match "
+            f"is excluded by {list(config.exclude)}; nothing to replace"
+        )
+    lazy = [n for n, m in chosen if isinstance(m.weight, nn.parameter.UninitializedParameter)]  # type: ignore[union-attr]
+    if lazy:  # no shape yet to plan a train for
+        raise ConfigError(
+            f"tensorize_: {lazy[0]} is a lazy module whose weight is not initialized yet; run "
+            "one forward pass first (or exclude it)"
+        )
+    if config.init == "svd":  # all before any is replaced: no half-rewritten model
+        for n, m in chosen:
+            _check_finite(n, m.weight)  # type: ignore[arg-type]
     summary = TensorizeSummary()
     embeddings: dict[int, TTMEmbedding] = {}  # id(old weight) -> its replacement
     for name, module in chosen:

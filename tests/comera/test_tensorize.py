@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -504,13 +506,18 @@ def test_a_module_at_two_paths_is_targeted_or_excluded_at_either() -> None:
             super().__init__()
             self.enc = nn.Linear(64, 64)
             self.dec = self.enc  # one module, two paths
+            self.out = nn.Linear(64, 64)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.dec(self.enc(x))
+            return self.out(self.dec(self.enc(x)))
 
     kept = Twice()
     tensorize_(kept, TensorizeConfig(target_modules=("*",), exclude=("dec",), rank=4))
     assert type(kept.enc) is nn.Linear and kept.dec is kept.enc
+    assert isinstance(kept.out, C.TTLinear)
+    # every match excluded: an error, not an empty summary over an unchanged model
+    with pytest.raises(ConfigError, match=r"every module the target globs \['enc'\] match"):
+        tensorize_(Twice(), TensorizeConfig(target_modules=("enc",), exclude=("dec",)))
     named = Twice()
     tensorize_(named, TensorizeConfig(target_modules=("dec",), rank=4))
     assert isinstance(named.enc, C.TTLinear) and named.dec is named.enc
@@ -814,3 +821,96 @@ def test_summaries_count_a_padded_table_at_its_rows_when_told() -> None:
     assert "| emb | ttm_embedding | 1009x64 |" in C.summary_table(
         {"emb": p}, {"emb": s}, num_embeddings={"emb": 1009}
     )
+
+
+def test_modules_called_otherwise_than_their_class_says_stay_dense() -> None:
+    """Hooks, an instance's own forward, a shared bias, and a tied linear whose parent
+    reads its weight: replacing any of them would change the model silently (a hook that
+    zeroes the output stopped running) or fail at the first forward; each stays, named."""
+    torch.manual_seed(0)
+    hooked = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+    hooked[0].register_forward_hook(lambda mod, args, out: out * 0)
+    hooked[1].register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    hooked[2].forward = lambda x: x  # as accelerate's hooks set it
+    x = torch.randn(2, 16)
+    before = hooked(x)
+    summary = tensorize_(hooked, TensorizeConfig(target_modules=("*",), min_compression=0))
+    assert [r.skipped for r in summary.layers] == [
+        "skipped: it has forward hooks, which the adapter would not run",
+        "skipped: it has forward pre-hooks, which the adapter would not run",
+        "skipped: the module has its own forward (set on the instance), which the adapter lacks",
+    ]
+    assert torch.equal(hooked(x), before)
+
+    class SharedBias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+            self.b.bias = self.a.bias
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(self.b(self.a(x)))
+
+    shared = SharedBias()
+    summary = tensorize_(shared, TensorizeConfig(target_modules=("*",), min_compression=0))
+    assert [r.skipped for r in summary.layers] == [
+        "skipped: its bias is shared with b; a TT layer holds its own",
+        "skipped: its bias is shared with a; a TT layer holds its own",
+        "",
+    ]
+    assert shared.a.bias is shared.b.bias and isinstance(shared.c, C.TTLinear)
+    assert summary.params_before == 16 * 16 + 16  # the shared bias is not counted twice
+
+    class ReadsHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.emb(ids) @ self.head.weight.T  # the tied decoder would have none
+
+    tied = ReadsHead()
+    ids = torch.randint(0, 64, (2, 3))
+    before = tied(ids)
+    summary = tensorize_(tied, TensorizeConfig(target_modules=("emb",), rank=8))
+    assert [r.skipped for r in summary.layers] == [
+        "skipped: its weight is tied to head, which must stay: ReadsHead reads head.weight"
+    ]
+    assert torch.equal(tied(ids), before)
+
+
+def test_bad_tensorize_configs_name_the_field() -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    bad = [
+        ({"rank": "4"}, "rank='4' must be an int"),
+        ({"rank": True}, "rank=True must be an int"),
+        ({"cores": 2.0}, "cores=2.0 must be an int"),
+        ({"embedding_rank": 1.5}, "embedding_rank=1.5 must be an int"),
+        ({"target_modules": 5}, "target_modules=5 must be a glob or a list of globs"),
+        ({"target_modules": (1,)}, "target_modules=(1,) must be a glob"),
+        ({"exclude": [None]}, "exclude=[None] must be a glob"),
+        ({"rank_for": ("1", 2)}, "rank_for=('1', 2) must be (glob, rank) pairs"),
+        ({"rank_for": (("0", "2"),)}, "must be (glob, rank) pairs"),
+        ({"min_compression": float("nan")}, "min_compression must be finite and >= 0"),
+        ({"min_compression": "2"}, "min_compression='2' must be a number"),
+        ({"compression": float("inf")}, "compression must be finite and > 1"),
+    ]
+    for kw, text in bad:
+        with pytest.raises(ConfigError, match=re.escape(text)):
+            TensorizeConfig(**{"target_modules": ("*",), **kw})
+    # a dict of rank rules is taken in order, and a list of globs as a tuple
+    cfg = TensorizeConfig(target_modules=["0", "1"], rank_for={"0": 2, "1": 3})
+    assert cfg.target_modules == ("0", "1") and cfg.rank_for == (("0", 2), ("1", 3))
+    with pytest.raises(ConfigError, match="rank_for glob 'typo' matches no nn.Linear"):
+        tensorize_(model, TensorizeConfig(target_modules=("*",), rank_for=(("typo", 2),)))
+    with pytest.raises(TypeError, match="config is a dict; pass a TensorizeConfig"):
+        tensorize_(model, {"target_modules": ("*",)})  # type: ignore[arg-type]
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    with pytest.raises(ConfigError, match="1's weight holds NaN or inf, .* init='random'"):
+        tensorize_(model, TensorizeConfig(target_modules=("*",), min_compression=0))
+    assert type(model[0]) is nn.Linear  # refused before anything was replaced
+    lazy = nn.Sequential(nn.LazyLinear(16))
+    with pytest.raises(ConfigError, match="0 is a lazy module .* run one forward pass first"):
+        tensorize_(lazy, TensorizeConfig(target_modules=("*",)))
