@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera as C
-from comera.errors import ConfigError, MissingFileError, first_line
+from comera.errors import ConfigError, MissingFileError, UserError, first_line
 from comera.tensorize import INITS
 from comera.train import TrainConfig
 from comera.train.module_task import ModuleTask
@@ -107,6 +108,8 @@ class ModelConfig:
                 raise ConfigError(f"model.init_std={self.init_std} must be finite and > 0")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.num_labels < 2:  # cross-entropy over one logit is 0: nothing would train
+            raise ConfigError(f"model.num_labels={self.num_labels} must be >= 2")
         if not self.target:
             raise ConfigError("model.target: give at least one module glob (--target)")
         if not 0 <= self.min_compression < math.inf:  # NaN passed a "< 0" check
@@ -269,7 +272,18 @@ def _load_pretrained(tf: Any, cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
             f"{cfg.num_labels} ({shapes}); give a model whose head has {cfg.num_labels} "
             "labels, or one saved without a classification head (a fresh head is made)"
         )
+    tt_keys = [k for k in info.get("unexpected_keys") or () if _TT_KEY.search(k)]
+    if tt_keys:  # loaded as dense, the cores would be dropped and fresh weights compressed
+        raise ConfigError(
+            f"--model {cfg.path}: its checkpoint holds TT cores ({tt_keys[0]}, ...), saved "
+            "from a tensorized model; --model loads a dense one (resume a run with --resume, "
+            "or load those weights into a model tensorized the same way)"
+        )
     return model, sorted(info.get("missing_keys") or ())
+
+
+# a TT or TTM layer's tensors in a state dict (comera.nn's TTLinear and TTMEmbedding)
+_TT_KEY = re.compile(r"(^|\.)(cores|gates)\.\d+$")
 
 
 def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
@@ -278,10 +292,10 @@ def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
     splits = data.splits()
     source = f"--model {cfg.path}" if cfg.path is not None else "the model"
     config = getattr(model, "config", None)
-    for field_, limit_name, what in (
-        ("input_ids", "vocab_size", "token ids"),
-        ("token_type_ids", "type_vocab_size", "token type ids"),
-    ):
+    checks = [("input_ids", "vocab_size", "token ids")]
+    if takes_token_types(model):  # else they are never given (DeBERTa-v3's size 0)
+        checks.append(("token_type_ids", "type_vocab_size", "token type ids"))
+    for field_, limit_name, what in checks:
         limit = getattr(config, limit_name, None)
         top = max((int(getattr(s, field_).max()) for s in splits), default=-1)
         if isinstance(limit, int) and top >= limit:
@@ -299,6 +313,31 @@ def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
             "--model one with more"
         )
     data.check_label_count(cfg.num_labels)
+
+
+def _try_one_row(model: nn.Module, data: MNLIData, types: bool, device: torch.device,
+                 cfg: ModelConfig) -> None:  # fmt: skip
+    """Run the model on the first training row before the run starts: a model whose own
+    input checks refuse the data (T5's classifier wants an end-of-sequence token the
+    tokenizer does not give) raises a ``ValueError`` there, which becomes a one-line error
+    naming ``--model`` and ``--tokenizer`` instead of a traceback at the first step. The
+    project's own errors pass through as they are."""
+    source = f"--model {cfg.path}" if cfg.path is not None else "the model"
+    batch = {k: v.to(device) for k, v in data.train.batch(torch.arange(1)).items()}
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _logits(model, batch, types)
+    except UserError:
+        raise
+    except ValueError as e:
+        raise ConfigError(
+            f"{source} refused the first training row ({first_line(e)}); give --tokenizer the "
+            "tokenizer that --model was trained with"
+        ) from None
+    finally:
+        model.train(training)
 
 
 def _positions(model: nn.Module) -> int | None:
@@ -395,6 +434,7 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     device = torch.device(p.train.device)
     model.to(device)
     types = takes_token_types(model)
+    _try_one_row(model, data, types, device, p.model)
 
     def loss(call: Any, batch: dict) -> tuple:
         batch = {k: v.to(device) for k, v in batch.items()}

@@ -116,8 +116,13 @@ def test_a_comera_run_with_nothing_tensorized_is_one_line(tmp_path: Path, capsys
     ``--dense`` runs the same model."""
     assert main(_argv(tmp_path, "r", "--exclude", "*")) == 2
     line = _one_line(capsys)
-    assert "no module was tensorized" in line and "--exclude *" in line and "--dense" in line
+    assert "every module the target globs" in line and "is excluded by ['*']" in line
     assert not (tmp_path / "r").exists()
+    # every match skipped rather than excluded: the run's own check names the globs
+    assert main(_argv(tmp_path, "r", "--set", "model.min_compression=1000")) == 2
+    line = _one_line(capsys)
+    assert "no module was tensorized" in line and "is not 1000x smaller" in line
+    assert "--dense" in line and not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize(
@@ -127,6 +132,7 @@ def test_a_comera_run_with_nothing_tensorized_is_one_line(tmp_path: Path, capsys
         (["--set", "model.embedding_rank=0"], "model.embedding_rank=0 must be >= 1"),
         (["--set", "model.layers=6"], "model.layers=6 shapes the BERT built from a config"),
         (["--set", "model.dropout=0.3"], "drop model.dropout"),
+        (["--set", "model.num_labels=1"], "model.num_labels=1 must be >= 2"),
     ],
 )
 def test_settings_a_run_cannot_use_are_one_line(tmp_path: Path, capsys, extra, text) -> None:
@@ -181,3 +187,50 @@ def test_a_gpt2_tokenizer_pads_with_its_end_token_and_gets_no_token_types(tmp_pa
     bert = tf.BertModel(tf.BertConfig(vocab_size=8, hidden_size=16, num_hidden_layers=1,
                                       num_attention_heads=2, intermediate_size=32))  # fmt: skip
     assert not takes_token_types(gpt2) and takes_token_types(bert)
+
+
+def _generated_vocab() -> int:
+    return build_generated_tokenizer().get_vocab_size(with_added_tokens=True)
+
+
+def test_models_that_cannot_take_the_run_are_one_line(tmp_path: Path, capsys) -> None:
+    """A folder saved from a tensorized model (its cores were dropped as unexpected keys
+    and fresh weights compressed), and a model whose own input checks refuse the data
+    (T5's classifier wants an end token the tokenizer never gives; a traceback at step 1):
+    one line each, naming ``--model``, before the run dir is made."""
+    path = tmp_path / "tt"
+    bert = tf.BertForSequenceClassification(tf.BertConfig(
+        vocab_size=_generated_vocab(), hidden_size=32, num_hidden_layers=1,
+        num_attention_heads=4, intermediate_size=64, max_position_embeddings=160,
+        num_labels=3))  # fmt: skip
+    C.tensorize_(bert, C.TensorizeConfig(target_modules=("query",), rank=4, cores=2))
+    bert.save_pretrained(path)
+    capsys.readouterr()
+    assert main(_argv(tmp_path, "r", "--model", str(path))) == 2
+    line = _one_line(capsys)
+    assert f"--model {path}: its checkpoint holds TT cores" in line and "--resume" in line
+    assert not (tmp_path / "r").exists()
+    t5 = tmp_path / "t5"
+    vocab = _generated_vocab()
+    tf.T5ForSequenceClassification(tf.T5Config(
+        vocab_size=vocab, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+        eos_token_id=vocab - 1, pad_token_id=0, decoder_start_token_id=0, num_labels=3),
+    ).save_pretrained(t5)  # fmt: skip
+    capsys.readouterr()
+    assert main(_argv(tmp_path, "r", "--model", str(t5), "--dense")) == 2
+    line = _one_line(capsys)
+    assert f"--model {t5} refused the first training row (" in line and "--tokenizer" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_model_with_no_token_type_table_trains_on_pairs(tmp_path: Path, capsys) -> None:
+    """DeBERTa-v3's configs have ``type_vocab_size`` 0: the model is given no token types,
+    so the tokenizer's are not checked against that size (they refused every such model)."""
+    path = tmp_path / "deberta"
+    tf.DebertaV2ForSequenceClassification(tf.DebertaV2Config(
+        vocab_size=_generated_vocab(), hidden_size=32, num_hidden_layers=1,
+        num_attention_heads=4, intermediate_size=64, max_position_embeddings=160,
+        type_vocab_size=0, num_labels=3)).save_pretrained(path)  # fmt: skip
+    capsys.readouterr()
+    assert main(_argv(tmp_path, "r", "--model", str(path), "--target", "query_proj")) == 0
+    assert (tmp_path / "r" / "config.json").is_file()
