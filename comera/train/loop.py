@@ -23,7 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from comera.autotune import LINEAR_CANDIDATES, current_tuner, summarize_decisions
-from comera.errors import CheckpointError, DataError
+from comera.errors import CheckpointError, ConfigError, DataError
 from comera.layers import SyncFreeLookups
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig, usable_device
@@ -31,6 +31,7 @@ from comera.train.distributed import (
     broadcast_object,
     broadcast_tensors,
     check_rank_device,
+    init_distributed,
     rank_world,
     sum_across_ranks,
 )
@@ -161,6 +162,9 @@ class Trainer:
     ) -> None:
         self.cfg, self.task = cfg, task
         usable_device(cfg.device)  # a bare traceback at the first .to() otherwise
+        # under torchrun, join the process group (once): without it every rank trained alone
+        # into one run dir, its checkpoints claiming a world of 1
+        init_distributed(cfg.device)
         check_rank_device(cfg.device)
         self.device = torch.device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
@@ -187,6 +191,13 @@ class Trainer:
             lambda t: t.detach().to(self.device, copy=copy).requires_grad_(True), params
         )
         self.state = tree_map(lambda t: t.to(self.device, copy=copy), state)
+        if cfg.comera.enabled and next(iter_tt(self.params, self.state), None) is None:
+            # the first step's rank regularizer would fail, naming no setting
+            raise ConfigError(
+                "train.comera.enabled is on but the model holds no TT/TTM layer, so there are "
+                "no ranks to adapt; tensorize the model first (comera.tensorize_), or train it "
+                "dense with train.comera.enabled=False"
+            )
         self.opt = adamw_init(self.params) if cfg.optimizer == "adamw" else {"step": 0}
         self.galore = (
             GaLore.with_adamw(self.params, cfg.galore, cfg.optim)

@@ -262,3 +262,51 @@ def test_a_cuda_index_other_than_the_ranks_gpu_is_refused(monkeypatch):
         distributed.check_rank_device(ok)
     monkeypatch.setattr(distributed, "rank_world", lambda: (0, 1))
     distributed.check_rank_device("cuda:0")  # one process: any GPU it names
+
+
+LIBRARY_JOB = """
+import sys, torch
+import comera as C
+from comera.train import ComeraConfig, TrainConfig, Trainer
+from comera.train.distributed import rank_world
+
+torch.set_num_threads(1)
+
+
+class Task:  # each rank its own rows: seeded by the rank the trainer joined as
+    def __init__(self):
+        self.train_iter = self
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        g = torch.Generator().manual_seed(rank_world()[0])
+        return torch.randn(4, 16, generator=g)
+
+    def loss(self, params, state, x, *, train):
+        return C.tt_linear(params["lin"], state["lin"], x).pow(2).sum(), x.shape[0], {}
+
+    def evaluate(self, params, state):
+        return {}
+
+
+spec = C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=4)
+p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+cfg = TrainConfig(steps=2, run_dir=sys.argv[1], checkpoint_every=2, wandb="disabled",
+                  progress=False, comera=ComeraConfig(early_steps=2))
+tr = Trainer(cfg, Task(), {"lin": p}, {"lin": s})  # no init_distributed: the trainer joins
+assert (tr.rank, tr.world) == rank_world() and tr.world == 2, (tr.rank, tr.world)
+tr.fit()
+"""
+
+
+def test_a_library_trainer_under_torchrun_joins_the_process_group(tmp_path):
+    """``Trainer(...).fit()`` under torchrun is data-parallel as documented without the
+    caller joining the process group: both ranks write their files into one checkpoint
+    (each trained alone, as world 1, before)."""
+    script = tmp_path / "job.py"
+    script.write_text(LIBRARY_JOB)
+    assert _torchrun(script, 2, str(tmp_path / "run")) == 0
+    names = {p.name.split(".")[0] for p in complete_checkpoints(tmp_path / "run")[-1].iterdir()}
+    assert {"rank00000", "rank00001"} <= names, names

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import comera as C
-from comera.errors import CheckpointError
+from comera.errors import CheckpointError, ConfigError
 from comera.tensor_train import bond_ranks
 from comera.train.module_task import BUFFERS, ModuleTask
 from tests.train_helpers import _cfg, _Iter
@@ -224,3 +224,21 @@ def test_a_prune_between_compactions_reaches_the_module(tmp_path) -> None:
     x = torch.randn(5, 16)
     with torch.no_grad():
         torch.testing.assert_close(model(x), task._call(trainer.params, trainer.state)(x))
+
+
+def test_a_model_with_nothing_to_adapt_or_a_loss_that_is_no_scalar_is_named(tmp_path) -> None:
+    """CoMERA on a model with no TT layer is refused when the trainer is built, naming
+    ``train.comera.enabled`` (the first step's regularizer failed, naming nothing); a
+    ``loss_fn`` that returns a batch of losses is refused at its first call (a broadcast
+    error deep in the step)."""
+    dense = nn.Sequential(nn.Linear(16, 16))
+    task = _task(dense)
+    with pytest.raises(ConfigError, match="train.comera.enabled is on but the model holds no"):
+        task.trainer(_cfg(tmp_path))
+    off = C.train.ComeraConfig(enabled=False)
+    assert task.trainer(_cfg(tmp_path / "dense", steps=2, comera=off)).fit()["step"] == 2
+    model = _model()
+    per_row = ModuleTask(model, lambda call, b: (call(b[0]) - b[1]).pow(2).mean(-1), _Iter(None))
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"loss_fn returned a loss of shape \(4,\); return a"):
+        per_row.loss(per_row.params(), per_row.state(), (x, y), train=True)
