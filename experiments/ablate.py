@@ -54,7 +54,15 @@ from comera.tree import iter_tt
 from experiments import cli
 from experiments.host import report_header
 from experiments.malloc import restart_for
-from experiments.report import record_host, runs_host, train_and_eval_rows, write_report_json
+from experiments.report import (
+    number,
+    read_run_json,
+    record_host,
+    runs_host,
+    staged,
+    train_and_eval_rows,
+    write_report_json,
+)
 
 __all__ = [
     "ABLATIONS",
@@ -421,7 +429,7 @@ def _size_record(run_dir: Path) -> dict:
     path = run_dir / "ranks.json"
     if not path.is_file():
         return {}
-    end = json.loads(path.read_text()).get("end", {})
+    end = read_run_json(path, dict).get("end", {})
     keys = ("size_target", "early_params", "live_params", "live_over_target",
             "above_target_because")  # fmt: skip
     return {k: end[k] for k in keys if k in end}
@@ -488,14 +496,14 @@ def render_report(data: dict, out: Path) -> str:
         cells = [
             r["label"],
             str(r["steps"]),
-            f"{r['loss_tail']:.4f}",
-            "n/a" if r["eval_acc"] is None else f"{r['eval_acc']:.4f}",
-            *([f"{r['eval_auc']:.4f}" if r["eval_auc"] is not None else "n/a"] if with_auc else []),
+            number(r["loss_tail"], ".4f"),
+            number(r["eval_acc"], ".4f"),
+            *([number(r["eval_auc"], ".4f")] if with_auc else []),
             *([_best_cell(r["best_eval"])] if with_best else []),
-            f"{r['compression']:.2f}x",
-            f"{r['live_params']:,}",
-            f"{r['step_time_ms']:.1f}",
-            f"{r['wall_s']:.1f}",
+            f"{number(r['compression'], '.2f')}x",
+            number(r["live_params"], ","),
+            number(r["step_time_ms"], ".1f"),
+            number(r["wall_s"], ".1f"),
         ]
         if name == "contraction":
             first = "n/a" if r["first_diff"] is None else f"{r['first_diff']:.1e}"
@@ -515,8 +523,9 @@ def write_report(name: str, records: list[dict], out: Path, command: str) -> Pat
     size; step times for contraction; eval curves and AUC against compression for
     capacity)."""
     data = gather(name, records, command)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    render_report(write_report_json(out.with_suffix(".json"), data), out)
+    with staged(out.parent) as stage:  # all of it, or none if the render fails
+        render_report(write_report_json(stage / out.with_suffix(".json").name, data),
+                      stage / out.name)  # fmt: skip
     return out
 
 
@@ -573,7 +582,7 @@ def _size_table(rows: list[dict]) -> list[str]:
 
 
 def _best_cell(best: tuple[float, int] | list | None) -> str:
-    return "n/a" if best is None else f"{best[0]:.4f} ({best[1]})"
+    return "n/a" if best is None else f"{number(best[0], '.4f')} ({best[1]})"
 
 
 def _plot(name: str, rows: list[dict], png: Path) -> None:
@@ -714,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default=None)
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--values", help="comma-separated values (single-key ablations)")
-    ap.add_argument("--runs-dir", default="runs", help="variants go to RUNS_DIR/ablate-NAME/")
+    ap.add_argument("--runs-dir", default="runs",
+                    help="variants go to RUNS_DIR/ablate-[EXPERIMENT-]NAME-PRESET/")  # fmt: skip
     ap.add_argument("--reports", default="reports", help="where the report and PNG go")
     ap.add_argument("--wandb", choices=("online", "offline", "disabled"))
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from the runs")
@@ -759,6 +769,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"--report-only: variants {unfinished} did not finish under the recorded "
                     f"command ({command}); rerun it without --report-only"
                 )
+            for r in records:  # another experiment's run copied in: its metrics mix in
+                cfg = r["dir"] / "config.json"
+                ran = read_run_json(cfg, dict).get("experiment") if cfg.is_file() else None
+                if ran not in (None, args.experiment):
+                    raise cli.CLIError(
+                        f"--report-only: {r['dir']} is a run of experiments.{ran}, not of "
+                        f"experiments.{args.experiment}"
+                    )
             missing = [str(r["dir"]) for r in records if not (r["dir"] / "metrics.jsonl").is_file()]
             if missing:
                 more = f" (and {len(missing) - 1} more variants)" if len(missing) > 1 else ""
@@ -783,7 +801,10 @@ def main(argv: list[str] | None = None) -> int:
     named = args.experiment != "mnli" or args.ablation in NAMED_BY_EXPERIMENT
     tag = f"{args.experiment}_" if named else ""
     out = Path(args.reports) / f"ablation_{tag}{args.ablation}.md"
-    write_report(args.ablation, records, out, command)
+    try:
+        write_report(args.ablation, records, out, command)
+    except cli.USER_ERRORS as e:  # a run it cannot read: the old report stays
+        return cli.user_error(ap.prog, e)
     print(out.read_text())
     return 0
 

@@ -13,14 +13,18 @@ the run dirs. The writers state numbers, never conclusions drawn from them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import shutil
 import sys
-from collections.abc import Callable, Iterable
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from comera.errors import DataError, MissingFileError
+from comera.errors import DataError, MissingFileError, UserError
 from comera.train import load_checkpoint, read_metrics
 from comera.train.checkpoint import complete_checkpoints
 from experiments.host import host_meta
@@ -28,17 +32,22 @@ from experiments.host import host_meta
 __all__ = [
     "HOST_FILE",
     "REPORTS",
+    "check_smoke_pair",
     "ensure_smoke_run",
     "layer_summary",
     "layer_table",
     "load_run",
+    "number",
     "rank_table",
+    "read_bench_json",
+    "read_run_json",
     "read_report_json",
     "render_report_json",
     "record_host",
     "runs_host",
     "series",
     "smoke_report_main",
+    "staged",
     "train_and_eval_rows",
     "write_report_json",
 ]
@@ -63,7 +72,7 @@ def runs_host(run_dirs: Iterable[Path]) -> dict[str, str]:
     for d in run_dirs:
         path = Path(d) / HOST_FILE
         if path.is_file():
-            return json.loads(path.read_text())
+            return read_run_json(path, dict)
     return host_meta()
 
 
@@ -117,17 +126,20 @@ def smoke_report_main(
         path = Path(args.from_json)
         try:
             data = read_report_json(path, "--from-json", prog)
-            out.mkdir(parents=True, exist_ok=True)
-            text = render_report_json(lambda: render(data, out), path, "--from-json", prog)
+            with staged(out) as stage:
+                text = render_report_json(lambda: render(data, stage), path, "--from-json", prog)
         except DataError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
         print(text)
         return 0
+    if out.exists() and not out.is_dir():  # before training, not after
+        print(f"{prog}: error: --out {out} is a file; give a folder", file=sys.stderr)
+        return 2
     bench = None
     if args.bench_json:  # read before training: a bad path fails now, not after the runs
         try:
-            bench = _read_bench(Path(args.bench_json))
+            bench = read_bench_json(Path(args.bench_json))
             if bench.get("tiny"):  # a toy model's figures, not the report's
                 raise DataError(
                     f"--bench-json {args.bench_json}: a --tiny run's figures (a toy model); "
@@ -149,8 +161,11 @@ def smoke_report_main(
         run_dir = runs / f"{name}-smoke{'-dense' if dense else ''}"
         ensure_smoke_run(exp_main, run_dir, dense=dense, label=f"{name} report")
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
-    out.mkdir(parents=True, exist_ok=True)
-    print(write(runs, out, bench, command=command))
+    try:
+        print(write(runs, out, bench, command=command))
+    except UserError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -161,13 +176,46 @@ def load_run(run_dir: str | Path, experiment: str | None = None) -> dict:
     for name in ("config.json", "metrics.jsonl"):
         if not (d / name).is_file():
             raise MissingFileError(f"{d / name} not found: is {d} a run dir written by training?")
-    rows = read_metrics(d / "metrics.jsonl")
-    ranks = json.loads((d / "ranks.json").read_text()) if (d / "ranks.json").is_file() else {}
-    config = json.loads((d / "config.json").read_text())
-    ran = config.get("experiment") if isinstance(config, dict) else None
+    try:
+        rows = read_metrics(d / "metrics.jsonl")
+    except ValueError as e:  # bytes that are not UTF-8 text
+        raise DataError(f"{d / 'metrics.jsonl'}: unreadable ({e})") from None
+    ranks = read_run_json(d / "ranks.json", dict) if (d / "ranks.json").is_file() else {}
+    config = read_run_json(d / "config.json", dict)
+    ran = config.get("experiment")
     if experiment is not None and ran is not None and ran != experiment:
         raise DataError(f"{d} is a run of experiments.{ran}, not of experiments.{experiment}")
     return {"dir": d, "config": config, "rows": rows, "ranks": ranks}
+
+
+def read_run_json(path: Path, kind: type) -> Any:
+    """A run dir's JSON file (``config.json``, ``ranks.json``, ``host.json``), or a
+    :class:`DataError` naming it: a truncated or damaged file is one line, not a
+    traceback."""
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8 text
+        raise DataError(f"{path}: damaged ({e}); is the run dir whole?") from None
+    if not isinstance(data, kind):
+        raise DataError(f"{path}: holds a {type(data).__name__}, not a {kind.__name__}")
+    return data
+
+
+def check_smoke_pair(dirs: dict[str, Path], experiment: str) -> None:
+    """Refuse smoke run dirs that are not what their names say: ``dirs["CoMERA"]`` and
+    ``dirs["dense"]`` must be runs of ``experiment`` with CoMERA on and off (a CoMERA run
+    copied into the dense slot was reported as a compressed "dense" baseline)."""
+    for kind, d in dirs.items():
+        config = read_run_json(Path(d) / "config.json", dict)
+        ran = config.get("experiment")
+        if ran is not None and ran != experiment:
+            raise DataError(f"{d} is a run of experiments.{ran}, not of experiments.{experiment}")
+        if bool(config.get("dense")) != (kind == "dense"):
+            what = "a dense" if config.get("dense") else "a CoMERA"
+            raise DataError(
+                f"{d} holds {what} run, but the report reads it as the {kind} run; train the "
+                f"{kind} run there (or move the run dirs)"
+            )
 
 
 def train_and_eval_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -271,6 +319,36 @@ def layer_table(layers: list[dict]) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def staged(out_dir: Path) -> Iterator[Path]:
+    """A fresh folder inside ``out_dir`` to write a report's files into; when the block
+    ends without an error they replace their namesakes in ``out_dir``, else none is moved.
+    A render that fails halfway (a field it cannot show, a plot that fails) so leaves the
+    report as it was, not a new JSON or new plots beside the old markdown. A namesake that
+    is a folder is refused before any file moves."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"{out_dir} is a file; give a folder to write the report into")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".report-", dir=out_dir))
+    try:
+        yield stage
+        files = sorted(stage.iterdir())
+        taken = [out_dir / f.name for f in files if (out_dir / f.name).is_dir()]
+        if taken:
+            raise DataError(f"{taken[0]} is a folder; the report writes a file there")
+        for f in files:
+            os.replace(f, out_dir / f.name)  # each file whole
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def number(value: object, spec: str, missing: str = "n/a") -> str:
+    """``value`` formatted by ``spec``, or ``missing`` where the JSON holds null (a metric
+    that was NaN: an AUC over one class, an accuracy over no examples)."""
+    return missing if value is None else format(value, spec)
+
+
 def write_report_json(path: Path, data: dict) -> dict:
     """Write a report's data (written first, renamed into place): nested objects one key a
     line, curves and other lists of numbers on one line each; non-finite numbers as null.
@@ -293,11 +371,12 @@ def _load_json(path: Path, flag: str, what: str) -> object:
         raise DataError(f"{flag} {path}: not JSON ({e})") from None
 
 
-def _read_bench(path: Path) -> dict:
-    """A benchmark's ``--json`` figures for ``--bench-json``, or a :class:`DataError`."""
-    data = _load_json(path, "--bench-json", "a benchmark's JSON")
+def read_bench_json(path: Path, flag: str = "--bench-json") -> dict:
+    """A benchmark's ``--json`` figures (``flag`` names where they came from), or a
+    :class:`DataError`."""
+    data = _load_json(path, flag, "a benchmark's JSON")
     if not isinstance(data, dict):
-        raise DataError(f"--bench-json {path}: not a benchmark's JSON object")
+        raise DataError(f"{flag} {path}: not a benchmark's JSON object")
     return data
 
 
@@ -321,7 +400,9 @@ def render_report_json(render: Callable[[], object], path: Path, flag: str, prog
     shape (a JSON this report did not write) is a :class:`DataError`, not a traceback."""
     try:
         return render()
-    except (KeyError, TypeError, AttributeError, IndexError) as e:
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError, ArithmeticError) as e:
+        if isinstance(e, DataError):  # already says what is wrong
+            raise
         raise DataError(
             f"{flag} {path}: not a JSON of {prog} ({type(e).__name__}: {e}); give the one it wrote"
         ) from None

@@ -25,13 +25,16 @@ from experiments import cli
 from experiments.codebert.experiment import EXPERIMENT, build
 from experiments.host import report_header
 from experiments.report import (
+    check_smoke_pair,
     layer_summary,
     layer_table,
     load_run,
+    number,
     rank_table,
     runs_host,
     series,
     smoke_report_main,
+    staged,
     write_report_json,
 )
 from loaders import LoaderConfig, TokenLoader
@@ -229,6 +232,7 @@ def gather(runs_dir: Path, bench: dict | None, command: str) -> dict:
     curves, the unigram baseline on the same held-out tokens, a mix audit from the CoMERA
     run's last checkpoint, its ranks and per-layer sizes, and the bench JSON."""
     dirs = {"CoMERA": runs_dir / "codebert-smoke", "dense": runs_dir / "codebert-smoke-dense"}
+    check_smoke_pair(dirs, "codebert")
     rows = {k: read_metrics(d / "metrics.jsonl") for k, d in dirs.items()}
     cfg = _config(dirs["CoMERA"])
     task = build(cfg)[0]
@@ -328,7 +332,8 @@ def render(data: dict, out_dir: Path) -> str:
     for name, r in data["runs"].items():
         f = r["final"]
         lines.append(
-            f"| {name} | {f['loss']:.4f} | {f['perplexity']:.1f} | {f['accuracy']:.4f} | "
+            f"| {name} | {number(f['loss'], '.4f')} | {number(f['perplexity'], '.1f')} | "
+            f"{number(f['accuracy'], '.4f')} | "
             f"{r['tokens_per_s']:,.0f} | {r['live_params']:,} | {r['compression']:.2f}x |"
         )
     base = data["unigram_baseline"]
@@ -390,7 +395,8 @@ def write_report(
     """Gather the two smoke runs and the bench into ``codebert.json``, then render
     ``codebert.md`` and ``codebert_curves.png`` from it; returns the markdown."""
     data = gather(runs_dir, bench, command or "python -m experiments.codebert.report")
-    return render(write_report_json(out_dir / "codebert.json", data), out_dir)
+    with staged(out_dir) as stage:  # all of it, or none if the render fails
+        return render(write_report_json(stage / "codebert.json", data), stage)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,15 @@ from experiments.dlrm.generate import planted_logits
 from experiments.dlrm.task import roc_auc
 from experiments.host import report_header
 from experiments.malloc import lean_without_hugepages, restart_for
-from experiments.report import runs_host, series, smoke_report_main, write_report_json
+from experiments.report import (
+    check_smoke_pair,
+    number,
+    runs_host,
+    series,
+    smoke_report_main,
+    staged,
+    write_report_json,
+)
 
 __all__ = ["PAPER", "gather", "main", "render", "write_report"]
 
@@ -97,6 +105,7 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
     val AUC (generated data), per-table ranks, the ablation reports in ``out_dir`` and
     the bench JSON."""
     dirs = {"CoMERA": runs_dir / "dlrm-smoke", "dense": runs_dir / "dlrm-smoke-dense"}
+    check_smoke_pair(dirs, "dlrm")
     rows = {k: read_metrics(d / "metrics.jsonl") for k, d in dirs.items()}
     config = json.loads((dirs["CoMERA"] / "config.json").read_text())
     dense_cfg = json.loads((dirs["dense"] / "config.json").read_text())
@@ -174,8 +183,9 @@ def render(data: dict, out_dir: Path) -> str:
     for name, r in data["runs"].items():
         f, b = r["final"], r["best"]
         lines.append(
-            f"| {name} | {f['auc']:.4f} | {b['auc']:.4f} ({b['step']}) | {f['nce']:.4f} | "
-            f"{f['logloss']:.4f} | {f['accuracy']:.4f} | {r['live_params']:,} | "
+            f"| {name} | {number(f['auc'], '.4f')} | {number(b['auc'], '.4f')} ({b['step']}) | "
+            f"{number(f['nce'], '.4f')} | {number(f['logloss'], '.4f')} | "
+            f"{number(f['accuracy'], '.4f')} | {r['live_params']:,} | "
             f"{r['live_params'] * 4 / 2**20:.2f} | {r['compression']:.1f}x |"
         )
     lines += ["", "![curves](dlrm_curves.png)", ""]
@@ -196,7 +206,8 @@ def write_report(
     """Gather the two smoke runs and the bench into ``dlrm.json``, then render
     ``dlrm.md`` and ``dlrm_curves.png`` from it; returns the markdown."""
     data = gather(runs_dir, out_dir, bench, command or "python -m experiments.dlrm.report")
-    return render(write_report_json(out_dir / "dlrm.json", data), out_dir)
+    with staged(out_dir) as stage:  # all of it, or none if the render fails
+        return render(write_report_json(stage / "dlrm.json", data), stage)
 
 
 def _rank_rows(ranks: dict, config: dict, last_eval: dict) -> list[dict]:

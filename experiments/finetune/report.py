@@ -16,11 +16,13 @@ from pathlib import Path
 from experiments.finetune.experiment import main as exp_main
 from experiments.host import report_header
 from experiments.report import (
+    check_smoke_pair,
     load_run,
     rank_table,
     runs_host,
     series,
     smoke_report_main,
+    staged,
     write_report_json,
 )
 
@@ -50,6 +52,7 @@ def _summary(run: dict) -> dict:
 def gather(runs_dir: Path, command: str) -> dict:
     """The report's data from the two smoke run dirs."""
     dirs = {"CoMERA": runs_dir / "finetune-smoke", "dense": runs_dir / "finetune-smoke-dense"}
+    check_smoke_pair(dirs, "finetune")
     runs = {name: load_run(d) for name, d in dirs.items()}
     config = runs["CoMERA"]["config"]
     return {
@@ -144,7 +147,8 @@ def write_report(
 ) -> str:
     """Gather the smoke runs into ``finetune.json``, then render from it."""
     data = gather(runs_dir, command or "python -m experiments.finetune.report")
-    return render(write_report_json(out_dir / "finetune.json", data), out_dir)
+    with staged(out_dir) as stage:  # all of it, or none if the render fails
+        return render(write_report_json(stage / "finetune.json", data), stage)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,11 +13,10 @@ paper's figures are quoted next to the measurements.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from comera.errors import ConfigError, UserError
+from comera.errors import ConfigError, DataError, UserError
 from experiments.host import report_header
 from experiments.malloc import lean_without_hugepages
 from experiments.report import (
@@ -25,11 +24,14 @@ from experiments.report import (
     layer_summary,
     layer_table,
     load_run,
+    number,
     rank_table,
+    read_bench_json,
     read_report_json,
     render_report_json,
     runs_host,
     series,
+    staged,
     train_and_eval_rows,
     write_report_json,
 )
@@ -59,6 +61,8 @@ def _summary(run: dict) -> dict:
     cfg, rows = run["config"], run["rows"]
     train, evals = train_and_eval_rows(rows)
     last_eval = evals[-1] if evals else {}
+    if not train:  # killed before its first log row, or restarted and killed again
+        raise DataError(f"{run['dir']}: metrics.jsonl holds no training row yet")
     last = train[-1]
     acc_keys = sorted({k for r in evals for k in r if k.endswith("accuracy")})
     rank_keys = sorted({k for r in train for k in r if k.startswith("ranks/")})
@@ -68,6 +72,7 @@ def _summary(run: dict) -> dict:
         "kind": "dense" if dense else "CoMERA",
         "preset": str(cfg.get("preset")),
         "steps": last["step"],
+        "planned_steps": cfg.get("train", {}).get("steps"),
         "final_loss": last["loss"],
         "accuracy": {k[5:]: v for k, v in last_eval.items() if k.endswith("accuracy")},
         "live_params": last["live_params"],
@@ -90,11 +95,26 @@ def _summary(run: dict) -> dict:
 def gather(run_dirs: list[str], bench: dict | None, command: str) -> dict:
     """The report's data: the host that made the runs, each run's summary and curves, the
     paper's figures and the step benchmark's JSON (``None`` when absent)."""
+    seen = [Path(d).resolve() for d in run_dirs]
+    twice = next((d for i, d in enumerate(seen) if d in seen[:i]), None)
+    if twice is not None:  # its rows and rank sections twice
+        raise ConfigError(f"run dir {twice} is given twice; give each run once")
     runs = [load_run(d, "mnli") for d in run_dirs]
+    summaries = []
+    for r in runs:
+        try:
+            summaries.append(_summary(r))
+        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+            if isinstance(e, UserError):
+                raise
+            raise DataError(
+                f"{r['dir']}: its metrics.jsonl or config.json lack what the report reads "
+                f"({type(e).__name__}: {e}); is it a run of experiments.mnli?"
+            ) from None
     return {
         "meta": {"command": command, **runs_host(r["dir"] for r in runs)},
         "paper": PAPER,
-        "runs": [_summary(r) for r in runs],
+        "runs": summaries,
         "bench": bench,
     }
 
@@ -113,10 +133,13 @@ def render(data: dict, out_dir: Path, name: str = "mnli.md") -> str:
             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
         ]
         for s in runs:
-            acc = ", ".join(f"{k} {v:.3f}" for k, v in s["accuracy"].items()) or "-"
+            acc = ", ".join(f"{k} {number(v, '.3f')}" for k, v in s["accuracy"].items()) or "-"
             epoch = "-" if s["epoch_s"] is None else f"{s['epoch_s']:.1f}"
+            of = s.get("planned_steps")  # a run that stopped early says so
+            steps = f"{s['steps']} of {of}" if of is not None and s["steps"] < of else s["steps"]
             lines.append(
-                f"| {s['name']} | {s['kind']} | {s['steps']} | {s['final_loss']:.3f} | {acc} | "
+                f"| {s['name']} | {s['kind']} | {steps} | {number(s['final_loss'], '.3f')} | "
+                f"{acc} | "
                 f"{s['live_params']:,} | {s['model_mb']:.2f} | {s['compression']:.1f}x | "
                 f"{epoch} | {s['peak_mb']:.0f} |"
             )
@@ -139,19 +162,19 @@ def render(data: dict, out_dir: Path, name: str = "mnli.md") -> str:
                     "",
                     *layers,
                 ]
-        plots = _plots(runs, out_dir)
+    bench = _bench_section(data["bench"])  # starts with a blank line; before any plot
+    if runs:
+        plots = _plots(runs, out_dir, Path(name).stem)
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
-    bench = _bench_section(data["bench"])  # starts with a blank line
     lines += bench[1:] if lines[-1] == "" else bench
     text = "\n".join(lines) + "\n"
-    out = out_dir / name
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    (out_dir / name).write_text(text)  # a staged folder's (see write_report)
     return text
 
 
-def _plots(runs: list[dict], out_dir: Path) -> list[str]:
+def _plots(runs: list[dict], out_dir: Path, stem: str = "mnli") -> list[str]:
+    """``<stem>_curves.png`` and (with a CoMERA run) ``<stem>_ranks.png``: named after the
+    report, so a second report in one folder does not redraw the first one's plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,9 +197,9 @@ def _plots(runs: list[dict], out_dir: Path) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "mnli_curves.png", dpi=110)
+    fig.savefig(out_dir / f"{stem}_curves.png", dpi=110)
     plt.close(fig)
-    names.append("mnli_curves.png")
+    names.append(f"{stem}_curves.png")
 
     comera = [s for s in runs if s["kind"] == "CoMERA"]
     if comera:
@@ -198,9 +221,9 @@ def _plots(runs: list[dict], out_dir: Path) -> list[str]:
         for ax in axes:
             ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(out_dir / "mnli_ranks.png", dpi=110)
+        fig.savefig(out_dir / f"{stem}_ranks.png", dpi=110)
         plt.close(fig)
-        names.append("mnli_ranks.png")
+        names.append(f"{stem}_ranks.png")
     return names
 
 
@@ -287,13 +310,42 @@ def write_report(
 ) -> Path:
     """Gather the runs (and ``mnli_bench.json`` beside ``out``) into ``out``'s JSON
     (``mnli.json``), then render the markdown and plots from it; returns the report path."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    bench_path = out.parent / "mnli_bench.json"
-    bench = json.loads(bench_path.read_text()) if bench_path.is_file() else None
+    _check_out(out)
+    bench = _bench_beside(out)
     command = command or " ".join([PROG, *map(str, run_dirs)])
     data = gather(run_dirs, bench, command)
-    render(write_report_json(out.with_suffix(".json"), data), out.parent, out.name)
+    with staged(out.parent) as stage:  # all of it, or none if the render fails
+        render(write_report_json(stage / out.with_suffix(".json").name, data), stage, out.name)
     return out
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` must name the markdown file: its JSON is written beside it under the same
+    stem (``--out X.json`` overwrote the JSON with the markdown) and a folder there would
+    take neither."""
+    if out.suffix != ".md":
+        raise ConfigError(f"--out {out}: give the report's .md path (its JSON goes beside it)")
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give the report's .md path")
+
+
+def _bench_beside(out: Path) -> dict | None:
+    """``mnli_bench.json`` beside ``out`` (``python -m benchmarks.mnli_step --json``'s
+    figures), or None; a damaged or foreign file is a :class:`DataError` before anything
+    is gathered or written."""
+    path = out.parent / "mnli_bench.json"
+    if not path.is_file():
+        return None
+    bench = read_bench_json(path, "mnli_bench.json")
+    if bench.get("tiny"):
+        raise DataError(f"{path}: a --tiny run's figures (a toy model); give a full one")
+    try:
+        _bench_section(bench)
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise DataError(
+            f"{path}: not python -m benchmarks.mnli_step's JSON (it lacks {e})"
+        ) from None
+    return bench
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,10 +364,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_json:
             if args.runs:
                 raise ConfigError("give run dirs or --from-json FILE, not both")
+            _check_out(args.out)
             data = read_report_json(args.from_json, "--from-json", PROG)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            render_report_json(lambda: render(data, args.out.parent, args.out.name),
-                               args.from_json, "--from-json", PROG)  # fmt: skip
+            with staged(args.out.parent) as stage:  # all of it, or none
+                render_report_json(lambda: render(data, stage, args.out.name),
+                                   args.from_json, "--from-json", PROG)  # fmt: skip
             path = args.out
         else:
             if not args.runs:  # a glob that matched nothing: keep the report as it is

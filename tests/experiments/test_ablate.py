@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -446,3 +447,24 @@ def test_size_ablations_read_each_experiment_by_its_headline_metric():
     assert _headline(dlrm) == ("eval AUC", 0.75)
     assert _headline(mlm) == ("held-out loss", 5.2)
     assert _headline(nli) == ("eval accuracy", 0.98)
+
+
+def test_report_only_reads_its_own_experiments_runs_and_nan_metrics(tmp_path, capsys):
+    """``--report-only`` over a variant dir holding another experiment's run is refused
+    (its AUC went into an accuracy column); a run whose headline metric was NaN (saved as
+    null) renders ``n/a`` with the old report kept until the new one is whole."""
+    root = tmp_path / "ablate-gamma-smoke" / "0.01"
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({"experiment": "dlrm"}))
+    (root / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    argv = ["gamma", "--values", "0.01", "--report-only", "--runs-dir", str(tmp_path),
+            "--reports", str(tmp_path / "rep")]  # fmt: skip
+    assert ablate.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "0.01 is a run of experiments.dlrm, not of experiments.mnli" in err[0]
+    rows = [{"step": 1, "loss": 1.0, "compression": 2.0, "live_params": 10, "steps_per_s": 1.0},
+            {"step": 1, "eval/val/auc": math.nan, "eval/val/accuracy": math.nan}]  # fmt: skip
+    (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ablate.write_report("gamma", [{"label": "0.01", "dir": root}], tmp_path / "g.md", "cmd")
+    text = (tmp_path / "g.md").read_text()
+    assert "| 0.01 | 1 | 1.0000 | n/a | n/a (1) | 2.00x | 10 | n/a | 1.0 |" in text, text

@@ -152,3 +152,84 @@ def test_rank_table_shows_the_late_stage_target_and_how_it_was_met():
     assert "every bond is down to one live rank" in text
     del snaps["end"]["above_target_because"]
     assert "Above it" not in "\n".join(rank_table(snaps))
+
+
+def test_a_failed_render_leaves_the_report_as_it_was(tmp_path: Path, capsys) -> None:
+    """A render that fails halfway moves none of its files: the old JSON, plots and
+    markdown stay together (a new JSON and new plots went beside the stale markdown); a
+    namesake folder is refused before any file moves."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("x.json", "x.md", "x.png"):
+        (out / name).write_text("old")
+
+    def half(stage: Path) -> None:
+        (stage / "x.json").write_text("new")
+        (stage / "x.png").write_text("new")
+        raise KeyError("bench")
+
+    with pytest.raises(KeyError), report.staged(out) as stage:
+        half(stage)
+    assert {p.name: p.read_text() for p in out.iterdir()} == dict.fromkeys(
+        ("x.json", "x.md", "x.png"), "old"
+    )
+    with report.staged(out) as stage:
+        for name in ("x.json", "x.md"):
+            (stage / name).write_text("new")
+    assert {p.name: p.read_text() for p in out.iterdir()} == {
+        "x.json": "new", "x.md": "new", "x.png": "old"}  # fmt: skip
+    (out / "x.png").unlink()
+    (out / "x.png").mkdir()
+    with pytest.raises(DataError, match="x.png is a folder"), report.staged(out) as stage:
+        for name in ("x.json", "x.png"):
+            (stage / name).write_text("newer")
+    assert (out / "x.json").read_text() == "new" and sorted(p.name for p in out.iterdir()) == [
+        "x.json", "x.md", "x.png"]  # fmt: skip
+    # through a command: a JSON whose bench lacks a key fails with the old report in place
+    from experiments.dlrm.report import main as dlrm_report
+
+    data = json.loads((report.REPORTS / "dlrm.json").read_text())
+    data["bench"] = {"variants": {}}
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    assert dlrm_report(["--from-json", str(tmp_path / "bad.json"), "--out", str(out)]) == 2
+    assert "not a JSON of python -m experiments.dlrm.report" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["x.json", "x.md", "x.png"]
+
+
+def test_a_metric_that_was_nan_renders_as_not_available(tmp_path: Path) -> None:
+    """An eval AUC over one class is NaN, saved as null: the report shows ``n/a`` (it
+    failed on its own JSON, which --from-json then refused as another report's)."""
+    from experiments.dlrm.report import render
+
+    data = json.loads((report.REPORTS / "dlrm.json").read_text())
+    for run in data["runs"].values():
+        run["final"]["auc"] = run["best"]["auc"] = None
+    text = render(data, tmp_path)
+    assert "| CoMERA | n/a | n/a (" in text and "| dense | n/a | n/a (" in text
+
+
+def test_runs_a_report_cannot_read_are_one_line(tmp_path: Path) -> None:
+    """A damaged ``config.json`` or ``ranks.json`` names its file; a CoMERA run in the
+    dense slot (or the reverse) is refused, not reported as a compressed baseline."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (run / "config.json").write_text('{"experiment": "mnli", "tra')
+    with pytest.raises(DataError, match=r"config.json: damaged"):
+        report.load_run(run)
+    (run / "config.json").write_text("[1, 2]")
+    with pytest.raises(DataError, match=r"config.json: holds a list, not a dict"):
+        report.load_run(run)
+    (run / "config.json").write_text('{"experiment": "dlrm", "dense": false}')
+    (run / "ranks.json").write_bytes(b"\xc5\xff{")
+    with pytest.raises(DataError, match=r"ranks.json: damaged"):
+        report.load_run(run)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text('{"experiment": "dlrm", "dense": false}')
+    with pytest.raises(DataError, match=r"dense holds a CoMERA run, but the report reads it as"):
+        report.check_smoke_pair({"CoMERA": run, "dense": dense}, "dlrm")
+    (dense / "config.json").write_text('{"experiment": "dlrm", "dense": true}')
+    report.check_smoke_pair({"CoMERA": run, "dense": dense}, "dlrm")
+    with pytest.raises(DataError, match=r"is a run of experiments.dlrm, not of .*codebert"):
+        report.check_smoke_pair({"CoMERA": run, "dense": dense}, "codebert")

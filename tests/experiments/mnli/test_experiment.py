@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import comera as C
+from experiments import report
 from experiments.mnli import experiment as mnli
 from experiments.mnli.data import HubUnreachableError
 from experiments.transformer import EncoderConfig, dense_param_count, encoder_logits, init_encoder
@@ -383,3 +384,29 @@ def test_eval_file_names_are_unique_and_paths_may_hold_equals(tmp_path, monkeypa
     assert _parse_eval_files(["run=1/dev.jsonl"]) == {"dev": "run=1/dev.jsonl"}
     with pytest.raises(ConfigError, match="split name 'dev' is taken by 'a/dev.jsonl'"):
         _parse_eval_files(["a/dev.jsonl", "b/dev.jsonl"])
+
+
+def test_the_mnli_report_command_refuses_outputs_it_would_spoil(tmp_path, capsys) -> None:
+    """``--out`` is the markdown's path: a ``.json`` one (the JSON was written, then
+    overwritten by the markdown) or a folder is refused before anything is written; a run
+    given twice is refused; the plots are named after the report."""
+    from experiments.mnli.report import main as report_main
+
+    saved = str(report.REPORTS / "mnli.json")
+    for out, why in ((tmp_path / "mnli.json", "give the report's .md path"),
+                     (tmp_path, "give the report's .md path")):  # fmt: skip
+        assert report_main(["--from-json", saved, "--out", str(out)]) == 2
+        assert why in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    assert report_main(["--from-json", saved, "--out", str(tmp_path / "other.md")]) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {"other.md", "other_curves.png",
+                                                   "other_ranks.png"}  # fmt: skip
+    assert "![other_curves.png](other_curves.png)" in (tmp_path / "other.md").read_text()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"experiment": "mnli"}')
+    (run / "metrics.jsonl").write_text("")
+    assert report_main([str(run), f"{run}/", "--out", str(tmp_path / "r.md")]) == 2
+    assert "is given twice" in capsys.readouterr().err
+    assert report_main([str(run), "--out", str(tmp_path / "r.md")]) == 2
+    assert "metrics.jsonl holds no training row yet" in capsys.readouterr().err
