@@ -25,6 +25,7 @@ from benchmarks.mnli_step import SEQ, run_worker
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
+    render_refusal,
     render_saved,
     write_json,
     write_text,
@@ -195,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         done = render_saved(args.render, render, ap.prog, ("runs",))
         if done is None:
+            return 2
+        why = render_refusal(done[0], args.out)
+        if why is not None:
+            print(f"{ap.prog}: error: {args.render}: {why}", file=sys.stderr)
             return 2
         print(write_report(done[0], out))
         return 0

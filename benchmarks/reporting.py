@@ -24,6 +24,7 @@ __all__ = [
     "add_threads_flag",
     "print_rendered",
     "read_result",
+    "render_refusal",
     "render_saved",
     "write_json",
     "write_text",
@@ -84,11 +85,24 @@ def render_saved(
         if missing:
             raise KeyError(missing[0])
         return result, render(result)
-    except (KeyError, TypeError, AttributeError, IndexError) as e:
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError, ArithmeticError) as e:
         what = f"it has no {e} key" if isinstance(e, KeyError) else "its fields are not this one's"
         print(f"{prog}: error: {path} is not a result of {prog} ({what}); give the JSON this "
               "benchmark wrote", file=sys.stderr)  # fmt: skip
         return None
+
+
+def render_refusal(result: dict, out: Path | None) -> str | None:
+    """Why ``--render`` of ``result`` may not write into the default report folder (``out``
+    None), or None: a ``--tiny`` result's toy figures, or a run cut short (``partial``),
+    would replace the report that measuring itself never lets them replace."""
+    if out is not None:
+        return None
+    if result.get("tiny"):
+        return "a --tiny result's figures (a toy model); give --out PATH to render them"
+    if result.get("partial"):
+        return "a partial result (a run cut short); give --out PATH to render it"
+    return None
 
 
 def print_rendered(

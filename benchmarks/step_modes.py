@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.reporting import TINY_NEEDS_OUT, add_threads_flag, render_saved, write_text
+from benchmarks.reporting import (
+    TINY_NEEDS_OUT,
+    add_threads_flag,
+    render_refusal,
+    render_saved,
+    write_text,
+)
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from comera.train.sync_free import WARMUP_STEPS
 from experiments.cli import CLIError, check_device
@@ -273,8 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         done = render_saved(args.render, render, ap.prog, ("runs",))
         if done is None:
             return 2
+        why = render_refusal(done[0], args.out)
+        if why is not None:
+            print(f"{ap.prog}: error: {args.render}: {why}", file=sys.stderr)
+            return 2
+        # a GPU result goes where measuring it would write, never over the CPU report
+        on_cpu = torch.device(str(done[0].get("device", "cpu"))).type == "cpu"
         md = done[1]
-        write_text((args.out or REPORTS) / "step_modes.md", md)
+        write_text((args.out or (REPORTS if on_cpu else REPORTS / "gpu")) / "step_modes.md", md)
         print(md)
         return 0
     if args.worker:

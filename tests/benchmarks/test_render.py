@@ -185,3 +185,29 @@ def test_step_modes_report_says_when_first_step_holds_the_capture() -> None:
     for run in result["runs"]:
         run["first_step_includes"] = {"cuda_graph": "capture"}.get(run["mode"])
     assert "capture for `cuda_graph`" in step_modes.render(result)
+
+
+def test_render_never_puts_toy_partial_or_gpu_figures_over_the_cpu_reports(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """``--render`` keeps the guards measuring has: a ``--tiny`` or a partial result needs
+    ``--out`` (they replaced reports/efficiency.md and step_modes.md), and a GPU result
+    goes to reports/gpu/ as measuring it would (it replaced the CPU step_modes.md)."""
+    monkeypatch.setattr(step_modes, "REPORTS", tmp_path / "reports")
+    monkeypatch.setattr(efficiency, "REPORTS", tmp_path / "reports")
+    saved = json.loads((REPORTS / "step_modes.json").read_text())
+    eff = json.loads((REPORTS / "efficiency.json").read_text())
+    for module, data, flag in ((step_modes, saved, "tiny"), (step_modes, saved, "partial"),
+                               (efficiency, eff, "tiny")):  # fmt: skip
+        path = tmp_path / f"{flag}.json"
+        path.write_text(json.dumps({**data, flag: True}))
+        assert module.main(["--render", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "give --out PATH" in err[0], err
+    assert not (tmp_path / "reports").exists()
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({**saved, "device": "cuda"}))
+    assert step_modes.main(["--render", str(gpu)]) == 0
+    capsys.readouterr()
+    assert [p.relative_to(tmp_path).as_posix() for p in (tmp_path / "reports").rglob("*.md")] == [
+        "reports/gpu/step_modes.md"]  # fmt: skip
