@@ -482,9 +482,13 @@ def _rebuild(section: Any, prefix: str, changes: dict, asked: dict) -> Any:
     try:
         return dataclasses.replace(section, **new)
     except (*USER_ERRORS, TypeError) as e:  # a config's check, or a value of the wrong type
-        under = [lab for k, (_, lab) in changes.items() if k.startswith(prefix)]
-        under += [lab for k, lab in asked.items() if k.startswith(prefix)]
-        raise CLIError(f"{', '.join(dict.fromkeys(under))}: {e}") from None
+        under = [(k, lab) for k, (_, lab) in changes.items() if k.startswith(prefix)]
+        under += [(k, lab) for k, lab in asked.items() if k.startswith(prefix)]
+        # the whole config's check (across sections) sees every override: name those whose
+        # keys its message names, where it names any (a section's own names them all)
+        named = [(k, lab) for k, lab in under if not prefix and k.rsplit(".", 1)[-1] in str(e)]
+        labels = [lab for _, lab in named or under]
+        raise CLIError(f"{', '.join(dict.fromkeys(labels))}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- the parser
@@ -631,7 +635,10 @@ def _common_overrides(
         out.append(("train.bf16", True))
     if args.recompute:
         if not hasattr(getattr(cfg, "model", None), "recompute"):
-            raise CLIError("--recompute: this experiment's model has no encoder blocks; drop it")
+            raise CLIError(
+                "--recompute: this experiment's model has no recompute setting (only the "
+                "project's own encoder, MNLI's and CodeBERT's, recomputes its blocks); drop it"
+            )
         out.append(("model.recompute", True))
         if args.cpu_malloc is None and fresh:  # a resumed run keeps its saved policy
             out.append(("train.cpu_malloc", RECOMPUTE_CPU_MALLOC))

@@ -329,7 +329,10 @@ def staged(out_dir: Path) -> Iterator[Path]:
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"{out_dir} is a file; give a folder to write the report into")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where a parent folder should be, or no permission
+        raise DataError(f"cannot make the folder {out_dir} ({e.strerror})") from None
     stage = Path(tempfile.mkdtemp(prefix=".report-", dir=out_dir))
     try:
         yield stage

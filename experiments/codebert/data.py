@@ -323,8 +323,9 @@ def corpus_from_hub(
         except PrepareError as e:  # offline: the route this command takes for local data
             raise DataError(
                 f"{e}. Offline, prepare a local copy into token shards (python -m "
-                f"loaders.prepare FILE --out DIR --tokenizer {tokenizer} --text-column "
-                f"{text_column} --heldout {heldout}) and pass --corpus {name}=DIR"
+                f"loaders.prepare FILE --out DIR --tokenizer TOKENIZER_DIR --text-column "
+                f"{text_column} --heldout {heldout}, TOKENIZER_DIR a local copy of "
+                f"{tokenizer}) and pass --corpus {name}=DIR"
             ) from None
     return Corpus(
         root=root,

@@ -392,3 +392,17 @@ def test_dlrm_mlps_without_hidden_layers_stay_allowed():
     base = _presets()["dlrm"]
     assert cli.set_field(base, "model.top", "()", text=True).model.top == ()
     assert cli.set_field(base, "model.bottom", "()", text=True).model.bottom == ()
+
+
+def test_a_check_across_sections_names_the_overrides_it_is_about(tmp_path, capsys) -> None:
+    """DLRM's whole-config check (hot rows need CoMERA's tables) sees every override; its
+    line names the two it is about, not --run-dir, --wandb-name and the rest."""
+    from experiments.dlrm import main as dlrm_main
+
+    argv = ["--preset", "smoke", "--dense", "--set", "model.hot_rows=16",
+            "--run-dir", str(tmp_path / "r")]  # fmt: skip
+    assert dlrm_main(argv) == 2
+    line = _one_line(capsys, "experiments.dlrm")
+    named = line.split(": ")[2]  # the overrides, before the check's own message
+    assert named == "dense=True, --set model.hot_rows=16", line
+    assert not (tmp_path / "r").exists()

@@ -183,6 +183,11 @@ def test_a_failed_render_leaves_the_report_as_it_was(tmp_path: Path, capsys) -> 
     with pytest.raises(DataError, match="x.png is a folder"), report.staged(out) as stage:
         for name in ("x.json", "x.png"):
             (stage / name).write_text("newer")
+    with (
+        pytest.raises(DataError, match="cannot make the folder .*x.md/sub"),
+        report.staged(out / "x.md" / "sub"),
+    ):
+        pass
     assert (out / "x.json").read_text() == "new" and sorted(p.name for p in out.iterdir()) == [
         "x.json", "x.md", "x.png"]  # fmt: skip
     # through a command: a JSON whose bench lacks a key fails with the old report in place
