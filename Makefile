@@ -2,6 +2,10 @@
 # the CPU build of torch is installed before the project so pip never pulls a CUDA build.
 PY ?= python3.11
 VENV ?= .venv
+# where pip takes torch from: empty for pip's own configuration (PyPI's default build for
+# the platform: CUDA on Linux x86), or e.g. https://download.pytorch.org/whl/cpu for the
+# CPU-only build (make setup TORCH_INDEX=...)
+TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -12,7 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
