@@ -21,6 +21,7 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import math
+import numbers
 import re
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -113,17 +114,22 @@ class TensorizeConfig:
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _globs(key: str, value: object) -> tuple[str, ...]:
-    """``value`` as a tuple of globs (one glob may be given as a string)."""
+    """``value`` as a tuple of globs: one glob as a string, or any collection of them (a set
+    as PEFT's ``LoraConfig`` holds them, sorted: a set has no order)."""
     if isinstance(value, str):
         return (value,)
+    if isinstance(value, (set, frozenset)) and all(isinstance(g, str) for g in value):
+        return tuple(sorted(value))
     if isinstance(value, (tuple, list)) and all(isinstance(g, str) for g in value):
         return tuple(value)
     raise ConfigError(f"TensorizeConfig.{key}={value!r} must be a glob or a list of globs")
@@ -136,7 +142,7 @@ def _rank_rules(value: object) -> tuple[tuple[str, int], ...]:
         isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) and _is_int(r[1])
         for r in rules
     ):
-        return tuple((g, r) for g, r in rules)
+        return tuple((g, int(r)) for g, r in rules)
     raise ConfigError(
         f"TensorizeConfig.rank_for={value!r} must be (glob, rank) pairs, e.g. "
         "(('*.query', 8),) or {'*.query': 8}"
@@ -570,6 +576,20 @@ _HOOKS = (
 )
 
 
+# forward hooks that read nothing of the module and are moved onto its adapter: Hugging
+# Face's enable_input_require_grads (gradient checkpointing, PEFT's k-bit preparation)
+# marks the input embedding's output as requiring grad
+_CARRIED_HOOKS = ("make_inputs_require_grads",)
+
+
+def _hook_name(hook: object) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
+
+
+def _carried(hook: object) -> bool:
+    return getattr(hook, "__name__", None) in _CARRIED_HOOKS
+
+
 def _call_problem(path: str, module: nn.Module, model: nn.Module) -> str:
     """Why the module at ``path`` cannot be swapped for an adapter given how it is called,
     or ``""``: its class overrides ``forward`` or the instance carries its own (what they
@@ -582,7 +602,11 @@ def _call_problem(path: str, module: nn.Module, model: nn.Module) -> str:
         return f"{type(module).__name__} has its own forward, which the adapter lacks"
     if "forward" in vars(module):  # accelerate's hooks replace the instance's forward
         return "the module has its own forward (set on the instance), which the adapter lacks"
-    hooks = [what for attr, what in _HOOKS if getattr(module, attr, None)]
+    hooks = []
+    for attr, what in _HOOKS:
+        held = [_hook_name(h) for h in getattr(module, attr, {}).values() if not _carried(h)]
+        if held:
+            hooks.append(f"{what} ({', '.join(held)})")
     if hooks:
         return f"it has {' and '.join(hooks)}, which the adapter would not run"
     parent_name, _, child = path.rpartition(".")
@@ -709,8 +733,9 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             "one forward pass first (or exclude it)"
         )
     if config.init == "svd":  # all before any is replaced: no half-rewritten model
-        for n, m in chosen:
-            _check_finite(n, m.weight)  # type: ignore[arg-type]
+        for n, m in chosen:  # those that stay (a tie, a hook) are not compressed
+            if not _why_not(n, m, model, owners, paths, {}, config.exclude):
+                _check_finite(n, m.weight)  # type: ignore[arg-type]
     summary = TensorizeSummary()
     embeddings: dict[int, TTMEmbedding] = {}  # id(old weight) -> its replacement
     for name, module in chosen:
@@ -740,6 +765,8 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
         if new is not None:
             if not module.weight.requires_grad:  # type: ignore[union-attr]
                 new.requires_grad_(False)  # a frozen layer stays frozen (its bias too)
+            for hook in module._forward_hooks.values():  # only carried ones (_why_not)
+                new.register_forward_hook(hook)
             for path in paths[id(module)]:
                 model.set_submodule(path, new)
     tied: list[nn.Module] = []  # the tied decoders and their embeddings

@@ -140,7 +140,8 @@ class ModuleTask:
     def loss(self, params: dict, state: dict, batch: Any, *, train: bool) -> tuple:
         self.model.train(train)
         out = self.loss_fn(self._call(params, state), batch)
-        loss = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, tuple) else None
+        loss = (out if isinstance(out, torch.Tensor)
+                else out[0] if isinstance(out, (tuple, list)) and out else None)  # fmt: skip
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             what = (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                     else f"type {type(out).__name__}")  # fmt: skip

@@ -78,7 +78,7 @@ def test_low_ranks_compress_train_and_survive_state_dict_and_functional_call() -
     out = torch.func.functional_call(model, {k: v * 1 for k, v in named.items()}, (ids,))
     torch.testing.assert_close(out, model(ids))
     # pruning and compaction run on a replaced layer (the optimizer is rebuilt after it)
-    model.up.prune(float(model.up.gates[0].abs().sort().values[1]))
+    model.up.prune(float(model.up.gates[0].detach().abs().sort().values[1]))
     model.up.compact()
     assert C.tensor_train.bond_ranks(model.up.params())[0] < 4
 
@@ -836,8 +836,10 @@ def test_modules_called_otherwise_than_their_class_says_stay_dense() -> None:
     before = hooked(x)
     summary = tensorize_(hooked, TensorizeConfig(target_modules=("*",), min_compression=0))
     assert [r.skipped for r in summary.layers] == [
-        "skipped: it has forward hooks, which the adapter would not run",
-        "skipped: it has forward pre-hooks, which the adapter would not run",
+        "skipped: it has forward hooks (test_modules_called_otherwise_than_their_class_says_stay_"
+        "dense.<locals>.<lambda>), which the adapter would not run",
+        "skipped: it has forward pre-hooks (test_modules_called_otherwise_than_their_class_says_"
+        "stay_dense.<locals>.<lambda>), which the adapter would not run",
         "skipped: the module has its own forward (set on the instance), which the adapter lacks",
     ]
     assert torch.equal(hooked(x), before)
@@ -911,6 +913,32 @@ def test_bad_tensorize_configs_name_the_field() -> None:
     with pytest.raises(ConfigError, match="1's weight holds NaN or inf, .* init='random'"):
         tensorize_(model, TensorizeConfig(target_modules=("*",), min_compression=0))
     assert type(model[0]) is nn.Linear  # refused before anything was replaced
+    model[1].register_forward_hook(lambda mod, args, out: out)  # it stays dense: no SVD
+    summary = tensorize_(model, TensorizeConfig(target_modules=("*",), min_compression=0))
+    assert isinstance(model[0], C.TTLinear) and summary.layers[1].skipped
     lazy = nn.Sequential(nn.LazyLinear(16))
     with pytest.raises(ConfigError, match="0 is a lazy module .* run one forward pass first"):
         tensorize_(lazy, TensorizeConfig(target_modules=("*",)))
+
+
+def test_configs_as_peft_and_numpy_give_them_and_hf_input_grads_hook_is_carried() -> None:
+    """A set of globs (PEFT's ``LoraConfig.target_modules``) and numpy integers are taken;
+    Hugging Face's ``enable_input_require_grads`` hook (gradient checkpointing, PEFT's k-bit
+    preparation) reads nothing of the embedding and moves onto its adapter, which is
+    replaced, not skipped."""
+    np = pytest.importorskip("numpy")
+    transformers = pytest.importorskip("transformers")
+    cfg = TensorizeConfig(target_modules={"value", "query"}, rank=np.int64(4),
+                          min_compression=np.float32(0.5))  # fmt: skip
+    assert cfg.target_modules == ("query", "value") and cfg.rank == 4
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64))  # fmt: skip
+    bert.enable_input_require_grads()
+    summary = tensorize_(bert, TensorizeConfig(target_modules=("word_embeddings",), rank=4,
+                                               embedding_cores=2))  # fmt: skip
+    assert not summary.layers[0].skipped
+    emb = bert.embeddings.word_embeddings
+    assert isinstance(emb, C.TTMEmbedding) and len(emb._forward_hooks) == 1
+    with torch.no_grad():  # the hook marks the output as requiring grad, as on the table
+        assert emb(torch.tensor([[1, 2]])).requires_grad

@@ -242,3 +242,6 @@ def test_a_model_with_nothing_to_adapt_or_a_loss_that_is_no_scalar_is_named(tmp_
     x, y = torch.randn(4, 16), torch.randn(4, 16)
     with pytest.raises(ValueError, match=r"loss_fn returned a loss of shape \(4,\); return a"):
         per_row.loss(per_row.params(), per_row.state(), (x, y), train=True)
+    as_list = ModuleTask(model, lambda call, b: [(call(b[0]) - b[1]).pow(2).sum(), 4, {}],
+                         _Iter(None))  # fmt: skip
+    assert as_list.loss(as_list.params(), as_list.state(), (x, y), train=True)[1] == 4
