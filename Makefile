@@ -1,10 +1,11 @@
 # One entry point. Each target sets up its own virtual environment first:
-# the CPU build of torch is installed before the project so pip never pulls a CUDA build.
+# torch==2.13.0 is installed before the project, so its plain torch requirement never pulls
+# another build (which build: TORCH_INDEX below).
 PY ?= python3.11
 VENV ?= .venv
 # where pip takes torch from: empty for pip's own configuration (PyPI's default build for
 # the platform: CUDA on Linux x86), or e.g. https://download.pytorch.org/whl/cpu for the
-# CPU-only build (make setup TORCH_INDEX=...)
+# CPU-only build (make setup TORCH_INDEX=...; it applies when .venv is made: make clean first)
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

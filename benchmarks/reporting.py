@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from comera.errors import DataError
+from comera.errors import DataError, UserError
 
 __all__ = [
     "TINY_NEEDS_OUT",
@@ -85,6 +85,9 @@ def render_saved(
         if missing:
             raise KeyError(missing[0])
         return result, render(result)
+    except UserError as e:  # already says what is wrong
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None
     except (KeyError, TypeError, AttributeError, IndexError, ValueError, ArithmeticError) as e:
         what = f"it has no {e} key" if isinstance(e, KeyError) else "its fields are not this one's"
         print(f"{prog}: error: {path} is not a result of {prog} ({what}); give the JSON this "

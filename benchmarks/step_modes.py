@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{ap.prog}: error: {args.render}: {why}", file=sys.stderr)
             return 2
         # a GPU result goes where measuring it would write, never over the CPU report
-        on_cpu = torch.device(str(done[0].get("device", "cpu"))).type == "cpu"
+        on_cpu = str(done[0].get("device", "cpu")).startswith("cpu")
         md = done[1]
         write_text((args.out or (REPORTS if on_cpu else REPORTS / "gpu")) / "step_modes.md", md)
         print(md)

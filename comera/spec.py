@@ -279,10 +279,12 @@ def propose_modes(dim: int, d: int, *, pad: bool = False, max_pad: float = 0.1) 
     if not pad:
         modes = factorize(dim, d)
         if modes is None:  # the primes say why: too few of them, or one too large
-            primes = " x ".join(map(str, _prime_factors(dim)))
+            primes = _prime_factors(dim)
+            # padding helps a large prime, not a size too small to split d ways
+            way = "pad=True to pad it to a size that factors" if dim >= 2**d else "a smaller d"
             raise ConfigError(
-                f"propose_modes: {dim} = {primes} has no balanced factorization into {d} modes "
-                "of at least 2; pass a smaller d, or pad=True to pad it to a size that factors"
+                f"propose_modes: {dim} = {' x '.join(map(str, primes))} has no balanced "
+                f"factorization into {d} modes of at least 2; pass {way}"
             )
         return modes
     best: tuple[int, ...] | None = None

@@ -21,6 +21,7 @@ import ast
 import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -486,7 +487,9 @@ def _rebuild(section: Any, prefix: str, changes: dict, asked: dict) -> Any:
         under += [(k, lab) for k, lab in asked.items() if k.startswith(prefix)]
         # the whole config's check (across sections) sees every override: name those whose
         # keys its message names, where it names any (a section's own names them all)
-        named = [(k, lab) for k, lab in under if not prefix and k.rsplit(".", 1)[-1] in str(e)]
+        named = [(k, lab) for k, lab in under
+                 if not prefix and re.search(rf"(?<!\w){re.escape(k.rsplit('.', 1)[-1])}(?!\w)",
+                                             str(e))]  # fmt: skip
         labels = [lab for _, lab in named or under]
         raise CLIError(f"{', '.join(dict.fromkeys(labels))}: {e}") from None
 

@@ -404,7 +404,7 @@ def render_report_json(render: Callable[[], object], path: Path, flag: str, prog
     try:
         return render()
     except (KeyError, TypeError, AttributeError, IndexError, ValueError, ArithmeticError) as e:
-        if isinstance(e, DataError):  # already says what is wrong
+        if isinstance(e, UserError):  # already says what is wrong
             raise
         raise DataError(
             f"{flag} {path}: not a JSON of {prog} ({type(e).__name__}: {e}); give the one it wrote"

@@ -317,13 +317,14 @@ def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
 
 def _try_one_row(model: nn.Module, data: MNLIData, types: bool, device: torch.device,
                  cfg: ModelConfig) -> None:  # fmt: skip
-    """Run the model on the first training row before the run starts: a model whose own
+    """Run the model on the first two training rows before the run starts: a model whose own
     input checks refuse the data (T5's classifier wants an end-of-sequence token the
     tokenizer does not give) raises a ``ValueError`` there, which becomes a one-line error
     naming ``--model`` and ``--tokenizer`` instead of a traceback at the first step. The
     project's own errors pass through as they are."""
     source = f"--model {cfg.path}" if cfg.path is not None else "the model"
-    batch = {k: v.to(device) for k, v in data.train.batch(torch.arange(1)).items()}
+    rows = torch.arange(min(2, len(data.train)))  # two: some checks fire only past one row
+    batch = {k: v.to(device) for k, v in data.train.batch(rows).items()}
     training = model.training
     model.eval()
     try:
@@ -333,8 +334,8 @@ def _try_one_row(model: nn.Module, data: MNLIData, types: bool, device: torch.de
         raise
     except ValueError as e:
         raise ConfigError(
-            f"{source} refused the first training row ({first_line(e)}); give --tokenizer the "
-            "tokenizer that --model was trained with"
+            f"{source} refused the first training rows ({first_line(e)}); often --tokenizer is "
+            "not the tokenizer --model was trained with"
         ) from None
     finally:
         model.train(training)

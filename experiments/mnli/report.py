@@ -104,7 +104,7 @@ def gather(run_dirs: list[str], bench: dict | None, command: str) -> dict:
     for r in runs:
         try:
             summaries.append(_summary(r))
-        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError, ArithmeticError) as e:
             if isinstance(e, UserError):
                 raise
             raise DataError(
@@ -338,7 +338,10 @@ def _bench_beside(out: Path) -> dict | None:
         return None
     bench = read_bench_json(path, "mnli_bench.json")
     if bench.get("tiny"):
-        raise DataError(f"{path}: a --tiny run's figures (a toy model); give a full one")
+        raise DataError(
+            f"{path}: a --tiny run's figures (a toy model) beside --out; replace it with a full "
+            "python -m benchmarks.mnli_step --json result, or write the report elsewhere"
+        )
     try:
         _bench_section(bench)
     except (KeyError, TypeError, IndexError, ValueError) as e:

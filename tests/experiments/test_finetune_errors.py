@@ -219,7 +219,7 @@ def test_models_that_cannot_take_the_run_are_one_line(tmp_path: Path, capsys) ->
     capsys.readouterr()
     assert main(_argv(tmp_path, "r", "--model", str(t5), "--dense")) == 2
     line = _one_line(capsys)
-    assert f"--model {t5} refused the first training row (" in line and "--tokenizer" in line
+    assert f"--model {t5} refused the first training rows (" in line and "--tokenizer" in line
     assert not (tmp_path / "r").exists()
 
 
