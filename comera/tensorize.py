@@ -452,7 +452,13 @@ def _pick_rank(modes: tuple[int, ...], rank: int, dense: int, extra: int,
 
 
 def _check_finite(name: str, weight: torch.Tensor) -> None:
-    """Refuse to TT-SVD a weight holding NaN or inf (the SVD fails, naming no layer)."""
+    """Refuse to TT-SVD a weight holding NaN or inf (the SVD fails, naming no layer), or
+    one on the meta device (no values to compress)."""
+    if weight.is_meta:
+        raise ConfigError(
+            f"tensorize_: {name}'s weight is on the meta device, with no values for TT-SVD; "
+            "use init='random' (then load the weights with load_state_dict(..., assign=True))"
+        )
     if not bool(torch.isfinite(weight).all()):
         raise ConfigError(
             f"tensorize_: {name}'s weight holds NaN or inf, which TT-SVD cannot compress; "
@@ -684,6 +690,8 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     whose every match is excluded, and a lazy module not yet initialized are errors. Other
     modules are not touched. An embedding's ``padding_idx``, ``max_norm`` and ``sparse``
     have no TTM counterpart: the summary notes them when set."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tensorize_: model is a {type(model).__name__}, not an nn.Module")
     if not isinstance(config, TensorizeConfig):
         raise TypeError(
             f"tensorize_: config is a {type(config).__name__}; pass a TensorizeConfig, e.g. "

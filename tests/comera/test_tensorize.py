@@ -916,6 +916,10 @@ def test_bad_tensorize_configs_name_the_field() -> None:
     model[1].register_forward_hook(lambda mod, args, out: out)  # it stays dense: no SVD
     summary = tensorize_(model, TensorizeConfig(target_modules=("*",), min_compression=0))
     assert isinstance(model[0], C.TTLinear) and summary.layers[1].skipped
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(ConfigError, match="0's weight is on the meta device, .* init='random'"):
+        tensorize_(meta, TensorizeConfig(target_modules=("*",), min_compression=0))
     lazy = nn.Sequential(nn.LazyLinear(16))
     with pytest.raises(ConfigError, match="0 is a lazy module .* run one forward pass first"):
         tensorize_(lazy, TensorizeConfig(target_modules=("*",)))
