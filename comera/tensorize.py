@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from comera import tensor_train
 from comera.accounting import train_size
@@ -606,6 +607,8 @@ def _call_problem(path: str, module: nn.Module, model: nn.Module) -> str:
         # a scaled word embedding (BART's), a positional one with an offset (OPT's): the
         # adapter is a plain lookup or product and would silently drop what they add
         return f"{type(module).__name__} has its own forward, which the adapter lacks"
+    if parametrize.is_parametrized(module):  # spectral or weight norm, orthogonality...
+        return "its weight is parametrized (torch.nn.utils.parametrize), which the adapter drops"
     if "forward" in vars(module):  # accelerate's hooks replace the instance's forward
         return "the module has its own forward (set on the instance), which the adapter lacks"
     hooks = []

@@ -832,6 +832,7 @@ def test_modules_called_otherwise_than_their_class_says_stay_dense() -> None:
     hooked[0].register_forward_hook(lambda mod, args, out: out * 0)
     hooked[1].register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
     hooked[2].forward = lambda x: x  # as accelerate's hooks set it
+    hooked.append(torch.nn.utils.parametrizations.spectral_norm(nn.Linear(16, 16)))
     x = torch.randn(2, 16)
     before = hooked(x)
     summary = tensorize_(hooked, TensorizeConfig(target_modules=("*",), min_compression=0))
@@ -841,6 +842,7 @@ def test_modules_called_otherwise_than_their_class_says_stay_dense() -> None:
         "skipped: it has forward pre-hooks (test_modules_called_otherwise_than_their_class_says_"
         "stay_dense.<locals>.<lambda>), which the adapter would not run",
         "skipped: the module has its own forward (set on the instance), which the adapter lacks",
+        "skipped: its weight is parametrized (torch.nn.utils.parametrize), which the adapter drops",
     ]
     assert torch.equal(hooked(x), before)
 
