@@ -458,6 +458,8 @@ def render(result: dict) -> str:
     meta = result["meta"]
     lines = report_header("Contraction plans: what `auto` chooses", meta["command"], meta)
     names = [n for n in EXPERIMENTS if n in result]
+    if not names:  # another benchmark's JSON: an empty table under this one's title
+        raise KeyError(" or ".join(EXPERIMENTS))
     rounds = {result[n].get("smoke_rounds", 1) for n in names}
     lines += [
         f"{meta.get('threads', '?')} torch threads. Smoke steps: the three variants take "

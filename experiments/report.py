@@ -137,6 +137,10 @@ def smoke_report_main(
         print(f"{prog}: error: --out {out} is a file; give a folder", file=sys.stderr)
         return 2
     bench = None
+    if args.bench_json and bench_section is None:  # it was read, then ignored
+        print(f"{prog}: error: --bench-json: this report shows no benchmark; drop it",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.bench_json:  # read before training: a bad path fails now, not after the runs
         try:
             bench = read_bench_json(Path(args.bench_json))

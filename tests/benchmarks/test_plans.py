@@ -93,6 +93,12 @@ def test_report_renders_from_the_json_alone(tmp_path, capsys) -> None:
     assert "| mnli | 10.00 | 15.00 | 11.00 | 0.909 | 1.364 | 3.00, 2.00 | 1.00 | 1.091 |" in out
     assert "**dense**" in out and "dp: 40x the cheapest forward FLOPs" in out
     assert "| mnli | 13.00 | 10.00 | 1.300 |" in out  # the late stage's step
+    # another benchmark's JSON (its meta alone fits): refused, not an empty report
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"meta": result["meta"], "compression_ratio": 2.0}))
+    assert plans.main(["--render", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a result of python -m benchmarks.plans" in err[0], err
 
     def section(title: str) -> str:  # from its heading to the next one
         rest = out[out.index(title) :]

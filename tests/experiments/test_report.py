@@ -135,6 +135,9 @@ def test_a_bad_bench_json_fails_before_any_training(tmp_path: Path, capsys) -> N
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"--bench-json {path}: {why}" in err[0]
     assert not (tmp_path / "runs").exists()
+    argv = ["--bench-json", str(tmp_path / "other.json"), "--runs", str(tmp_path / "runs")]
+    assert report.smoke_report_main("x", no_training, None, argv, "x") == 2  # no bench shown
+    assert "--bench-json: this report shows no benchmark" in capsys.readouterr().err
 
 
 def test_rank_table_shows_the_late_stage_target_and_how_it_was_met():
