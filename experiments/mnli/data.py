@@ -8,8 +8,11 @@ synthetic task of `experiments.mnli.generated`) -> tokenizer (`tokenizers`, Rust
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +43,12 @@ _OFFLINE_HELP = (
     "synthetic task with --dataset generated, and a local tokenizer with --tokenizer PATH "
     "(a tokenizer.json file or a directory holding one)."
 )
+
+
+def _note(message: str) -> None:
+    """What a run does to the data, on stderr (rank 0's: every rank loads it)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {message}", file=sys.stderr)
 
 
 def _offline_help() -> str:
@@ -226,7 +235,8 @@ def _read_table(path: str) -> pa.Table:
         return _parse_table(path, fmt)
     except (pa.ArrowException, ValueError, TypeError, OSError) as exc:  # JSON/CSV/Parquet
         raise DataError(
-            f"data file {path!r} cannot be read as {fmt} ({type(exc).__name__}: {exc}); "
+            f"data file {path!r} cannot be read as {fmt} ({type(exc).__name__}: "
+            f"{first_line(exc)}); "
             "fix the file or check --train-file / --eval-file"
         ) from exc
 
@@ -243,8 +253,31 @@ def _parse_table(path: str, fmt: str) -> pa.Table:
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if text.lstrip().startswith("["):  # a JSON array of records
-        return pa.Table.from_pylist(json.loads(text))
-    return pa.Table.from_pylist([json.loads(line) for line in text.splitlines() if line.strip()])
+        return _records_table(json.loads(text))
+    return _records_table([json.loads(line) for line in text.splitlines() if line.strip()])
+
+
+def _records_table(rows: list) -> pa.Table:
+    """JSON records as a table: a column for every key any row holds (a row without it
+    holds null there; Arrow took the first row's keys), and a column whose rows mix
+    scalar kinds (``1`` and ``"1"``) as text, which :func:`_columns` reads as it reads a
+    CSV's."""
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), 0)
+        raise ValueError(f"row {bad} is not a JSON object")
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    columns = {}
+    for key in keys:
+        values = [r.get(key) for r in rows]
+        try:
+            columns[key] = pa.array(values)
+        except (pa.ArrowTypeError, pa.ArrowInvalid):  # mixed kinds: scalars as text
+            columns[key] = pa.array(
+                [v if v is None or isinstance(v, (str, list, dict)) else str(v) for v in values]
+                if not any(isinstance(v, (list, dict)) for v in values)
+                else [None if v is None else json.dumps(v) for v in values]
+            )
+    return pa.table(columns) if keys else pa.table({})
 
 
 def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
@@ -253,24 +286,27 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
         raise DataError(f"{source} is empty: no rows, no columns; check the path")
     for name in fields:
         col = getattr(cfg, name)
+        if table.column_names.count(col) > 1:  # Arrow's error names no file
+            raise DataError(
+                f"{source}: column {col!r} appears {table.column_names.count(col)} times; "
+                "rename all but one"
+            )
         if col not in table.column_names:
             raise DataError(
                 f"{source}: missing column {col!r}; columns present: {table.column_names}. "
                 f"Pass --{name.replace('_', '-')} NAME (MNLIDataConfig.{name}) to name the "
                 "column that holds it."
             )
-    text = [
-        ["" if v is None else str(v) for v in table.column(getattr(cfg, n)).to_pylist()]
-        for n in fields[:2]
-    ]
+    text = [_sentences(table, getattr(cfg, n), source) for n in fields[:2]]
     raw_labels = table.column(cfg.label_column).to_pylist()
     labels = np.empty(len(raw_labels), dtype=np.int64)
     for i, v in enumerate(raw_labels):
         v = LABEL_NAMES.index(v) if v in LABEL_NAMES else v
         if v == "-":  # MultiNLI's own files: no annotator consensus, unlabelled
             v = -1
-        if isinstance(v, str) and v.lstrip("-").isdigit():
-            v = int(v)
+        if isinstance(v, str):  # "1", "-1"; a text int() refuses ("--1", "²") stays text
+            with contextlib.suppress(ValueError):
+                v = int(v)
         if isinstance(v, bool) or not isinstance(v, int) or v not in (-1, 0, 1, 2):
             raise DataError(
                 f"{source}: label {v!r} in column {cfg.label_column!r} (row {i}) is not one of "
@@ -281,17 +317,33 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
     return text[0], text[1], labels
 
 
+def _sentences(table: pa.Table, column: str, source: str) -> list[str]:
+    """A sentence column as text: a null is an empty sentence, bytes are UTF-8 text (a CSV
+    Arrow could not read as UTF-8, a parquet binary column), numbers their digits; a list
+    or a mapping, or bytes that are not UTF-8, are refused naming the row (``str()`` of
+    them trained on ``"b'...'"`` and ``"['a', ...]"`` without a word)."""
+    out = []
+    for i, v in enumerate(table.column(column).to_pylist()):
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(
+                    f"{source}: column {column!r} (row {i}) is not UTF-8 text; save the file "
+                    "as UTF-8"
+                ) from None
+        elif isinstance(v, (list, dict)):
+            raise DataError(
+                f"{source}: column {column!r} (row {i}) holds a {type(v).__name__}, not a "
+                "sentence; point the column flag at the text"
+            )
+        out.append("" if v is None else str(v))
+    return out
+
+
 def _clean(raw: Raw, source: str, limit: int | None) -> Raw:
     premises, hypotheses, labels = raw
-    keep = np.flatnonzero(labels >= 0)
-    if len(keep) < len(labels):
-        log.info(
-            "%s: dropped %d of %d examples with label -1",
-            source,
-            len(labels) - len(keep),
-            len(labels),
-        )
-    keep = keep[:limit]
+    keep = np.flatnonzero(labels >= 0)[:limit]
     return [premises[i] for i in keep], [hypotheses[i] for i in keep], labels[keep]
 
 
@@ -329,6 +381,7 @@ def encode_pairs(
     hypotheses: list[str],
     labels: np.ndarray | list[int],
     chunk: int = 8192,
+    source: str = "the data",
 ) -> EncodedSplit:
     """Encode `[CLS] premise [SEP] hypothesis [SEP]` with a `prepare_tokenizer`-ed tokenizer."""
     if tok.padding is None or tok.padding.get("length") is None:
@@ -342,11 +395,17 @@ def encode_pairs(
         pairs = list(
             zip(premises[start : start + chunk], hypotheses[start : start + chunk], strict=True)
         )
-        for i, enc in enumerate(tok.encode_batch(pairs), start):
+        try:
+            encoded = tok.encode_batch(pairs)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
+            raise DataError(
+                f"{source}: the tokenizer cannot encode it ({first_line(e)}); check --tokenizer"
+            ) from None
+        for i, enc in enumerate(encoded, start):
             ids[i], types[i], mask[i] = enc.ids, enc.type_ids, enc.attention_mask
             truncated += bool(enc.overflowing)
     if truncated:
-        log.info("truncated %d of %d pairs to max_length=%d", truncated, n, length)
+        _note(f"{source}: truncated {truncated} of {n} pairs to data.max_length={length} tokens")
     return EncodedSplit(
         torch.from_numpy(ids),
         torch.from_numpy(types),
@@ -393,7 +452,10 @@ def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
                 )  # fmt: skip
                 + "; fix the file, or drop the split"
             )
-        enc[split] = encode_pairs(tok, *cleaned)
+        dropped = int((raw[2] < 0).sum())
+        if dropped:
+            _note(f"{src}: dropped {dropped} of {len(raw[2])} rows labelled -1 (unlabelled)")
+        enc[split] = encode_pairs(tok, *cleaned, source=src)
         log.info("%s: %d examples encoded to length %d", src, len(enc[split]), cfg.max_length)
     train = enc.pop("train")
     return MNLIData(

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import comera as C
-from comera.errors import ConfigError
+from comera.errors import ConfigError, DataError
 from comera.train import ComeraConfig, TrainConfig
 from comera.train.optim import AdamWConfig
 from experiments import cli
@@ -220,6 +220,13 @@ def check_fits_data(model: EncoderConfig, data: MNLIData) -> None:
     """Refuse a model whose token-type table or classifier is smaller than what the data
     holds (a pair's second sentence is type 1; labels run to num_labels - 1): each would
     fail in the first step's lookup or loss, naming no setting."""
+    top = max((int(s.input_ids.max()) for s in data.splits()), default=0)
+    if top >= data.vocab_size:  # the first lookup's IndexError (dense) or a late refusal
+        raise DataError(
+            f"--tokenizer {data.tokenizer_path_or_name} gives token ids up to {top}, past its "
+            f"own vocabulary of {data.vocab_size}; its vocabulary has gaps: give a tokenizer "
+            "whose ids run 0..size-1"
+        )
     types = max((int(s.token_type_ids.max()) for s in data.splits()), default=0)
     if types >= model.type_vocab:
         raise ConfigError(
@@ -249,6 +256,8 @@ def _parse_eval_files(values: list[str] | None) -> dict[str, str] | None:
         # a path (which may hold "="), unnamed: one that exists, or whose "name" is a path
         if not sep or "/" in name or "\\" in name or Path(v).is_file():
             name, path = Path(v).stem, v
+        if not name:  # its metrics would be eval//accuracy
+            raise ConfigError(f"--eval-file {v!r}: give the split a name (NAME=PATH) or drop '='")
         if name in out:  # the later one replaced the earlier without a word
             raise ConfigError(
                 f"--eval-file {v!r}: the split name {name!r} is taken by {out[name]!r}; "

@@ -5,7 +5,6 @@ write; the hub tests force offline mode so they fail at once instead of waiting 
 """
 
 import json
-import logging
 
 import pyarrow as pa
 import pyarrow.csv as pcsv
@@ -13,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from comera.errors import DataError
+from comera.errors import ConfigError, DataError
 from experiments.mnli import data as md
 from experiments.mnli import generated as mg
 from experiments.mnli.batches import BatchIterator, EncodedSplit, eval_batches
@@ -185,19 +184,17 @@ def test_bad_label_error_names_file_and_value(tmp_path, gen_files):
         load_mnli(MNLIDataConfig(train_file=path, tokenizer=str(gen_files[2])))
 
 
-def test_label_minus_one_dropped_and_logged(tmp_path, gen_files, caplog):
+def test_label_minus_one_dropped_and_said(tmp_path, gen_files, capsys):
+    """Dropped rows are said on stderr (a log record no handler printed was all before)."""
     path = _write(tmp_path / "t.jsonl", [*ROWS, {"premise": "a", "hypothesis": "b", "label": -1}])
-    with caplog.at_level(logging.INFO, logger=md.__name__):
-        data = load_mnli(
-            MNLIDataConfig(
-                train_file=path,
-                eval_files={"v": path},
-                tokenizer=str(gen_files[2]),
-                max_eval_examples=2,
-            )
+    data = load_mnli(
+        MNLIDataConfig(
+            train_file=path, eval_files={"v": path}, tokenizer=str(gen_files[2]),
+            max_eval_examples=2,
         )
+    )  # fmt: skip
     assert data.train.labels.tolist() == [0, 1, 2] and len(data.eval["v"]) == 2
-    assert any("dropped 1 of 4" in r.getMessage() for r in caplog.records)
+    assert "note: " + path + ": dropped 1 of 4 rows labelled -1" in capsys.readouterr().err
 
 
 def test_label_names_accepted(tmp_path, gen_files):
@@ -403,3 +400,68 @@ def test_a_dataset_without_the_config_names_the_field(monkeypatch, gen_files):
     with pytest.raises(DataError, match=r"no config 'mnli' .*Available: \['default'\].*"
                                         r"data\.dataset_config"):  # fmt: skip
         load_mnli(MNLIDataConfig(dataset="/data/nli", tokenizer=str(gen_files[2])))
+
+
+def test_rows_that_are_not_text_or_labels_are_named(tmp_path, gen_files, capsys):
+    """Bytes are UTF-8 text (a latin-1 CSV was read as bytes and trained on "b'...'");
+    bytes that are not UTF-8, lists and mappings are refused naming the row; a label
+    ``int()`` refuses is the usual label error (a traceback before); JSON rows that mix
+    kinds in a column, or lack a key in the first row, are read; a duplicated column and a
+    tokenizer that cannot encode a row are one line each; truncation is said."""
+    tok = str(gen_files[2])
+
+    def jsonl(name: str, rows: list[dict]) -> str:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    raw = pa.table({"premise": pa.array([b"a b", b"c"]), "hypothesis": ["d", "e"],
+                    "label": [0, 1]})  # fmt: skip
+    pq.write_table(raw, tmp_path / "bin.parquet")
+    data = load_mnli(MNLIDataConfig(train_file=str(tmp_path / "bin.parquet"), tokenizer=tok))
+    assert len(data.train) == 2
+    bad = pa.table({"premise": pa.array([b"a", b"\xe9t\xe9"]), "hypothesis": ["d", "e"],
+                    "label": [0, 1]})  # fmt: skip
+    pq.write_table(bad, tmp_path / "latin.parquet")
+    with pytest.raises(DataError, match=r"column 'premise' \(row 1\) is not UTF-8 text"):
+        load_mnli(MNLIDataConfig(train_file=str(tmp_path / "latin.parquet"), tokenizer=tok))
+    cases = [
+        ([{"premise": ["a"], "hypothesis": "b", "label": 0}], r"\(row 0\) holds a list"),
+        ([{"premise": "a", "hypothesis": "b", "label": "--1"}], r"label '--1' in column"),
+    ]
+    for rows, why in cases:
+        path = jsonl("c.jsonl", rows)
+        with pytest.raises(DataError, match=why):
+            load_mnli(MNLIDataConfig(train_file=path, tokenizer=tok))
+    mixed = [{"premise": "a", "label": 0}, {"premise": 12, "hypothesis": "b", "label": "1"}]
+    data = load_mnli(MNLIDataConfig(train_file=jsonl("m.jsonl", mixed), tokenizer=tok))
+    assert data.train.labels.tolist() == [0, 1]
+    (tmp_path / "dup.csv").write_text("premise,hypothesis,label,premise\na,b,0,x\n")
+    with pytest.raises(DataError, match="column 'premise' appears 2 times"):
+        load_mnli(MNLIDataConfig(train_file=str(tmp_path / "dup.csv"), tokenizer=tok))
+    capsys.readouterr()
+    long = [{"premise": "a " * 300, "hypothesis": "b", "label": 0}]
+    load_mnli(MNLIDataConfig(train_file=jsonl("l.jsonl", long), tokenizer=tok, max_length=16))
+    assert "truncated 1 of 1 pairs to data.max_length=16 tokens" in capsys.readouterr().err
+
+
+def test_a_tokenizer_with_gaps_in_its_ids_or_an_unnamed_split_is_refused(tmp_path, capsys):
+    """Ids past the tokenizer's own vocabulary size (a vocabulary with gaps) are refused
+    before training (an IndexError at the first dense lookup); an eval split named ''
+    (metrics under eval//accuracy) too."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from experiments.mnli.experiment import _parse_eval_files, check_fits_data
+    from experiments.transformer import EncoderConfig
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "a": 4, "b": 40}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "gaps.json"))
+    rows = [{"premise": "a b", "hypothesis": "a", "label": 0}]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_mnli(MNLIDataConfig(train_file=str(tmp_path / "t.jsonl"),
+                                    tokenizer=str(tmp_path / "gaps.json")))  # fmt: skip
+    with pytest.raises(DataError, match="gives token ids up to 40, past its own vocabulary of 6"):
+        check_fits_data(EncoderConfig(vocab_size=data.vocab_size), data)
+    with pytest.raises(ConfigError, match="give the split a name"):
+        _parse_eval_files([f"={tmp_path / 't.jsonl'}"])
