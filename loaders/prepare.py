@@ -130,6 +130,16 @@ def list_docs(source: str, *, glob: str | None, text_column: str) -> list[Doc]:
                 f"{source} has no column {text_column!r} (columns: {table.column_names}); "
                 "pass --text-column NAME"
             )
+        kind = table.column(text_column).type
+        if pa.types.is_dictionary(kind):  # dictionary-encoded text reads as its values
+            kind = kind.value_type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):  # fmt: skip
+            # str() of a number, a list or a struct was tokenized as if it were text
+            raise PrepareError(
+                f"column {text_column!r} of {source} has type {kind}, not text; pass "
+                "--text-column NAME of a text column"
+            )
         return [Doc(str(path), i) for i in range(table.num_rows)]
     raise PrepareError(f"source {source} does not exist; pass a folder, a file or hub:NAME")
 
@@ -148,7 +158,16 @@ class _Texts:
             return Path(doc.path).read_text(encoding="utf-8", errors="replace")
         if doc.path not in self._tables:
             self._tables[doc.path] = read_text_table(Path(doc.path)).column(self.text_column)
-        value = self._tables[doc.path][doc.row].as_py()
+        scalar = self._tables[doc.path][doc.row]
+        try:  # binary (a parquet bytes column) as UTF-8, as a string column's bytes are
+            value = scalar.as_py()
+            if isinstance(value, bytes):
+                value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise PrepareError(
+                f"{doc.path}: column {self.text_column!r} (row {doc.row}) is not UTF-8 text; "
+                "save the file as UTF-8"
+            ) from None
         return "" if value is None else str(value)
 
 

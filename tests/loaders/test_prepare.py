@@ -141,6 +141,20 @@ def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
     tok = str(tmp_path / "one" / "tokenizer.json")
     prepare([str(jsonl)], tmp_path / "tab", tokenizer=tok, text_column="code", progress=False)
     assert len(_docs(tmp_path / "tab" / "train")) == 40
+    # a column of numbers is refused (str() of them was tokenized as text); bytes are
+    # UTF-8 text, and bytes that are not UTF-8 are one line naming the row
+    with pytest.raises(PrepareError, match="column 'id' of .* has type int64, not text"):
+        prepare([str(jsonl)], tmp_path / "ids", tokenizer=tok, text_column="id", progress=False)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [t.encode() for t in texts.values()]}), tmp_path / "b.parquet")
+    prepare([str(tmp_path / "b.parquet")], tmp_path / "bin", tokenizer=tok, progress=False)
+    assert [d.tolist() for d in _docs(tmp_path / "bin" / "train")] == [
+        d.tolist() for d in _docs(tmp_path / "tab" / "train")]  # fmt: skip
+    pq.write_table(pa.table({"text": [b"ok", b"\xe9t\xe9"]}), tmp_path / "latin.parquet")
+    with pytest.raises(PrepareError, match=r"column 'text' \(row 1\) is not UTF-8 text"):
+        prepare([str(tmp_path / "latin.parquet")], tmp_path / "lat", tokenizer=tok, progress=False)
 
 
 @pytest.mark.parametrize(
