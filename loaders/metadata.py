@@ -23,6 +23,39 @@ from loaders.errors import LoaderInputError
 
 METADATA_NAME = "doc_counts.json"
 FORMAT = "loaders.doc_counts"
+PLAN_NAME = "prepare_plan.json"  # a loaders.prepare output's root holds it
+
+
+def check_prepared(folder: Path, files: Sequence[Path]) -> None:
+    """Refuse to read a ``loaders.prepare`` output other than whole: its root (which holds
+    every split, the held-out one too), a split whose run did not finish (no
+    ``doc_counts.json``: counting its shards here would write that file and mark the
+    split finished), or a split whose Arrow files are not the ones prepare wrote (a file
+    copied in, or one deleted). Folders that prepare did not write are not checked."""
+    folder = Path(folder)
+    if (folder / PLAN_NAME).is_file():
+        splits = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        raise LoaderInputError(
+            f"{folder} is a loaders.prepare output holding its splits ({', '.join(splits)}); "
+            f"point the dataset at one of them, e.g. {folder / 'train'}"
+        )
+    if not (folder.parent / PLAN_NAME).is_file():
+        return
+    meta = folder / METADATA_NAME
+    if not meta.is_file():
+        raise LoaderInputError(
+            f"{folder}: its loaders.prepare run did not finish (no {METADATA_NAME}); run the "
+            "same prepare command again to finish it"
+        )
+    listed = set(_read(meta))
+    held = {f.relative_to(folder).as_posix() for f in files}
+    if held != listed:
+        odd = sorted(held - listed) or sorted(listed - held)
+        what = "not written by prepare" if held - listed else "missing"
+        raise LoaderInputError(
+            f"{folder}: Arrow files {what} ({', '.join(odd[:3])}); run the prepare command "
+            "again, or remove what was added"
+        )
 
 
 def _read(path: Path) -> dict[str, dict]:

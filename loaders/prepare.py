@@ -45,14 +45,13 @@ import numpy as np
 import pyarrow as pa
 
 from loaders.errors import LoaderInputError
-from loaders.metadata import FORMAT, METADATA_NAME, atomic_write_text
+from loaders.metadata import FORMAT, METADATA_NAME, PLAN_NAME, atomic_write_text
 from loaders.text import TEXT_SUFFIXES, load_tokenizer, read_text_table
 
 __all__ = ["SPECIAL_TOKENS", "Doc", "PrepareError", "heldout_docs", "prepare", "train_tokenizer"]
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, as RoBERTa
 MIN_TRAIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte and every special
-PLAN_NAME = "prepare_plan.json"
 
 
 class PrepareError(LoaderInputError):

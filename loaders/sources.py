@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from loaders.errors import LoaderInputError, LoaderPathError
-from loaders.metadata import file_doc_counts
+from loaders.metadata import check_prepared, file_doc_counts
 
 ARROW_SUFFIXES = (".arrow", ".ipc", ".feather")
 
@@ -124,6 +124,8 @@ class TokenFolder:
                 f"folder {self.path} holds no Arrow files ({', '.join(ARROW_SUFFIXES)}); "
                 "point the dataset at a folder of pre-tokenized Arrow IPC files"
             )
+        if self.path.is_dir():
+            check_prepared(self.path, files)
         self.column = token_column
         self.files = files
         counts = file_doc_counts(

@@ -202,3 +202,36 @@ def test_a_local_tokenizer_folder_without_tokenizer_json_still_loads(tmp_path: P
     (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nhello\nworld\n")
     (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "BertTokenizer"}')
     assert load_tokenizer(str(tmp_path))("hello world") == [5, 6]
+
+
+def test_a_prepare_output_is_read_whole_or_refused(tmp_path: Path) -> None:
+    """The loader refuses a prepare output's root (it read the held-out split into
+    training), a split whose run did not finish (counting it wrote the doc_counts.json
+    that marks a split finished), and a split with an Arrow file prepare did not write
+    (mixed in) or lacks one it did."""
+    import shutil
+
+    from loaders.errors import LoaderInputError
+    from loaders.sources import TokenFolder
+
+    _corpus(tmp_path / "src")
+    out = tmp_path / "out"
+    prepare([str(tmp_path / "src")], out, train_vocab=300, glob="**/*.py", docs_per_shard=5,
+            heldout=0.25, progress=False)  # fmt: skip
+    train = TokenFolder(out / "train").num_docs
+    assert train + TokenFolder(out / "heldout").num_docs == 40
+    with pytest.raises(LoaderInputError, match=r"holding its splits \(heldout, train\)"):
+        TokenFolder(out)
+    shards = sorted((out / "train").glob("part-*.arrow"))
+    shutil.copy(shards[0], out / "train" / "part-99999.arrow")
+    with pytest.raises(LoaderInputError, match=r"not written by prepare \(part-99999.arrow\)"):
+        TokenFolder(out / "train")
+    (out / "train" / "part-99999.arrow").unlink()
+    (out / "train" / "doc_counts.json").unlink()  # as a killed run leaves it
+    shards[-1].unlink()
+    with pytest.raises(LoaderInputError, match="did not finish .* same prepare command"):
+        TokenFolder(out / "train")
+    assert not (out / "train" / "doc_counts.json").exists()  # not marked finished
+    prepare([str(tmp_path / "src")], out, train_vocab=300, glob="**/*.py", docs_per_shard=5,
+            heldout=0.25, progress=False)  # fmt: skip
+    assert TokenFolder(out / "train").num_docs == train
