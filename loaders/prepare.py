@@ -85,6 +85,20 @@ def _sources_digest(docs: list[Doc]) -> str:
     return h.hexdigest()
 
 
+def _tokenizer_digest(tokenizer: str | None) -> str | None:
+    """A digest of a local tokenizer file's content (a folder's ``tokenizer.json``), or
+    None for a hub name or none: a rerun with another file at the same path would tokenize
+    the missing shards differently from the ones already written."""
+    if tokenizer is None:
+        return None
+    p = Path(tokenizer).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        return None
+    return hashlib.blake2b(p.read_bytes(), digest_size=16).hexdigest()
+
+
 def heldout_docs(docs: list[Doc], fraction: float) -> set[Doc]:
     """The documents :func:`prepare` holds out: those whose key hashes below ``fraction``
     (fixed across runs); when that picks none or all of several documents, exactly the one
@@ -333,6 +347,7 @@ def prepare(
         settings["max_doc_tokens"] = max_doc_tokens
     plan_path = out / PLAN_NAME
     sources = _sources_digest(docs)
+    tok_digest = _tokenizer_digest(tokenizer) if train_vocab is None else None
     if plan_path.is_file():
         try:
             saved = json.loads(plan_path.read_text())
@@ -346,6 +361,13 @@ def prepare(
                 "or delete that folder"
             )
         # (a plan written before sources were fingerprinted has none: taken as it is)
+        # (a plan written before tokenizers were fingerprinted has none: taken as it is)
+        if saved.get("tokenizer_digest", tok_digest) != tok_digest:
+            raise PrepareError(
+                f"{out} was prepared with another version of the tokenizer {tokenizer} (its "
+                f"file changed since, {plan_path}): new shards would mix two tokenizations; "
+                "pass another --out or delete that folder"
+            )
         if saved.get("sources", sources) != sources:
             raise PrepareError(
                 f"{out} was prepared from other versions of these files (sizes or times "
@@ -362,7 +384,15 @@ def prepare(
     layout = {name: _plan(ds, docs_per_shard) for name, ds in splits.items()}
     atomic_write_text(
         plan_path,
-        json.dumps({"settings": settings, "tokenizer": tokenizer, "sources": sources}, indent=1),
+        json.dumps(
+            {
+                "settings": settings,
+                "tokenizer": tokenizer,
+                "sources": sources,
+                **({"tokenizer_digest": tok_digest} if tok_digest else {}),
+            },
+            indent=1,
+        ),  # fmt: skip
     )
     summary: dict = {"out": str(out), "tokenizer": tokenizer, "splits": {}}
     for name, shards in layout.items():

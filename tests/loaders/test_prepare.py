@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +127,16 @@ def test_rerun_finishes_a_crashed_run_and_refuses_other_settings(tmp_path: Path)
     first.write_text(first.read_text() + "\nx = 1\n")
     with pytest.raises(PrepareError, match="other versions of these files"):
         prepare([str(tmp_path / "src")], out, **kw)
+    # a tokenizer file replaced at the same path: the missing shards would be tokenized
+    # by the new one beside the old one's
+    tok = tmp_path / "tok.json"
+    shutil.copy(out / "tokenizer.json", tok)
+    given = {**kw, "train_vocab": None, "tokenizer": str(tok)}
+    prepare([str(tmp_path / "src")], tmp_path / "given", **given)
+    (tmp_path / "given" / "train" / "part-00001.arrow").unlink()
+    tok.write_text(tok.read_text().replace('"unk_token":', '"unk_token" :'))
+    with pytest.raises(PrepareError, match="another version of the tokenizer .*tok.json"):
+        prepare([str(tmp_path / "src")], tmp_path / "given", **given)
 
 
 def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
