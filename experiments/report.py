@@ -33,6 +33,7 @@ __all__ = [
     "HOST_FILE",
     "REPORTS",
     "check_smoke_pair",
+    "check_step_bench",
     "ensure_smoke_run",
     "layer_summary",
     "layer_table",
@@ -143,20 +144,10 @@ def smoke_report_main(
         return 2
     if args.bench_json:  # read before training: a bad path fails now, not after the runs
         try:
-            bench = read_bench_json(Path(args.bench_json))
-            if bench.get("tiny"):  # a toy model's figures, not the report's
-                raise DataError(
-                    f"--bench-json {args.bench_json}: a --tiny run's figures (a toy model); "
-                    f"give a full python -m benchmarks.{name}_step --json result"
-                )
-            if bench_section is not None:
-                try:
-                    bench_section(bench)
-                except (KeyError, TypeError, IndexError, ValueError) as e:
-                    raise DataError(
-                        f"--bench-json {args.bench_json}: not python -m benchmarks.{name}_step's "
-                        f"JSON (it lacks {e})"
-                    ) from None
+            bench = check_step_bench(
+                read_bench_json(Path(args.bench_json)), f"--bench-json {args.bench_json}",
+                name, bench_section, f"give a full python -m benchmarks.{name}_step --json result",
+            )  # fmt: skip
         except DataError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
@@ -385,6 +376,23 @@ def read_bench_json(path: Path, flag: str = "--bench-json") -> dict:
     if not isinstance(data, dict):
         raise DataError(f"{flag} {path}: not a benchmark's JSON object")
     return data
+
+
+def check_step_bench(bench: dict, where: str, name: str, section: Callable[[dict], object],
+                     fix: str) -> dict:  # fmt: skip
+    """``bench`` (``python -m benchmarks.<name>_step --json``'s figures, from ``where``) if
+    a report can show it: not a ``--tiny`` run's (a toy model's figures; ``fix`` says what
+    to give instead), and one ``section`` (the report's renderer of it) can render; else a
+    :class:`DataError`, raised before any run trains or any report file is written."""
+    if bench.get("tiny"):
+        raise DataError(f"{where}: a --tiny run's figures (a toy model); {fix}")
+    try:
+        section(bench)
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise DataError(
+            f"{where}: not python -m benchmarks.{name}_step's JSON (it lacks {e})"
+        ) from None
+    return bench
 
 
 def read_report_json(path: Path, flag: str, prog: str | None = None) -> dict:

@@ -18,6 +18,7 @@ from experiments.host import report_header
 from experiments.report import (
     check_smoke_pair,
     load_run,
+    number,
     rank_table,
     runs_host,
     series,
@@ -94,10 +95,6 @@ def _plot(data: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def render(data: dict, out: Path) -> str:
     """``finetune.md`` and the curves from the JSON alone; returns the markdown."""
     m = data["model"]
@@ -118,12 +115,16 @@ def render(data: dict, out: Path) -> str:
         "compression | median step (s) |",
         "|---|---|---|---|---|---|---|",
     ]
+
+    def na(value: object, spec: str) -> str:  # a figure a run did not log: "-"
+        return number(value, spec, "-")
+
     for name, r in data["runs"].items():
         lines.append(
-            f"| {name} | {_fmt(r['final_accuracy'], '.4f')} | {_fmt(r['best_accuracy'], '.4f')} "
-            f"({r['best_step']}) | {_fmt(r['final_loss'], '.4f')} | "
-            f"{_fmt(r['live_params'], ',')} | {_fmt(r['compression'], '.1f')}x | "
-            f"{_fmt(r['median_step_s'], '.4f')} |"
+            f"| {name} | {na(r['final_accuracy'], '.4f')} | {na(r['best_accuracy'], '.4f')} "
+            f"({r['best_step']}) | {na(r['final_loss'], '.4f')} | "
+            f"{na(r['live_params'], ',')} | {na(r['compression'], '.1f')}x | "
+            f"{na(r['median_step_s'], '.4f')} |"
         )
     lines += ["", "![curves](finetune_curves.png)", ""]
     if data["ranks"]:

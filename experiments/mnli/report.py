@@ -21,6 +21,7 @@ from experiments.host import report_header
 from experiments.malloc import lean_without_hugepages
 from experiments.report import (
     REPORTS,
+    check_step_bench,
     layer_summary,
     layer_table,
     load_run,
@@ -336,19 +337,11 @@ def _bench_beside(out: Path) -> dict | None:
     path = out.parent / "mnli_bench.json"
     if not path.is_file():
         return None
-    bench = read_bench_json(path, "mnli_bench.json")
-    if bench.get("tiny"):
-        raise DataError(
-            f"{path}: a --tiny run's figures (a toy model) beside --out; replace it with a full "
-            "python -m benchmarks.mnli_step --json result, or write the report elsewhere"
-        )
-    try:
-        _bench_section(bench)
-    except (KeyError, TypeError, IndexError, ValueError) as e:
-        raise DataError(
-            f"{path}: not python -m benchmarks.mnli_step's JSON (it lacks {e})"
-        ) from None
-    return bench
+    return check_step_bench(
+        read_bench_json(path, "mnli_bench.json"), str(path), "mnli", _bench_section,
+        "it lies beside --out: replace it with a full python -m benchmarks.mnli_step --json "
+        "result, or write the report elsewhere",
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
