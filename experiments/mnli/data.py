@@ -261,23 +261,26 @@ def _records_table(rows: list) -> pa.Table:
     """JSON records as a table: a column for every key any row holds (a row without it
     holds null there; Arrow took the first row's keys), and a column whose rows mix
     scalar kinds (``1`` and ``"1"``) as text, which :func:`_columns` reads as it reads a
-    CSV's."""
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), 0)
+    CSV's; a list or mapping among them is refused naming the row (as text it would pass
+    for a sentence)."""
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+    if bad is not None:
         raise ValueError(f"row {bad} is not a JSON object")
-    keys = list(dict.fromkeys(k for r in rows for k in r))
     columns = {}
-    for key in keys:
+    for key in dict.fromkeys(k for r in rows for k in r):
         values = [r.get(key) for r in rows]
         try:
             columns[key] = pa.array(values)
         except (pa.ArrowTypeError, pa.ArrowInvalid):  # mixed kinds: scalars as text
-            columns[key] = pa.array(
-                [v if v is None or isinstance(v, (str, list, dict)) else str(v) for v in values]
-                if not any(isinstance(v, (list, dict)) for v in values)
-                else [None if v is None else json.dumps(v) for v in values]
-            )
-    return pa.table(columns) if keys else pa.table({})
+            nested = next((i for i, v in enumerate(values) if isinstance(v, (list, dict))), None)
+            if nested is not None:
+                raise ValueError(
+                    f"column {key!r} (row {nested}) holds a {type(values[nested]).__name__} "
+                    "among scalars"
+                ) from None
+            columns[key] = pa.array([v if v is None or isinstance(v, str) else str(v)
+                                     for v in values])  # fmt: skip
+    return pa.table(columns)
 
 
 def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:

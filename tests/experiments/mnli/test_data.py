@@ -426,6 +426,13 @@ def test_rows_that_are_not_text_or_labels_are_named(tmp_path, gen_files, capsys)
         load_mnli(MNLIDataConfig(train_file=str(tmp_path / "latin.parquet"), tokenizer=tok))
     cases = [
         ([{"premise": ["a"], "hypothesis": "b", "label": 0}], r"\(row 0\) holds a list"),
+        (
+            [
+                {"premise": "a", "hypothesis": "b", "label": 0},
+                {"premise": ["a"], "hypothesis": "b", "label": 0},
+            ],
+            r"column 'premise' \(row 1\) holds a list among scalars",
+        ),
         ([{"premise": "a", "hypothesis": "b", "label": "--1"}], r"label '--1' in column"),
     ]
     for rows, why in cases:
