@@ -235,6 +235,7 @@ def save_trainer(tr: Any) -> Path:
             | ({"galore": tr.galore.state_dict()} if tr.galore is not None else {}),
             "world_size": tr.world,
             "config": tr.config_dict,
+            "eval_data": eval_data_id(tr.task),
         }
         write_model(d, payload, tr.cfg.keep_checkpoints)
     return d
@@ -333,6 +334,28 @@ def check_same_run(tr: Any, ckpt: dict) -> None:
             )
 
 
+def eval_data_id(task: Any) -> dict[str, str]:
+    """The task's optional ``eval_data_id``: eval split name to a digest of its examples."""
+    ids = getattr(task, "eval_data_id", None)
+    ids = ids() if callable(ids) else ids
+    return {str(k): str(v) for k, v in (ids or {}).items()}
+
+
+def check_same_eval(tr: Any, ckpt: dict) -> None:
+    """Refuse a resume whose eval split of a saved name holds other examples: its curve
+    would join two eval sets under one name, and the run's final score would be of data
+    its earlier points never saw. A split added or dropped is allowed (its name says so)."""
+    saved, now = ckpt.get("eval_data") or {}, eval_data_id(tr.task)
+    changed = sorted(k for k in saved.keys() & now.keys() if saved[k] != now[k])
+    if changed:
+        raise CheckpointError(
+            f"checkpoint in {ckpt['dir']} was evaluated on other examples in eval split "
+            f"{changed[0]!r} than this run reads ({saved[changed[0]]} saved, "
+            f"{now[changed[0]]} now): restore that data, or evaluate the new data under "
+            "another split name"
+        )
+
+
 def restore_trainer(tr: Any, ckpt: dict) -> None:
     """Load ``ckpt`` into a trainer built with the same config: model, optimizer, stage,
     the data position (every saved rank's for a rescalable iterator, else this rank's) and
@@ -358,6 +381,7 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
             f"optimizer={tr.cfg.optimizer!r}; resume with the saved optimizer"
         )
     check_same_run(tr, ckpt)
+    check_same_eval(tr, ckpt)
     try:
         rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
     except CheckpointError as e:  # as for an unreadable model file: say how to go on

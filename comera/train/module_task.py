@@ -36,7 +36,8 @@ class ModuleTask:
     ``loss_fn(call, batch)`` computes a batch's loss, running the model as ``call(...)``
     (the module's forward, on the trainer's tensors); it returns a scalar mean (one loss
     term) or ``(sum, count, metrics)``. ``evaluate(call)`` (optional) returns held-out
-    metrics as the trainer expects (floats, or ``(sum, count)`` pairs). ``train_iter``
+    metrics as the trainer expects (floats, or ``(sum, count)`` pairs); ``eval_data_id``
+    (optional) names what it evaluates on, as :class:`comera.train.Task` says. ``train_iter``
     yields batches; with ``state_dict`` / ``load_state_dict`` a resume continues it exactly
     (without them, a resume restarts it from its beginning: warned).
 
@@ -57,9 +58,11 @@ class ModuleTask:
         loss_fn: Callable[[Call, Any], Any],
         train_iter: Any,
         evaluate: Callable[[Call], dict] | None = None,
+        eval_data_id: dict[str, str] | None = None,
     ) -> None:
         self.model, self.loss_fn, self.train_iter = model, loss_fn, train_iter
         self._evaluate = evaluate
+        self.eval_data_id = eval_data_id
         adapters = (TTLinear, TTMEmbedding)
         every = {name: m for name, m in model.named_modules() if isinstance(m, adapters)}
         self._tt = {name: m for name, m in every.items() if _trained(name, m)}

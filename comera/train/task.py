@@ -25,7 +25,10 @@ class Task(Protocol):
     Optional ``batch_tokens(batch) -> int`` counts a batch's input tokens: the trainer then
     logs ``tokens`` per step and ``tokens_per_s`` (all ranks together). Optional
     ``derive_eval(metrics) -> dict`` adds metrics computed from the reduced held-out ones
-    (e.g. perplexity from the mean loss, which no ``(sum, count)`` pair can express)."""
+    (e.g. perplexity from the mean loss, which no ``(sum, count)`` pair can express).
+    Optional ``eval_data_id``, a dict of eval split name to a digest of its examples, is
+    kept in checkpoints: a resume whose split of a saved name holds other examples is
+    refused (its curve would join two eval sets under one name)."""
 
     train_iter: Any
 

@@ -445,7 +445,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
                 {"accuracy": acc.detach()})  # fmt: skip
 
     it = BatchIterator(data.train, p.batch_size, seed=p.train.seed, rank=rank, world_size=world)
-    task = ModuleTask(model, loss, it, evaluate=_Eval(data, p.eval_batch_size, device, types))
+    task = ModuleTask(model, loss, it, evaluate=_Eval(data, p.eval_batch_size, device, types),
+                      eval_data_id=data.eval_identity())  # fmt: skip
     info = {
         "dense_params": dense_size,
         "vocab": data.vocab_size,

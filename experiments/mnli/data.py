@@ -128,6 +128,11 @@ class MNLIData:
         """The train split and every eval split that holds rows."""
         return [s for s in (self.train, *self.eval.values()) if len(s)]
 
+    def eval_identity(self) -> dict[str, str]:
+        """Each eval split's name and a digest of its examples: a trainer's
+        ``eval_data_id``, so a resume over an eval file changed in place is refused."""
+        return {name: split.identity() for name, split in self.eval.items()}
+
     def check_label_count(self, num_labels: int) -> None:
         """Refuse a classifier of ``num_labels`` outputs smaller than the labels the splits
         hold (the first step's loss would fail on them, naming no setting)."""
@@ -321,7 +326,7 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
 
 
 def _sentences(table: pa.Table, column: str, source: str) -> list[str]:
-    """A sentence column as text: a null is an empty sentence, bytes are UTF-8 text (a CSV
+    """A sentence column as text: a null is an empty sentence (noted), bytes are UTF-8 text (a CSV
     Arrow could not read as UTF-8, a parquet binary column), numbers their digits; a list
     or a mapping, or bytes that are not UTF-8, are refused naming the row (``str()`` of
     them trained on ``"b'...'"`` and ``"['a', ...]"`` without a word)."""
@@ -341,6 +346,9 @@ def _sentences(table: pa.Table, column: str, source: str) -> list[str]:
                 "sentence; point the column flag at the text"
             )
         out.append("" if v is None else str(v))
+    nulls = table.column(column).null_count
+    if nulls:  # trained on as "", said as the dropped and truncated rows are
+        _note(f"{source}: {nulls} of {len(out)} rows have no {column!r} (null): read as empty")
     return out
 
 

@@ -160,6 +160,7 @@ class MNLITask:
         self.eval_batch_size = eval_batch_size
         self.plans = plans or C.LayerPlans()
         self.device = torch.device("cpu")
+        self.eval_data_id = data.eval_identity()  # a resume on changed eval data is refused
 
     def _to(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

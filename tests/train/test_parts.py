@@ -107,6 +107,26 @@ def test_keeps_the_newest_checkpoints_and_names_the_previous_one(tmp_path):
         Trainer(dense, ToyTask(), *_toy_model(), resume=True)
 
 
+def test_a_resume_checks_the_eval_data_a_task_names(tmp_path):
+    """A task's ``eval_data_id`` rides in the checkpoint: a split of a saved name with
+    other examples is refused before anything is restored; a split added, dropped or
+    unnamed (a task without the attribute) resumes."""
+
+    def task(ids):
+        t = ToyTask()
+        if ids is not None:
+            t.eval_data_id = ids
+        return t
+
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5)
+    Trainer(cfg, task({"dev": "aaa", "test": "bbb"}), *_toy_model()).fit()
+    assert load_checkpoint(cfg.run_dir)["eval_data"] == {"dev": "aaa", "test": "bbb"}
+    with pytest.raises(CheckpointError, match="eval split 'test' .*bbb saved, ccc now"):
+        Trainer(cfg, task({"dev": "aaa", "test": "ccc"}), *_toy_model(), resume=True)
+    for ids in ({"dev": "aaa"}, {"dev": "aaa", "test": "bbb", "new": "x"}, None):
+        assert Trainer(cfg, task(ids), *_toy_model(), resume=True).step == 10
+
+
 def test_a_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path):
     """A new run in a used run dir would lose its own work: the old run's newer
     checkpoints win the keep-newest rule, so each new one would be deleted at once and a

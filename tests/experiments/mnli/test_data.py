@@ -197,6 +197,20 @@ def test_label_minus_one_dropped_and_said(tmp_path, gen_files, capsys):
     assert "note: " + path + ": dropped 1 of 4 rows labelled -1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])  # a CSV's empty field is ""
+def test_a_missing_sentence_is_read_as_empty_and_said(tmp_path, gen_files, capsys, suffix):
+    """A null premise or hypothesis trains as an empty sentence: said on stderr, as dropped
+    rows are (before, nothing told a user that a column was half empty)."""
+    rows = [*ROWS, {"premise": None, "hypothesis": "b", "label": 0}]
+    path = _write(tmp_path / f"t{suffix}", rows)
+    data = load_mnli(MNLIDataConfig(train_file=path, eval_files={"v": path},
+                                    tokenizer=str(gen_files[2])))  # fmt: skip
+    assert len(data.train) == 4
+    err = capsys.readouterr().err
+    assert f"note: {path}: 1 of 4 rows have no 'premise' (null): read as empty" in err
+    assert "'hypothesis'" not in err
+
+
 def test_label_names_accepted(tmp_path, gen_files):
     rows = [dict(r, label=md.LABEL_NAMES[r["label"]]) for r in ROWS]
     # MultiNLI's own files mark examples without annotator consensus "-": unlabelled

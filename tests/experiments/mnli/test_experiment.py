@@ -410,3 +410,32 @@ def test_the_mnli_report_command_refuses_outputs_it_would_spoil(tmp_path, capsys
     assert "is given twice" in capsys.readouterr().err
     assert report_main([str(run), "--out", str(tmp_path / "r.md")]) == 2
     assert "metrics.jsonl holds no training row yet" in capsys.readouterr().err
+
+
+def test_a_resume_over_an_eval_file_changed_in_place_is_refused(tmp_path, capsys) -> None:
+    """The checkpoint keeps a digest of each eval split: an eval file edited between a run
+    and its resume was read without a word, so one curve joined two eval sets. The
+    refusal is one line and keeps the checkpoint; the original file resumes."""
+    import shutil
+
+    from experiments.mnli.generated import write_generated_files
+
+    train, dev, tok = write_generated_files(tmp_path / "data", 200, 30)
+    run = tmp_path / "run"
+    argv = ["--train-file", str(train), "--eval-file", f"dev={dev}", "--tokenizer", str(tok),
+            "--steps", "4", "--checkpoint-every", "2", "--set", "train.eval_every=None",
+            "--wandb", "disabled", "--no-progress", "--run-dir", str(run)]  # fmt: skip
+    assert mnli.main(argv) == 0
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    kept = dev.read_text()
+    rows = kept.splitlines()
+    first = json.loads(rows[0])
+    first["label"] = (first["label"] + 1) % 3
+    dev.write_text("\n".join([json.dumps(first), *rows[1:]]) + "\n")
+    capsys.readouterr()
+    assert mnli.main(["--resume", str(run), "--no-progress"]) == 2
+    line = _one_error_line(capsys)
+    assert "other examples in eval split 'dev'" in line and "another split name" in line
+    assert (run / "checkpoints" / "step_00000002" / "model.pt").is_file()
+    dev.write_text(kept)
+    assert mnli.main(["--resume", str(run), "--no-progress"]) == 0
