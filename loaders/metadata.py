@@ -93,7 +93,9 @@ def atomic_write_text(path: Path, text: str, *, fsync: bool = True) -> None:
 
 
 def _cache_path(root: Path, cache_dir: str | Path) -> Path:
-    digest = hashlib.blake2b(str(root.resolve()).encode(), digest_size=8).hexdigest()
+    digest = hashlib.blake2b(
+        str(root.resolve()).encode("utf-8", "surrogateescape"), digest_size=8
+    ).hexdigest()
     return Path(cache_dir) / f"{root.name}-{digest}.{METADATA_NAME}"
 
 

@@ -70,8 +70,10 @@ class Doc:
 
 
 def _hash01(key: str) -> float:
-    """The hash of ``key`` as a number in [0, 1): the same in every run."""
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
+    """The hash of ``key`` as a number in [0, 1): the same in every run (a file name that
+    is not UTF-8 hashes its own bytes)."""
+    raw = key.encode("utf-8", "surrogateescape")
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big") / 2**64
 
 
 def _sources_digest(docs: list[Doc]) -> str:
@@ -81,7 +83,7 @@ def _sources_digest(docs: list[Doc]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for path in sorted({d.path for d in docs if not d.path.startswith("hub:")}):
         st = os.stat(path)
-        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
     return h.hexdigest()
 
 
@@ -278,9 +280,16 @@ def _plan(docs: list[Doc], docs_per_shard: int) -> list[dict]:
 
 
 def _rows(path: Path) -> int:
-    """Documents in a written shard (pieces count: a cut document is several)."""
-    with pa.memory_map(str(path)) as src:
-        return pa.ipc.open_file(src).read_all().num_rows
+    """Documents in a written shard (pieces count: a cut document is several); a shard
+    that cannot be read (truncated on disk) is an error naming it."""
+    try:
+        with pa.memory_map(str(path)) as src:
+            return pa.ipc.open_file(src).read_all().num_rows
+    except (pa.ArrowException, OSError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise PrepareError(
+            f"{path} is damaged ({why}); delete it and run again to write it anew"
+        ) from None
 
 
 def prepare(

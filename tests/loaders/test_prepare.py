@@ -139,6 +139,23 @@ def test_rerun_finishes_a_crashed_run_and_refuses_other_settings(tmp_path: Path)
         prepare([str(tmp_path / "src")], tmp_path / "given", **given)
 
 
+def test_a_damaged_shard_or_a_file_name_not_utf8_is_no_traceback(tmp_path: Path) -> None:
+    """A shard truncated on disk was an ArrowInvalid traceback at the next run; a file
+    whose name is not UTF-8 was a UnicodeEncodeError in the held-out hash."""
+    _corpus(tmp_path / "src")
+    odd = os.fsencode(tmp_path / "src") + b"/caf\xe9.py"
+    with open(odd, "wb") as f:
+        f.write(b"x = 1\n")
+    out = tmp_path / "out"
+    kw = dict(train_vocab=300, glob="**/*.py", docs_per_shard=6, heldout=0.2, progress=False)
+    summary = prepare([str(tmp_path / "src")], out, **kw)
+    assert sum(s["docs"] for s in summary["splits"].values()) == 41
+    shard = sorted((out / "train").glob("part-*.arrow"))[0]
+    os.truncate(shard, 100)
+    with pytest.raises(PrepareError, match=r"part-00000.arrow is damaged .*delete it"):
+        prepare([str(tmp_path / "src")], out, **kw)
+
+
 def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
     texts = _corpus(tmp_path / "src")
     kw = dict(train_vocab=300, glob="**/*.py", docs_per_shard=5, progress=False)
