@@ -88,6 +88,8 @@ RESUME_MUTABLE = frozenset(
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints")  # a run dir already in use
+# what a run also writes there: a fresh run would overwrite them (ranks.json: merge into)
+RUN_RECORDS = ("ranks.json", "host.json", "plans.json")
 
 
 class CLIError(UserError):
@@ -856,6 +858,13 @@ def prepare(
         raise CLIError(
             f"{run_dir} already holds a run; continue it with --resume {run_dir}, or give "
             "another --run-dir (nothing there is overwritten)"
+        )
+    records = [f for f in RUN_RECORDS if (run_dir / f).exists()]
+    if not resume and records:
+        raise CLIError(
+            f"{run_dir} holds {', '.join(records)} of another run (and no config.json to "
+            "resume it); move them away or give another --run-dir (nothing there is "
+            "overwritten)"
         )
     rank, world = init_distributed(cfg.train.device)
     history: dict = {}  # what a restarted run's record keeps of the one it restarts

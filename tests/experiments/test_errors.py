@@ -317,6 +317,20 @@ def test_bad_places_and_files_are_one_line(tmp_path, capsys, monkeypatch, extra,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_dir_holding_another_runs_records_is_refused(tmp_path, capsys):
+    """Without config.json, metrics.jsonl or checkpoints a folder passed as free: a new run
+    overwrote its host.json and merged its rank history into its ranks.json."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ranks.json").write_text('{"keep": "me"}')
+    (run / "notes.md").write_text("mine")
+    assert mnli.main([*FAST, "--run-dir", str(run)]) == 2
+    assert "holds ranks.json of another run" in _one_line(capsys)
+    assert (run / "ranks.json").read_text() == '{"keep": "me"}'
+    (run / "ranks.json").unlink()
+    assert mnli.main([*FAST, "--run-dir", str(run)]) == 0  # a folder of one's own files
+
+
 def test_ablation_and_demo_refuse_what_fails_after_training(tmp_path, capsys):
     """A --reports that is a file failed with FileExistsError after every variant had
     trained; the demo without evaluations failed with a KeyError after both runs."""
