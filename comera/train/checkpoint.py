@@ -351,8 +351,8 @@ def check_same_eval(tr: Any, ckpt: dict) -> None:
         raise CheckpointError(
             f"checkpoint in {ckpt['dir']} was evaluated on other examples in eval split "
             f"{changed[0]!r} than this run reads ({saved[changed[0]]} saved, "
-            f"{now[changed[0]]} now): restore that data, or evaluate the new data under "
-            "another split name"
+            f"{now[changed[0]]} now): restore the data it was evaluated on, or start a new "
+            "run (a split under a new name resumes)"
         )
 
 
@@ -380,8 +380,8 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
             f"checkpoint in {tr.run_dir} holds {kind} optimizer state but this run uses "
             f"optimizer={tr.cfg.optimizer!r}; resume with the saved optimizer"
         )
+    check_same_eval(tr, ckpt)  # first: changed data also changes a vocabulary's shapes
     check_same_run(tr, ckpt)
-    check_same_eval(tr, ckpt)
     try:
         rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
     except CheckpointError as e:  # as for an unreadable model file: say how to go on

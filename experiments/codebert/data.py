@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from loaders.prepare import (
     PLAN_NAME,
     Doc,
     PrepareError,
+    _tokenizer_digest,
     heldout_docs,
     prepare,
     train_tokenizer,
@@ -230,21 +232,63 @@ def _prepared(name: str, folder: Path) -> tuple[str, Path]:
                         "rerun python -m loaders.prepare into a fresh folder")  # fmt: skip
     if not Path(tok).is_file() and (folder / "tokenizer.json").is_file():
         tok = str(folder / "tokenizer.json")  # a trained tokenizer, folder moved since
+    saved = plan.get("tokenizer_digest")  # a plan written before digests has none
+    if saved is not None and _tokenizer_digest(tok) not in (None, saved):
+        raise DataError(f"--corpus {name}={folder}: its tokenizer {tok} changed since the "
+                        "folder was prepared (its ids would not match the shards'); restore "
+                        "it, or prepare the folder again")  # fmt: skip
     return tok, folder
+
+
+def _hidden(path: Path, folder: Path, glob: str | None) -> bool:
+    """Whether ``path`` lies in a hidden file or folder (``.git``, ``.venv``) that ``glob``
+    does not name itself (``.github/**/*.yml`` does)."""
+    named = {part for part in Path(glob).parts if part.startswith(".")} if glob else set()
+    return any(p.startswith(".") and p not in named for p in path.relative_to(folder).parts)
+
+
+def is_binary(path: Path) -> bool:
+    """Whether a file looks binary: a NUL byte, or bytes that are not UTF-8, in its first
+    8 KiB (as ``git`` and ``grep`` decide). Its text would train as replacement marks."""
+    with open(path, "rb") as f:
+        head = f.read(8192)
+    if b"\0" in head:
+        return True
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:  # a character cut at the 8 KiB boundary is text
+        return not (len(head) == 8192 and e.start >= len(head) - 3)
+    return False
 
 
 def source_files(folder: Path, glob: str | None = None) -> list[Path]:
     """The files of ``folder`` matching ``glob`` (relative, ``**`` recursive), or with no
-    glob every file with a :data:`SOURCE_SUFFIXES` suffix outside hidden folders; sorted."""
-    if glob:
-        return sorted(p for p in folder.glob(glob) if p.is_file())
-    return sorted(
-        p
-        for p in folder.rglob("*")
-        if p.suffix.lower() in SOURCE_SUFFIXES
-        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-        and p.is_file()
-    )
+    glob every file with a :data:`SOURCE_SUFFIXES` suffix; outside hidden folders the glob
+    does not name, binary files (:func:`is_binary`) left out; sorted."""
+    return [p for p in _candidates(folder, glob) if not is_binary(p)]
+
+
+def _candidates(folder: Path, glob: str | None) -> list[Path]:
+    """:func:`source_files` before binary files are left out."""
+    found = folder.glob(glob) if glob else (
+        p for p in folder.rglob("*") if p.suffix.lower() in SOURCE_SUFFIXES)  # fmt: skip
+    return sorted(p for p in found if not _hidden(p, folder, glob) and p.is_file())
+
+
+def _linked_twins(name: str, folder: str, files: list[Path]) -> list[Path]:
+    """``files`` with links to a file already listed dropped (a link is read as its
+    target: a twin could be held out while its target trains); said on stderr."""
+    seen: set[Path] = set()
+    out = []
+    for p in files:
+        real = p.resolve()
+        if real not in seen:
+            seen.add(real)
+            out.append(p)
+    if len(out) < len(files):
+        print(f"note: --corpus {name}={folder}: {len(files) - len(out)} files are links to "
+              "files already in it; each is read once", file=sys.stderr)  # fmt: skip
+    return out
 
 
 def corpus_from_paths(
@@ -254,10 +298,13 @@ def corpus_from_paths(
 ) -> Corpus:  # fmt: skip
     """``{name: folder}`` as sub-datasets: a folder of source files is prepared and cached
     (its files by :func:`source_files`: ``globs[name]``, else ``glob``, else every source
-    suffix); a folder ``loaders.prepare`` made is used as it is (its tokenizer then serves
-    every sub-dataset, so all such folders must share one). A folder in which nothing
-    matches is an error naming the pattern."""
+    suffix; binary files left out, said); a folder ``loaders.prepare`` made is used as it
+    is (its tokenizer then serves every sub-dataset, so all such folders must share one).
+    A folder in which nothing matches is an error naming the pattern, and so are two
+    groups that share a file (each draws its held-out files apart, so a file could train
+    in one and be held out in the other)."""
     groups, ready, toks = {}, {}, set()
+    owner: dict[Path, str] = {}
     for name, folder in paths.items():
         path = Path(folder)
         if not path.is_dir():
@@ -267,7 +314,26 @@ def corpus_from_paths(
             toks.add(tok)
             continue
         pattern = (globs or {}).get(name) or glob
-        groups[name] = source_files(path, pattern)
+        try:
+            found = _candidates(path, pattern)
+        except ValueError as e:  # Path.glob's "Invalid pattern" ('**.py')
+            raise DataError(f"--corpus {name}={folder}:{pattern}: {e}; e.g. **/*.py") from None
+        binary = [p for p in found if is_binary(p)]
+        if binary and len(binary) == len(found):
+            raise DataError(f"--corpus {name}={folder}: its {len(found)} files are binary (not "
+                            "UTF-8 text); name the text files with a glob")  # fmt: skip
+        if binary:  # their text would train as replacement marks
+            print(f"note: --corpus {name}={folder}: left out {len(binary)} binary files (not "
+                  f"UTF-8 text), e.g. {binary[0]}", file=sys.stderr)  # fmt: skip
+        groups[name] = _linked_twins(name, folder, [p for p in found if p not in binary])
+        for p in groups[name]:
+            other = owner.setdefault(p.resolve(), name)
+            if other != name:
+                raise DataError(
+                    f"--corpus {other} and --corpus {name} share files ({p}); a file in two "
+                    "groups could train in one and be held out in the other: give folders "
+                    "(or globs) that do not overlap"
+                )
         if not groups[name]:
             what = (
                 f"no file matches {pattern!r}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from experiments.codebert.model import init_mlm
 from experiments.codebert.task import MLMTask
 from experiments.transformer import EncoderConfig, check_step_mode, dense_param_count, fit_vocab
 from loaders import DatasetSpec, LoaderConfig, TokenLoader
+from loaders.pipeline import holds_long
 
 __all__ = ["EXPERIMENT", "CorpusConfig", "Preset", "build", "codebert_model", "main", "preset"]
 
@@ -92,12 +94,28 @@ class CorpusConfig:
                     f"data.paths: {name!r} is not a sub-dataset name (no path separators, "
                     "not . or ..); name it as in --corpus NAME=FOLDER"
                 )
+        for name, folder in self.paths.items():
+            if not isinstance(folder, str) or not folder.strip():  # Path("") is the cwd
+                raise ConfigError(
+                    f"data.paths: {name!r} has no folder ({folder!r}); give --corpus {name}=FOLDER"
+                )
         for name, glob in self.globs.items():
             if Path(glob).is_absolute():  # Path.glob refuses it with a traceback
                 raise ConfigError(
                     f"data.globs: the glob {glob!r} of {name!r} is absolute; give a pattern "
                     "relative to the folder (e.g. **/*.py)"
                 )
+            if ".." in Path(glob).parts:  # it read files outside the folder
+                raise ConfigError(
+                    f"data.globs: the glob {glob!r} of {name!r} leaves its folder ('..'); "
+                    "give the other folder its own --corpus NAME=FOLDER"
+                )
+        if self.source != "paths" and (self.paths or self.globs):  # read by nothing
+            raise ConfigError(
+                f"data.source={self.source!r} does not read data.paths/data.globs "
+                f"({sorted(self.paths) or sorted(self.globs)}); give folders with --corpus "
+                "NAME=FOLDER alone (it sets data.source='paths')"
+            )
         stray = sorted(set(self.globs) - set(self.paths))
         if stray:
             raise ConfigError(
@@ -112,6 +130,14 @@ class CorpusConfig:
             raise ConfigError(
                 f"CorpusConfig: need vocab >= 300, 0 < heldout < 1, seq_len >= 8; got "
                 f"{self.vocab}, {self.heldout}, {self.seq_len}"
+            )
+        if self.max_doc_tokens is not None and (
+            isinstance(self.max_doc_tokens, bool) or not isinstance(self.max_doc_tokens, int)
+            or self.max_doc_tokens < 1
+        ):  # fmt: skip
+            raise ConfigError(
+                f"data.max_doc_tokens={self.max_doc_tokens!r} must be None (whole files) or "
+                "an integer >= 1"
             )
         if self.max_files is not None and self.max_files < 1:  # 0 read all, -1 all but one
             raise ConfigError(f"data.max_files={self.max_files} must be None (all) or >= 1")
@@ -261,6 +287,12 @@ def codebert_model(**changes: Any) -> EncoderConfig:
 def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, dict, int]:
     """Corpus (prepared and cached; rank 0 first), loaders, task and a fresh model."""
     root, progress = cache_root("codebert", p.data.cache_dir), p.train.progress and rank == 0
+    for up in (root, *root.parents):  # a file on the way: NotADirectoryError mid-prepare
+        if up.exists():
+            if not up.is_dir():
+                raise ConfigError(f"the corpus cache {root} lies under {up}, a file; point "
+                                  "data.cache_dir (or $COMERA_CACHE) at a folder")  # fmt: skip
+            break
 
     def corpus_of() -> Corpus:
         d = p.data
@@ -277,10 +309,19 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                                  progress=progress, globs=d.globs,
                                  glob=d.default_glob)  # fmt: skip
 
+    if p.data.source == "paths" and p.data.max_files is not None and rank == 0:  # (--corpus: None)
+        print(f"note: data.max_files={p.data.max_files} picks files of the stdlib source only; "
+              "every file of --corpus is read", file=sys.stderr)  # fmt: skip
     corpus = rank_first(corpus_of, rank, world)
     unknown = sorted(set(p.data.mix) - set(corpus.train))
     if unknown:
         raise ConfigError(f"--mix names {unknown}; the corpus has {sorted(corpus.train)}")
+    unnamed = sorted(set(corpus.train) - set(p.data.mix)) if p.data.mix else []
+    if unnamed:  # weighed 1.0 each: --mix a=0.9 gave a 47%, not 90%
+        raise ConfigError(
+            f"--mix gives no weight to {unnamed}; weigh every sub-dataset of "
+            f"{sorted(corpus.train)} (relative weights; 0 leaves one out)"
+        )
     vocab_size, ids = tokenizer_info(corpus.tokenizer)
     bos, pad, eos, mask_id = ids["<s>"], ids["<pad>"], ids["</s>"], ids["<mask>"]
     if mask_id is None or pad is None:
@@ -297,6 +338,18 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
 
     train_iter = TokenLoader(loader_cfg(corpus.train, p.data.mix, provenance=p.data.provenance),
                              rank=rank, world_size=world)  # fmt: skip
+    cfg = train_iter.config
+    empty = [
+        d.name
+        for d in cfg.datasets
+        if d.weight > 0 and not holds_long(train_iter.sources[d.name], cfg.min_doc_len)
+    ]
+    if empty:  # the loader drops it, and its share goes to the others without a word
+        raise DataError(
+            f"sub-dataset {empty[0]!r} ({corpus.train[empty[0]]}) holds no training document "
+            f"of {cfg.min_doc_len}+ tokens (empty files?); give it files with text, or drop "
+            "it from --corpus"
+        )
     # the held-out batches weigh every group alike, whatever --mix: a mix changed on resume
     # (or a group given no weight) leaves the held-out loss measured on the same tokens
     held = iter(TokenLoader(loader_cfg(corpus.heldout, {}, shuffle="none", num_epochs=1),
@@ -374,7 +427,8 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
                 paths[name], glob = _folder_and_glob(value)
                 if glob:
                     globs[name] = glob
-        out += [("data.paths", paths), ("data.source", "paths")]  # paths first: validated
+        # paths first: validated; max_files (the smoke preset's 150) picks stdlib files only
+        out += [("data.paths", paths), ("data.source", "paths"), ("data.max_files", None)]
         if globs:
             out.append(("data.globs", globs))
     if args.mix:

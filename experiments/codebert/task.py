@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -38,6 +39,19 @@ class MLMTask:
         self.mask_id, self.special_ids = mask_id, special_ids
         self.plans = plans or C.LayerPlans()
         self.device = torch.device(device)
+
+    @property
+    def eval_data_id(self) -> dict[str, str]:
+        """A digest of the held-out batches (tokens, masks, labels), kept in checkpoints: a
+        resume whose held-out files or tokenizer changed is refused, not scored anew."""
+        if not self.eval_batches:
+            return {}
+        h = hashlib.blake2b(digest_size=8)
+        for batch in self.eval_batches:
+            for key in sorted(batch):
+                h.update(key.encode())
+                h.update(batch[key].cpu().contiguous().numpy().tobytes())
+        return {"heldout": h.hexdigest()}
 
     def batch_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         """Input tokens of a batch (padding excluded): the trainer's ``tokens_per_s``."""

@@ -21,6 +21,8 @@ def _argv(tmp_path: Path, run: str, *extra: str) -> list[str]:
             "train.comera.reg_start_step=2", "train.comera.early_steps=8",
             "train.comera.prune_every=2", "train.warmup_steps=0",
             f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    if "--corpus" in extra:
+        sets.remove("data.max_files=12")  # it picks stdlib files: said, with --corpus
     argv = ["--preset", "smoke", "--run-dir", str(tmp_path / run), "--no-progress"]
     argv += ["--wandb", "disabled", *extra]
     for kv in sets:
@@ -162,6 +164,7 @@ def strip_weights(state: dict) -> dict:
 def test_mix_may_change_on_resume_and_nothing_else(tmp_path: Path, capsys) -> None:
     import shutil
 
+    from comera.errors import ConfigError
     from experiments import cli
     from experiments.codebert.experiment import EXPERIMENT
 
@@ -169,15 +172,21 @@ def test_mix_may_change_on_resume_and_nothing_else(tmp_path: Path, capsys) -> No
     assert main(_argv(tmp_path, "run", "--mix", "modules=1,packages=1,tests=1")) == 0
     shutil.rmtree(run / "checkpoints" / "step_00000012")  # as if killed after step 6
     ap = cli.build_parser(EXPERIMENT)
-    args = ap.parse_args(["--resume", str(run), "--mix", "modules=0.7,tests=0.3",
-                          "--no-progress"])  # fmt: skip
-    cfg = cli.resolve_config(EXPERIMENT, args, ap)
-    assert cfg.data.mix == {"modules": 0.7, "tests": 0.3}
+
+    def resolved(mix: str):
+        args = ap.parse_args(["--resume", str(run), "--mix", mix, "--no-progress"])
+        return cli.resolve_config(EXPERIMENT, args, ap)
+
+    # a sub-dataset left out of --mix weighed 1.0, whatever the run gave it
+    with pytest.raises(ConfigError, match=r"--mix gives no weight to \['packages'\]"):
+        cli.prepare(EXPERIMENT, resolved("modules=0.7,tests=0.3"), resume=True)
+    cfg = resolved("modules=0.7,packages=1,tests=0.3")
+    assert cfg.data.mix == {"modules": 0.7, "packages": 1.0, "tests": 0.3}
     prepared = cli.prepare(EXPERIMENT, cfg, resume=True)
     assert prepared.trainer.step == 6
     loader = prepared.trainer.task.train_iter
     state = loader.state_dict()
-    assert state["weights"] == {"modules": 0.7, "packages": 1.0, "tests": 0.3}  # missing: same
+    assert state["weights"] == {"modules": 0.7, "packages": 1.0, "tests": 0.3}
     saved = json.loads((run / "checkpoints" / "step_00000006" / "data_rank00000.json").read_text())
     assert strip_weights(state) == strip_weights(saved["state"])  # every position kept
     # the new weights hold over the next million tokens (traced to their sub-dataset)
@@ -485,3 +494,107 @@ def test_an_empty_held_out_part_is_refused(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "gives no batch" in err[0] and "data.heldout" in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+def test_corpus_files_that_would_leak_or_train_as_noise_are_refused_or_said(
+    tmp_path: Path, capsys
+) -> None:
+    """Two groups sharing a file drew their held-out files apart (a file trained in one
+    and was held out in the other); a link to a file of its group could be held out while
+    its target trained; a glob took ``.git`` and binary files (trained as replacement
+    marks); a ``**`` typo was a traceback."""
+    from comera.errors import DataError
+    from experiments.codebert.data import corpus_from_paths, source_files
+
+    _javascript(tmp_path / "js", files=6)
+    (tmp_path / "js" / "src" / "blob.js").write_bytes(b"\x89PNG\r\n\x00\x00binary")
+    (tmp_path / "js" / "src" / "latin.js").write_bytes(b"var caf\xe9 = 1;\n")
+    found = [p.relative_to(tmp_path / "js").as_posix()
+             for p in source_files(tmp_path / "js", "**/*")]  # fmt: skip
+    assert found == ["NOTES.txt", "lib/m1.js", "lib/m3.js", "lib/m5.js", "src/m0.js",
+                     "src/m2.js", "src/m4.js"]  # fmt: skip
+    assert [p.name for p in source_files(tmp_path / "js", ".git/*.js")] == ["hook.js"]
+    js = str(tmp_path / "js")
+    with pytest.raises(DataError, match=r"--corpus all and --corpus lib share files .*m1.js"):
+        corpus_from_paths({"all": js, "lib": f"{js}/lib"}, tmp_path / "c", vocab=300)
+    with pytest.raises(DataError, match=r"--corpus a=.*:\*\*.js: .*e.g. \*\*/\*.py"):
+        corpus_from_paths({"a": js}, tmp_path / "c", vocab=300, globs={"a": "**.js"})
+    (tmp_path / "bin").mkdir()
+    for i in range(3):
+        (tmp_path / "bin" / f"b{i}.py").write_bytes(bytes(range(256)))
+    with pytest.raises(DataError, match=r"its 3 files are binary"):
+        corpus_from_paths({"b": str(tmp_path / "bin")}, tmp_path / "c", vocab=300)
+    (tmp_path / "js" / "src" / "twin.js").symlink_to(tmp_path / "js" / "lib" / "m1.js")
+    capsys.readouterr()
+    corpus = corpus_from_paths({"a": js}, tmp_path / "c", vocab=300, progress=False,
+                               globs={"a": "**/*.js"})  # fmt: skip
+    err = capsys.readouterr().err
+    assert "left out 2 binary files" in err and "1 files are links to files already" in err
+    plan = json.loads((corpus.root / "a" / "prepare_plan.json").read_text())
+    assert len(plan["settings"]["sources"]) == 6  # six modules; no twin, no binary
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--corpus", "x="], "data.paths: 'x' has no folder"),
+        (["--corpus", "a={src}", "--set", "data.source=stdlib"], "does not read data.paths"),
+        (["--corpus", "a={src}:../*.py"], "leaves its folder"),
+        (["--set", "data.max_doc_tokens=0"], "data.max_doc_tokens=0 must be None"),
+        (["--corpus", "a={src}", "--corpus", "b={empty}"], "'b' .* holds no training document"),
+        (["--corpus", "a={src}", "--corpus", "b={empty}", "--mix", "a=0.9"],
+         r"--mix gives no weight to \['b'\]"),
+    ],
+)  # fmt: skip
+def test_corpus_settings_that_were_ignored_or_misread_are_one_line(
+    tmp_path: Path, capsys, extra: list[str], message: str
+) -> None:
+    """Each of these trained without a word on other data than asked: the current folder
+    (an empty folder value), the stdlib (a source that does not read the folders), files
+    outside the folder, a group of empty files dropped with its share, a group left out
+    of --mix weighed 1.0; the others were tracebacks or named another command's flag."""
+    src, empty = tmp_path / "src", tmp_path / "empty"
+    src.mkdir()
+    empty.mkdir()
+    for i in range(12):
+        (src / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 4)
+        (empty / f"e{i:02d}.py").write_text("")
+    argv = [e.format(src=src, empty=empty) for e in extra]
+    assert main(_argv(tmp_path, "r", "--set", "data.vocab=300", *argv)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.search(message, err[-1]) and "Traceback" not in "".join(err), err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_corpus_cache_under_a_file_is_one_line(tmp_path: Path, capsys) -> None:
+    """It was a NotADirectoryError traceback from deep in the preparation."""
+    (tmp_path / "afile").write_text("")
+    argv = ["--preset", "smoke", "--run-dir", str(tmp_path / "r"), "--wandb", "disabled",
+            "--set", f"data.cache_dir={tmp_path / 'afile' / 'c'}"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lies under" in err[0] and "data.cache_dir" in err[0], err
+
+
+def test_a_resume_over_edited_held_out_files_is_refused(tmp_path: Path, capsys) -> None:
+    """An edited corpus is prepared anew (another BPE, other held-out tokens), and a
+    resume carried on over it, scoring the held-out loss on other tokens than before."""
+    import os
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x * {i} + 1\n" * 6)
+    argv = _argv(tmp_path, "run", "--corpus", f"a={src}", "--set", "data.vocab=300",
+                 "--set", "data.eval_batches=1")  # fmt: skip
+    assert main(argv) == 0
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000012")
+    for i, f in enumerate(sorted(src.iterdir())):
+        f.write_text(f.read_text() + "# edited: zeta handler\n")
+        os.utime(f, ns=(i + 1, i + 1))
+    capsys.readouterr()
+    assert main(["--resume", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "other examples in eval split 'heldout'" in err[-1], err
+    assert (tmp_path / "run" / "checkpoints" / "step_00000006" / "model.pt").is_file()

@@ -435,7 +435,7 @@ def test_a_resume_over_an_eval_file_changed_in_place_is_refused(tmp_path, capsys
     capsys.readouterr()
     assert mnli.main(["--resume", str(run), "--no-progress"]) == 2
     line = _one_error_line(capsys)
-    assert "other examples in eval split 'dev'" in line and "another split name" in line
+    assert "other examples in eval split 'dev'" in line and "start a new run" in line
     assert (run / "checkpoints" / "step_00000002" / "model.pt").is_file()
     dev.write_text(kept)
     assert mnli.main(["--resume", str(run), "--no-progress"]) == 0
