@@ -42,6 +42,9 @@ def test_smoke_cli_tensorizes_adapts_ranks_and_resumes(tmp_path: Path, capsys) -
     trained = [r for r in rows if "compression" in r]
     assert trained[-1]["compression"] > 3  # against the dense model's parameter count
     assert main(["--resume", str(tmp_path / "finetune-smoke"), "--no-progress"]) == 0  # done
+    from comera.train import load_checkpoint  # a resume checks the eval split it names
+
+    assert set(load_checkpoint(tmp_path / "finetune-smoke")["eval_data"]) == {"validation"}
     assert main(_argv(tmp_path, "finetune-smoke-dense", "--dense")) == 0
     dense = json.loads((tmp_path / "finetune-smoke-dense" / "config.json").read_text())
     assert dense["tensorized"] == [] and dense["dense"]
