@@ -315,11 +315,13 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
         if isinstance(v, str):  # "1", "-1"; a text int() refuses ("--1", "²") stays text
             with contextlib.suppress(ValueError):
                 v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int) or v not in (-1, 0, 1, 2):
+        if isinstance(v, float) and v.is_integer():  # a CSV column Arrow read as float
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < -1:
             raise DataError(
-                f"{source}: label {v!r} in column {cfg.label_column!r} (row {i}) is not one of "
-                f"0/1/2 ({'/'.join(LABEL_NAMES)}) or -1 / '-' (unlabelled, dropped); fix the "
-                "file or point --label-column at the right column"
+                f"{source}: label {v!r} in column {cfg.label_column!r} (row {i}) is not a "
+                f"class id (0, 1, ...; {'/'.join(LABEL_NAMES)} are 0/1/2) or -1 / '-' "
+                "(unlabelled, dropped); fix the file or point --label-column at the right column"
             )
         labels[i] = v
     return text[0], text[1], labels

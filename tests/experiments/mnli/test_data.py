@@ -179,9 +179,28 @@ def test_missing_column_error_names_file_column_present_and_field(tmp_path, gen_
 
 
 def test_bad_label_error_names_file_and_value(tmp_path, gen_files):
-    path = _write(tmp_path / "bad.csv", [*ROWS, {"premise": "a", "hypothesis": "b", "label": 7}])
-    with pytest.raises(ValueError, match=r"bad\.csv.*label 7"):
+    path = _write(tmp_path / "bad.csv", [*ROWS, {"premise": "a", "hypothesis": "b", "label": -2}])
+    with pytest.raises(ValueError, match=r"bad\.csv.*label -2 .*row 3"):
         load_mnli(MNLIDataConfig(train_file=path, tokenizer=str(gen_files[2])))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_labels_past_three_classes_are_read_for_a_larger_head(tmp_path, gen_files, suffix):
+    """Labels were 0/1/2 only, so a five-class file could not be fine-tuned at all; any
+    class id is read now, and a head too small for them is refused naming num_labels. A
+    label column with a float (1.0: pandas' writing of an int column with gaps) is read."""
+    from comera.errors import ConfigError
+
+    rows = [*ROWS, {"premise": "a", "hypothesis": "b", "label": 4}]
+    path = _write(tmp_path / f"five{suffix}", rows)
+    data = load_mnli(MNLIDataConfig(train_file=path, tokenizer=str(gen_files[2])))
+    assert data.train.labels.tolist() == [0, 1, 2, 4]
+    with pytest.raises(ConfigError, match=r"label ids up to 4 .*--set model.num_labels=5"):
+        data.check_label_count(3)
+    data.check_label_count(5)
+    floats = _write(tmp_path / "f.jsonl", [{**r, "label": float(r["label"])} for r in ROWS])
+    data = load_mnli(MNLIDataConfig(train_file=floats, tokenizer=str(gen_files[2])))
+    assert data.train.labels.tolist() == [0, 1, 2]
 
 
 def test_label_minus_one_dropped_and_said(tmp_path, gen_files, capsys):

@@ -339,10 +339,13 @@ def test_bad_data_is_one_line_naming_the_flag(tmp_path, capsys):
     line = _one_error_line(capsys)
     assert "missing column 'text'" in line and "--premise-column" in line
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"premise": "a", "hypothesis": "b", "label": 7}\n')
+    bad.write_text('{"premise": "a", "hypothesis": "b", "label": "x7"}\n')
     assert mnli.main([*base, "--train-file", str(bad)]) == 2
     line = _one_error_line(capsys)
-    assert "label 7" in line and "--label-column" in line
+    assert "label 'x7'" in line and "--label-column" in line
+    bad.write_text('{"premise": "a", "hypothesis": "b", "label": 7}\n')  # a class id
+    assert mnli.main([*base, "--train-file", str(bad)]) == 2
+    assert "--set model.num_labels=8" in _one_error_line(capsys)
 
 
 def test_bad_local_data_is_reported_before_the_tokenizer_loads(tmp_path, capsys, monkeypatch):
