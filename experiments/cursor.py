@@ -43,6 +43,9 @@ class EpochCursor:
     batch_in_epoch: int
     rescalable = True  # the position is global: every rank saved the same one
     data_id: str | None = None  # a digest of the examples, checked on resume where set
+    # older digests of the same examples (a digest scheme since replaced): a checkpoint
+    # that holds one of them resumes as if it held ``data_id``
+    legacy_data_ids: tuple[str, ...] = ()
 
     def _advance(self) -> None:
         self.batch_in_epoch += 1
@@ -72,19 +75,30 @@ class EpochCursor:
             if not state or any(s != state[0] for s in state):
                 raise DataError(f"{name}: the saved ranks disagree on the position")
             state = state[0]
+        # the data first: lines added or removed also change n, and the data is the cause
+        saved_id = state.get("data_id")
+        if (
+            saved_id is not None
+            and self.data_id is not None
+            and saved_id not in (self.data_id, *self.legacy_data_ids)
+        ):
+            changed = (
+                f" (it had {state['n']} examples, this has {self.n})"
+                if ("n" in state and int(state["n"]) != self.n)
+                else ""
+            )
+            raise DataError(
+                f"{name}: the checkpoint was trained on other data (digest {saved_id}) than "
+                f"this run reads ({self.data_id}){changed}: the file, or the settings that "
+                "split it or number its ids, changed since; resume with the same data, or "
+                "start a new run"
+            )
         for key, mine in (("n", self.n), ("seed", self.seed), ("batch_size", self.batch_size)):
             if key in state and int(state[key]) != mine:
                 raise DataError(
                     f"{name} state has {key}={state[key]} but this iterator has {key}={mine}; "
                     "resume with the same data and settings"
                 )
-        saved_id = state.get("data_id")
-        if saved_id is not None and self.data_id is not None and saved_id != self.data_id:
-            raise DataError(
-                f"{name}: the checkpoint was trained on other data (digest {saved_id}) than "
-                f"this run reads ({self.data_id}): the file, or the settings that split it or "
-                "number its ids, changed since; resume with the same data, or start a new run"
-            )
         epoch, step = int(state["epoch"]), int(state["batch_in_epoch"])
         if epoch < 0 or not 0 <= step < self.steps_per_epoch:
             raise DataError(

@@ -63,6 +63,13 @@ class RowBatches(EpochCursor):
         self.data_id = data.identity()  # a resume on changed data is refused
         self._cipher: tuple[int, IndexCipher] | None = None
 
+    @property
+    def legacy_data_ids(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The sampled digest a checkpoint saved before the full one holds (read only
+        on resume: 4,096 rows)."""
+        legacy = self.data.sampled_identity()
+        return (legacy,) if legacy != self.data_id else ()
+
     def _order(self) -> IndexCipher:
         if self._cipher is None or self._cipher[0] != self.epoch:
             self._cipher = (self.epoch, IndexCipher(self.n, self.seed * 1_000_003 + self.epoch))

@@ -35,6 +35,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,9 @@ DENSE_COLUMNS = tuple(f"I{i}" for i in range(1, 14))
 CAT_COLUMNS = tuple(f"C{i}" for i in range(1, 27))
 COLUMNS = ("label", *DENSE_COLUMNS, *CAT_COLUMNS)
 CACHE_VERSION = 1
+# the generator draws the whole file in memory (about 800 bytes a row at its peak) and
+# writes about 10,000 rows a second: 10M rows is 8 GB and a quarter of an hour
+GENERATED_MAX_ROWS = 10_000_000
 _HEX = np.full(256, 255, dtype=np.uint8)
 for _i, _c in enumerate(b"0123456789abcdef"):
     _HEX[_c] = _i
@@ -97,8 +101,12 @@ class CriteoDataConfig:
             )
         if self.id_order not in ("frequency", "hash"):
             raise ConfigError(f"data.id_order={self.id_order!r}; choose 'frequency' or 'hash'")
-        if self.path == "generated" and self.generated_rows < 100:
-            raise ConfigError(f"data.generated_rows={self.generated_rows} must be >= 100")
+        if self.path == "generated" and not 100 <= self.generated_rows <= GENERATED_MAX_ROWS:
+            raise ConfigError(
+                f"data.generated_rows={self.generated_rows} must be between 100 and "
+                f"{GENERATED_MAX_ROWS:,} (the generator draws the file in memory, about 800 "
+                "bytes a row); for more rows pass a real Criteo file with --data PATH"
+            )
         if self.eval_rows is not None and self.eval_rows < 1:
             raise ConfigError(f"data.eval_rows={self.eval_rows} must be None or >= 1")
 
@@ -151,8 +159,26 @@ def check_line(line: str, path: str | Path, lineno: int) -> None:
             )
 
 
+# what a compressed file starts with: its kind and the tool that undoes it
+_COMPRESSED = (
+    (b"\x1f\x8b", "gzip", "gunzip"),
+    (b"BZh", "bzip2", "bunzip2"),
+    (b"\xfd7zXZ\x00", "xz", "unxz"),
+    (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"),
+)
+
+
 def check_head(path: Path, lines: int = 50) -> None:
-    """Validate the first lines before any heavy work: a non-Criteo file fails here."""
+    """Validate the first lines before any heavy work: a non-Criteo file fails here, a
+    compressed one (read as it is, whatever its name) with what decompresses it."""
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    for prefix, kind, tool in _COMPRESSED:
+        if magic.startswith(prefix):
+            raise CriteoFormatError(
+                f"{path} is {kind}-compressed; decompress it first ({tool} {path.name}) and "
+                "pass the plain text file with --data PATH"
+            )
     with open(path, encoding="utf-8", errors="replace") as f:
         n = 0
         for n, line in enumerate(f, 1):
@@ -163,15 +189,41 @@ def check_head(path: Path, lines: int = 50) -> None:
         raise CriteoFormatError(f"{path}: the file is empty")
 
 
+def check_end(path: Path) -> None:
+    """A note on stderr when the file does not end with a newline: a copy cut short inside
+    its last field still parses (a hash of fewer digits), so the last row may be wrong.
+    Not refused: a complete file written without a final newline reads correctly."""
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+    if last != b"\n" and os.environ.get("RANK", "0") == "0":
+        print(
+            f"note: Criteo file {path} does not end with a newline, so its last line may "
+            "be cut short (a truncated copy?); it is read as it stands: check the file's end",
+            file=sys.stderr,
+        )
+
+
+def _read_error(path: Path, e: OSError) -> CriteoFormatError:
+    """An error reading the source file (not writing the cache), naming ``--data``."""
+    return CriteoFormatError(
+        f"cannot read Criteo file {path}: {e.strerror or e}; pass a readable, uncompressed "
+        "Criteo-format text file with --data PATH"
+    )
+
+
 def _locate_error(path: Path, start_row: int, detail: str) -> CriteoFormatError:
     """The fast reader failed somewhere at or after ``start_row``: find the line."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if n > start_row:
-                try:
-                    check_line(line, path, n)
-                except CriteoFormatError as e:
-                    return e
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if n > start_row:
+                    try:
+                        check_line(line, path, n)
+                    except CriteoFormatError as e:
+                        return e
+    except OSError as e:
+        return _read_error(path, e)
     return CriteoFormatError(f"{path}: unreadable after row {start_row}: {detail}")
 
 
@@ -204,14 +256,29 @@ def _read_raw(path: Path, out: Path, progress: bool) -> int:
     """Pass 1: text -> ``label.u8``, ``dense.f32`` (N, 13) and one ``hash.C<j>.u32`` (N,)
     per categorical column, so pass 2 reads each column as one contiguous run."""
     import pyarrow as pa
-    import pyarrow.csv as pcsv
-    from tqdm.auto import tqdm
 
     types = {"label": pa.int8(), **dict.fromkeys(DENSE_COLUMNS, pa.int64())}
     types |= dict.fromkeys(CAT_COLUMNS, pa.string())
+    try:
+        # a file object, not the name: given a name pyarrow decompresses by its extension,
+        # and a plain text file named *.gz would not read
+        source = pa.OSFile(str(path), "r")
+    except OSError as e:
+        raise _read_error(path, e) from None
+    with source:
+        return _read_blocks(path, source, out, types, progress)
+
+
+def _read_blocks(path: Path, source: object, out: Path, types: dict, progress: bool) -> int:
+    """:func:`_read_raw`'s loop over ``source``, the open file: an error reading it names
+    the file (``--data``), one writing ``out`` stays an ``OSError`` (the cache's)."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    from tqdm.auto import tqdm
+
     try:  # the first block is read (and converted) on opening
         reader = pcsv.open_csv(
-            path,
+            source,
             # 4 MB blocks: the reader keeps a fixed number of blocks ahead, so its pool
             # peaks near 180 MB (16 MB blocks: about 700 MB) and it runs no slower
             read_options=pcsv.ReadOptions(column_names=list(COLUMNS), block_size=4 << 20),
@@ -225,6 +292,8 @@ def _read_raw(path: Path, out: Path, progress: bool) -> int:
         )
     except pa.ArrowInvalid as e:
         raise _locate_error(path, 0, str(e).splitlines()[0]) from None
+    except OSError as e:
+        raise _read_error(path, e) from None
     rows = 0
     bar = tqdm(
         desc=f"criteo pass 1/2 {path.name}",
@@ -246,6 +315,8 @@ def _read_raw(path: Path, out: Path, progress: bool) -> int:
                 break
             except pa.ArrowInvalid as e:
                 raise _locate_error(path, rows, str(e).splitlines()[0]) from None
+            except OSError as e:
+                raise _read_error(path, e) from None
             n = batch.num_rows
             try:
                 label = batch.column(0).to_numpy(zero_copy_only=False)
@@ -344,6 +415,24 @@ def fingerprint(path: Path, cfg: CriteoDataConfig) -> str:
     return h.hexdigest()
 
 
+def _content_digest(label: np.ndarray, dense: np.ndarray, cat: np.ndarray, header: object) -> str:
+    """A digest of every byte of the table (``header``: sizes, vocabularies, splits), read
+    a chunk of rows at a time: 157 bytes a row, seconds for Kaggle's 45.8M rows."""
+    h = hashlib.blake2b(digest_size=16)  # 32 hex digits: never a sampled digest's 16
+    h.update(json.dumps(header).encode())
+    for column in (label, dense, cat):
+        for start in range(0, len(column), _ID_CHUNK):
+            h.update(np.ascontiguousarray(column[start : start + _ID_CHUNK]))
+    return h.hexdigest()
+
+
+def _meta_digest(meta: dict) -> str:
+    """A digest of ``meta.json``'s other fields: an edit that leaves it valid JSON (rows,
+    vocabulary sizes, splits) no longer matches it."""
+    rest = {k: v for k, v in meta.items() if k != "meta_digest"}
+    return hashlib.blake2b(json.dumps(rest, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
 @dataclass
 class CriteoData:
     """A preprocessed Criteo table: memory-mapped columns and the split boundaries."""
@@ -360,11 +449,58 @@ class CriteoData:
         return len(self.label)
 
     def identity(self) -> str:
-        """A digest of the table's content (its vocabularies and 4,096 evenly spaced rows),
-        not of where it lies: a resume checks it, so a checkpoint's tables are never read
-        with ids from a file that changed, while a moved or copied file still resumes."""
+        """A digest of the table's whole content (its vocabularies, splits and every row,
+        taken when the cache was built), not of where it lies: a resume checks it, so a
+        checkpoint's tables are never read with ids from a file that changed, while a
+        moved or copied file still resumes. A cache built before the full digest has the
+        sampled one (:meth:`sampled_identity`)."""
+        return self.meta.get("content_digest") or self.sampled_identity()
+
+    def sampled_identity(self) -> str:
+        """The digest of the vocabularies and 4,096 evenly spaced rows: the identity of a
+        cache built before the full digest, and what checkpoints saved then hold."""
         header = [self.cardinalities, len(self), self.splits]
         return sample_digest(header, [self.label, self.dense, self.cat])
+
+
+def _check_meta(root: Path, meta: dict) -> None:
+    """Raise ``ValueError`` where ``meta.json`` does not describe the files beside it: rows
+    against the files' sizes, the splits against the rows, the vocabulary sizes against the
+    ids (its digest where it has one, else a scan of the ids)."""
+    rows, cards, days = meta["rows"], meta["cardinalities"], meta["settings"]["days"]
+    if type(rows) is not int or rows < 1:
+        raise ValueError(f"rows={rows!r} is not a positive integer")
+    for name, width in (("label.u8", 1), ("dense.f32", 13 * 4), ("cat.i32", 26 * 4)):
+        size = (root / name).stat().st_size
+        if size != rows * width:
+            raise ValueError(f"{name} holds {size} bytes, {rows} rows need {rows * width}")
+    if not isinstance(cards, list) or len(cards) != 26:
+        raise ValueError(f"cardinalities is not a list of 26 sizes: {cards!r}")
+    for j, c in enumerate(cards):
+        if type(c) is not int or c < 1:
+            raise ValueError(f"cardinality of C{j + 1} is {c!r}, not a positive integer")
+    if type(days) is not int or days < 2 or rows < 2 * days:
+        raise ValueError(f"settings.days={days!r} cannot split {rows} rows")
+    splits = {k: list(v) for k, v in meta["splits"].items()}
+    want = {k: list(v) for k, v in _splits(rows, days).items()}
+    if splits != want:
+        raise ValueError(f"splits={meta['splits']!r}, but {rows} rows in {days} days are {want}")
+    if "meta_digest" in meta:
+        if meta["meta_digest"] != _meta_digest(meta):
+            raise ValueError("its fields do not match its meta_digest (edited?)")
+        return
+    # built before meta_digest: every id must fall inside its table
+    cat = np.memmap(root / "cat.i32", dtype=np.int32, mode="r", shape=(rows, 26))
+    top = np.full(26, -1, dtype=np.int64)
+    low = np.zeros(26, dtype=np.int64)
+    for start in range(0, rows, _ID_CHUNK):
+        part = cat[start : start + _ID_CHUNK]
+        top = np.maximum(top, part.max(axis=0))
+        low = np.minimum(low, part.min(axis=0))
+    bad = [j for j in range(26) if top[j] >= cards[j] or low[j] < 0]
+    if bad:
+        j = bad[0]
+        raise ValueError(f"C{j + 1} has ids {low[j]}..{top[j]}, outside its cardinality {cards[j]}")
 
 
 def _open(root: Path) -> CriteoData:
@@ -372,6 +508,7 @@ def _open(root: Path) -> CriteoData:
     (nothing is deleted: the user decides)."""
     try:
         meta = json.loads((root / "meta.json").read_text())
+        _check_meta(root, meta)
         n = meta["rows"]
         return CriteoData(
             root=root,
@@ -389,17 +526,22 @@ def _open(root: Path) -> CriteoData:
         ) from None
 
 
-def _remove_stale_builds(parent: Path, fp: str) -> None:
-    """Delete ``<fp>.tmp-<pid>`` folders left by builds whose process is gone (a killed
-    build of the Kaggle file leaves gigabytes); a live build is left alone."""
-    for tmp in parent.glob(f"{fp}.tmp-*"):
+def _remove_stale(parent: Path, pattern: str) -> None:
+    """Delete what ``pattern`` (``...tmp-<pid>``) matches in ``parent`` where that process
+    is gone: folders of killed builds (gigabytes for the Kaggle file), files of killed
+    generations. A live process's are left alone."""
+    for tmp in parent.glob(pattern):
         pid = tmp.name.rpartition("-")[2]
         if not pid.isdigit():
             continue
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
         except PermissionError:  # alive, another user's
             pass
 
@@ -413,17 +555,16 @@ def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> C
         )
     try:
         check_head(path)
+        check_end(path)
         fp = fingerprint(path, cfg)
     except OSError as e:
-        raise CriteoFormatError(
-            f"cannot read Criteo file {path}: {e.strerror or e}; pass a readable --data PATH"
-        ) from None
+        raise _read_error(path, e) from None
     root = cache_root("criteo", cfg.cache_dir) / fp
     if (root / "meta.json").is_file():
         return _open(root)
     if root.exists():  # no meta.json: never completed; rebuild
         shutil.rmtree(root)
-    _remove_stale_builds(root.parent, fp)
+    _remove_stale(root.parent, f"{fp}.tmp-*")
     tmp = root.with_name(f"{fp}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -436,7 +577,10 @@ def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> C
                 f"{cfg.days * 2}"
             )
         cards = _build_ids(tmp, rows, cfg, progress)
+        splits = _splits(rows, cfg.days)
         label = np.memmap(tmp / "label.u8", dtype=np.uint8, mode="r", shape=(rows,))
+        dense = np.memmap(tmp / "dense.f32", dtype=np.float32, mode="r", shape=(rows, 13))
+        cat = np.memmap(tmp / "cat.i32", dtype=np.int32, mode="r", shape=(rows, 26))
         meta = {
             "format": "comera.criteo",
             "version": CACHE_VERSION,
@@ -444,7 +588,7 @@ def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> C
             "fingerprint": fp,
             "rows": rows,
             "cardinalities": cards,
-            "splits": _splits(rows, cfg.days),
+            "splits": splits,
             "base_rate": float(label.mean(dtype=np.float64)),
             "settings": {
                 "max_ind_range": cfg.max_ind_range,
@@ -452,9 +596,12 @@ def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> C
                 "days": cfg.days,
                 "id_order": cfg.id_order,
             },
+            # what a resume checks (CriteoData.identity): every row, not where they lie
+            "content_digest": _content_digest(label, dense, cat, [cards, rows, splits]),
             "seconds": round(time.perf_counter() - t0, 2),
         }
-        del label
+        del label, dense, cat
+        meta["meta_digest"] = _meta_digest(meta)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             tmp.rename(root)
@@ -471,7 +618,8 @@ def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> C
 def load_criteo(cfg: CriteoDataConfig, *, progress: bool = True) -> CriteoData:
     """The preprocessed data ``cfg`` names: a Criteo file, or the generated one. A cache
     that cannot be written (not a folder, no room, no permission) is one
-    :class:`~comera.errors.DataError` naming ``--cache-dir``."""
+    :class:`~comera.errors.DataError` naming ``--cache-dir``; a source file that cannot be
+    read is a :class:`CriteoFormatError` naming it (``--data``)."""
     try:
         return _load(cfg, progress)
     except UserError:
@@ -491,11 +639,18 @@ def _load(cfg: CriteoDataConfig, progress: bool) -> CriteoData:
 
         root = cache_root("criteo", cfg.cache_dir)
         path = root / f"generated-{cfg.generated_rows}.txt"
+        if root.is_dir():  # files of killed generations
+            _remove_stale(root, "generated-*.txt.tmp-*")
         if not path.is_file():
             root.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-            write_generated(tmp, cfg.generated_rows)
-            os.replace(tmp, path)
+            try:
+                write_generated(tmp, cfg.generated_rows)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
         return preprocess(path, cfg, progress=progress)
     return preprocess(Path(cfg.path).expanduser(), cfg, progress=progress)
 

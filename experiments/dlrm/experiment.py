@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import comera as C
-from comera.errors import ConfigError
+from comera.errors import ConfigError, MissingFileError
 from comera.train import ComeraConfig, TrainConfig
 from comera.train.distributed import rank_first
 from comera.train.optim import OPTIMIZERS, AdamWConfig, SGDConfig
@@ -216,7 +217,18 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
 
 
 def _build(p: Preset, rank: int, world: int) -> tuple:
-    task, params, state, dense_size = build(p, rank=rank, world=world)
+    try:
+        task, params, state, dense_size = build(p, rank=rank, world=world)
+    except MissingFileError:
+        run_dir = Path(p.train.run_dir)
+        if not (run_dir / "config.json").is_file():  # a fresh run: --data PATH says it
+            raise
+        # a resume (the CLI refuses a fresh run in a folder that holds a config.json)
+        raise MissingFileError(
+            f"Criteo file {p.data.path}, which the run in {run_dir} was trained on, does not "
+            f"exist or is not a file; if it moved, continue with --resume {run_dir} --data "
+            "NEW_PATH (a file with other content is refused)"
+        ) from None
     info = {
         "dense_params": dense_size,
         "rows": len(task.data),
@@ -238,9 +250,20 @@ def _flags(ap: argparse.ArgumentParser) -> None:
 
 def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
-    if args.data:
+    # an empty value (``--data "$DATA"`` with DATA unset) is refused, not taken as absent
+    if args.data == "":
+        raise cli.CLIError(
+            '--data "": empty; pass a Criteo-format train.txt with --data PATH, or --data '
+            "generated for the planted-signal file"
+        )
+    if args.cache_dir == "":
+        raise cli.CLIError(
+            '--cache-dir "": empty; pass a folder for the preprocessed data, or drop '
+            "--cache-dir for the default ($COMERA_CACHE/criteo or ~/.cache/comera/criteo)"
+        )
+    if args.data is not None:
         out.append(("data.path", args.data))
-    if args.cache_dir:
+    if args.cache_dir is not None:
         out.append(("data.cache_dir", args.cache_dir))
     if args.max_ind_range is not None:
         out.append(("data.max_ind_range", args.max_ind_range))
@@ -293,6 +316,8 @@ EXPERIMENT = cli.Experiment(
     flags=_flags,
     flag_overrides=_flag_overrides,
     bench=_bench,
+    # a moved file resumes with --data NEW_PATH: the data's digest guards its content
+    resume_mutable=frozenset({"data.path"}),
     derived={
         "model.cardinalities": "one table per categorical column, sized by the data's ids",
         "model.names": "the data's column names, C1..C26",

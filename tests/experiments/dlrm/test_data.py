@@ -1,6 +1,8 @@
 """Criteo preprocessing, cache, errors, batches and click metrics."""
 
+import json
 import math
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -305,3 +307,176 @@ def test_unreadable_file_is_named(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr("builtins.open", deny)
     with pytest.raises(CriteoFormatError, match="cannot read Criteo file .*train.txt: Perm"):
         preprocess(path, _cfg(tmp_path), progress=False)
+
+
+def _rows_outside_the_sample(n: int) -> list[int]:
+    """Rows :func:`experiments.cursor.sample_digest` does not read (it reads 4,096)."""
+    sampled = set(np.linspace(0, n - 1, num=min(n, 4096)).astype(np.int64).tolist())
+    return [i for i in range(n) if i not in sampled]
+
+
+def test_identity_covers_every_row_and_keeps_old_digests(tmp_path: Path) -> None:
+    """A file edited in a row the 4,096 sampled rows miss is refused on resume; a copy
+    resumes; a cache built before the full digest, and a checkpoint holding the sampled
+    digest of then, still resume."""
+    from experiments.dlrm.generate import write_generated
+
+    path = tmp_path / "train.txt"
+    write_generated(path, 5000, seed=1)
+    data = preprocess(path, _cfg(tmp_path), progress=False)
+    lo, hi = data.splits["train"]
+    state = RowBatches(data, lo, hi, 64, seed=3).state_dict()
+    lines = path.read_text().splitlines(keepends=True)
+    row = _rows_outside_the_sample(len(lines))[0]
+    shutil.copy(path, tmp_path / "copy.txt")
+    lines[row] = ("1" if lines[row][0] == "0" else "0") + lines[row][1:]  # its label flipped
+    (tmp_path / "edited.txt").write_text("".join(lines))
+    edited = preprocess(tmp_path / "edited.txt", _cfg(tmp_path), progress=False)
+    copy = preprocess(tmp_path / "copy.txt", _cfg(tmp_path), progress=False)
+    assert edited.cardinalities == data.cardinalities and len(edited) == len(data)
+    assert edited.identity() != data.identity() == copy.identity()
+    with pytest.raises(DataError, match="trained on other data"):
+        RowBatches(edited, lo, hi, 64, seed=3).load_state_dict(state)
+    RowBatches(copy, lo, hi, 64, seed=3).load_state_dict(state)
+    # a checkpoint saved with the sampled digest resumes over a new cache of the same rows
+    legacy = {**state, "data_id": data.sampled_identity()}
+    RowBatches(copy, lo, hi, 64, seed=3).load_state_dict(legacy)
+    # a cache written before the full digest: its identity is the sampled one
+    meta_path = data.root / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    old = {k: v for k, v in meta.items() if k not in ("content_digest", "meta_digest")}
+    meta_path.write_text(json.dumps(old))
+    reopened = preprocess(path, _cfg(tmp_path), progress=False)
+    assert reopened.identity() == data.sampled_identity()
+
+
+def test_a_file_cut_inside_its_last_field_is_noted(tmp_path: Path, capsys) -> None:
+    """A copy cut short inside its last hash still parses (fewer digits): a note on
+    stderr says the file does not end with a newline; a complete file gets none."""
+    lines = SAMPLE.read_text().splitlines()
+    _set_field(lines, len(lines) - 1, 39, "abcd1234")
+    whole, cut = tmp_path / "whole.txt", tmp_path / "cut.txt"
+    whole.write_text("\n".join(lines) + "\n")
+    cut.write_text("\n".join(lines)[:-3])  # C26 of the last line: "abcd1"
+    capsys.readouterr()
+    preprocess(whole, _cfg(tmp_path), progress=False)
+    assert "note:" not in capsys.readouterr().err
+    data = preprocess(cut, _cfg(tmp_path), progress=False)
+    assert len(data) == len(lines)  # read as it stands
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("note:") and str(cut) in err[0]
+    assert "does not end with a newline" in err[0]
+
+
+def test_source_read_errors_name_the_data_file(tmp_path: Path, monkeypatch) -> None:
+    """A plain text file named *.gz or *.bz2 reads as text (not decompressed by its name);
+    a compressed file says so; an error reading the source names it and --data, never
+    --cache-dir."""
+    import gzip
+
+    plain = preprocess(SAMPLE, _cfg(tmp_path), progress=False)
+    for name in ("train.txt.gz", "train.txt.bz2"):
+        shutil.copy(SAMPLE, tmp_path / name)
+        cfg = CriteoDataConfig(path=str(tmp_path / name), cache_dir=str(tmp_path / "cache"))
+        named = load_criteo(cfg, progress=False)
+        np.testing.assert_array_equal(named.cat, plain.cat)
+    packed = tmp_path / "packed.txt.gz"
+    packed.write_bytes(gzip.compress(SAMPLE.read_bytes()))
+    with pytest.raises(CriteoFormatError, match="packed.txt.gz is gzip-compressed.*gunzip"):
+        preprocess(packed, _cfg(tmp_path), progress=False)
+
+    def broken(*a, **kw):
+        raise OSError("zlib inflate failed: incorrect header check")
+
+    monkeypatch.setattr("pyarrow.csv.open_csv", broken)
+    path = tmp_path / "other.txt"
+    shutil.copy(SAMPLE, path)
+    cfg = CriteoDataConfig(path=str(path), cache_dir=str(tmp_path / "empty"))  # not cached
+    with pytest.raises(CriteoFormatError, match=r"cannot read Criteo file .*other.txt: zlib") as e:
+        load_criteo(cfg, progress=False)
+    assert "--data" in str(e.value) and "cache" not in str(e.value)
+
+
+def _edit_meta(root: Path, edit) -> None:
+    meta = json.loads((root / "meta.json").read_text())
+    edit(meta)
+    (root / "meta.json").write_text(json.dumps(meta))
+
+
+def _largest_table_smaller(meta: dict) -> None:
+    cards = meta["cardinalities"]
+    j = cards.index(max(cards))
+    cards[j] -= 1  # its largest id no longer fits
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m.update(rows=-5), "rows=-5 is not a positive integer"),
+        (lambda m: m.update(rows=150), "label.u8 holds 200 bytes"),
+        (lambda m: m["splits"].update(val=[186, 250]), "splits="),
+        (lambda m: m.update(cardinalities=m["cardinalities"][:3]), "list of 26"),
+        (_largest_table_smaller, "meta_digest"),
+        # a cache built before meta_digest: its ids are checked against the sizes
+        (
+            lambda m: (m.pop("meta_digest", None), _largest_table_smaller(m)),
+            "outside its cardinality",
+        ),
+    ],
+)
+def test_a_meta_edited_into_other_valid_json_is_damaged(tmp_path: Path, edit, message) -> None:
+    """meta.json that parses but does not describe the files beside it is the damaged
+    cache's one error (nothing deleted), not an OverflowError or an IndexError later."""
+    cfg = _cfg(tmp_path)
+    root = preprocess(SAMPLE, cfg, progress=False).root
+    _edit_meta(root, lambda m: m.pop("meta_digest", None))  # as built before it: still opens
+    assert len(preprocess(SAMPLE, cfg, progress=False)) == 200
+    shutil.rmtree(root)
+    root = preprocess(SAMPLE, cfg, progress=False).root
+    _edit_meta(root, edit)
+    with pytest.raises(DataError, match=rf"Criteo cache {root} is damaged .*{message}"):
+        preprocess(SAMPLE, cfg, progress=False)
+    assert (root / "cat.i32").is_file()
+
+
+def test_files_of_killed_generations_are_removed(tmp_path: Path, monkeypatch) -> None:
+    """``generated-<rows>.txt.tmp-<pid>`` of a process that is gone goes, a live one's
+    stays; a generation that fails leaves no file."""
+    import os
+
+    from experiments.dlrm import generate
+
+    dead = [tmp_path / f"generated-{n}.txt.tmp-99999999{n % 10}" for n in (200, 7)]  # no pids
+    live = tmp_path / f"generated-500.txt.tmp-{os.getpid()}"
+    for f in (*dead, live):
+        f.write_text("partial")
+    real = generate.write_generated
+
+    def killed(path, rows, seed=0):
+        Path(path).write_text("partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "write_generated", killed)
+    cfg = CriteoDataConfig(cache_dir=str(tmp_path), generated_rows=200)
+    with pytest.raises(KeyboardInterrupt):
+        load_criteo(cfg, progress=False)
+    assert sorted(tmp_path.glob("generated-*")) == [live]
+    for f in dead:
+        f.write_text("partial")
+    monkeypatch.setattr(generate, "write_generated", real)
+    assert len(load_criteo(cfg, progress=False)) == 200
+    assert sorted(tmp_path.glob("generated-*.tmp-*")) == [live]
+
+
+def test_appended_lines_are_named_as_changed_data(sample, tmp_path: Path) -> None:
+    """Lines appended since the checkpoint change the split's size too: the refusal says
+    the data changed, not only that the sizes differ."""
+    lo, hi = sample.splits["train"]
+    state = RowBatches(sample, lo, hi, 16, seed=3).state_dict()
+    lines = SAMPLE.read_text().splitlines(keepends=True)
+    (tmp_path / "longer.txt").write_text("".join(lines + lines[:2]))
+    longer = preprocess(tmp_path / "longer.txt", _cfg(tmp_path), progress=False)
+    lo2, hi2 = longer.splits["train"]
+    assert hi2 - lo2 != hi - lo
+    with pytest.raises(DataError, match=rf"trained on other data .*had {hi - lo} examples"):
+        RowBatches(longer, lo2, hi2, 16, seed=3).load_state_dict(state)

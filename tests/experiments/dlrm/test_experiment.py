@@ -730,3 +730,57 @@ def test_report_is_rendered_from_its_json(tmp_path: Path) -> None:
     again = tmp_path / "again"
     assert report.main(["--from-json", str(out / "dlrm.json"), "--out", str(again)]) == 0
     assert (again / "dlrm.md").read_text() == text
+
+
+@pytest.mark.parametrize("flag", ["--data", "--cache-dir"])
+def test_an_empty_data_or_cache_flag_is_refused(tmp_path: Path, flag: str, capsys) -> None:
+    """``--data "$DATA"`` with DATA unset is refused in one line naming the flag, not
+    taken as absent (which trained on the generated file, exit 0)."""
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), flag, "",
+                "--set", "data.generated_rows=1000", "--set", "train.steps=2")  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and f'{flag} "": empty' in err[0], err
+    assert not (tmp_path / "r").exists()
+
+
+def test_generated_rows_have_an_upper_bound(tmp_path: Path, capsys) -> None:
+    """A count the generator cannot hold in memory is one line naming the field, not a
+    MemoryError traceback."""
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--data", "generated",
+                "--set", "data.generated_rows=10000000000000")  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "data.generated_rows=10000000000000" in err[0]
+    assert not (tmp_path / "r").exists() and not list((tmp_path / "c").glob("generated-*"))
+    from experiments.dlrm.data import GENERATED_MAX_ROWS
+
+    CriteoDataConfig(generated_rows=GENERATED_MAX_ROWS)  # the bound itself is fine
+
+
+def test_a_moved_file_resumes_with_data_and_another_file_is_refused(tmp_path: Path, capsys) -> None:
+    """The file a run trained on moved: the resume says ``--resume RUN --data NEW_PATH``,
+    which then continues it; ``--data`` naming a file of other content is refused by the
+    data's digest, and the run still resumes after that."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, run = tmp_path / "a" / "train.txt", tmp_path / "r"
+    shutil.copy(SAMPLE, first)
+    lines = SAMPLE.read_text().splitlines(keepends=True)
+    other = tmp_path / "other.txt"
+    other.write_text("".join(reversed(lines)))  # as many rows, other content
+    args = ["--run-dir", str(run), "--dense", "--data", str(first), "--set", "train.steps=4",
+            "--set", "train.checkpoint_every=2", "--set", "train.eval_every=4"]  # fmt: skip
+    assert _cli(tmp_path, *args) == 0
+    shutil.rmtree(run / "checkpoints" / "step_00000004")  # died after step 2
+    moved = first.rename(tmp_path / "b" / "moved.txt")
+    resume = ["--resume", str(run), "--no-progress"]
+    capsys.readouterr()
+    assert main(resume) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--resume {run} --data NEW_PATH" in err[0], err
+    assert main([*resume, "--data", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trained on other data" in err[0], err
+    assert main([*resume, "--data", str(moved)]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r][-1] == 4
+    assert (run / "checkpoints" / "step_00000004").is_dir()
