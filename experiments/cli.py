@@ -88,8 +88,9 @@ RESUME_MUTABLE = frozenset(
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints")  # a run dir already in use
-# what a run also writes there: a fresh run would overwrite them (ranks.json: merge into)
-RUN_RECORDS = ("ranks.json", "host.json", "plans.json")
+# what a run adds to there: a fresh run would merge its history into another run's (host.json
+# is rewritten: one left by a start killed before config.json would block every retry)
+RUN_RECORDS = ("ranks.json", "plans.json")
 
 
 class CLIError(UserError):

@@ -352,7 +352,7 @@ def check_same_eval(tr: Any, ckpt: dict) -> None:
             f"checkpoint in {ckpt['dir']} was evaluated on other examples in eval split "
             f"{changed[0]!r} than this run reads ({saved[changed[0]]} saved, "
             f"{now[changed[0]]} now): restore the data it was evaluated on, or start a new "
-            "run (a split under a new name resumes)"
+            "run"
         )
 
 

@@ -26,7 +26,8 @@ class Task(Protocol):
     logs ``tokens`` per step and ``tokens_per_s`` (all ranks together). Optional
     ``derive_eval(metrics) -> dict`` adds metrics computed from the reduced held-out ones
     (e.g. perplexity from the mean loss, which no ``(sum, count)`` pair can express).
-    Optional ``eval_data_id``, a dict of eval split name to a digest of its examples, is
+    Optional ``eval_data_id``, a dict of eval split name to a digest of its examples (of
+    the whole split, the same on every rank: rank 0's is saved, every rank checks it), is
     kept in checkpoints: a resume whose split of a saved name holds other examples is
     refused (its curve would join two eval sets under one name)."""
 

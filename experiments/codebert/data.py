@@ -16,6 +16,8 @@ exact to within one piece rather than one whole file.
 
 from __future__ import annotations
 
+import codecs
+import fnmatch
 import hashlib
 import json
 import os
@@ -241,23 +243,26 @@ def _prepared(name: str, folder: Path) -> tuple[str, Path]:
 
 
 def _hidden(path: Path, folder: Path, glob: str | None) -> bool:
-    """Whether ``path`` lies in a hidden file or folder (``.git``, ``.venv``) that ``glob``
-    does not name itself (``.github/**/*.yml`` does)."""
-    named = {part for part in Path(glob).parts if part.startswith(".")} if glob else set()
-    return any(p.startswith(".") and p not in named for p in path.relative_to(folder).parts)
+    """Whether ``path`` is, or lies in, a hidden file or folder (``.git``, ``.venv``,
+    ``.eslintrc.js``) that no part of ``glob`` starting with a dot names (``.github/**``
+    and ``.*/*.yml`` do)."""
+    named = [part for part in Path(glob).parts if part.startswith(".")] if glob else []
+    return any(p.startswith(".") and not any(fnmatch.fnmatchcase(p, g) for g in named)
+               for p in path.relative_to(folder).parts)  # fmt: skip
 
 
 def is_binary(path: Path) -> bool:
-    """Whether a file looks binary: a NUL byte, or bytes that are not UTF-8, in its first
-    8 KiB (as ``git`` and ``grep`` decide). Its text would train as replacement marks."""
+    """Whether a file is not UTF-8 text: a NUL byte, or bytes that are not UTF-8, in its
+    first 8 KiB (as ``git`` and ``grep`` decide binary files). Its text would train as
+    replacement marks."""
     with open(path, "rb") as f:
         head = f.read(8192)
     if b"\0" in head:
         return True
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as e:  # a character cut at the 8 KiB boundary is text
-        return not (len(head) == 8192 and e.start >= len(head) - 3)
+    try:  # a character cut at the 8 KiB boundary is text, a bad byte before it is not
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < 8192)
+    except UnicodeDecodeError:
+        return True
     return False
 
 
@@ -318,14 +323,17 @@ def corpus_from_paths(
             found = _candidates(path, pattern)
         except ValueError as e:  # Path.glob's "Invalid pattern" ('**.py')
             raise DataError(f"--corpus {name}={folder}:{pattern}: {e}; e.g. **/*.py") from None
-        binary = [p for p in found if is_binary(p)]
-        if binary and len(binary) == len(found):
-            raise DataError(f"--corpus {name}={folder}: its {len(found)} files are binary (not "
-                            "UTF-8 text); name the text files with a glob")  # fmt: skip
-        if binary:  # their text would train as replacement marks
-            print(f"note: --corpus {name}={folder}: left out {len(binary)} binary files (not "
-                  f"UTF-8 text), e.g. {binary[0]}", file=sys.stderr)  # fmt: skip
-        groups[name] = _linked_twins(name, folder, [p for p in found if p not in binary])
+        text = [p for p in found if not is_binary(p)]
+        if found and not text:
+            raise DataError(f"--corpus {name}={folder}: none of its {len(found)} files is UTF-8 "
+                            "text (binary or another encoding); name the text files with a "
+                            "glob, or convert them to UTF-8")  # fmt: skip
+        if len(text) < len(found):  # their text would train as replacement marks
+            skipped = next(p for p, q in zip(found, [*text, None], strict=False) if p != q)
+            print(f"note: --corpus {name}={folder}: left out {len(found) - len(text)} files "
+                  f"that are not UTF-8 text (binary or another encoding), e.g. {skipped}",
+                  file=sys.stderr)  # fmt: skip
+        groups[name] = _linked_twins(name, folder, text)
         for p in groups[name]:
             other = owner.setdefault(p.resolve(), name)
             if other != name:

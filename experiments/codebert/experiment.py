@@ -318,9 +318,11 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
         raise ConfigError(f"--mix names {unknown}; the corpus has {sorted(corpus.train)}")
     unnamed = sorted(set(corpus.train) - set(p.data.mix)) if p.data.mix else []
     if unnamed:  # weighed 1.0 each: --mix a=0.9 gave a 47%, not 90%
+        keep = ",".join(f"{n}={p.data.mix.get(n, 1.0):g}" for n in sorted(corpus.train))
         raise ConfigError(
-            f"--mix gives no weight to {unnamed}; weigh every sub-dataset of "
-            f"{sorted(corpus.train)} (relative weights; 0 leaves one out)"
+            f"--mix gives no weight to {unnamed}; weigh every sub-dataset (relative weights, "
+            f"0 leaves one out): --mix {keep} weighs them 1 as a run saved before this "
+            "check did"
         )
     vocab_size, ids = tokenizer_info(corpus.tokenizer)
     bos, pad, eos, mask_id = ids["<s>"], ids["<pad>"], ids["</s>"], ids["<mask>"]

@@ -131,7 +131,7 @@ class MNLIData:
     def eval_identity(self) -> dict[str, str]:
         """Each eval split's name and a digest of its examples: a trainer's
         ``eval_data_id``, so a resume over an eval file changed in place is refused."""
-        return {name: split.identity() for name, split in self.eval.items()}
+        return {name: split.identity(every_row=True) for name, split in self.eval.items()}
 
     def check_label_count(self, num_labels: int) -> None:
         """Refuse a classifier of ``num_labels`` outputs smaller than the labels the splits

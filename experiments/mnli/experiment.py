@@ -160,7 +160,12 @@ class MNLITask:
         self.eval_batch_size = eval_batch_size
         self.plans = plans or C.LayerPlans()
         self.device = torch.device("cpu")
-        self.eval_data_id = data.eval_identity()  # a resume on changed eval data is refused
+
+    @property
+    def eval_data_id(self) -> dict[str, str]:
+        """Each eval split's digest, kept in checkpoints: a resume over changed eval data is
+        refused. (A benchmark's task without data names none.)"""
+        return self.data.eval_identity() if self.data is not None else {}
 
     def _to(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

@@ -145,3 +145,13 @@ def test_step_bench_plumbing(tmp_path, capsys, monkeypatch):
     # every key of the committed figures (measured by the old command) is still printed
     assert set(json.loads((REPORTS / "mnli_bench.json").read_text())) <= set(result)
     assert result["torch"] == torch.__version__ and result["cpu"] == cpu_model()
+
+
+def test_the_benchmarks_task_without_data_builds_and_names_no_eval_split() -> None:
+    """The step benchmark builds ``MNLITask`` with no data; reading its eval splits' digest
+    at build failed every worker of ``mnli_step`` and ``efficiency`` (an AttributeError)."""
+    from experiments.mnli.experiment import MNLITask
+    from experiments.transformer import EncoderConfig
+
+    task = MNLITask(EncoderConfig(), None, [], eval_batch_size=2)  # type: ignore[arg-type]
+    assert task.eval_data_id == {}

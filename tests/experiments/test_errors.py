@@ -319,7 +319,7 @@ def test_bad_places_and_files_are_one_line(tmp_path, capsys, monkeypatch, extra,
 
 def test_a_run_dir_holding_another_runs_records_is_refused(tmp_path, capsys):
     """Without config.json, metrics.jsonl or checkpoints a folder passed as free: a new run
-    overwrote its host.json and merged its rank history into its ranks.json."""
+    merged its rank history into the ranks.json there."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "ranks.json").write_text('{"keep": "me"}')

@@ -109,8 +109,8 @@ def test_keeps_the_newest_checkpoints_and_names_the_previous_one(tmp_path):
 
 def test_a_resume_checks_the_eval_data_a_task_names(tmp_path):
     """A task's ``eval_data_id`` rides in the checkpoint: a split of a saved name with
-    other examples is refused before anything is restored; a split added, dropped or
-    unnamed (a task without the attribute) resumes."""
+    other examples is refused; a split added, dropped or unnamed (a task without the
+    attribute) resumes."""
 
     def task(ids):
         t = ToyTask()

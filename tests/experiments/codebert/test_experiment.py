@@ -514,6 +514,14 @@ def test_corpus_files_that_would_leak_or_train_as_noise_are_refused_or_said(
     assert found == ["NOTES.txt", "lib/m1.js", "lib/m3.js", "lib/m5.js", "src/m0.js",
                      "src/m2.js", "src/m4.js"]  # fmt: skip
     assert [p.name for p in source_files(tmp_path / "js", ".git/*.js")] == ["hook.js"]
+    assert [p.name for p in source_files(tmp_path / "js", ".*/*.js")] == ["hook.js"]
+    (tmp_path / "js" / "lib" / ".eslintrc.js").write_text("module.exports = {};\n")
+    assert ".eslintrc.js" not in [p.name for p in source_files(tmp_path / "js", "**/*.js")]
+    from experiments.codebert.data import is_binary
+
+    (tmp_path / "cut.py").write_bytes(b"a" * 8191 + "é".encode() + b"b")  # é cut at 8 KiB
+    (tmp_path / "bad.py").write_bytes(b"a" * 8190 + b"\xff" + b"b" * 9)
+    assert not is_binary(tmp_path / "cut.py") and is_binary(tmp_path / "bad.py")
     js = str(tmp_path / "js")
     with pytest.raises(DataError, match=r"--corpus all and --corpus lib share files .*m1.js"):
         corpus_from_paths({"all": js, "lib": f"{js}/lib"}, tmp_path / "c", vocab=300)
@@ -522,14 +530,15 @@ def test_corpus_files_that_would_leak_or_train_as_noise_are_refused_or_said(
     (tmp_path / "bin").mkdir()
     for i in range(3):
         (tmp_path / "bin" / f"b{i}.py").write_bytes(bytes(range(256)))
-    with pytest.raises(DataError, match=r"its 3 files are binary"):
+    with pytest.raises(DataError, match=r"none of its 3 files is UTF-8 text"):
         corpus_from_paths({"b": str(tmp_path / "bin")}, tmp_path / "c", vocab=300)
     (tmp_path / "js" / "src" / "twin.js").symlink_to(tmp_path / "js" / "lib" / "m1.js")
     capsys.readouterr()
     corpus = corpus_from_paths({"a": js}, tmp_path / "c", vocab=300, progress=False,
                                globs={"a": "**/*.js"})  # fmt: skip
     err = capsys.readouterr().err
-    assert "left out 2 binary files" in err and "1 files are links to files already" in err
+    assert "left out 2 files that are not UTF-8 text" in err
+    assert "1 files are links to files already" in err
     plan = json.loads((corpus.root / "a" / "prepare_plan.json").read_text())
     assert len(plan["settings"]["sources"]) == 6  # six modules; no twin, no binary
 

@@ -505,3 +505,20 @@ def test_a_tokenizer_with_gaps_in_its_ids_or_an_unnamed_split_is_refused(tmp_pat
         check_fits_data(EncoderConfig(vocab_size=data.vocab_size), data)
     with pytest.raises(ConfigError, match="give the split a name"):
         _parse_eval_files([f"={tmp_path / 't.jsonl'}"])
+
+
+def test_an_eval_digest_covers_every_row() -> None:
+    """The train digest samples 4,096 rows; an eval split's digest (what a resume checks)
+    hashed only those, so most single-row edits to MNLI's 9,815-row dev split went unseen."""
+    from experiments.mnli.batches import EncodedSplit
+
+    n = 9815
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (n, 8), generator=g, dtype=torch.int32)
+    labels = torch.randint(0, 3, (n,), generator=g)
+    types, mask = torch.zeros(n, 8, dtype=torch.int8), torch.ones(n, 8, dtype=torch.bool)
+    split = EncodedSplit(ids, types, mask, labels)
+    edited = EncodedSplit(ids, split.token_type_ids, split.attention_mask, labels.clone())
+    edited.labels[1] = (edited.labels[1] + 1) % 3  # row 1: not among the 4,096 sampled
+    assert split.identity() == edited.identity()  # the train digest: sampled, by design
+    assert split.identity(every_row=True) != edited.identity(every_row=True)
