@@ -8,7 +8,8 @@ experiments other than MNLI) with a PNG.
     python -m experiments.ablate steps --experiment dlrm --preset smoke
     python -m experiments.ablate capacity --experiment dlrm --preset smoke
     python -m experiments.ablate gamma --experiment codebert --preset smoke
-    python -m experiments.ablate objective --experiment mnli --preset smoke --set train.steps=300
+    python -m experiments.ablate objective --experiment mnli --preset smoke --set train.steps=300 \
+        --set train.comera.reg_start_step=100
     python -m experiments.ablate gamma --values 0,0.02,0.05 --experiment mnli
     python -m experiments.ablate compression --experiment dlrm --preset smoke
     python -m experiments.ablate target_compression --experiment mnli --values 8,16
@@ -49,7 +50,7 @@ from typing import Any
 import torch
 
 import comera as C
-from comera.train import read_metrics
+from comera.train import NonFiniteLoss, read_metrics
 from comera.tree import iter_tt
 from experiments import cli
 from experiments.host import report_header
@@ -294,6 +295,51 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     return [Variant(v, ((key, v),)) for v in given]
 
 
+# what each ablation sweeps is read only by CoMERA runs (not dense), and from when on
+_NEEDS = {
+    "gamma": "reg", "regularizer": "reg", "objective": "reg", "prune_rule": "comera",
+    "size_ratio": "late", "compression": "late", "target_compression": "late",
+    "rank": "tt", "contraction": "tt",
+}  # fmt: skip
+
+
+def check_sweep(name: str, cfg: Any, label: str) -> None:
+    """Refuse a variant whose swept setting the run never reads: its row would equal the
+    others under another label (a dense run, CoMERA off, a run that ends before the
+    regularizer starts or the late stage begins, a size target that overrides
+    ``size_ratio``). Also a label too long to name a folder."""
+    if len(label.replace("/", "_").encode()) > 200:
+        raise cli.CLIError(f"--values: {label[:40]}... is too long to name a run folder")
+    need = _NEEDS.get(name)
+    if need is None:
+        return
+    c, steps = cfg.train.comera, cfg.train.steps
+    where = f"variant {label!r} of ablation {name!r}"
+    if getattr(cfg, "dense", False):
+        raise cli.CLIError(f"{where}: a dense run (dense=true) reads no TT or rank-adaptation "
+                           "setting; drop --set dense=true")  # fmt: skip
+    if need != "tt" and not c.enabled:
+        raise cli.CLIError(f"{where}: train.comera.enabled=false reads no rank-adaptation "
+                           "setting; drop --set train.comera.enabled=false")  # fmt: skip
+    if need == "reg" and steps <= c.reg_start_step:
+        raise cli.CLIError(
+            f"{where}: train.steps={steps} ends before the regularizer starts "
+            f"(train.comera.reg_start_step={c.reg_start_step}), so every variant trains alike; "
+            f"set train.comera.reg_start_step below {steps} (or train.steps above it)"
+        )
+    if need == "late" and steps <= c.early_steps:
+        raise cli.CLIError(
+            f"{where}: train.steps={steps} ends before the late stage "
+            f"(train.comera.early_steps={c.early_steps}), where the size target acts; set "
+            f"train.comera.early_steps below {steps} (or train.steps above it)"
+        )
+    if name in ("size_ratio", "compression") and c.target_compression is not None:
+        raise cli.CLIError(
+            f"{where}: train.comera.target_compression={c.target_compression} overrides the "
+            "size_ratio this ablation sweeps; drop that --set (or ablate target_compression)"
+        )
+
+
 def variant_dir(runs_root: Path, label: str) -> Path:
     """Where the variant ``label`` of an ablation trains (a label may hold a ``/``)."""
     return runs_root / label.replace("/", "_")
@@ -312,6 +358,7 @@ def run_ablation(
     text_values: bool = False,
     command: str | None = None,
     argv: list[str] | None = None,
+    preset: str | None = None,
 ) -> list[dict]:
     """Train every variant of ``base``; returns one record per variant. ``command``, the
     one that trains them, is kept in ``runs_root`` once the first variant is prepared (a
@@ -319,11 +366,17 @@ def run_ablation(
     variant's earlier run is set aside while its new one is prepared and put back if that
     is refused: a command refused before it trains anything loses nothing."""
     group = base.train.wandb_group or f"ablate-{name}-{base.train.run_name or exp.name}"
+    folders = [variant_dir(runs_root, v.label) for v in chosen]
+    twice = sorted({str(f.name) for f in folders if folders.count(f) > 1})
+    if twice:  # 2 and 2.0 -> 2x: one folder trained twice, reported as two rows
+        raise cli.CLIError(f"--values: more than one value names the variant {twice[0]!r}; "
+                           "give values that differ as the report shows them")  # fmt: skip
     built = []  # every variant's config first: a bad value fails before any variant trains
     for v in chosen:
         cfg = base
         for key, value in v.overrides:
             cfg = cli.set_field(cfg, key, value, text=text_values, label=f"--values {value}")
+        check_sweep(name, cfg, v.label)
         run_dir = variant_dir(runs_root, v.label)
         over = [("train.run_dir", str(run_dir)), ("train.wandb_group", group)]
         over.append(("train.run_name", f"{name}:{v.label}"))
@@ -339,7 +392,7 @@ def run_ablation(
     for v, cfg, run_dir in built:
         print(f"ablate {name}: {v.label} -> {run_dir}", file=sys.stderr)
         # the ablation's own output: rerun afresh (the old runs kept until one trains)
-        run = _prepare_afresh(exp, cfg, run_dir, keep_old=not records)
+        run = _prepare_afresh(exp, cfg, run_dir, keep_old=not records, preset=preset)
         if command is not None and not records:  # prepared: this command trains the runs
             runs_root.mkdir(parents=True, exist_ok=True)
             keep([])
@@ -363,8 +416,9 @@ def _put_back(run_dir: Path) -> Path:
 
 
 def _prepare_afresh(
-    exp: cli.Experiment, cfg: Any, run_dir: Path, *, keep_old: bool = True
-) -> cli.Prepared:
+    exp: cli.Experiment, cfg: Any, run_dir: Path, *, keep_old: bool = True,
+    preset: str | None = None,
+) -> cli.Prepared:  # fmt: skip
     """``cli.prepare`` of ``cfg`` in an emptied ``run_dir``; with ``keep_old`` the run that
     was there is moved aside meanwhile and put back if preparing fails (a missing file, a
     bad value), otherwise it is deleted first (a later variant of a command that already
@@ -375,7 +429,7 @@ def _prepare_afresh(
     if run_dir.exists():
         run_dir.rename(aside)
     try:
-        run = cli.prepare(exp, cfg)
+        run = cli.prepare(exp, cfg, preset=preset)  # (else config.json names the run's name)
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)
         if aside.exists():
@@ -401,7 +455,7 @@ def _summary(rec: dict) -> dict:
     return {
         "label": rec["label"],
         "steps": train[-1]["step"] if train else 0,
-        "loss_tail": sum(tail) / max(len(tail), 1),
+        "loss_tail": sum(tail) / len(tail) if tail else None,
         "eval_acc": evals[-1][acc_key] if acc_key else None,
         "eval_auc": evals[-1][auc_key] if auc_key else None,
         "best_eval": (best[key], best["step"]) if best else None,
@@ -795,9 +849,13 @@ def main(argv: list[str] | None = None) -> int:
                 text_values=args.values is not None and args.ablation != "compression",
                 command=command,
                 argv=ran,
+                preset=preset,
             )
     except cli.USER_ERRORS as e:  # bad input: one line; anything else keeps its traceback
         return cli.user_error(ap.prog, e)
+    except NonFiniteLoss as e:  # a training outcome, as the experiment's command says it
+        print(f"{ap.prog}: stopped: {e} (the report is not rewritten)", file=sys.stderr)
+        return 1
     named = args.experiment != "mnli" or args.ablation in NAMED_BY_EXPERIMENT
     tag = f"{args.experiment}_" if named else ""
     out = Path(args.reports) / f"ablation_{tag}{args.ablation}.md"

@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -187,7 +188,7 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch, capsys):
 
     refusing: list[float] = []  # the gammas whose build is refused
 
-    def prepare(exp, cfg):  # as a missing data file would be refused
+    def prepare(exp, cfg, **kw):  # as a missing data file would be refused
         if cfg.train.comera.gamma in refusing:
             Path(cfg.train.run_dir).mkdir(parents=True)  # what it wrote so far is dropped
             raise ablate.cli.CLIError("refused while building")
@@ -273,7 +274,7 @@ def test_empty_values_and_interrupted_runs_are_refused(tmp_path, monkeypatch, ca
             raise KeyboardInterrupt
         return {}
 
-    monkeypatch.setattr(ablate.cli, "prepare", lambda exp, cfg: cfg)
+    monkeypatch.setattr(ablate.cli, "prepare", lambda exp, cfg, **kw: cfg)
     monkeypatch.setattr(ablate.cli, "train", train)
     args = ["gamma", "--experiment", "dlrm", "--runs-dir", str(tmp_path), "--values", "0.1,0.2"]
     with pytest.raises(KeyboardInterrupt):
@@ -468,3 +469,30 @@ def test_report_only_reads_its_own_experiments_runs_and_nan_metrics(tmp_path, ca
     ablate.write_report("gamma", [{"label": "0.01", "dir": root}], tmp_path / "g.md", "cmd")
     text = (tmp_path / "g.md").read_text()
     assert "| 0.01 | 1 | 1.0000 | n/a | n/a (1) | 2.00x | 10 | n/a | 1.0 |" in text, text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["gamma", "--values", "0,0.5", "--set", "train.steps=300"],
+         "ends before the regularizer starts .*reg_start_step=1000"),
+        (["compression", "--values", "1,2", "--set", "train.steps=300"],
+         "ends before the late stage .*early_steps=2000"),
+        (["compression", "--values", "1,4", "--set", "train.comera.target_compression=6"],
+         "target_compression=6.0 overrides the size_ratio"),
+        (["rank", "--values", "2,8", "--set", "dense=true"], "a dense run .*drop --set dense"),
+        (["gamma", "--values", "0,0.5", "--set", "train.comera.enabled=false"],
+         "train.comera.enabled=false reads no rank-adaptation"),
+        (["compression", "--values", "2,2.0"], "more than one value names the variant '2x'"),
+        (["gamma", "--values", "0,0." + "0" * 260 + "1"], "too long to name a run folder"),
+    ],
+)  # fmt: skip
+def test_sweeps_whose_rows_could_not_differ_are_refused(tmp_path, capsys, argv, message):
+    """Each trained, exit 0, a report of rows that differ only in their labels (a setting
+    the run never reads), or one folder trained twice and shown as two rows; the last was
+    a traceback after the first variant trained."""
+    argv = [*argv, "--runs-dir", str(tmp_path / "runs"), "--reports", str(tmp_path / "rep")]
+    assert ablate.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "rep").exists()
