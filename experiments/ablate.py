@@ -751,15 +751,16 @@ def _recorded_finished(saved: dict) -> list[str] | None:
     return [str(x) for x in done] if isinstance(done, list) else None
 
 
-def _recorded_values(saved: dict, record: Path, ap: argparse.ArgumentParser) -> str | None:
-    """The ``--values`` the recorded command was given, parsed as the command parsed them
-    (abbreviations, repeats, spaces); None for its defaults, or a record without its
-    arguments (written before they were kept)."""
+def _recorded_args(
+    saved: dict, record: Path, ap: argparse.ArgumentParser
+) -> argparse.Namespace | None:
+    """The recorded command's arguments, parsed as the command parsed them (abbreviations,
+    repeats, spaces); None for a record without them (written before they were kept)."""
     argv = saved.get("argv")
     if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
         return None
     try:
-        return ap.parse_args(argv).values
+        return ap.parse_args(argv)
     except SystemExit:  # (argparse's own exit) a record this parser cannot read
         raise cli.CLIError(
             f"--report-only: {record} holds arguments this command refuses; delete it"
@@ -812,9 +813,11 @@ def main(argv: list[str] | None = None) -> int:
             if record.is_file():
                 saved = _read_record(record, command)
                 command, finished = saved["command"], _recorded_finished(saved)
-                if args.values is None:  # the variants the recorded command trained
-                    values = _recorded_values(saved, record, ap)
-                    chosen = variants(args.ablation, base, exp, values)
+                recorded = _recorded_args(saved, record, ap)
+                if args.values is None and recorded is not None:  # the variants it trained
+                    if not args.sets and recorded.sets:  # its --set items name them too
+                        base = cli.apply_overrides(exp.presets[preset](), over, recorded.sets)
+                    chosen = variants(args.ablation, base, exp, recorded.values)
             records = [{"label": v.label, "dir": variant_dir(root, v.label)} for v in chosen]
             unfinished = [r["label"] for r in records
                           if finished is not None and r["label"] not in finished]  # fmt: skip

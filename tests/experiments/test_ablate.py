@@ -496,3 +496,24 @@ def test_sweeps_whose_rows_could_not_differ_are_refused(tmp_path, capsys, argv, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(message, err[0]), err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "rep").exists()
+
+
+def test_report_only_rebuilds_the_variants_the_recorded_set_items_named(tmp_path, monkeypatch):
+    """A sweep whose labels follow its --set items (steps) was rebuilt from the preset's
+    values by --report-only, which then called its own finished runs unfinished."""
+    seen: list[list[str]] = []
+
+    def train(run):
+        Path(run.train.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(run.train.run_dir) / "metrics.jsonl").write_text("trained\n")
+        return {}
+
+    monkeypatch.setattr(ablate.cli, "prepare", lambda exp, cfg, **kw: cfg)
+    monkeypatch.setattr(ablate.cli, "train", train)
+    monkeypatch.setattr(ablate, "write_report", lambda name, recs, out, cmd: seen.append(
+        [r["label"] for r in recs]) or out.write_text(""))  # fmt: skip
+    args = ["steps", "--experiment", "dlrm", "--runs-dir", str(tmp_path), "--reports",
+            str(tmp_path), "--set", "train.steps=20"]  # fmt: skip
+    assert ablate.main(args) == 0
+    assert ablate.main([*args[:-2], "--report-only"]) == 0
+    assert seen[0] == seen[1] == ["steps=20", "steps=40", "steps=60"]
