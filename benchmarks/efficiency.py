@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.mnli_step import SEQ, run_worker
+from benchmarks.mnli_step import SEQ, _galore_available, run_worker
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
@@ -31,6 +31,7 @@ from benchmarks.reporting import (
     write_text,
 )
 from experiments.host import cpu_model, report_header
+from experiments.workers import WorkerFailed
 
 __all__ = ["main", "render", "sweep", "write_report"]
 
@@ -50,9 +51,27 @@ BATCH1 = {
 }
 
 
-def sweep(batches: list[int], repeats: int, threads: int, tiny: bool = False) -> dict:
-    """Every (variant, batch) point, each in its own process."""
-    runs = [run_worker(v, b, repeats, "cpu", threads, tiny) for b in batches for v in VARIANTS]
+def sweep(
+    batches: list[int], repeats: int, threads: int, tiny: bool = False,
+    partial: Path | None = None,
+) -> dict:  # fmt: skip
+    """Every (variant, batch) point, each in its own process. Each result goes to
+    ``partial`` as it comes (a sweep stopped by a time limit keeps what it measured); a
+    failing point stops no other and is recorded there, and the sweep then raises
+    :class:`WorkerFailed` naming every failed point."""
+    runs, failed = [], []
+    for b in batches:
+        for v in VARIANTS:
+            try:
+                runs.append(run_worker(v, b, repeats, "cpu", threads, tiny))
+            except WorkerFailed as e:
+                print(e, file=sys.stderr, flush=True)
+                runs.append({"variant": v, "batch": b, "error": e.reason})
+                failed.append(f"{v}/{b}")
+            if partial is not None:
+                write_json(partial, {"partial": True, "runs": runs})
+    if failed:
+        raise WorkerFailed(f"efficiency points {', '.join(failed)}", runs[-1].get("error", ""))
     return {
         "batches": batches,
         "repeats": repeats,
@@ -219,8 +238,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: --repeats and --threads must be >= 1, got {args.repeats}, "
               f"{args.threads}", file=sys.stderr)  # fmt: skip
         return 2
-    result = sweep(batches, args.repeats, args.threads, args.tiny)
+    if not _galore_available():  # the comparison's third side: nothing to compare without it
+        print(f"{ap.prog}: error: galore-torch (or its bitsandbytes) cannot be imported; "
+              "pip install 'comera-framework[galore]'", file=sys.stderr)  # fmt: skip
+        return 2
+    # the points so far, beside (never over) efficiency.json: the last complete sweep stays
+    partial = out / "efficiency.partial.json"
+    partial.unlink(missing_ok=True)  # an older sweep's: never mistaken for this one's
+    try:
+        result = sweep(batches, args.repeats, args.threads, args.tiny, partial)
+    except WorkerFailed as e:
+        print(f"{ap.prog}: {str(e).splitlines()[0]}; the other points are in {partial}; "
+              f"{out / 'efficiency.json'} was not replaced", file=sys.stderr)  # fmt: skip
+        return 1
     write_json(out / "efficiency.json", result)
+    partial.unlink(missing_ok=True)
     print(write_report(result, out))
     return 0
 

@@ -136,3 +136,31 @@ def test_step_modes_point_past_its_timeout_is_a_failed_point() -> None:
         RuntimeError, match=r"smoke/compile failed:\nstopped after --point-timeout 0.01 s"
     ):
         step_modes.run_point("smoke", "compile", 1, 1, True, "cpu", timeout=0.01)
+
+
+def test_a_failing_point_keeps_the_others_and_the_last_sweep(tmp_path, monkeypatch, capsys):
+    """One failing worker was a traceback that dropped every point measured before it (a
+    sweep of the paper-size model takes a long time); now the others still run, each is
+    kept in ``efficiency.partial.json``, the last complete ``efficiency.json`` stays and
+    the exit status is 1. Without galore-torch the comparison is refused at once."""
+    from benchmarks import efficiency
+    from experiments.workers import WorkerFailed
+
+    def worker(variant, batch, *args):
+        if (variant, batch) == ("dense", 1):
+            raise WorkerFailed("dense/1", "MemoryError: out of memory", -9)
+        return {"variant": variant, "batch": batch, "step_s": 1.0, "peak_mb": 1.0}
+
+    monkeypatch.setattr(efficiency, "run_worker", worker)
+    monkeypatch.setattr(efficiency, "_galore_available", lambda: True)
+    (tmp_path / "efficiency.json").write_text('{"last": "complete"}')
+    argv = ["--batches", "1,8", "--repeats", "1", "--tiny", "--out", str(tmp_path)]
+    assert efficiency.main(argv) == 1
+    assert (tmp_path / "efficiency.json").read_text() == '{"last": "complete"}'
+    runs = json.loads((tmp_path / "efficiency.partial.json").read_text())["runs"]
+    assert len(runs) == 6 and runs[1] == {"variant": "dense", "batch": 1,
+                                          "error": "MemoryError: out of memory"}  # fmt: skip
+    assert "dense/1" in capsys.readouterr().err
+    monkeypatch.setattr(efficiency, "_galore_available", lambda: False)
+    assert efficiency.main(argv) == 2
+    assert "pip install 'comera-framework[galore]'" in capsys.readouterr().err
