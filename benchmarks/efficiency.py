@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.mnli_step import SEQ, _galore_available, run_worker
+from benchmarks.mnli_step import SEQ, galore_available, run_worker
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: --repeats and --threads must be >= 1, got {args.repeats}, "
               f"{args.threads}", file=sys.stderr)  # fmt: skip
         return 2
-    if not _galore_available():  # the comparison's third side: nothing to compare without it
+    if not galore_available():  # the comparison's third side: nothing to compare without it
         print(f"{ap.prog}: error: galore-torch (or its bitsandbytes) cannot be imported; "
               "pip install 'comera-framework[galore]'", file=sys.stderr)  # fmt: skip
         return 2

@@ -196,7 +196,7 @@ def run_worker(
     return run_json_worker(cmd, f"bench worker {variant}/{batch}", env=env)
 
 
-def _galore_available() -> bool:
+def galore_available() -> bool:
     """Whether the GaLore baseline can run here: ``galore_torch`` imports (it imports
     bitsandbytes too), which the ``galore`` extra installs."""
     try:
@@ -228,7 +228,7 @@ def run(
     out.parent.mkdir(parents=True, exist_ok=True)
     partial.unlink(missing_ok=True)  # an older run's: never mistaken for this one's
     variants = VARIANTS
-    if not _galore_available():
+    if not galore_available():
         variants = tuple(v for v in VARIANTS if v != "galore")
         print(
             "mnli bench: galore-torch (or its bitsandbytes) cannot be imported, so the GaLore "

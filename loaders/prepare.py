@@ -48,7 +48,15 @@ from loaders.errors import LoaderInputError
 from loaders.metadata import FORMAT, METADATA_NAME, PLAN_NAME, atomic_write_text
 from loaders.text import TEXT_SUFFIXES, load_tokenizer, read_text_table
 
-__all__ = ["SPECIAL_TOKENS", "Doc", "PrepareError", "heldout_docs", "prepare", "train_tokenizer"]
+__all__ = [
+    "SPECIAL_TOKENS",
+    "Doc",
+    "PrepareError",
+    "heldout_docs",
+    "prepare",
+    "tokenizer_digest",
+    "train_tokenizer",
+]
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, as RoBERTa
 MIN_TRAIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte and every special
@@ -87,7 +95,7 @@ def _sources_digest(docs: list[Doc]) -> str:
     return h.hexdigest()
 
 
-def _tokenizer_digest(tokenizer: str | None) -> str | None:
+def tokenizer_digest(tokenizer: str | None) -> str | None:
     """A digest of a local tokenizer file's content (a folder's ``tokenizer.json``), or
     None for a hub name or none: a rerun with another file at the same path would tokenize
     the missing shards differently from the ones already written."""
@@ -356,7 +364,7 @@ def prepare(
         settings["max_doc_tokens"] = max_doc_tokens
     plan_path = out / PLAN_NAME
     sources = _sources_digest(docs)
-    tok_digest = _tokenizer_digest(tokenizer) if train_vocab is None else None
+    tok_digest = tokenizer_digest(tokenizer) if train_vocab is None else None
     if plan_path.is_file():
         try:
             saved = json.loads(plan_path.read_text())

@@ -33,9 +33,9 @@ from loaders.prepare import (
     PLAN_NAME,
     Doc,
     PrepareError,
-    _tokenizer_digest,
     heldout_docs,
     prepare,
+    tokenizer_digest,
     train_tokenizer,
 )
 from loaders.text import TEXT_SUFFIXES
@@ -235,7 +235,7 @@ def _prepared(name: str, folder: Path) -> tuple[str, Path]:
     if not Path(tok).is_file() and (folder / "tokenizer.json").is_file():
         tok = str(folder / "tokenizer.json")  # a trained tokenizer, folder moved since
     saved = plan.get("tokenizer_digest")  # a plan written before digests has none
-    if saved is not None and _tokenizer_digest(tok) not in (None, saved):
+    if saved is not None and tokenizer_digest(tok) not in (None, saved):
         raise DataError(f"--corpus {name}={folder}: its tokenizer {tok} changed since the "
                         "folder was prepared (its ids would not match the shards'); restore "
                         "it, or prepare the folder again")  # fmt: skip

@@ -152,7 +152,7 @@ def test_a_failing_point_keeps_the_others_and_the_last_sweep(tmp_path, monkeypat
         return {"variant": variant, "batch": batch, "step_s": 1.0, "peak_mb": 1.0}
 
     monkeypatch.setattr(efficiency, "run_worker", worker)
-    monkeypatch.setattr(efficiency, "_galore_available", lambda: True)
+    monkeypatch.setattr(efficiency, "galore_available", lambda: True)
     (tmp_path / "efficiency.json").write_text('{"last": "complete"}')
     argv = ["--batches", "1,8", "--repeats", "1", "--tiny", "--out", str(tmp_path)]
     assert efficiency.main(argv) == 1
@@ -161,6 +161,6 @@ def test_a_failing_point_keeps_the_others_and_the_last_sweep(tmp_path, monkeypat
     assert len(runs) == 6 and runs[1] == {"variant": "dense", "batch": 1,
                                           "error": "MemoryError: out of memory"}  # fmt: skip
     assert "dense/1" in capsys.readouterr().err
-    monkeypatch.setattr(efficiency, "_galore_available", lambda: False)
+    monkeypatch.setattr(efficiency, "galore_available", lambda: False)
     assert efficiency.main(argv) == 2
     assert "pip install 'comera-framework[galore]'" in capsys.readouterr().err

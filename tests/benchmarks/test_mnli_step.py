@@ -32,7 +32,7 @@ def test_gpu_step_bench_never_replaces_the_cpu_figures(tmp_path, monkeypatch):
     assert mnli_bench.run(device="cpu", repeats=1) == 0
     assert json.loads(cpu.read_text())["device"] == "cpu"
     # without galore-torch the GaLore variant and its ratios are left out, the rest stays
-    monkeypatch.setattr(mnli_bench, "_galore_available", lambda: False)
+    monkeypatch.setattr(mnli_bench, "galore_available", lambda: False)
     assert mnli_bench.run(device="cuda", repeats=1) == 0
     result = json.loads(gpu.read_text())
     assert not any("galore" in k for k in result)
@@ -50,7 +50,7 @@ def test_step_bench_cut_short_keeps_its_workers_and_the_last_figures(tmp_path, m
     out = tmp_path / "mnli_bench.json"
     out.write_text('{"last": "complete"}')
     (tmp_path / "mnli_bench.partial.json").write_text('{"older": "run"}')
-    monkeypatch.setattr(mnli_bench, "_galore_available", lambda: True)
+    monkeypatch.setattr(mnli_bench, "galore_available", lambda: True)
     calls = []
 
     def worker(variant, batch, *args):
