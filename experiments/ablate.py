@@ -819,6 +819,8 @@ def main(argv: list[str] | None = None) -> int:
                         base = cli.apply_overrides(exp.presets[preset](), over, recorded.sets)
                     chosen = variants(args.ablation, base, exp, recorded.values)
             records = [{"label": v.label, "dir": variant_dir(root, v.label)} for v in chosen]
+            for r in records:  # a run a killed command set aside, as a training one would
+                _put_back(r["dir"])
             unfinished = [r["label"] for r in records
                           if finished is not None and r["label"] not in finished]  # fmt: skip
             if unfinished:  # a run cut short, or one an earlier command trained

@@ -239,7 +239,13 @@ def test_restart_only_from_the_command_line(tmp_path, monkeypatch, capsys):
     ablate._put_back(first)  # as the next training command does first
     assert (first / "metrics.jsonl").read_text() == "trained\n"
     assert not first.with_name(first.name + ".replaced").exists()
+    first.rename(first.with_name(first.name + ".replaced"))  # killed again, then a rebuild
+    first.mkdir()
+    (first / "config.json").write_text("{}")
     monkeypatch.setattr("sys.argv", ["ablate", *args, "--report-only"])
+    assert ablate.main() == 2  # (0.1 unfinished, below) but the run set aside is back
+    assert (first / "metrics.jsonl").read_text() == "trained\n"
+    capsys.readouterr()
     # the recorded command's 0.1 was refused: its variants are not all its own runs
     assert ablate.main() == 2
     assert "variants ['0.1'] did not finish under the recorded" in capsys.readouterr().err
