@@ -321,8 +321,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
         keep = ",".join(f"{n}={p.data.mix.get(n, 1.0):g}" for n in sorted(corpus.train))
         raise ConfigError(
             f"--mix gives no weight to {unnamed}; weigh every sub-dataset (relative weights, "
-            f"0 leaves one out): --mix {keep} weighs them 1 as a run saved before this "
-            "check did"
+            f"0 leaves one out), e.g. --mix {keep} (the weights a run saved before this "
+            "check trained with)"
         )
     vocab_size, ids = tokenizer_info(corpus.tokenizer)
     bos, pad, eos, mask_id = ids["<s>"], ids["<pad>"], ids["</s>"], ids["<mask>"]
