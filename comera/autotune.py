@@ -127,8 +127,9 @@ def _well_formed(d: Decision) -> bool:
     texts = all(isinstance(x, str) for x in (d.kind, d.what, d.choice))
     times = isinstance(d.times_ms, dict) and all(
         isinstance(c, str) and isinstance(t, int | float) and not isinstance(t, bool)
+        and -1e300 < t < 1e300  # finite, and printable as a float (10**400 is not)
         for c, t in d.times_ms.items()
-    )
+    )  # fmt: skip
     skipped = isinstance(d.skipped, dict) and all(
         isinstance(c, str) and isinstance(why, str) for c, why in d.skipped.items()
     )
@@ -258,7 +259,7 @@ class PlanTuner:
         """A cache file's entries as stored, or nothing when it is not a JSON object."""
         try:
             table = json.loads(path.read_text())
-        except (OSError, ValueError):  # unreadable, not UTF-8, not JSON: decide again
+        except (OSError, ValueError, RecursionError):  # unreadable, not JSON, too deep
             return {}
         return table if isinstance(table, dict) else {}
 
@@ -287,7 +288,13 @@ class PlanTuner:
             if self._loaded:
                 return
             path = self.cache_file
-            if path is not None and path.is_file():
+            try:  # is_file() raises for a folder this user cannot open
+                found = path is not None and path.is_file()
+            except OSError as e:
+                warnings.warn(f"comera.autotune: cannot read the plan cache {path}: {e}; "
+                              "deciding afresh", stacklevel=3)  # fmt: skip
+                found = False
+            if found:
                 self.decisions = {**self._read_table(path), **self.decisions}
             self._loaded = True
 
@@ -298,6 +305,7 @@ class PlanTuner:
         path = self.cache_file
         if path is None:
             return
+        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with _file_lock(path.with_name(path.name + ".lock")):  # other processes' saves
@@ -310,9 +318,14 @@ class PlanTuner:
                     f.write(text)
                 os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide a shared cache
                 os.replace(tmp, path)
+                tmp = None
         except OSError as e:
             warnings.warn(f"comera.autotune: cannot write the plan cache {path}: {e}",
                           stacklevel=2)  # fmt: skip
+        finally:
+            if tmp is not None:  # written but not renamed (a full disk, a folder there)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def lookup(self, key: str) -> Decision | None:
         """The cached decision for ``key`` (memory, then disk), or None."""
@@ -325,10 +338,12 @@ class PlanTuner:
         return {k: asdict(v) for k, v in sorted(self.decisions.items())}
 
     def install(self, table: dict[str, dict]) -> None:
-        """Adopt ``table``'s decisions (rank 0's, on every rank), replacing any of our own."""
+        """Adopt ``table``'s decisions (rank 0's, on every rank; a resumed run's recorded
+        ones), replacing any of our own; an entry of the wrong shape is dropped, as one on
+        disk is (decided again)."""
         self._load()
         with self._lock:
-            self.decisions.update({k: Decision(**v) for k, v in table.items()})
+            self.decisions.update(self._parse(table))
             for fast, (key, choice) in list(self._fast.items()):  # calls already seen follow
                 new = self.decisions[key].choice if key in self.decisions else choice
                 self._fast[fast] = (key, new)

@@ -199,6 +199,15 @@ def check_state(params: Params, state: State, name: str = "TT layer") -> None:
             f"got {type(state).__name__}; pass the state returned with these params by "
             "comera.init / from_dense / compact"
         )
+    for b, m in enumerate(state["masks"]):  # type: ignore[arg-type]
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.dim() != 1:
+            got = f"{m.dtype} of shape {tuple(m.shape)}" if isinstance(m, torch.Tensor) else (
+                type(m).__name__)  # fmt: skip
+            raise ValueError(  # a float mask of 2s scaled the layer's output, silently
+                f"{name}: rank mask {b} must be a 1-D bool tensor (True: a live rank), got "
+                f"{got}; pass the state returned with these params by comera.init / "
+                "from_dense / compact"
+            )
     masks = [int(m.shape[0]) for m in state["masks"]]  # type: ignore[union-attr]
     gates = [int(g.shape[0]) for g in params["gates"]]  # type: ignore[union-attr]
     if masks != gates:

@@ -15,6 +15,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -413,9 +414,16 @@ class Trainer:
         path = self.run_dir / "plans.json"
         if not self.auto_plans or not path.is_file():
             return
-        recorded = {k: d for h in json.loads(path.read_text()).values() for k, d in h.items()}
-        current_tuner().install(recorded)
-        self.plans = dict(recorded)
+        try:
+            recorded = {k: d for h in json.loads(path.read_text()).values() for k, d in h.items()}
+        except (OSError, ValueError, AttributeError, RecursionError) as e:  # damaged by hand
+            warnings.warn(f"{path} is unreadable ({e}); this resume decides its plans afresh",
+                          stacklevel=2)  # fmt: skip
+            return
+        tuner = current_tuner()
+        tuner.install(recorded)  # (an entry of the wrong shape is dropped: decided again)
+        kept = tuner.export()
+        self.plans = {k: kept[k] for k in recorded if k in kept}
 
     def _record_plans(self, log: RunLog | None) -> None:
         """Record the ``auto`` decisions first used since the last call: ``config.json``

@@ -234,8 +234,10 @@ def test_a_damaged_cache_is_re_decided(tmp_path, text: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "damage", [{"what": ["x"]}, {"times_ms": None}, {"skipped": {"dp": 3}}, {"kind": 7}]
-)
+    "damage",
+    [{"what": ["x"]}, {"times_ms": None}, {"skipped": {"dp": 3}}, {"kind": 7},
+     {"times_ms": {"comera": 10**400}}],  # the last: describe()'s OverflowError
+)  # fmt: skip
 def test_an_entry_with_fields_of_the_wrong_type_is_decided_again(tmp_path, damage) -> None:
     """An entry whose fields parse but hold the wrong types is never trusted: it would
     fail later, where a run records or describes its decisions."""
@@ -590,3 +592,41 @@ def test_a_cache_dir_under_home_is_expanded(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     assert A.PlanTuner("~/plans").cache_dir == tmp_path / "home" / "plans"
+
+
+def test_no_cache_problem_stops_a_run(tmp_path, monkeypatch) -> None:
+    """A cache must never break a run: a file of deeply nested JSON was a RecursionError,
+    a folder this user may not open a PermissionError at the first call, a save that
+    could not rename left its temporary file behind, and decisions installed from a
+    damaged plans.json failed at the next call or in describe()."""
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / A.CACHE_FILE).write_text("[" * 100_000 + "]" * 100_000)
+    with A.use_tuner(A.PlanTuner(tmp_path / "deep", timer=timer)):
+        C.tt_linear(*_linear(), _x(), plan="auto")
+    assert timer.calls == 1
+    (tmp_path / "dir" / A.CACHE_FILE).mkdir(parents=True)  # the file's name, a folder
+    with A.use_tuner(A.PlanTuner(tmp_path / "dir", timer=timer)):
+        with pytest.warns(UserWarning, match="cannot write the plan cache"):
+            C.tt_linear(*_linear(), _x(), plan="auto")
+    assert not list((tmp_path / "dir").glob("*.tmp"))
+    real_is_file = Path.is_file
+
+    def no_entry(self: Path) -> bool:
+        if self.name == A.CACHE_FILE:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", no_entry)
+    with A.use_tuner(A.PlanTuner(tmp_path / "locked", timer=timer)):
+        with pytest.warns(UserWarning, match="cannot read the plan cache"):
+            y = C.tt_linear(*_linear(), _x(), plan="auto")
+    assert y.shape == (512, 16)
+    monkeypatch.undo()
+    tuner = A.PlanTuner(None, timer=timer)
+    with A.use_tuner(tuner):
+        C.tt_linear(*_linear(), _x(), plan="auto")
+        (key,) = tuner.export()
+        tuner.install({key: {**tuner.export()[key], "choice": "bogus"}, "junk": [1]})
+        assert tuner.decisions[key].choice != "bogus" and "junk" not in tuner.decisions
+        assert C.tt_linear(*_linear(), _x(), plan="auto").shape == (512, 16)

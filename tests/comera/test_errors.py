@@ -211,3 +211,18 @@ def test_a_threshold_that_is_not_a_finite_number_is_refused(rule):
         with pytest.raises(ConfigError, match=r"prune: tau=.*finite threshold"):
             C.prune(p, s, tau, rule=rule)
     assert C.live_ranks(C.prune(p, s, torch.tensor(1e-9), rule=rule)) == C.live_ranks(s)
+
+
+@pytest.mark.parametrize(
+    ("mask", "got"),
+    [(torch.full((4,), 2.0), "torch.float32"), (torch.tensor(True), "of shape ()"),
+     ([True] * 4, "list")],
+)  # fmt: skip
+def test_a_rank_mask_that_is_no_bool_vector_is_refused(mask, got):
+    """A float mask of 2s scaled every bond by 2 (the output 8x too large), silently; a
+    0-d mask or a list was an IndexError or AttributeError."""
+    spec = C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=4)
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    s = {"masks": [mask if b == 1 else m for b, m in enumerate(s["masks"])]}
+    with pytest.raises(ValueError, match=f"rank mask 1 must be a 1-D bool tensor.*{got}"):
+        C.tt_linear(p, s, torch.randn(2, 16))

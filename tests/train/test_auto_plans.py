@@ -242,3 +242,14 @@ def test_the_eager_pass_before_a_traced_step_decides_sync_free_lookups(tmp_path)
         tr.tune_plans(next(task.train_iter))
     keys = [k for k, d in tuner.decisions.items() if d.kind == "ttm_embedding"]
     assert keys and all("sync_free=1" in k for k in keys), keys
+
+
+def test_a_damaged_plans_json_is_decided_afresh_on_resume(tmp_path) -> None:
+    """A resume read plans.json with no guard: a damaged file was a traceback."""
+    from types import SimpleNamespace
+
+    (tmp_path / "plans.json").write_text('{"12": [1, 2]}')
+    run = SimpleNamespace(auto_plans=True, run_dir=tmp_path, plans={})
+    with pytest.warns(UserWarning, match="plans.json is unreadable"):
+        Trainer._reinstall_plans(run)
+    assert run.plans == {}
