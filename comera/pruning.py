@@ -212,8 +212,8 @@ def prune(params: Params, state: State, tau: float, *, rule: str = "gate") -> St
     check_prune_rule(rule)
     check_state(params, state)
     given = tau
-    try:
-        tau = float(tau)  # a number or a one-element tensor
+    try:  # a number or a one-element tensor; not True (1.0: every rank) nor "0.1"
+        tau = math.nan if isinstance(tau, bool | str) else float(tau)
     except (TypeError, ValueError, RuntimeError):
         tau = math.nan
     if not math.isfinite(tau):  # NaN compares false: the gate rule kills all, shares none

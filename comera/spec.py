@@ -31,8 +31,8 @@ __all__ = [
 
 def _as_tuple(name: str, what: str, value: object) -> tuple[int, ...]:
     """Normalize a sequence of positive ints, raising an error that names the layer."""
-    try:  # ints only: int() would take 2.5 as 2 and "12" as 12
-        out = tuple(operator.index(v) for v in value)  # type: ignore[union-attr]
+    try:  # ints only: int() would take 2.5 as 2 and "12" as 12 (and True is not 1 here)
+        out = tuple(_index(v) for v in value)  # type: ignore[union-attr]
     except TypeError:
         raise ConfigError(f"{name}: {what} must be a sequence of ints, got {value!r}") from None
     if any(v < 1 for v in out):
@@ -40,11 +40,20 @@ def _as_tuple(name: str, what: str, value: object) -> tuple[int, ...]:
     return out
 
 
+def _index(v: object) -> int:
+    """``v`` as an int: an int (numpy's too), never a bool, float or string (TypeError)."""
+    if isinstance(v, bool):
+        raise TypeError("a bool is not a size")
+    return operator.index(v)  # type: ignore[arg-type]
+
+
 def _check_dtype_std(name: str, dtype: object, std: float | None) -> None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"{name}: dtype must be a floating torch.dtype, got {dtype!r}")
-    if std is not None and not std > 0:
-        raise ConfigError(f"{name}: std must be > 0, got {std}")
+    if std is not None and (
+        isinstance(std, bool) or not isinstance(std, int | float) or not 0 < std < math.inf
+    ):  # inf made infinite cores; a string was a bare TypeError
+        raise ConfigError(f"{name}: std must be a finite number > 0 (or None), got {std!r}")
 
 
 def cap_ranks(
@@ -60,9 +69,9 @@ def cap_ranks(
     n_bonds = len(modes) - 1
     try:
         requested = (
-            (operator.index(ranks),) * n_bonds  # type: ignore[arg-type]
+            (_index(ranks),) * n_bonds
             if not isinstance(ranks, Iterable)
-            else tuple(operator.index(r) for r in ranks)
+            else tuple(_index(r) for r in ranks)
         )
     except TypeError:
         raise ConfigError(
@@ -117,6 +126,11 @@ class TTLinearSpec:
             ("out_modes", out_modes, self.out_features),
             ("in_modes", in_modes, self.in_features),
         ):
+            field = f"{what.split('_')[0]}_features"
+            try:  # "4" was "the product ... is 4, but the layer has 4 ... features"
+                dim = None if dim is None else _index(dim)
+            except TypeError:
+                raise ConfigError(f"{name}: {field} must be an int or None, got {dim!r}") from None
             if dim is not None and math.prod(modes) != dim:
                 raise ConfigError(
                     f"{name}: the product of {what} {list(modes)} is {math.prod(modes)}, "
@@ -175,7 +189,7 @@ class TTMEmbeddingSpec:
             )
         padded = math.prod(vocab_modes)
         try:  # an int only: int() would take 12.7 as 12
-            num = padded if self.num_embeddings is None else operator.index(self.num_embeddings)
+            num = padded if self.num_embeddings is None else _index(self.num_embeddings)
         except TypeError:
             raise ConfigError(
                 f"{name}: num_embeddings must be an int or None, got {self.num_embeddings!r}"
@@ -187,7 +201,13 @@ class TTMEmbeddingSpec:
                 "(see comera.spec.propose_modes(..., pad=True))"
             )
         dim = math.prod(dim_modes)
-        if self.embedding_dim is not None and self.embedding_dim != dim:
+        try:
+            want = None if self.embedding_dim is None else _index(self.embedding_dim)
+        except TypeError:
+            raise ConfigError(
+                f"{name}: embedding_dim must be an int or None, got {self.embedding_dim!r}"
+            ) from None
+        if want is not None and want != dim:
             raise ConfigError(
                 f"{name}: the product of dim_modes {list(dim_modes)} is {dim}, but "
                 f"embedding_dim is {self.embedding_dim}; choose dim_modes whose product is "
@@ -274,6 +294,12 @@ def propose_modes(dim: int, d: int, *, pad: bool = False, max_pad: float = 0.1) 
     within ``max_pad`` relative padding whose factorization is most balanced is used:
     30522 becomes e.g. (12, 16, 16, 10)-like splits instead of 2 x 3 x 5087.
     """
+    try:  # 100.0 was a TypeError from range(), naming neither argument
+        dim, d = _index(dim), _index(d)
+    except TypeError:
+        raise ConfigError(
+            f"propose_modes: dim and d must be ints, got dim={dim!r}, d={d!r}"
+        ) from None
     if dim < 1 or d < 1:
         raise ConfigError(f"propose_modes: need dim >= 1 and d >= 1, got dim={dim}, d={d}")
     if not pad:

@@ -117,14 +117,30 @@ def test_from_dense_shape_mismatch():
             "a plan must be a strategy name or a list of",
         ),
         (lambda: C.prune(*_layer(), tau=0.1, rule="x"), ConfigError, "unknown prune rule 'x'"),
+        (lambda: C.prune(*_layer(), tau=True), ConfigError, "prune: tau=True; give a finite"),
+        (lambda: C.prune(*_layer(), tau="0.1"), ConfigError, "prune: tau='0.1'; give a finite"),
         (lambda: _table()(torch.tensor([18])), IdOutOfRangeError, "id 18 is out of range"),
         (
             lambda: C.ttm_embedding(*_table().params_state(), torch.tensor([1]), impl="fast"),
             ConfigError,
             "unknown impl 'fast'",
         ),
+        # inf made infinite cores; "0.1" and a str feature count were bare or contradictory
+        (lambda: C.TTLinearSpec(out_modes=(2,), in_modes=(3,), ranks=1, std=float("inf")),
+         ConfigError, "std must be a finite number > 0"),
+        (lambda: C.TTLinearSpec(out_modes=(2,), in_modes=(3,), ranks=1, std="0.1"),
+         ConfigError, "std must be a finite number > 0 .*'0.1'"),
+        (lambda: C.TTLinearSpec(out_modes=(2,), in_modes=(3,), ranks=1, in_features="3"),
+         ConfigError, "in_features must be an int or None, got '3'"),
+        (lambda: C.TTLinearSpec(out_modes=(2, 2), in_modes=(3, 3), ranks=True),
+         ConfigError, "ranks must be an int"),
+        (lambda: C.spec.propose_ttm_embedding(100.0, 4), ConfigError,
+         "propose_modes: dim and d must be ints, got dim=100.0"),
+        (lambda: C.TTMEmbeddingSpec(vocab_modes=(3, 3), dim_modes=(2, 2), ranks=2,
+                                    embedding_dim="4"),
+         ConfigError, "embedding_dim must be an int or None"),
     ],
-)
+)  # fmt: skip
 def test_bad_values_are_user_errors_naming_the_argument(call, kind, message):
     """What a user's configuration gets wrong is a UserError kind (one line from a
     command), its message naming the argument; an id out of range is an IndexError too.
