@@ -71,7 +71,8 @@ def sweep(
             if partial is not None:
                 write_json(partial, {"partial": True, "runs": runs})
     if failed:
-        raise WorkerFailed(f"efficiency points {', '.join(failed)}", runs[-1].get("error", ""))
+        first = next(r["error"] for r in runs if "error" in r)
+        raise WorkerFailed(f"efficiency points {', '.join(failed)}", first)
     return {
         "batches": batches,
         "repeats": repeats,

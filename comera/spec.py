@@ -50,9 +50,13 @@ def _index(v: object) -> int:
 def _check_dtype_std(name: str, dtype: object, std: float | None) -> None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"{name}: dtype must be a floating torch.dtype, got {dtype!r}")
-    if std is not None and (
-        isinstance(std, bool) or not isinstance(std, int | float) or not 0 < std < math.inf
-    ):  # inf made infinite cores; a string was a bare TypeError
+    if std is None:
+        return
+    try:  # a number (numpy's, a one-element tensor); inf made infinite cores
+        value = math.nan if isinstance(std, bool | str) else float(std)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        value = math.nan
+    if not 0 < value < math.inf:
         raise ConfigError(f"{name}: std must be a finite number > 0 (or None), got {std!r}")
 
 

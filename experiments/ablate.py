@@ -284,7 +284,7 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
         raise cli.CLIError(f"--values {values!r}: {', '.join(twice)} given twice; give each once")
     if name == "compression":
         what = "compression factors beyond the early stage (1 = the late stage off)"
-        return _compression_variants(_factors(values, what))
+        return _distinct(_compression_variants(_factors(values, what)))
     if name == "target_compression":  # checked here, not after the first runs trained
         _factors(values, "whole-model compressions against dense")
     if name not in _KEYS:
@@ -292,7 +292,17 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     key = _rank_key(cfg) if name == "rank" else _KEYS[name]
     if name == "hot_rows":
         _require_model_field(cfg, name)
-    return [Variant(v, ((key, v),)) for v in given]
+    return _distinct([Variant(v, ((key, v),)) for v in given])
+
+
+def _distinct(out: list[Variant]) -> list[Variant]:
+    """``out``, refused when two variants share a run folder (2 and 2.0 are both 2x)."""
+    folders = [v.label.replace("/", "_") for v in out]
+    twice = sorted({f for f in folders if folders.count(f) > 1})
+    if twice:  # one folder trained twice, reported as two rows
+        raise cli.CLIError(f"--values: more than one value names the variant {twice[0]!r}; "
+                           "give values that differ as the report shows them")  # fmt: skip
+    return out
 
 
 # what each ablation sweeps is read only by CoMERA runs (not dense), and from when on
@@ -303,18 +313,19 @@ _NEEDS = {
 }  # fmt: skip
 
 
-def check_sweep(name: str, cfg: Any, label: str) -> None:
-    """Refuse a variant whose swept setting the run never reads: its row would equal the
-    others under another label (a dense run, CoMERA off, a run that ends before the
-    regularizer starts or the late stage begins, a size target that overrides
-    ``size_ratio``). Also a label too long to name a folder."""
-    if len(label.replace("/", "_").encode()) > 200:
+def check_sweep(name: str, cfg: Any, label: str | None = None) -> None:
+    """Refuse a variant (``label``; None: the config every variant starts from) whose
+    swept setting the run never reads: its row would equal the others under another label
+    (a dense run, CoMERA off, a run that ends before the regularizer starts or the late
+    stage begins, a size target that overrides ``size_ratio``). Also a label too long to
+    name a folder."""
+    if label is not None and len(label.replace("/", "_").encode()) > 200:
         raise cli.CLIError(f"--values: {label[:40]}... is too long to name a run folder")
     need = _NEEDS.get(name)
     if need is None:
         return
     c, steps = cfg.train.comera, cfg.train.steps
-    where = f"variant {label!r} of ablation {name!r}"
+    where = f"ablation {name!r}" + (f", variant {label!r}" if label is not None else "")
     if getattr(cfg, "dense", False):
         raise cli.CLIError(f"{where}: a dense run (dense=true) reads no TT or rank-adaptation "
                            "setting; drop --set dense=true")  # fmt: skip
@@ -366,17 +377,17 @@ def run_ablation(
     variant's earlier run is set aside while its new one is prepared and put back if that
     is refused: a command refused before it trains anything loses nothing."""
     group = base.train.wandb_group or f"ablate-{name}-{base.train.run_name or exp.name}"
-    folders = [variant_dir(runs_root, v.label) for v in chosen]
-    twice = sorted({str(f.name) for f in folders if folders.count(f) > 1})
-    if twice:  # 2 and 2.0 -> 2x: one folder trained twice, reported as two rows
-        raise cli.CLIError(f"--values: more than one value names the variant {twice[0]!r}; "
-                           "give values that differ as the report shows them")  # fmt: skip
     built = []  # every variant's config first: a bad value fails before any variant trains
+    settings: dict[tuple, str] = {}
     for v in chosen:
         cfg = base
         for key, value in v.overrides:
             cfg = cli.set_field(cfg, key, value, text=text_values, label=f"--values {value}")
         check_sweep(name, cfg, v.label)
+        same = repr(tuple(_get(cfg, key) for key, _ in v.overrides))
+        if settings.setdefault(same, v.label) != v.label:  # 0.5 and 5e-1: one run twice
+            raise cli.CLIError(f"--values: {settings[same]!r} and {v.label!r} are the same "
+                               "setting; give each value once")  # fmt: skip
         run_dir = variant_dir(runs_root, v.label)
         over = [("train.run_dir", str(run_dir)), ("train.wandb_group", group)]
         over.append(("train.run_name", f"{name}:{v.label}"))
@@ -792,6 +803,8 @@ def main(argv: list[str] | None = None) -> int:
         over = [("train.wandb", args.wandb)] if args.wandb else []
         cli.refuse_derived_sets(exp, args.sets)
         base = cli.apply_overrides(exp.presets[preset](), over, args.sets)
+        if not args.report_only:  # before variants(): objective builds the model (dense: 0 gates)
+            check_sweep(args.ablation, base)
         chosen = variants(args.ablation, base, exp, args.values)  # user errors before a restart
         if from_command_line and not args.report_only:
             if torch.device(base.train.device).type == "cpu":  # a valid device: TrainConfig

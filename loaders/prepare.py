@@ -293,7 +293,9 @@ def _rows(path: Path) -> int:
     try:
         with pa.memory_map(str(path)) as src:
             return pa.ipc.open_file(src).read_all().num_rows
-    except pa.ArrowInvalid as e:  # not EMFILE or EACCES: the shard may be fine
+    except (pa.ArrowInvalid, OSError) as e:
+        if getattr(e, "errno", None) is not None:  # EMFILE, EACCES: the shard may be fine
+            raise
         why = (str(e).splitlines() or [type(e).__name__])[0]
         raise PrepareError(
             f"{path} is damaged ({why}); delete it and run again to write it anew"

@@ -417,13 +417,14 @@ class Trainer:
         try:
             recorded = {k: d for h in json.loads(path.read_text()).values() for k, d in h.items()}
         except (OSError, ValueError, AttributeError, RecursionError) as e:  # damaged by hand
-            warnings.warn(f"{path} is unreadable ({e}); this resume decides its plans afresh",
-                          stacklevel=2)  # fmt: skip
+            warnings.warn(f"{path} is unreadable ({e}); this resume decides its plans afresh "
+                          "and starts its history anew", stacklevel=2)  # fmt: skip
+            self._history = False  # the next record writes a fresh one, not reads this
             return
         tuner = current_tuner()
         tuner.install(recorded)  # (an entry of the wrong shape is dropped: decided again)
-        kept = tuner.export()
-        self.plans = {k: kept[k] for k in recorded if k in kept}
+        kept = tuner.export()  # the recorded entries it took (not the disk cache's)
+        self.plans = {k: kept[k] for k in recorded if kept.get(k) == recorded[k]}
 
     def _record_plans(self, log: RunLog | None) -> None:
         """Record the ``auto`` decisions first used since the last call: ``config.json``

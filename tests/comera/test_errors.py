@@ -229,6 +229,14 @@ def test_a_threshold_that_is_not_a_finite_number_is_refused(rule):
     assert C.live_ranks(C.prune(p, s, torch.tensor(1e-9), rule=rule)) == C.live_ranks(s)
 
 
+def test_a_numpy_or_tensor_std_is_still_taken():
+    """The finite-std check must not refuse the numbers init always took."""
+    import numpy as np
+
+    for std in (np.float32(0.02), torch.tensor(0.02), 1):
+        C.init(C.TTLinearSpec(out_modes=(2,), in_modes=(3,), ranks=1, std=std))
+
+
 @pytest.mark.parametrize(
     ("mask", "got"),
     [(torch.full((4,), 2.0), "torch.float32"), (torch.tensor(True), "of shape ()"),

@@ -490,6 +490,8 @@ def test_report_only_reads_its_own_experiments_runs_and_nan_metrics(tmp_path, ca
         (["gamma", "--values", "0,0.5", "--set", "train.comera.enabled=false"],
          "train.comera.enabled=false reads no rank-adaptation"),
         (["compression", "--values", "2,2.0"], "more than one value names the variant '2x'"),
+        (["gamma", "--values", "0.5,0.50"], "'0.5' and '0.50' are the same setting"),
+        (["objective", "--set", "dense=true"], "a dense run"),  # was a ZeroDivisionError
         (["gamma", "--values", "0,0." + "0" * 260 + "1"], "too long to name a run folder"),
     ],
 )  # fmt: skip

@@ -150,9 +150,15 @@ def test_a_damaged_shard_or_a_file_name_not_utf8_is_no_traceback(tmp_path: Path)
     kw = dict(train_vocab=300, glob="**/*.py", docs_per_shard=6, heldout=0.2, progress=False)
     summary = prepare([str(tmp_path / "src")], out, **kw)
     assert sum(s["docs"] for s in summary["splits"].values()) == 41
-    shard = sorted((out / "train").glob("part-*.arrow"))[0]
+    shard, other = sorted((out / "train").glob("part-*.arrow"))[:2]
     os.truncate(shard, 100)
     with pytest.raises(PrepareError, match=r"part-00000.arrow is damaged .*delete it"):
+        prepare([str(tmp_path / "src")], out, **kw)
+    shard.unlink()  # rewritten; then a damaged footer (an OSError with no errno)
+    data = bytearray(other.read_bytes())
+    data[-60:-10] = bytes(50)
+    other.write_bytes(bytes(data))
+    with pytest.raises(PrepareError, match=r"part-00001.arrow is damaged"):
         prepare([str(tmp_path / "src")], out, **kw)
 
 

@@ -244,12 +244,14 @@ def test_the_eager_pass_before_a_traced_step_decides_sync_free_lookups(tmp_path)
     assert keys and all("sync_free=1" in k for k in keys), keys
 
 
-def test_a_damaged_plans_json_is_decided_afresh_on_resume(tmp_path) -> None:
-    """A resume read plans.json with no guard: a damaged file was a traceback."""
+@pytest.mark.parametrize("text", ['{"12": [1, 2]}', '{"12": {"k": ', "[1]"])
+def test_a_damaged_plans_json_is_decided_afresh_on_resume(tmp_path, text) -> None:
+    """A resume read plans.json with no guard: a damaged file was a traceback, there or
+    where the next decision is recorded (which now starts a fresh history)."""
     from types import SimpleNamespace
 
-    (tmp_path / "plans.json").write_text('{"12": [1, 2]}')
-    run = SimpleNamespace(auto_plans=True, run_dir=tmp_path, plans={})
+    (tmp_path / "plans.json").write_text(text)
+    run = SimpleNamespace(auto_plans=True, run_dir=tmp_path, plans={}, _history=True)
     with pytest.warns(UserWarning, match="plans.json is unreadable"):
         Trainer._reinstall_plans(run)
-    assert run.plans == {}
+    assert run.plans == {} and run._history is False
