@@ -150,6 +150,11 @@ class LoaderConfig:
                     f"LoaderConfig.{key} must be an integer that out_dtype={self.out_dtype!r} "
                     f"holds{'' if key == 'pad_id' else ' (or None)'}, got {value!r}"
                 )
+        for key in ("causal", "provenance"):  # "false" is truthy: rows of seq_len + 1, silently
+            if not isinstance(getattr(self, key), bool):
+                raise LoaderInputError(
+                    f"LoaderConfig.{key} must be True or False, got {getattr(self, key)!r}"
+                )
         # plain ints from here on: a numpy integer (accepted above) would reach the
         # loader's state, which is JSON, and fail its first save
         for key in INT_FIELDS:

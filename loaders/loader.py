@@ -265,23 +265,26 @@ class TokenLoader:
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's position: one small JSON-able dict covering all its readers."""
+        """This rank's position: one small JSON-able dict covering all its readers (a copy:
+        editing it never moves the loader)."""
         if self.num_workers == 0:
             self._pos.readers[0] = self._pipes[0].state()
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "fingerprint": self.fingerprint,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "num_workers": self._readers,
-            "next_worker": self._pos.next_worker,
-            "config_weights": dict(self._config_weights),
-            "weights": dict(self._weights),
-            # what a shard's offset counts: a resume with BOS turned on or off shifts it
-            "stream": {"bos_id": self.config.bos_id, "eos_id": self.config.eos_id},
-            "readers": [dict(s) for s in self._pos.readers],
-        }
+        return copy.deepcopy(
+            {
+                "format": STATE_FORMAT,
+                "version": STATE_VERSION,
+                "fingerprint": self.fingerprint,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "num_workers": self._readers,
+                "next_worker": self._pos.next_worker,
+                "config_weights": dict(self._config_weights),
+                "weights": dict(self._weights),
+                # what a shard's offset counts: a resume with BOS turned on or off shifts it
+                "stream": {"bos_id": self.config.bos_id, "eos_id": self.config.eos_id},
+                "readers": self._pos.readers,
+            }
+        )
 
     def load_state_dict(self, state: dict | list[dict]) -> None:
         """Restore from this rank's state, or from all ranks' states of any old layout.

@@ -4,6 +4,7 @@ than at the first batch."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -35,6 +36,8 @@ def _config(**kw) -> LoaderConfig:
         (lambda: _config(batch_size=2.0), "batch_size"),
         (lambda: _config(min_doc_len=0.5), "min_doc_len"),
         (lambda: _config(num_epochs=1.5), "num_epochs"),
+        (lambda: _config(causal="false"), "causal must be True or False"),  # rows of seq_len+1
+        (lambda: _config(provenance=1), "provenance must be True or False"),
         (lambda: _config(bos_id=2**40, out_dtype="int32"), "bos_id"),
         (lambda: _config(pad_id=None), "pad_id"),
         (lambda: TokenLoader(_config(), num_workers="2"), "num_workers"),
@@ -175,3 +178,18 @@ def test_an_endless_stream_counts_only_documents_of_min_doc_len(tmp_path):
         TokenLoader(only_short)
     finite = LoaderConfig(datasets=specs, num_shards=4, min_doc_len=3, seq_len=4, num_epochs=1)
     TokenLoader(finite, rank=0, world_size=2)  # a finite stream ends on every rank anyway
+
+
+def test_a_state_dict_is_a_copy_the_caller_may_edit() -> None:
+    """The returned fingerprint (and, with workers, the readers' counters) were the
+    loader's own: editing them moved the loader or made it refuse its own valid state."""
+    loader = TokenLoader(LoaderConfig(datasets=[DatasetSpec(name="a", path=_Docs())],
+                                      num_shards=4, seq_len=4, batch_size=1))  # fmt: skip
+    next(iter(loader))
+    state = loader.state_dict()
+    kept = json.dumps(state, sort_keys=True)
+    state["fingerprint"]["docs"]["a"] = 999
+    for r in state["readers"]:
+        for sh in r["shards"].values():
+            sh["counter"] = [0] * len(sh["counter"])
+    assert json.dumps(loader.state_dict(), sort_keys=True) == kept
