@@ -340,7 +340,8 @@ def test_ablation_and_demo_refuse_what_fails_after_training(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     runs = tmp_path / "runs"
     argv = ["gamma", "--values", "0.1", "--runs-dir", str(runs), "--reports",
-            str(tmp_path / "file"), "--set", "train.steps=2"]  # fmt: skip
+            str(tmp_path / "file"), "--set", "train.steps=2",
+            "--set", "train.comera.reg_start_step=0"]  # fmt: skip
     assert ablate.main(argv) == 2
     assert "--reports " in _one_line(capsys, "experiments.ablate") and not runs.exists()
     assert demo.main(["--set", "train.eval_every=None", "--runs-dir", str(runs)]) == 2
