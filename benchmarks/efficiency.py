@@ -25,6 +25,7 @@ from benchmarks.mnli_step import SEQ, galore_available, run_worker
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
+    measure_points,
     render_refusal,
     render_saved,
     write_json,
@@ -59,17 +60,11 @@ def sweep(
     ``partial`` as it comes (a sweep stopped by a time limit keeps what it measured); a
     failing point stops no other and is recorded there, and the sweep then raises
     :class:`WorkerFailed` naming every failed point."""
-    runs, failed = [], []
-    for b in batches:
-        for v in VARIANTS:
-            try:
-                runs.append(run_worker(v, b, repeats, "cpu", threads, tiny))
-            except WorkerFailed as e:
-                print(e, file=sys.stderr, flush=True)
-                runs.append({"variant": v, "batch": b, "error": e.reason})
-                failed.append(f"{v}/{b}")
-            if partial is not None:
-                write_json(partial, {"partial": True, "runs": runs})
+    runs, failed = measure_points(
+        [(v, b) for b in batches for v in VARIANTS],
+        lambda v, b: run_worker(v, b, repeats, "cpu", threads, tiny),
+        partial,
+    )
     if failed:
         first = next(r["error"] for r in runs if "error" in r)
         raise WorkerFailed(f"efficiency points {', '.join(failed)}", first)

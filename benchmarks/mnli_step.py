@@ -30,7 +30,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import TINY_NEEDS_OUT, add_threads_flag, print_rendered
+from benchmarks.reporting import (
+    TINY_NEEDS_OUT,
+    add_threads_flag,
+    measure_points,
+    print_rendered,
+)
 from benchmarks.timing import timed_steps
 from comera.train.logging import write_json_atomic
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
@@ -42,7 +47,7 @@ from experiments.malloc import (
     hugepages_active,
     restart_for,
 )
-from experiments.workers import WorkerFailed, run_json_worker
+from experiments.workers import run_json_worker
 
 REPORT_JSON = Path(__file__).resolve().parent.parent / "reports" / "mnli_bench.json"
 # a GPU run never replaces the CPU figures
@@ -237,19 +242,15 @@ def run(
         )
     head = {"partial": True, "device": device, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    results, failed = [], []
-    for batch in BATCHES:
-        for variant in variants:
-            if variant.endswith("_recompute") and batch != RECOMPUTE_BATCH:
-                continue
-            malloc = training_malloc(variant) if device == "cpu" else "default"
-            try:
-                results.append(run_worker(variant, batch, repeats, device, threads, tiny, malloc))
-            except WorkerFailed as e:  # one point failing stops no other
-                print(e, file=sys.stderr, flush=True)
-                results.append({"variant": variant, "batch": batch, "error": e.reason})
-                failed.append(f"{variant}/{batch}")
-            write_json_atomic(partial, {**head, "runs": results})
+    points = [(v, b) for b in BATCHES for v in variants
+              if not v.endswith("_recompute") or b == RECOMPUTE_BATCH]  # fmt: skip
+    results, failed = measure_points(
+        points,
+        lambda v, b: run_worker(v, b, repeats, device, threads, tiny,
+                                training_malloc(v) if device == "cpu" else "default"),
+        partial,
+        head,
+    )  # fmt: skip
     galore_error = None
     if failed and all(f.startswith("galore/") for f in failed):
         # GaLore is an optional baseline (an extra package): its failing alone (say,

@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 
 from comera.errors import DataError, UserError
+from experiments.workers import WorkerFailed
 
 __all__ = [
     "TINY_NEEDS_OUT",
     "add_threads_flag",
+    "measure_points",
     "print_rendered",
     "read_result",
     "render_refusal",
@@ -118,3 +120,24 @@ def print_rendered(
         return 2
     print(done[1])
     return 0
+
+
+def measure_points(
+    points: list[tuple[str, int]], run: Callable[[str, int], dict], partial: Path | None,
+    head: dict | None = None,
+) -> tuple[list[dict], list[str]]:  # fmt: skip
+    """Each ``(variant, batch)`` point measured by ``run`` (a worker process). A point
+    that fails stops no other: it is recorded with its error. Every result goes to
+    ``partial`` (``head`` and the runs so far) as it comes, so a run stopped by a time
+    limit keeps what it measured. Returns the results and the failed points' names."""
+    results, failed = [], []
+    for variant, batch in points:
+        try:
+            results.append(run(variant, batch))
+        except WorkerFailed as e:
+            print(e, file=sys.stderr, flush=True)
+            results.append({"variant": variant, "batch": batch, "error": e.reason})
+            failed.append(f"{variant}/{batch}")
+        if partial is not None:
+            write_json(partial, {**(head or {"partial": True}), "runs": results})
+    return results, failed
