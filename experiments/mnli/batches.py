@@ -3,17 +3,14 @@ rank-aware training iterator and in-order evaluation batches."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from comera.errors import ConfigError
-from experiments.cursor import EpochCursor, sample_digest
+from experiments.cursor import EpochCursor, full_digest, sample_digest
 
 __all__ = ["BatchIterator", "EncodedSplit", "eval_batches"]
 
@@ -47,14 +44,8 @@ class EncodedSplit:
         ``every_row`` hashes all rows, not 4,096 (an eval split: small, and one edited row
         changes its score)."""
         cols = (self.input_ids, self.token_type_ids, self.attention_mask, self.labels)
-        arrays = [c.numpy() for c in cols]
-        if every_row:
-            h = hashlib.blake2b(digest_size=8)
-            h.update(json.dumps(["mnli-all", *self.input_ids.shape]).encode())
-            for a in arrays:
-                h.update(np.ascontiguousarray(a).tobytes())
-            return h.hexdigest()
-        return sample_digest(["mnli", *self.input_ids.shape], arrays)
+        digest = full_digest if every_row else sample_digest
+        return digest(["mnli", *self.input_ids.shape], [c.numpy() for c in cols])
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
