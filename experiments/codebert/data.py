@@ -21,13 +21,13 @@ import fnmatch
 import hashlib
 import json
 import os
-import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 from comera.errors import DataError, first_line
 from experiments.hub import hub_unreachable, offline_tip, quiet_hub
+from experiments.notes import note
 from loaders.metadata import METADATA_NAME
 from loaders.prepare import (
     PLAN_NAME,
@@ -291,8 +291,10 @@ def _linked_twins(name: str, folder: str, files: list[Path]) -> list[Path]:
             seen.add(real)
             out.append(p)
     if len(out) < len(files):
-        print(f"note: --corpus {name}={folder}: {len(files) - len(out)} files are links to "
-              "files already in it; each is read once", file=sys.stderr)  # fmt: skip
+        note(
+            f"--corpus {name}={folder}: {len(files) - len(out)} files are links to files "
+            "already in it; each is read once"
+        )
     return out
 
 
@@ -330,9 +332,10 @@ def corpus_from_paths(
                             "glob, or convert them to UTF-8")  # fmt: skip
         if len(text) < len(found):  # their text would train as replacement marks
             skipped = next(p for p, q in zip(found, [*text, None], strict=False) if p != q)
-            print(f"note: --corpus {name}={folder}: left out {len(found) - len(text)} files "
-                  f"that are not UTF-8 text (binary or another encoding), e.g. {skipped}",
-                  file=sys.stderr)  # fmt: skip
+            note(
+                f"--corpus {name}={folder}: left out {len(found) - len(text)} files that are "
+                f"not UTF-8 text (binary or another encoding), e.g. {skipped}"
+            )
         groups[name] = _linked_twins(name, folder, text)
         for p in groups[name]:
             other = owner.setdefault(p.resolve(), name)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from experiments.codebert.data import (
 )
 from experiments.codebert.model import init_mlm
 from experiments.codebert.task import MLMTask
+from experiments.notes import note
 from experiments.transformer import EncoderConfig, check_step_mode, dense_param_count, fit_vocab
 from loaders import DatasetSpec, LoaderConfig, TokenLoader
 from loaders.pipeline import holds_long
@@ -309,9 +309,11 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                                  progress=progress, globs=d.globs,
                                  glob=d.default_glob)  # fmt: skip
 
-    if p.data.source == "paths" and p.data.max_files is not None and rank == 0:  # (--corpus: None)
-        print(f"note: data.max_files={p.data.max_files} picks files of the stdlib source only; "
-              "every file of --corpus is read", file=sys.stderr)  # fmt: skip
+    if p.data.source == "paths" and p.data.max_files is not None:  # (--corpus sets None)
+        note(
+            f"data.max_files={p.data.max_files} picks files of the stdlib source only; every "
+            "file of --corpus is read"
+        )
     corpus = rank_first(corpus_of, rank, world)
     unknown = sorted(set(p.data.mix) - set(corpus.train))
     if unknown:

@@ -35,7 +35,6 @@ import math
 import os
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ import numpy as np
 from comera.errors import ConfigError, DataError, MissingFileError, UserError
 from experiments.cache import cache_root
 from experiments.cursor import full_digest, sample_digest
+from experiments.notes import note
 
 __all__ = [
     "CAT_COLUMNS",
@@ -196,11 +196,10 @@ def check_end(path: Path) -> None:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         last = f.read(1)
-    if last != b"\n" and os.environ.get("RANK", "0") == "0":
-        print(
-            f"note: Criteo file {path} does not end with a newline, so its last line may "
-            "be cut short (a truncated copy?); it is read as it stands: check the file's end",
-            file=sys.stderr,
+    if last != b"\n":
+        note(
+            f"Criteo file {path} does not end with a newline, so its last line may be cut "
+            "short (a truncated copy?); it is read as it stands: check the file's end"
         )
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from experiments.mnli.generated import (
     build_generated_tokenizer,
     generate_examples,
 )
+from experiments.notes import note
 from loaders.text import looks_like_path
 
 log = logging.getLogger(__name__)
@@ -43,12 +42,6 @@ _OFFLINE_HELP = (
     "synthetic task with --dataset generated, and a local tokenizer with --tokenizer PATH "
     "(a tokenizer.json file or a directory holding one)."
 )
-
-
-def _note(message: str) -> None:
-    """What a run does to the data, on stderr (rank 0's: every rank loads it)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"note: {message}", file=sys.stderr)
 
 
 def _offline_help() -> str:
@@ -350,7 +343,7 @@ def _sentences(table: pa.Table, column: str, source: str) -> list[str]:
         out.append("" if v is None else str(v))
     nulls = table.column(column).null_count
     if nulls:  # trained on as "", said as the dropped and truncated rows are
-        _note(f"{source}: {nulls} of {len(out)} rows have no {column!r} (null): read as empty")
+        note(f"{source}: {nulls} of {len(out)} rows have no {column!r} (null): read as empty")
     return out
 
 
@@ -418,7 +411,7 @@ def encode_pairs(
             ids[i], types[i], mask[i] = enc.ids, enc.type_ids, enc.attention_mask
             truncated += bool(enc.overflowing)
     if truncated:
-        _note(f"{source}: truncated {truncated} of {n} pairs to data.max_length={length} tokens")
+        note(f"{source}: truncated {truncated} of {n} pairs to data.max_length={length} tokens")
     return EncodedSplit(
         torch.from_numpy(ids),
         torch.from_numpy(types),
@@ -467,7 +460,7 @@ def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
             )
         dropped = int((raw[2] < 0).sum())
         if dropped:
-            _note(f"{src}: dropped {dropped} of {len(raw[2])} rows labelled -1 (unlabelled)")
+            note(f"{src}: dropped {dropped} of {len(raw[2])} rows labelled -1 (unlabelled)")
         enc[split] = encode_pairs(tok, *cleaned, source=src)
         log.info("%s: %d examples encoded to length %d", src, len(enc[split]), cfg.max_length)
     train = enc.pop("train")
