@@ -38,6 +38,7 @@ from experiments.codebert.task import MLMTask
 from experiments.notes import note
 from experiments.transformer import EncoderConfig, check_step_mode, dense_param_count, fit_vocab
 from loaders import DatasetSpec, LoaderConfig, TokenLoader
+from loaders.config import is_int
 from loaders.pipeline import holds_long
 
 __all__ = ["EXPERIMENT", "CorpusConfig", "Preset", "build", "codebert_model", "main", "preset"]
@@ -132,9 +133,8 @@ class CorpusConfig:
                 f"{self.vocab}, {self.heldout}, {self.seq_len}"
             )
         if self.max_doc_tokens is not None and (
-            isinstance(self.max_doc_tokens, bool) or not isinstance(self.max_doc_tokens, int)
-            or self.max_doc_tokens < 1
-        ):  # fmt: skip
+            not is_int(self.max_doc_tokens) or self.max_doc_tokens < 1
+        ):
             raise ConfigError(
                 f"data.max_doc_tokens={self.max_doc_tokens!r} must be None (whole files) or "
                 "an integer >= 1"
