@@ -297,7 +297,7 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
 
 def _distinct(out: list[Variant]) -> list[Variant]:
     """``out``, refused when two variants share a run folder (2 and 2.0 are both 2x)."""
-    folders = [v.label.replace("/", "_") for v in out]
+    folders = [_folder(v.label) for v in out]
     twice = sorted({f for f in folders if folders.count(f) > 1})
     if twice:  # one folder trained twice, reported as two rows
         raise cli.CLIError(f"--values: more than one value names the variant {twice[0]!r}; "
@@ -319,7 +319,7 @@ def check_sweep(name: str, cfg: Any, label: str | None = None) -> None:
     (a dense run, CoMERA off, a run that ends before the regularizer starts or the late
     stage begins, a size target that overrides ``size_ratio``). Also a label too long to
     name a folder."""
-    if label is not None and len(label.replace("/", "_").encode()) > 200:
+    if label is not None and len(_folder(label).encode()) > 200:
         raise cli.CLIError(f"--values: {label[:40]}... is too long to name a run folder")
     need = _NEEDS.get(name)
     if need is None:
@@ -351,9 +351,14 @@ def check_sweep(name: str, cfg: Any, label: str | None = None) -> None:
         )
 
 
+def _folder(label: str) -> str:
+    """The folder name of the variant ``label`` (a label may hold a ``/``)."""
+    return label.replace("/", "_")
+
+
 def variant_dir(runs_root: Path, label: str) -> Path:
-    """Where the variant ``label`` of an ablation trains (a label may hold a ``/``)."""
-    return runs_root / label.replace("/", "_")
+    """Where the variant ``label`` of an ablation trains."""
+    return runs_root / _folder(label)
 
 
 ABLATION_RECORD = "ablation.json"  # in an ablation's runs dir: the command that trained it
@@ -378,7 +383,7 @@ def run_ablation(
     is refused: a command refused before it trains anything loses nothing."""
     group = base.train.wandb_group or f"ablate-{name}-{base.train.run_name or exp.name}"
     built = []  # every variant's config first: a bad value fails before any variant trains
-    settings: dict[tuple, str] = {}
+    settings: dict[str, str] = {}  # each variant's swept values (repr) -> its label
     for v in chosen:
         cfg = base
         for key, value in v.overrides:
