@@ -278,8 +278,8 @@ class TokenLoader:
                 "world_size": self.world_size,
                 "num_workers": self._readers,
                 "next_worker": self._pos.next_worker,
-                "config_weights": dict(self._config_weights),
-                "weights": dict(self._weights),
+                "config_weights": self._config_weights,
+                "weights": self._weights,
                 # what a shard's offset counts: a resume with BOS turned on or off shifts it
                 "stream": {"bos_id": self.config.bos_id, "eos_id": self.config.eos_id},
                 "readers": self._pos.readers,
