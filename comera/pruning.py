@@ -29,6 +29,7 @@ import math
 import torch
 
 from comera.errors import ConfigError
+from comera.spec import as_number
 from comera.tensor_train import Params, State, check_state
 
 __all__ = [
@@ -212,10 +213,7 @@ def prune(params: Params, state: State, tau: float, *, rule: str = "gate") -> St
     check_prune_rule(rule)
     check_state(params, state)
     given = tau
-    try:  # a number or a one-element tensor; not True (1.0: every rank) nor "0.1"
-        tau = math.nan if isinstance(tau, bool | str) else float(tau)
-    except (TypeError, ValueError, RuntimeError):
-        tau = math.nan
+    tau = as_number(tau)  # a number or a one-element tensor; not True (1.0: every rank)
     if not math.isfinite(tau):  # NaN compares false: the gate rule kills all, shares none
         raise ConfigError(f"prune: tau={given!r}; give a finite threshold (e.g. 1e-2)")
     if rule == "gate":

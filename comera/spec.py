@@ -21,6 +21,7 @@ from comera.errors import ConfigError
 __all__ = [
     "TTLinearSpec",
     "TTMEmbeddingSpec",
+    "as_number",
     "cap_ranks",
     "factorize",
     "propose_modes",
@@ -47,16 +48,32 @@ def _index(v: object) -> int:
     return operator.index(v)  # type: ignore[arg-type]
 
 
+def _optional_size(name: str, what: str, value: object) -> int | None:
+    """``value`` as an int, or None; anything else a :class:`ConfigError` naming ``what``
+    (``int()`` would take 12.7 as 12, and "4" then compared unequal to 4)."""
+    try:
+        return None if value is None else _index(value)
+    except TypeError:
+        raise ConfigError(f"{name}: {what} must be an int or None, got {value!r}") from None
+
+
+def as_number(value: object) -> float:
+    """``value`` as a float (a number, numpy's, a one-element tensor), or NaN for anything
+    else, a bool and a string included (True is not 1.0 here, nor "0.1" a number)."""
+    if isinstance(value, bool | str):
+        return math.nan
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        return math.nan
+
+
 def _check_dtype_std(name: str, dtype: object, std: float | None) -> None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"{name}: dtype must be a floating torch.dtype, got {dtype!r}")
     if std is None:
         return
-    try:  # a number (numpy's, a one-element tensor); inf made infinite cores
-        value = math.nan if isinstance(std, bool | str) else float(std)  # type: ignore[arg-type]
-    except (TypeError, ValueError, RuntimeError):
-        value = math.nan
-    if not 0 < value < math.inf:
+    if not 0 < as_number(std) < math.inf:  # inf made infinite cores
         raise ConfigError(f"{name}: std must be a finite number > 0 (or None), got {std!r}")
 
 
@@ -130,11 +147,8 @@ class TTLinearSpec:
             ("out_modes", out_modes, self.out_features),
             ("in_modes", in_modes, self.in_features),
         ):
-            field = f"{what.split('_')[0]}_features"
-            try:  # "4" was "the product ... is 4, but the layer has 4 ... features"
-                dim = None if dim is None else _index(dim)
-            except TypeError:
-                raise ConfigError(f"{name}: {field} must be an int or None, got {dim!r}") from None
+            # "4" was "the product ... is 4, but the layer has 4 ... features"
+            dim = _optional_size(name, f"{what.split('_')[0]}_features", dim)
             if dim is not None and math.prod(modes) != dim:
                 raise ConfigError(
                     f"{name}: the product of {what} {list(modes)} is {math.prod(modes)}, "
@@ -192,12 +206,8 @@ class TTMEmbeddingSpec:
                 f"got {list(vocab_modes)} and {list(dim_modes)}"
             )
         padded = math.prod(vocab_modes)
-        try:  # an int only: int() would take 12.7 as 12
-            num = padded if self.num_embeddings is None else _index(self.num_embeddings)
-        except TypeError:
-            raise ConfigError(
-                f"{name}: num_embeddings must be an int or None, got {self.num_embeddings!r}"
-            ) from None
+        num = _optional_size(name, "num_embeddings", self.num_embeddings)
+        num = padded if num is None else num
         if not 1 <= num <= padded:
             raise ConfigError(
                 f"{name}: num_embeddings={num} must be in [1, prod(vocab_modes)={padded}]; "
@@ -205,12 +215,7 @@ class TTMEmbeddingSpec:
                 "(see comera.spec.propose_modes(..., pad=True))"
             )
         dim = math.prod(dim_modes)
-        try:
-            want = None if self.embedding_dim is None else _index(self.embedding_dim)
-        except TypeError:
-            raise ConfigError(
-                f"{name}: embedding_dim must be an int or None, got {self.embedding_dim!r}"
-            ) from None
+        want = _optional_size(name, "embedding_dim", self.embedding_dim)
         if want is not None and want != dim:
             raise ConfigError(
                 f"{name}: the product of dim_modes {list(dim_modes)} is {dim}, but "
