@@ -177,10 +177,17 @@ def load_run(run_dir: str | Path, experiment: str | None = None) -> dict:
         raise DataError(f"{d / 'metrics.jsonl'}: unreadable ({e})") from None
     ranks = read_run_json(d / "ranks.json", dict) if (d / "ranks.json").is_file() else {}
     config = read_run_json(d / "config.json", dict)
-    ran = config.get("experiment")
-    if experiment is not None and ran is not None and ran != experiment:
-        raise DataError(f"{d} is a run of experiments.{ran}, not of experiments.{experiment}")
+    if experiment is not None:
+        _check_experiment(d, config, experiment)
     return {"dir": d, "config": config, "rows": rows, "ranks": ranks}
+
+
+def _check_experiment(d: Path, config: dict, experiment: str) -> None:
+    """Refuse a run whose ``config.json`` names another experiment (one saved before the
+    field existed names none and is taken)."""
+    ran = config.get("experiment")
+    if ran is not None and ran != experiment:
+        raise DataError(f"{d} is a run of experiments.{ran}, not of experiments.{experiment}")
 
 
 def read_run_json(path: Path, kind: type) -> Any:
@@ -202,9 +209,7 @@ def check_smoke_pair(dirs: dict[str, Path], experiment: str) -> None:
     copied into the dense slot was reported as a compressed "dense" baseline)."""
     for kind, d in dirs.items():
         config = read_run_json(Path(d) / "config.json", dict)
-        ran = config.get("experiment")
-        if ran is not None and ran != experiment:
-            raise DataError(f"{d} is a run of experiments.{ran}, not of experiments.{experiment}")
+        _check_experiment(d, config, experiment)
         if bool(config.get("dense")) != (kind == "dense"):
             what = "a dense" if config.get("dense") else "a CoMERA"
             raise DataError(
