@@ -9,7 +9,7 @@ and keeps its traceback. It is a ``ValueError`` (:class:`LoaderPathError` also a
 
 from __future__ import annotations
 
-__all__ = ["LoaderInputError", "LoaderPathError"]
+__all__ = ["LoaderInputError", "LoaderPathError", "MixingShortfall"]
 
 
 class LoaderInputError(ValueError):
@@ -19,3 +19,8 @@ class LoaderInputError(ValueError):
 class LoaderPathError(LoaderInputError, FileNotFoundError):
     """A data path (corpus folder, file, checkpoint folder) that does not exist or holds no
     files the loader reads."""
+
+
+class MixingShortfall(LoaderInputError):
+    """Weights an endless stream cannot meet: the readers that own a small sub-dataset's
+    documents are too few to serve its share (see ``loaders.mixing.reader_targets``)."""

@@ -31,8 +31,8 @@ from loaders.checkpoint import (
     save_state,
 )
 from loaders.config import LoaderConfig, is_int
-from loaders.errors import LoaderInputError
-from loaders.mixing import Mixer
+from loaders.errors import LoaderInputError, MixingShortfall
+from loaders.mixing import Mixer, reader_targets
 from loaders.pipeline import Layout, ReaderPipeline, holds_long, open_source
 from loaders.shards import owned_shards
 
@@ -93,6 +93,7 @@ class _ReaderDataset(IterableDataset):
             cursors=self.resume["cursors"],
             weights=self.resume["weights"],
             worker_state=self.resume["readers"][w],
+            targets=self.resume["targets"][w],
         )
         while True:
             try:
@@ -173,17 +174,28 @@ class TokenLoader:
         self._pos = _Position([None] * self._readers)
         self._pipes: list[ReaderPipeline] = []
         self._iter: Iterator[dict] | None = None
+        self._targets: list[dict[str, float] | None] = []  # per reader; see _check_readers
         self._start_pipes()  # validates ownership now and gives state_dict() a value
 
     # -- iteration ---------------------------------------------------------------------
-    def _check_readers(self, weights: dict[str, float] | None = None) -> None:
-        """An endless stream must give every reader of the layout a document: a reader
-        with none would end at once, and its rank with it while the others go on (a data
-        parallel job then hangs). Checked for every rank's readers, so every rank raises.
-        Outside ``local`` mode a reader's shards hold the same positions every epoch."""
+    def _check_readers(
+        self, weights: dict[str, float] | None = None
+    ) -> list[dict[str, float] | None]:
+        """Refuse a layout an endless stream cannot serve, and return the mixing targets of
+        this rank's readers (``None``: the weights themselves; see
+        :func:`loaders.mixing.reader_targets`).
+
+        An endless stream must give every reader of the layout a document: a reader with
+        none would end at once, and its rank with it while the others go on (a data
+        parallel job then hangs). And the readers owning a small sub-dataset's documents
+        must be able to serve its share for those that own none. Checked for every rank's
+        readers, so every rank raises. Outside ``local`` mode a reader's shards hold the
+        same positions every epoch; in it, blocks move and every reader meets every
+        sub-dataset in time."""
         cfg = self.config
+        none: list[dict[str, float] | None] = [None] * self._readers
         if cfg.num_epochs is not None or cfg.shuffle == "local":
-            return
+            return none
         weights = self._weights if weights is None else weights
         # a sub-dataset with no document of min_doc_len tokens is dropped by every reader
         docs = {n: int(src.num_docs) for n, src in self.sources.items()
@@ -208,6 +220,17 @@ class TokenLoader:
                     "(num_epochs=None) would end at once there; use fewer ranks or workers, "
                     "more documents, shuffle='local', or set num_epochs"
                 )
+        first = self.rank * self._readers
+        try:
+            targets = reader_targets(weights, docs, L, total, range(first, first + self._readers))
+        except MixingShortfall as e:
+            raise MixingShortfall(
+                f"{self.world_size} ranks x {self._readers} workers: {e}"
+            ) from None
+        if targets is None:
+            return none
+        # sub-datasets dropped for want of long documents are left out of the solve above
+        return [{n: t.get(n, 0.0) for n in self.sources} for t in targets]
 
     def _holds_long(self, name: str) -> bool:
         """Whether sub-dataset ``name`` holds a document of ``min_doc_len`` tokens (scanned
@@ -218,7 +241,7 @@ class TokenLoader:
 
     def _start_pipes(self) -> None:
         """Build every reader on this process (cheap: no data is read) for state/iteration."""
-        self._check_readers()
+        self._targets = self._check_readers()
         self._pipes = [
             ReaderPipeline(
                 self.config,
@@ -227,6 +250,7 @@ class TokenLoader:
                 cursors=self._cursors,
                 weights=self._weights,
                 worker_state=self._pos.readers[w],
+                targets=self._targets[w],
             )
             for w in range(self._readers)
         ]
@@ -241,7 +265,7 @@ class TokenLoader:
                 self._iter = _serial_batches(self._pipes[0])
             else:
                 resume = {"cursors": self._cursors, "weights": self._weights,
-                          "readers": self._pos.readers}  # fmt: skip
+                          "readers": self._pos.readers, "targets": self._targets}  # fmt: skip
                 layout = Layout(self.rank, self.world_size, 0, self._readers)
                 ds = _ReaderDataset(self.config, layout, resume)
                 self._iter = _parallel_batches(ds, self._readers, self._dl_kwargs, self._pos)
@@ -335,9 +359,10 @@ class TokenLoader:
         probe = Mixer(dict(self._weights))
         probe.set_weights(weights)  # validates names and values
         new = dict(probe.weights)
-        self._check_readers(new)
+        targets = self._check_readers(new)
         if self.num_workers == 0:
-            self._pipes[0].set_weights(weights)
+            self._pipes[0].set_weights(weights, targets[0])
+            self._targets = targets
             self._weights = new
             self._close()  # a stream that had ended goes on with what the weights revive
             return

@@ -73,6 +73,7 @@ class ReaderPipeline:
         cursors: dict[str, dict[int, tuple[int, int, int]]],
         weights: dict[str, float],
         worker_state: dict | None = None,
+        targets: dict[str, float] | None = None,
     ) -> None:
         self.config, self.sources, self.layout = config, sources, layout
         L = config.num_shards
@@ -97,6 +98,8 @@ class ReaderPipeline:
             for name, src in sources.items()
         }
         self.mixer = Mixer(weights, ws.get("mix_tokens"))
+        if targets is not None:  # this reader makes up for others (reader_targets)
+            self.mixer.targets = dict(targets)
         self.rr = {name: int(ws.get("rr", {}).get(name, 0)) for name in sources}
         self._low: dict[str, int] = {}  # lowest shard epoch per sub-dataset (a cache)
         # whether a sub-dataset holds any document of min_doc_len tokens (found by a scan
@@ -144,8 +147,13 @@ class ReaderPipeline:
             "shards": shards,
         }
 
-    def set_weights(self, weights: dict[str, float]) -> None:
+    def set_weights(
+        self, weights: dict[str, float], targets: dict[str, float] | None = None
+    ) -> None:
+        """New weights, and this reader's mixing targets for them (``None``: the weights)."""
         self.mixer.set_weights(weights)
+        if targets is not None:
+            self.mixer.targets = dict(targets)
         self._active = [n for n in self.sources if self._usable(n)]
         self.done = False  # a sub-dataset given weight again may have documents left
 

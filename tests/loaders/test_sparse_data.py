@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from loaders import DatasetSpec, LoaderConfig, TokenLoader
-from loaders.errors import LoaderInputError
+from loaders.errors import LoaderInputError, MixingShortfall
 from tests.loaders_helpers import write_arrow
 
 
@@ -234,4 +234,78 @@ def test_passing_over_a_sub_dataset_resumes_identically():
     again = TokenLoader(cfg, rank=3, world_size=8)
     again.load_state_dict(state)
     got = [b["input_ids"] for b in _take(again, 10)]
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(want, got, strict=True))
+
+
+def _share(batches: list[dict], base: int) -> float:
+    """Share of body tokens that come from the :class:`Memory` source of ``base``."""
+    body = _body(batches)
+    return float((body >= (base + 1) * 1000).mean())
+
+
+def _small_mix(weight: float, docs: int = 3, **kw) -> LoaderConfig:
+    """A 400-document sub-dataset and one of ``docs`` documents at ``weight``."""
+    big, small = Memory([20] * 400), Memory([20] * docs, 10**5)
+    return _config([("big", big, 1 - weight), ("small", small, weight)], **kw)
+
+
+@pytest.mark.parametrize(("docs", "weight", "world"), [(3, 0.5, 4), (5, 0.3, 8), (6, 0.6, 8)])
+def test_a_small_sub_dataset_keeps_its_share_over_all_readers(docs, weight, world):
+    """With fewer documents than readers, only some readers own one; they serve it more
+    often, so its share of all ranks' tokens is still its weight (without that, 3
+    documents at 0.5 over 4 ranks took 0.37 of the tokens)."""
+    cfg = _small_mix(weight, docs)
+    got = [b for r in range(world) for b in _take(TokenLoader(cfg, rank=r, world_size=world), 150)]
+    assert abs(_share(got, 10**5) - weight) < 0.01
+
+
+def test_workers_make_up_for_readers_without_the_small_sub_dataset():
+    """The same with the readers as DataLoader workers: 2 ranks x 2 workers."""
+    cfg = _small_mix(0.5)
+    got = []
+    for r in range(2):
+        with TokenLoader(cfg, rank=r, world_size=2, num_workers=2) as ld:
+            got += _take(ld, 120)
+    assert abs(_share(got, 10**5) - 0.5) < 0.01
+
+
+def test_a_share_the_owners_cannot_serve_is_refused_on_every_rank():
+    """3 documents reach 3 of 4 readers: at most 3/4 of the tokens. A weight above that
+    is refused up front on every rank, by set_weights before anything changes; at 3/4 the
+    owners serve nothing else. Finite epochs and local blocks are not concerned."""
+    for rank in range(4):
+        with pytest.raises(
+            MixingShortfall,
+            match=r"4 ranks x 1 workers: .*'small' \(3 doc"
+            r"uments\) reaches only 3 of 4 readers .* at most 75\.0% .* 90\.0%",
+        ):
+            TokenLoader(_small_mix(0.9), rank=rank, world_size=4)  # fmt: skip
+    TokenLoader(_small_mix(0.9, num_epochs=1), rank=0, world_size=4)
+    TokenLoader(_small_mix(0.9, shuffle="local"), rank=0, world_size=4)
+    edge = [b for r in range(4) for b in _take(TokenLoader(_small_mix(0.75), rank=r,
+                                                           world_size=4), 100)]  # fmt: skip
+    assert abs(_share(edge, 10**5) - 0.75) < 0.01
+    ld = TokenLoader(_small_mix(0.5), rank=1, world_size=4)
+    with pytest.raises(MixingShortfall, match="reaches only 3 of 4 readers"):
+        ld.set_weights({"big": 0.05, "small": 0.95})
+    assert ld.state_dict()["weights"] == {"big": 0.5, "small": 0.5}
+    ld.set_weights({"big": 0.7, "small": 0.3})
+    assert ld.readers[0].mixer.weights == {"big": 0.7, "small": 0.3}
+    assert ld.readers[0].mixer.targets["small"] > 0.3  # rank 1 owns one of the 3
+
+
+@pytest.mark.parametrize(("world", "workers"), [(4, 0), (2, 2)])
+def test_a_made_up_share_resumes_identically(world, workers):
+    """The readers' targets follow from the layout, so a resume at the same layout goes
+    on token-identically, in-process as with workers (4 readers either way)."""
+    cfg = _small_mix(0.5)
+    ref = TokenLoader(cfg, rank=world // 2, world_size=world, num_workers=workers)
+    _take(ref, 5)
+    state = json.loads(json.dumps(ref.state_dict()))
+    want = [b["input_ids"] for b in _take(ref, 8)]
+    ref.close()
+    again = TokenLoader(cfg, rank=world // 2, world_size=world, num_workers=workers)
+    again.load_state_dict(state)
+    got = [b["input_ids"] for b in _take(again, 8)]
+    again.close()
     assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(want, got, strict=True))

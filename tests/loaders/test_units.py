@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from loaders import DatasetSpec, LoaderConfig, TokenLoader
-from loaders.mixing import Mixer
+from loaders.errors import MixingShortfall
+from loaders.mixing import Mixer, owners, reader_targets
 from loaders.packing import write_piece
 from loaders.permute import IndexCipher
 from loaders.shards import logical_shard_of, owned_shards, shard_bounds
@@ -203,3 +204,21 @@ def test_state_is_small_for_a_million_documents():
         sc.offset = [123_456] * len(sc.ids)
     size = len(json.dumps(ld.state_dict()).encode())
     assert size <= 64 * 1024, size
+
+
+def test_reader_targets_meet_the_weights_at_scale():
+    """64 ranks x 4 workers over 1,024 shards: a 100-document sub-dataset reaches 100 of
+    the 256 readers. At weight 0.05 the owners' targets give it 5% of all tokens (the mean
+    of the readers' shares); at 0.5 no split can, and the message names the 39.1% it can
+    reach. With every reader owning a document of each, the weights are used as they are."""
+    docs, weights = {"web": 10**6, "rare": 100}, {"web": 0.95, "rare": 0.05}
+    assert owners(docs, 1024, 256)[:, 1].sum() == 100
+    rows = reader_targets(weights, docs, 1024, 256, range(256))
+    shares = np.array([[r[n] / sum(r.values()) for n in docs] for r in rows]).mean(axis=0)
+    assert np.allclose(shares, [0.95, 0.05], atol=1e-9)
+    assert {r["rare"] == 0 for r in rows} == {True, False}
+    with pytest.raises(MixingShortfall, match=r"'rare' \(100 documents\) reaches only 100 of "
+                       r"256 readers .* at most 39\.1%"):  # fmt: skip
+        reader_targets({"web": 0.5, "rare": 0.5}, docs, 1024, 256, [0])
+    assert reader_targets(weights, {"web": 10**6, "rare": 5000}, 1024, 256, [0]) is None
+    assert reader_targets({"web": 1.0, "rare": 0.0}, docs, 1024, 256, [0]) is None
