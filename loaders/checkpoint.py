@@ -260,6 +260,12 @@ def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True
             f"incomplete or mixed loader states (ranks {ranks}, world sizes {sorted(worlds)}, "
             f"workers {sorted(workers)}); pass every rank's state of one checkpoint"
         )
+    steps = {s.get("step") for s in states}  # what TokenLoader.save(step=...) recorded
+    if len(steps) > 1:  # ranks apart in time would repeat or skip the tokens between
+        raise LoaderInputError(
+            f"loader states of ranks {ranks} were saved at different steps "
+            f"{sorted(steps, key=repr)}; pass every rank's state of one checkpoint"
+        )
     names = list(states[0]["fingerprint"]["docs"])
     cursors: dict[str, dict[int, tuple[int, int, int]]] = {n: {} for n in names}
     readers: dict[tuple[int, int], dict] = {}

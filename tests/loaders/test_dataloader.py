@@ -123,6 +123,10 @@ def test_incomplete_checkpoint_folder_is_refused(corpus, tmp_path):
     TokenLoader(_cfg(root), rank=1, world_size=3).save(tmp_path, step=2)
     with pytest.raises(ValueError, match="different steps"):
         TokenLoader(_cfg(root)).load(tmp_path)
+    # the same states handed over as a list (not read from the folder) are refused too
+    states = [json.loads(state_path(tmp_path, r).read_text()) for r in range(3)]
+    with pytest.raises(ValueError, match=r"ranks \[0, 1, 2\] were saved at different steps"):
+        TokenLoader(_cfg(root)).load_state_dict(states)
     with pytest.raises(FileNotFoundError, match="no loader state files"):
         TokenLoader(_cfg(root)).load(tmp_path / "nothing")
     assert ckpt.STATE_VERSION == 1
