@@ -181,32 +181,32 @@ class TokenLoader:
     def _check_readers(
         self, weights: dict[str, float] | None = None
     ) -> list[dict[str, float] | None]:
-        """Refuse a layout an endless stream cannot serve, and return the mixing targets of
-        this rank's readers (``None``: the weights themselves; see
+        """Refuse weights and a layout the stream cannot serve, and return the mixing
+        targets of this rank's readers (``None``: the weights themselves; see
         :func:`loaders.mixing.reader_targets`).
 
-        An endless stream must give every reader of the layout a document: a reader with
-        none would end at once, and its rank with it while the others go on (a data
-        parallel job then hangs). And the readers owning a small sub-dataset's documents
-        must be able to serve its share for those that own none. Checked for every rank's
-        readers, so every rank raises. Outside ``local`` mode a reader's shards hold the
-        same positions every epoch; in it, blocks move and every reader meets every
-        sub-dataset in time."""
+        Some weighted sub-dataset must hold a document of ``min_doc_len`` tokens, or no
+        batch would come. An endless stream must give every reader of the layout a
+        document: a reader with none would end at once, and its rank with it while the
+        others go on (a data parallel job then hangs). And the readers owning a small
+        sub-dataset's documents must be able to serve its share for those that own none.
+        Checked for every rank's readers, so every rank raises. Outside ``local`` mode a
+        reader's shards hold the same positions every epoch; in it, blocks move and every
+        reader meets every sub-dataset in time."""
         cfg = self.config
-        none: list[dict[str, float] | None] = [None] * self._readers
-        if cfg.num_epochs is not None or cfg.shuffle == "local":
-            return none
         weights = self._weights if weights is None else weights
         # a sub-dataset with no document of min_doc_len tokens is dropped by every reader
         docs = {n: int(src.num_docs) for n, src in self.sources.items()
                 if weights.get(n, 0) > 0 and self._holds_long(n)}  # fmt: skip
-        if not docs:
+        if not docs:  # in every mode: a finite stream would yield no batch either
             raise LoaderInputError(
                 f"no sub-dataset with a positive weight holds a document of min_doc_len="
-                f"{cfg.min_doc_len} tokens, and an endless stream (num_epochs=None) would end "
-                "at once; lower LoaderConfig.min_doc_len or give weight to a sub-dataset "
-                "with longer documents"
+                f"{cfg.min_doc_len} tokens, so the stream would yield no batch; lower "
+                "LoaderConfig.min_doc_len or give weight to a sub-dataset with longer documents"
             )
+        none: list[dict[str, float] | None] = [None] * self._readers
+        if cfg.num_epochs is not None or cfg.shuffle == "local":
+            return none
         total, L = self.world_size * self._readers, cfg.num_shards
         for g in range(total):
             ids = owned_shards(L, g // self._readers, self.world_size, g % self._readers,

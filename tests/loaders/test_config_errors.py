@@ -178,6 +178,10 @@ def test_an_endless_stream_counts_only_documents_of_min_doc_len(tmp_path):
         TokenLoader(only_short)
     finite = LoaderConfig(datasets=specs, num_shards=4, min_doc_len=3, seq_len=4, num_epochs=1)
     TokenLoader(finite, rank=0, world_size=2)  # a finite stream ends on every rank anyway
+    for kw in ({"num_epochs": 1}, {"shuffle": "local"}):  # no batch would come at all
+        empty = LoaderConfig(datasets=specs[1:], num_shards=4, min_doc_len=3, seq_len=4, **kw)
+        with pytest.raises(LoaderInputError, match="no sub-dataset .* would yield no batch"):
+            TokenLoader(empty)
 
 
 def test_a_state_dict_is_a_copy_the_caller_may_edit() -> None:
