@@ -141,6 +141,9 @@ def check_state(state: object, where: str = "loader state") -> None:
             raise bad(key, "is not an integer")
     if not 0 <= state["rank"] < state["world_size"]:
         raise bad("rank", f"{state['rank']} is outside world_size {state['world_size']}")
+    if not 1 <= state["num_workers"] <= fp["num_shards"] // state["world_size"]:
+        raise bad("num_workers", f"x world_size = {state['num_workers']} x {state['world_size']} "
+                                 f"readers does not fit num_shards={fp['num_shards']}")  # fmt: skip
     readers = state.get("readers")
     if not isinstance(readers, list) or not all(isinstance(r, dict) for r in readers):
         raise bad("readers", "is not a list of reader states")
@@ -171,7 +174,7 @@ def check_state(state: object, where: str = "loader state") -> None:
         for key, top in (("rr", spans), ("mix_tokens", None)):
             counts = r.get(key, {})
             if not isinstance(counts, dict) or not all(
-                n in spans and is_int(v) and 0 <= v and (top is None or v < top[n])
+                n in spans and is_int(v) and 0 <= v < (2**63 if top is None else top[n])
                 for n, v in counts.items()
             ):
                 raise bad(f"readers[worker {r['worker']}].{key}",
@@ -180,6 +183,7 @@ def check_state(state: object, where: str = "loader state") -> None:
         if cur is not None and not (
             isinstance(cur, list)
             and len(cur) == 2
+            and isinstance(cur[0], str)
             and cur[0] in shards
             and is_int(cur[1])
             and shards[cur[0]]["range"][0] <= cur[1] < shards[cur[0]]["range"][1]

@@ -22,10 +22,13 @@ def is_int(value: object) -> bool:
 
 def check_weight(where: str, value: object) -> float:
     """``value`` as a finite weight >= 0, or a :class:`LoaderInputError` naming ``where``."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value < 0:  # type: ignore[arg-type]
+    try:  # an int past float's range (10**400) is not finite as a float either
+        number = float(value) if isinstance(value, numbers.Real) else math.nan  # type: ignore[arg-type]
+    except OverflowError:
+        number = math.inf
+    if isinstance(value, bool) or not math.isfinite(number) or number < 0:
         raise LoaderInputError(f"{where}: weight must be a finite number >= 0, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    return number
 
 
 @dataclass(kw_only=True, slots=True)

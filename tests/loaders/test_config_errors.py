@@ -113,6 +113,15 @@ def _damage(state: dict, how: str) -> object:
         state["readers"] = []
     elif how == "next worker as text":
         state["next_worker"] = "x"
+    # out of range of what Python hands to C or to a float: bare Overflow/TypeErrors
+    elif how == "huge world":
+        state["world_size"] = 10**30
+    elif how == "huge mix count":
+        state["readers"][0]["mix_tokens"]["a"] = 10**400
+    elif how == "huge weight":
+        state["weights"]["a"] = 10**400
+    elif how == "list as current":
+        state["readers"][0]["current"] = [[0], 0]
     return state
 
 
@@ -134,6 +143,10 @@ def _damage(state: dict, how: str) -> object:
         ("rr as text", "rr is not a map of its sub-datasets to integers in range"),
         ("no readers", "readers are of workers \\[\\], not one per worker"),
         ("next worker as text", "next_worker 'x' is not a worker"),
+        ("huge world", r"num_workers x world_size = 1 x 10{30} readers does not fit"),
+        ("huge mix count", "mix_tokens is not a map of its sub-datasets to integers in range"),
+        ("huge weight", r"weights\['a'\] = 10{400} is not a finite weight"),
+        ("list as current", "current is not one of its shards"),
     ],
 )
 def test_a_damaged_state_file_is_refused_before_anything_changes(tmp_path, how, field):
