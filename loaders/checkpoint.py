@@ -139,6 +139,8 @@ def check_state(state: object, where: str = "loader state") -> None:
     for key in ("rank", "world_size", "num_workers"):
         if not is_int(state.get(key)):
             raise bad(key, "is not an integer")
+    if "step" in state and not (is_int(state["step"]) and state["step"] >= 0):
+        raise bad("step", f"{state['step']!r} is not an integer >= 0")
     if not 0 <= state["rank"] < state["world_size"]:
         raise bad("rank", f"{state['rank']} is outside world_size {state['world_size']}")
     if not 1 <= state["num_workers"] <= fp["num_shards"] // state["world_size"]:

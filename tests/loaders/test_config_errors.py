@@ -122,6 +122,8 @@ def _damage(state: dict, how: str) -> object:
         state["weights"]["a"] = 10**400
     elif how == "list as current":
         state["readers"][0]["current"] = [[0], 0]
+    elif how == "list as step":
+        state["step"] = [1]
     return state
 
 
@@ -147,6 +149,7 @@ def _damage(state: dict, how: str) -> object:
         ("huge mix count", "mix_tokens is not a map of its sub-datasets to integers in range"),
         ("huge weight", r"weights\['a'\] = 10{400} is not a finite weight"),
         ("list as current", "current is not one of its shards"),
+        ("list as step", r"step \[1\] is not an integer >= 0"),
     ],
 )
 def test_a_damaged_state_file_is_refused_before_anything_changes(tmp_path, how, field):
