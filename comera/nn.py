@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from comera import pruning, tensor_train
+from comera.errors import ConfigError
 from comera.layers import tt_linear, ttm_embedding
-from comera.plans import PlanLike
+from comera.plans import EMBEDDING_IMPLS, PlanLike, resolve_plan
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
 from comera.tensor_train import Params, State
 
@@ -165,6 +166,8 @@ class TTLinear(_TTModule):
         state: State | None = None,
     ) -> None:
         super().__init__(spec, generator, device, params, state)
+        if plan is not None:  # refused here, not at the first forward
+            resolve_plan(plan, f"TTLinear {spec.name!r} plan")
         self.plan = plan  # per-layer strategy; None follows the global default
 
     @classmethod
@@ -191,6 +194,11 @@ class TTMEmbedding(_TTModule):
         state: State | None = None,
     ) -> None:
         super().__init__(spec, generator, device, params, state)
+        if not isinstance(impl, str) or impl not in EMBEDDING_IMPLS:
+            raise ConfigError(
+                f"TTMEmbedding {spec.name!r}: unknown impl {impl!r}; expected one of "
+                f"{', '.join(EMBEDDING_IMPLS)}"
+            )
         self.impl = impl
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

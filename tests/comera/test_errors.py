@@ -59,11 +59,16 @@ def test_ids_out_of_range_and_bad_dtype():
         emb(torch.tensor([1.0]))
     with pytest.raises(ValueError, match="unknown impl 'fast'"):
         C.ttm_embedding(emb.params(), emb.state(), torch.tensor([1]), impl="fast")
+    with pytest.raises(ValueError, match="TTMEmbedding 'tok': unknown impl 'fast'"):
+        C.TTMEmbedding(spec, impl="fast")
 
 
 def test_unknown_strategy_and_bad_explicit_path():
     spec = C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=2, name="o")
-    layer = C.TTLinear(spec, plan="fastest")
+    with pytest.raises(ValueError, match=r"'o'.*unknown contraction strategy 'fastest'.*comera"):
+        C.TTLinear(spec, plan="fastest")  # when built, not at the first forward
+    layer = C.TTLinear(spec)
+    layer.plan = "fastest"  # set afterwards: still named at the call
     with pytest.raises(ValueError, match=r"'o'.*unknown contraction strategy 'fastest'.*comera"):
         layer(torch.randn(2, 6))
     with pytest.raises(ValueError, match="unknown contraction strategy"):
