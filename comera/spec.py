@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from comera.errors import ConfigError
@@ -59,12 +60,15 @@ def _optional_size(name: str, what: str, value: object) -> int | None:
 
 def as_number(value: object) -> float:
     """``value`` as a float (a number, numpy's, a one-element tensor), or NaN for anything
-    else, a bool and a string included (True is not 1.0 here, nor "0.1" a number)."""
-    if isinstance(value, bool | str):
+    else, a bool and a string included (True is not 1.0 here, nor "0.1" a number), numpy's
+    and torch's bools too, and an int past float's range."""
+    if isinstance(value, bool | np.bool_ | str | bytes):
+        return math.nan
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
         return math.nan
     try:
         return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):
         return math.nan
 
 

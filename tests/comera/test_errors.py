@@ -1,5 +1,6 @@
 """Bad input raises errors that name the layer, the value and what was expected."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,6 +125,11 @@ def test_from_dense_shape_mismatch():
         (lambda: C.prune(*_layer(), tau=0.1, rule="x"), ConfigError, "unknown prune rule 'x'"),
         (lambda: C.prune(*_layer(), tau=True), ConfigError, "prune: tau=True; give a finite"),
         (lambda: C.prune(*_layer(), tau="0.1"), ConfigError, "prune: tau='0.1'; give a finite"),
+        (lambda: C.prune(*_layer(), tau=np.True_), ConfigError, "prune: tau=np.True_; give a"),
+        (lambda: C.prune(*_layer(), tau=torch.tensor(True)), ConfigError, "prune: tau=tensor"),
+        (lambda: C.prune(*_layer(), tau=10**400), ConfigError, "prune: tau=1000.*; give a"),
+        (lambda: C.TTLinearSpec(out_modes=(2,), in_modes=(3,), ranks=1, std=10**400),
+         ConfigError, "std must be a finite number > 0"),
         (lambda: _table()(torch.tensor([18])), IdOutOfRangeError, "id 18 is out of range"),
         (
             lambda: C.ttm_embedding(*_table().params_state(), torch.tensor([1]), impl="fast"),
