@@ -58,6 +58,15 @@ def _optional_size(name: str, what: str, value: object) -> int | None:
         raise ConfigError(f"{name}: {what} must be an int or None, got {value!r}") from None
 
 
+def _sizes(name: str, **sizes: object) -> None:
+    """Refuse any of ``sizes`` that is not an int (numpy's too) naming ``name``'s argument."""
+    for what, value in sizes.items():
+        try:
+            _index(value)
+        except TypeError:
+            raise ConfigError(f"{name}: {what} must be an int, got {value!r}") from None
+
+
 def as_number(value: object) -> float:
     """``value`` as a float (a number, numpy's, a one-element tensor), or NaN for anything
     else, a bool and a string included (True is not 1.0 here, nor "0.1" a number), numpy's
@@ -347,6 +356,7 @@ def propose_tt_linear(
 ) -> TTLinearSpec:
     """A :class:`TTLinearSpec` with balanced modes, large modes at the two ends of the train
     (where the bonds are capped by the mode size), as in the paper's [12,8,8 | 8,8,12]."""
+    _sizes("propose_tt_linear", out_features=out_features, in_features=in_features, d=d)
     out_modes = tuple(sorted(propose_modes(out_features, d), reverse=True))
     in_modes = tuple(sorted(propose_modes(in_features, d)))
     return TTLinearSpec(
@@ -363,6 +373,7 @@ def propose_ttm_embedding(
     num_embeddings: int, embedding_dim: int, d: int = 4, ranks: int = 32, **kw: object
 ) -> TTMEmbeddingSpec:
     """A :class:`TTMEmbeddingSpec` with a padded, balanced vocabulary factorization."""
+    _sizes("propose_ttm_embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim, d=d)
     vocab_modes = tuple(sorted(propose_modes(num_embeddings, d, pad=True), reverse=True))
     dim_modes = tuple(sorted(propose_modes(embedding_dim, d)))
     return TTMEmbeddingSpec(
