@@ -256,11 +256,12 @@ def is_binary(path: Path) -> bool:
     first 8 KiB (as ``git`` and ``grep`` decide binary files). Its text would train as
     replacement marks."""
     with open(path, "rb") as f:
-        head = f.read(8192)
+        head = f.read(8193)  # one byte more tells a file of exactly 8 KiB from a longer one
+    more, head = len(head) > 8192, head[:8192]
     if b"\0" in head:
         return True
     try:  # a character cut at the 8 KiB boundary is text, a bad byte before it is not
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < 8192)
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=not more)
     except UnicodeDecodeError:
         return True
     return False

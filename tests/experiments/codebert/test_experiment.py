@@ -522,6 +522,8 @@ def test_corpus_files_that_would_leak_or_train_as_noise_are_refused_or_said(
     (tmp_path / "cut.py").write_bytes(b"a" * 8191 + "é".encode() + b"b")  # é cut at 8 KiB
     (tmp_path / "bad.py").write_bytes(b"a" * 8190 + b"\xff" + b"b" * 9)
     assert not is_binary(tmp_path / "cut.py") and is_binary(tmp_path / "bad.py")
+    (tmp_path / "end.py").write_bytes(b"a" * 8191 + "é".encode()[:1])  # 8 KiB, cut at the end
+    assert is_binary(tmp_path / "end.py")
     js = str(tmp_path / "js")
     with pytest.raises(DataError, match=r"--corpus all and --corpus lib share files .*m1.js"):
         corpus_from_paths({"all": js, "lib": f"{js}/lib"}, tmp_path / "c", vocab=300)
