@@ -412,7 +412,10 @@ def run_ablation(
         if command is not None and not records:  # prepared: this command trains the runs
             runs_root.mkdir(parents=True, exist_ok=True)
             keep([])
-        final = cli.train(run)
+        try:
+            final = cli.train(run)
+        except NonFiniteLoss as e:  # the one line main prints names the variant that diverged
+            raise NonFiniteLoss(f"{name} variant {v.label!r} ({run_dir}): {e}") from None
         record_host(run_dir)  # the machine, torch and date the report's header names
         records.append({"label": v.label, "dir": run_dir, "final": final})
         if command is not None:  # what --report-only may show under this command

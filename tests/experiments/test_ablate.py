@@ -300,6 +300,26 @@ def test_empty_values_and_interrupted_runs_are_refused(tmp_path, monkeypatch, ca
     assert trained[-1] == ["0.05", "0.1"]
 
 
+def test_a_diverging_variant_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """A variant whose loss turns NaN stops the command with exit 1 and one line that says
+    which variant diverged; the report is not rewritten."""
+
+    def train(cfg):
+        Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
+        if cfg.train.comera.gamma == 0.1:
+            raise ablate.NonFiniteLoss("loss is nan at step 3")
+        return {}
+
+    monkeypatch.setattr(ablate.cli, "prepare", lambda exp, cfg, **kw: cfg)
+    monkeypatch.setattr(ablate.cli, "train", train)
+    monkeypatch.setattr(ablate, "restart_for", lambda *a: None)
+    argv = ["gamma", "--experiment", "dlrm", "--values", "0.05,0.1", "--runs-dir", str(tmp_path)]
+    assert ablate.main([*argv, "--reports", str(tmp_path)]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "stopped" in ln]
+    assert len(err) == 1 and "gamma variant '0.1'" in err[0] and "step 3" in err[0], err
+    assert not list(tmp_path.glob("*.md"))
+
+
 def test_bad_input_is_one_line(tmp_path, capsys):
     assert ablate.main(["gamma", "--set", "train.gama=1", "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
