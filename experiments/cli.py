@@ -500,13 +500,16 @@ def _rebuild(section: Any, prefix: str, changes: dict, asked: dict) -> Any:
 # ----------------------------------------------------------------------------- the parser
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are :class:`CLIError`: one line and status 2 in
+    the commands' ``except USER_ERRORS``, not argparse's usage block."""
+
     def error(self, message: str) -> typing.NoReturn:
         raise CLIError(message)
 
 
 def build_parser(exp: Experiment) -> argparse.ArgumentParser:
-    ap = _Parser(
+    ap = Parser(
         prog=f"python -m experiments.{exp.name}",
         description=exp.description,
         epilog=exp.epilog,

@@ -5,43 +5,93 @@
 Trains the smoke preset twice (CoMERA, then dense; same seed, same data) and prints one
 table: final eval accuracy of both, the best accuracy any single surface cue of the
 generated task reaches, chance, and CoMERA's compression. Extra ``--set`` items go to both
-runs (see ``python -m experiments.mnli --help``).
+runs (see ``python -m experiments.mnli --help``), except the keys the demo sets for each run
+(:data:`OWN_KEYS`: which one is dense, where it goes) and data other than the generated task,
+whose cue baseline the table shows. Each run is the same as ``python -m experiments.mnli
+--preset smoke --set ... --run-dir DIR`` (``--dense`` for the twin), and resumes as one.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import sys
 import time
 from pathlib import Path
 
+import torch
+
+from comera.train import NonFiniteLoss
 from experiments import cli
+from experiments.malloc import restart_for
 from experiments.mnli import experiment as mnli
 from experiments.mnli.generated import best_single_cue_accuracy, generate_examples
 
 __all__ = ["main", "run_demo"]
 
 
-def run_demo(sets: list[str], runs_dir: Path) -> dict:
-    """Both runs; returns ``{"comera": metrics, "dense": metrics, "cue": acc, ...}``."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+# what the demo sets for each of its two runs: a --set of these would make a row of its
+# table something other than its label says (both runs dense, a run elsewhere)
+OWN_KEYS = ("dense", "model.tt", "train.comera.enabled", "train.run_dir", "train.run_name")
+
+
+def run_demo(sets: list[str], runs_dir: Path, *, restart: bool = False) -> dict:
+    """Both runs; returns ``{"comera": metrics, "dense": metrics, "cue": acc, ...}``.
+    ``restart``: re-execute the command first for ``train.cpu_malloc`` (as the experiment
+    commands do; only a command may)."""
     cli.refuse_derived_sets(mnli.EXPERIMENT, sets)
+    for key in (s.partition("=")[0].strip() for s in sets):
+        if key in OWN_KEYS:
+            raise cli.CLIError(
+                f"--set {key}: the demo sets {key} itself (its CoMERA run and its dense twin, "
+                "in --runs-dir); drop it, or train one run with python -m experiments.mnli"
+            )
     base = cli.apply_overrides(mnli.preset("smoke"), [], sets)
     if not base.train.eval_every:  # refused now, not after both runs trained
         raise cli.CLIError(
             f"train.eval_every={base.train.eval_every}: the demo compares the runs' final eval "
             "accuracy, so it needs evaluations; drop that --set"
         )
-    out: dict = {}
-    for kind in ("comera", "dense"):
-        cfg = base
-        if kind == "dense":
-            cfg = cli.apply_overrides(cfg, [("dense", True), ("train.comera.enabled", False)], [])
-        cfg = cli.set_field(cfg, "train.run_dir", str(runs_dir / f"mnli-smoke-{kind}-{stamp}"))
-        out[kind] = mnli.run(cfg)
     d = base.data
+    if d.dataset != "generated":  # the cue baseline is the generated task's
+        raise cli.CLIError(
+            f"data.dataset={d.dataset!r}: the demo measures both runs against the generated "
+            "task's single-cue baseline; train on other data with python -m experiments.mnli"
+        )
+    if restart and torch.device(base.train.device).type == "cpu":
+        restart_for(base.train.cpu_malloc)  # lean: re-executed with huge pages enabled
+    cli.check_folder(runs_dir, "--runs-dir")
+    dirs = _fresh_dirs(runs_dir, time.strftime("%Y%m%d-%H%M%S"))
+    out: dict = {}
+    for kind, run_dir in dirs.items():
+        over = [("train.run_dir", str(run_dir))]
+        if kind == "dense":
+            over += [("dense", True), ("train.comera.enabled", False),
+                     ("train.run_name", f"{base.train.run_name}-dense")]  # fmt: skip
+        # recorded as the experiment command that trains the same run
+        argv = ["--preset", "smoke", *(f"--set={s}" for s in sets), "--run-dir", str(run_dir)]
+        argv += ["--dense"] if kind == "dense" else []
+        out[kind] = mnli.run(cli.apply_overrides(base, over, []), argv=argv)
     held_out = generate_examples(d.generated_eval, d.seed, "validation", d.generated_vocab)
-    out["cue"] = best_single_cue_accuracy(held_out)
+    limit = d.max_eval_examples  # the runs score the first ones (all generated are labelled)
+    out["cue"] = best_single_cue_accuracy({k: v[:limit] for k, v in held_out.items()})
     return out
+
+
+def _fresh_dirs(runs_dir: Path, stamp: str) -> dict[str, Path]:
+    """The two runs' folders, stamped; a demo started in the same second (another
+    process) takes the next free suffix, reserved by creating the CoMERA folder."""
+    for n in itertools.count(1):
+        tag = stamp if n == 1 else f"{stamp}-{n}"
+        dirs = {kind: runs_dir / f"mnli-smoke-{kind}-{tag}" for kind in ("comera", "dense")}
+        if dirs["dense"].exists():
+            continue
+        try:
+            dirs["comera"].mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return dirs
+    raise AssertionError("unreachable")
 
 
 def summary(out: dict) -> str:
@@ -67,14 +117,28 @@ def summary(out: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.mnli.demo", description=__doc__)
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--runs-dir", default="runs", type=Path)
-    args = ap.parse_args(argv)
+    """Parse, run both, print the table. Bad input is one line and status 2; a loss that
+    stops being finite, one line and status 1; anything else keeps its traceback."""
+    ap = cli.Parser(
+        prog="python -m experiments.mnli.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field of both runs (python -m experiments.mnli "
+                         "--help lists them; repeatable)")  # fmt: skip
+    ap.add_argument("--runs-dir", default="runs", metavar="DIR",
+                    help="where the two runs' folders go (default: runs)")  # fmt: skip
     try:
-        out = run_demo(args.sets, args.runs_dir)
+        args = ap.parse_args(argv)
+        if not args.runs_dir.strip():
+            raise cli.CLIError("--runs-dir is empty; give a folder (default: runs)")
+        out = run_demo(args.sets, Path(args.runs_dir), restart=argv is None)
     except cli.USER_ERRORS as e:  # bad input: one line; anything else keeps its traceback
         return cli.user_error(ap.prog, e)
+    except NonFiniteLoss as e:  # a training outcome, as the experiment's command says it
+        print(f"{ap.prog}: stopped: {e}", file=sys.stderr)
+        return 1
     print(summary(out))
     return 0
 

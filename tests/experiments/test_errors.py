@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from comera.errors import CheckpointError, ConfigError, DataError, MissingFileError, UserError
+from comera.train import NonFiniteLoss
 from experiments import cli
 from experiments.mnli import experiment as mnli
 from loaders.errors import LoaderInputError, LoaderPathError
@@ -231,6 +232,69 @@ def test_other_commands_catch_user_errors_not_value_errors(tmp_path, monkeypatch
     assert demo.main(["--runs-dir", str(tmp_path), "--set", "model.vocab_size=9"]) == 2
     assert "mnli sets model.vocab_size itself" in capsys.readouterr().err
     assert not list(tmp_path.glob("mnli-smoke-*"))
+
+
+def test_the_demo_refuses_what_would_mislabel_its_table(tmp_path, capsys):
+    """Keys the demo sets for its two runs, data without the generated task's cue
+    baseline, and an empty --runs-dir were taken (exit 0, a table of two dense runs or of
+    a run elsewhere); each is now one line before anything is made."""
+    from experiments.mnli import demo
+
+    runs = tmp_path / "runs"
+    for item, said in [
+        ("train.run_dir=/tmp/x", "--set train.run_dir: the demo sets train.run_dir itself"),
+        ("dense=true", "--set dense: the demo sets dense itself"),
+        (" train.comera.enabled=false", "--set train.comera.enabled: the demo sets"),
+        ("data.dataset=nyu-mll/glue", "data.dataset='nyu-mll/glue': the demo measures"),
+    ]:
+        assert demo.main(["--set", item, "--runs-dir", str(runs)]) == 2
+        assert said in _one_line(capsys, "experiments.mnli.demo")
+    assert demo.main(["--runs-dir", " "]) == 2
+    assert "--runs-dir is empty" in _one_line(capsys, "experiments.mnli.demo")
+    assert demo.main(["--bogus"]) == 2  # argparse's own errors: one line too
+    assert "unrecognized arguments: --bogus" in _one_line(capsys, "experiments.mnli.demo")
+    (tmp_path / "file").write_text("x")
+    assert demo.main(["--runs-dir", str(tmp_path / "file" / "runs")]) == 2
+    assert "--runs-dir " in _one_line(capsys, "experiments.mnli.demo")
+    assert not runs.exists()
+
+
+def test_the_demo_scores_the_cue_on_what_the_runs_evaluated(tmp_path, monkeypatch, capsys):
+    """The cue baseline counts the eval examples the runs scored (max_eval_examples);
+    the dense twin is named and recorded as ``--dense`` names it; a demo started in the
+    same second takes other folders; a diverging run is one line and status 1."""
+    from experiments.mnli import demo
+    from experiments.mnli.generated import best_single_cue_accuracy, generate_examples
+
+    runs: list[tuple] = []
+
+    def run(cfg, argv=None):
+        runs.append((cfg, argv))
+        return {"eval/validation/accuracy": 0.5, "compression": 1.0, "live_params": 1,
+                "wall_s": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(demo.mnli, "run", run)
+    monkeypatch.setattr(demo.time, "strftime", lambda fmt: "20260101-000000")
+    out = demo.run_demo(["data.max_eval_examples=10"], tmp_path)
+    ex = generate_examples(demo.mnli.preset("smoke").data.generated_eval, 0, "validation",
+                           demo.mnli.preset("smoke").data.generated_vocab)  # fmt: skip
+    assert out["cue"] == best_single_cue_accuracy({k: v[:10] for k, v in ex.items()})
+    assert out["cue"] != best_single_cue_accuracy(ex)
+    (comera, c_argv), (dense, d_argv) = runs
+    assert (comera.dense, dense.dense, dense.train.comera.enabled) == (False, True, False)
+    assert dense.train.run_name == comera.train.run_name + "-dense"
+    assert d_argv[-1] == "--dense" and "--set=data.max_eval_examples=10" in c_argv
+    assert Path(comera.train.run_dir).name == "mnli-smoke-comera-20260101-000000"
+    demo.run_demo([], tmp_path)  # the same second: the next free stamp
+    assert Path(runs[-1][0].train.run_dir).name == "mnli-smoke-dense-20260101-000000-2"
+
+    def diverge(cfg, argv=None):
+        raise NonFiniteLoss("loss is nan at step 2")
+
+    monkeypatch.setattr(demo.mnli, "run", diverge)
+    assert demo.main(["--runs-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m experiments.mnli.demo: stopped: loss is nan at step 2"]
 
 
 def test_every_preset_refuses_an_empty_batch():
