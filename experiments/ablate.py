@@ -882,6 +882,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as e:  # a training outcome, as the experiment's command says it
         print(f"{ap.prog}: stopped: {e} (the report is not rewritten)", file=sys.stderr)
         return 1
+    except cli.Interrupted as e:
+        return cli.interrupted(ap.prog, e)
     named = args.experiment != "mnli" or args.ablation in NAMED_BY_EXPERIMENT
     tag = f"{args.experiment}_" if named else ""
     out = Path(args.reports) / f"ablation_{tag}{args.ablation}.md"

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import time
 import types
 import typing
@@ -947,10 +950,54 @@ def prepare(
     return Prepared(exp=exp, cfg=cfg, trainer=trainer, kind=kind, rank=rank)
 
 
+class Interrupted(Exception):
+    """Training stopped by SIGINT (Ctrl-C) or SIGTERM (what schedulers and torchrun send
+    to stop a job): the run's logs were closed (wandb's rows flushed) and its checkpoints
+    stay. ``status`` is the shell's 128 + the signal's number."""
+
+    def __init__(self, message: str, status: int, rank: int) -> None:
+        super().__init__(message)
+        self.status, self.rank = status, rank
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt(got: list[int]) -> typing.Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the training loop, as SIGINT does, so its
+    ``finally`` closes the logs: killed by the default handler, a run lost every wandb row
+    not yet flushed. The signal taken is put in ``got``; the old handler comes back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may install a handler
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        got.append(signum)
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def train(run: Prepared) -> dict:
-    """Fit a prepared run; prints the summary table; returns the final metrics."""
+    """Fit a prepared run; prints the summary table; returns the final metrics. Stopped
+    by SIGINT or SIGTERM, it raises :class:`Interrupted` saying how to go on."""
     t0, start = time.perf_counter(), run.trainer.step
-    out = run.trainer.fit()
+    got: list[int] = []
+    try:
+        with _sigterm_as_interrupt(got):
+            out = run.trainer.fit()
+    except KeyboardInterrupt:
+        signum = got[-1] if got else signal.SIGINT
+        run_dir = run.cfg.train.run_dir
+        raise Interrupted(
+            f"stopped by {signal.Signals(signum).name} at step {run.trainer.step}; continue "
+            f"from its last checkpoint with python -m experiments.{run.exp.name} --resume "
+            f"{run_dir}",
+            128 + signum,
+            run.rank,
+        ) from None
     out["wall_s"] = time.perf_counter() - t0
     run_dir = Path(run.cfg.train.run_dir)
     if run.rank == 0 and run.trainer.step > start:  # a resume that trained: its machine
@@ -1039,9 +1086,19 @@ def main(exp: Experiment, argv: list[str] | None = None) -> int:
     except NonFiniteLoss as e:  # a training outcome, not a bug
         print(f"{ap.prog}: stopped: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        return interrupted(ap.prog, e)
     except USER_ERRORS as e:  # e.g. a corrupt data file met mid-epoch
         return user_error(ap.prog, e)
     return 0
+
+
+def interrupted(prog: str, error: Interrupted) -> int:
+    """Print ``error`` as one line on stderr (rank 0's: every rank is told to stop);
+    return the exit status a signal's death would have had."""
+    if error.rank == 0:
+        print(f"{prog}: {error}", file=sys.stderr)
+    return error.status
 
 
 def user_error(prog: str, error: BaseException) -> int:

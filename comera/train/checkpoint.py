@@ -31,7 +31,13 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
 from comera.errors import CheckpointError
 from comera.train.galore import GaLore
-from comera.train.logging import truncate_metrics
+from comera.train.logging import (
+    WANDB_ID,
+    check_metrics,
+    check_rank_snapshots,
+    read_run_id,
+    truncate_metrics,
+)
 from comera.tree import iter_tt
 
 __all__ = [
@@ -382,6 +388,11 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
         )
     check_same_eval(tr, ckpt)  # first: changed data also changes a vocabulary's shapes
     check_same_run(tr, ckpt)
+    # the run's records, which rank 0 adds to: checked on every rank (files all ranks see),
+    # so every rank refuses (none waits at the first step for a rank that left)
+    check_metrics(tr.run_dir / "metrics.jsonl")
+    check_rank_snapshots(tr.run_dir)
+    read_run_id(tr.run_dir / WANDB_ID)
     try:
         rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
     except CheckpointError as e:  # as for an unreadable model file: say how to go on

@@ -274,7 +274,15 @@ class TrainConfig:
             )
         if not -(2**63) <= self.seed < 2**63:  # torch.manual_seed's range
             raise ConfigError(f"TrainConfig.seed must fit in 64 bits (signed), got {self.seed}")
+        if isinstance(self.wandb_tags, str):  # tuple("ab") would be two tags, "a" and "b"
+            self.wandb_tags = (self.wandb_tags,)
         self.wandb_tags = tuple(self.wandb_tags)
+        for tag in self.wandb_tags:  # wandb refuses others only when the run starts
+            if not isinstance(tag, str) or not 1 <= len(tag) <= 64:
+                raise ConfigError(
+                    f"TrainConfig.wandb_tags: each tag must be a string of 1 to 64 characters "
+                    f"(wandb's limit), got {tag!r}"
+                )
 
 
 def usable_device(device: str, what: str = "TrainConfig.device", cpu: str = "device='cpu'") -> None:

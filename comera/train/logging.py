@@ -8,19 +8,25 @@ run continues the same wandb run instead of starting a new one.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-from comera.errors import ConfigError, first_line
+from comera.errors import CheckpointError, ConfigError, first_line
 from comera.train.config import WANDB_MODES, TrainConfig
 
 __all__ = [
     "RunLog",
+    "check_metrics",
+    "check_rank_snapshots",
     "read_metrics",
+    "read_run_id",
     "resolve_wandb_mode",
     "truncate_metrics",
     "write_json_atomic",
@@ -28,27 +34,82 @@ __all__ = [
 ]
 
 WANDB_ID = "wandb_run_id"
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what a wandb id may be, and ours are
 _ENV_MODES = {"run": "online", "dryrun": "offline"}  # wandb's older spellings
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """Rows of a metrics file; a line cut short by a killed process is skipped."""
+    """Rows of a metrics file; a line cut short by a killed process is skipped, and so is
+    anything else that is not a row (a JSON object with an integer step): readers of a
+    damaged file get the rows it still holds (:func:`check_metrics` names the damage)."""
     rows = []
-    for line in Path(path).read_text().splitlines():
+    text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    for line in text.splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if _is_row(row):
+            rows.append(row)
     return rows
+
+
+def _is_row(row: object) -> bool:
+    step = row.get("step", 0) if isinstance(row, dict) else None
+    return isinstance(step, int) and not isinstance(step, bool)
+
+
+def check_metrics(path: Path) -> None:
+    """Refuse, naming the line, a metrics file a resume would rewrite with rows lost: only
+    its last line may be cut short (a killed process); every other line must be a row.
+    A folder in its place is refused too (the first row would fail to be written)."""
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a file; move it away to resume (the run's "
+                              "metrics rows start again from the checkpoint)")  # fmt: skip
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is unreadable ({first_line(e)}); fix it, or move it "
+                              "away to resume without the rows so far") from None  # fmt: skip
+    for n, line in enumerate(lines[:-1], 1):
+        try:
+            ok = _is_row(json.loads(line))
+        except json.JSONDecodeError:
+            ok = False
+        if not ok and line.strip():
+            raise CheckpointError(
+                f"{path} line {n} is not a metrics row (a JSON object with an integer "
+                f"step): {line[:60]!r}; fix or delete that line to resume"
+            )
 
 
 def truncate_metrics(path: Path, step: int) -> None:
     """Drop rows logged after ``step`` by a run that died after its last checkpoint, so a
-    resumed run's rows are not doubled."""
+    resumed run's rows are not doubled (check the file first: :func:`check_metrics`)."""
     if not path.is_file():
         return
     keep = [r for r in read_metrics(path) if r.get("step", 0) <= step]
     _replace_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def check_rank_snapshots(run_dir: Path) -> None:
+    """Refuse a ``ranks.json`` that :func:`write_rank_snapshot` could not add to: found on
+    resume, not at the run's last step, where the final checkpoint would be lost."""
+    path = Path(run_dir) / "ranks.json"
+    if not path.exists():
+        return
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        data = e
+    if not isinstance(data, dict):
+        why = first_line(data) if isinstance(data, BaseException) else "not a JSON object"
+        raise CheckpointError(
+            f"{path} is damaged ({why}); restore it, or move it away to resume (the run's "
+            "rank table then starts again from the checkpoint)"
+        )
 
 
 def write_rank_snapshot(
@@ -82,15 +143,49 @@ def _replace_text(path: Path, text: str) -> None:
 def resolve_wandb_mode(flag: str | None) -> tuple[str, str | None]:
     """(mode, a note for the user or None): the flag, else ``WANDB_MODE``, else offline;
     ``disabled`` when the wandb package is missing."""
-    mode = flag
+    mode, note = flag, None
     if mode is None:
         env = os.environ.get("WANDB_MODE", "").strip().lower()
         mode = _ENV_MODES.get(env, env) if env else "offline"
         if mode not in WANDB_MODES:
-            return "offline", f"WANDB_MODE={env!r} is not one of {WANDB_MODES}; using offline"
+            mode, note = "offline", f"WANDB_MODE={env!r} is not one of {WANDB_MODES}; using offline"
     if mode != "disabled" and importlib.util.find_spec("wandb") is None:
         return "disabled", "wandb is not installed: logging to metrics.jsonl only"
-    return mode, None
+    return mode, note
+
+
+@contextlib.contextmanager
+def _wandb_mode_env(mode: str) -> Iterator[None]:
+    """``WANDB_MODE`` set to ``mode`` while wandb starts: wandb reads the variable itself
+    and refuses a value it does not know (``junk``, ``Offline``, `` offline``), even when
+    the flag names the mode, so the mode resolved here stands in for it meanwhile."""
+    old = os.environ.get("WANDB_MODE")
+    if old is None:
+        yield
+        return
+    os.environ["WANDB_MODE"] = mode
+    try:
+        yield
+    finally:
+        os.environ["WANDB_MODE"] = old
+
+
+def read_run_id(path: Path) -> str | None:
+    """The wandb run id kept in ``path`` (None when there is none, or it is empty: a new
+    run then starts); one that cannot be an id is refused, naming the file, not passed to
+    wandb (an unreadable file, a folder, 300 characters, a "/")."""
+    if not path.exists():
+        return None
+    try:
+        run_id = path.read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        run_id = f"<{first_line(e)}>"
+    if run_id and not _RUN_ID.fullmatch(run_id):
+        raise CheckpointError(
+            f"{path} holds {run_id[:40]!r}, not a wandb run id; restore it, or delete it to "
+            "log the rest of this run to a new wandb run"
+        )
+    return run_id or None
 
 
 class RunLog:
@@ -113,27 +208,33 @@ class RunLog:
         id_path = self.run_dir / WANDB_ID
         # only a resume continues the recorded wandb run: a fresh one (a restart of a run
         # that stopped before its first checkpoint) is a new run, not the stopped one's
-        run_id = id_path.read_text().strip() if resume and id_path.is_file() else None
+        run_id = read_run_id(id_path) if resume else None
         if not run_id:
             run_id = uuid.uuid4().hex[:8]  # wandb's id alphabet: lowercase letters, digits
             id_path.write_text(run_id + "\n")
         try:
-            self.wandb = wandb.init(
-                project=cfg.wandb_project,
-                entity=cfg.wandb_entity,
-                group=cfg.wandb_group,
-                tags=list(cfg.wandb_tags) or None,
-                name=cfg.run_name,
-                dir=str(self.run_dir),
-                mode=mode,
-                id=run_id,
-                resume="allow" if resume else None,
-                config=config,
-            )
-        except wandb.errors.Error as e:  # no API key, a refused login, an unknown entity
+            with _wandb_mode_env(mode):
+                self.wandb = wandb.init(
+                    project=cfg.wandb_project,
+                    entity=cfg.wandb_entity,
+                    group=cfg.wandb_group,
+                    tags=list(cfg.wandb_tags) or None,
+                    name=cfg.run_name,
+                    dir=str(self.run_dir),
+                    mode=mode,
+                    id=run_id,
+                    resume="allow" if resume else None,
+                    config=config,
+                )
+        # no API key, a refused login, an unknown entity (wandb's errors); a setting it
+        # refuses (pydantic's ValueErrors: a project name with "/"); a file it cannot write
+        except (wandb.errors.Error, ValueError, OSError) as e:
+            why = " ".join(str(e).split())[:300] or type(e).__name__
+            fix = ("log in (wandb login, or WANDB_API_KEY) or use --wandb offline"
+                   if mode == "online" else "fix that setting (train.wandb_*)")  # fmt: skip
             raise ConfigError(
-                f"wandb={mode!r}: wandb could not start ({first_line(e)}); log in (wandb login, or "
-                f"WANDB_API_KEY) or use --wandb offline, and go on with --resume {self.run_dir}"
+                f"wandb={mode!r}: wandb could not start ({why}); {fix}, and go on with "
+                f"--resume {self.run_dir}"
             ) from None
 
     def log(self, row: dict) -> None:

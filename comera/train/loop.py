@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from comera.autotune import LINEAR_CANDIDATES, current_tuner, summarize_decisions
-from comera.errors import CheckpointError, ConfigError, DataError
+from comera.errors import CheckpointError, ConfigError, DataError, UserError
 from comera.layers import SyncFreeLookups
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig, usable_device
@@ -643,6 +643,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
+    def _start_log(self, fresh: bool) -> RunLog:
+        """Rank 0's run log (metrics.jsonl, wandb). Every rank learns whether it started:
+        a wandb that refuses to start stops each rank with one line, not rank 0 alone
+        while the others die at their first collective."""
+        error: UserError | None = None
+        log = None
+        try:
+            log = RunLog(self.cfg, self.rank, self.config_dict, resume=not fresh)
+        except UserError as e:
+            error = e
+        if self.world > 1:
+            said = broadcast_object(None if error is None else str(error))
+            if said is not None and error is None:
+                error = ConfigError(f"rank 0 could not start its run log: {said}")
+        if error is not None:
+            raise error
+        assert log is not None
+        return log
+
     def fit(self, until: int | None = None) -> dict:
         """Train to ``cfg.steps``, or stop after step ``until`` (a pause: the schedule,
         stages and a later ``fit`` still count to ``cfg.steps``); returns the last logged
@@ -670,7 +689,7 @@ class Trainer:
             print(f"comera: train.warmup_steps={cfg.warmup_steps} is not below train.steps="
                   f"{cfg.steps}: the learning rate never reaches its peak in this run "
                   "(lower train.warmup_steps for a short run)", file=sys.stderr)  # fmt: skip
-        log = RunLog(cfg, self.rank, self.config_dict, resume=not fresh)
+        log = self._start_log(fresh)
         bar = tqdm(
             total=cfg.steps,
             initial=self.step,

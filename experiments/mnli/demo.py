@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as e:  # a training outcome, as the experiment's command says it
         print(f"{ap.prog}: stopped: {e}", file=sys.stderr)
         return 1
+    except cli.Interrupted as e:
+        return cli.interrupted(ap.prog, e)
     print(summary(out))
     return 0
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import sys
 import types
 
@@ -366,6 +368,118 @@ def test_a_wandb_that_cannot_start_is_one_line_and_the_run_resumes(tmp_path, mon
     err = [line for line in err.splitlines() if ": error: " in line]  # after the model line
     assert len(err) == 1 and "No API key configured" in err[0] and "--wandb offline" in err[0]
     assert mnli.main(["--resume", str(run_dir), "--no-progress", "--wandb", "disabled"]) == 0
+
+
+def test_a_bad_wandb_mode_variable_is_not_what_wandb_reads(tmp_path, monkeypatch):
+    """``WANDB_MODE=junk`` (or ``Offline``): the note said "using offline", then wandb read
+    the variable itself and failed with a pydantic traceback, --wandb offline or not. The
+    resolved mode now stands in for it while wandb starts; the variable is put back. A bad
+    value with wandb missing is the missing package's note, not an import error."""
+    from comera.train import Trainer
+    from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+    fake, seen = _FakeWandb(), []
+    init = fake.init
+    fake.init = lambda **kw: seen.append(os.environ.get("WANDB_MODE")) or init(**kw)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    for env, flag in (("junk", None), ("Offline", None), ("junk", "offline")):
+        monkeypatch.setenv("WANDB_MODE", env)
+        cfg = _cfg(tmp_path / f"{env}{flag}", steps=2, wandb=flag)
+        Trainer(cfg, ToyTask(), *_toy_model()).fit()
+        assert seen[-1] == fake.inits[-1]["mode"] == "offline"
+        assert os.environ["WANDB_MODE"] == env
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    mode, note = resolve_wandb_mode(None)
+    assert mode == "disabled" and "not installed" in note
+
+
+def test_damaged_run_records_are_refused_before_a_resume_trains(tmp_path, monkeypatch):
+    """Found on resume, each in one line naming the file, before a step is trained: a
+    metrics file with a row that is not one (a list, a text step) or a folder in its
+    place, a ranks.json that is not JSON (it failed at the run's last step, losing the
+    final checkpoint), and a wandb_run_id that cannot be an id. A metrics line cut short
+    by a kill is still taken."""
+    from comera.errors import CheckpointError
+    from comera.train import Trainer
+    from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5, wandb="offline")
+    Trainer(dataclasses.replace(cfg, steps=10), ToyTask(), *_toy_model()).fit(until=5)
+    run = tmp_path / "run"
+    metrics, ranks, run_id = (run / n for n in ("metrics.jsonl", "ranks.json", "wandb_run_id"))
+    good = {p: p.read_bytes() for p in (metrics, ranks, run_id)}
+    for path, text, said in [
+        (metrics, b'[1, 2]\n{"step": 5}\n', r"metrics.jsonl line 1 is not a metrics row"),
+        (metrics, b'{"step": "x"}\n{"step": 5}\n', r"line 1 is not a metrics row"),
+        (metrics, b"\xff\xfe\n", r"metrics.jsonl is unreadable"),
+        (ranks, b"garbage", r"ranks.json is damaged"),
+        (ranks, b"[1, 2]", r"ranks.json is damaged \(not a JSON object\)"),
+        (run_id, b"ab/cd\n", r"wandb_run_id holds 'ab/cd', not a wandb run id"),
+        (run_id, b"x" * 300, r"wandb_run_id holds 'x+', not a wandb run id"),
+        (run_id, b"\xff\xfe", r"wandb_run_id holds .*not a wandb run id"),
+    ]:
+        path.write_bytes(text)
+        with pytest.raises(CheckpointError, match=said):
+            Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
+        path.write_bytes(good[path])
+    metrics.unlink()
+    metrics.mkdir()
+    with pytest.raises(CheckpointError, match="metrics.jsonl is not a file"):
+        Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
+    metrics.rmdir()
+    metrics.write_bytes(good[metrics] + b'{"step": 6, "lo')  # a kill mid-line: taken
+    Trainer(cfg, ToyTask(), *_toy_model(), resume=True).fit()
+    assert [r["step"] for r in cli.read_metrics(metrics)][-1] == 10
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypatch, capsys,
+                                                              signum):  # fmt: skip
+    """SIGTERM (a scheduler's stop) killed the run before wandb.finish, losing every row
+    not yet flushed; SIGINT printed a 20-line traceback. Both now close the logs and end
+    in one line naming the resume command, with the shell's status for the signal; the
+    old SIGTERM handler is back afterwards."""
+    from comera.train import Trainer
+
+    fake, finished = _FakeWandb(), []
+    init = fake.init
+    fake.init = lambda **kw: types.SimpleNamespace(
+        **{**vars(init(**kw)), "finish": lambda: finished.append(True)}
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    step = Trainer.train_step
+
+    def train_step(self, *batches):
+        if self.step == 2:
+            os.kill(os.getpid(), signum)
+        return step(self, *batches)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    run_dir = tmp_path / "run"
+    argv = [*FAST, "--set", "train.steps=6", "--set", "train.log_every=1", "--wandb", "offline"]
+    argv += ["--run-dir", str(run_dir)]
+    assert mnli.main(argv) == 128 + signum
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "stopped" in ln]
+    name = signal.Signals(signum).name
+    assert err == [
+        f"python -m experiments.mnli: stopped by {name} at step 2; continue from "
+        f"its last checkpoint with python -m experiments.mnli --resume {run_dir}"
+    ]
+    assert finished == [True] and fake.logged[-1] == 2
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_bad_wandb_tags_are_refused_when_configured():
+    with pytest.raises(ValueError, match="each tag must be a string of 1 to 64 characters"):
+        TrainConfig(steps=1, run_dir="x", wandb_tags=("",))
+    with pytest.raises(ValueError, match="got 'xxxxx"):
+        TrainConfig(steps=1, run_dir="x", wandb_tags=("x" * 65,))
+    assert TrainConfig(steps=1, run_dir="x", wandb_tags="ab").wandb_tags == ("ab",)
 
 
 def test_trainconfig_accepts_none_wandb():

@@ -84,6 +84,44 @@ def test_unequal_per_rank_counts_match_single_process(tmp_path, one_thread):
     assert ev["rank_mean"] == 0.5  # plain floats are averaged over ranks
 
 
+LOG_REFUSED = """
+import sys, types, torch, torch.distributed as dist
+from pathlib import Path
+from tests.train_helpers import SumCountTask, _cfg, _toy_model
+from comera.errors import UserError
+from comera.train import Trainer
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+def refuse(**kw):  # as a wandb that cannot log in
+    raise ValueError("no API key")
+sys.modules["wandb"] = types.SimpleNamespace(init=refuse, errors=types.SimpleNamespace(
+    Error=RuntimeError))
+import importlib.util
+importlib.util.find_spec = lambda name: object()
+tr = Trainer(_cfg(Path(sys.argv[1]), steps=5, wandb="online"), SumCountTask(rank, world),
+             *_toy_model())
+try:
+    tr.fit()
+except UserError as e:
+    print(f"rank {rank}: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def test_a_run_log_rank_0_cannot_start_stops_every_rank(tmp_path, capfd):
+    """Only rank 0 starts wandb. When it cannot, rank 0 left with one line while rank 1
+    had gone into its first step and died on a closed connection (a 74-line torchrun
+    trace). Every rank now learns of it and stops with one line."""
+    script = tmp_path / "worker.py"
+    script.write_text(LOG_REFUSED)
+    assert _spawn(script, 2, str(tmp_path / "run")) == [2, 2]
+    err = capfd.readouterr().err
+    assert "rank 0: wandb='online': wandb could not start (no API key)" in err
+    assert "rank 1: rank 0 could not start its run log: wandb='online'" in err
+    assert "Traceback" not in err
+
+
 def test_accumulated_micro_batches_equal_the_full_batch(tmp_path):
     """Two uneven micro-batches (5 + 11 examples) per step equal one batch of 16."""
     comera = ComeraConfig(gamma=0.5, tau=0.05, early_steps=10, prune_every=5)
