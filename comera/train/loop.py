@@ -425,6 +425,8 @@ class Trainer:
         tuner.install(recorded)  # (an entry of the wrong shape is dropped: decided again)
         kept = tuner.export()  # the recorded entries it took (not the disk cache's)
         self.plans = {k: kept[k] for k in recorded if kept.get(k) == recorded[k]}
+        if self.plans:  # the wandb run a resume continues shows them, as config.json does
+            self.config_dict["auto_plans"] = {d["what"]: d["choice"] for d in self.plans.values()}
 
     def _record_plans(self, log: RunLog | None) -> None:
         """Record the ``auto`` decisions first used since the last call: ``config.json``

@@ -78,6 +78,8 @@ def test_a_resume_keeps_the_runs_record_and_a_fresh_run_its_own_history(tmp_path
         (run / "config.json").write_text(json.dumps(record))
         again = Trainer(cfg, ToyTask(noise=0.1), *_toy_model(), auto_plans=True, resume=True,
                         extra_config={"argv": ["again"]})  # fmt: skip
+        # what the resumed run's wandb config starts with: the plans it keeps deciding by
+        assert again.config_dict["auto_plans"] == record["auto_plans"]
         again.fit()
     after = json.loads((run / "config.json").read_text())
     assert after["argv"] == ["first"] and after["resumes"] == record["resumes"]
