@@ -6,7 +6,17 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Task", "loss_terms"]
+__all__ = ["TRAINER_METRICS", "Task", "loss_terms"]
+
+# what the trainer logs itself in a training row (and the stages' metrics): a task's
+# metric of one of these names would overwrite it (a "step" of 3 in every row, which no
+# resume could then read), so it is refused; "ranks/" and "eval/" name the trainer's too,
+# and "@" and "#" start the names of the sync-free step's own sums
+TRAINER_METRICS = frozenset({
+    "step", "stage", "loss", "objective", "grad_norm", "lr_scale", "loss_terms", "tokens",
+    "live_params", "model_mb", "compression", "step_time_s", "steps_per_s", "tokens_per_s",
+    "peak_memory_mb", "gate_reg", "size", "size_budget", "focus_size",
+})  # fmt: skip
 
 
 class Task(Protocol):
@@ -50,4 +60,17 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
             "batch mean as one term"
         )
     s, n, metrics = out
+    if not isinstance(metrics, dict):
+        raise TypeError(
+            f"Task.loss returned metrics of type {type(metrics).__name__}; return a dict of "
+            "per-batch metrics as the third value ({} for none)"
+        )
+    clash = sorted(k for k in metrics if not isinstance(k, str) or k in TRAINER_METRICS
+                   or k.startswith(("ranks/", "eval/", "@", "#")))  # fmt: skip
+    if clash:
+        raise ValueError(
+            f"Task.loss returned metrics named {clash}: the trainer logs these names itself "
+            "(step, loss, tokens, ...; see comera.train.task.TRAINER_METRICS), so rename "
+            "them (e.g. with a prefix: train/...)"
+        )
     return s, n, metrics

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -722,3 +723,34 @@ def test_only_a_resume_continues_the_recorded_wandb_run(tmp_path, monkeypatch):
     RunLog(cfg, 0, {}, resume=True)
     assert seen[0][0] != "stale123" and seen[0][0] == fresh and seen[0][1] is None
     assert seen[1] == (fresh, "allow")  # a resume continues the recorded run
+
+
+@pytest.mark.parametrize("objective", ["shares", "paper"])
+def test_a_task_metric_cannot_take_a_name_the_trainer_logs(tmp_path, objective):
+    """A task metric named ``step`` (or ``loss``, ``tokens``...) overwrote the trainer's
+    value in every row, and a row whose step was 3.0 could not be read on resume; it is
+    refused at the first step. TRAINER_METRICS holds every name a training row of any
+    stage carries, so the check cannot fall behind what the trainer logs."""
+    from comera.train.task import TRAINER_METRICS
+
+    class Named(ToyTask):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def loss(self, params, state, batch, *, train):
+            s, n, m = super().loss(params, state, batch, train=train)
+            return s, n, {**m, self.name: 3}
+
+    for name in ("step", "loss", "tokens", "ranks/x", "@weight"):
+        with pytest.raises(ValueError, match=rf"metrics named \['{re.escape(name)}'\]"):
+            Trainer(_cfg(tmp_path / name, steps=2), Named(name), *_toy_model()).fit()
+    comera = ComeraConfig(gamma=0.5, tau=0.05, early_steps=20, prune_every=10,
+                          size_objective=objective)  # fmt: skip
+    cfg = _cfg(tmp_path / "ok", steps=40, log_every=1, comera=comera)
+    Trainer(cfg, Named("train/mine"), *_toy_model()).fit()
+    rows = [json.loads(line) for line in (tmp_path / "ok" / "run" / "metrics.jsonl").open()]
+    logged = {k for r in rows if "loss" in r for k in r if not k.startswith("ranks/")}
+    assert len({r["stage"] for r in rows if "loss" in r}) >= 2  # early and late rows
+    assert logged - TRAINER_METRICS == {"accuracy", "train/mine"}
+    assert all(r["train/mine"] == 3 for r in rows if "loss" in r)
