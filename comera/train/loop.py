@@ -241,6 +241,10 @@ class Trainer:
             random.seed(cfg.seed + self.rank)
             torch.manual_seed(cfg.seed + self.rank)
         broadcast_tensors(tree_flatten(self.params)[0])  # replicas start identical
+        # the run's own random streams: fit swaps them in, so what the caller draws between
+        # building and fitting (or between two fits, or another trainer's seeding) changes
+        # nothing the run draws, and an in-process run equals its resume
+        self._rng = ck.rng_state(self.device)
 
     # stage controller state, under the names the loop has always had
     stage = property(lambda self: self.stages.stage)
@@ -667,7 +671,18 @@ class Trainer:
     def fit(self, until: int | None = None) -> dict:
         """Train to ``cfg.steps``, or stop after step ``until`` (a pause: the schedule,
         stages and a later ``fit`` still count to ``cfg.steps``); returns the last logged
-        metrics (plus the final eval)."""
+        metrics (plus the final eval). It draws from the run's own random streams (seeded
+        by ``cfg.seed``, or restored from the checkpoint), swapped in for the call; the
+        caller's streams are put back after."""
+        outside = ck.rng_state(self.device)
+        ck.set_rng_state(self._rng, self.device)
+        try:
+            return self._fit(until)
+        finally:
+            self._rng = ck.rng_state(self.device)
+            ck.set_rng_state(outside, self.device)
+
+    def _fit(self, until: int | None) -> dict:
         from tqdm.auto import tqdm
 
         cfg, fresh = self.cfg, self.step == 0

@@ -754,3 +754,26 @@ def test_a_task_metric_cannot_take_a_name_the_trainer_logs(tmp_path, objective):
     assert len({r["stage"] for r in rows if "loss" in r}) >= 2  # early and late rows
     assert logged - TRAINER_METRICS == {"accuracy", "train/mine"}
     assert all(r["train/mine"] == 3 for r in rows if "loss" in r)
+
+
+def test_a_run_draws_only_from_its_own_random_streams(tmp_path):
+    """The trainer seeded the process's streams when built and fit drew from them, so
+    building a second trainer, or drawing numbers between building and fitting (or
+    between two fits), changed the run: an in-process run then differed from its own
+    resume. fit now swaps in the run's streams and puts the caller's back."""
+
+    def params(tr):
+        return [t.detach().clone() for t in tree_flatten(tr.params)[0]]
+
+    ref = Trainer(_cfg(tmp_path / "ref", steps=20), ToyTask(noise=0.1), *_toy_model())
+    ref.fit()
+    mixed = Trainer(_cfg(tmp_path / "mixed", steps=20), ToyTask(noise=0.1), *_toy_model())
+    Trainer(_cfg(tmp_path / "other", steps=20, seed=3), ToyTask(), *_toy_model())  # reseeds
+    torch.randn(7)
+    mixed.fit(until=8)
+    torch.manual_seed(11)
+    outside = torch.get_rng_state()
+    mixed.fit()
+    assert torch.equal(torch.get_rng_state(), outside)  # the caller's streams are back
+    for a, b in zip(params(ref), params(mixed), strict=True):
+        assert torch.equal(a, b)
