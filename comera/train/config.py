@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from comera.errors import ConfigError
+from comera.train.fields import check_kinds
 from comera.train.galore import GaLoreConfig
 from comera.train.optim import OPTIMIZERS, AdamWConfig, SGDConfig
 
@@ -88,6 +89,7 @@ class ComeraConfig:
     target_compression: float | None = None  # whole model vs reference; overrides size_ratio
 
     def __post_init__(self) -> None:
+        check_kinds(self)
         for name in ("gamma", "tau", "rho"):  # NaN passes a ``< 0`` test: ask for finite
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -212,6 +214,9 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.wandb_tags, str):  # tuple("ab") would be two tags, "a" and "b"
+            self.wandb_tags = (self.wandb_tags,)
+        check_kinds(self)
         if self.steps < 1:
             raise ConfigError(f"TrainConfig.steps must be >= 1, got {self.steps}")
         if self.optimizer not in OPTIMIZERS:
@@ -274,11 +279,9 @@ class TrainConfig:
             )
         if not -(2**63) <= self.seed < 2**63:  # torch.manual_seed's range
             raise ConfigError(f"TrainConfig.seed must fit in 64 bits (signed), got {self.seed}")
-        if isinstance(self.wandb_tags, str):  # tuple("ab") would be two tags, "a" and "b"
-            self.wandb_tags = (self.wandb_tags,)
         self.wandb_tags = tuple(self.wandb_tags)
         for tag in self.wandb_tags:  # wandb refuses others only when the run starts
-            if not isinstance(tag, str) or not 1 <= len(tag) <= 64:
+            if not 1 <= len(tag) <= 64:
                 raise ConfigError(
                     f"TrainConfig.wandb_tags: each tag must be a string of 1 to 64 characters "
                     f"(wandb's limit), got {tag!r}"

@@ -19,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten_with_path
 
 from comera.errors import ConfigError
+from comera.train.fields import check_kinds
 from comera.train.optim import AdamWConfig
 
 __all__ = ["GaLore", "GaLoreConfig", "MissingExtraError"]
@@ -43,6 +44,7 @@ class GaLoreConfig:
     targets: tuple[str, ...] = ("layers.*",)
 
     def __post_init__(self) -> None:
+        check_kinds(self)
         if (self.rank < 1 or self.update_proj_gap < 1 or not self.scale > 0
                 or not math.isfinite(self.scale)):  # fmt: skip
             raise ConfigError(

@@ -17,6 +17,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -674,6 +675,8 @@ class Trainer:
         metrics (plus the final eval). It draws from the run's own random streams (seeded
         by ``cfg.seed``, or restored from the checkpoint), swapped in for the call; the
         caller's streams are put back after."""
+        if until is not None and (isinstance(until, bool) or not isinstance(until, Integral)):
+            raise ConfigError(f"fit(until=...) must be a step (an int) or None, got {until!r}")
         outside = ck.rng_state(self.device)
         ck.set_rng_state(self._rng, self.device)
         try:

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten_with_path, tree_map
 
 from comera.errors import ConfigError
 from comera.tensor_train import is_tt_params
+from comera.train.fields import check_kinds
 from comera.tree import leaves as tree_leaves
 
 __all__ = [
@@ -44,6 +45,7 @@ class AdamWConfig:
     weight_decay: float = 0.01
 
     def __post_init__(self) -> None:
+        check_kinds(self)
         for name in ("lr_cores", "lr_gates", "lr_rest", "eps", "weight_decay"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):  # NaN passes a ``< 0`` test
@@ -188,6 +190,7 @@ class SGDConfig:
     lr_gates: float | None = None
 
     def __post_init__(self) -> None:
+        check_kinds(self)
         if not (math.isfinite(self.lr) and self.lr > 0) or (
             self.lr_gates is not None and not (math.isfinite(self.lr_gates) and self.lr_gates >= 0)
         ):

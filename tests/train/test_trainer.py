@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -777,3 +778,41 @@ def test_a_run_draws_only_from_its_own_random_streams(tmp_path):
     assert torch.equal(torch.get_rng_state(), outside)  # the caller's streams are back
     for a, b in zip(params(ref), params(mixed), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (
+            lambda: TrainConfig(steps=float("nan"), run_dir="x"),
+            r"steps must be an integer, got nan",
+        ),
+        (lambda: TrainConfig(steps=10.5, run_dir="x"), r"steps must be an integer, got 10.5"),
+        (lambda: TrainConfig(steps="10", run_dir="x"), r"steps must be an integer, got '10'"),
+        (lambda: TrainConfig(steps=5, run_dir="x", warmup_steps=float("nan")), "warmup_steps"),
+        (lambda: TrainConfig(steps=5, run_dir="x", accum_steps=2.5), r"accum_steps must be an"),
+        (lambda: TrainConfig(steps=5, run_dir="x", log_every=None), r"log_every must be an int"),
+        (lambda: TrainConfig(steps=5, run_dir="x", eval_every=2.5), r"an integer or None"),
+        (lambda: TrainConfig(steps=5, run_dir="x", optim=None), r"optim must be an AdamWConfig"),
+        (lambda: TrainConfig(steps=5, run_dir="x", comera={}), r"comera must be a ComeraConfig"),
+        (lambda: TrainConfig(steps=5, run_dir="x", grad_clip="1"), r"a number or None, got '1'"),
+        (lambda: TrainConfig(steps=5, run_dir="x", wandb_tags=None), r"a list of strings"),
+        (lambda: ComeraConfig(prune_every=float("nan")), r"prune_every must be an integer"),
+        (lambda: ComeraConfig(gamma="0.1"), r"ComeraConfig.gamma must be a number, got '0.1'"),
+        (lambda: C.train.AdamWConfig(betas=0.9), r"betas must be 2 numbers, got 0.9"),
+    ],
+)
+def test_a_config_value_of_another_kind_is_refused_naming_the_field(make, said):
+    """NaN passed every ``< 1`` test (steps=nan trained nothing and returned {}), 2.5 passed
+    for a count and failed mid-run, None and strings were bare TypeErrors."""
+    with pytest.raises(ValueError, match=said):
+        make()
+
+
+def test_numpy_integers_are_integers_and_fit_until_a_step(tmp_path):
+    cfg = _cfg(tmp_path, steps=np.int64(4), seed=np.int32(1))
+    tr = Trainer(cfg, ToyTask(), *_toy_model())
+    with pytest.raises(ValueError, match=r"fit\(until=...\) must be a step"):
+        tr.fit(until=2.5)
+    tr.fit(until=np.int64(2))
+    assert tr.step == 2
