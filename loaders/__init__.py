@@ -14,21 +14,22 @@ The stages, in the order a token passes them:
 - ``checkpoint``: one state file per rank, merged back at any world size.
 - ``config``: ``LoaderConfig`` and ``DatasetSpec``, checked when built.
 - ``prepare``: ``python -m loaders.prepare``, text corpora to Arrow token shards.
-- ``errors``: ``LoaderInputError``, ``LoaderPathError`` and ``MixingShortfall``, what bad
-  input raises.
+- ``errors``: ``LoaderInputError`` and its kinds (``LoaderPathError``, ``EmptyStream``,
+  ``MixingShortfall``), what bad input raises.
 
 The loader never imports ``comera``: it serves any trainer.
 """
 
 from loaders.checkpoint import load_states, save_state, state_path
 from loaders.config import DatasetSpec, LoaderConfig, datasets_from_root
-from loaders.errors import LoaderInputError, LoaderPathError, MixingShortfall
+from loaders.errors import EmptyStream, LoaderInputError, LoaderPathError, MixingShortfall
 from loaders.loader import TokenLoader
 from loaders.sources import ArrowTokenFile, TokenFolder
 from loaders.text import TextSource, load_tokenizer
 
 __all__ = [
     "ArrowTokenFile",
+    "EmptyStream",
     "DatasetSpec",
     "LoaderConfig",
     "LoaderInputError",

@@ -9,7 +9,7 @@ and keeps its traceback. It is a ``ValueError`` (:class:`LoaderPathError` also a
 
 from __future__ import annotations
 
-__all__ = ["LoaderInputError", "LoaderPathError", "MixingShortfall"]
+__all__ = ["EmptyStream", "LoaderInputError", "LoaderPathError", "MixingShortfall"]
 
 
 class LoaderInputError(ValueError):
@@ -19,6 +19,11 @@ class LoaderInputError(ValueError):
 class LoaderPathError(LoaderInputError, FileNotFoundError):
     """A data path (corpus folder, file, checkpoint folder) that does not exist or holds no
     files the loader reads."""
+
+
+class EmptyStream(LoaderInputError):
+    """No sub-dataset with a positive weight holds a document of ``min_doc_len`` tokens:
+    the stream would yield no batch."""
 
 
 class MixingShortfall(LoaderInputError):

@@ -31,7 +31,7 @@ from loaders.checkpoint import (
     save_state,
 )
 from loaders.config import LoaderConfig, is_int
-from loaders.errors import LoaderInputError, MixingShortfall
+from loaders.errors import EmptyStream, LoaderInputError, MixingShortfall
 from loaders.mixing import Mixer, reader_targets
 from loaders.pipeline import Layout, ReaderPipeline, holds_long, open_source
 from loaders.shards import owned_shards
@@ -199,7 +199,7 @@ class TokenLoader:
         docs = {n: int(src.num_docs) for n, src in self.sources.items()
                 if weights.get(n, 0) > 0 and self._holds_long(n)}  # fmt: skip
         if not docs:  # in every mode: a finite stream would yield no batch either
-            raise LoaderInputError(
+            raise EmptyStream(
                 f"no sub-dataset with a positive weight holds a document of min_doc_len="
                 f"{cfg.min_doc_len} tokens, so the stream would yield no batch; lower "
                 "LoaderConfig.min_doc_len or give weight to a sub-dataset with longer documents"

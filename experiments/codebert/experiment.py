@@ -37,7 +37,7 @@ from experiments.codebert.model import init_mlm
 from experiments.codebert.task import MLMTask
 from experiments.notes import note
 from experiments.transformer import EncoderConfig, check_step_mode, dense_param_count, fit_vocab
-from loaders import DatasetSpec, LoaderConfig, TokenLoader
+from loaders import DatasetSpec, EmptyStream, LoaderConfig, TokenLoader
 from loaders.config import is_int
 from loaders.pipeline import holds_long
 
@@ -356,8 +356,11 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
         )
     # the held-out batches weigh every group alike, whatever --mix: a mix changed on resume
     # (or a group given no weight) leaves the held-out loss measured on the same tokens
-    held = iter(TokenLoader(loader_cfg(corpus.heldout, {}, shuffle="none", num_epochs=1),
-                            rank=0, world_size=1))  # fmt: skip
+    try:
+        held = iter(TokenLoader(loader_cfg(corpus.heldout, {}, shuffle="none", num_epochs=1),
+                                rank=0, world_size=1))  # fmt: skip
+    except EmptyStream:  # no held-out token: refused below, naming data.heldout
+        held = iter(())
     model = fit_vocab(p.model, vocab_size)
     if p.dense:
         model = dataclasses.replace(model, tt=False)
