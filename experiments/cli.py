@@ -950,10 +950,12 @@ def prepare(
     return Prepared(exp=exp, cfg=cfg, trainer=trainer, kind=kind, rank=rank)
 
 
-class Interrupted(Exception):
+class Interrupted(KeyboardInterrupt):
     """Training stopped by SIGINT (Ctrl-C) or SIGTERM (what schedulers and torchrun send
     to stop a job): the run's logs were closed (wandb's rows flushed) and its checkpoints
-    stay. ``status`` is the shell's 128 + the signal's number."""
+    stay. ``status`` is the shell's 128 + the signal's number. A KeyboardInterrupt, so a
+    caller of :func:`run_experiment` stops as it would have; the commands print it as one
+    line (:func:`interrupted`)."""
 
     def __init__(self, message: str, status: int, rank: int) -> None:
         super().__init__(message)

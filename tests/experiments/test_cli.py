@@ -472,6 +472,7 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
     ]
     assert finished == [True] and fake.logged[-1] == 2
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert issubclass(cli.Interrupted, KeyboardInterrupt)  # Python callers stop as before
 
 
 def test_bad_wandb_tags_are_refused_when_configured():
