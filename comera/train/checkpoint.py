@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
-from comera.errors import CheckpointError
+from comera.errors import CheckpointError, DataError
 from comera.train.galore import GaLore
 from comera.train.logging import (
     WANDB_ID,
@@ -44,6 +44,7 @@ __all__ = [
     "CheckpointError",
     "checkpoint_dir",
     "complete_checkpoints",
+    "data_position_text",
     "load_checkpoint",
     "read_rank_files",
     "restore_trainer",
@@ -74,11 +75,25 @@ def _atomic(path: Path, write) -> None:
 
 def write_rank_files(directory: Path, step: int, rank: int, world: int, rng: dict, data: dict):
     """This rank's RNG and data position (no communication)."""
-    directory.mkdir(parents=True, exist_ok=True)
     tag = {"step": step, "rank": rank, "world_size": world}
+    text = data_position_text({"format": DATA_FORMAT, "version": 1, **tag, "state": data})
+    directory.mkdir(parents=True, exist_ok=True)
     _atomic(directory / f"rank{rank:05d}.pt", lambda p: torch.save({**tag, "rng": rng}, p))
-    text = json.dumps({"format": DATA_FORMAT, "version": 1, **tag, "state": data})
     _atomic(directory / f"data_rank{rank:05d}.json", lambda p: p.write_text(text))
+
+
+def data_position_text(record: dict) -> str:
+    """``record`` (a data position: ``train_iter.state_dict()``'s) as JSON text, or a
+    :class:`~comera.errors.DataError` saying it must be JSON data: a tensor or generator
+    state in it failed at the first checkpoint, after that much training."""
+    try:
+        return json.dumps(record)
+    except (TypeError, ValueError) as e:
+        raise DataError(
+            f"train_iter.state_dict() must return JSON data (dicts, lists, strings, "
+            f"numbers, bools, None) for checkpoints to hold it: {e}; convert it (e.g. a "
+            "tensor with .tolist())"
+        ) from None
 
 
 def write_model(directory: Path, payload: dict, keep: int) -> Path:

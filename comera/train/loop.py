@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
 from comera.autotune import LINEAR_CANDIDATES, current_tuner, summarize_decisions
@@ -662,8 +663,11 @@ class Trainer:
             error = e
         if self.world > 1:
             said = broadcast_object(None if error is None else str(error))
-            if said is not None and error is None:
-                error = ConfigError(f"rank 0 could not start its run log: {said}")
+            if said is not None:
+                dist.barrier()  # every rank has rank 0's word before any leaves (a rank that
+                # left mid-broadcast closed its connection under the others: an abort)
+                if error is None:
+                    error = ConfigError(f"rank 0 could not start its run log: {said}")
         if error is not None:
             raise error
         assert log is not None
@@ -721,6 +725,9 @@ class Trainer:
         t0, steps0 = time.perf_counter(), self.step
         self._tokens_seen = 0.0  # this fit's input tokens, all ranks (tasks with batch_tokens)
         it = iter(self.task.train_iter)
+        held = self.task.train_iter  # what checkpoints save the position of (save_trainer)
+        if hasattr(held, "state_dict") and hasattr(held, "load_state_dict"):  # refused now,
+            ck.data_position_text({"state": held.state_dict()})  # not after training
         tuner = current_tuner()
         tuner.take_used()  # what an earlier trainer in this process used is not this run's
         self._timed = tuner.timings

@@ -816,3 +816,19 @@ def test_numpy_integers_are_integers_and_fit_until_a_step(tmp_path):
         tr.fit(until=2.5)
     tr.fit(until=np.int64(2))
     assert tr.step == 2
+
+
+def test_a_data_position_checkpoints_cannot_hold_is_refused_before_training(tmp_path):
+    """A train_iter whose state_dict holds a tensor failed with a bare TypeError at the
+    first checkpoint, after that much training, leaving a half-written step folder."""
+
+    class TensorState(_Iter):
+        def state_dict(self):
+            return {**super().state_dict(), "g": torch.zeros(2)}
+
+    task = ToyTask()
+    task.train_iter = TensorState(task.w)
+    tr = Trainer(_cfg(tmp_path, steps=4, checkpoint_every=2), task, *_toy_model())
+    with pytest.raises(ValueError, match=r"train_iter.state_dict\(\) must return JSON data"):
+        tr.fit()
+    assert tr.step == 0 and not (tmp_path / "run" / "checkpoints").exists()
