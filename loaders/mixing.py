@@ -120,7 +120,10 @@ def reader_targets(
     the weights to within :data:`SHARE_TOLERANCE`, e.g. a sub-dataset owned by 3 of 4
     readers cannot take more than 3/4 of the tokens. Where a split exists only at the edge
     (that sub-dataset at weight 3/4: its owners serve nothing else) the iteration converges
-    like ``1/iterations``, which leaves it within 1e-4 of the weights."""
+    like ``1/iterations`` and stops within :data:`SHARE_TOLERANCE` of the weights. Only the
+    ratios within a reader's targets matter (the deficit rule divides by them); they are
+    rounded to 12 digits, so a platform's last-bit differences cannot flip a tie between
+    two sub-datasets and a resume elsewhere draws the same stream."""
     names = [n for n in docs if weights.get(n, 0) > 0]
     own = owners({n: docs[n] for n in names}, num_shards, readers)
     if own.all():
@@ -134,7 +137,7 @@ def reader_targets(
     for _ in range(_ITERATIONS):
         rows = x.sum(axis=1, keepdims=True)
         x = np.divide(x, rows, out=np.zeros_like(x), where=rows > 0)
-        share = count @ x / readers
+        share = (count[:, None] * x).sum(axis=0) / readers  # numpy's own sum, not BLAS's
         if np.abs(share - p).max() <= 1e-9:
             break
         x = x * np.divide(p, share, out=np.zeros_like(p), where=share > 0)
@@ -144,7 +147,7 @@ def reader_targets(
     for g in which:
         row = x[int(pattern[g])] * w.sum()  # the weights' scale, boosted
         targets = dict.fromkeys(docs, 0.0)
-        targets.update((n, float(row[i])) for i, n in enumerate(names))
+        targets.update((n, float(f"{row[i]:.12g}")) for i, n in enumerate(names))
         out.append(targets)
     return out
 
