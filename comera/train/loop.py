@@ -41,7 +41,7 @@ from comera.train.distributed import (
 from comera.train.galore import GaLore
 from comera.train.logging import RunLog, write_json_atomic, write_rank_snapshot
 from comera.train.measures import lr_scale, model_size, peak_memory_mb
-from comera.train.optim import adamw_init, adamw_step, sgd_step
+from comera.train.optim import adamw_init, adamw_step, leaf_groups, sgd_step
 from comera.train.stages import StageController
 from comera.train.sync_free import SyncFreeStep
 from comera.train.task import Task, loss_terms
@@ -221,6 +221,7 @@ class Trainer:
         if hasattr(task, "on_compaction"):
             self.on_compact.append(lambda tr: tr.task.on_compaction(tr.params, tr.state))
         self._size_miss: str | None = None  # why the last budget prune fell short
+        self._reach_checked = False  # whether the loss's reach was checked (first step)
         # auto plans are decided by a separate forward before a step (at the start, and after
         # each compaction) only where a step cannot time: compiled or captured; elsewhere
         # the step decides, and after any step in which a rank decided, all adopt rank 0's
@@ -519,6 +520,13 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 out = self.task.loss(self.params, self.state, batch, train=True)
             s, n, metrics = loss_terms(out)
+            if not s.requires_grad:  # autograd's own error names neither the task nor why
+                raise ConfigError(
+                    "Task.loss returned a sum that does not depend on the parameters the "
+                    "trainer passed (it has no grad: detached, computed under no_grad, or a "
+                    "constant); compute it from those params (a ModuleTask's loss_fn runs "
+                    "the model through its call argument)"
+                )
             n = float(n)
             one_pass = one_pass and s.dtype in (torch.float32, torch.float64)
             if one_pass:
@@ -531,6 +539,7 @@ class Trainer:
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * n
         keep_sparse = self.world == 1 and self.cfg.optimizer == "sgd"
         if root is None:
+            self._check_reach(grads, only_loss=True)
             self._line_up(grads, leaves, keep_sparse)
         keys = sorted(metric_sums)
         extra = torch.tensor([count, *(metric_sums[k] for k in keys)], dtype=torch.float64)
@@ -552,6 +561,7 @@ class Trainer:
                 weights.append(torch.ones_like(obj.param_term))
             grad = torch.autograd.grad(roots, leaves, grad_outputs=weights, allow_unused=True)
             _accumulate(grads, grad)
+            self._check_reach(grads, only_loss=False)
             self._line_up(grads, leaves, keep_sparse)
         else:
             _scale(grads, obj.loss_weight / count)
@@ -592,6 +602,25 @@ class Trainer:
             **{k: v if k == "tokens" else v / count
                for k, v in zip(keys, metric_totals, strict=True)},
         }  # fmt: skip
+
+    def _check_reach(self, grads: list[torch.Tensor | None], *, only_loss: bool) -> None:
+        """At a run's first step, refuse a loss that reached none of the trainer's leaves
+        (a ModuleTask loss_fn calling the module itself, not ``call``: every gradient
+        came back missing, was filled with zeros, and the run trained nothing). With the
+        gate regularizer summed in (``only_loss`` False) the gates do not count."""
+        if self._reach_checked:
+            return
+        self._reach_checked = True
+        groups = leaf_groups(self.params)
+        reached = [g is not None for g, gr in zip(grads, groups, strict=True)
+                   if only_loss or gr != "gates"]  # fmt: skip
+        if reached and not any(reached):
+            raise ConfigError(
+                "Task.loss's sum reaches none of the parameters the trainer passed: no "
+                "gradient flows to them, so the run would train nothing; compute the loss "
+                "from those params (a ModuleTask's loss_fn runs the model through its call "
+                "argument, not the module itself)"
+            )
 
     @staticmethod
     def _line_up(

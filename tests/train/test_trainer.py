@@ -832,3 +832,29 @@ def test_a_data_position_checkpoints_cannot_hold_is_refused_before_training(tmp_
     with pytest.raises(ValueError, match=r"train_iter.state_dict\(\) must return JSON data"):
         tr.fit()
     assert tr.step == 0 and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("accum", [1, 2])  # one backward with the regularizer, or per batch
+def test_a_loss_that_reaches_no_parameter_is_refused_at_the_first_step(tmp_path, accum):
+    """A loss computed from the user's own tensors (a ModuleTask loss_fn calling the module,
+    not ``call``) had every gradient missing, filled with zeros: the run trained nothing,
+    silently (only the gate regularizer moved). A detached loss was autograd's bare
+    error. Both are one message at the first step."""
+    other = torch.randn(16, 16, requires_grad=True)
+
+    class Elsewhere(ToyTask):
+        def loss(self, params, state, batch, *, train):
+            x, y = batch
+            return (x @ other - y).pow(2).mean(), 1, {}
+
+    class Detached(ToyTask):
+        def loss(self, params, state, batch, *, train):
+            s, n, m = super().loss(params, state, batch, train=train)
+            return s.detach(), n, m
+
+    for task, said in ((Elsewhere(), "reaches none of the parameters"),
+                       (Detached(), "does not depend on the parameters")):  # fmt: skip
+        cfg = _cfg(tmp_path / type(task).__name__, steps=3, accum_steps=accum)
+        with pytest.raises(ValueError, match=said):
+            Trainer(cfg, task, *_toy_model()).fit()
+    Trainer(_cfg(tmp_path / "ok", steps=3, accum_steps=accum), ToyTask(), *_toy_model()).fit()
