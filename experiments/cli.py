@@ -1061,7 +1061,17 @@ def main(exp: Experiment, argv: list[str] | None = None) -> int:
     """Parse, resolve, run. Bad input (:data:`USER_ERRORS`, argparse's errors included)
     becomes one line on stderr and exit status 2, before or during training; a loss that
     stops being finite, one line and status 1; anything else is a bug and keeps its
-    traceback (status 1)."""
+    traceback (status 1). Under torchrun the process group is left before returning: a
+    rank that exits holding it closes connections under the others, which can abort them
+    at exit (status -6) after their own one line."""
+    try:
+        return _main(exp, argv)
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _main(exp: Experiment, argv: list[str] | None) -> int:
     from_command_line = argv is None  # only a command may re-execute itself
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser(exp)

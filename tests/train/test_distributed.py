@@ -105,6 +105,7 @@ try:
     tr.fit()
 except UserError as e:
     print(f"rank {rank}: {e}", file=sys.stderr)
+    dist.destroy_process_group()  # as a script should: no connection left to close under load
     sys.exit(2)
 """
 
