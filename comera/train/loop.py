@@ -477,10 +477,11 @@ class Trainer:
             else "no checkpoint had been written yet"
         )
         return NonFiniteLoss(
-            f"{what} is {value} at step {self.step + 1} (stage {self.stage}); nothing was "
-            f"updated and {kept}. Start a new run (another run dir) with lower learning "
-            "rates or gradient clipping (train.optim.lr_*, train.grad_clip): a resume "
-            "continues the saved config."
+            f"{what} is {value} at step {self.step + 1} (stage {self.stage}); no parameter "
+            f"or optimizer state was updated (buffers the forward updates in place, such as "
+            f"BatchNorm statistics, may hold the bad values) and {kept}. Start a new run "
+            "(another run dir) with lower learning rates or gradient clipping "
+            "(train.optim.lr_*, train.grad_clip): a resume continues the saved config."
         )
 
     def train_step(self, *batches: Any) -> dict:

@@ -10,7 +10,7 @@ decision kept on the device:
   before the step, not constants baked into a graph;
 - a non-finite loss or gradient norm turns the update into a no-op on the device (AdamW's
   moments, step count and weight decay included) and is raised on the host afterwards, so
-  "nothing was updated" holds as in the eager loop;
+  "no parameter or optimizer state was updated" holds as in the eager loop;
 - the step's scalars come back in one tensor, read once after the work is queued.
 
 Modes (``train.step_mode``): ``sync_free`` runs it eagerly (the reference the other two
