@@ -124,6 +124,11 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     return [d for _, d in sorted(found)]
 
 
+# what restore_trainer reads of every model file (version 2; world_size and eval_data are
+# newer and optional)
+_MODEL_KEYS = ("step", "config", "params", "state", "opt", "stages", "initial_size")
+
+
 def _read_model(directory: Path) -> dict:
     try:
         ckpt = torch.load(directory / MODEL, map_location="cpu", weights_only=False)
@@ -131,6 +136,12 @@ def _read_model(directory: Path) -> dict:
         raise CheckpointError(f"cannot read checkpoint {directory / MODEL}: {e}") from e
     if not isinstance(ckpt, dict) or ckpt.get("format") != "comera.checkpoint":
         raise CheckpointError(f"{directory / MODEL} is not a comera training checkpoint")
+    missing = [k for k in _MODEL_KEYS if k not in ckpt]
+    if missing or not isinstance(ckpt["config"], dict) or not isinstance(ckpt["opt"], dict):
+        raise CheckpointError(
+            f"{directory / MODEL} lacks {', '.join(missing) or 'a readable config or opt'}; "
+            "the checkpoint is damaged"
+        )
     return ckpt
 
 
@@ -159,6 +170,10 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict:
     return ckpt
 
 
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_rank_files(
     directory: Path, step: int, world: int | None = None
 ) -> tuple[list[dict], list[dict]]:
@@ -177,8 +192,11 @@ def read_rank_files(
             d = json.loads(p.read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"data state {p} is unreadable: {e}") from e
-        if d.get("format") != DATA_FORMAT:
+        if not isinstance(d, dict) or d.get("format") != DATA_FORMAT:
             raise CheckpointError(f"{p} is not a {DATA_FORMAT} file")
+        if not all(_is_index(d.get(k)) for k in ("rank", "world_size", "step")):
+            raise CheckpointError(f"{p} lacks its rank, world_size or step; the checkpoint is "
+                                  "damaged: resume from an earlier one")  # fmt: skip
         datas.append(d)
     datas.sort(key=lambda d: d["rank"])
     world = datas[0]["world_size"]
@@ -194,6 +212,9 @@ def read_rank_files(
             r = torch.load(p, map_location="cpu", weights_only=False)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"rank file {p} is unreadable: {e}") from e
+        if not isinstance(r, dict) or "rng" not in r or "step" not in r:
+            raise CheckpointError(f"rank file {p} lacks its step or RNG state; the checkpoint "
+                                  "is damaged: resume from an earlier one")  # fmt: skip
         for what, tagged in (("data state", d["step"]), ("RNG state", r["step"])):
             if tagged != step:
                 raise CheckpointError(

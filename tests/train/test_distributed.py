@@ -349,3 +349,30 @@ def test_a_library_trainer_under_torchrun_joins_the_process_group(tmp_path):
     assert _torchrun(script, 2, str(tmp_path / "run")) == 0
     names = {p.name.split(".")[0] for p in complete_checkpoints(tmp_path / "run")[-1].iterdir()}
     assert {"rank00000", "rank00001"} <= names, names
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (lambda d: (d / "data_rank00000.json").write_text("[1, 2]"), "is not a comera.data_state"),
+        (
+            lambda d: (d / "data_rank00000.json").write_text(
+                '{"format": "comera.data_state", "step": 10}'
+            ),
+            "lacks its rank, world_size or step",
+        ),
+        (lambda d: torch.save({"rank": 0}, d / "rank00000.pt"), "lacks its step or RNG state"),
+        (
+            lambda d: torch.save({"format": "comera.checkpoint", "step": 10}, d / "model.pt"),
+            "lacks config, params, state, opt, stages, initial_size",
+        ),
+    ],
+)
+def test_a_hand_damaged_checkpoint_file_is_named(tmp_path, damage, said):
+    """Files of the right format with fields missing were bare KeyErrors and
+    AttributeErrors; each is a CheckpointError naming the file."""
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    damage(complete_checkpoints(cfg.run_dir)[-1])
+    with pytest.raises(CheckpointError, match=said):
+        Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
