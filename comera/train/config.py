@@ -8,6 +8,7 @@ values with a message naming the field; experiments build them from presets and 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -216,7 +217,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.wandb_tags, str):  # tuple("ab") would be two tags, "a" and "b"
             self.wandb_tags = (self.wandb_tags,)
+        if isinstance(self.run_dir, os.PathLike):  # a Path is what callers have at hand
+            self.run_dir = os.fspath(self.run_dir)
+        if isinstance(self.device, torch.device):
+            self.device = str(self.device)
         check_kinds(self)
+        if not self.run_dir.strip():  # "" wrote the run's files into the current folder
+            raise ConfigError("TrainConfig.run_dir is empty; give the run's folder")
         if self.steps < 1:
             raise ConfigError(f"TrainConfig.steps must be >= 1, got {self.steps}")
         if self.optimizer not in OPTIMIZERS:

@@ -187,6 +187,8 @@ class Trainer:
                 "this run another run_dir, or delete that file to start over there (nothing "
                 "is overwritten)"
             )
+        if resume and not self.run_dir.is_dir():  # not made empty only to be refused
+            raise CheckpointError(f"no run to resume in {self.run_dir}: it does not exist")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world = rank_world()
         # the loop updates its parameters in place: a copy unless the caller hands them over

@@ -858,3 +858,16 @@ def test_a_loss_that_reaches_no_parameter_is_refused_at_the_first_step(tmp_path,
         with pytest.raises(ValueError, match=said):
             Trainer(cfg, task, *_toy_model()).fit()
     Trainer(_cfg(tmp_path / "ok", steps=3, accum_steps=accum), ToyTask(), *_toy_model()).fit()
+
+
+def test_run_dir_forms(tmp_path):
+    """A Path and a torch.device are taken as the strings they stand for; an empty run
+    dir (the current folder) is refused, and a resume of a folder that does not exist is
+    refused without making it."""
+    cfg = TrainConfig(steps=2, run_dir=tmp_path / "p", device=torch.device("cpu"))
+    assert (cfg.run_dir, cfg.device) == (str(tmp_path / "p"), "cpu")
+    with pytest.raises(ValueError, match="run_dir is empty"):
+        TrainConfig(steps=2, run_dir=" ")
+    with pytest.raises(CheckpointError, match="no run to resume in .*missing.run: it does not"):
+        Trainer(_cfg(tmp_path / "missing"), ToyTask(), *_toy_model(), resume=True)
+    assert not (tmp_path / "missing").exists()
