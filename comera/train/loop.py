@@ -248,8 +248,11 @@ class Trainer:
         broadcast_tensors(tree_flatten(self.params)[0])  # replicas start identical
         # the run's own random streams: fit swaps them in, so what the caller draws between
         # building and fitting (or between two fits, or another trainer's seeding) changes
-        # nothing the run draws, and an in-process run equals its resume
+        # nothing the run draws, and an in-process run equals its resume. Steps and
+        # checkpoints called outside fit draw from (and save) the process's streams, as the
+        # run's: those it leaves are the run's from then on (_took_streams)
         self._rng = ck.rng_state(self.device)
+        self._fitting = False
 
     # stage controller state, under the names the loop has always had
     stage = property(lambda self: self.stages.stage)
@@ -260,7 +263,16 @@ class Trainer:
 
     def checkpoint(self) -> Path:
         """Every rank writes its RNG and data position; rank 0 then writes the model."""
-        return ck.save_trainer(self)
+        out = ck.save_trainer(self)
+        self._took_streams()
+        return out
+
+    def _took_streams(self) -> None:
+        """Outside :meth:`fit`, a step or checkpoint used the process's random streams as
+        the run's: a later fit continues from where they are now, as a resume from a
+        checkpoint written now would."""
+        if not self._fitting:
+            self._rng = ck.rng_state(self.device)
 
     # ------------------------------------------------------------------ rank surgery
 
@@ -498,6 +510,11 @@ class Trainer:
         With ``train.step_mode`` other than ``eager`` the step is
         :class:`comera.train.sync_free.SyncFreeStep`'s: the same update with no host read
         until its end."""
+        out = self._train_step(*batches)
+        self._took_streams()
+        return out
+
+    def _train_step(self, *batches: Any) -> dict:
         if self.sync_free is not None:
             metrics, self.opt = self.sync_free(
                 self.params, self.state, self.opt, self.step + 1, *batches
@@ -715,9 +732,11 @@ class Trainer:
             raise ConfigError(f"fit(until=...) must be a step (an int) or None, got {until!r}")
         outside = ck.rng_state(self.device)
         ck.set_rng_state(self._rng, self.device)
+        self._fitting = True
         try:
             return self._fit(until)
         finally:
+            self._fitting = False
             self._rng = ck.rng_state(self.device)
             ck.set_rng_state(outside, self.device)
 

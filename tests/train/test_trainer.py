@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -871,3 +872,23 @@ def test_run_dir_forms(tmp_path):
     with pytest.raises(CheckpointError, match="no run to resume in .*missing.run: it does not"):
         Trainer(_cfg(tmp_path / "missing"), ToyTask(), *_toy_model(), resume=True)
     assert not (tmp_path / "missing").exists()
+
+
+def test_steps_taken_by_hand_then_fit_equal_their_resume(tmp_path):
+    """Steps and a checkpoint called outside fit draw from the process's streams as the
+    run's; fit then continues from them, as a resume from that checkpoint does (it
+    rewound to the streams the trainer was built with)."""
+    cfg = _cfg(tmp_path / "a", steps=12)
+    tr = Trainer(cfg, ToyTask(noise=0.1), *_toy_model())
+    it = iter(tr.task.train_iter)
+    for _ in range(3):
+        tr.train_step(next(it))
+        tr._after_step()
+    tr.checkpoint()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    tr.fit()
+    again = Trainer(_cfg(tmp_path / "b", steps=12), ToyTask(noise=0.1), *_toy_model(),
+                    resume=True)  # fmt: skip
+    again.fit()
+    for a, b in zip(tree_flatten(tr.params)[0], tree_flatten(again.params)[0], strict=True):
+        assert torch.equal(a, b)
