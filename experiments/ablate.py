@@ -51,6 +51,7 @@ import torch
 
 import comera as C
 from comera.train import NonFiniteLoss, read_metrics
+from comera.train.distributed import leave_distributed
 from comera.tree import iter_tt
 from experiments import cli
 from experiments.host import report_header
@@ -787,6 +788,15 @@ def _recorded_args(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m experiments.ablate``: train the variants, write the report; leaves the
+    process group it joined under torchrun on the way out."""
+    try:
+        return _main(argv)
+    finally:
+        leave_distributed()
+
+
+def _main(argv: list[str] | None) -> int:
     from_command_line = argv is None  # only a command may re-execute itself
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(

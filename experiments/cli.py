@@ -43,7 +43,7 @@ from comera.errors import ConfigError, UserError
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.checkpoint import complete_checkpoints
 from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES, usable_device
-from comera.train.distributed import rank_first
+from comera.train.distributed import leave_distributed, rank_first
 from comera.train.logging import read_metrics, write_json_atomic
 from comera.tree import iter_tt
 from experiments.cache import cache_root
@@ -1061,14 +1061,12 @@ def main(exp: Experiment, argv: list[str] | None = None) -> int:
     """Parse, resolve, run. Bad input (:data:`USER_ERRORS`, argparse's errors included)
     becomes one line on stderr and exit status 2, before or during training; a loss that
     stops being finite, one line and status 1; anything else is a bug and keeps its
-    traceback (status 1). Under torchrun the process group is left before returning: a
-    rank that exits holding it closes connections under the others, which can abort them
-    at exit (status -6) after their own one line."""
+    traceback (status 1). Under torchrun the process group it joined is left before
+    returning (:func:`comera.train.distributed.leave_distributed`)."""
     try:
         return _main(exp, argv)
     finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        leave_distributed()
 
 
 def _main(exp: Experiment, argv: list[str] | None) -> int:

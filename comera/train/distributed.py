@@ -26,12 +26,17 @@ __all__ = [
     "broadcast_tensors",
     "check_rank_device",
     "init_distributed",
+    "leave_distributed",
     "rank_first",
     "rank_world",
     "sum_across_ranks",
 ]
 
 T = TypeVar("T")
+
+# whether init_distributed made the process group (what leave_distributed may destroy:
+# a group the caller made before is the caller's to leave)
+_MADE = [False]
 
 
 def rank_world() -> tuple[int, int]:
@@ -48,9 +53,19 @@ def init_distributed(device: str) -> tuple[int, int]:
         return 0, 1
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        _MADE[0] = True
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank(), dist.get_world_size()
+
+
+def leave_distributed() -> None:
+    """Destroy the process group :func:`init_distributed` made, if it made one: a rank that
+    exits still holding it closes connections under the others, which can abort a slower
+    rank at exit (status -6) after its own one-line error."""
+    if _MADE[0] and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _MADE[0] = False
 
 
 def check_rank_device(device: str) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from comera.train import NonFiniteLoss
+from comera.train.distributed import leave_distributed
 from experiments import cli
 from experiments.malloc import restart_for
 from experiments.mnli import experiment as mnli
@@ -118,7 +119,15 @@ def summary(out: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, run both, print the table. Bad input is one line and status 2; a loss that
-    stops being finite, one line and status 1; anything else keeps its traceback."""
+    stops being finite, one line and status 1; anything else keeps its traceback. Leaves
+    the process group it joined under torchrun on the way out."""
+    try:
+        return _main(argv)
+    finally:
+        leave_distributed()
+
+
+def _main(argv: list[str] | None) -> int:
     ap = cli.Parser(
         prog="python -m experiments.mnli.demo",
         description=__doc__,

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from comera.train import CheckpointError, ComeraConfig, Trainer
@@ -376,3 +377,23 @@ def test_a_hand_damaged_checkpoint_file_is_named(tmp_path, damage, said):
     damage(complete_checkpoints(cfg.run_dir)[-1])
     with pytest.raises(CheckpointError, match=said):
         Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
+
+
+def test_commands_leave_only_the_group_they_made():
+    """An experiment command leaves the process group it joined (a rank exiting with it
+    closed connections under the others, aborting them at exit), but not one its Python
+    caller made before calling it."""
+    from comera.train import distributed
+    from experiments.mnli import experiment as mnli
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        assert mnli.main(["--preset", "smoke", "--set", "train.device=gpu"]) == 2
+        assert dist.is_initialized()  # the caller's: kept
+        distributed._MADE[0] = True  # as if init_distributed had made it (leave resets it)
+        distributed.leave_distributed()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
