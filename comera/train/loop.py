@@ -540,14 +540,16 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 out = self.task.loss(self.params, self.state, batch, train=True)
             s, n, metrics = loss_terms(out)
-            if not s.requires_grad:  # autograd's own error names neither the task nor why
+            n = float(n)
+            # autograd's own error names neither the task nor why; a rank's empty share
+            # (no terms) may be a plain zero
+            if n > 0 and not s.requires_grad:
                 raise ConfigError(
                     "Task.loss returned a sum that does not depend on the parameters the "
                     "trainer passed (it has no grad: detached, computed under no_grad, or a "
                     "constant); compute it from those params (a ModuleTask's loss_fn runs "
                     "the model through its call argument)"
                 )
-            n = float(n)
             one_pass = one_pass and s.dtype in (torch.float32, torch.float64)
             if one_pass:
                 root = s
@@ -628,7 +630,7 @@ class Trainer:
         (a ModuleTask loss_fn calling the module itself, not ``call``: every gradient
         came back missing, was filled with zeros, and the run trained nothing). With the
         gate regularizer summed in (``only_loss`` False) the gates do not count."""
-        if self._reach_checked:
+        if self._reach_checked or self.world > 1:  # one rank raising alone would hang the rest
             return
         self._reach_checked = True
         groups = leaf_groups(self.params)
