@@ -761,6 +761,8 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
             f"{', '.join(sorted(mutable))}"
             " may change on resume)"
         )
+    if isinstance(saved.get("train"), dict):  # where it is now, before the checks read it
+        saved["train"]["run_dir"] = str(args.resume)  # (an old run saved "" there)
     try:
         cfg = config_from_dict(exp.config_type, saved)
     except (*USER_ERRORS, TypeError) as e:  # missing fields, or values the checks refuse

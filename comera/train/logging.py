@@ -203,6 +203,12 @@ class RunLog:
             print(f"comera: {note}", file=sys.stderr)
         if mode == "disabled":
             return
+        for tag in cfg.wandb_tags:  # wandb's own refusal is a pydantic traceback
+            if not 1 <= len(tag) <= 64:
+                raise ConfigError(
+                    f"train.wandb_tags: each tag must be 1 to 64 characters (wandb's limit), "
+                    f"got {tag!r}; fix it, and go on with --resume {self.run_dir}"
+                )
         import wandb  # lazily: runs without wandb never import it
 
         id_path = self.run_dir / WANDB_ID

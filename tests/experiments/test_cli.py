@@ -475,11 +475,22 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
     assert issubclass(cli.Interrupted, KeyboardInterrupt)  # Python callers stop as before
 
 
-def test_bad_wandb_tags_are_refused_when_configured():
-    with pytest.raises(ValueError, match="each tag must be a string of 1 to 64 characters"):
-        TrainConfig(steps=1, run_dir="x", wandb_tags=("",))
-    with pytest.raises(ValueError, match="got 'xxxxx"):
-        TrainConfig(steps=1, run_dir="x", wandb_tags=("x" * 65,))
+def test_bad_wandb_tags_are_refused_when_wandb_starts(tmp_path, monkeypatch):
+    """wandb refused a tag over 64 characters (or empty) with a pydantic traceback after
+    the run dir was written; it is one line when the run log starts. With wandb disabled
+    the tags are not used, so nothing is refused (nor an old run's resume)."""
+    from comera.errors import ConfigError
+    from comera.train import Trainer
+    from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+    monkeypatch.setitem(sys.modules, "wandb", _FakeWandb())
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    for tags in (("",), ("x" * 65,)):
+        cfg = _cfg(tmp_path / str(len(tags[0])), steps=2, wandb="offline", wandb_tags=tags)
+        with pytest.raises(ConfigError, match="train.wandb_tags: each tag must be 1 to 64"):
+            Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    cfg = _cfg(tmp_path / "off", steps=2, wandb="disabled", wandb_tags=("x" * 65,))
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
     assert TrainConfig(steps=1, run_dir="x", wandb_tags="ab").wandb_tags == ("ab",)
 
 
@@ -560,3 +571,15 @@ def test_cache_dirs_expand_home(tmp_path, monkeypatch) -> None:
     assert cache_root("plans", "~/x") == tmp_path / "home" / "x"
     monkeypatch.setenv("COMERA_CACHE", "~/c")
     assert cache_root("plans") == tmp_path / "home" / "c" / "plans"
+
+
+def test_a_run_saved_with_an_empty_run_dir_still_resumes(tmp_path):
+    """An old run could be saved with run_dir "" (the folder check then took it); the
+    saved config is read with the folder --resume names, so the new check of an empty
+    run_dir does not refuse it."""
+    run = tmp_path / "run"
+    assert mnli.main([*FAST, "--set", "train.checkpoint_every=2", "--run-dir", str(run)]) == 0
+    saved = json.loads((run / "config.json").read_text())
+    saved["train"]["run_dir"] = ""
+    (run / "config.json").write_text(json.dumps(saved))
+    assert mnli.main(["--resume", str(run), "--no-progress", "--wandb", "disabled"]) == 0
