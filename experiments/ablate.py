@@ -417,6 +417,14 @@ def run_ablation(
             final = cli.train(run)
         except NonFiniteLoss as e:  # the one line main prints names the variant that diverged
             raise NonFiniteLoss(f"{name} variant {v.label!r} ({run_dir}): {e}") from None
+        except cli.Interrupted as e:  # its variants train anew: no --resume to point at
+            raise cli.Interrupted(
+                f"{name} variant {v.label!r} ({run_dir}) {e.how}; run the ablation command "
+                "again to train its variants (they start anew)",
+                e.status,
+                e.rank,
+                e.how,
+            ) from None
         record_host(run_dir)  # the machine, torch and date the report's header names
         records.append({"label": v.label, "dir": run_dir, "final": final})
         if command is not None:  # what --report-only may show under this command

@@ -959,9 +959,10 @@ class Interrupted(KeyboardInterrupt):
     caller of :func:`run_experiment` stops as it would have; the commands print it as one
     line (:func:`interrupted`)."""
 
-    def __init__(self, message: str, status: int, rank: int) -> None:
+    def __init__(self, message: str, status: int, rank: int, how: str = "") -> None:
         super().__init__(message)
         self.status, self.rank = status, rank
+        self.how = how or message  # "stopped by SIGINT at step 40", for callers' own lines
 
 
 @contextlib.contextmanager
@@ -980,8 +981,8 @@ def _sigterm_as_interrupt(got: list[int]) -> typing.Iterator[None]:
     old = signal.signal(signal.SIGTERM, handler)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    finally:  # None: a handler set outside Python, which Python cannot put back
+        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
 
 
 def train(run: Prepared) -> dict:
@@ -995,12 +996,13 @@ def train(run: Prepared) -> dict:
     except KeyboardInterrupt:
         signum = got[-1] if got else signal.SIGINT
         run_dir = run.cfg.train.run_dir
+        how = f"stopped by {signal.Signals(signum).name} at step {run.trainer.step}"
         raise Interrupted(
-            f"stopped by {signal.Signals(signum).name} at step {run.trainer.step}; continue "
-            f"from its last checkpoint with python -m experiments.{run.exp.name} --resume "
-            f"{run_dir}",
+            f"{how}; continue from its last checkpoint with python -m experiments."
+            f"{run.exp.name} --resume {run_dir}",
             128 + signum,
             run.rank,
+            how,
         ) from None
     out["wall_s"] = time.perf_counter() - t0
     run_dir = Path(run.cfg.train.run_dir)

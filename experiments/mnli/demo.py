@@ -72,7 +72,16 @@ def run_demo(sets: list[str], runs_dir: Path, *, restart: bool = False) -> dict:
         # recorded as the experiment command that trains the same run
         argv = ["--preset", "smoke", *(f"--set={s}" for s in sets), "--run-dir", str(run_dir)]
         argv += ["--dense"] if kind == "dense" else []
-        out[kind] = mnli.run(cli.apply_overrides(base, over, []), argv=argv)
+        try:
+            out[kind] = mnli.run(cli.apply_overrides(base, over, []), argv=argv)
+        except cli.Interrupted as e:  # the table needs both runs: the demo starts anew
+            raise cli.Interrupted(
+                f"its {kind} run ({run_dir}) {e.how}; run the demo again (it trains both "
+                "runs anew)",
+                e.status,
+                e.rank,
+                e.how,
+            ) from None
     held_out = generate_examples(d.generated_eval, d.seed, "validation", d.generated_vocab)
     limit = d.max_eval_examples  # the runs score the first ones (all generated are labelled)
     out["cue"] = best_single_cue_accuracy({k: v[:limit] for k, v in held_out.items()})

@@ -320,6 +320,24 @@ def test_a_diverging_variant_is_one_line_naming_it(tmp_path, monkeypatch, capsys
     assert not list(tmp_path.glob("*.md"))
 
 
+def test_an_interrupted_ablation_names_the_variant_and_how_to_go_on(tmp_path, monkeypatch,
+                                                                      capsys):  # fmt: skip
+    """Ctrl-C or SIGTERM during a variant: one line naming it, and the advice is to run
+    the ablation again (its variants start anew), not a --resume of one variant."""
+
+    def train(cfg):
+        raise ablate.cli.Interrupted("x", 130, 0, "stopped by SIGINT at step 4")
+
+    monkeypatch.setattr(ablate.cli, "prepare", lambda exp, cfg, **kw: cfg)
+    monkeypatch.setattr(ablate.cli, "train", train)
+    monkeypatch.setattr(ablate, "restart_for", lambda *a: None)
+    argv = ["gamma", "--experiment", "dlrm", "--values", "0.1", "--runs-dir", str(tmp_path)]
+    assert ablate.main([*argv, "--reports", str(tmp_path)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "gamma variant '0.1'" in err and "stopped by SIGINT at step 4" in err
+    assert "run the ablation command again" in err and "--resume" not in err
+
+
 def test_bad_input_is_one_line(tmp_path, capsys):
     assert ablate.main(["gamma", "--set", "train.gama=1", "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

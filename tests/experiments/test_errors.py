@@ -296,6 +296,15 @@ def test_the_demo_scores_the_cue_on_what_the_runs_evaluated(tmp_path, monkeypatc
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["python -m experiments.mnli.demo: stopped: loss is nan at step 2"]
 
+    def interrupt(cfg, argv=None):
+        raise cli.Interrupted("x", 143, 0, "stopped by SIGTERM at step 5")
+
+    monkeypatch.setattr(demo.mnli, "run", interrupt)
+    assert demo.main(["--runs-dir", str(tmp_path)]) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its comera run" in err[0] and "SIGTERM at step 5" in err[0]
+    assert "run the demo again" in err[0]
+
 
 def test_every_preset_refuses_an_empty_batch():
     """MNLI, DLRM and the fine-tune share one check of their two batch sizes."""
