@@ -12,8 +12,11 @@ import dataclasses
 import numbers
 import types
 import typing
+from collections.abc import Iterable, Mapping
 from functools import cache
 from typing import Any
+
+import numpy as np
 
 from comera.errors import ConfigError
 
@@ -24,15 +27,46 @@ def check_kinds(obj: Any) -> None:
     """Refuse, as a :class:`ConfigError` naming ``Class.field``, a field of the dataclass
     ``obj`` whose value is not of its annotated kind: ``int`` an integer (numpy's too, not
     a bool or a float), ``float`` a real number (an int too), ``bool`` a bool, ``str`` a
-    string, a config class an instance of it, ``tuple[...]`` a tuple or list of such;
-    ``X | None`` also takes None. A numpy integer is stored as Python's."""
+    string, a config class an instance of it, ``tuple[...]`` a tuple, list, set or other
+    iterable of such; ``X | None`` also takes None. Another form of a right value (a
+    numpy number or bool, a list for a tuple) is stored as the plain Python one."""
     cls = type(obj)
     for name, hint in _hints(cls):
-        value = getattr(obj, name)
+        given = getattr(obj, name)
+        value = _plain(given, hint)
         if not _fits(value, hint):
-            raise ConfigError(f"{cls.__name__}.{name} must be {_say(hint)}, got {value!r}")
-        if int in _options(hint) and isinstance(value, numbers.Integral) and type(value) is not int:
-            setattr(obj, name, int(value))  # numpy's: random.seed and JSON take Python's
+            raise ConfigError(f"{cls.__name__}.{name} must be {_say(hint)}, got {given!r}")
+        if value is not given:
+            setattr(obj, name, value)
+
+
+def _plain(value: object, hint: Any) -> object:
+    """``value`` as the plain Python value of its kind where it is another form of it: a
+    numpy or torch-free number as ``int``/``float`` (random.seed and JSON take Python's),
+    numpy's bool as ``bool``, a list, set (sorted) or other iterable as a tuple of such.
+    Anything else is returned as it is, for :func:`_fits` to judge."""
+    kinds = _options(hint)
+    if value is None or isinstance(value, str):
+        return value
+    if bool in kinds and isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, bool):
+        return value
+    if int in kinds and isinstance(value, numbers.Integral):
+        return value if type(value) is int else int(value)
+    if float in kinds and isinstance(value, numbers.Real):
+        return value if type(value) is float else float(value)
+    for kind in kinds:
+        args = typing.get_args(kind)
+        if typing.get_origin(kind) is tuple and args and isinstance(value, Iterable):
+            if isinstance(value, (bytes, Mapping)):
+                return value
+            items = sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+            each = [args[0]] * len(items) if Ellipsis in args else list(args)
+            if len(each) != len(items):
+                return value
+            return tuple(_plain(v, a) for v, a in zip(items, each, strict=True))
+    return value
 
 
 @cache

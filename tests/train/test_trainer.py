@@ -892,3 +892,14 @@ def test_steps_taken_by_hand_then_fit_equal_their_resume(tmp_path):
     again.fit()
     for a, b in zip(tree_flatten(tr.params)[0], tree_flatten(again.params)[0], strict=True):
         assert torch.equal(a, b)
+
+
+def test_other_forms_of_a_right_value_are_stored_plain():
+    """A set or numpy array for a tuple field, numpy's bool and numbers were taken before
+    the kind check; they still are, stored as plain Python values (JSON writes them)."""
+    cfg = TrainConfig(steps=np.int64(3), run_dir="x", wandb_tags={"b", "a"}, bf16=np.False_,
+                      grad_clip=np.float32(1.5),
+                      optim=C.train.AdamWConfig(betas=np.array([0.9, 0.99])))  # fmt: skip
+    assert (cfg.steps, cfg.wandb_tags, cfg.bf16, cfg.grad_clip) == (3, ("a", "b"), False, 1.5)
+    assert cfg.optim.betas == (0.9, 0.99) and type(cfg.optim.betas[0]) is float
+    json.dumps(dataclasses.asdict(cfg))
