@@ -36,6 +36,7 @@ from comera.train.logging import (
     check_metrics,
     check_rank_snapshots,
     read_run_id,
+    resolve_wandb_mode,
     truncate_metrics,
 )
 from comera.tree import iter_tt
@@ -428,7 +429,8 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     # so every rank refuses (none waits at the first step for a rank that left)
     check_metrics(tr.run_dir / "metrics.jsonl")
     check_rank_snapshots(tr.run_dir)
-    read_run_id(tr.run_dir / WANDB_ID)
+    if resolve_wandb_mode(tr.cfg.wandb)[0] != "disabled":  # the id is read only to log
+        read_run_id(tr.run_dir / WANDB_ID)
     try:
         rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
     except CheckpointError as e:  # as for an unreadable model file: say how to go on

@@ -236,8 +236,12 @@ class RunLog:
         # refuses (pydantic's ValueErrors: a project name with "/"); a file it cannot write
         except (wandb.errors.Error, ValueError, OSError) as e:
             why = " ".join(str(e).split())[:300] or type(e).__name__
-            fix = ("log in (wandb login, or WANDB_API_KEY) or use --wandb offline"
-                   if mode == "online" else "fix that setting (train.wandb_*)")  # fmt: skip
+            if isinstance(e, OSError):  # a disk, a permission: not a setting
+                fix = f"make {self.run_dir / 'wandb'} writable (or use --wandb disabled)"
+            elif mode == "online":
+                fix = "log in (wandb login, or WANDB_API_KEY) or use --wandb offline"
+            else:
+                fix = "fix that setting (train.wandb_*)"
             raise ConfigError(
                 f"wandb={mode!r}: wandb could not start ({why}); {fix}, and go on with "
                 f"--resume {self.run_dir}"

@@ -65,7 +65,13 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
             f"Task.loss returned metrics of type {type(metrics).__name__}; return a dict of "
             "per-batch metrics as the third value ({} for none)"
         )
-    clash = sorted(k for k in metrics if not isinstance(k, str) or k in TRAINER_METRICS
+    odd = [k for k in metrics if not isinstance(k, str)]
+    if odd:
+        raise TypeError(
+            f"Task.loss returned metrics named {odd!r}; metric names are strings (they are "
+            "logged as metrics.jsonl and wandb keys)"
+        )
+    clash = sorted(k for k in metrics if k in TRAINER_METRICS
                    or k.startswith(("ranks/", "eval/", "@", "#")))  # fmt: skip
     if clash:
         raise ValueError(

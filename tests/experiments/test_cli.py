@@ -431,6 +431,9 @@ def test_damaged_run_records_are_refused_before_a_resume_trains(tmp_path, monkey
     with pytest.raises(CheckpointError, match="metrics.jsonl is not a file"):
         Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
     metrics.rmdir()
+    run_id.write_bytes(b"ab/cd\n")  # read only to log to wandb: not when it is disabled
+    Trainer(dataclasses.replace(cfg, wandb="disabled"), ToyTask(), *_toy_model(), resume=True)
+    run_id.write_bytes(good[run_id])
     metrics.write_bytes(good[metrics] + b'{"step": 6, "lo')  # a kill mid-line: taken
     Trainer(cfg, ToyTask(), *_toy_model(), resume=True).fit()
     assert [r["step"] for r in cli.read_metrics(metrics)][-1] == 10
@@ -473,6 +476,27 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
     assert finished == [True] and fake.logged[-1] == 2
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert issubclass(cli.Interrupted, KeyboardInterrupt)  # Python callers stop as before
+
+
+def test_a_wandb_folder_it_cannot_write_is_named_as_such(tmp_path, monkeypatch):
+    """An OSError from wandb (a full disk, a read-only folder) was told to fix a wandb
+    setting; it names the folder."""
+    from comera.errors import ConfigError
+    from comera.train import Trainer
+    from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+    fake = _FakeWandb()
+
+    def refuse(**kw):
+        raise OSError(30, "Read-only file system")
+
+    fake.init = refuse
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    fake.errors = types.SimpleNamespace(Error=RuntimeError)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    cfg = _cfg(tmp_path, steps=2, wandb="offline")
+    with pytest.raises(ConfigError, match=r"Read-only file system.*make .*wandb writable"):
+        Trainer(cfg, ToyTask(), *_toy_model()).fit()
 
 
 def test_bad_wandb_tags_are_refused_when_wandb_starts(tmp_path, monkeypatch):

@@ -747,6 +747,8 @@ def test_a_task_metric_cannot_take_a_name_the_trainer_logs(tmp_path, objective):
     for name in ("step", "loss", "tokens", "ranks/x", "@weight"):
         with pytest.raises(ValueError, match=rf"metrics named \['{re.escape(name)}'\]"):
             Trainer(_cfg(tmp_path / name, steps=2), Named(name), *_toy_model()).fit()
+    with pytest.raises(TypeError, match=r"metrics named \[1\]; metric names are strings"):
+        Trainer(_cfg(tmp_path / "int", steps=2), Named(1), *_toy_model()).fit()
     comera = ComeraConfig(gamma=0.5, tau=0.05, early_steps=20, prune_every=10,
                           size_objective=objective)  # fmt: skip
     cfg = _cfg(tmp_path / "ok", steps=40, log_every=1, comera=comera)
