@@ -62,9 +62,11 @@ def _sizes(name: str, **sizes: object) -> None:
     """Refuse any of ``sizes`` that is not an int (numpy's too) naming ``name``'s argument."""
     for what, value in sizes.items():
         try:
-            _index(value)
+            ok = _index(value) >= 1
         except TypeError:
-            raise ConfigError(f"{name}: {what} must be an int, got {value!r}") from None
+            ok = False
+        if not ok:
+            raise ConfigError(f"{name}: {what} must be an int >= 1, got {value!r}")
 
 
 def as_number(value: object) -> float:
