@@ -29,8 +29,8 @@ from loaders.text import TextSource, load_tokenizer
 
 __all__ = [
     "ArrowTokenFile",
-    "EmptyStream",
     "DatasetSpec",
+    "EmptyStream",
     "LoaderConfig",
     "LoaderInputError",
     "LoaderPathError",

@@ -239,9 +239,11 @@ class TokenLoader:
             self._has_long[name] = holds_long(self.sources[name], self.config.min_doc_len)
         return self._has_long[name]
 
-    def _start_pipes(self) -> None:
-        """Build every reader on this process (cheap: no data is read) for state/iteration."""
-        self._targets = self._check_readers()
+    def _start_pipes(self, targets: list[dict[str, float] | None] | None = None) -> None:
+        """Build every reader on this process (cheap: no data is read) for state/iteration;
+        ``targets``: what :meth:`_check_readers` returned for the weights now in force, if
+        a caller already checked them."""
+        self._targets = self._check_readers() if targets is None else targets
         self._pipes = [
             ReaderPipeline(
                 self.config,
@@ -335,7 +337,7 @@ class TokenLoader:
         else:
             weights = dict(self._config_weights)  # the config changed: its weights win
         same = resume.world_size == self.world_size and resume.num_workers == self._readers
-        self._check_readers(weights)  # refused before anything changes
+        targets = self._check_readers(weights)  # refused before anything changes
         self._close()
         self._cursors = resume.cursors
         self._weights = weights
@@ -351,7 +353,7 @@ class TokenLoader:
         for s in self._pos.readers:
             if s is not None:
                 s["weights"] = dict(weights)
-        self._start_pipes()
+        self._start_pipes(targets)
 
     def set_weights(self, weights: dict[str, float]) -> None:
         """Change target token shares now; no sub-dataset loses its position. Weights
@@ -370,7 +372,7 @@ class TokenLoader:
         self._close()
         self._weights = new
         self._pos.readers = states
-        self._start_pipes()
+        self._start_pipes(targets)
 
     def _close(self) -> None:
         it, self._iter = self._iter, None

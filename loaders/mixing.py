@@ -18,6 +18,7 @@ refused (:class:`MixingShortfall`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import combinations
 
 import numpy as np
 
@@ -162,8 +163,6 @@ def _shortfall(
 ) -> str:
     """Why the weights cannot be met: the smallest group of sub-datasets whose owners are
     too few for their shares together (groups of up to 4 are searched)."""
-    from itertools import combinations
-
     for size in range(1, min(len(names), 4) + 1):
         for group in combinations(range(len(names)), size):
             reach = int(own[:, list(group)].any(axis=1).sum())

@@ -300,6 +300,7 @@ def test_a_made_up_share_resumes_identically(world, workers):
     on token-identically, in-process as with workers (4 readers either way)."""
     cfg = _small_mix(0.5)
     ref = TokenLoader(cfg, rank=world // 2, world_size=world, num_workers=workers)
+    assert ref._targets[0] is not None  # this layout's readers are boosted
     _take(ref, 5)
     state = json.loads(json.dumps(ref.state_dict()))
     want = [b["input_ids"] for b in _take(ref, 8)]
