@@ -905,3 +905,31 @@ def test_other_forms_of_a_right_value_are_stored_plain():
     assert (cfg.steps, cfg.wandb_tags, cfg.bf16, cfg.grad_clip) == (3, ("a", "b"), False, 1.5)
     assert cfg.optim.betas == (0.9, 0.99) and type(cfg.optim.betas[0]) is float
     json.dumps(dataclasses.asdict(cfg))
+
+
+def test_steps_and_checkpoints_between_fits_draw_the_runs_streams(tmp_path):
+    """After fit(until=k) the process holds the caller's streams again: a step or a
+    checkpoint taken by hand then must use the run's (a checkpoint written between two
+    fits saved the caller's, and the run went on from them)."""
+
+    def params(tr):
+        return tree_flatten(tr.params)[0]
+
+    straight = Trainer(_cfg(tmp_path / "s", steps=10), ToyTask(noise=0.1), *_toy_model())
+    straight.fit()
+    paused = Trainer(_cfg(tmp_path / "p", steps=10), ToyTask(noise=0.1), *_toy_model())
+    paused.fit(until=4)
+    paused.checkpoint()
+    paused.fit()
+    assert all(torch.equal(a, b) for a, b in zip(params(straight), params(paused), strict=True))
+    hand = Trainer(_cfg(tmp_path / "h", steps=10), ToyTask(noise=0.1), *_toy_model())
+    hand.fit(until=4)
+    shutil.copytree(tmp_path / "h", tmp_path / "r")
+    for tr in (hand, Trainer(_cfg(tmp_path / "r", steps=10), ToyTask(noise=0.1), *_toy_model(),
+                             resume=True)):  # fmt: skip
+        it = iter(tr.task.train_iter)
+        tr.train_step(next(it))
+        tr._after_step()
+        tr.fit()
+    resumed = tr
+    assert all(torch.equal(a, b) for a, b in zip(params(hand), params(resumed), strict=True))
