@@ -562,7 +562,8 @@ class Trainer:
             if one_pass:
                 root = s
             else:
-                _accumulate(grads, torch.autograd.grad(s, leaves, allow_unused=True))
+                if s.requires_grad:  # a rank's empty share may be a plain zero: no gradient
+                    _accumulate(grads, torch.autograd.grad(s, leaves, allow_unused=True))
             loss_sum += s.detach().double()
             count += n
             for k, v in metrics.items():  # per-batch means, weighted by the batch's count

@@ -150,7 +150,9 @@ class SyncFreeStep:
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 s, n, metrics = loss_terms(self.task.loss(params, state, batch, train=True))
             n = _scalar(n, dev)
-            for i, g in enumerate(torch.autograd.grad(s, leaves, allow_unused=True)):
+            # a rank's empty share (no terms) may be a plain zero, with no gradient
+            parts = torch.autograd.grad(s, leaves, allow_unused=True) if s.requires_grad else ()
+            for i, g in enumerate(parts):
                 if g is not None and g.is_sparse:
                     raise ConfigError(
                         f"train.step_mode={self.mode!r} needs dense gradients and the model "

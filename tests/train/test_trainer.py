@@ -933,3 +933,23 @@ def test_steps_and_checkpoints_between_fits_draw_the_runs_streams(tmp_path):
         tr.fit()
     resumed = tr
     assert all(torch.equal(a, b) for a, b in zip(params(hand), params(resumed), strict=True))
+
+
+@pytest.mark.parametrize("mode", ["eager", "sync_free"])
+def test_an_empty_share_may_be_a_plain_zero(tmp_path, mode):
+    """A micro-batch with no loss terms (count 0, which the trainer allows) may return a
+    plain zero: autograd refused it (no gradient), and the first fix of the no-grad
+    check only moved the failure one line down."""
+
+    class SomeEmpty(ToyTask):
+        seen = 0
+
+        def loss(self, params, state, batch, *, train):
+            self.seen += 1
+            if self.seen % 2 == 0:  # every second micro-batch: no terms
+                return torch.zeros(()), 0, {"accuracy": torch.tensor(0.0)}
+            return super().loss(params, state, batch, train=train)
+
+    cfg = _cfg(tmp_path, steps=4, accum_steps=2, step_mode=mode)
+    out = Trainer(cfg, SomeEmpty(), *_toy_model()).fit()
+    assert math.isfinite(out["loss"]) and out["loss_terms"] == 1
