@@ -51,7 +51,7 @@ import torch
 
 import comera as C
 from comera.train import NonFiniteLoss, read_metrics
-from comera.train.distributed import leave_distributed
+from comera.train.distributed import own_process_group
 from comera.tree import iter_tt
 from experiments import cli
 from experiments.host import report_header
@@ -798,10 +798,8 @@ def _recorded_args(
 def main(argv: list[str] | None = None) -> int:
     """``python -m experiments.ablate``: train the variants, write the report; leaves the
     process group it joined under torchrun on the way out."""
-    try:
+    with own_process_group():
         return _main(argv)
-    finally:
-        leave_distributed()
 
 
 def _main(argv: list[str] | None) -> int:

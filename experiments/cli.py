@@ -43,7 +43,7 @@ from comera.errors import ConfigError, UserError
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.checkpoint import complete_checkpoints
 from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES, usable_device
-from comera.train.distributed import leave_distributed, rank_first
+from comera.train.distributed import own_process_group, rank_first
 from comera.train.logging import read_metrics, write_json_atomic
 from comera.tree import iter_tt
 from experiments.cache import cache_root
@@ -1066,11 +1066,9 @@ def main(exp: Experiment, argv: list[str] | None = None) -> int:
     becomes one line on stderr and exit status 2, before or during training; a loss that
     stops being finite, one line and status 1; anything else is a bug and keeps its
     traceback (status 1). Under torchrun the process group it joined is left before
-    returning (:func:`comera.train.distributed.leave_distributed`)."""
-    try:
+    returning (:func:`comera.train.distributed.own_process_group`)."""
+    with own_process_group():
         return _main(exp, argv)
-    finally:
-        leave_distributed()
 
 
 def _main(exp: Experiment, argv: list[str] | None) -> int:

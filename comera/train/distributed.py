@@ -12,8 +12,9 @@ shapes, which DDP's reducer cannot follow without being rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -26,17 +27,13 @@ __all__ = [
     "broadcast_tensors",
     "check_rank_device",
     "init_distributed",
-    "leave_distributed",
+    "own_process_group",
     "rank_first",
     "rank_world",
     "sum_across_ranks",
 ]
 
 T = TypeVar("T")
-
-# whether init_distributed made the process group (what leave_distributed may destroy:
-# a group the caller made before is the caller's to leave)
-_MADE = [False]
 
 
 def rank_world() -> tuple[int, int]:
@@ -53,19 +50,23 @@ def init_distributed(device: str) -> tuple[int, int]:
         return 0, 1
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-        _MADE[0] = True
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank(), dist.get_world_size()
 
 
-def leave_distributed() -> None:
-    """Destroy the process group :func:`init_distributed` made, if it made one: a rank that
-    exits still holding it closes connections under the others, which can abort a slower
-    rank at exit (status -6) after its own one-line error."""
-    if _MADE[0] and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    _MADE[0] = False
+@contextlib.contextmanager
+def own_process_group() -> Iterator[None]:
+    """Leave, on the way out, a process group joined inside the block (a command's
+    :func:`init_distributed` under torchrun): a rank that exits still holding it closes
+    connections under the others, which can abort a slower rank at exit (status -6) after
+    its own one-line error. A group that existed before the block is its caller's, kept."""
+    before = dist.is_available() and dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not before and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def check_rank_device(device: str) -> None:

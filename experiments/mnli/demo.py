@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from comera.train import NonFiniteLoss
-from comera.train.distributed import leave_distributed
+from comera.train.distributed import own_process_group
 from experiments import cli
 from experiments.malloc import restart_for
 from experiments.mnli import experiment as mnli
@@ -130,10 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, run both, print the table. Bad input is one line and status 2; a loss that
     stops being finite, one line and status 1; anything else keeps its traceback. Leaves
     the process group it joined under torchrun on the way out."""
-    try:
+    with own_process_group():
         return _main(argv)
-    finally:
-        leave_distributed()
 
 
 def _main(argv: list[str] | None) -> int:
