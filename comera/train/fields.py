@@ -9,6 +9,7 @@ bare ``TypeError``. :func:`check_kinds` refuses those first, naming the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import types
 import typing
@@ -42,12 +43,16 @@ def check_kinds(obj: Any) -> None:
 
 def _plain(value: object, hint: Any) -> object:
     """``value`` as the plain Python value of its kind where it is another form of it: a
-    numpy or torch-free number as ``int``/``float`` (random.seed and JSON take Python's),
-    numpy's bool as ``bool``, a list, set (sorted) or other iterable as a tuple of such.
-    Anything else is returned as it is, for :func:`_fits` to judge."""
+    numpy number as ``int``/``float`` (random.seed and JSON take Python's; an int past a
+    float's range as infinity, which the field's own check judges), numpy's bool and string
+    as ``bool`` and ``str``, a list or other iterable as a tuple of such (a set only for a
+    tuple of any length, sorted: a pair has an order a set does not keep). Anything else is
+    returned as it is, for :func:`_fits` to judge."""
     kinds = _options(hint)
-    if value is None or isinstance(value, str):
+    if value is None:
         return value
+    if isinstance(value, str):
+        return value if type(value) is str else str(value)
     if bool in kinds and isinstance(value, np.bool_):
         return bool(value)
     if isinstance(value, bool):
@@ -55,13 +60,24 @@ def _plain(value: object, hint: Any) -> object:
     if int in kinds and isinstance(value, numbers.Integral):
         return value if type(value) is int else int(value)
     if float in kinds and isinstance(value, numbers.Real):
-        return value if type(value) is float else float(value)
+        try:
+            return value if type(value) is float else float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf  # type: ignore[operator]
     for kind in kinds:
         args = typing.get_args(kind)
         if typing.get_origin(kind) is tuple and args and isinstance(value, Iterable):
             if isinstance(value, (bytes, Mapping)):
                 return value
-            items = sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+            if isinstance(value, (set, frozenset)):
+                if Ellipsis not in args:
+                    return value
+                try:
+                    items = sorted(value)
+                except TypeError:  # mixed kinds: refused as they are
+                    return value
+            else:
+                items = list(value)
             each = [args[0]] * len(items) if Ellipsis in args else list(args)
             if len(each) != len(items):
                 return value

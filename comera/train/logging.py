@@ -207,7 +207,8 @@ class RunLog:
             if not 1 <= len(tag) <= 64:
                 raise ConfigError(
                     f"train.wandb_tags: each tag must be 1 to 64 characters (wandb's limit), "
-                    f"got {tag!r}; fix it, and go on with --resume {self.run_dir}"
+                    f"got {tag!r}; give others (--wandb-tags a,b) or --wandb disabled, and go "
+                    f"on with --resume {self.run_dir}"
                 )
         import wandb  # lazily: runs without wandb never import it
 

@@ -905,6 +905,14 @@ def test_other_forms_of_a_right_value_are_stored_plain():
     assert (cfg.steps, cfg.wandb_tags, cfg.bf16, cfg.grad_clip) == (3, ("a", "b"), False, 1.5)
     assert cfg.optim.betas == (0.9, 0.99) and type(cfg.optim.betas[0]) is float
     json.dumps(dataclasses.asdict(cfg))
+    # a pair from a set would take the set's arbitrary order; mixed kinds cannot sort
+    with pytest.raises(ValueError, match=r"betas must be 2 numbers, got \{"):
+        C.train.AdamWConfig(betas={0.5, 0.9})
+    with pytest.raises(ValueError, match="wandb_tags must be a list of strings"):
+        TrainConfig(steps=2, run_dir="x", wandb_tags={1, "a"})
+    assert TrainConfig(steps=2, run_dir="x", grad_clip=10**400).grad_clip == math.inf
+    with pytest.raises(ValueError, match="gamma must be a finite number >= 0, got inf"):
+        ComeraConfig(gamma=10**400)  # past a float's range: infinity, which it refuses
 
 
 def test_steps_and_checkpoints_between_fits_draw_the_runs_streams(tmp_path):
