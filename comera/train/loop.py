@@ -569,15 +569,19 @@ class Trainer:
             for k, v in metrics.items():  # per-batch means, weighted by the batch's count
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * n
         keep_sparse = self.world == 1 and self.cfg.optimizer == "sgd"
+        reach: list[float] = []  # at the first step: whether the loss reached a leaf here
         if root is None:
-            self._check_reach(grads, only_loss=True)
+            reach = self._reach(grads, only_loss=True)
             self._line_up(grads, leaves, keep_sparse)
         keys = sorted(metric_sums)
-        extra = torch.tensor([count, *(metric_sums[k] for k in keys)], dtype=torch.float64)
+        extra = torch.tensor([count, *(metric_sums[k] for k in keys), *reach],
+                             dtype=torch.float64)  # fmt: skip
         scalars = torch.cat([loss_sum.reshape(1), extra.to(self.device)])
         # alone this is a no-op; with several ranks every gradient is dense and present
         *grads, scalars = sum_across_ranks([*grads, scalars])  # type: ignore[list-item]
         loss_total, count, *metric_totals = scalars.cpu().tolist()
+        if reach and not metric_totals.pop():  # summed over ranks: every rank raises
+            raise self._unreached()
         if count <= 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss terms (count 0)")
         loss_value = loss_total / count
@@ -592,7 +596,8 @@ class Trainer:
                 weights.append(torch.ones_like(obj.param_term))
             grad = torch.autograd.grad(roots, leaves, grad_outputs=weights, allow_unused=True)
             _accumulate(grads, grad)
-            self._check_reach(grads, only_loss=False)
+            if self._reach(grads, only_loss=False) == [0.0]:  # one process: raised at once
+                raise self._unreached()
             self._line_up(grads, leaves, keep_sparse)
         else:
             _scale(grads, obj.loss_weight / count)
@@ -634,24 +639,29 @@ class Trainer:
                for k, v in zip(keys, metric_totals, strict=True)},
         }  # fmt: skip
 
-    def _check_reach(self, grads: list[torch.Tensor | None], *, only_loss: bool) -> None:
-        """At a run's first step, refuse a loss that reached none of the trainer's leaves
-        (a ModuleTask loss_fn calling the module itself, not ``call``: every gradient
-        came back missing, was filled with zeros, and the run trained nothing). With the
-        gate regularizer summed in (``only_loss`` False) the gates do not count."""
-        if self._reach_checked or self.world > 1:  # one rank raising alone would hang the rest
-            return
+    def _reach(self, grads: list[torch.Tensor | None], *, only_loss: bool) -> list[float]:
+        """At a run's first step, ``[1.0]`` if the loss reached one of the trainer's leaves
+        on this rank, else ``[0.0]`` (summed over ranks, so all refuse together); ``[]``
+        at later steps. With the gate regularizer summed in (``only_loss`` False) the
+        gates do not count."""
+        if self._reach_checked:
+            return []
         self._reach_checked = True
         groups = leaf_groups(self.params)
         reached = [g is not None for g, gr in zip(grads, groups, strict=True)
                    if only_loss or gr != "gates"]  # fmt: skip
-        if reached and not any(reached):
-            raise ConfigError(
-                "Task.loss's sum reaches none of the parameters the trainer passed: no "
-                "gradient flows to them, so the run would train nothing; compute the loss "
-                "from those params (a ModuleTask's loss_fn runs the model through its call "
-                "argument, not the module itself)"
-            )
+        return [1.0 if any(reached) or not reached else 0.0]
+
+    @staticmethod
+    def _unreached() -> ConfigError:
+        """A ModuleTask loss_fn calling the module itself, not ``call``: every gradient came
+        back missing, was filled with zeros, and the run trained nothing."""
+        return ConfigError(
+            "Task.loss's sum reaches none of the parameters the trainer passed: no gradient "
+            "flows to them, so the run would train nothing; compute the loss from those "
+            "params (a ModuleTask's loss_fn runs the model through its call argument, not "
+            "the module itself)"
+        )
 
     @staticmethod
     def _line_up(

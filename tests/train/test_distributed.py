@@ -379,6 +379,47 @@ def test_a_hand_damaged_checkpoint_file_is_named(tmp_path, damage, said):
         Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
 
 
+UNREACHED = """
+import sys, torch, torch.distributed as dist
+from pathlib import Path
+from tests.train_helpers import SumCountTask, _cfg, _toy_model
+from comera.errors import UserError
+from comera.train import Trainer
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+other = torch.randn(16, 16, requires_grad=True)
+class Elsewhere(SumCountTask):  # "one": rank 1's share reaches the model, rank 0's not
+    def loss(self, params, state, batch, *, train):
+        if rank == 1 and sys.argv[2] == "one":
+            return super().loss(params, state, batch, train=train)
+        x, y = batch
+        per_example = (x @ other - y).pow(2).mean(-1)
+        return per_example.sum(), len(y), {"mse": per_example.detach().mean()}
+tr = Trainer(_cfg(Path(sys.argv[1]) / str(rank), steps=3), Elsewhere(rank, world),
+             *_toy_model())
+try:
+    tr.fit()
+except UserError as e:
+    print(f"rank {rank}: {e}", file=sys.stderr)
+    dist.destroy_process_group()
+    sys.exit(2)
+dist.destroy_process_group()
+"""
+
+
+def test_a_loss_that_reaches_the_model_on_no_rank_stops_every_rank(tmp_path, capfd):
+    """The reach check sums over ranks: when no rank's loss reaches the model every rank
+    refuses at the first step (one rank alone raising would leave the others waiting);
+    when one rank's does, the run trains."""
+    script = tmp_path / "worker.py"
+    script.write_text(UNREACHED)
+    assert _spawn(script, 2, str(tmp_path / "none"), "none") == [2, 2]
+    err = capfd.readouterr().err
+    assert err.count("reaches none of the parameters") == 2 and "Traceback" not in err
+    assert _spawn(script, 2, str(tmp_path / "one"), "one") == [0, 0]
+
+
 def test_commands_leave_only_the_group_they_made():
     """An experiment command leaves the process group it joined (a rank exiting with it
     closed connections under the others, aborting them at exit), but not one its Python
