@@ -51,8 +51,8 @@ def _plain(value: object, hint: Any) -> object:
     kinds = _options(hint)
     if value is None:
         return value
-    if isinstance(value, str):
-        return value if type(value) is str else str(value)
+    if isinstance(value, str):  # numpy's, or a str-mixin Enum member (its value)
+        return value if type(value) is str else str.__str__(value)
     if bool in kinds and isinstance(value, np.bool_):
         return bool(value)
     if isinstance(value, bool):
@@ -67,7 +67,7 @@ def _plain(value: object, hint: Any) -> object:
     for kind in kinds:
         args = typing.get_args(kind)
         if typing.get_origin(kind) is tuple and args and isinstance(value, Iterable):
-            if isinstance(value, (bytes, Mapping)):
+            if isinstance(value, (bytes, Mapping)) or getattr(value, "ndim", 1) == 0:
                 return value
             if isinstance(value, (set, frozenset)):
                 if Ellipsis not in args:

@@ -580,10 +580,11 @@ class Trainer:
         # alone this is a no-op; with several ranks every gradient is dense and present
         *grads, scalars = sum_across_ranks([*grads, scalars])  # type: ignore[list-item]
         loss_total, count, *metric_totals = scalars.cpu().tolist()
-        if reach and not metric_totals.pop():  # summed over ranks: every rank raises
-            raise self._unreached()
+        reached = metric_totals.pop() if reach else 1.0  # summed over ranks
         if count <= 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss terms (count 0)")
+        if not reached:  # every rank raises
+            raise self._unreached()
         loss_value = loss_total / count
         if not math.isfinite(loss_value):
             raise self._non_finite("loss", loss_value)
@@ -596,7 +597,8 @@ class Trainer:
                 weights.append(torch.ones_like(obj.param_term))
             grad = torch.autograd.grad(roots, leaves, grad_outputs=weights, allow_unused=True)
             _accumulate(grads, grad)
-            if self._reach(grads, only_loss=False) == [0.0]:  # one process: raised at once
+            # one process: raised at once; the gates count unless a term of theirs joined
+            if self._reach(grads, only_loss=obj.param_term is None) == [0.0]:
                 raise self._unreached()
             self._line_up(grads, leaves, keep_sparse)
         else:

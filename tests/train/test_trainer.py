@@ -1,6 +1,7 @@
 """CoMERA training: objectives, pruning/compaction during training, checkpoints, DDP."""
 
 import dataclasses
+import enum
 import json
 import math
 import os
@@ -911,6 +912,10 @@ def test_other_forms_of_a_right_value_are_stored_plain():
     with pytest.raises(ValueError, match="wandb_tags must be a list of strings"):
         TrainConfig(steps=2, run_dir="x", wandb_tags={1, "a"})
     assert TrainConfig(steps=2, run_dir="x", grad_clip=10**400).grad_clip == math.inf
+    mode = enum.Enum("Mode", {"EAGER": "eager"}, type=str)  # a str-mixin member: its value
+    assert TrainConfig(steps=2, run_dir="x", step_mode=mode.EAGER).step_mode == "eager"
+    with pytest.raises(ValueError, match="betas must be 2 numbers"):
+        C.train.AdamWConfig(betas=np.array(0.9))
     with pytest.raises(ValueError, match="gamma must be a finite number >= 0, got inf"):
         ComeraConfig(gamma=10**400)  # past a float's range: infinity, which it refuses
 
@@ -961,3 +966,11 @@ def test_an_empty_share_may_be_a_plain_zero(tmp_path, mode):
     cfg = _cfg(tmp_path, steps=4, accum_steps=2, step_mode=mode)
     out = Trainer(cfg, SomeEmpty(), *_toy_model()).fit()
     assert math.isfinite(out["loss"]) and out["loss_terms"] == 1
+
+    class AllEmpty(ToyTask):
+        def loss(self, params, state, batch, *, train):
+            return torch.zeros(()), 0, {"accuracy": torch.tensor(0.0)}
+
+    with pytest.raises(ValueError, match="the global batch has no loss terms"):  # said first
+        Trainer(_cfg(tmp_path / "all", steps=2, accum_steps=2, step_mode=mode), AllEmpty(),
+                *_toy_model()).fit()  # fmt: skip
