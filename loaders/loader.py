@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -32,7 +33,7 @@ from loaders.checkpoint import (
 )
 from loaders.config import LoaderConfig, is_int
 from loaders.errors import EmptyStream, LoaderInputError, MixingShortfall
-from loaders.mixing import Mixer, reader_targets
+from loaders.mixing import Mixer, owners, reader_targets
 from loaders.pipeline import Layout, ReaderPipeline, holds_long, open_source
 from loaders.shards import owned_shards
 
@@ -208,18 +209,18 @@ class TokenLoader:
         if cfg.num_epochs is not None or cfg.shuffle == "local":
             return none
         total, L = self.world_size * self._readers, cfg.num_shards
-        for g in range(total):
-            ids = owned_shards(L, g // self._readers, self.world_size, g % self._readers,
-                               self._readers)  # fmt: skip
-            if not any(ids.stop * n // L > ids.start * n // L for n in docs.values()):
-                raise LoaderInputError(
-                    f"reader {g} of {total} ({self.world_size} ranks x {self._readers} "
-                    f"workers) would get no document of {docs} (documents of the sub-datasets "
-                    f"with a positive weight and a document of min_doc_len={cfg.min_doc_len} "
-                    f"tokens, cut into num_shards={L}), and an endless stream "
-                    "(num_epochs=None) would end at once there; use fewer ranks or workers, "
-                    "more documents, shuffle='local', or set num_epochs"
-                )
+        owned_shards(L, 0, self.world_size, 0, self._readers)  # more readers than shards
+        empty = np.flatnonzero(~owners(docs, L, total).any(axis=1))
+        if empty.size:
+            g = int(empty[0])
+            raise LoaderInputError(
+                f"reader {g} of {total} ({self.world_size} ranks x {self._readers} "
+                f"workers) would get no document of {docs} (documents of the sub-datasets "
+                f"with a positive weight and a document of min_doc_len={cfg.min_doc_len} "
+                f"tokens, cut into num_shards={L}), and an endless stream "
+                "(num_epochs=None) would end at once there; use fewer ranks or workers, "
+                "more documents, shuffle='local', or set num_epochs"
+            )
         first = self.rank * self._readers
         try:
             targets = reader_targets(weights, docs, L, total, range(first, first + self._readers))
