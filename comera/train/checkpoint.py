@@ -427,7 +427,7 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     check_same_run(tr, ckpt)
     # the run's records, which rank 0 adds to: checked on every rank (files all ranks see),
     # so every rank refuses (none waits at the first step for a rank that left)
-    check_metrics(tr.run_dir / "metrics.jsonl")
+    rows = check_metrics(tr.run_dir / "metrics.jsonl")  # kept for the truncation below
     check_rank_snapshots(tr.run_dir)
     if resolve_wandb_mode(tr.cfg.wandb)[0] != "disabled":  # the id is read only to log
         read_run_id(tr.run_dir / WANDB_ID)
@@ -484,4 +484,4 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
         random.seed(tr.cfg.seed + tr.rank + tr.step)
         torch.manual_seed(tr.cfg.seed + tr.rank + tr.step)
     if tr.rank == 0:
-        truncate_metrics(tr.run_dir / "metrics.jsonl", tr.step)
+        truncate_metrics(tr.run_dir / "metrics.jsonl", tr.step, rows)

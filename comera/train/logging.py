@@ -42,29 +42,27 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     """Rows of a metrics file; a line cut short by a killed process is skipped, and so is
     anything else that is not a row (a JSON object with an integer step): readers of a
     damaged file get the rows it still holds (:func:`check_metrics` names the damage)."""
-    rows = []
     text = Path(path).read_bytes().decode("utf-8", errors="replace")
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if _is_row(row):
-            rows.append(row)
-    return rows
+    return [row for row in map(_row, text.splitlines()) if row is not None]
 
 
-def _is_row(row: object) -> bool:
+def _row(line: str) -> dict | None:
+    """The metrics row on ``line``, or None where it holds none."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
     step = row.get("step", 0) if isinstance(row, dict) else None
-    return isinstance(step, int) and not isinstance(step, bool)
+    return row if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def check_metrics(path: Path) -> None:
-    """Refuse, naming the line, a metrics file a resume would rewrite with rows lost: only
-    its last line may be cut short (a killed process); every other line must be a row.
-    A folder in its place is refused too (the first row would fail to be written)."""
+def check_metrics(path: Path) -> list[dict] | None:
+    """The rows of a metrics file a resume will rewrite (None: there is none), refusing,
+    naming the line, one it would rewrite with rows lost: only its last line may be cut
+    short (a killed process); every other line must be a row. A folder in its place is
+    refused too (the first row would fail to be written)."""
     if not path.exists():
-        return
+        return None
     if not path.is_file():
         raise CheckpointError(f"{path} is not a file; move it away to resume (the run's "
                               "metrics rows start again from the checkpoint)")  # fmt: skip
@@ -73,24 +71,27 @@ def check_metrics(path: Path) -> None:
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is unreadable ({first_line(e)}); fix it, or move it "
                               "away to resume without the rows so far") from None  # fmt: skip
-    for n, line in enumerate(lines[:-1], 1):
-        try:
-            ok = _is_row(json.loads(line))
-        except json.JSONDecodeError:
-            ok = False
-        if not ok and line.strip():
+    rows = []
+    for n, line in enumerate(lines, 1):
+        row = _row(line)
+        if row is not None:
+            rows.append(row)
+        elif n < len(lines) and line.strip():
             raise CheckpointError(
                 f"{path} line {n} is not a metrics row (a JSON object with an integer "
                 f"step): {line[:60]!r}; fix or delete that line to resume"
             )
+    return rows
 
 
-def truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int, rows: list[dict] | None = None) -> None:
     """Drop rows logged after ``step`` by a run that died after its last checkpoint, so a
-    resumed run's rows are not doubled (check the file first: :func:`check_metrics`)."""
+    resumed run's rows are not doubled (check the file first: :func:`check_metrics`, whose
+    rows it may pass, as it read them)."""
     if not path.is_file():
         return
-    keep = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    rows = read_metrics(path) if rows is None else rows
+    keep = [r for r in rows if r.get("step", 0) <= step]
     _replace_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
