@@ -286,7 +286,6 @@ class TrainConfig:
             )
         if not -(2**63) <= self.seed < 2**63:  # torch.manual_seed's range
             raise ConfigError(f"TrainConfig.seed must fit in 64 bits (signed), got {self.seed}")
-        self.wandb_tags = tuple(self.wandb_tags)
 
 
 def usable_device(device: str, what: str = "TrainConfig.device", cpu: str = "device='cpu'") -> None:

@@ -78,11 +78,19 @@ def _plain(value: object, hint: Any) -> object:
                     return value
             else:
                 items = list(value)
-            each = [args[0]] * len(items) if Ellipsis in args else list(args)
-            if len(each) != len(items):
+            each = _element_kinds(args, len(items))
+            if each is None:
                 return value
             return tuple(_plain(v, a) for v, a in zip(items, each, strict=True))
     return value
+
+
+def _element_kinds(args: tuple[Any, ...], n: int) -> list[Any] | None:
+    """The kinds of ``n`` elements of ``tuple[*args]`` (``tuple[X, ...]``: any number of X),
+    or None when ``n`` elements cannot be one."""
+    if Ellipsis in args:
+        return [args[0]] * n
+    return list(args) if len(args) == n else None
 
 
 @cache
@@ -115,13 +123,10 @@ def _fits(value: object, hint: Any) -> bool:
             if isinstance(value, str):
                 return True
         elif typing.get_origin(kind) is tuple:
-            args = typing.get_args(kind)
-            if isinstance(value, (tuple, list)) and (
-                (len(args) == 2 and args[1] is Ellipsis and all(_fits(v, args[0]) for v in value))
-                or (Ellipsis not in args and len(value) == len(args)
-                    and all(_fits(v, a) for v, a in zip(value, args, strict=True)))
-            ):  # fmt: skip
-                return True
+            if isinstance(value, (tuple, list)):
+                each = _element_kinds(typing.get_args(kind), len(value))
+                if each is not None and all(_fits(v, a) for v, a in zip(value, each, strict=True)):
+                    return True
         elif isinstance(kind, type):
             if isinstance(value, kind):
                 return True
