@@ -45,7 +45,7 @@ from comera.train.measures import lr_scale, model_size, peak_memory_mb
 from comera.train.optim import adamw_init, adamw_step, leaf_groups, sgd_step
 from comera.train.stages import StageController
 from comera.train.sync_free import SyncFreeStep
-from comera.train.task import Task, loss_terms
+from comera.train.task import Task, eval_terms, loss_terms
 from comera.tree import compact_tree, iter_tt, prune_to_size, prune_tree
 from comera.tree import leaves as tree_leaves
 
@@ -711,9 +711,10 @@ class Trainer:
         )
         with torch.no_grad():
             raw = fn(self.params, self.state, **kw)
-        keys = sorted(raw)
-        pairs = [raw[k] if isinstance(raw[k], tuple) else (float(raw[k]), 1.0) for k in keys]
-        flat = torch.tensor([x for p in pairs for x in p], dtype=torch.float64, device=self.device)
+        terms = eval_terms(raw)
+        keys = [k for k, _, _ in terms]
+        flat = torch.tensor([x for _, s, n in terms for x in (s, n)], dtype=torch.float64,
+                            device=self.device)  # fmt: skip
         flat = sum_across_ranks([flat])[0].cpu().tolist()
         # nothing counted (an empty held-out split) is NaN, not a perfect 0 loss
         out = {k: flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else math.nan

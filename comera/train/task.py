@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from numbers import Real
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["TRAINER_METRICS", "Task", "loss_terms"]
+__all__ = ["TRAINER_METRICS", "Task", "eval_terms", "loss_terms"]
 
 # what the trainer logs itself in a training row (and the stages' metrics): a task's
 # metric of one of these names would overwrite it (a "step" of 3 in every row, which no
@@ -80,3 +82,54 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
             "them (e.g. with a prefix: train/...)"
         )
     return s, n, metrics
+
+
+def _eval_number(name: str, value: object) -> float:
+    """One number of an ``evaluate`` metric: a Python or numpy number, or a tensor of one
+    element; anything else a TypeError naming the metric."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return float(value)
+    if isinstance(value, Real) or (  # numpy's numbers and one-element arrays too
+        type(value).__module__ == "numpy"
+        and getattr(value, "size", None) == 1
+        and getattr(getattr(value, "dtype", None), "kind", "") in "biuf"
+    ):
+        return float(value.item() if hasattr(value, "item") else value)  # type: ignore[arg-type]
+    what = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+            else type(value).__name__)  # fmt: skip
+    raise TypeError(
+        f"Task.evaluate returned {what} in metric {name!r}; each metric is a number (averaged "
+        "over ranks) or a (sum, count) tuple of numbers (reduced exactly)"
+    )
+
+
+def eval_terms(raw: object) -> list[tuple[str, float, float]]:
+    """``(name, sum, count)`` per metric, sorted by name, from what a task's ``evaluate``
+    returned: a plain number counts as ``(value, 1)``. Anything else is a TypeError
+    naming the form expected (a bug in the task): a tuple of another length would shift
+    every later metric's numbers in the reduction, silently."""
+    if not isinstance(raw, Mapping):
+        raise TypeError(
+            f"Task.evaluate returned {type(raw).__name__}; it must return a dict of metric "
+            "name to a number or a (sum, count) tuple ({} for none)"
+        )
+    odd = [k for k in raw if not isinstance(k, str)]
+    if odd:
+        raise TypeError(
+            f"Task.evaluate returned metrics named {odd!r}; metric names are strings (they "
+            "are logged as eval/NAME)"
+        )
+    out = []
+    for k in sorted(raw):
+        v = raw[k]
+        if isinstance(v, tuple):
+            if len(v) != 2:
+                raise TypeError(
+                    f"Task.evaluate returned a tuple of {len(v)} values in metric {k!r}; a "
+                    "tuple is (sum, count): the sum over this rank's held-out share and how "
+                    "many terms it holds"
+                )
+            out.append((k, _eval_number(k, v[0]), _eval_number(k, v[1])))
+        else:
+            out.append((k, _eval_number(k, v), 1.0))
+    return out

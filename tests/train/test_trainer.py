@@ -761,6 +761,43 @@ def test_a_task_metric_cannot_take_a_name_the_trainer_logs(tmp_path, objective):
     assert all(r["train/mine"] == 3 for r in rows if "loss" in r)
 
 
+def test_evaluate_returns_of_another_form_name_the_metric(tmp_path):
+    """A ``(sum, count)`` tuple of three values shifted every later metric's numbers in
+    the flat reduction: ``{"a": (1, 2, 3), "b": 5}`` gave b = 0.6, silently. Such returns,
+    and a None, a list or a name that is no string, are refused naming the metric; the
+    number forms the protocol allows (numpy's, one-element tensors) keep working."""
+    import numpy as np
+
+    class Returns(ToyTask):
+        def __init__(self, ret):
+            super().__init__()
+            self.ret = ret
+
+        def evaluate(self, params, state):
+            return self.ret
+
+    def evaluate(ret):
+        return Trainer(_cfg(tmp_path, steps=1), Returns(ret), *_toy_model()).evaluate()
+
+    for ret, match in [
+        ({"a": (1.0, 2.0, 3.0), "b": 5.0}, r"tuple of 3 values in metric 'a'"),
+        ({"a": (1.0,)}, r"tuple of 1 values in metric 'a'"),
+        (None, r"returned NoneType; it must return a dict"),
+        ([("a", 1.0)], r"returned list; it must return a dict"),
+        ({1: 2.0}, r"metrics named \[1\]"),
+        ({"a": "x"}, r"returned str in metric 'a'"),
+        ({"a": torch.ones(3)}, r"a tensor of shape \(3,\) in metric 'a'"),
+        ({"a": (1.0, [2.0])}, r"returned list in metric 'a'"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            evaluate(ret)
+    ok = {"a": np.float32(2.0), "b": np.array(3.0), "c": True,
+          "d": (np.int64(3), torch.tensor(6)), "e": (torch.tensor(1.0), 0)}  # fmt: skip
+    out = evaluate(ok)
+    assert {k: v for k, v in out.items() if k != "e"} == {"a": 2.0, "b": 3.0, "c": 1.0, "d": 0.5}
+    assert math.isnan(out["e"])  # nothing counted
+
+
 def test_a_run_draws_only_from_its_own_random_streams(tmp_path):
     """The trainer seeded the process's streams when built and fit drew from them, so
     building a second trainer, or drawing numbers between building and fitting (or
