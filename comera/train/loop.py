@@ -45,7 +45,7 @@ from comera.train.measures import lr_scale, model_size, peak_memory_mb
 from comera.train.optim import adamw_init, adamw_step, leaf_groups, sgd_step
 from comera.train.stages import StageController
 from comera.train.sync_free import SyncFreeStep
-from comera.train.task import Task, eval_terms, loss_terms
+from comera.train.task import Task, eval_terms, loss_terms, unreached_error
 from comera.tree import compact_tree, iter_tt, prune_to_size, prune_tree
 from comera.tree import leaves as tree_leaves
 
@@ -584,7 +584,7 @@ class Trainer:
         if count <= 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss terms (count 0)")
         if not reached:  # every rank raises
-            raise self._unreached()
+            raise unreached_error()
         loss_value = loss_total / count
         if not math.isfinite(loss_value):
             raise self._non_finite("loss", loss_value)
@@ -599,7 +599,7 @@ class Trainer:
             _accumulate(grads, grad)
             # one process: raised at once; the gates count unless a term of theirs joined
             if self._reach(grads, only_loss=obj.param_term is None) == [0.0]:
-                raise self._unreached()
+                raise unreached_error()
             self._line_up(grads, leaves, keep_sparse)
         else:
             _scale(grads, obj.loss_weight / count)
@@ -653,17 +653,6 @@ class Trainer:
         reached = [g is not None for g, gr in zip(grads, groups, strict=True)
                    if only_loss or gr != "gates"]  # fmt: skip
         return [1.0 if any(reached) or not reached else 0.0]
-
-    @staticmethod
-    def _unreached() -> ConfigError:
-        """A ModuleTask loss_fn calling the module itself, not ``call``: every gradient came
-        back missing, was filled with zeros, and the run trained nothing."""
-        return ConfigError(
-            "Task.loss's sum reaches none of the parameters the trainer passed: no gradient "
-            "flows to them, so the run would train nothing; compute the loss from those "
-            "params (a ModuleTask's loss_fn runs the model through its call argument, not "
-            "the module itself)"
-        )
 
     @staticmethod
     def _line_up(

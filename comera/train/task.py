@@ -8,7 +8,9 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["TRAINER_METRICS", "Task", "eval_terms", "loss_terms"]
+from comera.errors import ConfigError
+
+__all__ = ["TRAINER_METRICS", "Task", "eval_terms", "loss_terms", "unreached_error"]
 
 # what the trainer logs itself in a training row (and the stages' metrics): a task's
 # metric of one of these names would overwrite it (a "step" of 3 in every row, which no
@@ -133,3 +135,15 @@ def eval_terms(raw: object) -> list[tuple[str, float, float]]:
         else:
             out.append((k, _eval_number(k, v), 1.0))
     return out
+
+
+def unreached_error() -> ConfigError:
+    """The error for a first step whose loss reached none of the trainer's leaves (say a
+    ModuleTask loss_fn calling the module itself, not ``call``): every gradient came back
+    missing, was filled with zeros, and the run would train nothing."""
+    return ConfigError(
+        "Task.loss's sum reaches none of the parameters the trainer passed: no gradient "
+        "flows to them, so the run would train nothing; compute the loss from those "
+        "params (a ModuleTask's loss_fn runs the model through its call argument, not "
+        "the module itself)"
+    )

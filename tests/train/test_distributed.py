@@ -396,8 +396,8 @@ class Elsewhere(SumCountTask):  # "one": rank 1's share reaches the model, rank 
         x, y = batch
         per_example = (x @ other - y).pow(2).mean(-1)
         return per_example.sum(), len(y), {"mse": per_example.detach().mean()}
-tr = Trainer(_cfg(Path(sys.argv[1]) / str(rank), steps=3), Elsewhere(rank, world),
-             *_toy_model())
+tr = Trainer(_cfg(Path(sys.argv[1]) / str(rank), steps=3, step_mode=sys.argv[3]),
+             Elsewhere(rank, world), *_toy_model())
 try:
     tr.fit()
 except UserError as e:
@@ -408,16 +408,17 @@ dist.destroy_process_group()
 """
 
 
-def test_a_loss_that_reaches_the_model_on_no_rank_stops_every_rank(tmp_path, capfd):
+@pytest.mark.parametrize("mode", ["eager", "sync_free"])
+def test_a_loss_that_reaches_the_model_on_no_rank_stops_every_rank(tmp_path, capfd, mode):
     """The reach check sums over ranks: when no rank's loss reaches the model every rank
     refuses at the first step (one rank alone raising would leave the others waiting);
     when one rank's does, the run trains."""
     script = tmp_path / "worker.py"
     script.write_text(UNREACHED)
-    assert _spawn(script, 2, str(tmp_path / "none"), "none") == [2, 2]
+    assert _spawn(script, 2, str(tmp_path / "none"), "none", mode) == [2, 2]
     err = capfd.readouterr().err
     assert err.count("reaches none of the parameters") == 2 and "Traceback" not in err
-    assert _spawn(script, 2, str(tmp_path / "one"), "one") == [0, 0]
+    assert _spawn(script, 2, str(tmp_path / "one"), "one", mode) == [0, 0]
 
 
 def test_commands_leave_only_the_group_they_made():

@@ -197,3 +197,34 @@ def test_compile_mode_names_the_torch_it_needs(monkeypatch) -> None:
     monkeypatch.setattr(torch._dynamo, "config", types.SimpleNamespace())
     with pytest.raises(ValueError, match=r"torch >= 2.11 .*--step-mode sync_free"):
         require_traceable_grad()
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_sync_free_refuses_a_loss_that_reaches_no_parameter(tmp_path, accum):
+    """The eager step refuses, at the first step, a loss that reaches none of the
+    trainer's leaves; the sync-free step filled the missing gradients with zeros and
+    trained nothing, silently. Which gradients exist is known without reading the device,
+    so the step carries the answer in the read it makes anyway, and updates nothing."""
+    other = torch.randn(16, 16, requires_grad=True)
+
+    class Elsewhere(ToyTask):
+        def loss(self, params, state, batch, *, train):
+            x, y = batch
+            return (x @ other - y).pow(2).mean(), 1, {}
+
+    class Detached(ToyTask):
+        def loss(self, params, state, batch, *, train):
+            s, n, m = super().loss(params, state, batch, train=train)
+            return s.detach(), n, m
+
+    for task in (Elsewhere(), Detached()):
+        cfg = _cfg(tmp_path / type(task).__name__, steps=3, accum_steps=accum,
+                   step_mode="sync_free")  # fmt: skip
+        tr = Trainer(cfg, task, *_toy_model())
+        before = [t.clone() for t in tree_flatten(tr.params)[0]]
+        with pytest.raises(ConfigError, match="reaches none of the parameters"):
+            tr.fit()
+        assert tr.step == 0
+        for a, b in zip(before, tree_flatten(tr.params)[0], strict=True):
+            assert torch.equal(a, b)
+    _run(tmp_path / "ok", "sync_free", steps=3, accum_steps=accum)
