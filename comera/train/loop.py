@@ -45,7 +45,7 @@ from comera.train.measures import lr_scale, model_size, peak_memory_mb
 from comera.train.optim import adamw_init, adamw_step, leaf_groups, sgd_step
 from comera.train.stages import StageController
 from comera.train.sync_free import SyncFreeStep
-from comera.train.task import Task, eval_terms, loss_terms, unreached_error
+from comera.train.task import BUFFERS, Task, eval_terms, loss_terms, unreached_error
 from comera.tree import compact_tree, iter_tt, prune_to_size, prune_tree
 from comera.tree import leaves as tree_leaves
 
@@ -246,7 +246,11 @@ class Trainer:
             # each rank its own stream (dropout masks differ across the global batch)
             random.seed(cfg.seed + self.rank)
             torch.manual_seed(cfg.seed + self.rank)
-        broadcast_tensors(tree_flatten(self.params)[0])  # replicas start identical
+        # replicas start identical: the params, the model's running buffers and what the
+        # task holds outside both (a ModuleTask's frozen parameters)
+        replicated = getattr(task, "replicated_tensors", None)
+        broadcast_tensors([*tree_flatten(self.params)[0], *self._buffers(),
+                           *(replicated() if replicated is not None else [])])  # fmt: skip
         # the run's own random streams, swapped in by fit, train_step and checkpoint
         # (_own_streams): what the caller draws between calls (or another trainer's
         # seeding) changes nothing the run draws, and an in-process run equals its resume
@@ -520,7 +524,16 @@ class Trainer:
         :class:`comera.train.sync_free.SyncFreeStep`'s: the same update with no host read
         until its end."""
         with self._own_streams():
-            return self._train_step(*batches)
+            metrics = self._train_step(*batches)
+        # each rank's forward updated its running buffers from its own share: every rank
+        # takes rank 0's (DDP's broadcast_buffers), so all evaluate and save one model
+        broadcast_tensors(self._buffers())
+        return metrics
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """The state's running buffers (:data:`comera.train.task.BUFFERS`)."""
+        held = self.state.get(BUFFERS) if isinstance(self.state, dict) else None
+        return tree_flatten(held)[0] if held else []
 
     def _train_step(self, *batches: Any) -> dict:
         if self.sync_free is not None:

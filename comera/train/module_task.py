@@ -19,15 +19,12 @@ import torch
 from torch import nn
 
 from comera.nn import TTLinear, TTMEmbedding
+from comera.train.task import BUFFERS
 from comera.tree import iter_tt
 
 __all__ = ["BUFFERS", "ModuleTask"]
 
 Call = Callable[..., Any]
-
-# the state tree's key for the module's persistent buffers (batch norm's running
-# statistics, say): not a name a submodule can take, so no TT layer's path collides
-BUFFERS = "[buffers]"
 
 
 class ModuleTask:
@@ -45,11 +42,13 @@ class ModuleTask:
     state: the module updates them as it runs (in place, or, in eager steps, by assigning
     a new tensor, which is written back after each call), and the checkpoint stores them,
     so a resumed run goes on from the saved statistics. A 0-dim buffer is held as a
-    one-element view of itself, so ``step_mode="compile"`` keeps its in-place updates. Each
-    rank keeps its own; the checkpoint holds rank 0's, which every rank resumes from.
+    one-element view of itself, so ``step_mode="compile"`` keeps its in-place updates.
+    Under data parallelism every rank holds rank 0's after each step (as DDP's
+    ``broadcast_buffers``), so the ranks run, evaluate and checkpoint one model.
     Frozen parameters (``requires_grad=False``) stay the module's own and are not trained:
     a whole TT layer frozen is neither trained nor pruned, nor counted in the sizes the
-    trainer reports and targets. A TT layer with some tensors frozen and others not is
+    trainer reports and targets; the trainer gives every rank rank 0's when it starts
+    (:meth:`replicated_tensors`). A TT layer with some tensors frozen and others not is
     refused. The model must already be on the trainer's device (``model.to(cfg.device)``)."""
 
     def __init__(
@@ -80,6 +79,12 @@ class ModuleTask:
         out: dict[str, Any] = {name: m.params() for name, m in self._tt.items()}
         out.update({n: named[n] for n in self._rest})
         return out
+
+    def replicated_tensors(self) -> list[torch.Tensor]:
+        """The module's frozen parameters: neither params nor state, yet every rank must
+        hold the same (the trainer broadcasts rank 0's at start, as DDP does)."""
+        held = {id(t) for t in torch.utils._pytree.tree_leaves(self.params())}
+        return [p for p in self.model.parameters() if id(p) not in held]
 
     def state(self) -> dict:
         """The adapters' rank masks as the trainer's state pytree, and the module's

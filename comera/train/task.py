@@ -10,7 +10,13 @@ import torch
 
 from comera.errors import ConfigError
 
-__all__ = ["TRAINER_METRICS", "Task", "eval_terms", "loss_terms", "unreached_error"]
+__all__ = ["BUFFERS", "TRAINER_METRICS", "Task", "eval_terms", "loss_terms", "unreached_error"]
+
+# the state tree's key for tensors the model updates as it runs (a ModuleTask's persistent
+# buffers: batch norm's running statistics, say): under data parallelism the trainer hands
+# every rank rank 0's after each step, as DDP's broadcast_buffers does. Not a name a
+# submodule can take, so no TT layer's path collides
+BUFFERS = "[buffers]"
 
 # what the trainer logs itself in a training row (and the stages' metrics): a task's
 # metric of one of these names would overwrite it (a "step" of 3 in every row, which no
@@ -43,7 +49,12 @@ class Task(Protocol):
     Optional ``eval_data_id``, a dict of eval split name to a digest of its examples (of
     the whole split, the same on every rank: rank 0's is saved, every rank checks it), is
     kept in checkpoints: a resume whose split of a saved name holds other examples is
-    refused (its curve would join two eval sets under one name)."""
+    refused (its curve would join two eval sets under one name).
+    Optional ``replicated_tensors() -> list`` names tensors the model uses that are
+    neither params nor state (a ModuleTask's frozen parameters): under data parallelism
+    the trainer gives every rank rank 0's when it starts, as it does the params. The
+    state's :data:`BUFFERS` entry holds tensors the model updates as it runs: every rank
+    gets rank 0's after each step."""
 
     train_iter: Any
 

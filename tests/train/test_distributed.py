@@ -4,6 +4,7 @@ state, and a killed torchrun job resumed at another world size reading every tok
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -441,3 +442,70 @@ def test_commands_leave_only_the_group_they_made():
     with own_process_group():
         join()  # as init_distributed joins under torchrun
     assert not dist.is_initialized()
+
+
+REPLICAS = """
+import sys, torch, torch.distributed as dist, torch.nn.functional as F
+from pathlib import Path
+from torch import nn
+import comera as C
+from comera.train import ComeraConfig, TrainConfig
+from comera.train.module_task import ModuleTask
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+out, steps, resume = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "resume"
+torch.manual_seed(rank)  # each rank its own init: frozen head and buffers differ too
+model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+model[1].running_mean.add_(rank)
+C.tensorize_(model, C.TensorizeConfig(target_modules=("0",), rank=4, init="random"))
+model[3].requires_grad_(False)
+w = torch.randn(16, 4, generator=torch.Generator().manual_seed(5))
+
+class Batches:
+    def __init__(self):
+        self.i = 0
+    def __iter__(self):
+        while True:
+            g = torch.Generator().manual_seed(self.i)
+            self.i += 1
+            x = torch.randn(8, 16, generator=g)
+            y = (x @ w).argmax(-1)
+            yield x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]
+    def state_dict(self):
+        return {"i": self.i}
+    def load_state_dict(self, s):
+        self.i = s["i"]
+
+def loss(call, batch):
+    x, y = batch
+    return F.cross_entropy(call(x), y, reduction="sum"), len(y), {}
+
+task = ModuleTask(model, loss, Batches())
+cfg = TrainConfig(steps=steps, run_dir=str(out), checkpoint_every=4, progress=False,
+                  wandb="disabled", comera=ComeraConfig(early_steps=4, prune_every=2))
+task.trainer(cfg, resume=resume).fit()
+torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / f"model_{rank}.pt")
+dist.destroy_process_group()
+"""
+
+
+def test_module_task_ranks_hold_one_model_and_resume_exactly(tmp_path):
+    """Frozen parameters are neither params nor state, so the start's broadcast missed
+    them; BatchNorm statistics each rank updated from its own share stayed its own, so
+    the ranks evaluated two models and a resume (from rank 0's) did not continue rank 1.
+    Both are rank 0's on every rank now, and a resume at the same world size continues
+    bit-identically."""
+    script = tmp_path / "worker.py"
+    script.write_text(REPLICAS)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert _spawn(script, 2, str(full), "8", "new") == [0, 0]
+    shutil.copytree(full, cut)  # as if stopped after step 4's checkpoint
+    shutil.rmtree(cut / "checkpoints" / "step_00000008")
+    assert _spawn(script, 2, str(cut), "8", "resume") == [0, 0]
+    models = [torch.load(d / f"model_{r}.pt") for d in (full, cut) for r in range(2)]
+    assert models[0]["1.running_mean"].abs().max() > 0
+    for other in models[1:]:
+        assert models[0].keys() == other.keys()
+        for k, v in models[0].items():
+            assert torch.equal(v, other[k]), k
