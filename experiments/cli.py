@@ -445,6 +445,15 @@ def _tuple_shape_ok(value: Any, hint: Any, inner: bool = False) -> bool:
     )
 
 
+def _flag_of(ap: argparse.ArgumentParser, dest: str) -> str:
+    """The flag a user types for the parser's ``dest`` (finetune's ``--model`` sets
+    ``model_path``): its longest option string."""
+    for action in ap._actions:
+        if action.dest == dest and action.option_strings:
+            return max(action.option_strings, key=len)
+    return "--" + dest.replace("_", "-")
+
+
 def _check_type(value: Any, hint: Any, label: str) -> None:
     """Refuse a plain value of the wrong kind (a file's ``"7"`` for an int field), or a
     list nested otherwise than its field (``[4,4]`` for modes ``[[4,4],[4,4]]``), in one
@@ -753,7 +762,7 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
     if bad_own:  # an experiment flag that changes what may not change
         extra += [d for d in own_dests if d in _changed(ap, args)]
     if extra or bad_sets:
-        drop = ["--" + k.replace("_", "-") for k in extra] + [f"--set {k}" for k in bad_sets]
+        drop = [_flag_of(ap, k) for k in extra] + [f"--set {k}" for k in bad_sets]
         raise CLIError(
             f"--resume continues {args.resume} with its saved config; drop {', '.join(drop)} "
             f"(only --device, --wandb*, --no-progress, --cpu-malloc, --step-mode, --compile, "
@@ -997,9 +1006,13 @@ def train(run: Prepared) -> dict:
         signum = got[-1] if got else signal.SIGINT
         run_dir = run.cfg.train.run_dir
         how = f"stopped by {signal.Signals(signum).name} at step {run.trainer.step}"
+        go_on = (
+            "continue from its last checkpoint"
+            if complete_checkpoints(run_dir)
+            else "no checkpoint was written yet; start it over with its saved config"
+        )
         raise Interrupted(
-            f"{how}; continue from its last checkpoint with python -m experiments."
-            f"{run.exp.name} --resume {run_dir}",
+            f"{how}; {go_on} with python -m experiments.{run.exp.name} --resume {run_dir}",
             128 + signum,
             run.rank,
             how,

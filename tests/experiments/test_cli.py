@@ -445,7 +445,8 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
     """SIGTERM (a scheduler's stop) killed the run before wandb.finish, losing every row
     not yet flushed; SIGINT printed a 20-line traceback. Both now close the logs and end
     in one line naming the resume command, with the shell's status for the signal; the
-    old SIGTERM handler is back afterwards."""
+    old SIGTERM handler is back afterwards. A run stopped before its first checkpoint
+    (SIGINT's case here) is not told to continue from one: its resume starts over."""
     from comera.train import Trainer
 
     fake, finished = _FakeWandb(), []
@@ -466,12 +467,16 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
     run_dir = tmp_path / "run"
     argv = [*FAST, "--set", "train.steps=6", "--set", "train.log_every=1", "--wandb", "offline"]
     argv += ["--run-dir", str(run_dir)]
+    saved = signum == signal.SIGTERM
+    argv += ["--set", "train.checkpoint_every=1"] if saved else []
     assert mnli.main(argv) == 128 + signum
     err = [ln for ln in capsys.readouterr().err.splitlines() if "stopped" in ln]
     name = signal.Signals(signum).name
+    go_on = ("continue from its last checkpoint" if saved
+             else "no checkpoint was written yet; start it over with its saved config")  # fmt: skip
     assert err == [
-        f"python -m experiments.mnli: stopped by {name} at step 2; continue from "
-        f"its last checkpoint with python -m experiments.mnli --resume {run_dir}"
+        f"python -m experiments.mnli: stopped by {name} at step 2; {go_on} with "
+        f"python -m experiments.mnli --resume {run_dir}"
     ]
     assert finished == [True] and fake.logged[-1] == 2
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

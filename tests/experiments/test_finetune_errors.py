@@ -234,3 +234,14 @@ def test_a_model_with_no_token_type_table_trains_on_pairs(tmp_path: Path, capsys
     capsys.readouterr()
     assert main(_argv(tmp_path, "r", "--model", str(path), "--target", "query_proj")) == 0
     assert (tmp_path / "r" / "config.json").is_file()
+
+
+def test_a_resume_that_changes_the_model_names_the_flag_typed(tmp_path: Path, capsys) -> None:
+    """The resume refusal built each flag's name from its dest: it said ``drop
+    --model-path`` for the ``--model`` flag, which does not exist."""
+    assert main(_argv(tmp_path, "run")) == 0
+    capsys.readouterr()
+    run = str(tmp_path / "run")
+    assert main(["--resume", run, "--model", str(tmp_path / "other")]) == 2
+    line = _one_line(capsys)
+    assert "drop --model (only" in line and "--model-path" not in line
