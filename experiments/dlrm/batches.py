@@ -48,7 +48,8 @@ class RowBatches(EpochCursor):
         if batch_size < 1 or batch_size % world:
             raise ConfigError(
                 f"batch_size={batch_size} (global) must be a positive multiple of the world "
-                f"size {world}; round it to a multiple (--set batch_size=...)"
+                f"size {world}; round it to a multiple (--set batch_size=...), or run on a "
+                "number of processes that divides it (a resume keeps its batch_size)"
             )
         self.n = hi - lo
         if self.n < batch_size:

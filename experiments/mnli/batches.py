@@ -88,7 +88,8 @@ class BatchIterator(EpochCursor):
         if batch_size < 1 or batch_size % world_size:
             raise ConfigError(
                 f"batch_size={batch_size} (global) must be a positive multiple of "
-                f"world_size={world_size}; round it to a multiple"
+                f"world_size={world_size}; round it to a multiple (--set batch_size=...), or "
+                f"run on a number of processes that divides it (a resume keeps its batch_size)"
             )
         if not drop_last and world_size > 1:
             raise ValueError(

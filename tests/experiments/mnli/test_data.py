@@ -324,6 +324,14 @@ def test_hub_path_with_a_stubbed_load_dataset(monkeypatch, gen_files):
 # ---------------------------------------------------------------- batching
 
 
+def test_a_batch_the_world_does_not_divide_names_both_ways_out():
+    """A resume keeps its batch size, so "round it" alone was advice --resume refuses."""
+    with pytest.raises(ConfigError, match=r"batch_size=128 .* world_size=3; round it to a "
+                       r"multiple \(--set batch_size=...\), or run on a number of processes "
+                       r"that divides it"):  # fmt: skip
+        BatchIterator(_split(300), 128, rank=0, world_size=3)
+
+
 def test_epoch_visits_each_example_at_most_once_and_reshuffles():
     it = BatchIterator(_split(103), 10, seed=5)
     assert it.steps_per_epoch == 10
