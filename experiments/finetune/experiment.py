@@ -430,8 +430,6 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
                 module.plan = p.plans.for_layer(name)
             elif isinstance(module, C.TTMEmbedding):  # the lookup --embedding-impl names
                 module.impl = p.plans.embedding_impl
-        if rank == 0:
-            print(summary, file=sys.stderr)
     device = torch.device(p.train.device)
     model.to(device)
     types = takes_token_types(model)
@@ -445,6 +443,15 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
                 {"accuracy": acc.detach()})  # fmt: skip
 
     it = BatchIterator(data.train, p.batch_size, seed=p.train.seed, rank=rank, world_size=world)
+    if summary is not None:
+        # the command checks the plans once build returns; checked here too, so that an
+        # error is its one line rather than this table and the line
+        p.plans.check_layers(
+            [n for n, m in model.named_modules() if isinstance(m, C.TTLinear)],
+            [n for n, m in model.named_modules() if isinstance(m, C.TTMEmbedding)],
+        )
+        if rank == 0:  # the table once nothing here can refuse the run
+            print(summary, file=sys.stderr)
     task = ModuleTask(model, loss, it, evaluate=_Eval(data, p.eval_batch_size, device, types),
                       eval_data_id=data.eval_identity())  # fmt: skip
     info = {

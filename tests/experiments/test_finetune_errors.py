@@ -133,6 +133,8 @@ def test_a_comera_run_with_nothing_tensorized_is_one_line(tmp_path: Path, capsys
         (["--set", "model.layers=6"], "model.layers=6 shapes the BERT built from a config"),
         (["--set", "model.dropout=0.3"], "drop model.dropout"),
         (["--set", "model.num_labels=1"], "model.num_labels=1 must be >= 2"),
+        # refused after tensorizing: the layer table printed first made it 18 lines
+        (["--plan-for", "nothing.*=dp"], "'nothing.*'"),
     ],
 )
 def test_settings_a_run_cannot_use_are_one_line(tmp_path: Path, capsys, extra, text) -> None:
