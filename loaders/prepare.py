@@ -351,11 +351,20 @@ def prepare(
         raise PrepareError(f"sources {sources} hold no document")
     held = heldout_docs(docs, heldout)
     splits = {"train": [d for d in docs if d not in held]}
+    if not splits["train"]:  # one document, held out: a train split the loader refuses
+        raise PrepareError(
+            f"--heldout {heldout} holds out the only document of the sources, which leaves "
+            "no training document; add documents, or pass --heldout 0"
+        )
     if heldout:
         splits["heldout"] = [d for d in docs if d in held]
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out {out} is a file; give a folder (new or prepared before)")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way, no permission
+        raise PrepareError(f"--out {out}: cannot make that folder ({e.strerror}); give "
+                           "another") from None  # fmt: skip
     settings = {
         "sources": sources, "glob": glob, "text_column": text_column, "heldout": heldout,
         "docs_per_shard": docs_per_shard, "tokenizer": tokenizer, "train_vocab": train_vocab,

@@ -214,12 +214,22 @@ def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
             ["{src}", "--glob", "{src}/*.py", "--out", "{out}", "--train-tokenizer", "300"],
             "is absolute; give a pattern relative to",
         ),
+        # a traceback, and a train split of no document with exit 0
+        (
+            ["{src}", "--glob", "**/*.py", "--out", "{jsonl}/o", "--train-tokenizer", "300"],
+            "t.jsonl/o: cannot make that folder (Not a directory); give another",
+        ),
+        (
+            ["{src}/one.py", "--out", "{out}", "--train-tokenizer", "300", "--heldout", "0.9"],
+            "--heldout 0.9 holds out the only document of the sources",
+        ),
     ],
 )
 def test_bad_input_is_one_line(tmp_path: Path, capsys, args: list[str], message: str) -> None:
     _corpus(tmp_path / "src", n=3)
     jsonl = tmp_path / "t.jsonl"
     jsonl.write_text('{"code": "x = 1"}\n')
+    (tmp_path / "src" / "one.py").write_text("x = 1\n")
     fill = {"src": str(tmp_path / "src"), "out": str(tmp_path / "o"), "jsonl": str(jsonl)}
     code = main([a.format(**fill) for a in args] + ["--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
