@@ -527,7 +527,8 @@ class Trainer:
             metrics = self._train_step(*batches)
         # each rank's forward updated its running buffers from its own share: every rank
         # takes rank 0's (DDP's broadcast_buffers), so all evaluate and save one model
-        broadcast_tensors(self._buffers())
+        if self.world > 1:
+            broadcast_tensors(self._buffers())
         return metrics
 
     def _buffers(self) -> list[torch.Tensor]:
