@@ -12,6 +12,7 @@ which :meth:`ModuleTask.trainer` passes)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -33,10 +34,12 @@ class ModuleTask:
     ``loss_fn(call, batch)`` computes a batch's loss, running the model as ``call(...)``
     (the module's forward, on the trainer's tensors); it returns a scalar mean (one loss
     term) or ``(sum, count, metrics)``. ``evaluate(call)`` (optional) returns held-out
-    metrics as the trainer expects (floats, or ``(sum, count)`` pairs); ``eval_data_id``
-    (optional) names what it evaluates on, as :class:`comera.train.Task` says. ``train_iter``
-    yields batches; with ``state_dict`` / ``load_state_dict`` a resume continues it exactly
-    (without them, a resume restarts it from its beginning: warned).
+    metrics as the trainer expects (floats, or ``(sum, count)`` pairs); written as
+    ``evaluate(call, *, rank, world)`` it evaluates this rank's share (pairs, then).
+    ``eval_data_id`` (optional) names what it evaluates on, as :class:`comera.train.Task`
+    says. ``train_iter`` yields batches; with ``state_dict`` / ``load_state_dict`` a
+    resume continues it exactly (without them, a resume restarts it from its beginning:
+    warned).
 
     The module's persistent buffers (batch norm's running statistics, say) ride in the
     state: the module updates them as it runs (in place, or, in eager steps, by assigning
@@ -161,11 +164,17 @@ class ModuleTask:
             return out, 1, {}
         return out
 
-    def evaluate(self, params: dict, state: dict) -> dict:
+    def evaluate(self, params: dict, state: dict, *, rank: int = 0, world: int = 1) -> dict:
+        """The user's ``evaluate(call)``; one that takes ``rank`` and ``world`` too is
+        passed them, to evaluate this rank's share of the held-out data (each rank doing
+        the whole split would give the same numbers, at ``world`` times the work)."""
         if self._evaluate is None:
             return {}
         self.model.eval()
-        return self._evaluate(self._call(params, state))
+        call = self._call(params, state)
+        if "rank" in inspect.signature(self._evaluate).parameters:
+            return self._evaluate(call, rank=rank, world=world)
+        return self._evaluate(call)
 
     def on_compaction(self, params: dict, state: dict) -> None:
         """Point the module at the trainer's tensors after they were replaced (a

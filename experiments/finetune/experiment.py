@@ -369,26 +369,29 @@ def _positions(model: nn.Module) -> int | None:
 
 
 class _Eval:
-    """Accuracy and loss on every eval split (the whole split on every rank)."""
+    """Accuracy and loss on every eval split, each rank on its contiguous share."""
 
     def __init__(self, data: MNLIData, batch_size: int, device: torch.device,
                  types: bool = True) -> None:  # fmt: skip
         self.data, self.batch_size, self.device, self.types = data, batch_size, device, types
 
-    def __call__(self, call: Any) -> dict[str, tuple[float, float]]:
+    def __call__(
+        self, call: Any, *, rank: int = 0, world: int = 1
+    ) -> dict[str, tuple[float, float]]:
         out = {}
         with torch.no_grad():
             for name, split in self.data.eval.items():
                 correct, loss_sum = 0.0, 0.0
-                for start in range(0, len(split), self.batch_size):
-                    idx = torch.arange(start, min(start + self.batch_size, len(split)))
+                lo, hi = rank * len(split) // world, (rank + 1) * len(split) // world
+                for start in range(lo, hi, self.batch_size):
+                    idx = torch.arange(start, min(start + self.batch_size, hi))
                     batch = {k: v.to(self.device) for k, v in split.batch(idx).items()}
                     logits = _logits(call, batch, self.types)
                     loss_sum += float(F.cross_entropy(logits, batch["labels"], reduction="sum"))
                     correct += float((logits.argmax(-1) == batch["labels"]).sum())
                 # (sum, count): an empty split is NaN, not a perfect 0 loss
-                out[f"{name}/accuracy"] = (correct, float(len(split)))
-                out[f"{name}/loss"] = (loss_sum, float(len(split)))
+                out[f"{name}/accuracy"] = (correct, float(hi - lo))
+                out[f"{name}/loss"] = (loss_sum, float(hi - lo))
         return out
 
 

@@ -245,3 +245,27 @@ def test_a_model_with_nothing_to_adapt_or_a_loss_that_is_no_scalar_is_named(tmp_
     as_list = ModuleTask(model, lambda call, b: [(call(b[0]) - b[1]).pow(2).sum(), 4, {}],
                          _Iter(None))  # fmt: skip
     assert as_list.loss(as_list.params(), as_list.state(), (x, y), train=True)[1] == 4
+
+
+def test_an_evaluate_taking_rank_and_world_gets_this_ranks_share(tmp_path) -> None:
+    """ModuleTask.evaluate took no rank or world, so under torchrun every rank evaluated
+    the whole held-out split (right numbers, world times the work). An ``evaluate`` that
+    takes them is passed them; one that does not is called as before."""
+    model = _model()
+    x = torch.randn(10, 16, generator=torch.Generator().manual_seed(1))
+
+    def share(call, *, rank, world):
+        lo, hi = rank * 10 // world, (rank + 1) * 10 // world
+        return {"sq": (float(call(x[lo:hi]).pow(2).sum()), float(hi - lo))}
+
+    task = ModuleTask(model, lambda call, b: call(b).sum(), iter([]), evaluate=share)
+    params, state = task.params(), task.state()
+    parts = [task.evaluate(params, state, rank=r, world=2)["sq"] for r in range(2)]
+    whole = task.evaluate(params, state)["sq"]
+    assert [n for _, n in parts] == [5.0, 5.0] and whole[1] == 10.0
+    assert sum(s for s, _ in parts) == pytest.approx(whole[0], rel=1e-6)
+    assert task.trainer(_cfg(tmp_path, steps=1)).evaluate()["sq"] == pytest.approx(whole[0] / 10)
+    plain = ModuleTask(
+        model, lambda call, b: call(b).sum(), iter([]), evaluate=lambda call: {"a": 1.0}
+    )
+    assert plain.evaluate(params, state, rank=1, world=2) == {"a": 1.0}
