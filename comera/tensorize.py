@@ -538,18 +538,11 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 @lru_cache(maxsize=256)
-def _reads_weight(cls: type, child: str) -> bool:
-    """Whether a method of ``cls`` or of a class it derives from (below ``nn.Module``)
-    reads ``self.<child>.weight`` (a TT adapter has no ``weight``: the first forward would
-    fail); sources that cannot be read count as no read.
-
-    Every method counts, not only ``forward``: a helper it calls may read the weight
-    (DeBERTa-v2's ``get_rel_embedding`` reads ``rel_embeddings.weight``); methods that set
-    the model up (``__init__``, ``_init_weights``, ``tie_weights``: :data:`_SET_UP`) do
-    not. A read in any branch counts, on purpose: which branch runs depends on the config,
-    the device and the mode (``nn.TransformerEncoderLayer``'s fast path, Mamba mixers' CUDA
-    kernels), and a layer wrongly left dense still trains where one wrongly replaced fails."""
-    pattern = re.compile(rf"\bself\.{re.escape(child)}\.weight\b")
+def _run_time_source(cls: type) -> str:
+    """The source of every method of ``cls`` and the classes it derives from (below
+    ``nn.Module``) that may run after the rewrite: all but those that set the model up
+    (:data:`_SET_UP`); sources that cannot be read are left out."""
+    sources = []
     for klass in cls.__mro__:
         if klass is nn.Module or klass is object:
             break
@@ -560,12 +553,25 @@ def _reads_weight(cls: type, child: str) -> bool:
             if not inspect.isfunction(member):
                 continue
             try:
-                source = inspect.getsource(member)
+                sources.append(inspect.getsource(member))
             except (OSError, TypeError):  # compiled or generated: nothing to read
                 continue
-            if pattern.search(source):
-                return True
-    return False
+    return "\n".join(sources)
+
+
+def _reads_weight(cls: type, child: str) -> bool:
+    """Whether a method of ``cls`` or of a class it derives from (below ``nn.Module``)
+    reads ``self.<child>.weight``, ``child`` a dotted path below it (a TT adapter has no
+    ``weight``: the first forward would fail).
+
+    Every method counts, not only ``forward``: a helper it calls may read the weight
+    (DeBERTa-v2's ``get_rel_embedding`` reads ``rel_embeddings.weight``); methods that set
+    the model up (``__init__``, ``_init_weights``, ``tie_weights``: :data:`_SET_UP`) do
+    not. A read in any branch counts, on purpose: which branch runs depends on the config,
+    the device and the mode (``nn.TransformerEncoderLayer``'s fast path, Mamba mixers' CUDA
+    kernels), and a layer wrongly left dense still trains where one wrongly replaced fails."""
+    pattern = re.compile(rf"\bself\.{re.escape(child)}\.weight\b")
+    return bool(pattern.search(_run_time_source(cls)))
 
 
 # methods that set a model up (and run before tensorize_), so a weight read there is
@@ -622,8 +628,14 @@ def _call_problem(path: str, module: nn.Module, model: nn.Module) -> str:
     parent = model.get_submodule(parent_name) if parent_name else model
     if isinstance(parent, nn.MultiheadAttention):
         return f"{parent_name or 'the model'} (nn.MultiheadAttention) reads its weight"
-    if _reads_weight(type(parent), child):  # T5's feed-forward reads wo.weight.dtype
-        return f"{type(parent).__name__} reads {child}.weight"
+    # the parent (T5's feed-forward reads wo.weight.dtype) or any module above it (FSMT's
+    # model reads decoder.embed_tokens.weight.dtype, nanoGPT's transformer.wpe.weight)
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        above = model.get_submodule(".".join(parts[:i])) if i else model
+        below = ".".join(parts[i:])
+        if _reads_weight(type(above), below):
+            return f"{type(above).__name__} reads {below}.weight"
     return ""
 
 

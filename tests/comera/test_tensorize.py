@@ -446,6 +446,42 @@ def test_a_weight_read_in_a_helper_method_or_a_base_class_is_seen() -> None:
     assert model(torch.randn(5, 16)).shape == (5, 16)
 
 
+def test_a_weight_read_from_further_up_the_model_is_seen() -> None:
+    """nanoGPT's model reads ``self.transformer.wpe.weight`` (its parameter count, which
+    ``estimate_mfu`` uses while training) and FSMT's reads
+    ``self.decoder.embed_tokens.weight.dtype``: only the direct parent was searched, so
+    the layer was replaced and the read failed (no ``weight``). Every module above it is
+    searched for the path below it."""
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = nn.ModuleDict(
+                {
+                    "wte": nn.Embedding(1024, 64),
+                    "wpe": nn.Embedding(128, 64),
+                    "h": nn.Linear(64, 64),
+                }  # fmt: skip
+            )
+
+        def num_params(self) -> int:
+            n = sum(p.numel() for p in self.parameters())
+            return n - self.transformer.wpe.weight.numel()
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(idx.shape[1])
+            t = self.transformer
+            return t.h(t.wte(idx) + t.wpe(pos))
+
+    model = GPT()
+    summary = tensorize_(model, TensorizeConfig(target_modules=("wte", "wpe", "h"), rank=8))
+    rows = {r.name: r.skipped for r in summary.layers}
+    assert rows["transformer.wpe"] == "skipped: GPT reads transformer.wpe.weight"
+    assert not rows["transformer.wte"] and not rows["transformer.h"]
+    assert isinstance(model.transformer.wte, C.TTMEmbedding)
+    assert model.num_params() > 0 and model(torch.randint(0, 1024, (2, 16))).shape == (2, 16, 64)
+
+
 def test_frozen_layers_stay_frozen_and_half_frozen_ones_stay_dense() -> None:
     model = _toy()
     model.up.requires_grad_(False)
