@@ -68,11 +68,11 @@ class ModuleTask:
         adapters = (TTLinear, TTMEmbedding)
         every = {name: m for name, m in model.named_modules() if isinstance(m, adapters)}
         self._tt = {name: m for name, m in every.items() if _trained(name, m)}
-        owned = {f"{name}.{p}" for name, m in every.items() for p, _ in m.named_parameters()}
+        owned = {_dotted(name, p) for name, m in every.items() for p, _ in m.named_parameters()}
         # frozen parameters stay the module's own: the trainer differentiates what it holds
         self._rest = [n for n, p in model.named_parameters() if n not in owned and p.requires_grad]
         persistent = set(model.state_dict(keep_vars=True))
-        masks = {f"{name}.{b}" for name, m in every.items() for b, _ in m.named_buffers()}
+        masks = {_dotted(name, b) for name, m in every.items() for b, _ in m.named_buffers()}
         self._buffers = [n for n, _ in model.named_buffers() if n in persistent and n not in masks]
         self._scalars = {n for n in self._buffers if model.get_buffer(n).dim() == 0}
 
@@ -108,11 +108,11 @@ class ModuleTask:
         out: dict[str, torch.Tensor] = {}
         for name in self._tt:
             p, s = params[name], state[name]
-            out.update({f"{name}.cores.{k}": c for k, c in enumerate(p["cores"])})
-            out.update({f"{name}.gates.{k}": g for k, g in enumerate(p["gates"])})
-            out.update({f"{name}.masks.{k}": m for k, m in enumerate(s["masks"])})
+            out.update({_dotted(name, f"cores.{k}"): c for k, c in enumerate(p["cores"])})
+            out.update({_dotted(name, f"gates.{k}"): g for k, g in enumerate(p["gates"])})
+            out.update({_dotted(name, f"masks.{k}"): m for k, m in enumerate(s["masks"])})
             if "bias" in p:
-                out[f"{name}.bias"] = p["bias"]
+                out[_dotted(name, "bias")] = p["bias"]
         out.update({n: params[n] for n in self._rest})
         # a run saved before buffers were kept has none: the module's own are used
         out.update({n: self._as_buffer(n, t) for n, t in state.get(BUFFERS, {}).items()})
@@ -211,6 +211,12 @@ class ModuleTask:
         from comera.train.loop import Trainer
 
         return Trainer(cfg, self, self.params(), self.state(), copy=False, **kw)
+
+
+def _dotted(module: str, name: str) -> str:
+    """``name`` of the submodule at ``module`` as the model names it (the model itself, a
+    TT layer trained alone, is ``""``)."""
+    return f"{module}.{name}" if module else name
 
 
 def _trained(name: str, module: nn.Module) -> bool:

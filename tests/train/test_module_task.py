@@ -269,3 +269,20 @@ def test_an_evaluate_taking_rank_and_world_gets_this_ranks_share(tmp_path) -> No
         model, lambda call, b: call(b).sum(), iter([]), evaluate=lambda call: {"a": 1.0}
     )
     assert plain.evaluate(params, state, rank=1, world=2) == {"a": 1.0}
+
+
+def test_a_tt_layer_trained_alone_is_one_layer(tmp_path) -> None:
+    """A bare TTLinear as the model has the path ``""``: its tensors were named
+    ``.cores.0``, so they were taken a second time as plain parameters and its masks as
+    buffers, and the first step failed inside autograd."""
+    layer = C.TTLinear(C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=4))
+    g = torch.Generator().manual_seed(0)
+    task = ModuleTask(layer, lambda call, x: call(x).pow(2).mean(),
+                      iter(lambda: torch.randn(8, 16, generator=g), None))  # fmt: skip
+    assert list(task.params()) == [""] and list(task.state()) == [""]
+    comera = C.train.ComeraConfig(gamma=0.5, tau=0.3, early_steps=4, prune_every=2)
+    trainer = task.trainer(_cfg(tmp_path, steps=8, comera=comera))
+    trainer.fit()
+    assert trainer.step == 8
+    for a, b in zip(layer.params()["cores"], trainer.params[""]["cores"], strict=True):
+        assert a.data_ptr() == b.data_ptr()  # the module holds what was trained
