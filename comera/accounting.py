@@ -32,6 +32,18 @@ __all__ = [
 ]
 
 
+def _no_module(tree: object, fn: str) -> None:
+    """A module passed where a params pytree goes counted nothing (0 parameters, an
+    empty table): refused, naming what to pass."""
+    if isinstance(tree, torch.nn.Module):
+        raise TypeError(
+            f"{fn}: got the module {type(tree).__name__}; pass a params pytree (a TT "
+            "layer's layer.params(), with layer.state() as its state; a ModuleTask's "
+            "task.params()), or count a module's tensors with sum(p.numel() for p in "
+            "module.parameters())"
+        )
+
+
 def _leaves(tree: object) -> Iterator[torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         yield tree
@@ -45,11 +57,13 @@ def _leaves(tree: object) -> Iterator[torch.Tensor]:
 
 def param_count(params: object) -> int:
     """Number of stored elements in a params pytree."""
+    _no_module(params, "param_count")
     return sum(t.numel() for t in _leaves(params))
 
 
 def param_bytes(params: object) -> int:
     """Bytes held by a params pytree."""
+    _no_module(params, "param_bytes")
     return sum(t.numel() * t.element_size() for t in _leaves(params))
 
 
@@ -88,6 +102,7 @@ def dense_param_count(params: Params, num_embeddings: int | None = None) -> int:
 
 def compression_ratio(params: Params, state: State, num_embeddings: int | None = None) -> float:
     """Dense parameters / live TT parameters (inf when the layer was pruned to nothing)."""
+    _no_module(params, "compression_ratio")
     live = live_param_count(params, state)
     dense = dense_param_count(params, num_embeddings)
     return dense / live if live else math.inf
@@ -213,6 +228,7 @@ def summarize(
     row count, so its dense size counts the padded vocabulary (``prod(vocab_modes)``)
     unless ``num_embeddings`` maps its path to the real one (``spec.num_embeddings``).
     """
+    _no_module(params, "summarize")
     return list(_walk(params, state, "", num_embeddings or {}))
 
 

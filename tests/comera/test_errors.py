@@ -267,3 +267,21 @@ def test_a_rank_mask_that_is_no_bool_vector_is_refused(mask, got):
     s = {"masks": [mask if b == 1 else m for b, m in enumerate(s["masks"])]}
     with pytest.raises(ValueError, match=f"rank mask 1 must be a 1-D bool tensor.*{got}"):
         C.tt_linear(p, s, torch.randn(2, 16))
+
+
+def test_accounting_refuses_a_module_for_a_params_tree():
+    """A module passed to the accounting functions counted nothing: param_count 0, a
+    summary table totalling 0 at infx, and a bare TypeError from compression_ratio."""
+    layer = C.TTLinear(C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=4))
+    from comera.accounting import param_bytes
+
+    calls = [(lambda: C.param_count(layer), "param_count"),
+             (lambda: param_bytes(layer), "param_bytes"),
+             (lambda: C.summary_table(layer), "summarize"),
+             (lambda: C.summarize(layer), "summarize"),
+             (lambda: C.compression_ratio(layer, None), "compression_ratio")]  # fmt: skip
+    for call, name in calls:
+        with pytest.raises(TypeError, match=rf"{name}: got the module TTLinear; pass a params"):
+            call()
+    assert C.param_count(layer.params()) == sum(p.numel() for p in layer.parameters())
+    assert "**total**" in C.summary_table({"q": layer.params()}, {"q": layer.state()})
