@@ -83,10 +83,11 @@ class TensorizeConfig:
             value = getattr(self, key)
             if not (value is None and key == "embedding_rank") and not _is_int(value):
                 raise ConfigError(f"TensorizeConfig.{key}={value!r} must be an int")
-        if (self.rank < 1 or (self.embedding_rank is not None and self.embedding_rank < 1)
-                or any(r < 1 for _, r in self.rank_for)):  # fmt: skip
-            raise ConfigError(f"TensorizeConfig: ranks must be >= 1, got {self.rank}, "
-                              f"{self.embedding_rank}, {list(self.rank_for)}")  # fmt: skip
+        low = [f"{key}={getattr(self, key)}" for key in ("rank", "embedding_rank")
+               if getattr(self, key) is not None and getattr(self, key) < 1]  # fmt: skip
+        low += [f"rank_for {glob!r}: {r}" for glob, r in self.rank_for if r < 1]
+        if low:
+            raise ConfigError(f"TensorizeConfig: ranks must be >= 1, got {', '.join(low)}")
         for key in ("compression", "min_compression"):
             value = getattr(self, key)
             if not (value is None and key == "compression") and not _is_real(value):
@@ -225,6 +226,11 @@ class PaddedTTLinear(nn.Module):
         self.inner, self.in_features, self.out_features = inner, in_features, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:  # named in the caller's sizes,
+            raise ValueError(  # not the padded train's
+                f"{type(self).__name__}: input has shape {tuple(x.shape)} but the layer "
+                f"expects a last dim of {self.in_features}"
+            )
         pad = self.inner.spec.in_features - self.in_features  # type: ignore[union-attr]
         return self.inner(F.pad(x, (0, pad)) if pad else x)[..., : self.out_features]
 
@@ -703,8 +709,9 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
     not run them) is left as it is and listed as skipped; so is an embedding whose tied
     linear is such a module. Globs that match nothing (``rank_for``'s too), a target
     whose every match is excluded, and a lazy module not yet initialized are errors. Other
-    modules are not touched. An embedding's ``padding_idx``, ``max_norm`` and ``sparse``
-    have no TTM counterpart: the summary notes them when set."""
+    modules are not touched. An embedding's ``padding_idx``, ``max_norm``,
+    ``scale_grad_by_freq`` and ``sparse`` have no TTM counterpart: the summary notes them
+    when set."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"tensorize_: model is a {type(model).__name__}, not an nn.Module")
     if not isinstance(config, TensorizeConfig):
@@ -773,7 +780,7 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             if new is not None:
                 embeddings[id(module.weight)] = new  # type: ignore[assignment]
                 lost = [k for k in ("padding_idx", "max_norm") if getattr(module, k) is not None]
-                lost += ["sparse"] if module.sparse else []
+                lost += [k for k in ("scale_grad_by_freq", "sparse") if getattr(module, k)]
                 if lost:
                     note = f"{', '.join(lost)} dropped (no TTM counterpart)"
                     report = replace(report, note=note)

@@ -50,6 +50,13 @@ def test_full_rank_svd_keeps_the_outputs_and_leaves_the_rest_alone() -> None:
     torch.testing.assert_close(model(ids), want, rtol=1e-9, atol=1e-9)
     rows = {r.name: r for r in summary.layers}
     assert rows["odd"].padded.startswith("out 97->") and "odd" in str(summary)
+    # a wrong width is named in the layer's sizes: it said (2, 397) against 384, the
+    # padded train's, for a 380-wide input to a 367-wide layer
+    wide = nn.Sequential(nn.Linear(367, 16))
+    tensorize_(wide, TensorizeConfig(target_modules=("0",), rank=4, min_compression=0))
+    assert isinstance(wide[0], PaddedTTLinear)
+    with pytest.raises(ValueError, match=r"input has shape \(2, 380\) .* last dim of 367$"):
+        wide(torch.randn(2, 380))
 
 
 def test_low_ranks_compress_train_and_survive_state_dict_and_functional_call() -> None:
@@ -360,7 +367,7 @@ def test_ties_shared_modules_and_attention_are_respected() -> None:
             super().__init__()
             self.a = nn.Linear(64, 64)
             self.b = self.a
-            self.emb = nn.Embedding(100, 64, padding_idx=0)
+            self.emb = nn.Embedding(100, 64, padding_idx=0, scale_grad_by_freq=True)
             self.layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -376,7 +383,12 @@ def test_ties_shared_modules_and_attention_are_respected() -> None:
     rows = {r.name: r for r in summary.layers}
     assert "MultiheadAttention" in rows["layer.self_attn.out_proj"].skipped
     assert "TransformerEncoderLayer reads linear1.weight" in rows["layer.linear1"].skipped
-    assert "padding_idx dropped" in rows["emb"].note and not rows["emb"].padded
+    assert rows["emb"].note == "padding_idx, scale_grad_by_freq dropped (no TTM counterpart)"
+    assert not rows["emb"].padded
+    for kw, said in [({"rank": 0}, "rank=0"), ({"embedding_rank": 0}, "embedding_rank=0"),
+                     ({"rank_for": [("up", 0)]}, "rank_for 'up': 0")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"ranks must be >= 1, got {said}$"):
+            TensorizeConfig(target_modules=("*",), **kw)
     assert "padded" not in rows["emb"].describe()
     assert model(torch.randint(0, 100, (2, 5))).shape == (2, 5, 64)
     with torch.no_grad():
