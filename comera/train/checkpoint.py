@@ -363,10 +363,20 @@ def check_same_run(tr: Any, ckpt: dict) -> None:
     only_saved = list(dict.fromkeys(o for k, (_, o) in saved.items() if k not in built))
     only_built = list(dict.fromkeys(o for k, (_, o) in built.items() if k not in saved))
     if only_saved or only_built:
+        # a layer in both whose tensors differ (another number of cores) is named as such,
+        # not as a layer saved only
+        in_saved, in_built = {o for _, o in saved.values()}, {o for _, o in built.values()}
+        both = [
+            o for o in dict.fromkeys(only_saved + only_built) if o in in_saved and o in in_built
+        ]
+        parts = [f"{what}: {names[:6]}" for what, names in (
+            ("saved only", [o for o in only_saved if o not in in_built]),
+            ("built only", [o for o in only_built if o not in in_saved]),
+            ("held as other tensors (another number of cores?)", both)) if names]  # fmt: skip
         raise CheckpointError(
             f"checkpoint in {ckpt['dir']} holds other parameters than this run builds "
-            f"(saved only: {only_saved[:6]}, built only: {only_built[:6]}); resume with the "
-            "model settings (and trainable layers) it was saved with"
+            f"({'; '.join(parts)}); resume with the model settings (and trainable layers) it "
+            "was saved with"
         )
     for k, (v, _) in saved.items():
         if built[k][0] != v:

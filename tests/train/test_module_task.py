@@ -170,12 +170,22 @@ def test_resuming_with_another_set_of_trained_tt_layers_is_refused(tmp_path) -> 
     model = _model()
     model.get_submodule("2").requires_grad_(False)  # frozen since the run was saved
     # refused by the checkpoint's check of the model, before the module's own
-    refused = r"holds other parameters than this run builds \(saved only: \['2'\], built only"
+    refused = r"holds other parameters than this run builds \(saved only: \['2'\]\);"
     with pytest.raises(CheckpointError, match=refused):
         _task(model).trainer(_cfg(tmp_path, steps=20, checkpoint_every=20), resume=True)
     model = _model()
     model.get_submodule("5").requires_grad_(False)  # a dense layer frozen since
     with pytest.raises(CheckpointError, match=r"saved only: \['5.weight', '5.bias'\]"):
+        _task(model).trainer(_cfg(tmp_path, steps=20, checkpoint_every=20), resume=True)
+    # every layer tensorized into three cores a side, not two: said "saved only" of
+    # layers this run builds too
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 16), nn.LayerNorm(16))  # fmt: skip
+    C.tensorize_(model, C.TensorizeConfig(target_modules=("0", "2", "4"), rank=8, cores=3,
+                                          min_compression=0))  # fmt: skip
+    other = r"\(held as other tensors \(another number of cores\?\): \['0', '2', '4'\]\)"
+    with pytest.raises(CheckpointError, match=other):
         _task(model).trainer(_cfg(tmp_path, steps=20, checkpoint_every=20), resume=True)
 
 
