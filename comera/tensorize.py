@@ -720,6 +720,12 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             "TensorizeConfig(target_modules=('query', 'value'))"
         )
     kinds = (nn.Linear, nn.Embedding)
+    if isinstance(model, kinds) or _is_conv1d(model):  # no parent to swap it in
+        raise ConfigError(
+            f"tensorize_: the model is itself a layer ({type(model).__name__}), and tensorize_ "
+            "replaces submodules in place; wrap it (nn.Sequential(layer)) or build the "
+            "TT layer from its weight (comera.from_dense)"
+        )
     candidates = [(n, m) for n, m in model.named_modules()
                   if n and (isinstance(m, kinds) or _is_conv1d(m))]  # fmt: skip
     paths: dict[int, list[str]] = {}  # id(module) -> every path that reaches it

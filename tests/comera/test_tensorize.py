@@ -385,6 +385,8 @@ def test_ties_shared_modules_and_attention_are_respected() -> None:
     assert "TransformerEncoderLayer reads linear1.weight" in rows["layer.linear1"].skipped
     assert rows["emb"].note == "padding_idx, scale_grad_by_freq dropped (no TTM counterpart)"
     assert not rows["emb"].padded
+    with pytest.raises(ConfigError, match=r"the model is itself a layer \(Linear\), .* wrap it"):
+        tensorize_(nn.Linear(16, 16), TensorizeConfig(target_modules=("*",)))
     for kw, said in [({"rank": 0}, "rank=0"), ({"embedding_rank": 0}, "embedding_rank=0"),
                      ({"rank_for": [("up", 0)]}, "rank_for 'up': 0")]:  # fmt: skip
         with pytest.raises(ConfigError, match=rf"ranks must be >= 1, got {said}$"):
