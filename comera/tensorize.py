@@ -48,9 +48,10 @@ INITS = ("svd", "random")
 class TensorizeConfig:
     """Which modules to replace and how.
 
-    ``target_modules``: globs over qualified module names (``fnmatch``); a glob with no
-    ``.`` also matches a name's last part, as PEFT's ``target_modules`` do (``"query"``
-    matches ``encoder.layer.0.attention.self.query``). ``exclude``: globs never replaced.
+    ``target_modules``: globs over qualified module names (``fnmatch``); a glob also
+    matches a name's last parts, as PEFT's ``target_modules`` do (``"query"`` and
+    ``"self.query"`` match ``encoder.layer.0.attention.self.query``). ``exclude``: globs
+    never replaced.
     ``rank``: every bond's rank (capped by what a bond can carry); ``embedding_rank``: an
     embedding table's instead, when given; ``rank_for``: per-glob ``(glob, rank)``
     overrides of both, later rules winning. ``compression``: instead of a fixed
@@ -152,9 +153,14 @@ def _rank_rules(value: object) -> tuple[tuple[str, int], ...]:
 
 
 def _match(name: str, globs: tuple[str, ...]) -> bool:
+    """Whether a glob matches the qualified ``name``, or its last parts as PEFT's
+    ``target_modules`` entries do: ``"query"`` and ``"attention.self.query"`` both match
+    ``encoder.layer.0.attention.self.query``."""
     last = name.rsplit(".", 1)[-1]
     return any(
-        fnmatch.fnmatchcase(name, g) or ("." not in g and fnmatch.fnmatchcase(last, g))
+        fnmatch.fnmatchcase(name, g)
+        or ("." not in g and fnmatch.fnmatchcase(last, g))
+        or ("." in g and fnmatch.fnmatchcase(name, "*." + g))
         for g in globs
     )
 

@@ -991,8 +991,12 @@ def test_configs_as_peft_and_numpy_give_them_and_hf_input_grads_hook_is_carried(
         vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
         intermediate_size=64))  # fmt: skip
     bert.enable_input_require_grads()
-    summary = tensorize_(bert, TensorizeConfig(target_modules=("word_embeddings",), rank=4,
-                                               embedding_cores=2))  # fmt: skip
+    # PEFT's dotted entries match a name's last parts: they matched nothing
+    summary = tensorize_(bert, TensorizeConfig(target_modules=["embeddings.word_embeddings",
+                                                               "self.query"],
+                                               rank=4, embedding_cores=2))  # fmt: skip
+    assert [r.name for r in summary.layers] == [
+        "embeddings.word_embeddings", "encoder.layer.0.attention.self.query"]  # fmt: skip
     assert not summary.layers[0].skipped
     emb = bert.embeddings.word_embeddings
     assert isinstance(emb, C.TTMEmbedding) and len(emb._forward_hooks) == 1
