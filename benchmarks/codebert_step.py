@@ -27,7 +27,6 @@ default allocator keeps freed memory, and that run shows how much of each peak i
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import TINY_NEEDS_OUT, print_rendered
+from benchmarks.reporting import TINY_NEEDS_OUT, arg_parser, one_line_errors, print_rendered
 from benchmarks.timing import timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import cpu_model, report_header
@@ -49,6 +48,7 @@ __all__ = ["main", "packed_batch", "render", "run", "run_variant"]
 
 REPORT_JSON = Path(__file__).resolve().parents[1] / "reports" / "codebert_bench.json"
 SEQ = 512
+PROG = "python -m benchmarks.codebert_step"
 VARIANTS = ("comera", "dense", "comera_half")
 AUTO = "auto"  # on request only (``--variant auto``): every plan and lookup ``auto``
 RUNS = (("comera", 8), ("dense", 8), ("comera_half", 8), ("comera", 1), ("dense", 1))
@@ -251,12 +251,12 @@ def render(figures: dict) -> str:
     return "\n".join([*lines, ""])
 
 
+@one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.codebert_step``: the whole bench, one variant in this process
     (``--variant``, what the bench runs in each fresh process), or the tables of a saved
     result (``--render``)."""
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.codebert_step",
-                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap = arg_parser(PROG, __doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--device", default="cpu", help="cpu (the only device this bench runs on)")
     ap.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant")

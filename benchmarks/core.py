@@ -14,7 +14,6 @@ for both the TT and the dense layer, as inside a network.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -27,7 +26,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.memory import peak_memory_bytes
-from benchmarks.reporting import add_threads_flag, render_saved, write_json, write_text
+from benchmarks.reporting import (
+    add_threads_flag,
+    arg_parser,
+    one_line_errors,
+    render_saved,
+    write_json,
+    write_text,
+)
 from comera.accounting import tt_linear_flops, ttm_embedding_flops
 from comera.layers import tt_linear, tt_linear_shared_input, ttm_embedding
 from comera.plans import FIXED_STRATEGIES as STRATEGIES
@@ -56,6 +62,7 @@ QUICK_LINEAR = [((4, 3), (2, 5)), ((3, 2, 2), (2, 2, 3))]
 REPORT = Path(__file__).resolve().parent.parent / "reports" / "bench_core.md"
 GPU_REPORT = REPORT.parent / "gpu" / "bench_core_cuda.md"  # a GPU run never replaces the CPU one
 CPU = torch.device("cpu")
+PROG = "python -m benchmarks.core"
 
 
 def _log(msg: str) -> None:
@@ -654,10 +661,9 @@ def _run_processes(n: int, argv: list[str]) -> dict:
     return merge_runs(runs)
 
 
+@one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.core", description=__doc__.split("\n")[0]
-    )
+    ap = arg_parser(PROG, __doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for tests")
     ap.add_argument("--repeats", type=int, default=None, help="rounds (default 9, quick 1)")

@@ -28,12 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.reporting import print_rendered
+from benchmarks.reporting import arg_parser, one_line_errors, print_rendered
 from experiments.host import host_meta, report_header
 
 __all__ = ["main", "measure", "render", "write_kaggle_like"]
 
 KAGGLE_ROWS = 45_840_617
+PROG = "python -m benchmarks.dlrm_prep"
 
 
 def write_kaggle_like(path: Path, rows: int, seed: int = 0, chunk: int = 250_000) -> None:
@@ -137,10 +138,9 @@ def render(res: dict, command: str = "python -m benchmarks.dlrm_prep --json") ->
     return "\n".join(lines)
 
 
+@one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.dlrm_prep", description=__doc__.split("\n")[0]
-    )
+    ap = arg_parser(PROG, __doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--file", help="an existing Criteo file to preprocess instead")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")

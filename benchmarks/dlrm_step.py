@@ -33,7 +33,6 @@ on the GPU (``make gpu-check`` runs it).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -43,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import print_rendered
+from benchmarks.reporting import arg_parser, one_line_errors, print_rendered
 from benchmarks.timing import medians_over, timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.cli import CLIError, check_device
@@ -60,6 +59,7 @@ from experiments.workers import WorkerFailed, run_json_worker
 __all__ = ["main", "render", "run", "run_variant"]
 
 BATCH = 10_000
+PROG = "python -m benchmarks.dlrm_step"
 VARIANTS = ("comera", "dense_sgd", "dense_adam")
 AUTO = "auto"  # on request only (``--variant auto``): CoMERA's TT MLP layers on ``auto``
 GLIBC_TAG = "@glibc_default"
@@ -284,12 +284,12 @@ def render(figures: dict) -> str:
     return "\n".join([*lines, ""])
 
 
+@one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.dlrm_step``: the whole bench, one variant or the lookup
     timing in this process (what the bench runs in each fresh process), or the tables of
     a saved result (``--render``)."""
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.dlrm_step",
-                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap = arg_parser(PROG, __doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--device", default="cpu",
                     help="cpu; cuda only for the lookup timing (--embedding)")  # fmt: skip

@@ -14,7 +14,6 @@ training runs by default.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,9 @@ from benchmarks.mnli_step import SEQ, galore_available, run_worker
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
+    arg_parser,
     measure_points,
+    one_line_errors,
     render_refusal,
     render_saved,
     write_json,
@@ -37,6 +38,7 @@ from experiments.workers import WorkerFailed
 __all__ = ["main", "render", "sweep", "write_report"]
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
+PROG = "python -m benchmarks.efficiency"
 VARIANTS = ("comera", "dense", "galore")
 DEFAULTS = {"batches": [1, 8, 32, 64], "repeats": 3}
 PAPER = (
@@ -195,9 +197,9 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
     return text
 
 
+@one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.efficiency",
-                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap = arg_parser(PROG, __doc__.split("\n")[0])
     ap.add_argument("--batches", default=",".join(map(str, DEFAULTS["batches"])))
     ap.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
     add_threads_flag(ap)

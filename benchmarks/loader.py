@@ -11,7 +11,6 @@ again without measuring.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -24,12 +23,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from benchmarks.reporting import render_saved, write_json, write_text
+from benchmarks.reporting import (
+    arg_parser,
+    one_line_errors,
+    render_saved,
+    write_json,
+    write_text,
+)
 from experiments.host import cpu_model, host_meta, report_header
 from loaders.config import DatasetSpec, LoaderConfig
 from loaders.loader import TokenLoader
 
 SEQ_LEN, BATCH = 4096, 8
+PROG = "python -m benchmarks.loader"
 REPORT = Path("reports/bench_loader.md")
 DEFAULT_TOKENS, DEFAULT_MEASURE_TOKENS = 50_000_000, 40_000_000
 # this benchmark's thresholds: (result key, comparison, value)
@@ -227,9 +233,9 @@ def write_report(res: dict, path: Path) -> None:
     write_text(path, render(res))
 
 
+@one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.loader",
-                                description=__doc__.splitlines()[0])  # fmt: skip
+    p = arg_parser(PROG, __doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="corpus size in tokens")
     p.add_argument("--measure-tokens", type=int, default=DEFAULT_MEASURE_TOKENS)

@@ -33,7 +33,9 @@ import torch
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
+    arg_parser,
     measure_points,
+    one_line_errors,
     print_rendered,
 )
 from benchmarks.timing import timed_steps
@@ -60,6 +62,7 @@ AUTO = "auto"
 RECOMPUTE_BATCH = 32  # the recompute variants run at this batch only
 GLIBC_TAG = "@glibc_default"
 SEQ = 128
+PROG = "python -m benchmarks.mnli_step"
 
 
 def _tiny_config(tt: bool) -> object:
@@ -75,7 +78,7 @@ def _tiny_config(tt: bool) -> object:
 
 def training_malloc(variant: str) -> str:
     """The CPU allocator policy the training command of ``variant`` runs under."""
-    from experiments.cli import RECOMPUTE_CPU_MALLOC  # not at import: workers stay lean
+    from experiments.cli import RECOMPUTE_CPU_MALLOC
 
     return RECOMPUTE_CPU_MALLOC if variant.endswith("_recompute") else "default"
 
@@ -392,11 +395,11 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+@one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.mnli_step``: the whole bench, one worker (``--worker``, what
     the bench runs in each fresh process) or the tables of a saved result (``--render``)."""
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.mnli_step",
-                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap = arg_parser(PROG, __doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where present)")
     ap.add_argument("--repeats", type=int, default=5)

@@ -45,7 +45,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.reporting import print_rendered, write_json, write_text
+from benchmarks.reporting import (
+    arg_parser,
+    one_line_errors,
+    print_rendered,
+    write_json,
+    write_text,
+)
 from benchmarks.timing import medians_over
 from comera import autotune as A
 from comera.layers import ttm_lookup
@@ -66,6 +72,7 @@ __all__ = [
 ]
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
+PROG = "python -m benchmarks.plans"
 EXPERIMENTS = ("mnli", "codebert", "dlrm")
 VARIANTS = {
     "auto": ["--plan", "auto", "--embedding-impl", "auto"],
@@ -601,9 +608,9 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.plans",
-                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap = arg_parser(PROG, __doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--steps", type=int, default=STEPS, help="timed smoke steps per variant")
     ap.add_argument("--experiments", default=",".join(EXPERIMENTS),

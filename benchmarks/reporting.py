@@ -9,21 +9,26 @@ again, and its header (command, CPU, torch version, date) says what the JSON rec
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from comera.errors import DataError, UserError
+from experiments.cli import CLIError, Parser, user_error
 from experiments.workers import WorkerFailed
 
 __all__ = [
     "TINY_NEEDS_OUT",
     "add_threads_flag",
+    "arg_parser",
     "measure_points",
+    "one_line_errors",
     "print_rendered",
     "read_result",
     "render_refusal",
@@ -34,6 +39,34 @@ __all__ = [
 
 # a toy run's figures must not pass for the report's: its JSON goes where it is told
 TINY_NEEDS_OUT = "--tiny measures a toy model: give --out PATH (the default is the report's JSON)"
+
+
+Main = Callable[[list[str] | None], int]
+
+
+def arg_parser(prog: str, description: str | None = None, **kwargs: Any) -> argparse.ArgumentParser:
+    """A benchmark's argument parser: the training commands' :class:`experiments.cli.Parser`,
+    whose errors raise :class:`CLIError` (one line through :func:`one_line_errors`), not
+    argparse's usage block and exit."""
+    return Parser(prog=prog, description=description, **kwargs)
+
+
+def one_line_errors(prog: str) -> Callable[[Main], Main]:
+    """Decorate a benchmark's ``main(argv) -> int``: a :class:`CLIError` it raises (a bad
+    flag from :func:`arg_parser`, or a check of its own) is printed as the one line ``PROG:
+    error: MESSAGE`` on stderr and gives exit status 2, as the training commands do."""
+
+    def wrap(main: Main) -> Main:
+        @functools.wraps(main)
+        def run(argv: list[str] | None = None) -> int:
+            try:
+                return main(argv)
+            except CLIError as e:
+                return user_error(prog, e)
+
+        return run
+
+    return wrap
 
 
 def add_threads_flag(ap: argparse.ArgumentParser) -> None:

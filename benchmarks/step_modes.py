@@ -33,6 +33,8 @@ import torch
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
+    arg_parser,
+    one_line_errors,
     render_refusal,
     render_saved,
     write_text,
@@ -46,6 +48,7 @@ from experiments.workers import WorkerFailed, run_json_worker
 __all__ = ["MODES", "main", "render", "worker", "write_report"]
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
+PROG = "python -m benchmarks.step_modes"
 MODES = ("eager", "sync_free", "compile", "cuda_graph")
 DEFAULT_MODELS = ("smoke", "paper")
 # each model's dense baseline too (``--dense``'s model, CoMERA off), for side-by-side ratios
@@ -249,8 +252,9 @@ def write_report(result: dict, out_dir: Path = REPORTS) -> str:
     return md
 
 
+@one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.step_modes", description=__doc__)
+    ap = arg_parser(PROG, __doc__)
     ap.add_argument(
         "--models",
         default=",".join(DEFAULT_MODELS),

@@ -21,7 +21,6 @@ peak memory at batch 1.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -30,7 +29,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import TINY_NEEDS_OUT, print_rendered, write_json, write_text
+from benchmarks.reporting import (
+    TINY_NEEDS_OUT,
+    arg_parser,
+    one_line_errors,
+    print_rendered,
+    write_json,
+    write_text,
+)
 from benchmarks.timing import timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import host_meta, report_header
@@ -39,6 +45,7 @@ from experiments.workers import WorkerFailed, run_json_worker
 __all__ = ["main", "render", "run", "run_variant"]
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
+PROG = "python -m benchmarks.tensorize"
 SEQ = 256
 TARGET = ("c_attn", "c_proj", "c_fc", "wte")
 RANK, EMBEDDING_RANK = 32, 32
@@ -196,9 +203,9 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.tensorize",
-                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap = arg_parser(PROG, __doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant")
     ap.add_argument("--out", type=Path, default=None,
