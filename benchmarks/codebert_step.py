@@ -38,7 +38,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import TINY_NEEDS_OUT, arg_parser, one_line_errors, print_rendered
+from benchmarks.reporting import (
+    TINY_NEEDS_OUT,
+    arg_parser,
+    check_output,
+    one_line_errors,
+    print_rendered,
+)
 from benchmarks.timing import timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import cpu_model, report_header
@@ -168,6 +174,7 @@ def run(
     return the exit status.
 
     ``tiny`` swaps in a toy model: it checks the plumbing, it measures nothing useful."""
+    check_output(out, "--out", "file")  # before measuring, not after
     results = {}
     runs = [(v, b, "", {}) for v, b in RUNS]
     runs += [(v, 1, f"#{k}", {}) for k in range(2, MEMORY_REPEATS + 1) for v in ("comera", "dense")]

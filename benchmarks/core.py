@@ -29,6 +29,7 @@ from benchmarks.memory import peak_memory_bytes
 from benchmarks.reporting import (
     add_threads_flag,
     arg_parser,
+    check_output,
     one_line_errors,
     render_saved,
     write_json,
@@ -708,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         on_cpu = result.get("config", {}).get("device", "cpu") == "cpu"
         if not args.no_report:
             path = args.report or (REPORT if on_cpu else GPU_REPORT)
+            check_output(path, "--report", "file", ".json")
             write_text(path, text)
             _log(f"wrote {path}")
         print(text)
@@ -729,6 +731,10 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type not in ("cpu", "cuda"):
         print(f"{ap.prog}: error: --device {args.device}: choose cpu or cuda", file=sys.stderr)
         return 2
+    write = not args.no_report and not (args.quick and args.report is None)
+    path = args.report or (REPORT if dev.type == "cpu" else GPU_REPORT)
+    if write:  # before measuring: a path it cannot write is refused now, not after the run
+        check_output(path, "--report", "file", ".json")
     processes = args.processes or (1 if args.quick or dev.type != "cpu" else PROCESSES)
     if processes > 1:
         passed = ["--threads", str(args.threads), "--malloc", args.malloc, "--device", args.device]
@@ -745,8 +751,7 @@ def main(argv: list[str] | None = None) -> int:
             malloc=args.malloc,
             device=args.device,
         )
-    if not args.no_report and not (args.quick and args.report is None):
-        path = args.report or (REPORT if dev.type == "cpu" else GPU_REPORT)
+    if write:
         write_json(path.with_suffix(".json"), result)  # what --render reads back
         write_text(path, render(result))
         _log(f"wrote {path} and {path.with_suffix('.json').name}")

@@ -25,6 +25,7 @@ from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
     arg_parser,
+    check_output,
     measure_points,
     one_line_errors,
     render_refusal,
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                     "saved sweep (efficiency.json)")  # fmt: skip
     args = ap.parse_args(argv)
     out = args.out or REPORTS
+    check_output(out, "--out", "folder")  # before anything is measured or rendered
     if args.render is not None:
         done = render_saved(args.render, render, ap.prog, ("runs",))
         if done is None:

@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from benchmarks.reporting import (
     arg_parser,
+    check_output,
     one_line_errors,
     render_saved,
     write_json,
@@ -229,6 +230,7 @@ def render(res: dict) -> str:
 
 def write_report(res: dict, path: Path) -> None:
     """``path`` (markdown, rendered from ``res``) and ``res`` beside it as JSON."""
+    check_output(path, "--report", "file", ".json")
     write_json(path.with_suffix(".json"), res)
     write_text(path, render(res))
 
@@ -244,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", type=Path, metavar="JSON",
                    help="measure nothing: render the report from a saved result")  # fmt: skip
     args = p.parse_args(argv)
+    if not args.no_report:  # before measuring: refused now, not after the run
+        check_output(args.report, "--report", "file", ".json")
     if args.render is not None:
         done = render_saved(args.render, render, p.prog, ("tokens_per_s",))
         if done is None:

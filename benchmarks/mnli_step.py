@@ -34,6 +34,7 @@ from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
     arg_parser,
+    check_output,
     measure_points,
     one_line_errors,
     print_rendered,
@@ -230,6 +231,7 @@ def run(
     ``tiny`` swaps in a toy model: it checks the plumbing, it measures nothing useful."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = out or (REPORT_JSON if torch.device(device).type == "cpu" else GPU_REPORT_JSON)
+    check_output(out, "--out", "file")  # before measuring, not after
     # the workers' results so far, beside (never over) ``out``: a run stopped by a time
     # limit keeps what it measured, and the last complete figures stay where they were
     partial = out.with_name(out.stem + ".partial.json")

@@ -47,6 +47,7 @@ import torch
 
 from benchmarks.reporting import (
     arg_parser,
+    check_output,
     one_line_errors,
     print_rendered,
     write_json,
@@ -409,6 +410,7 @@ def run(
 ) -> int:
     """Measure, write ``out`` and its markdown next to it, print the figures.
     ``paper_steps_timed``: timed steps per paper-size variant (0: none run)."""
+    check_output(out, "--out", "file", ".md")  # before measuring, not after
     result: dict = {"meta": {**host_meta(), "command": command,
                              "threads": torch.get_num_threads()}}  # fmt: skip
     for name in experiments:

@@ -20,13 +20,14 @@ from typing import Any
 import torch
 
 from comera.errors import DataError, UserError
-from experiments.cli import CLIError, Parser, user_error
+from experiments.cli import CLIError, Parser, check_folder, user_error
 from experiments.workers import WorkerFailed
 
 __all__ = [
     "TINY_NEEDS_OUT",
     "add_threads_flag",
     "arg_parser",
+    "check_output",
     "measure_points",
     "one_line_errors",
     "print_rendered",
@@ -73,6 +74,32 @@ def add_threads_flag(ap: argparse.ArgumentParser) -> None:
     """``--threads N``, by default torch's own count: what a training command runs at."""
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
                     help="torch threads (default: torch's own, as training uses)")  # fmt: skip
+
+
+def check_output(path: Path, flag: str, kind: str, beside: str | None = None) -> None:
+    """Refuse, as a :class:`CLIError` naming ``flag``, an output path a benchmark could not
+    write whole; called before anything is measured, so a bad path is one line at once, not
+    a traceback after minutes of measuring. ``kind`` ``"folder"``: a file, or a path under
+    one (:func:`experiments.cli.check_folder`). ``kind`` ``"file"``: an existing folder, or
+    a path under a file; with ``beside``, the suffix of the file written next to it
+    (``path.with_suffix(beside)``), a path that already ends in it (the second write would
+    replace the first) or whose twin is a folder."""
+    if kind == "folder":
+        check_folder(path, flag)
+        return
+    if kind != "file":
+        raise ValueError(f"check_output: kind {kind!r}; use 'file' or 'folder'")
+    if beside is not None and path.suffix == beside:
+        want = {".json": ".md", ".md": ".json"}.get(beside, f"another suffix than {beside}")
+        raise CLIError(f"{flag} {path}: give a path ending in {want}; the {beside} file "
+                       "written beside it would replace this one")  # fmt: skip
+    for p in (path, *([path.with_suffix(beside)] if beside is not None else [])):
+        if p.is_dir():
+            raise CLIError(f"{flag} {path}: {p} is a folder; give a file path")
+    base = next(p for p in (path.parent, *path.parent.resolve().parents) if p.exists())
+    if not base.is_dir():
+        raise CLIError(f"{flag} {path}: {base} is a file, so nothing can be written under it")
+    check_folder(path.parent, flag)  # a folder that can be made and written here
 
 
 def write_text(path: Path, text: str) -> None:

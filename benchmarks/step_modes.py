@@ -34,6 +34,7 @@ from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
     arg_parser,
+    check_output,
     one_line_errors,
     render_refusal,
     render_saved,
@@ -290,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         # a GPU result goes where measuring it would write, never over the CPU report
         on_cpu = str(done[0].get("device", "cpu")).startswith("cpu")
         md = done[1]
-        write_text((args.out or (REPORTS if on_cpu else REPORTS / "gpu")) / "step_modes.md", md)
+        out = args.out or (REPORTS if on_cpu else REPORTS / "gpu")
+        check_output(out, "--out", "folder")
+        write_text(out / "step_modes.md", md)
         print(md)
         return 0
     if args.worker:
@@ -327,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     modes = ["eager", *[m for m in modes if m != "eager"]]  # every ratio is against it
     out = args.out or (REPORTS if torch.device(args.device).type == "cpu" else REPORTS / "gpu")
+    check_output(out, "--out", "folder")  # before measuring, not after
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,

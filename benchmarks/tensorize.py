@@ -32,6 +32,7 @@ import torch
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     arg_parser,
+    check_output,
     one_line_errors,
     print_rendered,
     write_json,
@@ -136,6 +137,7 @@ def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False
 def run(*, json_out: bool = False, steps: int = STEPS, tiny: bool = False,
         out: Path = REPORTS / "tensorize.json") -> int:  # fmt: skip
     """Every (variant, batch) in a fresh process; writes ``out`` and its markdown."""
+    check_output(out, "--out", "file", ".md")  # before measuring, not after
     runs = {}
     for variant, batch in RUNS:
         cmd = [sys.executable, "-m", "benchmarks.tensorize", "--variant", variant,

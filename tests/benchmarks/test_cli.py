@@ -49,3 +49,76 @@ def test_the_old_loader_command_s_error_is_one_line() -> None:
     assert proc.stderr.strip().splitlines() == [
         "python -m benchmarks.loader: error: argument --tokens: invalid int value: 'x'"
     ]
+
+
+def _no_measuring(monkeypatch, module: str) -> None:  # noqa: ANN001
+    """Make whatever ``benchmarks.<module>`` measures with fail the test: a refusal must
+    come before it."""
+
+    def measured(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        pytest.fail(f"benchmarks.{module} measured before refusing")
+
+    bench = importlib.import_module(f"benchmarks.{module}")
+    for name in ("run_json_worker", "run_worker", "run_point", "smoke_rounds", "_run_processes"):
+        if hasattr(bench, name):
+            monkeypatch.setattr(bench, name, measured)
+    if module in ("core", "loader"):  # measured in this process
+        monkeypatch.setattr(bench, "run", measured)
+
+
+# {dir}: an existing folder; {file}: an existing file
+OUTPUTS = [
+    ("tensorize", ["--tiny", "--out", "{dir}"], "{dir}: {dir} is a folder"),
+    ("tensorize", ["--tiny", "--out", "{file}/t.json"], "{file} is a file, so nothing"),
+    ("tensorize", ["--tiny", "--out", "{tmp}/t.md"], "give a path ending in .json"),
+    ("plans", ["--out", "{dir}"], "{dir}: {dir} is a folder"),
+    ("plans", ["--out", "{tmp}/p.md"], "give a path ending in .json"),
+    ("core", ["--quick", "--report", "{dir}"], "{dir}: {dir} is a folder"),
+    ("core", ["--quick", "--report", "{tmp}/c.json"], "give a path ending in .md"),
+    ("core", ["--render", "{reports}/bench_core.json", "--report", "{dir}"], "is a folder"),
+    ("loader", ["--tokens", "3", "--measure-tokens", "1", "--report", "{tmp}/l.json"],
+     "give a path ending in .md"),
+    ("loader", ["--render", "{reports}/bench_loader.json", "--report", "{dir}"], "is a folder"),
+    ("mnli_step", ["--tiny", "--out", "{dir}"], "{dir}: {dir} is a folder"),
+    ("codebert_step", ["--tiny", "--out", "{dir}"], "{dir}: {dir} is a folder"),
+    ("efficiency", ["--tiny", "--out", "{file}"], "--out {file} is a file; give a folder"),
+    ("efficiency", ["--render", "{reports}/efficiency.json", "--out", "{file}"],
+     "--out {file} is a file; give a folder"),
+    ("step_modes", ["--tiny", "--out", "{file}"], "--out {file} is a file; give a folder"),
+    ("step_modes", ["--render", "{reports}/step_modes.json", "--out", "{file}"],
+     "--out {file} is a file; give a folder"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("module", "argv", "text"), OUTPUTS)
+def test_an_output_path_that_cannot_be_written_is_refused_before_measuring(
+    module: str,
+    argv: list[str],
+    text: str,
+    tmp_path: Path,
+    monkeypatch,
+    capsys,  # noqa: ANN001
+) -> None:
+    """A folder given for a file (or a file for a folder, or a path under a file) ended in a
+    traceback after all the measuring, leaving a stray ``.tmp``; a path ending in the
+    suffix of the file written beside it had its JSON replaced by the markdown."""
+    names = {"dir": tmp_path / "adir", "file": tmp_path / "afile", "tmp": tmp_path,
+             "reports": REPORTS}  # fmt: skip
+    names["dir"].mkdir()
+    names["file"].write_text("kept\n")
+    _no_measuring(monkeypatch, module)
+    err = _refused(module, [a.format(**names) for a in argv], capsys)
+    assert text.format(**names) in err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["adir", "afile"]
+    assert names["file"].read_text() == "kept\n"
+
+
+def test_plans_run_refuses_a_markdown_out_before_measuring(tmp_path: Path, monkeypatch) -> None:
+    """``plans.run(out=x.md)`` wrote the JSON there, then the report over it."""
+    from benchmarks import plans
+    from experiments.cli import CLIError
+
+    _no_measuring(monkeypatch, "plans")
+    with pytest.raises(CLIError, match=r"--out .*p\.md: give a path ending in \.json"):
+        plans.run(out=tmp_path / "p.md", paper_steps_timed=0)
+    assert not list(tmp_path.iterdir())
