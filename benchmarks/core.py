@@ -31,6 +31,7 @@ from benchmarks.reporting import (
     arg_parser,
     check_output,
     one_line_errors,
+    render_refusal,
     render_saved,
     write_json,
     write_text,
@@ -708,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
         result, text = done
         on_cpu = result.get("config", {}).get("device", "cpu") == "cpu"
         if not args.no_report:
+            why = render_refusal(result, args.report, "--report")  # as measuring refuses it
+            if why is not None:
+                ap.error(f"{args.render}: {why}")
             path = args.report or (REPORT if on_cpu else GPU_REPORT)
             check_output(path, "--report", "file", ".json")
             write_text(path, text)

@@ -157,16 +157,20 @@ def render_saved(
         return None
 
 
-def render_refusal(result: dict, out: Path | None) -> str | None:
-    """Why ``--render`` of ``result`` may not write into the default report folder (``out``
-    None), or None: a ``--tiny`` result's toy figures, or a run cut short (``partial``),
-    would replace the report that measuring itself never lets them replace."""
+def render_refusal(result: dict, out: Path | None, flag: str = "--out") -> str | None:
+    """Why ``--render`` of ``result`` may not write into the default report (``out``, the
+    path given with ``flag``, None), or None: a ``--tiny`` result's toy figures, core's
+    ``--quick`` ones (its ``config``), or a run cut short (``partial``) would replace the
+    report that measuring itself never lets them replace."""
     if out is not None:
         return None
     if result.get("tiny"):
-        return "a --tiny result's figures (a toy model); give --out PATH to render them"
+        return f"a --tiny result's figures (a toy model); give {flag} PATH to render them"
+    config = result.get("config")
+    if isinstance(config, dict) and config.get("quick"):
+        return f"a --quick result's figures (tiny shapes); give {flag} PATH to render them"
     if result.get("partial"):
-        return "a partial result (a run cut short); give --out PATH to render it"
+        return f"a partial result (a run cut short); give {flag} PATH to render it"
     return None
 
 

@@ -122,3 +122,23 @@ def test_plans_run_refuses_a_markdown_out_before_measuring(tmp_path: Path, monke
     with pytest.raises(CLIError, match=r"--out .*p\.md: give a path ending in \.json"):
         plans.run(out=tmp_path / "p.md", paper_steps_timed=0)
     assert not list(tmp_path.iterdir())
+
+
+def test_core_renders_a_quick_result_only_where_told(tmp_path: Path, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """``--render`` of a ``--quick`` result replaced reports/bench_core.md with toy
+    figures, which measuring with ``--quick`` never does; with ``--report`` it renders."""
+    import json
+
+    from benchmarks import core
+
+    monkeypatch.setattr(core, "REPORT", tmp_path / "reports" / "bench_core.md")
+    result = json.loads((REPORTS / "bench_core.json").read_text())
+    result["config"]["quick"] = True
+    saved = tmp_path / "q.json"
+    saved.write_text(json.dumps(result))
+    err = _refused("core", ["--render", str(saved)], capsys)
+    assert "a --quick result's figures (tiny shapes); give --report PATH" in err
+    assert not (tmp_path / "reports").exists()
+    assert core.main(["--render", str(saved), "--no-report"]) == 0  # printed, not written
+    assert core.main(["--render", str(saved), "--report", str(tmp_path / "q.md")]) == 0
+    assert (tmp_path / "q.md").read_text() == core.render(result)
