@@ -142,3 +142,17 @@ def test_core_renders_a_quick_result_only_where_told(tmp_path: Path, monkeypatch
     assert core.main(["--render", str(saved), "--no-report"]) == 0  # printed, not written
     assert core.main(["--render", str(saved), "--report", str(tmp_path / "q.md")]) == 0
     assert (tmp_path / "q.md").read_text() == core.render(result)
+
+
+@pytest.mark.parametrize(
+    ("module", "other"),
+    [(m, o) for m in ("mnli_step", "codebert_step")
+     for o in ("mnli_bench.json", "codebert_bench.json", "dlrm_bench.json", "tensorize.json",
+               "gpu/mnli_bench_cuda.json")
+     if m.split("_")[0] not in o],
+)  # fmt: skip
+def test_a_step_bench_renders_no_other_benchmark_s_result(module, other, capsys) -> None:  # noqa: ANN001
+    """Every step benchmark's result has ``step_time_ratio_vs_dense``: MNLI's and
+    CodeBERT's ``--render`` printed DLRM's result under their own title, exit 0."""
+    err = _refused(module, ["--render", str(REPORTS / other)], capsys)
+    assert f"{Path(other).name} is not a result of python -m benchmarks.{module}" in err
