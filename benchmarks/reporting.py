@@ -134,13 +134,20 @@ def render_saved(
     path: Path, render: Callable[[dict], str], prog: str, required: tuple[str, ...] = ()
 ) -> tuple[dict, str] | None:
     """``--render PATH``: the saved result and ``render`` of it, or None after one error
-    line on stderr: an unreadable file, or the result of another benchmark (a ``required``
-    key, or one the renderer reads, is missing or of another shape). Each committed report
-    is rendered by the tests, so such a failure is the file's, not the renderer's."""
+    line on stderr: an unreadable file, a partial result (the points a run cut short had
+    measured, kept beside the report for inspection: it lacks the figures and fields a
+    report is rendered from), or the result of another benchmark (a ``required`` key, or
+    one the renderer reads, is missing or of another shape). Each committed report is
+    rendered by the tests, so such a failure is the file's, not the renderer's."""
     try:
         result = read_result(path)
     except DataError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        return None
+    if result.get("partial"):
+        print(f"{prog}: error: {path} is a partial result (the points of a run cut short), "
+              "kept for inspection; it cannot be rendered: run the benchmark again",
+              file=sys.stderr)  # fmt: skip
         return None
     missing = [k for k in required if k not in result]
     try:
@@ -159,9 +166,9 @@ def render_saved(
 
 def render_refusal(result: dict, out: Path | None, flag: str = "--out") -> str | None:
     """Why ``--render`` of ``result`` may not write into the default report (``out``, the
-    path given with ``flag``, None), or None: a ``--tiny`` result's toy figures, core's
-    ``--quick`` ones (its ``config``), or a run cut short (``partial``) would replace the
-    report that measuring itself never lets them replace."""
+    path given with ``flag``, None), or None: a ``--tiny`` result's toy figures, or core's
+    ``--quick`` ones (its ``config``), would replace the report that measuring itself never
+    lets them replace. (A partial result is never rendered: :func:`render_saved`.)"""
     if out is not None:
         return None
     if result.get("tiny"):
@@ -169,8 +176,6 @@ def render_refusal(result: dict, out: Path | None, flag: str = "--out") -> str |
     config = result.get("config")
     if isinstance(config, dict) and config.get("quick"):
         return f"a --quick result's figures (tiny shapes); give {flag} PATH to render them"
-    if result.get("partial"):
-        return f"a partial result (a run cut short); give {flag} PATH to render it"
     return None
 
 

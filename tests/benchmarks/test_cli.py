@@ -156,3 +156,34 @@ def test_a_step_bench_renders_no_other_benchmark_s_result(module, other, capsys)
     CodeBERT's ``--render`` printed DLRM's result under their own title, exit 0."""
     err = _refused(module, ["--render", str(REPORTS / other)], capsys)
     assert f"{Path(other).name} is not a result of python -m benchmarks.{module}" in err
+
+
+PARTIAL_RUNS = {
+    "step_modes": [{"model": "smoke", "mode": "eager", "batch": 128, "seq": 16,
+                    "first_step_s": 1.0, "step_s": 0.5, "peak_mb": 10.0},
+                   {"model": "smoke", "mode": "compile", "error": "cut short"}],
+    "efficiency": [{"variant": "comera", "batch": 1, "step_s": 1.0, "peak_mb": 1.0},
+                   {"variant": "dense", "batch": 1, "error": "MemoryError"}],
+    "mnli_step": [{"variant": "comera", "batch": 32, "error": "cut short"}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("module", sorted(PARTIAL_RUNS))
+def test_a_partial_result_is_kept_for_inspection_not_rendered(
+    module: str,
+    tmp_path: Path,
+    capsys,  # noqa: ANN001
+) -> None:
+    """The refusal promised that ``--render PARTIAL --out DIR`` would render a partial
+    file, which then failed on a key a failed point lacks ('step_s', or efficiency's
+    'threads'); it now says plainly that partial files cannot be rendered."""
+    import json
+
+    saved = tmp_path / f"{module}.partial.json"
+    head = {"device": "cpu", "torch": "2", "date": "d"} if module != "efficiency" else {}
+    saved.write_text(json.dumps({"partial": True, **head, "runs": PARTIAL_RUNS[module]}))
+    out = tmp_path / "out"
+    argv = ["--render", str(saved), *(["--out", str(out)] if module != "mnli_step" else [])]
+    err = _refused(module, argv, capsys)
+    assert f"{saved} is a partial result" in err and "cannot be rendered" in err
+    assert not out.exists()

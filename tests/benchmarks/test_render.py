@@ -190,9 +190,10 @@ def test_step_modes_report_says_when_first_step_holds_the_capture() -> None:
 def test_render_never_puts_toy_partial_or_gpu_figures_over_the_cpu_reports(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:
-    """``--render`` keeps the guards measuring has: a ``--tiny`` or a partial result needs
-    ``--out`` (they replaced reports/efficiency.md and step_modes.md), and a GPU result
-    goes to reports/gpu/ as measuring it would (it replaced the CPU step_modes.md)."""
+    """``--render`` keeps the guards measuring has: a ``--tiny`` result needs ``--out``
+    (it replaced reports/efficiency.md and step_modes.md), a partial one is never rendered,
+    and a GPU result goes to reports/gpu/ as measuring it would (it replaced the CPU
+    step_modes.md)."""
     monkeypatch.setattr(step_modes, "REPORTS", tmp_path / "reports")
     monkeypatch.setattr(efficiency, "REPORTS", tmp_path / "reports")
     saved = json.loads((REPORTS / "step_modes.json").read_text())
@@ -203,7 +204,8 @@ def test_render_never_puts_toy_partial_or_gpu_figures_over_the_cpu_reports(
         path.write_text(json.dumps({**data, flag: True}))
         assert module.main(["--render", str(path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "give --out PATH" in err[0], err
+        want = "cannot be rendered" if flag == "partial" else "give --out PATH"
+        assert len(err) == 1 and want in err[0], err
     assert not (tmp_path / "reports").exists()
     gpu = tmp_path / "gpu.json"
     gpu.write_text(json.dumps({**saved, "device": "cuda"}))
