@@ -39,6 +39,9 @@ SEQ_LEN, BATCH = 4096, 8
 PROG = "python -m benchmarks.loader"
 REPORT = Path("reports/bench_loader.md")
 DEFAULT_TOKENS, DEFAULT_MEASURE_TOKENS = 50_000_000, 40_000_000
+DATASETS = ("web", "code")  # the corpus's sub-datasets, each given total_tokens // 2
+# the smallest corpus: a token for each sub-dataset (fewer leaves a folder with no file)
+MIN_TOKENS = len(DATASETS)
 # this benchmark's thresholds: (result key, comparison, value)
 THRESHOLDS = {
     "tokens_per_s": (">=", 4_000_000),
@@ -51,10 +54,10 @@ def write_corpus(root: Path, total_tokens: int, *, seed: int = 0, vocab: int = 5
     """Two sub-datasets (``web``, ``code``) of log-normal-length documents, several files each."""
     rng = np.random.default_rng(seed)
     stats = {}
-    for name in ("web", "code"):
+    for name in DATASETS:
         folder = root / name
         folder.mkdir(parents=True)
-        budget, docs, toks, f = total_tokens // 2, 0, 0, 0
+        budget, docs, toks, f = total_tokens // len(DATASETS), 0, 0, 0
         while toks < budget:
             n = min(budget - toks, 4_000_000)  # ~4M tokens per file
             lengths = np.clip(rng.lognormal(np.log(1000) - 0.32, 0.8, size=n // 900 + 8), 1, 32_768)
@@ -256,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
             write_text(args.report, done[1])
         print(done[1])
         return 0
-    if args.tokens < 1 or args.measure_tokens < 1:
-        p.error(f"--tokens and --measure-tokens must be >= 1, got {args.tokens}, "
+    if args.tokens < MIN_TOKENS or args.measure_tokens < 1:
+        p.error(f"--tokens must be >= {MIN_TOKENS} (a token for each of the corpus's "
+                f"{len(DATASETS)} sub-datasets) and --measure-tokens >= 1, got {args.tokens}, "
                 f"{args.measure_tokens}")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="loader-bench-") as tmp:
         res = run(args.tokens, args.measure_tokens, Path(tmp))

@@ -187,3 +187,15 @@ def test_a_partial_result_is_kept_for_inspection_not_rendered(
     err = _refused(module, argv, capsys)
     assert f"{saved} is a partial result" in err and "cannot be rendered" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--tokens", "1"], ["--tokens", "0"], ["--tokens", "2", "--measure-tokens", "0"]],
+)
+def test_loader_refuses_a_corpus_too_small_to_write(argv: list[str], monkeypatch, capsys) -> None:  # noqa: ANN001
+    """``--tokens 1`` passed the >= 1 check, then each sub-dataset's budget (``1 // 2``)
+    wrote no file and the loader failed with a traceback; 2 is the smallest corpus."""
+    _no_measuring(monkeypatch, "loader")
+    err = _refused("loader", [*argv, "--no-report"], capsys)
+    assert "--tokens must be >= 2 (a token for each of the corpus's 2 sub-datasets) and " in err

@@ -41,7 +41,7 @@ def test_step_modes_refuses_what_would_fail_or_write_nothing(tmp_path, capsys, a
     ("module", "argv", "text"),
     [
         ("core", ["--threads", "0"], "--threads and --repeats must be >= 1"),
-        ("loader", ["--tokens", "0"], "--tokens and --measure-tokens must be >= 1"),
+        ("loader", ["--tokens", "0"], "--tokens must be >= 2"),
         ("efficiency", ["--repeats", "0"], "--repeats and --threads must be >= 1"),
     ],
 )
