@@ -41,6 +41,7 @@ import torch
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     arg_parser,
+    check_bench_device,
     check_output,
     one_line_errors,
     print_rendered,
@@ -286,13 +287,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.render is not None:
         return print_rendered(a.render, render, ap.prog, REQUIRED)
-    if a.device != "cpu":  # named only to be refused: a worker never imports the CLI
-        from experiments.cli import CLIError, check_device
-
-        try:
-            check_device(a.device)
-        except CLIError as e:
-            return error(str(e))
+    if a.device != "cpu":  # named only to be refused
+        check_bench_device(a.device)
         if torch.device(a.device).type != "cpu":
             return error(
                 f"--device {a.device}: the codebert step bench runs on the CPU; drop --device"

@@ -29,6 +29,7 @@ from benchmarks.memory import peak_memory_bytes
 from benchmarks.reporting import (
     add_threads_flag,
     arg_parser,
+    check_bench_device,
     check_output,
     one_line_errors,
     render_refusal,
@@ -724,17 +725,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--threads and --repeats must be >= 1, got {args.threads}, {args.repeats}")
     if args.repeats is not None and args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    from experiments.cli import CLIError, check_device  # as the training commands check it
-
-    try:
-        check_device(args.device)
-    except CLIError as e:
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
-        return 2
+    check_bench_device(args.device)
     dev = torch.device(args.device)
-    if dev.type not in ("cpu", "cuda"):
-        print(f"{ap.prog}: error: --device {args.device}: choose cpu or cuda", file=sys.stderr)
-        return 2
     write = not args.no_report and not (args.quick and args.report is None)
     path = args.report or (REPORT if dev.type == "cpu" else GPU_REPORT)
     if write:  # before measuring: a path it cannot write is refused now, not after the run

@@ -42,10 +42,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import arg_parser, one_line_errors, print_rendered
+from benchmarks.reporting import (
+    arg_parser,
+    check_bench_device,
+    one_line_errors,
+    print_rendered,
+)
 from benchmarks.timing import medians_over, timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
-from experiments.cli import CLIError, check_device
 from experiments.host import cpu_model, report_header
 from experiments.malloc import (
     CPU_MALLOC_POLICIES,
@@ -307,10 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.render is not None:
         return print_rendered(args.render, render, ap.prog, ("variants",))
-    try:
-        check_device(args.device)
-    except CLIError as e:
-        return error(str(e))
+    check_bench_device(args.device)
     if torch.device(args.device).type != "cpu" and not args.embedding:
         return error(
             f"--device {args.device}: the dlrm step bench runs on the CPU; drop --device (the "

@@ -34,6 +34,7 @@ from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
     arg_parser,
+    check_bench_device,
     check_output,
     measure_points,
     one_line_errors,
@@ -434,13 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: {TINY_NEEDS_OUT}", file=sys.stderr)
         return 2
     if a.device is not None and not a.worker:  # the bench checked its workers' device
-        from experiments.cli import CLIError, check_device
-
-        try:
-            check_device(a.device)
-        except CLIError as e:
-            print(f"{ap.prog}: error: {e}", file=sys.stderr)
-            return 2
+        check_bench_device(a.device)
     if a.worker:
         dev = a.device or "cpu"
         if dev == "cpu" and argv is None:  # a command: re-executed as the training one is

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from comera.errors import DataError, UserError
+from experiments import cli
 from experiments.cli import CLIError, Parser, check_folder, user_error
 from experiments.workers import WorkerFailed
 
@@ -27,6 +28,7 @@ __all__ = [
     "TINY_NEEDS_OUT",
     "add_threads_flag",
     "arg_parser",
+    "check_bench_device",
     "check_output",
     "measure_points",
     "one_line_errors",
@@ -74,6 +76,16 @@ def add_threads_flag(ap: argparse.ArgumentParser) -> None:
     """``--threads N``, by default torch's own count: what a training command runs at."""
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
                     help="torch threads (default: torch's own, as training uses)")  # fmt: skip
+
+
+def check_bench_device(device: str, flag: str = "--device") -> None:
+    """Refuse, as a :class:`CLIError` naming ``flag``, a device a benchmark cannot run on:
+    one torch cannot parse or this machine cannot use (:func:`experiments.cli.check_device`,
+    as the training commands check it), or a type other than cpu and cuda (``xla``, a
+    plugin's), which torch accepts as a string and every point would then fail on."""
+    cli.check_device(device, flag)  # looked up when called: a test may stand in for CUDA
+    if torch.device(device).type not in ("cpu", "cuda"):
+        raise CLIError(f"{flag} {device}: choose cpu or cuda")
 
 
 def check_output(path: Path, flag: str, kind: str, beside: str | None = None) -> None:

@@ -34,6 +34,7 @@ from benchmarks.reporting import (
     TINY_NEEDS_OUT,
     add_threads_flag,
     arg_parser,
+    check_bench_device,
     check_output,
     one_line_errors,
     render_refusal,
@@ -42,7 +43,6 @@ from benchmarks.reporting import (
 )
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from comera.train.sync_free import WARMUP_STEPS
-from experiments.cli import CLIError, check_device
 from experiments.host import cpu_model, report_header
 from experiments.workers import WorkerFailed, run_json_worker
 
@@ -323,11 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny and args.out is None:  # toy figures must not replace the report's
         print(f"step_modes: {TINY_NEEDS_OUT}", file=sys.stderr)
         return 2
-    try:
-        check_device(args.device)
-    except CLIError as e:
-        print(f"step_modes: {e}", file=sys.stderr)
-        return 2
+    check_bench_device(args.device)
     modes = ["eager", *[m for m in modes if m != "eager"]]  # every ratio is against it
     out = args.out or (REPORTS if torch.device(args.device).type == "cpu" else REPORTS / "gpu")
     check_output(out, "--out", "folder")  # before measuring, not after

@@ -199,3 +199,29 @@ def test_loader_refuses_a_corpus_too_small_to_write(argv: list[str], monkeypatch
     _no_measuring(monkeypatch, "loader")
     err = _refused("loader", [*argv, "--no-report"], capsys)
     assert "--tokens must be >= 2 (a token for each of the corpus's 2 sub-datasets) and " in err
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [("core", ["--quick"]), ("mnli_step", ["--tiny", "--out", "{tmp}/m.json"]),
+     ("step_modes", ["--tiny", "--out", "{tmp}"]), ("dlrm_step", ["--embedding"]),
+     ("dlrm_step", []), ("codebert_step", ["--tiny", "--out", "{tmp}/c.json"])],
+)  # fmt: skip
+def test_a_device_type_no_benchmark_runs_on_is_refused(
+    module: str,
+    argv: list[str],
+    tmp_path: Path,
+    monkeypatch,
+    capsys,  # noqa: ANN001
+) -> None:
+    """``--device xla`` (torch takes the string) failed at every point, or with a
+    traceback, where core refused it: one shared check now refuses it everywhere."""
+    _no_measuring(monkeypatch, module)
+    if module == "dlrm_step":
+        from benchmarks import dlrm_step
+
+        monkeypatch.setattr(dlrm_step, "embedding_times", lambda **k: pytest.fail("measured"))
+        monkeypatch.setattr(dlrm_step, "run", lambda **k: pytest.fail("measured"))
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    err = _refused(module, [*argv, "--device", "xla"], capsys)
+    assert err.endswith("error: --device xla: choose cpu or cuda")
