@@ -118,8 +118,11 @@ def measure(path: Path) -> dict:
     }
 
 
-def render(res: dict, command: str = "python -m benchmarks.dlrm_prep --json") -> str:
-    """The table of a result (the ``--json`` object), from the result alone."""
+def render(res: dict, command: str | None = None) -> str:
+    """The table of a result (the ``--json`` object), from the result alone: its header
+    names ``command``, by default the one the result records (older results, which record
+    none, came from ``--json``)."""
+    command = command or res.get("command", f"{PROG} --json")
     meta = {"cpu": res.get("cpu"), "torch": res.get("torch"), "date": res.get("date")}
     rows = [
         ("rows", f"{res['rows']:,}"),
@@ -179,11 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    if args.json:
-        print(json.dumps(res, indent=1))
-    else:
-        flags = ["--file", str(path)] if args.file else ["--rows", str(args.rows)]
-        print(render(res, " ".join(["python -m benchmarks.dlrm_prep", *flags])))
+    flags = ["--file", str(path)] if args.file else ["--rows", str(args.rows)]
+    # what measured it, kept in the result: --render of the saved JSON names the same command
+    res["command"] = " ".join([PROG, *flags, *(["--json"] if args.json else [])])
+    print(json.dumps(res, indent=1) if args.json else render(res))
     return 0
 
 

@@ -249,6 +249,8 @@ def run(json_out: bool = False) -> int:
         "cpu": cpu_model(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
+        # what measured it: --render of the saved figures names the same command
+        "command": PROG + (" --json" if json_out else ""),
     }
     figures["embedding_time_ratio_batched_vs_separate_glibc_default"] = emb_glibc[
         "embedding_time_ratio_batched_vs_separate"
@@ -265,8 +267,10 @@ def render(figures: dict) -> str:
     """The tables of a result (the ``--json`` object), from the result alone;
     ``--render JSON`` prints them for a saved result."""
     meta = {"cpu": figures.get("cpu"), "torch": figures.get("torch"), "date": figures.get("date")}
+    # older figures record no command: they came from --json (> reports/dlrm_bench.json)
+    command = figures.get("command", f"{PROG} --json")
     lines = report_header("DLRM training step at Kaggle table sizes: CoMERA vs dense",
-                          "python -m benchmarks.dlrm_step --json", meta)  # fmt: skip
+                          command, meta)  # fmt: skip
     lines += [
         f"Batch {figures.get('batch', BATCH)}, {figures.get('threads', '?')} threads, "
         f"cpu_malloc={figures.get('malloc', 'not recorded')}.",

@@ -225,3 +225,53 @@ def test_a_device_type_no_benchmark_runs_on_is_refused(
     argv = [a.format(tmp=tmp_path) for a in argv]
     err = _refused(module, [*argv, "--device", "xla"], capsys)
     assert err.endswith("error: --device xla: choose cpu or cuda")
+
+
+def _header_command(text: str) -> str:
+    """The command a rendered report's header names."""
+    line = next(x for x in text.splitlines() if x.startswith("Command: `"))
+    return line.removeprefix("Command: `").removesuffix("`")
+
+
+def test_dlrm_prep_render_names_the_command_that_measured(monkeypatch, capsys) -> None:  # noqa: ANN001
+    """``--render`` of a saved ``--rows 200 --json`` result named ``--json`` alone, where
+    the measuring run's own table named ``--rows 200``: the result records its command."""
+    import json
+
+    from benchmarks import dlrm_prep
+
+    fake = {"rows": 200, "file_mb": 0.1, "seconds": 0.5, "rows_per_s": 400.0,
+            "peak_anon_mb": 20, "peak_anon_above_baseline_mb": 4, "peak_file_mb": 1,
+            "kaggle_minutes_at_this_rate": 9.0, "cpu": "c", "torch": "t", "date": "d"}  # fmt: skip
+    monkeypatch.setattr(dlrm_prep, "write_kaggle_like", lambda path, rows: None)
+    monkeypatch.setattr(dlrm_prep, "measure", lambda path: dict(fake))
+    assert dlrm_prep.main(["--rows", "200"]) == 0
+    shown = _header_command(capsys.readouterr().out)
+    assert shown == "python -m benchmarks.dlrm_prep --rows 200"
+    assert dlrm_prep.main(["--rows", "200", "--json"]) == 0
+    saved = json.loads(capsys.readouterr().out)
+    assert _header_command(dlrm_prep.render(saved)) == f"{shown} --json"
+
+
+def test_dlrm_step_render_names_the_command_that_measured(monkeypatch, capsys) -> None:  # noqa: ANN001
+    """The DLRM step report always named ``--json``, even for the run that printed it."""
+    import json
+
+    from benchmarks import dlrm_step
+
+    def child(args: list[str], what: str) -> dict:
+        if "--embedding" in args:
+            return {"embedding_batched_s": 0.5, "embedding_separate_s": 1.0,
+                    "embedding_time_ratio_batched_vs_separate": 0.5, "device": "cpu"}  # fmt: skip
+        return {"variant": args[1], "params": 10, "compression": 1.0, "step_time_s": 1.0,
+                "peak_rss_mb": 100.0}  # fmt: skip
+
+    monkeypatch.setattr(dlrm_step, "_in_child", child)
+    assert dlrm_step.run(json_out=False) == 0
+    assert _header_command(capsys.readouterr().out) == "python -m benchmarks.dlrm_step"
+    assert dlrm_step.run(json_out=True) == 0
+    saved = json.loads(capsys.readouterr().out)
+    assert _header_command(dlrm_step.render(saved)) == "python -m benchmarks.dlrm_step --json"
+    # the committed figures, which record none, came from --json (reports/README.md)
+    committed = json.loads((REPORTS / "dlrm_bench.json").read_text())
+    assert _header_command(dlrm_step.render(committed)) == "python -m benchmarks.dlrm_step --json"
