@@ -20,7 +20,8 @@ presets' ``train.cpu_malloc``, ``lean``: see :mod:`experiments.malloc`); a varia
 restarts itself for it exactly as the experiment's command does.
 
 Batch 10,000; ids drawn per table as ``floor(n * u**3)`` (a heavy head, as Criteo's are);
-step time is the median of 10 timed steps after one warm-up step; ``comera`` and
+step time is the median of :data:`STEPS` (10) timed steps after one warm-up step
+(``--variant V --steps N``: N, for one variant); ``comera`` and
 ``dense_sgd`` under the training policy run :data:`ROUNDS` times, alternating, and keep
 the median step time and peak of their runs. The lookup
 comparison (``embedding_time_ratio_batched_vs_separate``) times the embedding stage
@@ -64,6 +65,7 @@ __all__ = ["main", "render", "run", "run_variant"]
 
 BATCH = 10_000
 PROG = "python -m benchmarks.dlrm_step"
+STEPS = 10  # timed steps per variant (median), after one warm-up step
 VARIANTS = ("comera", "dense_sgd", "dense_adam")
 AUTO = "auto"  # on request only (``--variant auto``): CoMERA's TT MLP layers on ``auto``
 GLIBC_TAG = "@glibc_default"
@@ -93,7 +95,7 @@ def _batch(cards: tuple[int, ...], n: int, seed: int = 0) -> dict[str, torch.Ten
     }
 
 
-def run_variant(variant: str, steps: int = 10, malloc: str = "default") -> dict:
+def run_variant(variant: str, steps: int = STEPS, malloc: str = "default") -> dict:
     """Build the Kaggle-size model of ``variant``, take ``steps + 1`` training steps under
     the allocator policy ``malloc``."""
     import comera as C
@@ -304,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="measure nothing: print the tables of a saved --json result")  # fmt: skip
     ap.add_argument("--variant", choices=(*VARIANTS, AUTO), help="one variant in this process")
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"with --variant: its timed steps (default {STEPS})")  # fmt: skip
     ap.add_argument("--embedding", action="store_true", help="time the lookups only")
     ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default",
                     help="with --variant or --embedding: the allocator policy")  # fmt: skip
@@ -315,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.render is not None:
         return print_rendered(args.render, render, ap.prog, ("variants",))
+    if args.steps is not None and not args.variant:  # the bench times STEPS of each
+        ap.error(f"--steps applies to one variant (--variant V); the bench times {STEPS}")
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
     check_bench_device(args.device)
     if torch.device(args.device).type != "cpu" and not args.embedding:
         return error(
@@ -325,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.variant or args.embedding) and args.device == "cpu" and argv is None:
         restart_for(args.malloc)  # as the experiment's command does (lean: huge pages)
     if args.variant:
-        print(json.dumps(run_variant(args.variant, malloc=args.malloc)))
+        steps = STEPS if args.steps is None else args.steps
+        print(json.dumps(run_variant(args.variant, steps, malloc=args.malloc)))
     elif args.embedding:
         if torch.device(args.device).type == "cpu":
             apply_cpu_malloc(args.malloc)

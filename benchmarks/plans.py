@@ -83,7 +83,9 @@ VARIANTS = {
 # 18 timed rounds: each of the six orders three times (a --steps that is no multiple of 6
 # leaves some orders one round short)
 WARMUP, STEPS = 3, 18
-PAPER_STEPS = 3  # timed paper-size steps per variant (a CodeBERT-base dense step: ~25 s)
+# timed paper-size steps per variant (a CodeBERT-base dense step: ~25 s); DLRM's, whose
+# steps are short, are its step benchmark's own count (:func:`default_paper_steps`)
+PAPER_STEPS = 3
 # fresh processes per paper-size variant, taking turns; each figure is their median. Two
 # processes of the same step differ by more than the targets' margins (DLRM at Kaggle
 # sizes: 0.22-0.30 s; an MNLI peak: 2077-2193 MB; the same CodeBERT step's peak:
@@ -339,6 +341,17 @@ def shape_decisions(name: str, tuner: A.PlanTuner | None = None) -> list[dict]:
 PAPER_VARIANTS = ("auto", "comera", "dense")
 
 
+def default_paper_steps(name: str) -> int:
+    """Timed paper-size steps per variant of ``name`` without ``--paper-steps``:
+    :data:`PAPER_STEPS`, and for DLRM its step benchmark's own count
+    (:data:`benchmarks.dlrm_step.STEPS`)."""
+    if name == "dlrm":
+        from benchmarks.dlrm_step import STEPS as DLRM_STEPS
+
+        return DLRM_STEPS
+    return PAPER_STEPS
+
+
 def _paper_step(name: str, variant: str, steps: int, tiny: bool = False) -> dict:
     """One variant of ``name``'s paper-size step benchmark (``benchmarks.<name>_step``) in
     a fresh process, under the allocator policy its training command uses: the median step
@@ -362,7 +375,7 @@ def _paper_step(name: str, variant: str, steps: int, tiny: bool = False) -> dict
     from benchmarks import dlrm_step as D
 
     v = "dense_sgd" if variant == "dense" else variant  # the DLRM reference's dense step
-    cmd = [sys.executable, "-m", "benchmarks.dlrm_step", "--variant", v,
+    cmd = [sys.executable, "-m", "benchmarks.dlrm_step", "--variant", v, "--steps", str(steps),
            "--malloc", D.training_policy()]  # fmt: skip
     r = run_json_worker(cmd, f"dlrm step {v}", env=clean_malloc_env())
     return {"batch": D.BATCH, "step_s": r["step_time_s"], "peak_mb": r["peak_rss_mb"]}
@@ -385,6 +398,7 @@ def paper_steps(name: str, steps: int, tiny: bool = False) -> dict:
             "batch": rs[0]["batch"],
             **medians_over(rs, ("step_s", "peak_mb"), runs=False),
             "rounds": rounds,
+            "steps": steps,  # timed in each process
         }
         for v, rs in each.items()
     }
@@ -406,18 +420,20 @@ def run(
     experiments: tuple[str, ...] = EXPERIMENTS,
     out: Path = REPORTS / "plans.json",
     command: str = "python -m benchmarks.plans",
-    paper_steps_timed: int = PAPER_STEPS,
+    paper_steps_timed: int | None = None,
 ) -> int:
     """Measure, write ``out`` and its markdown next to it, print the figures.
-    ``paper_steps_timed``: timed steps per paper-size variant (0: none run)."""
+    ``paper_steps_timed``: timed steps per paper-size variant (None: each experiment's
+    :func:`default_paper_steps`; 0: none run)."""
     check_output(out, "--out", "file", ".md")  # before measuring, not after
     result: dict = {"meta": {**host_meta(), "command": command,
                              "threads": torch.get_num_threads()}}  # fmt: skip
     for name in experiments:
         print(f"plans bench: {name} smoke steps ...", file=sys.stderr, flush=True)
         result[name] = smoke_rounds(name, steps)
-        if paper_steps_timed:
-            result[name].update(paper_steps(name, paper_steps_timed))
+        steps = default_paper_steps(name) if paper_steps_timed is None else paper_steps_timed
+        if steps:
+            result[name].update(paper_steps(name, steps))
     write_json(out, result)
     write_text(out.with_suffix(".md"), render(result))
     if json_out:
@@ -617,9 +633,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=STEPS, help="timed smoke steps per variant")
     ap.add_argument("--experiments", default=",".join(EXPERIMENTS),
                     help="comma-separated subset of mnli,codebert,dlrm")  # fmt: skip
-    ap.add_argument("--paper-steps", type=int, default=PAPER_STEPS,
-                    help="timed paper-size steps per variant, each in a fresh process "
-                         "(0: skip them)")  # fmt: skip
+    ap.add_argument("--paper-steps", type=int, default=None,
+                    help=f"timed paper-size steps per variant, each in a fresh process "
+                         f"(default {PAPER_STEPS}; DLRM's, whose steps are short, its step "
+                         "benchmark's own 10; 0: skip them)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPORTS / "plans.json", help="the JSON written")
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="measure nothing: print the tables of a saved result")  # fmt: skip
@@ -643,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: --experiments {a.experiments!r}: choose from "
               f"{','.join(EXPERIMENTS)}", file=sys.stderr)  # fmt: skip
         return 2
-    if a.steps < 1 or a.paper_steps < 0:
+    if a.steps < 1 or (a.paper_steps is not None and a.paper_steps < 0):
         print(f"{ap.prog}: error: --steps must be >= 1 and --paper-steps >= 0, got "
               f"{a.steps}, {a.paper_steps}", file=sys.stderr)  # fmt: skip
         return 2

@@ -275,3 +275,32 @@ def test_dlrm_step_render_names_the_command_that_measured(monkeypatch, capsys) -
     # the committed figures, which record none, came from --json (reports/README.md)
     committed = json.loads((REPORTS / "dlrm_bench.json").read_text())
     assert _header_command(dlrm_step.render(committed)) == "python -m benchmarks.dlrm_step --json"
+
+
+def test_plans_paper_steps_reach_dlrm_s_step(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """``plans --paper-steps N`` never reached DLRM's paper step, which timed its own 10;
+    now N is passed to ``dlrm_step --variant V --steps N``, and without it each experiment
+    keeps its own count (3; DLRM 10), so a default run measures what it did."""
+    import experiments.workers
+    from benchmarks import dlrm_step, plans
+
+    cmds: list[list[str]] = []
+
+    def worker(cmd, what, *, env=None, timeout=None):  # noqa: ANN001, ANN202
+        cmds.append(cmd)
+        return {"step_time_s": 1.0, "peak_rss_mb": 1.0}
+
+    monkeypatch.setattr(experiments.workers, "run_json_worker", worker)
+    plans._paper_step("dlrm", "auto", 4)
+    assert cmds[0][cmds[0].index("--steps") + 1] == "4"
+    seen: list[tuple[str, int]] = []
+    monkeypatch.setattr(plans, "smoke_rounds", lambda name, steps: {})
+    monkeypatch.setattr(plans, "paper_steps", lambda name, steps: seen.append((name, steps)) or {})
+    monkeypatch.setattr(plans, "render", lambda result: "")
+    plans.run(experiments=("mnli", "dlrm"), out=tmp_path / "p.json")
+    plans.run(experiments=("mnli", "dlrm"), out=tmp_path / "p.json", paper_steps_timed=5)
+    assert seen == [("mnli", 3), ("dlrm", 10), ("mnli", 5), ("dlrm", 5)]
+    # the step benchmark's one variant takes the count
+    monkeypatch.setattr(dlrm_step, "run_variant", lambda v, steps, malloc: {"steps": steps})
+    monkeypatch.setattr(dlrm_step, "restart_for", lambda policy: None)
+    assert dlrm_step.main(["--variant", "comera", "--steps", "4"]) == 0
