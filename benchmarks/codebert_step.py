@@ -269,17 +269,25 @@ def main(argv: list[str] | None = None) -> int:
     (``--variant``, what the bench runs in each fresh process), or the tables of a saved
     result (``--render``)."""
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
+    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--device", default="cpu", help="cpu (the only device this bench runs on)")
     ap.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant")
     ap.add_argument("--out", type=Path, default=None,
                     help="the JSON written (default reports/codebert_bench.json)")  # fmt: skip
-    ap.add_argument("--render", type=Path, metavar="JSON",
-                    help="measure nothing: print the tables of a saved result")  # fmt: skip
+    out_format.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: print the tables of a saved result",
+    )
     ap.add_argument("--tiny", action="store_true", help="toy model (tests of the plumbing)")
     ap.add_argument("--variant", choices=(*VARIANTS, AUTO), help="one variant in this process")
-    ap.add_argument("--batch", type=int, default=8, help="with --variant: its batch")
+    ap.add_argument("--batch", type=int, default=None, help="with --variant: its batch (default 8)")
     a = ap.parse_args(argv)
+    if a.batch is not None and not a.variant:  # the bench runs the batches of RUNS
+        ap.error("--batch applies to one variant (--variant V); the bench runs batches 8 and 1")
+    a.batch = 8 if a.batch is None else a.batch
 
     def error(msg: str) -> int:
         print(f"{ap.prog}: error: {msg}", file=sys.stderr)

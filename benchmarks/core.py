@@ -667,7 +667,8 @@ def _run_processes(n: int, argv: list[str]) -> dict:
 @one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
+    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for tests")
     ap.add_argument("--repeats", type=int, default=None, help="rounds (default 9, quick 1)")
     add_threads_flag(ap)
@@ -678,16 +679,17 @@ def main(argv: list[str] | None = None) -> int:
         help="allocator policy, as train.cpu_malloc (default: glibc as found, as training)",
     )
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    ap.add_argument(
+    report = ap.add_mutually_exclusive_group()
+    report.add_argument(
         "--report",
         type=Path,
         default=None,
         help=f"markdown path (default {REPORT}; on cuda {GPU_REPORT})",
     )
-    ap.add_argument(
+    report.add_argument(
         "--no-report", action="store_true", help="do not write the report (markdown and JSON)"
     )
-    ap.add_argument(
+    out_format.add_argument(
         "--render",
         type=Path,
         metavar="JSON",

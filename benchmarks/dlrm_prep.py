@@ -35,6 +35,7 @@ __all__ = ["main", "measure", "render", "write_kaggle_like"]
 
 KAGGLE_ROWS = 45_840_617
 PROG = "python -m benchmarks.dlrm_prep"
+ROWS = 4_000_000  # rows of the generated file by default
 
 
 def write_kaggle_like(path: Path, rows: int, seed: int = 0, chunk: int = 250_000) -> None:
@@ -144,13 +145,22 @@ def render(res: dict, command: str | None = None) -> str:
 @one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=4_000_000)
-    ap.add_argument("--file", help="an existing Criteo file to preprocess instead")
-    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    ap.add_argument("--render", type=Path, metavar="JSON",
-                    help="measure nothing: print the table of a saved --json result")  # fmt: skip
+    source = ap.add_mutually_exclusive_group()  # a file given is not generated
+    source.add_argument(
+        "--rows", type=int, default=None, help=f"rows of the generated file (default {ROWS:,})"
+    )
+    source.add_argument("--file", help="an existing Criteo file to preprocess instead")
+    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
+    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    out_format.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: print the table of a saved --json result",
+    )
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.rows = ROWS if args.rows is None else args.rows
     if args.child:
         from comera.errors import UserError
 

@@ -300,18 +300,29 @@ def main(argv: list[str] | None = None) -> int:
     timing in this process (what the bench runs in each fresh process), or the tables of
     a saved result (``--render``)."""
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
+    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--device", default="cpu",
                     help="cpu; cuda only for the lookup timing (--embedding)")  # fmt: skip
-    ap.add_argument("--render", type=Path, metavar="JSON",
-                    help="measure nothing: print the tables of a saved --json result")  # fmt: skip
-    ap.add_argument("--variant", choices=(*VARIANTS, AUTO), help="one variant in this process")
+    out_format.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: print the tables of a saved --json result",
+    )
+    one = ap.add_mutually_exclusive_group()  # what one process of the bench times
+    one.add_argument("--variant", choices=(*VARIANTS, AUTO), help="one variant in this process")
     ap.add_argument("--steps", type=int, default=None,
                     help=f"with --variant: its timed steps (default {STEPS})")  # fmt: skip
-    ap.add_argument("--embedding", action="store_true", help="time the lookups only")
-    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default",
-                    help="with --variant or --embedding: the allocator policy")  # fmt: skip
+    one.add_argument("--embedding", action="store_true", help="time the lookups only")
+    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default=None,
+                    help="with --variant or --embedding: the allocator policy (default: glibc "
+                         "as found)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.malloc is not None and not (args.variant or args.embedding):  # the bench sets each
+        ap.error("--malloc applies to one process (--variant V or --embedding); the bench "
+                 "runs each under its own policy")  # fmt: skip
+    args.malloc = args.malloc or "default"
 
     def error(msg: str) -> int:
         print(f"{ap.prog}: error: {msg}", file=sys.stderr)

@@ -241,14 +241,26 @@ def write_report(res: dict, path: Path) -> None:
 @one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     p = arg_parser(PROG, __doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    out_format = p.add_mutually_exclusive_group()  # --render prints markdown
+    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="corpus size in tokens")
     p.add_argument("--measure-tokens", type=int, default=DEFAULT_MEASURE_TOKENS)
-    p.add_argument("--report", type=Path, default=REPORT, help="markdown path (JSON beside it)")
-    p.add_argument("--no-report", action="store_true")
-    p.add_argument("--render", type=Path, metavar="JSON",
-                   help="measure nothing: render the report from a saved result")  # fmt: skip
+    report = p.add_mutually_exclusive_group()
+    report.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help=f"markdown path, JSON beside it (default {REPORT})",
+    )
+    report.add_argument("--no-report", action="store_true", help="write no report")
+    out_format.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: render the report from a saved result",
+    )
     args = p.parse_args(argv)
+    args.report = args.report or REPORT
     if not args.no_report:  # before measuring: refused now, not after the run
         check_output(args.report, "--report", "file", ".json")
     if args.render is not None:

@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.mnli_step``: the whole bench, one worker (``--worker``, what
     the bench runs in each fresh process) or the tables of a saved result (``--render``)."""
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
+    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where present)")
     ap.add_argument("--repeats", type=int, default=5)
     add_threads_flag(ap)
@@ -417,14 +418,23 @@ def main(argv: list[str] | None = None) -> int:
         help="the JSON written (default reports/mnli_bench.json; on cuda "
         "reports/gpu/mnli_bench_cuda.json)",
     )
-    ap.add_argument("--render", type=Path, metavar="JSON",
-                    help="measure nothing: print the tables of a saved result")  # fmt: skip
+    out_format.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: print the tables of a saved result",
+    )
     ap.add_argument("--tiny", action="store_true", help="toy model (tests)")
     ap.add_argument("--worker", choices=(*VARIANTS, AUTO), default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--batch", type=int, default=32, help=argparse.SUPPRESS)
-    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default="default",
+    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)  # default 32
+    ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default=None,
                     help=argparse.SUPPRESS)  # fmt: skip
     a = ap.parse_args(argv)
+    for flag, value in (("--batch", a.batch), ("--malloc", a.malloc)):
+        if value is not None and not a.worker:  # the bench sets each worker's own
+            ap.error(f"{flag} applies to one worker (--worker V); the bench sets each point's")
+    a.batch = 32 if a.batch is None else a.batch
+    a.malloc = a.malloc or "default"
     if a.render is not None:
         return print_rendered(a.render, render, ap.prog, REQUIRED)
     if a.repeats < 1 or a.threads < 1:

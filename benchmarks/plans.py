@@ -629,7 +629,8 @@ def render(result: dict) -> str:
 @one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
+    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--steps", type=int, default=STEPS, help="timed smoke steps per variant")
     ap.add_argument("--experiments", default=",".join(EXPERIMENTS),
                     help="comma-separated subset of mnli,codebert,dlrm")  # fmt: skip
@@ -638,8 +639,12 @@ def main(argv: list[str] | None = None) -> int:
                          f"(default {PAPER_STEPS}; DLRM's, whose steps are short, its step "
                          "benchmark's own 10; 0: skip them)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPORTS / "plans.json", help="the JSON written")
-    ap.add_argument("--render", type=Path, metavar="JSON",
-                    help="measure nothing: print the tables of a saved result")  # fmt: skip
+    out_format.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: print the tables of a saved result",
+    )
     ap.add_argument("--smoke-worker", choices=EXPERIMENTS, help=argparse.SUPPRESS)
     ap.add_argument("--no-shapes", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

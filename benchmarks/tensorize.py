@@ -208,16 +208,24 @@ def render(result: dict) -> str:
 @one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
+    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant")
     ap.add_argument("--out", type=Path, default=None,
                     help="the JSON written (default reports/tensorize.json)")  # fmt: skip
-    ap.add_argument("--render", type=Path, metavar="JSON",
-                    help="measure nothing: print the tables of a saved result")  # fmt: skip
+    out_format.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: print the tables of a saved result",
+    )
     ap.add_argument("--tiny", action="store_true", help="toy model (tests of the plumbing)")
     ap.add_argument("--variant", choices=("comera", "dense"), help="one variant in this process")
-    ap.add_argument("--batch", type=int, default=4, help="with --variant: its batch")
+    ap.add_argument("--batch", type=int, default=None, help="with --variant: its batch (default 4)")
     a = ap.parse_args(argv)
+    if a.batch is not None and not a.variant:  # the bench runs the batches of RUNS
+        ap.error("--batch applies to one variant (--variant V); the bench runs batches 4 and 1")
+    a.batch = 4 if a.batch is None else a.batch
     if a.render is not None:
         return print_rendered(a.render, render, ap.prog)
     if a.steps < 1:

@@ -304,3 +304,55 @@ def test_plans_paper_steps_reach_dlrm_s_step(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setattr(dlrm_step, "run_variant", lambda v, steps, malloc: {"steps": steps})
     monkeypatch.setattr(dlrm_step, "restart_for", lambda policy: None)
     assert dlrm_step.main(["--variant", "comera", "--steps", "4"]) == 0
+
+
+CONFLICTS = [
+    *[(m, ["--render", "{tmp}/missing.json", "--json"],
+       "argument --json: not allowed with argument --render")
+      for m in ("core", "loader", "mnli_step", "codebert_step", "dlrm_step", "plans",
+                "tensorize", "dlrm_prep")],
+    ("core", ["--no-report", "--report", "{tmp}/c.md"],
+     "argument --report: not allowed with argument --no-report"),
+    ("loader", ["--report", "{tmp}/l.md", "--no-report"],
+     "argument --no-report: not allowed with argument --report"),
+    ("dlrm_prep", ["--rows", "200", "--file", "{tmp}/f.txt"],
+     "argument --file: not allowed with argument --rows"),
+    ("dlrm_step", ["--variant", "comera", "--embedding"],
+     "argument --embedding: not allowed with argument --variant"),
+    ("dlrm_step", ["--malloc", "lean"], "--malloc applies to one process (--variant V or "),
+    ("dlrm_step", ["--steps", "3"], "--steps applies to one variant (--variant V)"),
+    ("tensorize", ["--batch", "2", "--tiny", "--out", "{tmp}/t.json"],
+     "--batch applies to one variant (--variant V)"),
+    ("codebert_step", ["--batch", "2", "--tiny", "--out", "{tmp}/c.json"],
+     "--batch applies to one variant (--variant V)"),
+    ("mnli_step", ["--batch", "2", "--tiny", "--out", "{tmp}/m.json"],
+     "--batch applies to one worker"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("module", "argv", "text"), CONFLICTS)
+def test_a_flag_another_makes_meaningless_is_refused_naming_both(
+    module: str,
+    argv: list[str],
+    text: str,
+    tmp_path: Path,
+    monkeypatch,
+    capsys,  # noqa: ANN001
+) -> None:
+    """These were accepted and silently ignored: ``--json`` beside ``--render`` (markdown
+    printed), ``--report`` beside ``--no-report``, ``--rows`` beside ``--file``,
+    ``--embedding`` beside ``--variant``, a one-process flag (``--malloc``, ``--steps``,
+    ``--batch``) on the whole bench."""
+    _no_measuring(monkeypatch, module)
+    if module == "dlrm_step":
+        from benchmarks import dlrm_step
+
+        for name in ("run", "run_variant", "embedding_times"):
+            monkeypatch.setattr(dlrm_step, name, lambda *a, **k: pytest.fail("measured"))
+    if module == "dlrm_prep":
+        from benchmarks import dlrm_prep
+
+        monkeypatch.setattr(dlrm_prep, "measure", lambda path: pytest.fail("measured"))
+        (tmp_path / "f.txt").write_text("")
+    err = _refused(module, [a.format(tmp=tmp_path) for a in argv], capsys)
+    assert text in err
