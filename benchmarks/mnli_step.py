@@ -434,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and not a.worker:  # the bench sets each worker's own
             ap.error(f"{flag} applies to one worker (--worker V); the bench sets each point's")
     a.batch = 32 if a.batch is None else a.batch
+    if a.batch < 1:  # an empty batch: a traceback in the worker's first step
+        ap.error(f"--batch must be >= 1, got {a.batch}")
     a.malloc = a.malloc or "default"
     if a.render is not None:
         return print_rendered(a.render, render, ap.prog, REQUIRED)

@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.batch is not None and not a.variant:  # the bench runs the batches of RUNS
         ap.error("--batch applies to one variant (--variant V); the bench runs batches 4 and 1")
     a.batch = 4 if a.batch is None else a.batch
+    if a.batch < 1:  # an empty batch: a traceback in the variant's first step
+        ap.error(f"--batch must be >= 1, got {a.batch}")
     if a.render is not None:
         return print_rendered(a.render, render, ap.prog)
     if a.steps < 1:

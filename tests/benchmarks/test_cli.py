@@ -356,3 +356,19 @@ def test_a_flag_another_makes_meaningless_is_refused_naming_both(
         (tmp_path / "f.txt").write_text("")
     err = _refused(module, [a.format(tmp=tmp_path) for a in argv], capsys)
     assert text in err
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [("codebert_step", ["--variant", "comera", "--tiny", "--steps", "1", "--batch", "0"]),
+     ("codebert_step", ["--variant", "comera", "--tiny", "--batch", "-2"]),
+     ("tensorize", ["--variant", "comera", "--tiny", "--batch", "0"]),
+     ("mnli_step", ["--worker", "comera", "--tiny", "--batch", "0"])],
+)  # fmt: skip
+def test_a_batch_below_one_is_one_line(module: str, argv: list[str], monkeypatch, capsys) -> None:  # noqa: ANN001
+    """``--batch 0`` (or negative) ran the variant and ended in a ValueError traceback."""
+    bench = importlib.import_module(f"benchmarks.{module}")
+    name = "worker" if module == "mnli_step" else "run_variant"
+    monkeypatch.setattr(bench, name, lambda *a, **k: pytest.fail("measured"))
+    err = _refused(module, argv, capsys)
+    assert err.endswith(f"error: --batch must be >= 1, got {argv[-1]}")
