@@ -302,27 +302,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     models = [m for m in args.models.split(",") if m]
     modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in models if m not in MODELS] + [m for m in modes if m not in MODES]
     if "cuda_graph" in modes and not args.device.startswith("cuda"):
-        print("step_modes: --modes cuda_graph needs --device cuda", file=sys.stderr)
-        return 2
-    if bad or args.repeats < 1:
-        print(f"step_modes: unknown model or mode {bad} (models {MODELS}, modes {MODES}), "
-              "or --repeats < 1", file=sys.stderr)  # fmt: skip
-        return 2
+        ap.error("--modes cuda_graph needs --device cuda")
+    for flag, given, known in (("--models", models, MODELS), ("--modes", modes, MODES)):
+        unknown = [m for m in given if m not in known]
+        if unknown:
+            ap.error(f"{flag} {args.models if flag == '--models' else args.modes}: unknown "
+                     f"{', '.join(unknown)}; choose from {','.join(known)}")  # fmt: skip
     if not models:  # an empty table would replace the report (no --modes is eager alone)
-        print(f"step_modes: --models needs at least one of {MODELS}", file=sys.stderr)
-        return 2
+        ap.error(f"--models needs at least one of {MODELS}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads < 1:  # each worker would fail in torch.set_num_threads
-        print(f"step_modes: --threads must be >= 1, got {args.threads}", file=sys.stderr)
-        return 2
+        ap.error(f"--threads must be >= 1, got {args.threads}")
     if args.point_timeout is not None and not args.point_timeout > 0:  # every point would fail
-        print(f"step_modes: --point-timeout must be > 0 s, got {args.point_timeout:g}",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        ap.error(f"--point-timeout must be > 0 s, got {args.point_timeout:g}")
     if args.tiny and args.out is None:  # toy figures must not replace the report's
-        print(f"step_modes: {TINY_NEEDS_OUT}", file=sys.stderr)
-        return 2
+        ap.error(TINY_NEEDS_OUT)
     check_bench_device(args.device)
     modes = ["eager", *[m for m in modes if m != "eager"]]  # every ratio is against it
     out = args.out or (REPORTS if torch.device(args.device).type == "cpu" else REPORTS / "gpu")

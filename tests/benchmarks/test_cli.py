@@ -372,3 +372,16 @@ def test_a_batch_below_one_is_one_line(module: str, argv: list[str], monkeypatch
     monkeypatch.setattr(bench, name, lambda *a, **k: pytest.fail("measured"))
     err = _refused(module, argv, capsys)
     assert err.endswith(f"error: --batch must be >= 1, got {argv[-1]}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "text"),
+    [(["--repeats", "0"], "--repeats must be >= 1, got 0"),
+     (["--modes", "eager,turbo"], "--modes eager,turbo: unknown turbo; choose from eager,"),
+     (["--models", "nope"], "--models nope: unknown nope; choose from smoke,paper,")],
+)  # fmt: skip
+def test_step_modes_says_which_flag_is_wrong(argv: list[str], text: str, tmp_path, capsys) -> None:  # noqa: ANN001
+    """``--repeats 0`` said "unknown model or mode [] (...), or --repeats < 1", and every
+    refusal began ``step_modes:`` rather than the command's own ``PROG: error:``."""
+    err = _refused("step_modes", [*argv, "--out", str(tmp_path)], capsys)
+    assert text in err and ("unknown" in err) != ("--repeats" in err)
