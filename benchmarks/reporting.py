@@ -40,8 +40,12 @@ __all__ = [
     "write_text",
 ]
 
-# a toy run's figures must not pass for the report's: its JSON goes where it is told
-TINY_NEEDS_OUT = "--tiny measures a toy model: give --out PATH (the default is the report's JSON)"
+# a toy run's figures must not pass for the report's: they go where they are told (--out
+# is the JSON of some benchmarks, the report folder of others: the line fits both)
+TINY_NEEDS_OUT = (
+    "--tiny measures a toy model: give --out PATH (by default its figures would replace the "
+    "report's)"
+)
 
 
 Main = Callable[[list[str] | None], int]

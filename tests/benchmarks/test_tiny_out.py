@@ -15,6 +15,8 @@ def test_tiny_without_out_is_refused_in_one_line(bench, capsys) -> None:  # noqa
     assert bench.main(["--tiny"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tiny measures a toy model: give --out PATH" in err[0], err
+    # --out is a folder for efficiency and step_modes: the line claims no JSON default
+    assert err[0].endswith("(by default its figures would replace the report's)"), err
 
 
 def test_mnli_step_refuses_zero_threads(capsys) -> None:
