@@ -45,6 +45,7 @@ from benchmarks.reporting import (
     check_output,
     one_line_errors,
     print_rendered,
+    write_json,
 )
 from benchmarks.timing import timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
@@ -227,8 +228,7 @@ def run(
         "torch": torch.__version__,
         "runs": results,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=1) + "\n")
+    write_json(out, figures)  # whole: an interrupted write leaves the last figures
     print(json.dumps(figures, indent=1) if json_out else render(figures))
     return 0
 

@@ -385,3 +385,29 @@ def test_step_modes_says_which_flag_is_wrong(argv: list[str], text: str, tmp_pat
     refusal began ``step_modes:`` rather than the command's own ``PROG: error:``."""
     err = _refused("step_modes", [*argv, "--out", str(tmp_path)], capsys)
     assert text in err and ("unknown" in err) != ("--repeats" in err)
+
+
+def test_codebert_step_writes_its_json_whole(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """codebert_step wrote its JSON with a plain ``write_text``: a run stopped mid-write left
+    half a file where the last figures were. It now writes through a temporary file and a
+    rename, as the other benchmarks do: a write that fails leaves the last figures whole."""
+    import os
+
+    from benchmarks import codebert_step
+
+    def worker(cmd, what, env=None):  # noqa: ANN001, ANN202
+        batch = int(cmd[cmd.index("--batch") + 1])
+        return {"variant": cmd[cmd.index("--variant") + 1], "batch": batch, "params": 10,
+                "step_s": 1.0, "peak_mb": 5.0, "tokens_per_s": 64.0}  # fmt: skip
+
+    monkeypatch.setattr(codebert_step, "run_json_worker", worker)
+    out = tmp_path / "codebert_bench.json"
+    out.write_text('{"last": "figures"}\n')
+
+    def interrupted(src, dst):  # noqa: ANN001, ANN202
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        codebert_step.run(tiny=True, steps=1, out=out)
+    assert out.read_text() == '{"last": "figures"}\n'
