@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: {TINY_NEEDS_OUT}", file=sys.stderr)
         return 2
     try:
-        batches = [int(b) for b in args.batches.split(",") if b]
+        # a size given twice is measured once (the order kept)
+        batches = list(dict.fromkeys(int(b) for b in args.batches.split(",") if b))
     except ValueError:
         print(f"{ap.prog}: error: --batches {args.batches!r}: give integers like 1,8,32",
               file=sys.stderr)  # fmt: skip

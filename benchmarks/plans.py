@@ -659,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
             restart_for(smoke_policy(a.smoke_worker))
         print(json.dumps(experiment_worker(a.smoke_worker, a.steps, not a.no_shapes)))
         return 0
-    chosen = tuple(x for x in a.experiments.split(",") if x)
+    chosen = tuple(dict.fromkeys(x for x in a.experiments.split(",") if x))  # each once
     bad = [x for x in chosen if x not in EXPERIMENTS]
     if bad or not chosen:
         print(f"{ap.prog}: error: --experiments {a.experiments!r}: choose from "

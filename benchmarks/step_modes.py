@@ -300,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         result = worker(*args.worker, args.repeats, args.threads, args.tiny, args.device)
         print(json.dumps(result))
         return 0
-    models = [m for m in args.models.split(",") if m]
-    modes = [m for m in args.modes.split(",") if m]
+    # a name given twice is measured once (the order kept)
+    models = list(dict.fromkeys(m for m in args.models.split(",") if m))
+    modes = list(dict.fromkeys(m for m in args.modes.split(",") if m))
     if "cuda_graph" in modes and not args.device.startswith("cuda"):
         ap.error("--modes cuda_graph needs --device cuda")
     for flag, given, known in (("--models", models, MODELS), ("--modes", modes, MODES)):

@@ -411,3 +411,39 @@ def test_codebert_step_writes_its_json_whole(tmp_path: Path, monkeypatch) -> Non
     with pytest.raises(KeyboardInterrupt):
         codebert_step.run(tiny=True, steps=1, out=out)
     assert out.read_text() == '{"last": "figures"}\n'
+
+
+def test_a_value_given_twice_is_measured_once(tmp_path: Path, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """``efficiency --batches 1,1``, ``step_modes --models smoke,smoke`` and ``plans
+    --experiments mnli,mnli`` measured each point twice; the values are now taken once, in
+    the order given."""
+    from benchmarks import efficiency, plans, step_modes
+
+    points: list[tuple] = []
+
+    def worker(variant, batch, *args):  # noqa: ANN001, ANN202
+        points.append((variant, batch))
+        return {"variant": variant, "batch": batch, "step_s": 1.0, "peak_mb": 1.0}
+
+    monkeypatch.setattr(efficiency, "run_worker", worker)
+    monkeypatch.setattr(efficiency, "galore_available", lambda: True)
+    monkeypatch.setattr(efficiency, "_plot", lambda result, out: None)
+    argv = ["--batches", "8,1,8", "--repeats", "1", "--tiny", "--out", str(tmp_path / "e")]
+    assert efficiency.main(argv) == 0
+    assert [b for _, b in points] == [8] * 3 + [1] * 3
+    points.clear()
+
+    def point(model, mode, *args):  # noqa: ANN001, ANN202
+        points.append((model, mode))
+        return {"model": model, "mode": mode, "batch": 8, "seq": 16, "first_step_s": 1.0,
+                "step_s": 0.5, "peak_mb": 10.0}  # fmt: skip
+
+    monkeypatch.setattr(step_modes, "run_point", point)
+    argv = ["--models", "smoke,smoke", "--modes", "eager,sync_free,eager,sync_free", "--out",
+            str(tmp_path / "s")]  # fmt: skip
+    assert step_modes.main(argv) == 0
+    assert points == [("smoke", "eager"), ("smoke", "sync_free")]
+    runs: list[tuple] = []
+    monkeypatch.setattr(plans, "run", lambda **k: runs.append(k["experiments"]) or 0)
+    assert plans.main(["--experiments", "dlrm,mnli,dlrm"]) == 0
+    assert runs == [("dlrm", "mnli")]
