@@ -447,12 +447,12 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
 
     it = BatchIterator(data.train, p.batch_size, seed=p.train.seed, rank=rank, world_size=world)
     if summary is not None:
-        # the command checks the plans once build returns; checked here too, so that an
-        # error is its one line rather than this table and the line
-        p.plans.check_layers(
-            [n for n, m in model.named_modules() if isinstance(m, C.TTLinear)],
-            [n for n, m in model.named_modules() if isinstance(m, C.TTMEmbedding)],
-        )
+        linears = [n for n, m in model.named_modules() if isinstance(m, C.TTLinear)]
+        lookups = [n for n, m in model.named_modules() if isinstance(m, C.TTMEmbedding)]
+        if linears or lookups:  # as the command checks them once build returns (a model
+            # left all dense has no layer for a rule to name): here too, so that an error
+            # is its one line rather than this table and the line
+            p.plans.check_layers(linears, lookups)
         if rank == 0:  # the table once nothing here can refuse the run
             print(summary, file=sys.stderr)
     task = ModuleTask(model, loss, it, evaluate=_Eval(data, p.eval_batch_size, device, types),

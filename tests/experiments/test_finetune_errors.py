@@ -247,3 +247,29 @@ def test_a_resume_that_changes_the_model_names_the_flag_typed(tmp_path: Path, ca
     assert main(["--resume", run, "--model", str(tmp_path / "other")]) == 2
     line = _one_line(capsys)
     assert "drop --model (only" in line and "--model-path" not in line
+
+
+def test_plan_rules_are_checked_only_where_a_tt_layer_is_left(tmp_path: Path, capsys) -> None:
+    """A model that tensorizing left all dense has no layer for a plan rule to name: the
+    command never checked rules there, and build's own check (made to keep its errors to
+    one line) must not either."""
+    argv = _argv(tmp_path, "r", "--set", "train.comera.enabled=false", "--set",
+                 "model.min_compression=1e9", "--plan-for", "x*=dp")  # fmt: skip
+    assert main(argv) == 0
+
+
+def test_each_rank_evaluates_its_share_and_the_shares_add_up() -> None:
+    """The finetune evaluation took the whole split on every rank; each now takes its
+    contiguous share, and the shares' (sum, count) pairs add up to the whole split's."""
+    import dataclasses
+
+    p = preset("smoke")
+    p = dataclasses.replace(p, batch_size=16, data=dataclasses.replace(
+        p.data, generated_train=60, generated_eval=13))  # fmt: skip
+    task, params, state, _, _ = build(p)
+    whole = task.evaluate(params, state)
+    parts = [task.evaluate(params, state, rank=r, world=3) for r in range(3)]
+    assert [pp["validation/accuracy"][1] for pp in parts] == [4.0, 4.0, 5.0]
+    for k, (s, n) in whole.items():
+        assert sum(pp[k][1] for pp in parts) == n == 13.0
+        assert sum(pp[k][0] for pp in parts) == pytest.approx(s, rel=1e-5)
