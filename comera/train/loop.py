@@ -45,7 +45,14 @@ from comera.train.measures import lr_scale, model_size, peak_memory_mb
 from comera.train.optim import adamw_init, adamw_step, leaf_groups, sgd_step
 from comera.train.stages import StageController
 from comera.train.sync_free import SyncFreeStep
-from comera.train.task import BUFFERS, Task, eval_terms, loss_terms, unreached_error
+from comera.train.task import (
+    BUFFERS,
+    Task,
+    detached_error,
+    eval_terms,
+    loss_terms,
+    unreached_error,
+)
 from comera.tree import compact_tree, iter_tt, prune_to_size, prune_tree
 from comera.tree import leaves as tree_leaves
 
@@ -566,12 +573,7 @@ class Trainer:
             # autograd's own error names neither the task nor why; a rank's empty share
             # (no terms) may be a plain zero
             if n > 0 and not s.requires_grad:
-                raise ConfigError(
-                    "Task.loss returned a sum that does not depend on the parameters the "
-                    "trainer passed (it has no grad: detached, computed under no_grad, or a "
-                    "constant); compute it from those params (a ModuleTask's loss_fn runs "
-                    "the model through its call argument)"
-                )
+                raise detached_error()
             one_pass = one_pass and s.dtype in (torch.float32, torch.float64)
             if one_pass:
                 root = s

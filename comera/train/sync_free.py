@@ -40,7 +40,7 @@ from comera.train.distributed import sum_across_ranks
 from comera.train.measures import lr_scale
 from comera.train.optim import GROUPS, leaf_groups
 from comera.train.stages import StageController
-from comera.train.task import Task, loss_terms, unreached_error
+from comera.train.task import Task, detached_error, loss_terms, unreached_error
 
 __all__ = ["STEP_MODES", "SyncFreeStep", "require_traceable_grad"]
 
@@ -147,10 +147,13 @@ class SyncFreeStep:
         if count_tokens is not None:
             sums["tokens"] = sum([_scalar(count_tokens(b), dev) for b in batches])  # type: ignore[assignment]
         reached = False  # whether the loss reached a leaf on this rank
+        detached = count.new_zeros(())  # shares whose terms count but whose sum has no grad
         for batch in batches:
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 s, n, metrics = loss_terms(self.task.loss(params, state, batch, train=True))
             n = _scalar(n, dev)
+            if not s.requires_grad:  # known while tracing; whether it counts is the device's
+                detached = detached + (n > 0).double()
             # a rank's empty share (no terms) may be a plain zero, with no gradient
             parts = torch.autograd.grad(s, leaves, allow_unused=True) if s.requires_grad else ()
             # known while tracing (which gradients exist), so no host read: a constant
@@ -174,7 +177,7 @@ class SyncFreeStep:
         ]
         keys = sorted(sums)
         scalars = torch.stack([loss_sum, count, *(sums[k] for k in keys),
-                               loss_sum.new_full((), float(reached))])  # fmt: skip
+                               loss_sum.new_full((), float(reached)), detached])  # fmt: skip
         *grads, scalars = sum_across_ranks([*grads, scalars])
         loss_sum, count = scalars[0], scalars[1]
         loss_mean = loss_sum / count.clamp(min=1e-300)
@@ -189,8 +192,10 @@ class SyncFreeStep:
                 if t is not None:
                     g.add_(t)
         norm = torch.stack([n.double() for n in torch._foreach_norm(grads)]).norm()
-        # a loss that reached no leaf on any rank updates nothing either (the host refuses it)
-        ok = torch.isfinite(loss_mean) & torch.isfinite(norm) & (count > 0) & (scalars[-1] > 0)
+        # a loss that reached no leaf on any rank, or a detached share that counts, updates
+        # nothing either (the host refuses it)
+        ok = (torch.isfinite(loss_mean) & torch.isfinite(norm) & (count > 0)
+              & (scalars[-2] > 0) & (scalars[-1] == 0))  # fmt: skip
         if cfg.grad_clip:
             torch._foreach_mul_(grads, (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0).float())
         for g in grads:  # a no-op step must not pull NaN into the moments
@@ -208,10 +213,11 @@ class SyncFreeStep:
                 weight.double(),
                 *(_scalar(obj_metrics[k], dev) for k in obj_keys),
                 *(scalars[2 + i] for i in range(len(keys))),
+                scalars[-2],
                 scalars[-1],
             ]
         )
-        return out, ["@weight", *obj_keys, *(f"#{k}" for k in keys), "@reached"]
+        return out, ["@weight", *obj_keys, *(f"#{k}" for k in keys), "@reached", "@detached"]
 
     @torch.no_grad()
     def _update(
@@ -394,6 +400,8 @@ class SyncFreeStep:
         named = dict(zip(keys, rest, strict=True))
         if count <= 0:
             raise ValueError(f"step {step}: the global batch has no loss terms (count 0)")
+        if named.pop("@detached"):  # on some rank: nothing was updated
+            raise detached_error()
         if not named.pop("@reached"):  # on no rank: nothing was updated
             raise unreached_error()
         loss_value = loss_sum / count

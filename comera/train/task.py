@@ -10,7 +10,15 @@ import torch
 
 from comera.errors import ConfigError
 
-__all__ = ["BUFFERS", "TRAINER_METRICS", "Task", "eval_terms", "loss_terms", "unreached_error"]
+__all__ = [
+    "BUFFERS",
+    "TRAINER_METRICS",
+    "Task",
+    "detached_error",
+    "eval_terms",
+    "loss_terms",
+    "unreached_error",
+]
 
 # the state tree's key for tensors the model updates as it runs (a ModuleTask's persistent
 # buffers: batch norm's running statistics, say): under data parallelism the trainer hands
@@ -146,6 +154,17 @@ def eval_terms(raw: object) -> list[tuple[str, float, float]]:
         else:
             out.append((k, _eval_number(k, v), 1.0))
     return out
+
+
+def detached_error() -> ConfigError:
+    """The error for a share whose loss terms count but whose sum has no gradient: autograd's
+    own error names neither the task nor why."""
+    return ConfigError(
+        "Task.loss returned a sum that does not depend on the parameters the "
+        "trainer passed (it has no grad: detached, computed under no_grad, or a "
+        "constant); compute it from those params (a ModuleTask's loss_fn runs "
+        "the model through its call argument)"
+    )
 
 
 def unreached_error() -> ConfigError:
