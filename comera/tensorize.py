@@ -589,7 +589,8 @@ def _reads_weight(cls: type, child: str) -> bool:
 # methods that set a model up (and run before tensorize_), so a weight read there is
 # no read at run time: ``__init__``, ``_init_weights``, ``tie_weights``, ``reset_parameters``
 _SET_UP = re.compile(
-    r"^(__init__|post_init|_?init_\w*|\w*_init_weights|_?tie_\w*|\w*_tie_weights|_?reset_\w*)$"
+    r"^(__init__|post_init|_?init_\w*|\w*_init_weights|_?tie_\w*|\w*_tie_weights|_?reset_\w*"
+    r"|_?resize_\w*)$"  # resize_token_embeddings, DistilBERT's resize_position_embeddings
 )
 
 

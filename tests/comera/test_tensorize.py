@@ -539,7 +539,8 @@ def test_set_up_methods_alone_are_passed_over_when_looking_for_weight_reads() ->
     from comera.tensorize import _SET_UP
 
     for name in ("__init__", "_init_weights", "init_weights", "post_init", "tie_weights",
-                 "_tie_or_clone_weights", "reset_parameters"):  # fmt: skip
+                 "_tie_or_clone_weights", "reset_parameters", "resize_token_embeddings",
+                 "resize_position_embeddings"):  # fmt: skip
         assert _SET_UP.search(name), name
     for name in ("forward", "entity_positions", "get_rel_embedding", "properties", "preset"):
         assert not _SET_UP.search(name), name
