@@ -45,6 +45,7 @@ from benchmarks.reporting import (
     check_output,
     one_line_errors,
     print_rendered,
+    render_only,
     write_json,
 )
 from benchmarks.timing import timed_steps
@@ -285,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", choices=(*VARIANTS, AUTO), help="one variant in this process")
     ap.add_argument("--batch", type=int, default=None, help="with --variant: its batch (default 8)")
     a = ap.parse_args(argv)
+    if a.render is not None:  # measuring flags beside it would do nothing
+        render_only(ap, a)
     if a.batch is not None and not a.variant:  # the bench runs the batches of RUNS
         ap.error("--batch applies to one variant (--variant V); the bench runs batches 8 and 1")
     a.batch = 8 if a.batch is None else a.batch

@@ -32,6 +32,7 @@ from benchmarks.reporting import (
     check_bench_device,
     check_output,
     one_line_errors,
+    render_only,
     render_refusal,
     render_saved,
     write_json,
@@ -706,6 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.render is not None:
+        render_only(ap, args, ("report", "no_report"))  # measuring flags beside it would do nothing
         done = render_saved(args.render, render, ap.prog, ("config",))
         if done is None:
             return 2
@@ -716,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
             if why is not None:
                 ap.error(f"{args.render}: {why}")
             path = args.report or (REPORT if on_cpu else GPU_REPORT)
-            check_output(path, "--report", "file", ".json")
+            check_output(path, "--report", "file")  # rendering writes no JSON beside it
             write_text(path, text)
             _log(f"wrote {path}")
         print(text)

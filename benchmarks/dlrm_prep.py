@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.reporting import arg_parser, one_line_errors, print_rendered
+from benchmarks.reporting import arg_parser, one_line_errors, print_rendered, render_only
 from experiments.host import host_meta, report_header
 
 __all__ = ["main", "measure", "render", "write_kaggle_like"]
@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.render is not None:  # measuring flags beside it would do nothing
+        render_only(ap, args)
     args.rows = ROWS if args.rows is None else args.rows
     if args.child:
         from comera.errors import UserError

@@ -48,6 +48,7 @@ from benchmarks.reporting import (
     check_bench_device,
     one_line_errors,
     print_rendered,
+    render_only,
 )
 from benchmarks.timing import medians_over, timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
@@ -319,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --variant or --embedding: the allocator policy (default: glibc "
                          "as found)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.render is not None:  # measuring flags beside it would do nothing
+        render_only(ap, args)
     if args.malloc is not None and not (args.variant or args.embedding):  # the bench sets each
         ap.error("--malloc applies to one process (--variant V or --embedding); the bench "
                  "runs each under its own policy")  # fmt: skip

@@ -28,6 +28,7 @@ from benchmarks.reporting import (
     check_output,
     measure_points,
     one_line_errors,
+    render_only,
     render_refusal,
     render_saved,
     write_json,
@@ -210,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure nothing: render efficiency.md and .png into --out from a "
                     "saved sweep (efficiency.json)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.render is not None:  # measuring flags beside it would do nothing
+        render_only(ap, args, ("out",))
     out = args.out or REPORTS
     check_output(out, "--out", "folder")  # before anything is measured or rendered
     if args.render is not None:

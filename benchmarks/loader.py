@@ -27,6 +27,7 @@ from benchmarks.reporting import (
     arg_parser,
     check_output,
     one_line_errors,
+    render_only,
     render_saved,
     write_json,
     write_text,
@@ -260,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         help="measure nothing: render the report from a saved result",
     )
     args = p.parse_args(argv)
+    if args.render is not None:  # measuring flags beside it would do nothing
+        render_only(p, args, ("report", "no_report"))
     args.report = args.report or REPORT
     if not args.no_report:  # before measuring: refused now, not after the run
         check_output(args.report, "--report", "file", ".json")

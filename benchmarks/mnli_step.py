@@ -39,6 +39,7 @@ from benchmarks.reporting import (
     measure_points,
     one_line_errors,
     print_rendered,
+    render_only,
 )
 from benchmarks.timing import timed_steps
 from comera.train.logging import write_json_atomic
@@ -430,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default=None,
                     help=argparse.SUPPRESS)  # fmt: skip
     a = ap.parse_args(argv)
+    if a.render is not None:  # measuring flags beside it would do nothing
+        render_only(ap, a)
     for flag, value in (("--batch", a.batch), ("--malloc", a.malloc)):
         if value is not None and not a.worker:  # the bench sets each worker's own
             ap.error(f"{flag} applies to one worker (--worker V); the bench sets each point's")

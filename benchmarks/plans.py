@@ -50,6 +50,7 @@ from benchmarks.reporting import (
     check_output,
     one_line_errors,
     print_rendered,
+    render_only,
     write_json,
     write_text,
 )
@@ -649,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-shapes", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.render is not None:
+        render_only(ap, a)  # measuring flags beside it would do nothing
         return print_rendered(a.render, render, ap.prog)
     if a.smoke_worker:  # one experiment's smoke steps, for run(): JSON on stdout
         import json

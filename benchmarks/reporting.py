@@ -34,6 +34,7 @@ __all__ = [
     "one_line_errors",
     "print_rendered",
     "read_result",
+    "render_only",
     "render_refusal",
     "render_saved",
     "write_json",
@@ -116,6 +117,20 @@ def check_output(path: Path, flag: str, kind: str, beside: str | None = None) ->
     if not base.is_dir():
         raise CLIError(f"{flag} {path}: {base} is a file, so nothing can be written under it")
     check_folder(path.parent, flag)  # a folder that can be made and written here
+
+
+def render_only(ap: argparse.ArgumentParser, args: argparse.Namespace,
+                keep: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """Refuse, as a :class:`CLIError`, a measuring flag given beside ``--render``, which
+    measures nothing (the flag would be dropped without a word); ``keep`` names the dests
+    of flags that still apply (where the rendered report goes)."""
+    for action in ap._actions:
+        if not action.option_strings or action.dest in ("help", "render", *keep):
+            continue
+        if getattr(args, action.dest, action.default) != action.default:
+            flag = max(action.option_strings, key=len)
+            raise CLIError(f"{flag} with --render: --render measures nothing, so {flag} "
+                           "would do nothing; drop it")  # fmt: skip
 
 
 def write_text(path: Path, text: str) -> None:

@@ -37,6 +37,7 @@ from benchmarks.reporting import (
     check_bench_device,
     check_output,
     one_line_errors,
+    render_only,
     render_refusal,
     render_saved,
     write_text,
@@ -281,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.render is not None:
+        render_only(ap, args, ("out",))  # measuring flags beside it would do nothing
         done = render_saved(args.render, render, ap.prog, ("runs",))
         if done is None:
             return 2

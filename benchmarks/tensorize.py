@@ -35,6 +35,7 @@ from benchmarks.reporting import (
     check_output,
     one_line_errors,
     print_rendered,
+    render_only,
     write_json,
     write_text,
 )
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", choices=("comera", "dense"), help="one variant in this process")
     ap.add_argument("--batch", type=int, default=None, help="with --variant: its batch (default 4)")
     a = ap.parse_args(argv)
+    if a.render is not None:  # measuring flags beside it would do nothing
+        render_only(ap, a)
     if a.batch is not None and not a.variant:  # the bench runs the batches of RUNS
         ap.error("--batch applies to one variant (--variant V); the bench runs batches 4 and 1")
     a.batch = 4 if a.batch is None else a.batch

@@ -447,3 +447,21 @@ def test_a_value_given_twice_is_measured_once(tmp_path: Path, monkeypatch, capsy
     monkeypatch.setattr(plans, "run", lambda **k: runs.append(k["experiments"]) or 0)
     assert plans.main(["--experiments", "dlrm,mnli,dlrm"]) == 0
     assert runs == [("dlrm", "mnli")]
+
+
+@pytest.mark.parametrize(
+    ("module", "extra", "flag"),
+    [("dlrm_step", ["--steps", "3"], "--steps"),
+     ("dlrm_step", ["--variant", "comera"], "--variant"),
+     ("codebert_step", ["--variant", "comera", "--batch", "2"], "--variant"),
+     ("tensorize", ["--tiny"], "--tiny"),
+     ("mnli_step", ["--repeats", "3"], "--repeats"),
+     ("core", ["--quick"], "--quick"),
+     ("plans", ["--experiments", "mnli"], "--experiments")],
+)  # fmt: skip
+def test_a_measuring_flag_beside_render_is_refused(module, extra, flag, capsys) -> None:  # noqa: ANN001
+    """``--render`` measures nothing: a measuring flag beside it was dropped without a word
+    (exit 0); where the rendered report goes still applies."""
+    saved = REPORTS / "plans.json"  # refused before it is read: any file will do
+    line = _refused(module, ["--render", str(saved), *extra], capsys)
+    assert f"{flag} with --render: --render measures nothing" in line
