@@ -351,10 +351,10 @@ def prepare(
         raise PrepareError(f"sources {sources} hold no document")
     held = heldout_docs(docs, heldout)
     splits = {"train": [d for d in docs if d not in held]}
-    if not splits["train"]:  # one document, held out: a train split the loader refuses
+    if heldout > 0 and len(docs) == 1:  # held out, no train split; kept, no held-out one
         raise PrepareError(
-            f"--heldout {heldout} holds out the only document of the sources, which leaves "
-            "no training document; add documents, or pass --heldout 0"
+            f"--heldout {heldout}: the sources hold one document, which cannot be split into "
+            "a train and a held-out part; add documents, or pass --heldout 0"
         )
     if heldout:
         splits["heldout"] = [d for d in docs if d in held]

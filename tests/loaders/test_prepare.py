@@ -221,7 +221,11 @@ def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
         ),
         (
             ["{src}/one.py", "--out", "{out}", "--train-tokenizer", "300", "--heldout", "0.9"],
-            "--heldout 0.9 holds out the only document of the sources",
+            "--heldout 0.9: the sources hold one document, which cannot be split",
+        ),
+        (  # the one document kept: an empty held-out split, exit 0
+            ["{src}/one.py", "--out", "{out}", "--train-tokenizer", "300", "--heldout", "0.01"],
+            "--heldout 0.01: the sources hold one document, which cannot be split",
         ),
     ],
 )
