@@ -82,6 +82,7 @@ def train_size(mode_sizes: list[int], ranks: list[int]) -> int:
 
 def live_param_count(params: Params, state: State) -> int:
     """Parameters a TT/TTM layer keeps after compaction (cores, gates, bias)."""
+    _no_module(params, "live_param_count")
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     n = train_size([math.prod(c.shape[1:-1]) for c in cores], live_ranks(state))
     if params.get("bias") is not None:
@@ -91,6 +92,7 @@ def live_param_count(params: Params, state: State) -> int:
 
 def dense_param_count(params: Params, num_embeddings: int | None = None) -> int:
     """Parameters of the dense layer this TT/TTM layer replaces (weight + bias)."""
+    _no_module(params, "dense_param_count")
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     if _is_ttm(params):
         rows = num_embeddings or math.prod(c.shape[1] for c in cores)

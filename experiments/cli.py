@@ -1009,7 +1009,7 @@ def train(run: Prepared) -> dict:
         go_on = (
             "continue from its last checkpoint"
             if complete_checkpoints(run_dir)
-            else "no checkpoint was written yet; start it over with its saved config"
+            else "no checkpoint was written yet; start it over from its saved config"
         )
         raise Interrupted(
             f"{how}; {go_on} with python -m experiments.{run.exp.name} --resume {run_dir}",

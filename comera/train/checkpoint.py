@@ -372,7 +372,8 @@ def check_same_run(tr: Any, ckpt: dict) -> None:
         parts = [f"{what}: {names[:6]}" for what, names in (
             ("saved only", [o for o in only_saved if o not in in_built]),
             ("built only", [o for o in only_built if o not in in_saved]),
-            ("held as other tensors (another number of cores?)", both)) if names]  # fmt: skip
+            ("held as other tensors (another number of cores, or a bias added or dropped?)",
+             both)) if names]  # fmt: skip
         raise CheckpointError(
             f"checkpoint in {ckpt['dir']} holds other parameters than this run builds "
             f"({'; '.join(parts)}); resume with the model settings (and trainable layers) it "

@@ -21,7 +21,7 @@ from torch import nn
 
 from comera.nn import TTLinear, TTMEmbedding
 from comera.train.task import BUFFERS
-from comera.tree import iter_tt
+from comera.tree import iter_tt, leaves
 
 __all__ = ["BUFFERS", "ModuleTask"]
 
@@ -86,7 +86,7 @@ class ModuleTask:
     def replicated_tensors(self) -> list[torch.Tensor]:
         """The module's frozen parameters: neither params nor state, yet every rank must
         hold the same (the trainer broadcasts rank 0's at start, as DDP does)."""
-        held = {id(t) for t in torch.utils._pytree.tree_leaves(self.params())}
+        held = {id(t) for t in leaves(self.params())}
         return [p for p in self.model.parameters() if id(p) not in held]
 
     def state(self) -> dict:

@@ -473,7 +473,7 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
     err = [ln for ln in capsys.readouterr().err.splitlines() if "stopped" in ln]
     name = signal.Signals(signum).name
     go_on = ("continue from its last checkpoint" if saved
-             else "no checkpoint was written yet; start it over with its saved config")  # fmt: skip
+             else "no checkpoint was written yet; start it over from its saved config")  # fmt: skip
     assert err == [
         f"python -m experiments.mnli: stopped by {name} at step 2; {go_on} with "
         f"python -m experiments.mnli --resume {run_dir}"

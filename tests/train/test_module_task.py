@@ -184,7 +184,7 @@ def test_resuming_with_another_set_of_trained_tt_layers_is_refused(tmp_path) -> 
                           nn.Linear(64, 16), nn.LayerNorm(16))  # fmt: skip
     C.tensorize_(model, C.TensorizeConfig(target_modules=("0", "2", "4"), rank=8, cores=3,
                                           min_compression=0))  # fmt: skip
-    other = r"\(held as other tensors \(another number of cores\?\): \['0', '2', '4'\]\)"
+    other = r"held as other tensors \(another number of cores, .*\?\): \['0', '2', '4'\]\)"
     with pytest.raises(CheckpointError, match=other):
         _task(model).trainer(_cfg(tmp_path, steps=20, checkpoint_every=20), resume=True)
 
