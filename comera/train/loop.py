@@ -565,15 +565,20 @@ class Trainer:
         # a low precision is weighted after its backward, in the gradients' precision.
         one_pass = len(batches) == 1 and self.world == 1 and self.device.type == "cpu"
         root: torch.Tensor | None = None
+        detached = 0.0  # shares here whose terms count but whose sum has no gradient
         for batch in batches:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 out = self.task.loss(self.params, self.state, batch, train=True)
             s, n, metrics = loss_terms(out)
             n = float(n)
             # autograd's own error names neither the task nor why; a rank's empty share
-            # (no terms) may be a plain zero
+            # (no terms) may be a plain zero. Alone, refused at once; with several ranks
+            # after the reduction, on every rank (one rank raising alone left the others in
+            # the all-reduce)
             if n > 0 and not s.requires_grad:
-                raise detached_error()
+                if self.world == 1:
+                    raise detached_error()
+                detached += 1.0
             one_pass = one_pass and s.dtype in (torch.float32, torch.float64)
             if one_pass:
                 root = s
@@ -590,13 +595,15 @@ class Trainer:
             reach = self._reach(grads, only_loss=True)
             self._line_up(grads, leaves, keep_sparse)
         keys = sorted(metric_sums)
-        extra = torch.tensor([count, *(metric_sums[k] for k in keys), *reach],
+        extra = torch.tensor([count, *(metric_sums[k] for k in keys), detached, *reach],
                              dtype=torch.float64)  # fmt: skip
         scalars = torch.cat([loss_sum.reshape(1), extra.to(self.device)])
         # alone this is a no-op; with several ranks every gradient is dense and present
         *grads, scalars = sum_across_ranks([*grads, scalars])  # type: ignore[list-item]
         loss_total, count, *metric_totals = scalars.cpu().tolist()
         reached = metric_totals.pop() if reach else 1.0  # summed over ranks
+        if metric_totals.pop():  # a detached share on some rank: every rank raises
+            raise detached_error()
         if count <= 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss terms (count 0)")
         if not reached:  # every rank raises

@@ -392,6 +392,9 @@ rank, world = dist.get_rank(), dist.get_world_size()
 other = torch.randn(16, 16, requires_grad=True)
 class Elsewhere(SumCountTask):  # "one": rank 1's share reaches the model, rank 0's not
     def loss(self, params, state, batch, *, train):
+        if sys.argv[2] == "detached":  # rank 0's sum detached, rank 1's not
+            s, n, m = super().loss(params, state, batch, train=train)
+            return (s.detach() if rank == 0 else s), n, m
         if rank == 1 and sys.argv[2] == "one":
             return super().loss(params, state, batch, train=train)
         x, y = batch
@@ -420,6 +423,12 @@ def test_a_loss_that_reaches_the_model_on_no_rank_stops_every_rank(tmp_path, cap
     err = capfd.readouterr().err
     assert err.count("reaches none of the parameters") == 2 and "Traceback" not in err
     assert _spawn(script, 2, str(tmp_path / "one"), "one", mode) == [0, 0]
+    # one rank's detached share: raised by that rank alone, it left the other to die in
+    # the all-reduce with a traceback (or hang, under nccl)
+    capfd.readouterr()
+    assert _spawn(script, 2, str(tmp_path / "det"), "detached", mode) == [2, 2]
+    err = capfd.readouterr().err
+    assert err.count("does not depend on the parameters") == 2 and "Traceback" not in err
 
 
 def test_commands_leave_only_the_group_they_made():
