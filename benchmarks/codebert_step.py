@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="with --variant: its batch (default 8)")
     a = ap.parse_args(argv)
     if a.render is not None:  # measuring flags beside it would do nothing
-        render_only(ap, a)
+        render_only(ap, argv)
     if a.batch is not None and not a.variant:  # the bench runs the batches of RUNS
         ap.error("--batch applies to one variant (--variant V); the bench runs batches 8 and 1")
     a.batch = 8 if a.batch is None else a.batch

@@ -707,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.render is not None:
-        render_only(ap, args, ("report", "no_report"))  # measuring flags beside it would do nothing
+        render_only(ap, argv, ("report", "no_report"))  # measuring flags beside it would do nothing
         done = render_saved(args.render, render, ap.prog, ("config",))
         if done is None:
             return 2
@@ -718,6 +718,8 @@ def main(argv: list[str] | None = None) -> int:
             if why is not None:
                 ap.error(f"{args.render}: {why}")
             path = args.report or (REPORT if on_cpu else GPU_REPORT)
+            if path.suffix == ".json":  # markdown there would pass for (or replace) a result
+                ap.error(f"--report {path}: give a path ending in .md; the report is markdown")
             check_output(path, "--report", "file")  # rendering writes no JSON beside it
             write_text(path, text)
             _log(f"wrote {path}")

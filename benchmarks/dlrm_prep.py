@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.render is not None:  # measuring flags beside it would do nothing
-        render_only(ap, args)
+        render_only(ap, argv)
     args.rows = ROWS if args.rows is None else args.rows
     if args.child:
         from comera.errors import UserError

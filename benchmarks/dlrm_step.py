@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                          "as found)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.render is not None:  # measuring flags beside it would do nothing
-        render_only(ap, args)
+        render_only(ap, argv)
     if args.malloc is not None and not (args.variant or args.embedding):  # the bench sets each
         ap.error("--malloc applies to one process (--variant V or --embedding); the bench "
                  "runs each under its own policy")  # fmt: skip

@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                     "saved sweep (efficiency.json)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.render is not None:  # measuring flags beside it would do nothing
-        render_only(ap, args, ("out",))
+        render_only(ap, argv, ("out",))
     out = args.out or REPORTS
     check_output(out, "--out", "folder")  # before anything is measured or rendered
     if args.render is not None:

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.render is not None:  # measuring flags beside it would do nothing
-        render_only(p, args, ("report", "no_report"))
+        render_only(p, argv, ("report", "no_report"))
     args.report = args.report or REPORT
     if not args.no_report:  # before measuring: refused now, not after the run
         check_output(args.report, "--report", "file", ".json")

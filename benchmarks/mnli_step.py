@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=argparse.SUPPRESS)  # fmt: skip
     a = ap.parse_args(argv)
     if a.render is not None:  # measuring flags beside it would do nothing
-        render_only(ap, a)
+        render_only(ap, argv)
     for flag, value in (("--batch", a.batch), ("--malloc", a.malloc)):
         if value is not None and not a.worker:  # the bench sets each worker's own
             ap.error(f"{flag} applies to one worker (--worker V); the bench sets each point's")

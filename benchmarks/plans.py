@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-shapes", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.render is not None:
-        render_only(ap, a)  # measuring flags beside it would do nothing
+        render_only(ap, argv)  # measuring flags beside it would do nothing
         return print_rendered(a.render, render, ap.prog)
     if a.smoke_worker:  # one experiment's smoke steps, for run(): JSON on stdout
         import json

@@ -119,15 +119,20 @@ def check_output(path: Path, flag: str, kind: str, beside: str | None = None) ->
     check_folder(path.parent, flag)  # a folder that can be made and written here
 
 
-def render_only(ap: argparse.ArgumentParser, args: argparse.Namespace,
+def render_only(ap: argparse.ArgumentParser, argv: list[str] | None,
                 keep: tuple[str, ...] = ()) -> None:  # fmt: skip
     """Refuse, as a :class:`CLIError`, a measuring flag given beside ``--render``, which
     measures nothing (the flag would be dropped without a word); ``keep`` names the dests
-    of flags that still apply (where the rendered report goes)."""
+    of flags that still apply (where the rendered report goes). A flag counts as given
+    when it is on the command line, whatever its value (a machine-dependent default, such
+    as ``--threads``, decides nothing)."""
+    unset = object()
+    given = argparse.Namespace(**{a.dest: unset for a in ap._actions})
+    ap.parse_args(argv, namespace=given)  # argparse fills only what the command line gives
     for action in ap._actions:
         if not action.option_strings or action.dest in ("help", "render", *keep):
             continue
-        if getattr(args, action.dest, action.default) != action.default:
+        if getattr(given, action.dest) is not unset:
             flag = max(action.option_strings, key=len)
             raise CLIError(f"{flag} with --render: --render measures nothing, so {flag} "
                            "would do nothing; drop it")  # fmt: skip

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.render is not None:
-        render_only(ap, args, ("out",))  # measuring flags beside it would do nothing
+        render_only(ap, argv, ("out",))  # measuring flags beside it would do nothing
         done = render_saved(args.render, render, ap.prog, ("runs",))
         if done is None:
             return 2

@@ -457,7 +457,9 @@ def test_a_value_given_twice_is_measured_once(tmp_path: Path, monkeypatch, capsy
      ("tensorize", ["--tiny"], "--tiny"),
      ("mnli_step", ["--repeats", "3"], "--repeats"),
      ("core", ["--quick"], "--quick"),
-     ("plans", ["--experiments", "mnli"], "--experiments")],
+     ("plans", ["--experiments", "mnli"], "--experiments"),
+     ("dlrm_step", ["--device", "cpu"], "--device"),  # given, though at its default value
+     ("core", ["--threads", "2", "--no-report"], "--threads")],  # (a default per machine)
 )  # fmt: skip
 def test_a_measuring_flag_beside_render_is_refused(module, extra, flag, capsys) -> None:  # noqa: ANN001
     """``--render`` measures nothing: a measuring flag beside it was dropped without a word
@@ -465,3 +467,13 @@ def test_a_measuring_flag_beside_render_is_refused(module, extra, flag, capsys) 
     saved = REPORTS / "plans.json"  # refused before it is read: any file will do
     line = _refused(module, ["--render", str(saved), *extra], capsys)
     assert f"{flag} with --render: --render measures nothing" in line
+
+
+def test_core_render_writes_no_markdown_over_a_json(tmp_path, capsys) -> None:  # noqa: ANN001
+    """Rendering writes the markdown alone: a --report ending in .json (the very file being
+    rendered, say) would have been replaced by markdown."""
+    saved = tmp_path / "core.json"
+    saved.write_bytes((REPORTS / "bench_core.json").read_bytes())
+    line = _refused("core", ["--render", str(saved), "--report", str(saved)], capsys)
+    assert "give a path ending in .md; the report is markdown" in line
+    assert saved.read_bytes() == (REPORTS / "bench_core.json").read_bytes()
