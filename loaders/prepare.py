@@ -22,7 +22,7 @@ one document's tokens, and a 50k-token file would otherwise swamp a mix. With
 ``--heldout F`` a fixed fraction of documents (chosen by a hash of each file path or row
 number, so it never changes between runs) goes to ``DIR/heldout`` and the rest to
 ``DIR/train``; a source so small that the fraction selects none (or all) holds out exactly
-one document.
+one document, and a source of one document is refused (it cannot be split).
 
 Tokenizer: a local ``tokenizer.json`` (or folder), a hub name, or ``--train-tokenizer V``:
 a byte-level BPE of vocabulary ``V`` trained on the (training) documents with the
