@@ -40,6 +40,7 @@ import torch
 
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
+    add_json_and_render,
     arg_parser,
     check_bench_device,
     check_output,
@@ -270,18 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     (``--variant``, what the bench runs in each fresh process), or the tables of a saved
     result (``--render``)."""
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
-    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_json_and_render(ap, "measure nothing: print the tables of a saved result")
     ap.add_argument("--device", default="cpu", help="cpu (the only device this bench runs on)")
     ap.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant")
     ap.add_argument("--out", type=Path, default=None,
                     help="the JSON written (default reports/codebert_bench.json)")  # fmt: skip
-    out_format.add_argument(
-        "--render",
-        type=Path,
-        metavar="JSON",
-        help="measure nothing: print the tables of a saved result",
-    )
     ap.add_argument("--tiny", action="store_true", help="toy model (tests of the plumbing)")
     ap.add_argument("--variant", choices=(*VARIANTS, AUTO), help="one variant in this process")
     ap.add_argument("--batch", type=int, default=None, help="with --variant: its batch (default 8)")

@@ -27,6 +27,7 @@ import torch
 
 from benchmarks.memory import peak_memory_bytes
 from benchmarks.reporting import (
+    add_json_and_render,
     add_threads_flag,
     arg_parser,
     check_bench_device,
@@ -668,8 +669,13 @@ def _run_processes(n: int, argv: list[str]) -> dict:
 @one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
-    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_json_and_render(
+        ap,
+        (
+            "measure nothing: render the report from a saved result (the JSON a run writes "
+            "beside its report, or its --json output)"
+        ),
+    )
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for tests")
     ap.add_argument("--repeats", type=int, default=None, help="rounds (default 9, quick 1)")
     add_threads_flag(ap)
@@ -689,13 +695,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     report.add_argument(
         "--no-report", action="store_true", help="do not write the report (markdown and JSON)"
-    )
-    out_format.add_argument(
-        "--render",
-        type=Path,
-        metavar="JSON",
-        help="measure nothing: render the report from a saved result (the JSON a run writes "
-        "beside its report, or its --json output)",
     )
     ap.add_argument(
         "--processes",

@@ -28,7 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.reporting import arg_parser, one_line_errors, print_rendered, render_only
+from benchmarks.reporting import (
+    add_json_and_render,
+    arg_parser,
+    one_line_errors,
+    print_rendered,
+    render_only,
+)
 from experiments.host import host_meta, report_header
 
 __all__ = ["main", "measure", "render", "write_kaggle_like"]
@@ -150,14 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rows", type=int, default=None, help=f"rows of the generated file (default {ROWS:,})"
     )
     source.add_argument("--file", help="an existing Criteo file to preprocess instead")
-    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
-    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    out_format.add_argument(
-        "--render",
-        type=Path,
-        metavar="JSON",
-        help="measure nothing: print the table of a saved --json result",
-    )
+    add_json_and_render(ap, "measure nothing: print the table of a saved --json result")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.render is not None:  # measuring flags beside it would do nothing

@@ -39,11 +39,11 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks.reporting import (
+    add_json_and_render,
     arg_parser,
     check_bench_device,
     one_line_errors,
@@ -301,16 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     timing in this process (what the bench runs in each fresh process), or the tables of
     a saved result (``--render``)."""
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
-    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_json_and_render(ap, "measure nothing: print the tables of a saved --json result")
     ap.add_argument("--device", default="cpu",
                     help="cpu; cuda only for the lookup timing (--embedding)")  # fmt: skip
-    out_format.add_argument(
-        "--render",
-        type=Path,
-        metavar="JSON",
-        help="measure nothing: print the tables of a saved --json result",
-    )
     one = ap.add_mutually_exclusive_group()  # what one process of the bench times
     one.add_argument("--variant", choices=(*VARIANTS, AUTO), help="one variant in this process")
     ap.add_argument("--steps", type=int, default=None,

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from benchmarks.reporting import (
+    add_json_and_render,
     arg_parser,
     check_output,
     one_line_errors,
@@ -242,8 +243,7 @@ def write_report(res: dict, path: Path) -> None:
 @one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     p = arg_parser(PROG, __doc__.splitlines()[0])
-    out_format = p.add_mutually_exclusive_group()  # --render prints markdown
-    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_json_and_render(p, "measure nothing: render the report from a saved result")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="corpus size in tokens")
     p.add_argument("--measure-tokens", type=int, default=DEFAULT_MEASURE_TOKENS)
     report = p.add_mutually_exclusive_group()
@@ -254,12 +254,6 @@ def main(argv: list[str] | None = None) -> int:
         help=f"markdown path, JSON beside it (default {REPORT})",
     )
     report.add_argument("--no-report", action="store_true", help="write no report")
-    out_format.add_argument(
-        "--render",
-        type=Path,
-        metavar="JSON",
-        help="measure nothing: render the report from a saved result",
-    )
     args = p.parse_args(argv)
     if args.render is not None:  # measuring flags beside it would do nothing
         render_only(p, argv, ("report", "no_report"))

@@ -32,6 +32,7 @@ import torch
 
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
+    add_json_and_render,
     add_threads_flag,
     arg_parser,
     check_bench_device,
@@ -407,8 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.mnli_step``: the whole bench, one worker (``--worker``, what
     the bench runs in each fresh process) or the tables of a saved result (``--render``)."""
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
-    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_json_and_render(ap, "measure nothing: print the tables of a saved result")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where present)")
     ap.add_argument("--repeats", type=int, default=5)
     add_threads_flag(ap)
@@ -418,12 +418,6 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the JSON written (default reports/mnli_bench.json; on cuda "
         "reports/gpu/mnli_bench_cuda.json)",
-    )
-    out_format.add_argument(
-        "--render",
-        type=Path,
-        metavar="JSON",
-        help="measure nothing: print the tables of a saved result",
     )
     ap.add_argument("--tiny", action="store_true", help="toy model (tests)")
     ap.add_argument("--worker", choices=(*VARIANTS, AUTO), default=None, help=argparse.SUPPRESS)

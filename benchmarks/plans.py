@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from benchmarks.reporting import (
+    add_json_and_render,
     arg_parser,
     check_output,
     one_line_errors,
@@ -630,8 +631,7 @@ def render(result: dict) -> str:
 @one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
-    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_json_and_render(ap, "measure nothing: print the tables of a saved result")
     ap.add_argument("--steps", type=int, default=STEPS, help="timed smoke steps per variant")
     ap.add_argument("--experiments", default=",".join(EXPERIMENTS),
                     help="comma-separated subset of mnli,codebert,dlrm")  # fmt: skip
@@ -640,12 +640,6 @@ def main(argv: list[str] | None = None) -> int:
                          f"(default {PAPER_STEPS}; DLRM's, whose steps are short, its step "
                          "benchmark's own 10; 0: skip them)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPORTS / "plans.json", help="the JSON written")
-    out_format.add_argument(
-        "--render",
-        type=Path,
-        metavar="JSON",
-        help="measure nothing: print the tables of a saved result",
-    )
     ap.add_argument("--smoke-worker", choices=EXPERIMENTS, help=argparse.SUPPRESS)
     ap.add_argument("--no-shapes", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

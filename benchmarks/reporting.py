@@ -26,6 +26,7 @@ from experiments.workers import WorkerFailed
 
 __all__ = [
     "TINY_NEEDS_OUT",
+    "add_json_and_render",
     "add_threads_flag",
     "arg_parser",
     "check_bench_device",
@@ -75,6 +76,15 @@ def one_line_errors(prog: str) -> Callable[[Main], Main]:
         return run
 
     return wrap
+
+
+def add_json_and_render(ap: argparse.ArgumentParser, render_help: str) -> None:
+    """A benchmark's ``--json`` (print the result as one JSON object) and ``--render JSON``
+    (measure nothing; ``render_help`` says what it prints or writes), one or the other:
+    a render prints the report's markdown, so ``--json`` beside it would do nothing."""
+    out_format = ap.add_mutually_exclusive_group()
+    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    out_format.add_argument("--render", type=Path, metavar="JSON", help=render_help)
 
 
 def add_threads_flag(ap: argparse.ArgumentParser) -> None:

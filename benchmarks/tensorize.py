@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.reporting import (
     TINY_NEEDS_OUT,
+    add_json_and_render,
     arg_parser,
     check_output,
     one_line_errors,
@@ -209,17 +210,10 @@ def render(result: dict) -> str:
 @one_line_errors(PROG)
 def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(PROG, __doc__.split("\n")[0])
-    out_format = ap.add_mutually_exclusive_group()  # --render prints markdown
-    out_format.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_json_and_render(ap, "measure nothing: print the tables of a saved result")
     ap.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant")
     ap.add_argument("--out", type=Path, default=None,
                     help="the JSON written (default reports/tensorize.json)")  # fmt: skip
-    out_format.add_argument(
-        "--render",
-        type=Path,
-        metavar="JSON",
-        help="measure nothing: print the tables of a saved result",
-    )
     ap.add_argument("--tiny", action="store_true", help="toy model (tests of the plumbing)")
     ap.add_argument("--variant", choices=("comera", "dense"), help="one variant in this process")
     ap.add_argument("--batch", type=int, default=None, help="with --variant: its batch (default 4)")
