@@ -88,12 +88,7 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
             f"Task.loss returned metrics of type {type(metrics).__name__}; return a dict of "
             "per-batch metrics as the third value ({} for none)"
         )
-    odd = [k for k in metrics if not isinstance(k, str)]
-    if odd:
-        raise TypeError(
-            f"Task.loss returned metrics named {odd!r}; metric names are strings (they are "
-            "logged as metrics.jsonl and wandb keys)"
-        )
+    _string_names("Task.loss", metrics, "metrics.jsonl and wandb keys")
     clash = sorted(k for k in metrics if k in TRAINER_METRICS
                    or k.startswith(("ranks/", "eval/", "@", "#")))  # fmt: skip
     if clash:
@@ -103,6 +98,17 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
             "them (e.g. with a prefix: train/...)"
         )
     return s, n, metrics
+
+
+def _string_names(where: str, metrics: Mapping, logged_as: str) -> None:
+    """Refuse metric names that are not strings (``where`` returned them): they are logged
+    as ``logged_as``."""
+    odd = [k for k in metrics if not isinstance(k, str)]
+    if odd:
+        raise TypeError(
+            f"{where} returned metrics named {odd!r}; metric names are strings (they are "
+            f"logged as {logged_as})"
+        )
 
 
 def _eval_number(name: str, value: object) -> float:
@@ -134,12 +140,7 @@ def eval_terms(raw: object) -> list[tuple[str, float, float]]:
             f"Task.evaluate returned {type(raw).__name__}; it must return a dict of metric "
             "name to a number or a (sum, count) tuple ({} for none)"
         )
-    odd = [k for k in raw if not isinstance(k, str)]
-    if odd:
-        raise TypeError(
-            f"Task.evaluate returned metrics named {odd!r}; metric names are strings (they "
-            "are logged as eval/NAME)"
-        )
+    _string_names("Task.evaluate", raw, "eval/NAME")
     out = []
     for k in sorted(raw):
         v = raw[k]
