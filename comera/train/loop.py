@@ -541,7 +541,7 @@ class Trainer:
     def _buffers(self) -> list[torch.Tensor]:
         """The state's running buffers (:data:`comera.train.task.BUFFERS`)."""
         held = self.state.get(BUFFERS) if isinstance(self.state, dict) else None
-        return tree_flatten(held)[0] if held else []
+        return tree_leaves(held) if held else []
 
     def _train_step(self, *batches: Any) -> dict:
         if self.sync_free is not None:
