@@ -103,6 +103,38 @@ def test_from_dense_truncation_is_best_at_rank_for_a_matrix():
     torch.testing.assert_close(err, torch.linalg.norm(s[4:]))
 
 
+def _textbook_tt_svd(t: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
+    """TT-SVD through a full SVD of every unfolding, multiplied back out (a reference)."""
+    rest, out = t.reshape(1, -1), torch.ones(1, 1, dtype=t.dtype)
+    for k, n in enumerate(t.shape[:-1]):
+        u, s, vh = torch.linalg.svd(rest.reshape(rest.shape[0] * n, -1), full_matrices=False)
+        r = min(ranks[k], s.shape[0])
+        out = (out @ u[:, :r].reshape(rest.shape[0], -1)).reshape(-1, r)
+        rest = s[:r, None] * vh[:r]
+    return (out @ rest).reshape(t.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "out_modes,in_modes,ranks",
+    [((3, 4), (5, 3), 2), ((2, 9), (3, 2), 3), ((7, 2), (2, 11), (4, 3, 2))],
+)
+def test_from_dense_truncation_matches_textbook_tt_svd(out_modes, in_modes, ranks, dtype):
+    # binding ranks through wide and tall unfoldings (each takes its own path to
+    # the leading singular vectors); distinct singular values make the result unique
+    torch.manual_seed(3)
+    spec = C.TTLinearSpec(out_modes=out_modes, in_modes=in_modes, ranks=ranks, dtype=dtype,
+                          bias=False)  # fmt: skip
+    w = torch.randn(spec.dense_shape, dtype=torch.float64)
+    params, state = C.from_dense(w.to(dtype), spec)
+    assert [c.dtype for c in params["cores"]] == [dtype] * len(spec.modes)
+    want = _textbook_tt_svd(w.reshape(spec.modes), spec.ranks).reshape(spec.dense_shape)
+    got = C.to_dense(params, state).double()
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert torch.linalg.norm(got - w) > 0.1  # the ranks did bind
+
+
 def test_ttm_from_dense_roundtrip_with_padding():
     torch.manual_seed(2)
     spec = C.TTMEmbeddingSpec(
