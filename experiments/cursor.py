@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from comera.errors import DataError
+from comera.errors import CheckpointError, DataError
 
 __all__ = ["EpochCursor", "full_digest", "sample_digest"]
 
@@ -87,6 +87,7 @@ class EpochCursor:
             if not state or any(s != state[0] for s in state):
                 raise DataError(f"{name}: the saved ranks disagree on the position")
             state = state[0]
+        _check_form(name, state)
         # the data first: lines added or removed also change n, and the data is the cause
         saved_id = state.get("data_id")
         if (
@@ -96,7 +97,7 @@ class EpochCursor:
         ):
             changed = (
                 f" (it had {state['n']} examples, this has {self.n})"
-                if ("n" in state and int(state["n"]) != self.n)
+                if ("n" in state and state["n"] != self.n)
                 else ""
             )
             raise DataError(
@@ -106,15 +107,42 @@ class EpochCursor:
                 "start a new run"
             )
         for key, mine in (("n", self.n), ("seed", self.seed), ("batch_size", self.batch_size)):
-            if key in state and int(state[key]) != mine:
+            if key in state and state[key] != mine:
                 raise DataError(
                     f"{name} state has {key}={state[key]} but this iterator has {key}={mine}; "
                     "resume with the same data and settings"
                 )
-        epoch, step = int(state["epoch"]), int(state["batch_in_epoch"])
+        epoch, step = state["epoch"], state["batch_in_epoch"]
         if epoch < 0 or not 0 <= step < self.steps_per_epoch:
             raise DataError(
                 f"{name} state epoch={epoch}, batch_in_epoch={step} is out of range "
                 f"(steps_per_epoch={self.steps_per_epoch})"
             )
         self.epoch, self.batch_in_epoch = epoch, step
+
+
+def _check_form(name: str, state: object) -> None:
+    """Refuse a saved position that is not :meth:`EpochCursor.state_dict`'s form (a
+    damaged or hand-edited file) as a damaged checkpoint: a dict of integer counters and
+    an optional string ``data_id``. Without this, a missing key or a string counter failed
+    deep in the resume with a traceback."""
+    ints = ("epoch", "batch_in_epoch", "n", "seed", "batch_size")
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{name}: the saved position is a {type(state).__name__}, not a dict; it is damaged"
+        )
+    missing = [k for k in ("epoch", "batch_in_epoch") if k not in state]
+    bad = [
+        k
+        for k in ints
+        if k in state and (not isinstance(state[k], int) or isinstance(state[k], bool))
+    ]
+    if missing or bad or not isinstance(state.get("data_id", ""), str):
+        what = (
+            f"lacks {', '.join(missing)}"
+            if missing
+            else f"has a non-integer {', '.join(bad)}"
+            if bad
+            else "has a non-string data_id"
+        )
+        raise CheckpointError(f"{name}: the saved position {what}; it is damaged")

@@ -60,6 +60,7 @@ CHECKPOINTS = "checkpoints"
 MODEL = "model.pt"
 DATA_FORMAT = "comera.data_state"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_DATA_RE = re.compile(r"^data_rank(\d+)\.json$")
 
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -67,11 +68,19 @@ def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
 
 
 def _atomic(path: Path, write) -> None:
+    """``write(f)`` into a temp file beside ``path``, fsynced, then renamed over it. A
+    failed write (a full disk) removes the temp file and raises the ``OSError``: through a
+    Python file, torch.save's own errors (``RuntimeError: unexpected pos``) name it."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_rank_files(directory: Path, step: int, rank: int, world: int, rng: dict, data: dict):
@@ -79,8 +88,8 @@ def write_rank_files(directory: Path, step: int, rank: int, world: int, rng: dic
     tag = {"step": step, "rank": rank, "world_size": world}
     text = data_position_text({"format": DATA_FORMAT, "version": 1, **tag, "state": data})
     directory.mkdir(parents=True, exist_ok=True)
-    _atomic(directory / f"rank{rank:05d}.pt", lambda p: torch.save({**tag, "rng": rng}, p))
-    _atomic(directory / f"data_rank{rank:05d}.json", lambda p: p.write_text(text))
+    _atomic(directory / f"rank{rank:05d}.pt", lambda f: torch.save({**tag, "rng": rng}, f))
+    _atomic(directory / f"data_rank{rank:05d}.json", lambda f: f.write(text.encode()))
 
 
 def data_position_text(record: dict) -> str:
@@ -100,10 +109,13 @@ def data_position_text(record: dict) -> str:
 def write_model(directory: Path, payload: dict, keep: int) -> Path:
     """Rank 0, after every rank's files: the model file, then drop old checkpoints."""
     path = directory / MODEL
-    _atomic(path, lambda p: torch.save(payload, p))
+    _atomic(path, lambda f: torch.save(payload, f))
     root = directory.parent
     for old in complete_checkpoints(root.parent)[:-keep]:
         if old != directory:  # never the one just written, whatever else the folder holds
+            # the model file first: a delete killed half-way leaves a folder that no longer
+            # counts as complete, not one that does and lacks its rank files
+            (old / MODEL).unlink(missing_ok=True)
             shutil.rmtree(old, ignore_errors=True)
     for d in root.iterdir():  # debris of a save that died before its model file
         m = _STEP_RE.match(d.name)
@@ -124,6 +136,9 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     ]
     return [d for _, d in sorted(found)]
 
+
+# what set_rng_state reads of a rank file's RNG state
+_RNG_KEYS = {"torch", "cuda", "python"}
 
 # what restore_trainer reads of every model file (version 2; world_size and eval_data are
 # newer and optional)
@@ -182,9 +197,10 @@ def read_rank_files(
 
     ``world`` (the model file's world size) limits the read to ranks ``0..world-1``, so
     files left by an older save at a larger world size are ignored."""
-    data_files = sorted(directory.glob("data_rank*.json"))
-    if world is not None:
-        data_files = [p for p in data_files if int(p.stem.removeprefix("data_rank")) < world]
+    # by exact name: a file manager's "data_rank00000 (copy).json" is not a rank's
+    named = [(int(m.group(1)), p) for p in sorted(directory.glob("data_rank*.json"))
+             if (m := _DATA_RE.match(p.name))]  # fmt: skip
+    data_files = [p for r, p in named if world is None or r < world]
     if not data_files:
         raise CheckpointError(f"{directory} holds no data_rank*.json; the checkpoint is partial")
     datas = []
@@ -213,7 +229,8 @@ def read_rank_files(
             r = torch.load(p, map_location="cpu", weights_only=False)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"rank file {p} is unreadable: {e}") from e
-        if not isinstance(r, dict) or "rng" not in r or "step" not in r:
+        rng = r.get("rng") if isinstance(r, dict) else None
+        if not isinstance(rng, dict) or "step" not in r or not _RNG_KEYS <= rng.keys():
             raise CheckpointError(f"rank file {p} lacks its step or RNG state; the checkpoint "
                                   "is damaged: resume from an earlier one")  # fmt: skip
         for what, tagged in (("data state", d["step"]), ("RNG state", r["step"])):
@@ -261,6 +278,25 @@ def save_trainer(tr: Any) -> Path:
             "beginning (not exact); give it both methods for an exact resume",
             stacklevel=3,
         )
+    try:
+        _save_files(tr, d, data)
+    except OSError as e:  # a full disk, a folder made read-only: the saved ones stay
+        done = [c for c in complete_checkpoints(tr.run_dir) if c != d]
+        last = (
+            f"the last complete checkpoint is {done[-1]}"
+            if done
+            else "no checkpoint is complete yet"
+        )
+        raise CheckpointError(
+            f"cannot write checkpoint {d} ({e.strerror or e}); {last}: free space or make the "
+            f"folder writable, then --resume {tr.run_dir}"
+        ) from e
+    return d
+
+
+def _save_files(tr: Any, d: Path, data: object) -> None:
+    """:func:`save_trainer`'s writes: every rank's files, then (after a barrier) rank 0's
+    model file."""
     write_rank_files(d, tr.step, tr.rank, tr.world, rng_state(tr.device), data)
     if tr.world > 1:
         dist.barrier()
@@ -281,7 +317,6 @@ def save_trainer(tr: Any) -> Path:
             "eval_data": eval_data_id(tr.task),
         }
         write_model(d, payload, tr.cfg.keep_checkpoints)
-    return d
 
 
 # TrainConfig fields a resume may change: where it runs, how it reports, how often it
@@ -410,6 +445,50 @@ def check_same_eval(tr: Any, ckpt: dict) -> None:
         )
 
 
+def _with_previous(e: CheckpointError, ckpt: dict) -> CheckpointError:
+    """``e`` with the way on: the previous checkpoint, as for an unreadable model file."""
+    if not ckpt.get("previous"):
+        return e
+    return CheckpointError(
+        f"{e}. The previous checkpoint is {ckpt['previous']}: move {ckpt['dir']} away and "
+        "--resume again to continue from it"
+    )
+
+
+def _restore_position(tr: Any, ckpt: dict, datas: list[dict]) -> None:
+    """Hand the saved data position to the run's ``train_iter`` (every saved rank's to a
+    rescalable one, else this rank's); before anything else is restored."""
+    it, saved_world = tr.task.train_iter, len(datas)
+    if all(d["state"] is None for d in datas):  # saved by an iterator without a state_dict
+        warnings.warn(
+            f"{ckpt['dir']} holds no data position (its train_iter had no state_dict): the "
+            "data restarts from its beginning, so this resume is not exact",
+            stacklevel=4,
+        )
+    elif not hasattr(it, "load_state_dict"):
+        raise CheckpointError(
+            f"{ckpt['dir']} holds a data position, but this run's train_iter "
+            f"({type(it).__name__}) has no load_state_dict to restore it; resume with the "
+            "iterator the run was saved with"
+        )
+    elif not getattr(it, "rescalable", False) and saved_world != tr.world:
+        raise CheckpointError(
+            f"{ckpt['dir']} was saved by {saved_world} ranks and this run has {tr.world}; "
+            f"{type(it).__name__} cannot resume at another world size: relaunch with "
+            f"torchrun --nproc_per_node {saved_world}"
+        )
+    else:
+        # a rescalable iterator takes every saved rank's state, at any world size: at an
+        # unchanged one too, since a TokenLoader whose worker count changed needs every
+        # rank's shards to re-cut them
+        rescalable = getattr(it, "rescalable", False)
+        try:
+            it.load_state_dict([d["state"] for d in datas] if rescalable
+                               else datas[tr.rank]["state"])  # fmt: skip
+        except CheckpointError as e:  # a damaged position, which the iterator found
+            raise _with_previous(e, ckpt) from e
+
+
 def restore_trainer(tr: Any, ckpt: dict) -> None:
     """Load ``ckpt`` into a trainer built with the same config: model, optimizer, stage,
     the data position (every saved rank's for a rescalable iterator, else this rank's) and
@@ -445,37 +524,9 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     try:
         rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
     except CheckpointError as e:  # as for an unreadable model file: say how to go on
-        if not ckpt.get("previous"):
-            raise
-        raise CheckpointError(
-            f"{e}. The previous checkpoint is {ckpt['previous']}: move {ckpt['dir']} away "
-            "and --resume again to continue from it"
-        ) from e
-    it, saved_world = tr.task.train_iter, len(datas)
-    if all(d["state"] is None for d in datas):  # saved by an iterator without a state_dict
-        warnings.warn(
-            f"{ckpt['dir']} holds no data position (its train_iter had no state_dict): the "
-            "data restarts from its beginning, so this resume is not exact",
-            stacklevel=3,
-        )
-    elif not hasattr(it, "load_state_dict"):
-        raise CheckpointError(
-            f"{ckpt['dir']} holds a data position, but this run's train_iter "
-            f"({type(it).__name__}) has no load_state_dict to restore it; resume with the "
-            "iterator the run was saved with"
-        )
-    elif getattr(it, "rescalable", False):
-        # every saved rank's state, at any world size: at an unchanged one too, since a
-        # TokenLoader whose worker count changed needs every rank's shards to re-cut them
-        it.load_state_dict([d["state"] for d in datas])
-    elif saved_world == tr.world:
-        it.load_state_dict(datas[tr.rank]["state"])
-    else:
-        raise CheckpointError(
-            f"{ckpt['dir']} was saved by {saved_world} ranks and this run has {tr.world}; "
-            f"{type(it).__name__} cannot resume at another world size: relaunch with "
-            f"torchrun --nproc_per_node {saved_world}"
-        )
+        raise _with_previous(e, ckpt) from e
+    _restore_position(tr, ckpt, datas)
+    saved_world = len(datas)
     dev = tr.device
     to_dev = lambda tree: tree_map(lambda t: t.to(dev), tree)  # noqa: E731
     tr.params = tree_map(lambda t: t.to(dev).requires_grad_(True), ckpt["params"])
@@ -495,4 +546,11 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
         random.seed(tr.cfg.seed + tr.rank + tr.step)
         torch.manual_seed(tr.cfg.seed + tr.rank + tr.step)
     if tr.rank == 0:
-        truncate_metrics(tr.run_dir / "metrics.jsonl", tr.step, rows)
+        try:
+            truncate_metrics(tr.run_dir / "metrics.jsonl", tr.step, rows)
+        except OSError as e:  # a full disk; the file is as it was
+            raise CheckpointError(
+                f"cannot rewrite {tr.run_dir / 'metrics.jsonl'} to the checkpoint's step "
+                f"({e.strerror or e}): free space or make the folder writable, then --resume "
+                f"{tr.run_dir} again"
+            ) from e

@@ -137,8 +137,12 @@ def write_json_atomic(path: Path, data: object) -> None:
 def _replace_text(path: Path, text: str) -> None:
     """Write ``text`` beside ``path`` and rename it over: readers never see half a file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:  # a full disk: no half-written temp file left beside it
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def resolve_wandb_mode(flag: str | None) -> tuple[str, str | None]:

@@ -339,3 +339,111 @@ def test_benchmark_baseline_holds_the_modules_a_step_imports():
                              text=True, check=True)  # fmt: skip
         added[fn] = float(out.stdout.strip())
     assert added["rss_mb"] - added["baseline_rss_mb"] > 40, added  # dynamo: ~70 MB
+
+
+class _StrictIter:
+    """A resumable stream that refuses a damaged position, as ``EpochCursor`` does."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.inner)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, s):
+        if not isinstance(s, dict) or not isinstance(s.get("i"), int):
+            raise CheckpointError("the saved position lacks i; it is damaged")
+        self.inner.load_state_dict(s)
+
+
+def _strict_task() -> ToyTask:
+    task = ToyTask()
+    task.train_iter = _StrictIter(task.train_iter)
+    return task
+
+
+def _damage_rng(ckpt: Path) -> None:
+    rank = torch.load(ckpt / "rank00000.pt", weights_only=False)
+    torch.save(rank | {"rng": {}}, ckpt / "rank00000.pt")
+
+
+def _damage_position(ckpt: Path) -> None:
+    data = json.loads((ckpt / "data_rank00000.json").read_text())
+    (ckpt / "data_rank00000.json").write_text(json.dumps(data | {"state": {}}))
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [(_damage_rng, "rank00000.pt lacks its step or RNG state"),
+     (_damage_position, "the saved position lacks i")],
+)  # fmt: skip
+def test_a_damaged_rank_file_names_the_previous_checkpoint(tmp_path, damage, message):
+    # both loaded, then failed in the resume with a traceback (KeyError: 'torch', or the
+    # iterator's own), the RNG one after the model was restored
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5)
+    Trainer(cfg, _strict_task(), *_toy_model()).fit()
+    newest = complete_checkpoints(cfg.run_dir)[-1]
+    damage(newest)
+    with pytest.raises(
+        CheckpointError, match=rf"{message}.*previous checkpoint is .*step_00000005"
+    ):
+        Trainer(cfg, _strict_task(), *_toy_model(), resume=True)
+
+
+def test_a_copy_of_a_rank_file_beside_it_is_ignored(tmp_path):
+    # a file manager's copy matched data_rank*.json and its name failed int()
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    newest = complete_checkpoints(cfg.run_dir)[-1]
+    text = (newest / "data_rank00000.json").read_text()
+    (newest / "data_rank00000 (copy).json").write_text(text)
+    assert Trainer(cfg, ToyTask(), *_toy_model(), resume=True).step == 10
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_error_and_leaves_no_debris(
+    tmp_path, monkeypatch
+):
+    # a full disk was torch's "unexpected pos" RuntimeError with model.pt.tmp left behind
+    import errno
+
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5)
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 10 and "params" in obj:
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*step_00000010 \(No "
+                       r"space left on device\); the last complete checkpoint is "
+                       r".*step_00000005: free space"):  # fmt: skip
+        Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    assert not list(Path(cfg.run_dir).rglob("*.tmp"))
+    monkeypatch.setattr(torch, "save", real_save)
+    assert Trainer(cfg, ToyTask(), *_toy_model(), resume=True).step == 5
+
+
+def test_an_old_checkpoint_stops_counting_before_its_files_go(tmp_path, monkeypatch):
+    # deleted in directory order, a folder killed half-way could keep model.pt (complete,
+    # to every later resume) without its rank files
+    import comera.train.checkpoint as ckpt_module
+
+    seen = []
+    real = ckpt_module.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        seen.append((Path(path).name, (Path(path) / "model.pt").exists()))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_module.shutil, "rmtree", rmtree)
+    cfg = _cfg(tmp_path, steps=15, checkpoint_every=5)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    assert seen == [("step_00000005", False)]

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from comera.errors import ConfigError, DataError
+from comera.errors import CheckpointError, ConfigError, DataError
 from experiments.mnli import data as md
 from experiments.mnli import generated as mg
 from experiments.mnli.batches import BatchIterator, EncodedSplit, eval_batches
@@ -398,6 +398,14 @@ def test_state_mismatch_and_argument_errors():
             it.load_state_dict({**it.state_dict(), key: value})
     with pytest.raises(ValueError, match="out of range"):
         it.load_state_dict({**it.state_dict(), "batch_in_epoch": 5})
+    # a damaged saved position is a damaged checkpoint, not a KeyError or int() traceback
+    state = it.state_dict()
+    for bad, what in (({}, "lacks epoch, batch_in_epoch"), ("x", "is a str, not a dict"),
+                      ({**state, "epoch": "a"}, "non-integer epoch"),
+                      ({**state, "seed": True}, "non-integer seed"),
+                      ({**state, "data_id": 3}, "non-string data_id")):  # fmt: skip
+        with pytest.raises(CheckpointError, match=f"saved position .*{what}.*damaged"):
+            it.load_state_dict(bad)
     with pytest.raises(ValueError, match="multiple of world_size=4"):
         BatchIterator(_split(20), 6, world_size=4)
     with pytest.raises(ValueError, match="smaller than batch_size"):
