@@ -86,16 +86,38 @@ def load_states(directory: str | Path) -> list[dict]:
             "save each checkpoint into its own folder"
         )
     world = worlds.pop()
+    for p, st in zip(files, states, strict=True):
+        if int(_FILE_RE.match(p.name).group(1)) != int(st["rank"]):  # type: ignore[union-attr]
+            raise LoaderInputError(
+                f"{p} holds the state of rank {st['rank']}: a file renamed or copied by hand; "
+                "restore the folder as the save wrote it, or use another checkpoint"
+            )
     ranks = sorted(int(s["rank"]) for s in states)
     if ranks != list(range(world)):
         raise LoaderInputError(
             f"{directory} holds loader states for ranks {ranks} but world_size={world}; "
             "a rank file is missing (the save was interrupted): use the previous checkpoint"
         )
-    steps = {s.get("step") for s in states}
-    if len(steps) > 1:
-        raise LoaderInputError(f"loader states in {directory} are from different steps {steps}")
+    check_one_save(states, f"loader states in {directory}")
     return states
+
+
+def check_one_save(states: list[dict], what: str) -> None:
+    """Refuse rank states written by different saves: ranks apart in time would repeat or
+    skip the tokens between. A save records its ``step`` when given one, else the rank's
+    count of saves (``save``): equal on every rank of one save round, so a folder reused
+    by ``save(dir)`` where one rank's newer file sits beside another's older one is
+    refused."""
+    marks = {(s.get("step"), s.get("save")) for s in states}
+    if len(marks) > 1:
+        shown = sorted(
+            (f"step {a}" if a is not None else f"save {b}" if b is not None else "unmarked")
+            for a, b in marks
+        )
+        raise LoaderInputError(
+            f"{what} were saved at different points ({', '.join(shown)}); pass every "
+            "rank's state of one save (save(dir, step=...) marks each save's step)"
+        )
 
 
 def check_state(state: object, where: str = "loader state") -> None:
@@ -139,8 +161,9 @@ def check_state(state: object, where: str = "loader state") -> None:
     for key in ("rank", "world_size", "num_workers"):
         if not is_int(state.get(key)):
             raise bad(key, "is not an integer")
-    if "step" in state and not (is_int(state["step"]) and state["step"] >= 0):
-        raise bad("step", f"{state['step']!r} is not an integer >= 0")
+    for key in ("step", "save"):
+        if key in state and not (is_int(state[key]) and state[key] >= 0):
+            raise bad(key, f"{state[key]!r} is not an integer >= 0")
     if not 0 <= state["rank"] < state["world_size"]:
         raise bad("rank", f"{state['rank']} is outside world_size {state['world_size']}")
     if not 1 <= state["num_workers"] <= fp["num_shards"] // state["world_size"]:
@@ -266,12 +289,7 @@ def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True
             f"incomplete or mixed loader states (ranks {ranks}, world sizes {sorted(worlds)}, "
             f"workers {sorted(workers)}); pass every rank's state of one checkpoint"
         )
-    steps = {s.get("step") for s in states}  # what TokenLoader.save(step=...) recorded
-    if len(steps) > 1:  # ranks apart in time would repeat or skip the tokens between
-        raise LoaderInputError(
-            f"loader states of ranks {ranks} were saved at different steps "
-            f"{sorted(steps, key=repr)}; pass every rank's state of one checkpoint"
-        )
+    check_one_save(states, f"loader states of ranks {ranks}")
     names = list(states[0]["fingerprint"]["docs"])
     cursors: dict[str, dict[int, tuple[int, int, int]]] = {n: {} for n in names}
     readers: dict[tuple[int, int], dict] = {}

@@ -176,6 +176,7 @@ class TokenLoader:
         self._pipes: list[ReaderPipeline] = []
         self._iter: Iterator[dict] | None = None
         self._targets: list[dict[str, float] | None] = []  # per reader; see _check_readers
+        self._saves = 0  # save() calls, resumed ones included: see check_one_save
         self._start_pipes()  # validates ownership now and gives state_dict() a value
 
     # -- iteration ---------------------------------------------------------------------
@@ -355,6 +356,8 @@ class TokenLoader:
             if s is not None:
                 s["weights"] = dict(weights)
         self._start_pipes(targets)
+        # every rank of the resumed run counts on from the save it loaded
+        self._saves = max((int(st.get("save", 0)) for st in states), default=0)
 
     def set_weights(self, weights: dict[str, float]) -> None:
         """Change target token shares now; no sub-dataset loses its position. Weights
@@ -384,10 +387,17 @@ class TokenLoader:
     def save(
         self, directory: str | Path, *, background: bool = False, step: int | None = None
     ) -> Path | Future[Path]:
-        """Write this rank's state file (atomic; no communication with other ranks)."""
+        """Write this rank's state file (atomic; no communication with other ranks).
+
+        ``step`` marks the save (loading refuses rank files of different steps); without
+        it the file records this rank's count of saves instead, which every rank of one
+        save round shares."""
         state = self.state_dict()
+        self._saves += 1
         if step is not None:
             state["step"] = int(step)
+        else:
+            state["save"] = self._saves
         return save_state(state, directory, background=background)
 
     def load(self, directory: str | Path) -> None:

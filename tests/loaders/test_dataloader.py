@@ -121,15 +121,51 @@ def test_incomplete_checkpoint_folder_is_refused(corpus, tmp_path):
     with pytest.raises(ValueError, match="ranks \\[0, 2\\] but world_size=3.*previous checkpoint"):
         TokenLoader(_cfg(root)).load(tmp_path)
     TokenLoader(_cfg(root), rank=1, world_size=3).save(tmp_path, step=2)
-    with pytest.raises(ValueError, match="different steps"):
+    with pytest.raises(ValueError, match=r"different points \(step 1, step 2\)"):
         TokenLoader(_cfg(root)).load(tmp_path)
     # the same states handed over as a list (not read from the folder) are refused too
     states = [json.loads(state_path(tmp_path, r).read_text()) for r in range(3)]
-    with pytest.raises(ValueError, match=r"ranks \[0, 1, 2\] were saved at different steps"):
+    with pytest.raises(ValueError, match=r"ranks \[0, 1, 2\] were saved at different points"):
         TokenLoader(_cfg(root)).load_state_dict(states)
     with pytest.raises(FileNotFoundError, match="no loader state files"):
         TokenLoader(_cfg(root)).load(tmp_path / "nothing")
     assert ckpt.STATE_VERSION == 1
+
+
+def test_unmarked_saves_into_one_folder_are_told_apart(corpus, tmp_path):
+    # save(dir) without a step, into a folder reused each round: a rank that saved again
+    # while another did not (it died first) left files of two rounds, which loaded
+    # silently and repeated the tokens between them
+    root, _ = corpus
+    loaders = [TokenLoader(_cfg(root), rank=r, world_size=2) for r in range(2)]
+    for ld in loaders:
+        take(ld, 2)
+        ld.save(tmp_path)
+    take(loaders[1], 2)
+    loaders[1].save(tmp_path)
+    with pytest.raises(ValueError, match=r"different points \(save 1, save 2\)"):
+        TokenLoader(_cfg(root)).load(tmp_path)
+    take(loaders[0], 2)
+    loaders[0].save(tmp_path)  # the round completed: one save
+    merged = TokenLoader(_cfg(root))
+    merged.load(tmp_path)
+    # the resumed run counts on from there: its next round is save 3 on every rank
+    again = [TokenLoader(_cfg(root), rank=r, world_size=3) for r in range(3)]
+    for ld in again:
+        ld.load(tmp_path)
+    out = tmp_path / "next"
+    for ld in again:
+        ld.save(out)
+    assert {s["save"] for s in load_states(out)} == {3}
+
+
+def test_a_rank_file_renamed_by_hand_is_named(corpus, tmp_path):
+    root, _ = corpus
+    for r in range(2):
+        TokenLoader(_cfg(root), rank=r, world_size=2).save(tmp_path, step=1)
+    state_path(tmp_path, 1).write_text(state_path(tmp_path, 0).read_text())
+    with pytest.raises(ValueError, match=r"loader_rank00001.json holds the state of rank 0"):
+        TokenLoader(_cfg(root)).load(tmp_path)
 
 
 def test_rank_and_world_resolution(monkeypatch, tmp_path):
