@@ -89,10 +89,24 @@ class Variant:
 
 
 def _scaled(key: str, factors: tuple[float, ...]) -> Callable[[Any, Any], list[Variant]]:
+    """The setting ``key`` times each factor (an integer one, a rank, at least 1); values
+    that coincide (0.5x and 1x of rank 1) run once, and a sweep left with one value, whose
+    report would hold one row (gamma 0 times anything), is refused."""
+
     def make(cfg: Any, exp: cli.Experiment) -> list[Variant]:
         base = _get(cfg, key)
-        vals = [type(base)(base * f) if f else type(base)(0) for f in factors]
-        return [Variant(f"{key.rsplit('.', 1)[-1]}={v}", ((key, v),)) for v in dict.fromkeys(vals)]
+        kind = type(base)
+        vals = [kind(base * f) if f else kind(0) for f in factors]
+        if kind is int:
+            vals = [max(1, v) for v in vals]
+        vals = list(dict.fromkeys(vals))
+        if len(vals) < 2:
+            raise cli.CLIError(
+                f"ablation of {key}: {key}={base} scaled by {', '.join(f'{f:g}' for f in factors)} "
+                f"gives the one value {vals[0]}; set {key} to a value the factors tell apart, "
+                "or give --values"
+            )
+        return [Variant(f"{key.rsplit('.', 1)[-1]}={v}", ((key, v),)) for v in vals]
 
     return make
 
@@ -199,7 +213,7 @@ def _factors(values: str, what: str) -> list[float]:
     """``--values`` as finite numbers >= 1, all checked before anything trains (``inf``
     would ask the late stage for a size of 0)."""
     out = []
-    for v in (x for x in values.split(",") if x):
+    for v in (x.strip() for x in values.split(",") if x.strip()):
         try:
             f = float(v)
         except ValueError:
@@ -224,8 +238,11 @@ def _compression_variants(factors: list[float], own_ratio: float | None = None) 
 def _compression(cfg: Any, exp: cli.Experiment) -> list[Variant]:
     """1x (the late stage off), the preset's own ``1 / size_ratio``, 1.5x, 2x and 4x."""
     own = cfg.train.comera.size_ratio
-    factors = sorted({1.0, round(1.0 / own, 4), 1.5, 2.0, 4.0})
-    return _compression_variants(factors, own)
+    mine = round(1.0 / own, 4)
+    # a built-in factor that names the preset's own ratio (1.5 beside 1/0.667 = 1.4993)
+    # gives way to it: both would train size_ratio=own
+    builtin = [f for f in (1.0, 1.5, 2.0, 4.0) if abs(f * own - 1) >= 1e-3]
+    return _compression_variants(sorted({*builtin, mine}), own)
 
 
 def _target_compression(cfg: Any, exp: cli.Experiment) -> list[Variant]:
@@ -322,17 +339,29 @@ def check_sweep(name: str, cfg: Any, label: str | None = None) -> None:
     name a folder."""
     if label is not None and len(_folder(label).encode()) > 200:
         raise cli.CLIError(f"--values: {label[:40]}... is too long to name a run folder")
+    c, steps = cfg.train.comera, cfg.train.steps
+    where = f"ablation {name!r}" + (f", variant {label!r}" if label is not None else "")
+    if name == "capacity" and label is None and (getattr(cfg, "dense", False) or not c.enabled):
+        # its variants turn CoMERA off and build dense themselves: from such a base,
+        # comera, fixed_rank_R and dense trained one model under three names
+        raise cli.CLIError(
+            f"{where} compares CoMERA with fixed ranks and dense itself, from a CoMERA base; "
+            "drop --set dense=true and --set train.comera.enabled=false"
+        )
     need = _NEEDS.get(name)
     if need is None:
         return
-    c, steps = cfg.train.comera, cfg.train.steps
-    where = f"ablation {name!r}" + (f", variant {label!r}" if label is not None else "")
     if getattr(cfg, "dense", False):
         raise cli.CLIError(f"{where}: a dense run (dense=true) reads no TT or rank-adaptation "
                            "setting; drop --set dense=true")  # fmt: skip
     if need != "tt" and not c.enabled:
         raise cli.CLIError(f"{where}: train.comera.enabled=false reads no rank-adaptation "
                            "setting; drop --set train.comera.enabled=false")  # fmt: skip
+    if need == "reg" and name != "gamma" and not c.gamma > 0:  # gamma's own sweep may hold 0
+        raise cli.CLIError(
+            f"{where}: train.comera.gamma={c.gamma} turns the regularizer off, so its variants "
+            "differ at most in the prune rule; set train.comera.gamma above 0"
+        )
     if need == "reg" and steps <= c.reg_start_step:
         raise cli.CLIError(
             f"{where}: train.steps={steps} ends before the regularizer starts "
@@ -373,11 +402,14 @@ def run_ablation(
     runs_root: Path,
     *,
     text_values: bool = False,
+    values_given: bool | None = None,
     command: str | None = None,
     argv: list[str] | None = None,
     preset: str | None = None,
 ) -> list[dict]:
-    """Train every variant of ``base``; returns one record per variant. ``command``, the
+    """Train every variant of ``base``; returns one record per variant. ``values_given``
+    (default ``text_values``): the variants came from ``--values``, which errors then
+    name. ``command``, the
     one that trains them, is kept in ``runs_root`` once the first variant is prepared (a
     command refused before that leaves the last good one for ``--report-only``). The first
     variant's earlier run is set aside while its new one is prepared and put back if that
@@ -385,15 +417,23 @@ def run_ablation(
     group = base.train.wandb_group or f"ablate-{name}-{base.train.run_name or exp.name}"
     built = []  # every variant's config first: a bad value fails before any variant trains
     settings: dict[str, str] = {}  # each variant's swept values (repr) -> its label
+    given = text_values if values_given is None else values_given
     for v in chosen:
         cfg = base
         for key, value in v.overrides:
-            cfg = cli.set_field(cfg, key, value, text=text_values, label=f"--values {value}")
+            # a value of the ablation's own sweep is named as such, not as --values
+            label = f"--values {value}" if given else f"ablation {name!r}'s {key}={value}"
+            cfg = cli.set_field(cfg, key, value, text=text_values, label=label)
         check_sweep(name, cfg, v.label)
         same = repr(tuple(_get(cfg, key) for key, _ in v.overrides))
         if settings.setdefault(same, v.label) != v.label:  # 0.5 and 5e-1: one run twice
-            raise cli.CLIError(f"--values: {settings[same]!r} and {v.label!r} are the same "
-                               "setting; give each value once")  # fmt: skip
+            raise cli.CLIError(
+                f"--values: {settings[same]!r} and {v.label!r} are the same setting; give "
+                "each value once"
+                if given
+                else f"ablation {name!r}: its variants "
+                f"{settings[same]!r} and {v.label!r} are the same setting"
+            )
         run_dir = variant_dir(runs_root, v.label)
         over = [("train.run_dir", str(run_dir)), ("train.wandb_group", group)]
         over.append(("train.run_name", f"{name}:{v.label}"))
@@ -889,6 +929,7 @@ def _main(argv: list[str] | None) -> int:
                 root,
                 # --values text goes to the config as typed; compression's are parsed here
                 text_values=args.values is not None and args.ablation != "compression",
+                values_given=args.values is not None,
                 command=command,
                 argv=ran,
                 preset=preset,

@@ -531,6 +531,14 @@ def test_report_only_reads_its_own_experiments_runs_and_nan_metrics(tmp_path, ca
         (["gamma", "--values", "0.5,0.50"], "'0.5' and '0.50' are the same setting"),
         (["objective", "--set", "dense=true"], "a dense run"),  # was a ZeroDivisionError
         (["gamma", "--values", "0,0." + "0" * 260 + "1"], "too long to name a run folder"),
+        # capacity's variants turn CoMERA off and build dense themselves: three names, one run
+        (["capacity", "--experiment", "dlrm", "--set", "dense=true"],
+         "compares CoMERA with fixed ranks and dense itself"),
+        (["capacity", "--experiment", "dlrm", "--set", "train.comera.enabled=false"],
+         "compares CoMERA with fixed ranks and dense itself"),
+        # gamma 0: no regularizer, so its kinds could not differ; gamma 0 scaled stays 0
+        (["regularizer", "--set", "train.comera.gamma=0"], "gamma=0.0 turns the regularizer off"),
+        (["gamma", "--set", "train.comera.gamma=0"], "gives the one value 0.0"),
     ],
 )  # fmt: skip
 def test_sweeps_whose_rows_could_not_differ_are_refused(tmp_path, capsys, argv, message):
@@ -542,6 +550,30 @@ def test_sweeps_whose_rows_could_not_differ_are_refused(tmp_path, capsys, argv, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(message, err[0]), err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "rep").exists()
+
+
+def test_built_in_sweeps_that_meet_the_presets_values(tmp_path):
+    """Rank 1 halved was rank 0, refused as a --values the user never gave; a preset's
+    size_ratio of 0.667 made its own factor 1.4993x and the built-in 1.5x one setting,
+    refused the same way; blank --values items were refused by compression only."""
+    cfg = mnli.preset("smoke")
+    one = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rank=1))
+    assert [v.label for v in ablate.variants("rank", one, mnli.EXPERIMENT, None)] == [
+        "rank=1", "rank=2"
+    ]  # fmt: skip
+    c = cfg.train.comera
+    near = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, comera=dataclasses.replace(c, size_ratio=0.667))
+    )
+    out = ablate.variants("compression", near, mnli.EXPERIMENT, None)
+    assert [v.label for v in out] == ["1x", "1.4993x", "2x", "4x"]
+    assert dict(out[1].overrides)["train.comera.size_ratio"] == 0.667
+    blank = ablate.variants("compression", cfg, mnli.EXPERIMENT, "1, ,2")
+    assert [v.label for v in blank] == ["1x", "2x"]
+    # a value of the ablation's own sweep that cannot work is named as the sweep's
+    bad = [ablate.Variant("rank=0", (("model.rank", 0),))]
+    with pytest.raises(cli.CLIError, match="ablation 'rank''s model.rank=0"):
+        ablate.run_ablation("rank", mnli.EXPERIMENT, cfg, bad, tmp_path / "runs")
 
 
 def test_report_only_rebuilds_the_variants_the_recorded_set_items_named(tmp_path, monkeypatch):
