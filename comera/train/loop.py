@@ -197,7 +197,6 @@ class Trainer:
             )
         if resume and not self.run_dir.is_dir():  # not made empty only to be refused
             raise CheckpointError(f"no run to resume in {self.run_dir}: it does not exist")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world = rank_world()
         # the loop updates its parameters in place: a copy unless the caller hands them over
         self.params = tree_map(
@@ -217,6 +216,9 @@ class Trainer:
             if cfg.optimizer == "galore"
             else None
         )
+        # made once the model's own checks (no TT layer, GaLore's ranks) have passed: a
+        # refused run leaves no empty folder behind
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
         self._tokens_seen = 0.0
         self.stages = StageController(cfg.comera, cfg.steps)

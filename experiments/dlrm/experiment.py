@@ -168,7 +168,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
     if not p.data.path:
         raise ConfigError(
             "this preset reads the raw Criteo Kaggle train.txt: pass --data PATH "
-            "(or --data generated for the planted-signal file)"
+            "(or --data generated for the planted-signal file; --set data.path=PATH where a "
+            "command has no --data, as experiments.ablate)"
         )
     if not p.dense:  # before the data: a lookup that cannot run as recorded is refused
         check_lookup_impl(p.model, p.plans.embedding_impl)

@@ -162,13 +162,14 @@ def test_galore_that_would_project_nothing_is_refused(tmp_path: Path, galore, te
     from comera.train.galore import GaLoreConfig
 
     cfg = TrainConfig(
-        steps=2, run_dir=str(tmp_path), optimizer="galore",
+        steps=2, run_dir=str(tmp_path / "run"), optimizer="galore",
         galore=GaLoreConfig(**{"targets": ("w",), **galore}),
         comera=ComeraConfig(enabled=False), wandb="disabled", progress=False,
     )  # fmt: skip
     with pytest.raises(ConfigError, match=text) as e:
         Trainer(cfg, _DenseToy(), {"w": torch.zeros(32, 32), "b": torch.zeros(32)}, {})
     assert "train.galore.rank" in str(e.value) and "train.galore.targets" in str(e.value)
+    assert not (tmp_path / "run").exists()  # refused before the run dir was made
 
 
 def test_galore_scale_must_be_finite() -> None:
