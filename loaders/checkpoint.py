@@ -158,6 +158,11 @@ def check_state(state: object, where: str = "loader state") -> None:
         raise bad("fingerprint", "lacks shuffle or docs")
     if not all(is_int(n) and n >= 0 for n in docs.values()) or fp["num_shards"] < 1:
         raise bad("fingerprint", "has document counts or num_shards out of range")
+    content = fp.get("content", {})  # a state saved before content digests has none
+    if not isinstance(content, dict) or not all(
+        v is None or isinstance(v, str) for v in content.values()
+    ):
+        raise bad("fingerprint.content", "is not a mapping of digests")
     for key in ("rank", "world_size", "num_workers"):
         if not is_int(state.get(key)):
             raise bad(key, "is not an integer")
@@ -279,6 +284,13 @@ def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True
                     f"sub-dataset {name!r} had {n} documents when saved but has "
                     f"{fingerprint['docs'][name]} now: the corpus changed; restore it or start "
                     "a new run"
+                )
+            saved, now = fp.get("content", {}).get(name), fingerprint.get("content", {}).get(name)
+            if saved is not None and now is not None and saved != now:
+                raise LoaderInputError(
+                    f"sub-dataset {name!r} holds other tokens than when saved (content "
+                    f"{saved[:12]} saved, {now[:12]} now; same {n} documents): it was "
+                    "prepared again from changed sources; restore them or start a new run"
                 )
     worlds = {int(s["world_size"]) for s in states}
     workers = {int(s["num_workers"]) for s in states}

@@ -165,6 +165,8 @@ class TokenLoader:
             "seed": config.seed,
             "shuffle": config.shuffle,
             "docs": {name: int(src.num_docs) for name, src in self.sources.items()},
+            # what each folder holds, where loaders.prepare recorded it (see content_digest)
+            "content": {name: getattr(src, "content", None) for name, src in self.sources.items()},
         }
         self._config_weights = config.weights
         self._has_long: dict[str, bool] = {}  # see _holds_long

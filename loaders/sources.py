@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from loaders.errors import LoaderInputError, LoaderPathError
-from loaders.metadata import check_prepared, file_doc_counts
+from loaders.metadata import check_prepared, content_digest, file_doc_counts
 
 ARROW_SUFFIXES = (".arrow", ".ipc", ".feather")
 
@@ -131,6 +131,8 @@ class TokenFolder:
         counts = file_doc_counts(
             root, files, lambda p: count_arrow_docs(p, token_column), cache_dir=cache_dir
         )
+        # the folder's content as loaders.prepare recorded it (None: not recorded)
+        self.content = content_digest(root, files)
         self._cum = [0]
         for n in counts:
             self._cum.append(self._cum[-1] + n)

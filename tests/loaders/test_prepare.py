@@ -283,3 +283,48 @@ def test_a_prepare_output_is_read_whole_or_refused(tmp_path: Path) -> None:
     prepare([str(tmp_path / "src")], out, train_vocab=300, glob="**/*.py", docs_per_shard=5,
             heldout=0.25, progress=False)  # fmt: skip
     assert TokenFolder(out / "train").num_docs == train
+
+
+def test_a_resume_on_shards_prepared_again_from_edited_sources_is_refused(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The loader knew a folder by its document counts only: sources edited in place and
+    prepared again (same files, other tokens) resumed silently on other data. prepare
+    records each shard's digest; the loader's fingerprint holds the folder's."""
+    from loaders import metadata
+
+    src = tmp_path / "src"
+    _corpus(src)
+    kw = dict(train_vocab=300, glob="**/*.py", docs_per_shard=7, progress=False)
+    prepare([str(src)], tmp_path / "v1", **kw)
+    entries = json.loads((tmp_path / "v1" / "train" / "doc_counts.json").read_text())["files"]
+    for name, e in entries.items():
+        assert e["digest"] == metadata.file_digest(tmp_path / "v1" / "train" / name)
+    # a finished folder prepared again reads no shard to digest it
+    monkeypatch.setattr("loaders.prepare.file_digest", lambda p: pytest.fail(f"read {p}"))
+    prepare([str(src)], tmp_path / "v1", **kw)
+    monkeypatch.undo()
+
+    def loader(folder: Path) -> TokenLoader:
+        cfg = LoaderConfig(datasets=[DatasetSpec(name="py", path=str(folder / "train"))],
+                           seq_len=16, batch_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+                           num_shards=4)  # fmt: skip
+        return TokenLoader(cfg, rank=0, world_size=1)
+
+    ld = loader(tmp_path / "v1")
+    next(iter(ld))
+    state = ld.state_dict()
+    shutil.copytree(tmp_path / "v1", tmp_path / "moved")  # a copy holds the same content
+    loader(tmp_path / "moved").load_state_dict(state)
+    for f in sorted(src.rglob("*.py"))[:5]:  # edited in place: same files, same count
+        f.write_text(f.read_text().replace("return", "yield"))
+    shutil.copy(tmp_path / "v1" / "tokenizer.json", tmp_path / "tok.json")
+    given = {**kw, "train_vocab": None, "tokenizer": str(tmp_path / "tok.json")}
+    prepare([str(src)], tmp_path / "v2", **given)
+    again = loader(tmp_path / "v2")
+    assert again.fingerprint["docs"] == ld.fingerprint["docs"]
+    with pytest.raises(ValueError, match="'py' holds other tokens than when saved"):
+        again.load_state_dict(state)
+    old = json.loads(json.dumps(state))  # a state saved before content digests
+    del old["fingerprint"]["content"]
+    again.load_state_dict(old)
