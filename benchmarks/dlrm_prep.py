@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _child(*args.child)
         except UserError as e:  # a file that is not Criteo: one line, as training says it
-            print(f"{ap.prog}: error: {e}", file=sys.stderr)
+            # the data module's advice names training's --data, which here is --file
+            print(f"{ap.prog}: error: {str(e).replace('--data PATH', '--file PATH')}",
+                  file=sys.stderr)  # fmt: skip
             return 2
         return 0
     if args.render is not None:

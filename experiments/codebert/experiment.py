@@ -314,7 +314,12 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
             f"data.max_files={p.data.max_files} picks files of the stdlib source only; every "
             "file of --corpus is read"
         )
-    corpus = rank_first(corpus_of, rank, world)
+    try:
+        corpus = rank_first(corpus_of, rank, world)
+    except cli.USER_ERRORS:
+        raise
+    except OSError as e:  # one line, as DLRM's cache errors: not a traceback mid-prepare
+        raise _corpus_os_error(e, root) from None
     unknown = sorted(set(p.data.mix) - set(corpus.train))
     if unknown:
         raise ConfigError(f"--mix names {unknown}; the corpus has {sorted(corpus.train)}")
@@ -384,6 +389,20 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
     return task, params, state, dense_size
 
 
+def _corpus_os_error(e: OSError, root: Path) -> DataError:
+    """An ``OSError`` met preparing the corpus, as one line: the cache (not a folder, no
+    room, no permission), or a corpus file that cannot be read."""
+    name = str(e.filename) if e.filename else ""
+    why = e.strerror or str(e)
+    cached = not name or Path(name).resolve().is_relative_to(root.resolve())
+    if cached:
+        return DataError(
+            f"cannot build the corpus cache under {root}: {why}{f' ({name})' if name else ''}; "
+            "point data.cache_dir (or $COMERA_CACHE) at a writable folder with room for it"
+        )
+    return DataError(f"cannot read {name} of the corpus: {why}; check the file and its folder")
+
+
 def _build(p: Preset, rank: int, world: int) -> tuple:
     task, params, state, dense_size = build(p, rank=rank, world=world)
     info = {"dense_params": dense_size, "vocab": task.model.vocab_size,
@@ -399,9 +418,20 @@ def _flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mix", help="sub-dataset weights, e.g. modules=0.5,tests=0.5")
 
 
-def _parse_pairs(flag: str, text: str, convert: type) -> dict:
+def _parse_pairs(flag: str, text: str, convert: type, *, commas_in_values: bool = False) -> dict:
+    """``NAME=VALUE,...`` as a dict. With ``commas_in_values`` (``--corpus``: folders) a
+    part without ``=`` belongs to the value before it: a folder whose name holds a comma."""
+    items = text.split(",")
+    if commas_in_values:
+        joined: list[str] = []
+        for item in items:
+            if joined and "=" not in item:
+                joined[-1] += "," + item
+            else:
+                joined.append(item)
+        items = joined
     out = {}
-    for item in text.split(","):
+    for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name:
             raise cli.CLIError(f"{flag} {item!r}: expected NAME=VALUE")
@@ -428,7 +458,7 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
     if args.corpus:
         paths, globs = {}, {}
         for item in args.corpus:
-            for name, value in _parse_pairs("--corpus", item, str).items():
+            for name, value in _parse_pairs("--corpus", item, str, commas_in_values=True).items():
                 if name in paths:  # the later one replaced the earlier without a word
                     raise cli.CLIError(f"--corpus {item!r}: sub-dataset {name!r} is named twice")
                 paths[name], glob = _folder_and_glob(value)
@@ -459,7 +489,10 @@ EXPERIMENT = cli.Experiment(
     flags=_flags,
     flag_overrides=_flag_overrides,
     bench=_bench,
-    resume_mutable=frozenset({"data.mix"}),  # --mix may change on resume
+    # --mix may change on resume, and the cache's place: the loader's fingerprint holds
+    # what the prepared shards contain, so a corpus prepared anew from other sources is
+    # refused
+    resume_mutable=frozenset({"data.mix", "data.cache_dir"}),
     derived={
         "model.vocab_size": (
             "the tokenizer's: data.tokenizer, or data.vocab for a BPE trained on the corpus"

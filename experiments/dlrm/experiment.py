@@ -317,8 +317,9 @@ EXPERIMENT = cli.Experiment(
     flags=_flags,
     flag_overrides=_flag_overrides,
     bench=_bench,
-    # a moved file resumes with --data NEW_PATH: the data's digest guards its content
-    resume_mutable=frozenset({"data.path"}),
+    # a moved file resumes with --data NEW_PATH, and a cache gone or unwritable with
+    # --cache-dir NEW: the data's digest guards its content
+    resume_mutable=frozenset({"data.path", "data.cache_dir"}),
     derived={
         "model.cardinalities": "one table per categorical column, sized by the data's ids",
         "model.names": "the data's column names, C1..C26",

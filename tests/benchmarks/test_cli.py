@@ -477,3 +477,16 @@ def test_core_render_writes_no_markdown_over_a_json(tmp_path, capsys) -> None:  
     line = _refused("core", ["--render", str(saved), "--report", str(saved)], capsys)
     assert "give a path ending in .md; the report is markdown" in line
     assert saved.read_bytes() == (REPORTS / "bench_core.json").read_bytes()
+
+
+def test_dlrm_prep_s_file_errors_name_its_own_flag(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """The data module's advice named training's --data; the benchmark's flag is --file."""
+    import gzip
+
+    from benchmarks import dlrm_prep
+
+    packed = tmp_path / "day.txt"
+    packed.write_bytes(gzip.compress(b"0\t1\n"))
+    assert dlrm_prep.main(["--child", str(packed), str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "gzip" in err and "--file PATH" in err and "--data" not in err, err

@@ -203,6 +203,9 @@ def test_mix_may_change_on_resume_and_nothing_else(tmp_path: Path, capsys) -> No
     for name, want in {"modules": 0.35, "packages": 0.5, "tests": 0.15}.items():
         assert abs(shares[name] - want) < 0.01, (shares, name)
     cli.train(prepared)
+    # the cache's place may change (a cache gone or unwritable): a resume prepares anew
+    args = ap.parse_args(["--resume", str(run), "--set", f"data.cache_dir={tmp_path / 'c2'}"])
+    assert cli.resolve_config(EXPERIMENT, args, ap).data.cache_dir == str(tmp_path / "c2")
     code = main(["--resume", str(run), "--corpus", f"x={tmp_path}", "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "drop --corpus" in err[-1]
@@ -575,6 +578,28 @@ def test_corpus_settings_that_were_ignored_or_misread_are_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert re.search(message, err[-1]) and "Traceback" not in "".join(err), err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_corpus_cache_that_cannot_be_made_or_a_folder_with_a_comma(
+    tmp_path: Path, capsys
+) -> None:
+    """A cache where no folder can be made (/proc, even for root) was a FileNotFoundError
+    traceback from the tokenizer's training; --corpus split a folder's name at its comma
+    ("expected NAME=VALUE")."""
+    argv = ["--preset", "smoke", "--run-dir", str(tmp_path / "r"), "--wandb", "disabled",
+            "--set", "data.cache_dir=/proc/comera-cache"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot build the corpus cache under /proc/comera-cache" in err[0]
+    assert "data.cache_dir" in err[0] and not (tmp_path / "r").exists(), err
+    from experiments import cli
+    from experiments.codebert.experiment import EXPERIMENT
+
+    ap = cli.build_parser(EXPERIMENT)
+    args = ap.parse_args(["--corpus", f"a={tmp_path}/with,comma", "--corpus", "b=x,c=y:*.js"])
+    over = dict(EXPERIMENT.flag_overrides(args))
+    assert over["data.paths"] == {"a": f"{tmp_path}/with,comma", "b": "x", "c": "y"}
+    assert over["data.globs"] == {"c": "*.js"}
 
 
 def test_a_corpus_cache_under_a_file_is_one_line(tmp_path: Path, capsys) -> None:

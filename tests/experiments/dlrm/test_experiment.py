@@ -780,7 +780,9 @@ def test_a_moved_file_resumes_with_data_and_another_file_is_refused(tmp_path: Pa
     assert main([*resume, "--data", str(other)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trained on other data" in err[0], err
-    assert main([*resume, "--data", str(moved)]) == 0
+    # its cache gone (or unwritable) too: another --cache-dir was refused as a change
+    assert main([*resume, "--data", str(moved), "--cache-dir", str(tmp_path / "cache2")]) == 0
+    assert (tmp_path / "cache2").is_dir()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r][-1] == 4
     assert (run / "checkpoints" / "step_00000004").is_dir()
