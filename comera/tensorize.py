@@ -38,6 +38,7 @@ from comera.errors import ConfigError
 from comera.layers import ttm_logits
 from comera.nn import TTLinear, TTMEmbedding
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec, cap_ranks, propose_modes
+from comera.tensor_train import Params, State
 
 __all__ = ["LayerReport", "TensorizeConfig", "TensorizeSummary", "TiedDecoder", "tensorize_"]
 
@@ -247,6 +248,20 @@ class PaddedTTLinear(nn.Module):
     def compact(self) -> None:
         """:meth:`TTLinear.compact` of the padded train."""
         self.inner.compact()
+
+    def params(self) -> Params:
+        """The padded train's functional params (:meth:`TTLinear.params`): its shapes are
+        the padded sizes, ``self.inner.spec``'s."""
+        return self.inner.params()
+
+    def state(self) -> State:
+        """The padded train's functional state (:meth:`TTLinear.state`)."""
+        return self.inner.state()
+
+    def to_dense(self) -> torch.Tensor:
+        """The weight this layer applies, ``(out_features, in_features)``: the padded
+        train's, without the padding's rows and columns."""
+        return self.inner.to_dense()[: self.out_features, : self.in_features]
 
 
 class TiedDecoder(nn.Module):

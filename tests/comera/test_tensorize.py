@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import comera as C
 from comera.errors import ConfigError
@@ -57,6 +58,14 @@ def test_full_rank_svd_keeps_the_outputs_and_leaves_the_rest_alone() -> None:
     assert isinstance(wide[0], PaddedTTLinear)
     with pytest.raises(ValueError, match=r"input has shape \(2, 380\) .* last dim of 367$"):
         wide(torch.randn(2, 380))
+    # its weight and functional trees, as every replaced layer has them
+    x = torch.randn(3, 367)
+    assert model.odd.to_dense().shape == (97, model.odd.in_features)
+    torch.testing.assert_close(
+        wide[0](x), x @ wide[0].to_dense().T + wide[0].inner.bias[:16], rtol=1e-5, atol=1e-5
+    )
+    got = C.tt_linear(wide[0].params(), wide[0].state(), F.pad(x, (0, 384 - 367)))
+    torch.testing.assert_close(got[..., :16], wide[0](x))
 
 
 def test_low_ranks_compress_train_and_survive_state_dict_and_functional_call() -> None:
