@@ -3,14 +3,16 @@
 Format of ``doc_counts.json`` (in the sub-dataset folder; paths relative to it)::
 
     {"format": "loaders.doc_counts", "version": 1,
-     "files": {"part-000.arrow": {"docs": 1234, "bytes": 5678901, "digest": "9f2c..."}, ...}}
+     "files": {"part-000.arrow": {"docs": 1234, "bytes": 5678901}, ...},
+     "content": "9f2c..."}
 
 ``bytes`` is optional in a hand-written file; when present and different from the file's
-size, the entry is stale and the file is recounted. ``digest`` (of the file's bytes) is
-written by ``loaders.prepare``: the loader's fingerprint then holds the folder's content
-(:func:`content_digest`), so a resume on shards prepared again from changed sources is
-refused. Missing entries are counted and the
-result is written back next to the data, or to ``cache_dir`` when the folder is read-only.
+size, the entry is stale and the file is recounted. ``content`` (a digest of the folder's
+documents, in order: their lengths and tokens, whatever the files' layout) is written by
+``loaders.prepare``: the loader's fingerprint then holds it (:func:`content_digest`), so
+a resume on shards prepared again from changed sources is refused. Missing entries are
+counted and the result is written back next to the data, or to ``cache_dir`` when the
+folder is read-only (without ``content``: the files are no longer the ones it digested).
 """
 
 from __future__ import annotations
@@ -95,38 +97,29 @@ def atomic_write_text(path: Path, text: str, *, fsync: bool = True) -> None:
         raise
 
 
-def file_digest(path: Path, chunk: int = 1 << 22) -> str:
-    """A digest of a file's bytes (32 hex digits), read ``chunk`` bytes at a time."""
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def content_digest(root: Path, files: Sequence[Path]) -> str | None:
-    """A digest of a folder's token files by content, from the per-file ``digest`` that
-    ``loaders.prepare`` records in ``doc_counts.json``: equal for a copy or a move of the
-    folder, other for shards prepared again from changed sources. None when any file has
-    no digest there (a folder prepare did not write, or one written before digests) or
-    a size other than the one recorded beside it (the entry is stale); nothing is read but
-    the metadata."""
+    """The folder's token-stream digest that ``loaders.prepare`` records in
+    ``doc_counts.json`` (``content``, :func:`loaders.sources.tokens_digest`), while the
+    files are the ones it lists at the sizes it lists; else None (a folder prepare did not
+    write, one written before digests, or one whose files changed since). Nothing is read
+    but the metadata."""
     meta = Path(root) / METADATA_NAME
-    if not meta.is_file():
-        return None
     try:
-        known = _read(meta)
-    except LoaderInputError:
-        return None  # file_doc_counts reports it
-    h = hashlib.blake2b(digest_size=16)
-    for f in files:
-        rel = f.relative_to(root).as_posix()
-        entry = known.get(rel)
-        digest = entry.get("digest") if isinstance(entry, dict) else None
-        if not isinstance(digest, str) or entry.get("bytes") != f.stat().st_size:
+        data = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return None  # file_doc_counts reports a damaged one
+    content = data.get("content") if isinstance(data, dict) else None
+    listed = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(content, str) or not isinstance(listed, dict):
+        return None
+    held = {f.relative_to(root).as_posix(): f for f in files}
+    if held.keys() != listed.keys():
+        return None
+    for rel, f in held.items():
+        entry = listed[rel]
+        if not isinstance(entry, dict) or entry.get("bytes") != f.stat().st_size:
             return None
-        h.update(f"{rel}:{digest}|".encode())
-    return h.hexdigest()
+    return content
 
 
 def _cache_path(root: Path, cache_dir: str | Path) -> Path:

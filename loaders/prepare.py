@@ -45,7 +45,8 @@ import numpy as np
 import pyarrow as pa
 
 from loaders.errors import LoaderInputError
-from loaders.metadata import FORMAT, METADATA_NAME, PLAN_NAME, atomic_write_text, file_digest
+from loaders.metadata import FORMAT, METADATA_NAME, PLAN_NAME, atomic_write_text
+from loaders.sources import tokens_digest
 from loaders.text import TEXT_SUFFIXES, load_tokenizer, read_text_table
 
 __all__ = [
@@ -450,21 +451,21 @@ def prepare(
                 for _ in ex.map(_write_shard, todo):
                     bar.update(1)
         bar.close()
-        # each shard's digest: a resume on shards prepared again from changed sources
-        # (same document count, other tokens) is refused by the loader's fingerprint.
-        # A finished folder prepared again keeps its recorded digests (not re-read).
+        counts = {sh["file"]: {"docs": _rows(folder / sh["file"]),
+                               "bytes": (folder / sh["file"]).stat().st_size}
+                  for sh in shards}  # fmt: skip
+        # the documents' digest: a resume on shards prepared again from changed sources
+        # (same document count, other tokens) is refused by the loader's fingerprint. A
+        # finished folder prepared again keeps the one recorded (its shards not re-read).
         before = _recorded(folder / METADATA_NAME)
-        counts = {}
-        for sh in shards:
-            path = folder / sh["file"]
-            size = path.stat().st_size
-            old = before.get(sh["file"], {})
-            digest = old.get("digest") if old.get("bytes") == size else None
-            counts[sh["file"]] = {"docs": _rows(path), "bytes": size,
-                                  "digest": digest or file_digest(path)}  # fmt: skip
+        content = before.get("content")
+        if not isinstance(content, str) or before.get("files") != counts:
+            content = tokens_digest([folder / sh["file"] for sh in shards])
         atomic_write_text(
             folder / METADATA_NAME,
-            json.dumps({"format": FORMAT, "version": 1, "files": counts}, indent=1),
+            json.dumps(
+                {"format": FORMAT, "version": 1, "files": counts, "content": content}, indent=1
+            ),
         )
         summary["splits"][name] = {
             "shards": len(shards),
@@ -473,16 +474,14 @@ def prepare(
     return summary
 
 
-def _recorded(meta: Path) -> dict[str, dict]:
-    """The per-file entries of a ``doc_counts.json`` an earlier run wrote (none if absent
-    or unreadable: then every shard is counted and digested anew)."""
+def _recorded(meta: Path) -> dict:
+    """The ``doc_counts.json`` an earlier run wrote ({} if absent or unreadable: then the
+    documents are digested anew)."""
     try:
-        files = json.loads(meta.read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError):
+        data = json.loads(meta.read_text())
+    except (OSError, ValueError):
         return {}
-    return (
-        {k: v for k, v in files.items() if isinstance(v, dict)} if isinstance(files, dict) else {}
-    )
+    return data if isinstance(data, dict) else {}
 
 
 def main(argv: list[str] | None = None) -> int:

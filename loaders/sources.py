@@ -10,7 +10,9 @@ its per-file document counts come from ``doc_counts.json`` (see ``metadata.py``)
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +99,24 @@ class ArrowTokenFile:
         if nulls is not None and nulls[j]:
             return values[:0]
         return values[offsets[j] : offsets[j + 1]]
+
+
+def tokens_digest(files: Sequence[str | Path], column: str = "tokens") -> str:
+    """A digest of the documents of ``files`` in order (32 hex digits): their lengths and
+    their tokens as int64, each hashed as one stream, so the same documents split into
+    other files (another ``--docs-per-shard``), written by another Arrow version or with
+    another integer type digest alike, and any other token or boundary does not."""
+    lengths, tokens = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
+    for path in files:
+        for offsets, values, nulls in ArrowTokenFile(path, column)._chunks:
+            sizes = np.diff(offsets).astype(np.int64)
+            span = values[offsets[0] : offsets[-1]]
+            if nulls is not None:  # a null row is empty, whatever stretch it sits over
+                span = span[np.repeat(~nulls, sizes)]
+                sizes[nulls] = 0
+            lengths.update(sizes.tobytes())
+            tokens.update(np.ascontiguousarray(span, dtype=np.int64).tobytes())
+    return hashlib.blake2b(lengths.digest() + tokens.digest(), digest_size=16).hexdigest()
 
 
 class TokenFolder:

@@ -290,20 +290,25 @@ def test_a_resume_on_shards_prepared_again_from_edited_sources_is_refused(
 ) -> None:
     """The loader knew a folder by its document counts only: sources edited in place and
     prepared again (same files, other tokens) resumed silently on other data. prepare
-    records each shard's digest; the loader's fingerprint holds the folder's."""
-    from loaders import metadata
+    records a digest of the documents; the loader's fingerprint holds it."""
+    from loaders.sources import tokens_digest
 
     src = tmp_path / "src"
     _corpus(src)
     kw = dict(train_vocab=300, glob="**/*.py", docs_per_shard=7, progress=False)
     prepare([str(src)], tmp_path / "v1", **kw)
-    entries = json.loads((tmp_path / "v1" / "train" / "doc_counts.json").read_text())["files"]
-    for name, e in entries.items():
-        assert e["digest"] == metadata.file_digest(tmp_path / "v1" / "train" / name)
+    meta = json.loads((tmp_path / "v1" / "train" / "doc_counts.json").read_text())
+    shards = sorted((tmp_path / "v1" / "train").glob("part-*.arrow"))
+    assert meta["content"] == tokens_digest(shards)
     # a finished folder prepared again reads no shard to digest it
-    monkeypatch.setattr("loaders.prepare.file_digest", lambda p: pytest.fail(f"read {p}"))
+    monkeypatch.setattr("loaders.prepare.tokens_digest", lambda f: pytest.fail(f"read {f}"))
     prepare([str(src)], tmp_path / "v1", **kw)
     monkeypatch.undo()
+    # the same documents in other files (another --docs-per-shard): the same digest
+    given = {**kw, "train_vocab": None, "tokenizer": str(tmp_path / "v1" / "tokenizer.json")}
+    prepare([str(src)], tmp_path / "v3", **{**given, "docs_per_shard": 5})
+    again = json.loads((tmp_path / "v3" / "train" / "doc_counts.json").read_text())
+    assert len(again["files"]) != len(meta["files"]) and again["content"] == meta["content"]
 
     def loader(folder: Path) -> TokenLoader:
         cfg = LoaderConfig(datasets=[DatasetSpec(name="py", path=str(folder / "train"))],
@@ -318,8 +323,6 @@ def test_a_resume_on_shards_prepared_again_from_edited_sources_is_refused(
     loader(tmp_path / "moved").load_state_dict(state)
     for f in sorted(src.rglob("*.py"))[:5]:  # edited in place: same files, same count
         f.write_text(f.read_text().replace("return", "yield"))
-    shutil.copy(tmp_path / "v1" / "tokenizer.json", tmp_path / "tok.json")
-    given = {**kw, "train_vocab": None, "tokenizer": str(tmp_path / "tok.json")}
     prepare([str(src)], tmp_path / "v2", **given)
     again = loader(tmp_path / "v2")
     assert again.fingerprint["docs"] == ld.fingerprint["docs"]

@@ -282,3 +282,34 @@ def test_zero_length_and_short_documents_are_skipped_without_hanging(tmp_path):
         TokenLoader(config([("z", tmp_path / "z", 1.0)]))
     with pytest.raises(LoaderInputError, match="would yield no batch"):  # finite too
         TokenLoader(config([("z", tmp_path / "z", 1.0)], num_epochs=1))
+
+
+def test_tokens_digest_is_of_the_documents_not_the_files(tmp_path) -> None:
+    """The same documents split into other files, batches or integer types digest alike;
+    a token moved across a document boundary, or a null row read as empty, digest as the
+    documents they are."""
+    from loaders.sources import tokens_digest
+
+    docs = [np.arange(k, dtype=np.int64) + 10 * k for k in range(1, 9)]
+    write_arrow(tmp_path / "one.arrow", docs, rows_per_batch=3)
+    write_arrow(tmp_path / "a.arrow", docs[:5], rows_per_batch=2)
+    wide = pa.array([d.tolist() for d in docs[5:]], type=pa.list_(pa.int64()))
+    with (
+        pa.OSFile(str(tmp_path / "b.arrow"), "wb") as sink,
+        pa.ipc.new_file(sink, pa.schema([("tokens", wide.type)])) as w,
+    ):
+        w.write_table(pa.table({"tokens": wide}))
+    whole = tokens_digest([tmp_path / "one.arrow"])
+    assert tokens_digest([tmp_path / "a.arrow", tmp_path / "b.arrow"]) == whole
+    moved = [*docs[:2], np.concatenate([docs[2], docs[3][:1]]), docs[3][1:], *docs[4:]]
+    write_arrow(tmp_path / "moved.arrow", moved)
+    assert tokens_digest([tmp_path / "moved.arrow"]) != whole
+    nulls = pa.array([[1, 2], None, [3]], type=pa.list_(pa.int32()))
+    empty = [np.array([1, 2]), np.array([], dtype=np.int64), np.array([3])]
+    with (
+        pa.OSFile(str(tmp_path / "n.arrow"), "wb") as sink,
+        pa.ipc.new_file(sink, pa.schema([("tokens", nulls.type)])) as w,
+    ):
+        w.write_table(pa.table({"tokens": nulls}))
+    write_arrow(tmp_path / "e.arrow", empty)
+    assert tokens_digest([tmp_path / "n.arrow"]) == tokens_digest([tmp_path / "e.arrow"])
