@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +33,18 @@ def state_path(directory: str | Path, rank: int) -> Path:
 
 
 def save_state(
-    state: dict, directory: str | Path, *, background: bool = False
+    state: dict,
+    directory: str | Path,
+    *,
+    background: bool = False,
+    on_failure: Callable[[], object] | None = None,
 ) -> Path | Future[Path]:
     """Write one rank's state atomically; with ``background`` return a Future.
 
     The state is serialized on the calling thread (so later mutations cannot leak in);
-    background writes run in order on one thread.
+    background writes run in order on one thread. ``on_failure`` runs when the write
+    fails, before the error reaches the caller (a background one: before the Future
+    holds it).
     """
     global _writer
     directory = Path(directory)
@@ -47,7 +54,12 @@ def save_state(
     world = int(state["world_size"])
 
     def write() -> Path:
-        atomic_write_text(path, text)
+        try:
+            atomic_write_text(path, text)
+        except BaseException:
+            if on_failure is not None:
+                on_failure()
+            raise
         if state["rank"] == 0:  # files of ranks beyond this world are stale: drop them
             for p in directory.glob("loader_rank*.json"):
                 m = _FILE_RE.match(p.name)

@@ -395,12 +395,23 @@ class TokenLoader:
         it the file records this rank's count of saves instead, which every rank of one
         save round shares."""
         state = self.state_dict()
-        self._saves += 1
+        self._saves = mark = self._saves + 1
         if step is not None:
             state["step"] = int(step)
         else:
-            state["save"] = self._saves
-        return save_state(state, directory, background=background)
+            state["save"] = mark
+        try:
+            return save_state(state, directory, background=background,
+                              on_failure=lambda: self._uncount(mark))  # fmt: skip
+        except BaseException:  # before the write: the folder could not be made
+            self._uncount(mark)
+            raise
+
+    def _uncount(self, mark: int) -> None:
+        """A save that failed is not counted (unless a later one was made since): retried,
+        it keeps this rank's count the other ranks'."""
+        if self._saves == mark:
+            self._saves = mark - 1
 
     def load(self, directory: str | Path) -> None:
         """Restore from every rank file in ``directory`` (any old world size)."""

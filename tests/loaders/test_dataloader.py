@@ -226,3 +226,34 @@ def test_a_dropped_loader_stops_its_workers_at_once_and_close_resumes_in_place(c
     assert all(
         bool((a["input_ids"] == b["input_ids"]).all()) for a, b in zip(got, ref, strict=True)
     )
+
+
+def test_a_failed_save_retried_keeps_the_ranks_counts_equal(corpus, tmp_path, monkeypatch):
+    # the count went up before the write: a rank that retried a failed save was one ahead
+    # of the others from then on, and every later round in the folder was refused
+    import errno
+
+    import loaders.checkpoint as ckpt_module
+
+    root, _ = corpus
+    loaders = [TokenLoader(_cfg(root), rank=r, world_size=2) for r in range(2)]
+    real = ckpt_module.atomic_write_text
+    failures = [OSError(errno.ENOSPC, "No space left on device")]
+
+    def flaky(path, text, **kw):
+        if failures and "rank00001" in str(path):
+            raise failures.pop()
+        return real(path, text, **kw)
+
+    monkeypatch.setattr(ckpt_module, "atomic_write_text", flaky)
+    loaders[0].save(tmp_path)
+    with pytest.raises(OSError):
+        loaders[1].save(tmp_path)
+    loaders[1].save(tmp_path)  # retried
+    TokenLoader(_cfg(root)).load(tmp_path)
+    failures.append(OSError(errno.ENOSPC, "No space left on device"))
+    loaders[0].save(tmp_path, background=True).result()
+    with pytest.raises(OSError):
+        loaders[1].save(tmp_path, background=True).result()
+    loaders[1].save(tmp_path, background=True).result()
+    assert {s["save"] for s in load_states(tmp_path)} == {2}
