@@ -447,3 +447,23 @@ def test_an_old_checkpoint_stops_counting_before_its_files_go(tmp_path, monkeypa
     cfg = _cfg(tmp_path, steps=15, checkpoint_every=5)
     Trainer(cfg, ToyTask(), *_toy_model()).fit()
     assert seen == [("step_00000005", False)]
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_is_kept(tmp_path, monkeypatch):
+    # a folder the user made read-only to keep it stopped the run, blamed on the new
+    # checkpoint (complete on disk); it stays, as rmtree(ignore_errors) always left it
+    import errno
+
+    real = Path.unlink
+
+    def unlink(self, *args, **kwargs):
+        if self.parent.name == "step_00000005":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    cfg = _cfg(tmp_path, steps=15, checkpoint_every=5)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    assert [p.name for p in complete_checkpoints(cfg.run_dir)][-2:] == [
+        "step_00000010", "step_00000015"
+    ]  # fmt: skip
