@@ -111,14 +111,18 @@ def _leading_basis(mat: torch.Tensor, rank: int) -> torch.Tensor:
     TT-SVD's unfoldings are mostly very wide, where torch's CPU SVD is slow (GPT-2 small's
     tensorizing was nearly all SVD: a 960 x 10,800 unfolding took 35 s on 2 threads): a
     wide or square one takes the eigenvectors of its Gram matrix, formed in float64 (the
-    squaring then costs an fp32 weight none of its precision), and a tall one is reduced
+    squaring then costs an fp32 weight none of its precision; a float64 one, whose small
+    singular values it would blur, is reduced by a QR instead), and a tall one is reduced
     by a QR, so that only its small square factor goes through the SVD."""
     m, n = mat.shape
-    if m <= n:
+    if m <= n and mat.dtype != torch.float64:
         wide = mat.to(torch.float64)
         _, vecs = torch.linalg.eigh(wide @ wide.T)  # ascending eigenvalues
         r = min(rank, m)
         return vecs[:, m - r :].flip(1).to(mat.dtype)
+    if m <= n:  # float64 kept whole: mat = R^T Q^T, and R^T's left vectors are mat's
+        _, small = torch.linalg.qr(mat.T)  # (n, m), (m, m)
+        return torch.linalg.svd(small.T).U[:, : min(rank, m)]
     q, small = torch.linalg.qr(mat)  # (m, n), (n, n)
     u = torch.linalg.svd(small).U
     return q @ u[:, : min(rank, n)]

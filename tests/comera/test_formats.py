@@ -135,6 +135,20 @@ def test_from_dense_truncation_matches_textbook_tt_svd(out_modes, in_modes, rank
     assert torch.linalg.norm(got - w) > 0.1  # the ranks did bind
 
 
+def test_from_dense_keeps_float64_small_singular_values():
+    # a float64 Gram matrix squares them away: singular value 1e-9 of an exact rank-4
+    # weight came back with error 1e-9, not 1e-15
+    torch.manual_seed(4)
+    u, _ = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(40, 8, dtype=torch.float64))
+    s = torch.tensor([1, 0.5, 1e-9, 5e-10, 0, 0, 0, 0], dtype=torch.float64)
+    w = (u * s) @ v.T  # rank 4 across the first unfolding (out_modes (8,) | rest)
+    spec = C.TTLinearSpec(out_modes=(8,), in_modes=(40,), ranks=4, dtype=torch.float64,
+                          bias=False)  # fmt: skip
+    params, state = C.from_dense(w, spec)
+    assert float(torch.linalg.norm(C.to_dense(params, state) - w)) < 1e-13
+
+
 def test_ttm_from_dense_roundtrip_with_padding():
     torch.manual_seed(2)
     spec = C.TTMEmbeddingSpec(
