@@ -168,9 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _child(*args.child)
         except UserError as e:  # a file that is not Criteo: one line, as training says it
-            # the data module's advice names training's --data, which here is --file
-            print(f"{ap.prog}: error: {str(e).replace('--data PATH', '--file PATH')}",
-                  file=sys.stderr)  # fmt: skip
+            # the data module's advice names training's flags: here the file is --file and
+            # the cache a temporary folder
+            text = (
+                str(e)
+                .replace("--data PATH", "--file PATH")
+                .replace(
+                    "point --cache-dir (data.cache_dir) at",
+                    "point $TMPDIR (where the benchmark caches) at",
+                )
+            )
+            print(f"{ap.prog}: error: {text}", file=sys.stderr)
             return 2
         return 0
     if args.render is not None:

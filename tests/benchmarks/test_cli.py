@@ -490,3 +490,9 @@ def test_dlrm_prep_s_file_errors_name_its_own_flag(tmp_path: Path, capsys) -> No
     assert dlrm_prep.main(["--child", str(packed), str(tmp_path / "cache")]) == 2
     err = capsys.readouterr().err.strip()
     assert "gzip" in err and "--file PATH" in err and "--data" not in err, err
+    (tmp_path / "afile").write_text("")  # a cache that cannot be made: no --cache-dir here
+    plain = tmp_path / "day2.txt"
+    plain.write_text("0\t1" + "\t" * 38 + "\n")
+    assert dlrm_prep.main(["--child", str(plain), str(tmp_path / "afile" / "c")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "$TMPDIR" in err and "--cache-dir" not in err, err

@@ -244,7 +244,8 @@ def test_a_model_with_nothing_to_adapt_or_a_loss_that_is_no_scalar_is_named(tmp_
     dense = nn.Sequential(nn.Linear(16, 16))
     task = _task(dense)
     with pytest.raises(ConfigError, match="train.comera.enabled is on but the model holds no"):
-        task.trainer(_cfg(tmp_path))
+        task.trainer(_cfg(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()  # refused before its run dir was made
     off = C.train.ComeraConfig(enabled=False)
     assert task.trainer(_cfg(tmp_path / "dense", steps=2, comera=off)).fit()["step"] == 2
     model = _model()
