@@ -28,6 +28,7 @@ __all__ = [
     "SIZE_OBJECTIVES",
     "STEP_MODES",
     "WANDB_MODES",
+    "WEIGHT_LIMIT",
     "ComeraConfig",
     "TrainConfig",
 ]
@@ -36,6 +37,9 @@ REGULARIZERS = ("mean", "l1")
 PRUNE_RULES = ("gate", "contribution")
 SIZE_OBJECTIVES = ("shares", "paper")
 LATE_PRUNES = ("schedule", "threshold")
+# the largest weight an objective term may get (gamma, rho, (1 + rho) / L0): a step's
+# weights are float32 on the device, whose largest value is 3.4e38
+WEIGHT_LIMIT = 1e30
 WANDB_MODES = ("online", "offline", "disabled")
 CPU_MALLOC_POLICIES = ("default", "keep", "release", "lean")  # applied by experiments.malloc
 
@@ -95,6 +99,12 @@ class ComeraConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"ComeraConfig.{name} must be a finite number >= 0, got {value}")
+        for name in ("gamma", "rho"):  # objective weights: an overflow trained on NaN
+            if getattr(self, name) > WEIGHT_LIMIT:
+                raise ConfigError(
+                    f"ComeraConfig.{name}={getattr(self, name):g} is above {WEIGHT_LIMIT:g}: the "
+                    "step's float32 weights would overflow; give a smaller value"
+                )
         if self.regularizer not in REGULARIZERS:
             raise ConfigError(
                 f"ComeraConfig.regularizer={self.regularizer!r}; choose one of {REGULARIZERS}"
@@ -149,6 +159,12 @@ class ComeraConfig:
         ):
             raise ConfigError(
                 f"ComeraConfig.loss_target must be a finite number > 0, got {self.loss_target}"
+            )
+        if self.loss_target is not None and (1 + self.rho) / self.loss_target > WEIGHT_LIMIT:
+            raise ConfigError(
+                f"ComeraConfig.loss_target={self.loss_target:g} makes the late stage's weight "
+                "(1 + rho) / loss_target overflow float32; give a loss target of at least "
+                f"{(1 + self.rho) / WEIGHT_LIMIT:.3g}"
             )
         if self.enabled and self.early_steps == 0 and self.loss_target is None:
             raise ConfigError(

@@ -313,6 +313,20 @@ class Trainer:
                 self._size_miss = None if removed >= excess else self._why_short()
         self._masks_in_place(before)
         self.stages.live_params = model_size(self.params, self.state)
+        self._say_zero_maps()
+
+    def _say_zero_maps(self) -> None:
+        """Say, once per layer, that a prune left it a bond at rank 0: the layer now
+        computes the zero map (its bias alone), which no later step can undo."""
+        said = self.__dict__.setdefault("_zero_said", set())
+        dead = [path for path, _, s in iter_tt(self.params, self.state)
+                if path not in said and any(int(m.sum()) == 0 for m in s["masks"])]  # fmt: skip
+        said.update(dead)
+        if dead and self.rank == 0:
+            more = f" (+{len(dead) - 3} more)" if len(dead) > 3 else ""
+            print(f"comera: step {self.step}: {', '.join(dead[:3])}{more} pruned to rank 0: "
+                  "the zero map from now on (train.comera.tau or the size target asks for "
+                  "that much)", file=sys.stderr)  # fmt: skip
 
     def _masks_in_place(self, before: object) -> None:
         """Write the pruned masks into the mask tensors they replace (the shapes hold until
@@ -333,13 +347,22 @@ class Trainer:
     def _why_short(self) -> str:
         """Why a budget prune removed less than it was asked to."""
         bonds = [int(m.sum()) for _, _, s in iter_tt(self.params, self.state) for m in s["masks"]]
+        if all(n == 0 for n in bonds):
+            live = model_size(self.params, self.state)
+            return (
+                f"every TT/TTM layer is pruned to rank 0 (the zero map); the {live:,} "
+                "parameters left lie outside them (dense layers, biases), which no prune removes"
+            )
         if all(n <= 1 for n in bonds):
             return "every bond is down to one live rank"
         return "the ranks left are their bonds' last or have non-finite shares"
 
-    def compact(self, budget: float | None = None) -> None:
-        """Prune, then physically remove dead ranks from params and both moments."""
-        self.prune(budget)
+    def compact(self, budget: float | None = None, *, prune: bool = True) -> None:
+        """Prune (unless ``prune`` is False), then physically remove dead ranks from params
+        and both moments. The ``compact_every`` events pass ``prune=False``: they change
+        the layout only, never which ranks live (ranks die every ``prune_every`` steps)."""
+        if prune:
+            self.prune(budget)
         if "m" in self.opt:  # AdamW: its moments lose the same ranks
             params, state, m, v = compact_tree(
                 self.params, self.state, self.opt["m"], self.opt["v"]
@@ -396,8 +419,8 @@ class Trainer:
             return ""
         return (
             f"train.comera.target_compression={c.target_compression:g} asks for "
-            f"{round(asked):,} parameters, more than the {round(early):,} the early stage "
-            "ended with; the late stage never grows the model, so it holds that size"
+            f"{round(asked):,} parameters, more than the {round(early):,} the late stage "
+            "starts from; it never grows the model, so it holds that size"
         )
 
     # ------------------------------------------------------------------ auto plans
@@ -706,8 +729,8 @@ class Trainer:
                 self._snapshot("end_of_early")
                 if self.rank == 0 and (held := self._held_note()):
                     print(f"comera: step {self.step}: {held}", file=sys.stderr)
-            elif event == "compact":
-                self.compact()
+            elif event == "compact":  # the dead ranks removed; none killed
+                self.compact(prune=False)
             elif event == "final":
                 # the last prune meets the target itself, whatever the ramp's timing
                 self.compact(self.stages.targets.get("params"))
@@ -791,6 +814,19 @@ class Trainer:
                   f"the late stage, which starts after train.comera.early_steps="
                   f"{c.early_steps}, at or past train.steps={cfg.steps}: this run never "
                   "reaches it", file=sys.stderr)  # fmt: skip
+        if (
+            self.rank == 0
+            and fresh
+            and c.enabled
+            and c.gamma > 0
+            and min(c.reg_start_step, c.early_steps) >= cfg.steps
+        ):  # the early stage's pull never starts: ranks die by tau alone
+            print(f"comera: train.comera.reg_start_step={c.reg_start_step} is not below "
+                  f"train.steps={cfg.steps}: the gate regularizer never acts in this run "
+                  "(lower train.comera.reg_start_step for a short run)",
+                  file=sys.stderr)  # fmt: skip
+        if self.rank == 0 and fresh and self.stage == "late" and (held := self._held_note()):
+            print(f"comera: {held}", file=sys.stderr)  # early_steps=0: no transition says it
         if self.rank == 0 and fresh and cfg.warmup_steps >= cfg.steps:
             print(f"comera: train.warmup_steps={cfg.warmup_steps} is not below train.steps="
                   f"{cfg.steps}: the learning rate never reaches its peak in this run "
@@ -825,12 +861,13 @@ class Trainer:
                 metrics = self.train_step(*batches)
                 self._sync_plans()
                 self._record_plans(log)
+                stage = self.stage  # the objective it trained with, before a transition
                 self._after_step()
                 step_time = time.perf_counter() - t_step
                 self._tokens_seen += metrics.get("tokens", 0.0)
                 bar.update(1)
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                    last = self._log_row(log, metrics, step_time, t0, steps0)
+                    last = self._log_row(log, metrics, step_time, t0, steps0, stage)
                     bar.set_postfix(
                         loss=f"{last['loss']:.3f}",
                         acc=f"{last.get('accuracy', float('nan')):.3f}",
@@ -875,13 +912,16 @@ class Trainer:
             ) from None
 
     def _log_row(
-        self, log: RunLog, metrics: dict, step_time: float, t0: float, steps0: int
+        self, log: RunLog, metrics: dict, step_time: float, t0: float, steps0: int, stage: str
     ) -> dict:
+        """The step's row: ``stage`` is the one it trained in (the step that ends the early
+        stage is an early step, though the transition after it made the trainer late);
+        sizes are after the step's rank events."""
         live = model_size(self.params, self.state)
         itemsize = tree_flatten(self.params)[0][0].element_size()
         row = {
             "step": self.step,
-            "stage": self.stage,
+            "stage": stage,
             **{k: float(v) for k, v in metrics.items()},
             "live_params": live,
             "model_mb": live * itemsize / 2**20,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from comera.errors import CheckpointError, ConfigError
-from comera.train.config import ComeraConfig
+from comera.train.config import WEIGHT_LIMIT, ComeraConfig
 from comera.train.objectives import gate_regularizer, late_weights, share_size, size_surrogate
 
 __all__ = ["Objective", "StageController"]
@@ -107,13 +107,21 @@ class StageController:
         goal = reference / c.target_compression if c.target_compression else c.size_ratio * live
         self.targets = {
             "size": c.size_ratio * size,  # the paper's S0 (size_objective="paper")
-            "loss": float(loss or 1.0),
+            "loss": float(loss) if loss is not None else 1.0,  # 0: refused, as L0 < 0
             "params_early": float(live),
-            "params": min(float(goal), float(live)),  # never asks to grow
+            # never asks to grow, nor for less than one parameter (1 / budget weighs it)
+            "params": min(max(float(goal), 1.0), float(live)),
             "params_asked": float(goal),
             "late_start": float(step),
         }
         self.live_params = live
+        s0 = self.targets["size"]
+        if c.size_objective == "paper" and 0 < s0 and (1 + c.rho) / s0 > WEIGHT_LIMIT:
+            raise ConfigError(
+                f"the late stage's size target S0 = size_ratio x S = {s0:.3g} is so small that "
+                "its weight (1 + rho) / S0 would overflow float32; raise "
+                "train.comera.size_ratio"
+            )
 
     # -- the size budget ---------------------------------------------------------------
     @property
@@ -251,6 +259,12 @@ class StageController:
                 f"the late stage's loss target L0 is {l0:.6g}, the smoothed loss at its start; "
                 "its weights need L0 > 0: set train.comera.loss_target to a positive loss to "
                 "reach"
+            )
+        if (1 + self.cfg.rho) / l0 > WEIGHT_LIMIT:  # overflows the step's float32 weight
+            raise ConfigError(
+                f"the late stage's loss target L0 is {l0:.6g}, the smoothed loss at its start; "
+                f"its weight (1 + rho) / L0 would overflow: set train.comera.loss_target to a "
+                f"loss of at least {(1 + self.cfg.rho) / WEIGHT_LIMIT:.3g}"
             )
         return l0
 

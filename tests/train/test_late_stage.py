@@ -256,6 +256,10 @@ def test_bad_late_stage_settings_name_the_field():
         ({"rho": -1.0}, "rho"),
         ({"rho": math.nan}, "rho"),
         ({"loss_target": math.nan}, "loss_target"),
+        # weights past float32's range trained on NaN, blamed on the learning rates
+        ({"gamma": 1e39}, "gamma=1e\\+39 is above 1e\\+30"),
+        ({"rho": 1e39}, "rho"),
+        ({"loss_target": 1e-40}, "loss_target=1e-40 makes the late stage's weight"),
     ]:
         with pytest.raises(ConfigError, match=field):
             ComeraConfig(**kw)
@@ -399,3 +403,72 @@ def test_the_gate_regularizer_counts_fp16_gates_past_its_range() -> None:
     s = {"masks": [torch.ones(r, dtype=torch.bool)]}
     assert float(gate_regularizer({"l": p}, {"l": s}, "mean")) == pytest.approx(0.5)
     assert float(gate_regularizer({"l": p}, {"l": s}, "l1")) == pytest.approx(35_000)
+
+
+class _Scaled(ToyTask):
+    """The toy loss times ``f``: 0 is a converged hinge loss, 1e-45 a tiny one."""
+
+    def __init__(self, f: float) -> None:
+        super().__init__()
+        self.f = f
+
+    def loss(self, params, state, batch, *, train):
+        loss, n, m = super().loss(params, state, batch, train=train)
+        return loss * self.f, n, m
+
+
+@pytest.mark.parametrize(
+    ("f", "text"),
+    [(0.0, "L0 is 0, the smoothed loss"), (1e-45, "overflow: set train.comera.loss_target")],
+)
+def test_a_smoothed_loss_at_zero_or_too_small_for_its_weight_is_refused(tmp_path, f, text):
+    # 0 became L0 = 1.0 without a word; 1e-45 was a bare float32 overflow RuntimeError
+    tr = Trainer(_late_cfg(tmp_path), _Scaled(f), *_toy_model())
+    with pytest.raises(ConfigError, match=text):
+        tr.fit()
+
+
+def test_compaction_events_remove_dead_ranks_and_kill_none(tmp_path):
+    """compact_every pruned as well, so a setting documented as the tensors' layout changed
+    which ranks lived: with no prune event in the early stage, ranks died at step 25."""
+
+    def ranks(d, every):
+        c = ComeraConfig(gamma=0.5, tau=0.05, early_steps=40, prune_every=1000,
+                         compact_every=every)  # fmt: skip
+        Trainer(_cfg(tmp_path / d, comera=c), ToyTask(), *_toy_model()).fit()
+        rows = (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["ranks/lin"]) for r in map(json.loads, rows) if "ranks/lin" in r]
+
+    kept = ranks("none", None)
+    assert ranks("five", 5) == kept
+    assert [n for step, n in kept if step < 40] == [14] * len([s for s, _ in kept if s < 40])
+
+
+def test_the_step_that_ends_the_early_stage_is_logged_early(tmp_path):
+    # the transition ran before the row was written, so it said "late"
+    Trainer(_late_cfg(tmp_path), ToyTask(), *_toy_model()).fit()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    stage = {r["step"]: r["stage"] for r in rows if "stage" in r}
+    assert stage[20] == "early" and stage[30] == "late"
+
+
+def test_a_model_pruned_to_the_zero_map_is_said(tmp_path, capsys):
+    """A tau that kills every rank made the model the zero map without a word, and the
+    end record said every bond was "down to one live rank"."""
+    tr = Trainer(_late_cfg(tmp_path, tau=1e9), ToyTask(), *_toy_model())
+    tr.fit()
+    err = capsys.readouterr().err
+    assert err.count("lin pruned to rank 0: the zero map") == 1, err
+    end = json.loads((tmp_path / "run" / "ranks.json").read_text())["end"]
+    assert "pruned to rank 0 (the zero map)" in end["above_target_because"]
+
+
+def test_settings_a_short_or_late_started_run_never_uses_are_said(tmp_path, capsys):
+    cfg = dataclasses.replace(_late_cfg(tmp_path, gamma=0.1, reg_start_step=30, early_steps=50),
+                              steps=30)  # fmt: skip
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    assert "the gate regularizer never acts in this run" in capsys.readouterr().err
+    # a run that starts late (no transition to say it) and asks the model to grow
+    grow = _late_cfg(tmp_path / "late", early_steps=0, loss_target=1.0, target_compression=1.001)
+    Trainer(grow, ToyTask(), *_toy_model(), reference_size=256).fit()
+    assert "the late stage starts from; it never grows" in capsys.readouterr().err
