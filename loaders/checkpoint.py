@@ -19,7 +19,7 @@ from pathlib import Path
 
 from loaders.config import check_weight, is_int
 from loaders.errors import LoaderInputError, LoaderPathError
-from loaders.metadata import atomic_write_text
+from loaders.metadata import atomic_write_text, is_content_id
 
 STATE_FORMAT = "loaders.rank_state"
 STATE_VERSION = 1
@@ -298,11 +298,14 @@ def merge_states(states: list[dict], fingerprint: dict, *, complete: bool = True
                     "a new run"
                 )
             saved, now = fp.get("content", {}).get(name), fingerprint.get("content", {}).get(name)
-            if saved is not None and now is not None and saved != now:
+            # compared only within this build's scheme: a state saved with the byte digests
+            # of an earlier build, or none, resumes as before
+            if is_content_id(saved) and is_content_id(now) and saved != now:
+                a, b = (x.partition(":")[2][:12] for x in (saved, now))
                 raise LoaderInputError(
-                    f"sub-dataset {name!r} holds other tokens than when saved (content "
-                    f"{saved[:12]} saved, {now[:12]} now; same {n} documents): it was "
-                    "prepared again from changed sources; restore them or start a new run"
+                    f"sub-dataset {name!r} holds other tokens than when saved (content {a} "
+                    f"saved, {b} now; same {n} documents): it was prepared again from changed "
+                    "sources; restore them or start a new run"
                 )
     worlds = {int(s["world_size"]) for s in states}
     workers = {int(s["num_workers"]) for s in states}

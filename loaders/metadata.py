@@ -4,7 +4,7 @@ Format of ``doc_counts.json`` (in the sub-dataset folder; paths relative to it):
 
     {"format": "loaders.doc_counts", "version": 1,
      "files": {"part-000.arrow": {"docs": 1234, "bytes": 5678901}, ...},
-     "content": "9f2c..."}
+     "content": "tokens1:9f2c..."}
 
 ``bytes`` is optional in a hand-written file; when present and different from the file's
 size, the entry is stale and the file is recounted. ``content`` (a digest of the folder's
@@ -97,6 +97,16 @@ def atomic_write_text(path: Path, text: str, *, fsync: bool = True) -> None:
         raise
 
 
+# the scheme of a content id: ``tokens1:<hex>`` is tokens_digest's; a state or folder of
+# another scheme (the byte digests a build before this one wrote) is not compared
+CONTENT_SCHEME = "tokens1:"
+
+
+def is_content_id(value: object) -> bool:
+    """Whether ``value`` is a content id of this build's scheme (:data:`CONTENT_SCHEME`)."""
+    return isinstance(value, str) and value.startswith(CONTENT_SCHEME)
+
+
 def content_digest(root: Path, files: Sequence[Path]) -> str | None:
     """The folder's token-stream digest that ``loaders.prepare`` records in
     ``doc_counts.json`` (``content``, :func:`loaders.sources.tokens_digest`), while the
@@ -110,7 +120,7 @@ def content_digest(root: Path, files: Sequence[Path]) -> str | None:
         return None  # file_doc_counts reports a damaged one
     content = data.get("content") if isinstance(data, dict) else None
     listed = data.get("files") if isinstance(data, dict) else None
-    if not isinstance(content, str) or not isinstance(listed, dict):
+    if not is_content_id(content) or not isinstance(listed, dict):
         return None
     held = {f.relative_to(root).as_posix(): f for f in files}
     if held.keys() != listed.keys():

@@ -45,7 +45,14 @@ import numpy as np
 import pyarrow as pa
 
 from loaders.errors import LoaderInputError
-from loaders.metadata import FORMAT, METADATA_NAME, PLAN_NAME, atomic_write_text
+from loaders.metadata import (
+    CONTENT_SCHEME,
+    FORMAT,
+    METADATA_NAME,
+    PLAN_NAME,
+    atomic_write_text,
+    is_content_id,
+)
 from loaders.sources import tokens_digest
 from loaders.text import TEXT_SUFFIXES, load_tokenizer, read_text_table
 
@@ -459,8 +466,8 @@ def prepare(
         # finished folder prepared again keeps the one recorded (its shards not re-read).
         before = _recorded(folder / METADATA_NAME)
         content = before.get("content")
-        if not isinstance(content, str) or before.get("files") != counts:
-            content = tokens_digest([folder / sh["file"] for sh in shards])
+        if not is_content_id(content) or before.get("files") != counts:
+            content = CONTENT_SCHEME + tokens_digest([folder / sh["file"] for sh in shards])
         atomic_write_text(
             folder / METADATA_NAME,
             json.dumps(

@@ -299,7 +299,7 @@ def test_a_resume_on_shards_prepared_again_from_edited_sources_is_refused(
     prepare([str(src)], tmp_path / "v1", **kw)
     meta = json.loads((tmp_path / "v1" / "train" / "doc_counts.json").read_text())
     shards = sorted((tmp_path / "v1" / "train").glob("part-*.arrow"))
-    assert meta["content"] == tokens_digest(shards)
+    assert meta["content"] == "tokens1:" + tokens_digest(shards)
     # a finished folder prepared again reads no shard to digest it
     monkeypatch.setattr("loaders.prepare.tokens_digest", lambda f: pytest.fail(f"read {f}"))
     prepare([str(src)], tmp_path / "v1", **kw)
@@ -321,6 +321,20 @@ def test_a_resume_on_shards_prepared_again_from_edited_sources_is_refused(
     state = ld.state_dict()
     shutil.copytree(tmp_path / "v1", tmp_path / "moved")  # a copy holds the same content
     loader(tmp_path / "moved").load_state_dict(state)
+    # a folder and a state of an earlier build's byte digests (no scheme; per-file
+    # "digest" entries): the folder prepared again gets this build's id, the state resumes
+    meta_path = tmp_path / "v1" / "train" / "doc_counts.json"
+    byte_era = json.loads(meta_path.read_text())
+    del byte_era["content"]
+    for e in byte_era["files"].values():
+        e["digest"] = "0" * 32
+    meta_path.write_text(json.dumps(byte_era))
+    assert loader(tmp_path / "v1").fingerprint["content"]["py"] is None
+    prepare([str(src)], tmp_path / "v1", **kw)
+    assert loader(tmp_path / "v1").fingerprint["content"]["py"] == meta["content"]
+    byte_state = json.loads(json.dumps(state))
+    byte_state["fingerprint"]["content"] = {"py": "068f1f3ffed5" + "0" * 20}
+    loader(tmp_path / "v1").load_state_dict(byte_state)
     for f in sorted(src.rglob("*.py"))[:5]:  # edited in place: same files, same count
         f.write_text(f.read_text().replace("return", "yield"))
     prepare([str(src)], tmp_path / "v2", **given)
