@@ -16,7 +16,6 @@ can rescale (``rescalable = True``, e.g. ``TokenLoader``: any N -> M) and refuse
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -116,8 +115,10 @@ def write_model(directory: Path, payload: dict, keep: int) -> Path:
         if old != directory:  # never the one just written, whatever else the folder holds
             # the model file first: a delete killed half-way leaves a folder that no longer
             # counts as complete, not one that does and lacks its rank files
-            with contextlib.suppress(OSError):  # a folder kept read-only stays, as before
+            try:
                 (old / MODEL).unlink(missing_ok=True)
+            except OSError:  # kept read-only (or busy): it stays whole, as it was
+                continue
             shutil.rmtree(old, ignore_errors=True)
     for d in root.iterdir():  # debris of a save that died before its model file
         m = _STEP_RE.match(d.name)

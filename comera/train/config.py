@@ -37,9 +37,9 @@ REGULARIZERS = ("mean", "l1")
 PRUNE_RULES = ("gate", "contribution")
 SIZE_OBJECTIVES = ("shares", "paper")
 LATE_PRUNES = ("schedule", "threshold")
-# the largest weight an objective term may get (gamma, rho, (1 + rho) / L0): a step's
-# weights are float32 on the device, whose largest value is 3.4e38
-WEIGHT_LIMIT = 1e30
+# the largest weight an objective term may get (gamma, rho, (1 + rho) / L0): a tenth of
+# float32's largest value (3.4e38), as the sync-free steps cast the weights to it
+WEIGHT_LIMIT = 1e37
 WANDB_MODES = ("online", "offline", "disabled")
 CPU_MALLOC_POLICIES = ("default", "keep", "release", "lean")  # applied by experiments.malloc
 

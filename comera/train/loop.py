@@ -255,6 +255,8 @@ class Trainer:
             # each rank its own stream (dropout masks differ across the global batch)
             random.seed(cfg.seed + self.rank)
             torch.manual_seed(cfg.seed + self.rank)
+        # layers already at rank 0 (a resumed run's) were said when they got there
+        self._zero_said = self._zero_layers()
         # replicas start identical: the params, the model's running buffers and what the
         # task holds outside both (a ModuleTask's frozen parameters)
         replicated = getattr(task, "replicated_tensors", None)
@@ -315,13 +317,16 @@ class Trainer:
         self.stages.live_params = model_size(self.params, self.state)
         self._say_zero_maps()
 
+    def _zero_layers(self) -> set[str]:
+        """The TT/TTM layers with a bond at rank 0 (the zero map)."""
+        return {path for path, _, s in iter_tt(self.params, self.state)
+                if any(int(m.sum()) == 0 for m in s["masks"])}  # fmt: skip
+
     def _say_zero_maps(self) -> None:
         """Say, once per layer, that a prune left it a bond at rank 0: the layer now
         computes the zero map (its bias alone), which no later step can undo."""
-        said = self.__dict__.setdefault("_zero_said", set())
-        dead = [path for path, _, s in iter_tt(self.params, self.state)
-                if path not in said and any(int(m.sum()) == 0 for m in s["masks"])]  # fmt: skip
-        said.update(dead)
+        dead = sorted(self._zero_layers() - self._zero_said)
+        self._zero_said.update(dead)
         if dead and self.rank == 0:
             more = f" (+{len(dead) - 3} more)" if len(dead) > 3 else ""
             print(f"comera: step {self.step}: {', '.join(dead[:3])}{more} pruned to rank 0: "

@@ -451,7 +451,7 @@ def test_an_old_checkpoint_stops_counting_before_its_files_go(tmp_path, monkeypa
 
 def test_an_old_checkpoint_that_cannot_be_deleted_is_kept(tmp_path, monkeypatch):
     # a folder the user made read-only to keep it stopped the run, blamed on the new
-    # checkpoint (complete on disk); it stays, as rmtree(ignore_errors) always left it
+    # checkpoint (complete on disk); it stays whole, not stripped of its rank files
     import errno
 
     real = Path.unlink
@@ -464,6 +464,8 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_kept(tmp_path, monkeypatch)
     monkeypatch.setattr(Path, "unlink", unlink)
     cfg = _cfg(tmp_path, steps=15, checkpoint_every=5)
     Trainer(cfg, ToyTask(), *_toy_model()).fit()
-    assert [p.name for p in complete_checkpoints(cfg.run_dir)][-2:] == [
-        "step_00000010", "step_00000015"
+    assert [p.name for p in complete_checkpoints(cfg.run_dir)] == [
+        "step_00000005", "step_00000010", "step_00000015"
     ]  # fmt: skip
+    kept = Path(cfg.run_dir) / "checkpoints" / "step_00000005"
+    assert (kept / "data_rank00000.json").is_file() and (kept / "rank00000.pt").is_file()
