@@ -53,6 +53,8 @@ class _TTModule(nn.Module):
             params, state = tensor_train.init(spec, generator=generator, device=device)
         elif state is None:
             raise ValueError(f"{spec.label}: pass state together with params")
+        else:
+            tensor_train.check_params(params, state, spec)
         self.load_tensors(params, state)
 
     def load_tensors(self, params: Params, state: State) -> None:
@@ -176,6 +178,16 @@ class TTLinear(_TTModule):
         params, state = tensor_train.from_dense(linear.weight, spec, linear.bias)
         return cls(spec, params=params, state=state, **kw)  # type: ignore[arg-type]
 
+    @property
+    def in_features(self) -> int:
+        """``nn.Linear``'s input size: the spec's (code that reads it after tensorize_)."""
+        return int(self.spec.in_features)  # type: ignore[union-attr]
+
+    @property
+    def out_features(self) -> int:
+        """``nn.Linear``'s output size: the spec's."""
+        return int(self.spec.out_features)  # type: ignore[union-attr]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tt_linear(self.params(), self.state(), x, plan=self.plan, spec=self.spec)  # type: ignore[arg-type]
 
@@ -200,6 +212,16 @@ class TTMEmbedding(_TTModule):
                 f"{', '.join(EMBEDDING_IMPLS)}"
             )
         self.impl = impl
+
+    @property
+    def num_embeddings(self) -> int:
+        """``nn.Embedding``'s row count: the spec's (not the padded table's)."""
+        return int(self.spec.num_embeddings)  # type: ignore[union-attr]
+
+    @property
+    def embedding_dim(self) -> int:
+        """``nn.Embedding``'s row width: the spec's."""
+        return int(self.spec.embedding_dim)  # type: ignore[union-attr]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return ttm_embedding(self.params(), self.state(), ids, impl=self.impl, spec=self.spec)  # type: ignore[arg-type]

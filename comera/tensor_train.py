@@ -34,6 +34,7 @@ __all__ = [
     "bond_ranks",
     "chain",
     "chain_from_right",
+    "check_params",
     "check_state",
     "from_dense",
     "gated_cores",
@@ -260,6 +261,36 @@ def check_state(params: Params, state: State, name: str = "TT layer") -> None:
     for b, (g, r) in enumerate(zip(params["gates"], ranks, strict=False)):  # type: ignore[call-overload]
         if g.shape != (r,):
             raise ValueError(f"{name}: gate {b} has shape {tuple(g.shape)} for a bond of rank {r}")
+
+
+def check_params(params: Params, state: State, spec: Spec) -> None:
+    """Refuse ``params``/``state`` that are not a train of ``spec`` (at any ranks: a
+    compacted train fits its spec): :func:`check_state`, then the number of cores, each
+    core's modes, and a bias exactly when ``spec.bias`` is set, of ``out_features``. A
+    layer built from another spec's tensors computed at other sizes than its spec said,
+    or dropped the bias the spec asked for, without a word."""
+    name = spec.label
+    check_state(params, state, name)
+    want = [shape[1:-1] for shape in _core_shapes(spec)]
+    got = [tuple(int(n) for n in c.shape[1:-1]) for c in params["cores"]]  # type: ignore[union-attr]
+    if got != want:
+        raise ValueError(
+            f"{name}: the cores' modes {got} are not the spec's {want}; pass the params "
+            "made for this spec (comera.init / from_dense with it), or build the spec they "
+            "were made for"
+        )
+    if isinstance(spec, TTLinearSpec):
+        bias = params.get("bias")  # type: ignore[union-attr]
+        if spec.bias != (bias is not None):
+            raise ValueError(
+                f"{name}: the spec has bias={spec.bias} but the params "
+                f"{'have' if bias is not None else 'lack'} one; pass params with "
+                f"{'a bias' if spec.bias else 'no bias'}, or a spec with bias={bias is not None}"
+            )
+        if bias is not None and tuple(bias.shape) != (spec.out_features,):  # type: ignore[union-attr]
+            raise ValueError(
+                f"{name}: the bias has shape {tuple(bias.shape)}, not ({spec.out_features},)"  # type: ignore[union-attr]
+            )
 
 
 def gated_cores(params: Params, state: State, name: str = "TT layer") -> list[torch.Tensor]:

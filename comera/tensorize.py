@@ -232,6 +232,13 @@ class PaddedTTLinear(nn.Module):
         super().__init__()
         self.inner, self.in_features, self.out_features = inner, in_features, out_features
 
+    def extra_repr(self) -> str:
+        spec = self.inner.spec
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, padded=("
+            f"{spec.out_features}, {spec.in_features})"  # type: ignore[union-attr]
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features:  # named in the caller's sizes,
             raise ValueError(  # not the padded train's

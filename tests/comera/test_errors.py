@@ -285,3 +285,29 @@ def test_accounting_refuses_a_module_for_a_params_tree():
             call()
     assert C.param_count(layer.params()) == sum(p.numel() for p in layer.parameters())
     assert "**total**" in C.summary_table({"q": layer.params()}, {"q": layer.state()})
+
+
+def test_a_layer_built_from_another_spec_s_tensors_is_refused():
+    """TTLinear(spec, params=...) took any train: a 64x64 one under a 64x48 spec computed
+    64x64 (its first forward then blamed the input), and params without a bias under a
+    spec with one dropped the bias silently."""
+    spec = C.TTLinearSpec(out_modes=(4, 4, 4), in_modes=(4, 4, 3), ranks=4, name="lin")
+    other = C.TTLinear(C.TTLinearSpec(out_modes=(4, 4, 4), in_modes=(4, 4, 4), ranks=4))
+    with pytest.raises(ValueError, match=r"'lin': the cores' modes .* are not the spec's"):
+        C.TTLinear(spec, params=other.params(), state=other.state())
+    own = C.TTLinear(spec)
+    no_bias = {k: v for k, v in own.params().items() if k != "bias"}
+    with pytest.raises(ValueError, match="'lin': the spec has bias=True but the params lack one"):
+        C.TTLinear(spec, params=no_bias, state=own.state())
+    wide = {**own.params(), "bias": torch.zeros(48)}
+    with pytest.raises(ValueError, match=r"'lin': the bias has shape \(48,\), not \(64,\)"):
+        C.TTLinear(spec, params=wide, state=own.state())
+    # a compacted train of the spec (lower ranks) is its train
+    own.gates[1].data[::2] = 0
+    own.prune(1e-6)
+    own.compact()
+    again = C.TTLinear(spec, params=own.params(), state=own.state())
+    assert (again.in_features, again.out_features) == (48, 64)
+    emb = C.TTMEmbedding(C.TTMEmbeddingSpec(vocab_modes=(15, 20), dim_modes=(4, 4), ranks=4,
+                                            num_embeddings=300))  # fmt: skip
+    assert (emb.num_embeddings, emb.embedding_dim) == (300, 16)

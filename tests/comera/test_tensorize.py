@@ -58,7 +58,9 @@ def test_full_rank_svd_keeps_the_outputs_and_leaves_the_rest_alone() -> None:
     assert isinstance(wide[0], PaddedTTLinear)
     with pytest.raises(ValueError, match=r"input has shape \(2, 380\) .* last dim of 367$"):
         wide(torch.randn(2, 380))
-    # its weight and functional trees, as every replaced layer has them
+    # its weight and functional trees, as every replaced layer has them; its repr names
+    # its own sizes beside the padded ones
+    assert "in_features=367, out_features=16, padded=(16, 384)" in repr(wide[0])
     x = torch.randn(3, 367)
     assert model.odd.to_dense().shape == (97, model.odd.in_features)
     torch.testing.assert_close(
