@@ -47,6 +47,7 @@ from benchmarks.reporting import (
     one_line_errors,
     print_rendered,
     render_only,
+    variant_batch,
     write_json,
 )
 from benchmarks.timing import timed_steps
@@ -282,11 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.render is not None:  # measuring flags beside it would do nothing
         render_only(ap, argv)
-    if a.batch is not None and not a.variant:  # the bench runs the batches of RUNS
-        ap.error("--batch applies to one variant (--variant V); the bench runs batches 8 and 1")
-    a.batch = 8 if a.batch is None else a.batch
-    if a.batch < 1:  # an empty batch: a traceback in the variant's first step
-        ap.error(f"--batch must be >= 1, got {a.batch}")
+    a.batch = variant_batch(ap, a.batch, a.variant, 8, "8 and 1")  # RUNS's batches
 
     def error(msg: str) -> int:
         print(f"{ap.prog}: error: {msg}", file=sys.stderr)

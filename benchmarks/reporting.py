@@ -38,6 +38,7 @@ __all__ = [
     "render_only",
     "render_refusal",
     "render_saved",
+    "variant_batch",
     "write_json",
     "write_text",
 ]
@@ -127,6 +128,20 @@ def check_output(path: Path, flag: str, kind: str, beside: str | None = None) ->
     if not base.is_dir():
         raise CLIError(f"{flag} {path}: {base} is a file, so nothing can be written under it")
     check_folder(path.parent, flag)  # a folder that can be made and written here
+
+
+def variant_batch(
+    ap: argparse.ArgumentParser, batch: int | None, variant: str | None, default: int, runs: str
+) -> int:
+    """A one-variant process's ``--batch``: refused without ``--variant`` (the whole bench
+    runs the batches ``runs`` names) and below 1 (a traceback in the variant's first
+    step); ``default`` when not given."""
+    if batch is not None and not variant:
+        ap.error(f"--batch applies to one variant (--variant V); the bench runs batches {runs}")
+    batch = default if batch is None else batch
+    if batch < 1:
+        ap.error(f"--batch must be >= 1, got {batch}")
+    return batch
 
 
 def render_only(ap: argparse.ArgumentParser, argv: list[str] | None,
