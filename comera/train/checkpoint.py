@@ -16,12 +16,14 @@ can rescale (``rescalable = True``, e.g. ``TokenLoader``: any N -> M) and refuse
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -448,14 +450,19 @@ def check_same_eval(tr: Any, ckpt: dict) -> None:
         )
 
 
-def _with_previous(e: CheckpointError, ckpt: dict) -> CheckpointError:
-    """``e`` with the way on: the previous checkpoint, as for an unreadable model file."""
-    if not ckpt.get("previous"):
-        return e
-    return CheckpointError(
-        f"{e}. The previous checkpoint is {ckpt['previous']}: move {ckpt['dir']} away and "
-        "--resume again to continue from it"
-    )
+@contextlib.contextmanager
+def _naming_previous(ckpt: dict) -> Iterator[None]:
+    """A :class:`CheckpointError` raised inside, with the way on where there is one: the
+    previous checkpoint, as for an unreadable model file."""
+    try:
+        yield
+    except CheckpointError as e:
+        if not ckpt.get("previous"):
+            raise
+        raise CheckpointError(
+            f"{e}. The previous checkpoint is {ckpt['previous']}: move {ckpt['dir']} away "
+            "and --resume again to continue from it"
+        ) from e
 
 
 def _restore_position(tr: Any, ckpt: dict, datas: list[dict]) -> None:
@@ -485,11 +492,9 @@ def _restore_position(tr: Any, ckpt: dict, datas: list[dict]) -> None:
         # unchanged one too, since a TokenLoader whose worker count changed needs every
         # rank's shards to re-cut them
         rescalable = getattr(it, "rescalable", False)
-        try:
+        with _naming_previous(ckpt):  # a damaged position, which the iterator found
             it.load_state_dict([d["state"] for d in datas] if rescalable
                                else datas[tr.rank]["state"])  # fmt: skip
-        except CheckpointError as e:  # a damaged position, which the iterator found
-            raise _with_previous(e, ckpt) from e
 
 
 def restore_trainer(tr: Any, ckpt: dict) -> None:
@@ -524,10 +529,8 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     check_rank_snapshots(tr.run_dir)
     if resolve_wandb_mode(tr.cfg.wandb)[0] != "disabled":  # the id is read only to log
         read_run_id(tr.run_dir / WANDB_ID)
-    try:
+    with _naming_previous(ckpt):  # as for an unreadable model file: say how to go on
         rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
-    except CheckpointError as e:  # as for an unreadable model file: say how to go on
-        raise _with_previous(e, ckpt) from e
     _restore_position(tr, ckpt, datas)
     saved_world = len(datas)
     dev = tr.device
