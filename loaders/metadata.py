@@ -107,19 +107,24 @@ def is_content_id(value: object) -> bool:
     return isinstance(value, str) and value.startswith(CONTENT_SCHEME)
 
 
+def read_doc_counts(path: Path) -> dict:
+    """A ``doc_counts.json`` as it is, or {} when it is absent, unreadable or no JSON
+    object (for readers that then do without it: its digest unknown)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def content_digest(root: Path, files: Sequence[Path]) -> str | None:
     """The folder's token-stream digest that ``loaders.prepare`` records in
     ``doc_counts.json`` (``content``, :func:`loaders.sources.tokens_digest`), while the
     files are the ones it lists at the sizes it lists; else None (a folder prepare did not
     write, one written before digests, or one whose files changed since). Nothing is read
     but the metadata."""
-    meta = Path(root) / METADATA_NAME
-    try:
-        data = json.loads(meta.read_text())
-    except (OSError, ValueError):
-        return None  # file_doc_counts reports a damaged one
-    content = data.get("content") if isinstance(data, dict) else None
-    listed = data.get("files") if isinstance(data, dict) else None
+    data = read_doc_counts(Path(root) / METADATA_NAME)  # file_doc_counts reports a damaged one
+    content, listed = data.get("content"), data.get("files")
     if not is_content_id(content) or not isinstance(listed, dict):
         return None
     held = {f.relative_to(root).as_posix(): f for f in files}

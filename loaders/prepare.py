@@ -52,6 +52,7 @@ from loaders.metadata import (
     PLAN_NAME,
     atomic_write_text,
     is_content_id,
+    read_doc_counts,
 )
 from loaders.sources import tokens_digest
 from loaders.text import TEXT_SUFFIXES, load_tokenizer, read_text_table
@@ -464,7 +465,7 @@ def prepare(
         # the documents' digest: a resume on shards prepared again from changed sources
         # (same document count, other tokens) is refused by the loader's fingerprint. A
         # finished folder prepared again keeps the one recorded (its shards not re-read).
-        before = _recorded(folder / METADATA_NAME)
+        before = read_doc_counts(folder / METADATA_NAME)  # {}: digested anew
         content = before.get("content")
         if not is_content_id(content) or before.get("files") != counts:
             content = CONTENT_SCHEME + tokens_digest([folder / sh["file"] for sh in shards])
@@ -479,16 +480,6 @@ def prepare(
             "docs": sum(c["docs"] for c in counts.values()),
         }
     return summary
-
-
-def _recorded(meta: Path) -> dict:
-    """The ``doc_counts.json`` an earlier run wrote ({} if absent or unreadable: then the
-    documents are digested anew)."""
-    try:
-        data = json.loads(meta.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def main(argv: list[str] | None = None) -> int:
