@@ -20,6 +20,7 @@ from pathlib import Path
 from loaders.config import check_weight, is_int
 from loaders.errors import LoaderInputError, LoaderPathError
 from loaders.metadata import atomic_write_text, is_content_id
+from loaders.shards import owned_shards
 
 STATE_FORMAT = "loaders.rank_state"
 STATE_VERSION = 1
@@ -200,6 +201,13 @@ def check_state(state: object, where: str = "loader state") -> None:
             span = sh.get("range") if isinstance(sh, dict) else None
             if not ints(span, 2) or not 0 <= span[0] <= span[1] <= fp["num_shards"]:
                 raise bad(f"{at}.range", f"is not a shard range within {fp['num_shards']}")
+            own = owned_shards(fp["num_shards"], state["rank"], state["world_size"],
+                               r["worker"], state["num_workers"])  # fmt: skip
+            if r["worker"] in range(state["num_workers"]) and span != [own.start, own.stop]:
+                # a reader's cursors cover the shards its layout gives it: fewer would
+                # restart the others from their first document
+                raise bad(f"{at}.range", f"{span} is not the shards {[own.start, own.stop]} "
+                                         "its rank and worker own")  # fmt: skip
             for key in ("epoch", "counter", "offset"):
                 if not ints(sh.get(key), span[1] - span[0]) or min(sh[key], default=0) < 0:
                     raise bad(f"{at}.{key}", f"is not {span[1] - span[0]} integers >= 0")

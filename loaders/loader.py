@@ -10,6 +10,7 @@ are re-ordered to continue the workers' round-robin where the saved run stopped.
 from __future__ import annotations
 
 import copy
+import multiprocessing as mp
 import os
 from collections import deque
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from loaders import errors as loader_errors
 from loaders.checkpoint import (
     STATE_FORMAT,
     STATE_VERSION,
@@ -38,6 +40,7 @@ from loaders.pipeline import Layout, ReaderPipeline, holds_long, open_source
 from loaders.shards import owned_shards
 
 _STATE_KEY = "_reader_state"
+_ERROR_KEY = "_reader_error"  # a worker's LoaderInputError: (class name, message)
 
 
 def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -83,6 +86,14 @@ class _ReaderDataset(IterableDataset):
         self.config, self.layout, self.resume = config, layout, resume
 
     def __iter__(self) -> Iterator[dict]:
+        try:
+            yield from self._batches()
+        except LoaderInputError as exc:
+            # sent as a batch: torch would wrap it in a worker traceback of many lines,
+            # where bad input is one line (re-raised by _parallel_batches)
+            yield {_ERROR_KEY: (type(exc).__name__, str(exc))}
+
+    def _batches(self) -> Iterator[dict]:
         info = get_worker_info()
         w = info.id if info is not None else 0
         lay = Layout(self.layout.rank, self.layout.world_size, w, self.layout.num_workers)
@@ -147,6 +158,7 @@ class TokenLoader:
         if not is_int(num_workers) or num_workers < 0:
             raise LoaderInputError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         self.num_workers = int(num_workers)
+        _check_worker_args(self.num_workers, prefetch_factor, pin_memory, multiprocessing_context)
         self._readers = max(1, num_workers)
         self._dl_kwargs = {
             "prefetch_factor": prefetch_factor,
@@ -341,7 +353,17 @@ class TokenLoader:
         else:
             weights = dict(self._config_weights)  # the config changed: its weights win
         same = resume.world_size == self.world_size and resume.num_workers == self._readers
-        targets = self._check_readers(weights)  # refused before anything changes
+        try:
+            targets = self._check_readers(weights)  # refused before anything changes
+        except MixingShortfall as e:
+            if weights == self._config_weights:
+                raise
+            # the weights in force are the saved state's (a set_weights before the save),
+            # which the config does not show
+            raise MixingShortfall(
+                f"{e} (the weights {weights} are the saved state's, set by set_weights "
+                "before the save; change LoaderConfig.weights to override them on resume)"
+            ) from None
         self._close()
         self._cursors = resume.cursors
         self._weights = weights
@@ -394,6 +416,11 @@ class TokenLoader:
         ``step`` marks the save (loading refuses rank files of different steps); without
         it the file records this rank's count of saves instead, which every rank of one
         save round shares."""
+        if step is not None and (not is_int(step) or step < 0):
+            # loading would refuse the file as damaged: refuse it before anything is written
+            raise LoaderInputError(
+                f"TokenLoader.save: step must be an integer >= 0 (the training step), got {step!r}"
+            )
         state = self.state_dict()
         self._saves = mark = self._saves + 1
         if step is not None:
@@ -416,6 +443,31 @@ class TokenLoader:
     def load(self, directory: str | Path) -> None:
         """Restore from every rank file in ``directory`` (any old world size)."""
         self.load_state_dict(load_states(directory))
+
+
+def _check_worker_args(
+    num_workers: int, prefetch_factor: object, pin_memory: object, context: object
+) -> None:
+    """Refuse the DataLoader arguments that torch would only reject at the first batch
+    (or never: a ``prefetch_factor`` without workers has nothing to prefetch)."""
+    if prefetch_factor is not None:
+        if not num_workers:
+            raise LoaderInputError(
+                f"prefetch_factor={prefetch_factor!r} applies to worker processes only; "
+                "give num_workers >= 1 or leave prefetch_factor unset"
+            )
+        if not is_int(prefetch_factor) or prefetch_factor < 1:
+            raise LoaderInputError(
+                f"prefetch_factor must be an integer >= 1 (batches loaded ahead per worker), "
+                f"got {prefetch_factor!r}"
+            )
+    if not isinstance(pin_memory, bool):
+        raise LoaderInputError(f"pin_memory must be True or False, got {pin_memory!r}")
+    if isinstance(context, str) and context not in mp.get_all_start_methods():
+        raise LoaderInputError(
+            f"multiprocessing_context={context!r} is not a start method here; use one of "
+            f"{mp.get_all_start_methods()} (or a multiprocessing context object)"
+        )
 
 
 @dataclass(slots=True)
@@ -455,6 +507,9 @@ def _parallel_batches(
         return e
 
     for item in dl:
+        if _ERROR_KEY in item:
+            name, message = item[_ERROR_KEY]
+            raise getattr(loader_errors, name, LoaderInputError)(message)
         state = item.pop(_STATE_KEY)
         w = int(state["worker"])
         if item.pop("_end", False):

@@ -165,14 +165,18 @@ def file_doc_counts(
         rel = f.relative_to(root).as_posix()
         size = f.stat().st_size
         entry = known.get(rel)
-        ok = isinstance(entry, dict) and isinstance(entry.get("docs"), int)
+        docs = entry.get("docs") if isinstance(entry, dict) else None
+        # a file listed with no documents is never opened, so a count of 0 (or a damaged
+        # one) taken on trust would drop its documents silently: those are counted
+        ok = isinstance(docs, int) and not isinstance(docs, bool) and docs > 0
         if ok and entry.get("bytes", size) == size:
-            counts.append(entry["docs"])
+            counts.append(docs)
             continue
         n = count(f)
-        known[rel] = {"docs": n, "bytes": size}
+        new = {"docs": n, "bytes": size}
+        changed = changed or entry != new
+        known[rel] = new
         counts.append(n)
-        changed = True
     if changed:
         text = json.dumps({"format": FORMAT, "version": 1, "files": known}, indent=1)
         targets = [root / METADATA_NAME]

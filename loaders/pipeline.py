@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from loaders.config import DatasetSpec, LoaderConfig
+from loaders.errors import LoaderInputError
 from loaders.mixing import Mixer
 from loaders.packing import BatchBuffer, stream_len
 from loaders.shards import ShardCursors, owned_shards
@@ -110,6 +111,8 @@ class ReaderPipeline:
         self.done = False
         self._active = [n for n in sources if self._usable(n)]
         self._np_dtype = np.dtype(config.out_dtype)
+        # per source dtype: whether out_dtype may not hold its ids (see _tokens)
+        self._narrows: dict[np.dtype, bool] = {}
         self._source_index = {d.name: i for i, d in enumerate(config.datasets)}
         self._cur: tuple[str, int, np.ndarray] | None = None
         cur = ws.get("current")
@@ -175,7 +178,24 @@ class ReaderPipeline:
         return not all(self._finished(sc, s) for s in range(len(sc.ids)))
 
     def _tokens(self, name: str, slot: int) -> np.ndarray:
-        return self.sources[name].doc(self.shards[name].current_doc(slot))
+        doc = self.shards[name].current_doc(slot)
+        toks = self.sources[name].doc(doc)
+        narrows = self._narrows.get(toks.dtype)
+        if narrows is None:
+            narrows = self._narrows[toks.dtype] = not np.can_cast(toks.dtype, self._np_dtype)
+        if narrows and len(toks):
+            # the rows are written by numpy assignment, which wraps an id out_dtype cannot
+            # hold (2**40 + 5 becomes 5 in int32) without a word
+            info = np.iinfo(self._np_dtype)
+            lo, hi = int(toks.min()), int(toks.max())
+            if lo < info.min or hi > info.max:
+                bad = hi if hi > info.max else lo
+                raise LoaderInputError(
+                    f"sub-dataset {name!r}: document {doc} holds token id {bad}, which "
+                    f"LoaderConfig.out_dtype={self.config.out_dtype!r} cannot hold; use "
+                    "out_dtype='int64' or re-tokenize the data"
+                )
+        return toks
 
     def _roll(self, sc: ShardCursors, slot: int) -> None:
         """Advance past a finished (or skipped) document; start the next epoch at the end."""
@@ -301,6 +321,12 @@ class ReaderPipeline:
             sc = self.shards[name]
             off = sc.offset[slot]
             if off >= stream_len(len(toks), bos, eos):  # all emitted (EOS since turned off)
+                if off > stream_len(len(toks), bos, eos) + 1:  # no marker change explains it
+                    raise LoaderInputError(
+                        f"loader state: sub-dataset {name!r} shard {sc.ids[slot]} resumes "
+                        f"at offset {off} of a document of {len(toks)} tokens; the state is "
+                        "damaged or not this corpus's: use another checkpoint"
+                    )
                 self._roll(sc, slot)
                 self._cur = None
                 continue

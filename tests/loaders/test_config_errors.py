@@ -52,6 +52,15 @@ def _config(**kw) -> LoaderConfig:
         (lambda: TokenLoader(_config()).set_weights([0.5]), "weights must map sub-dataset names"),
         (lambda: TokenLoader(_config()).load_state_dict("x"), "a loader state is a dict"),
         (lambda: TokenLoader(_config()).load_state_dict([[1]]), "the state is a list"),
+        # DataLoader arguments torch checked only at the first batch, or never
+        (lambda: TokenLoader(_config(), num_workers=1, prefetch_factor=0), "prefetch_factor"),
+        (lambda: TokenLoader(_config(), num_workers=1, prefetch_factor="2"), "prefetch_factor"),
+        (lambda: TokenLoader(_config(), prefetch_factor=2), "applies to worker processes"),
+        (lambda: TokenLoader(_config(), pin_memory="yes"), "pin_memory must be True or False"),
+        (
+            lambda: TokenLoader(_config(), num_workers=1, multiprocessing_context="bogus"),
+            "multiprocessing_context='bogus' is not a start method",
+        ),
     ],
 )
 def test_bad_values_name_their_field(build, field):
@@ -124,6 +133,11 @@ def _damage(state: dict, how: str) -> object:
         state["readers"][0]["current"] = [[0], 0]
     elif how == "list as step":
         state["step"] = [1]
+    elif how == "range cut short":  # the arrays cut to match: the rest restarted from 0
+        shards = state["readers"][0]["shards"]["a"]
+        shards["range"] = [0, 2]
+        for key in ("epoch", "counter", "offset"):
+            shards[key] = shards[key][:2]
     return state
 
 
@@ -150,6 +164,7 @@ def _damage(state: dict, how: str) -> object:
         ("huge weight", r"weights\['a'\] = 10{400} is not a finite weight"),
         ("list as current", "current is not one of its shards"),
         ("list as step", r"step \[1\] is not an integer >= 0"),
+        ("range cut short", r"range \[0, 2\] is not the shards \[0, 4\] its rank and worker own"),
     ],
 )
 def test_a_damaged_state_file_is_refused_before_anything_changes(tmp_path, how, field):
@@ -167,6 +182,55 @@ def test_a_damaged_state_file_is_refused_before_anything_changes(tmp_path, how, 
     with pytest.raises(LoaderInputError, match=field):
         fresh.load(tmp_path)
     assert fresh.state_dict() == first
+
+
+@pytest.mark.parametrize("step", [-1, 2.7, "3", True])
+def test_a_save_step_that_loading_would_refuse_is_refused_first(tmp_path, step):
+    """save(step=-1) wrote a file that every load then refused as damaged; 2.7 was
+    written as 2."""
+    loader = TokenLoader(_config())
+    with pytest.raises(LoaderInputError, match="step must be an integer >= 0"):
+        loader.save(tmp_path, step=step)
+    assert not list(tmp_path.iterdir())
+    loader.save(tmp_path, step=np.int64(3))  # a numpy integer is an integer
+    assert json.loads(next(tmp_path.iterdir()).read_text())["step"] == 3
+
+
+def test_an_offset_past_its_document_is_refused(tmp_path):
+    """An offset past the end of its document (more than an EOS turned off explains)
+    skipped the document silently."""
+    loader = TokenLoader(_config(bos_id=1, eos_id=2, seq_len=3))
+    next(loader)  # 3 of the first document's 7 tokens
+    state = loader.state_dict()
+    offsets = state["readers"][0]["shards"]["a"]["offset"]
+    shard = next(i for i, o in enumerate(offsets) if o)
+    offsets[shard] = 9  # 7 tokens: 8 is an EOS since turned off, 9 is no stream's
+    fresh = TokenLoader(_config(bos_id=1, eos_id=2, seq_len=3))
+    fresh.load_state_dict(state)
+    with pytest.raises(LoaderInputError, match="resumes at offset 9 of a document of 5 tok"):
+        for _ in range(20):
+            next(fresh)
+    offsets[shard] = 8
+    again = TokenLoader(_config(bos_id=1, eos_id=2, seq_len=3))
+    again.load_state_dict(state)
+    assert next(again)["input_ids"].shape == (1, 3)
+
+
+class _WideDocs(_Docs):
+    def doc(self, i: int) -> np.ndarray:
+        return np.array([7, 2**40 + 5 if i == 3 else 8], dtype=np.int64)
+
+
+def test_ids_out_dtype_cannot_hold_are_refused(tmp_path):
+    """Rows are filled by numpy assignment, which wrapped 2**40 + 5 to 5 in int32."""
+    cfg = LoaderConfig(datasets=[DatasetSpec(name="w", path=_WideDocs())], num_shards=1,
+                       seq_len=4, out_dtype="int32", shuffle="none", num_epochs=1)  # fmt: skip
+    with pytest.raises(LoaderInputError, match=r"document 3 holds token id 1099511627781, wh"
+                       r"ich LoaderConfig.out_dtype='int32' cannot hold"):  # fmt: skip
+        list(TokenLoader(cfg))
+    wide = LoaderConfig(datasets=[DatasetSpec(name="w", path=_WideDocs())], num_shards=1,
+                        seq_len=4, shuffle="none", num_epochs=1)  # fmt: skip
+    assert 2**40 + 5 in torch.cat([b["input_ids"].reshape(-1) for b in TokenLoader(wide)])
 
 
 def test_an_endless_stream_counts_only_documents_of_min_doc_len(tmp_path):

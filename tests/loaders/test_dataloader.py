@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import loaders.checkpoint as ckpt
-from loaders import TokenLoader, load_states, state_path
+from loaders import LoaderInputError, TokenLoader, load_states, state_path
 from loaders.loader import resolve_rank_world
 from tests.loaders_helpers import body_tokens, config, expected_tokens, make_corpus, take
 
@@ -257,3 +257,22 @@ def test_a_failed_save_retried_keeps_the_ranks_counts_equal(corpus, tmp_path, mo
         loaders[1].save(tmp_path, background=True).result()
     loaders[1].save(tmp_path, background=True).result()
     assert {s["save"] for s in load_states(tmp_path)} == {2}
+
+
+def test_bad_input_met_by_a_worker_is_one_line(tmp_path):
+    """A LoaderInputError raised in a worker reached the caller wrapped in torch's worker
+    traceback (26 lines); bad input is one line, of its own class."""
+    make_corpus(tmp_path / "a", 30, files=3)
+    TokenLoader(config([("a", tmp_path / "a", 1.0)], num_shards=4))  # writes the counts
+    path = tmp_path / "a" / "doc_counts.json"
+    meta = json.loads(path.read_text())
+    meta["files"][sorted(meta["files"])[-1]] = {"docs": 11}  # stale, no size to tell
+    path.write_text(json.dumps(meta))
+    loader = TokenLoader(config([("a", tmp_path / "a", 1.0)], num_shards=4, num_epochs=1),
+                         num_workers=2)  # fmt: skip
+    with pytest.raises(LoaderInputError) as err:
+        list(loader)
+    assert type(err.value) is LoaderInputError
+    stale = "has 10 rows but the doc-count metadata says 11; delete the stale doc_counts.json"
+    assert str(err.value).endswith(stale + " (or cache entry) and restart")
+    assert "\n" not in str(err.value)

@@ -97,6 +97,21 @@ def test_stale_metadata_is_recounted_and_wrong_counts_are_caught(tmp_path):
         TokenFolder(tmp_path / "a")
 
 
+@pytest.mark.parametrize("docs", [0, -3, True, "10"])
+def test_a_count_that_would_hide_a_file_is_recounted(tmp_path, docs):
+    """A file listed with 0 (or a negative, or a non-integer) documents was never opened,
+    so the count was never checked: its documents dropped out of the stream silently."""
+    make_corpus(tmp_path / "a", 30, files=3)
+    TokenFolder(tmp_path / "a")
+    path = tmp_path / "a" / METADATA_NAME
+    meta = json.loads(path.read_text())
+    last = sorted(meta["files"])[-1]
+    meta["files"][last]["docs"] = docs  # its size still right: only the count is wrong
+    path.write_text(json.dumps(meta))
+    assert TokenFolder(tmp_path / "a").num_docs == 30
+    assert json.loads(path.read_text())["files"][last]["docs"] == 10  # written back
+
+
 def test_unwritable_data_folder_uses_cache_dir(tmp_path, monkeypatch):
     """The doc counts cannot be written beside the data (a real OSError, which root gets
     too, unlike a read-only folder's: the metadata's name is taken by a folder): they go

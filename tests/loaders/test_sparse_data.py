@@ -294,6 +294,21 @@ def test_a_share_the_owners_cannot_serve_is_refused_on_every_rank():
     assert ld.readers[0].mixer.targets["small"] > 0.3  # rank 1 owns one of the 3
 
 
+def test_a_shortfall_of_restored_weights_says_where_they_came_from(tmp_path):
+    """Weights set by set_weights before a save are restored on resume; a shortfall
+    quoted them without saying so, while the config showed others."""
+    ld = TokenLoader(_small_mix(0.1))
+    ld.set_weights({"big": 0.1, "small": 0.9})
+    ld.save(tmp_path)
+    four = TokenLoader(_small_mix(0.1), rank=0, world_size=4)  # the config's weights fit
+    saved = r"\(the weights \{'big': 0.1, 'small': 0.9\} are the saved state's, set by set_w"
+    with pytest.raises(MixingShortfall, match=r"reaches only 3 of 4 readers.*" + saved):
+        four.load(tmp_path)
+    one = TokenLoader(_small_mix(0.1))  # the layout they were set at still serves them
+    one.load(tmp_path)
+    assert one.state_dict()["weights"] == {"big": 0.1, "small": 0.9}
+
+
 @pytest.mark.parametrize(("world", "workers"), [(4, 0), (2, 2)])
 def test_a_made_up_share_resumes_identically(world, workers):
     """The readers' targets follow from the layout, so a resume at the same layout goes
