@@ -174,7 +174,11 @@ class LayerSummary:
 
 
 def _walk(
-    params: object, state: object, path: str, rows: Mapping[str, int]
+    params: object,
+    state: object,
+    path: str,
+    rows: Mapping[str, int],
+    shapes: Mapping[str, tuple[int, int]],
 ) -> Iterator[LayerSummary]:
     if is_tt_params(params):
         p: Params = params  # type: ignore[assignment]
@@ -197,41 +201,54 @@ def _walk(
                 math.prod(c.shape[1] for c in cores[:d]),
                 math.prod(c.shape[1] for c in cores[d:]),
             )
+        dense = dense_param_count(p, vocab)
+        real = shapes.get(path or "<root>")
+        if real is not None:  # a padded layer's own sizes (the train holds the padded ones)
+            shape = (int(real[0]), int(real[1]))
+            bias = shape[0] if not ttm and p.get("bias") is not None else 0
+            dense = shape[0] * shape[1] + bias
         yield LayerSummary(
             path=path or "<root>",
             kind="ttm_embedding" if ttm else "tt_linear",
             dense_shape=shape,
             stored_params=param_count(p),
             live_params=live_param_count(p, st),
-            dense_params=dense_param_count(p, vocab),
+            dense_params=dense,
             ranks=tuple(int(c.shape[-1]) for c in cores[:-1]),
             live=tuple(live_ranks(st)),
         )
     elif isinstance(params, dict):
         for k, v in params.items():
             sub = state.get(k) if isinstance(state, dict) else None
-            yield from _walk(v, sub, f"{path}.{k}" if path else str(k), rows)
+            yield from _walk(v, sub, f"{path}.{k}" if path else str(k), rows, shapes)
     elif isinstance(params, list | tuple):
         for i, v in enumerate(params):
             sub = state[i] if isinstance(state, list | tuple) and i < len(state) else None
-            yield from _walk(v, sub, f"{path}.{i}" if path else str(i), rows)
+            yield from _walk(v, sub, f"{path}.{i}" if path else str(i), rows, shapes)
     elif isinstance(params, torch.Tensor):
         n = params.numel()
         yield LayerSummary(path, "dense", tuple(params.shape), n, n, n, (), ())
 
 
 def summarize(
-    params: object, state: object = None, *, num_embeddings: Mapping[str, int] | None = None
+    params: object,
+    state: object = None,
+    *,
+    num_embeddings: Mapping[str, int] | None = None,
+    dense_shapes: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[LayerSummary]:
     """One row per TT/TTM layer and per dense tensor in a model's params pytree.
 
     ``state`` mirrors the params tree (a TT layer's state sits at the same path);
-    where it is missing every rank counts as live. A TTM table's params do not hold its
-    row count, so its dense size counts the padded vocabulary (``prod(vocab_modes)``)
-    unless ``num_embeddings`` maps its path to the real one (``spec.num_embeddings``).
+    where it is missing every rank counts as live. A train's params hold only its padded
+    sizes: a TTM table's dense size counts the padded vocabulary (``prod(vocab_modes)``)
+    unless ``num_embeddings`` maps its path to the real one (``spec.num_embeddings``), and
+    a linear layer ``tensorize_`` padded counts its padded ``out x in`` unless
+    ``dense_shapes`` maps its path to the real ``(out, in)`` (``(rows, dim)`` for a
+    table; :meth:`comera.train.ModuleTask.dense_shapes` gives them for a module).
     """
     _no_module(params, "summarize")
-    return list(_walk(params, state, "", num_embeddings or {}))
+    return list(_walk(params, state, "", num_embeddings or {}, dense_shapes or {}))
 
 
 def summary_table(
@@ -240,9 +257,10 @@ def summary_table(
     *,
     dense_rows: bool = False,
     num_embeddings: Mapping[str, int] | None = None,
+    dense_shapes: Mapping[str, tuple[int, int]] | None = None,
 ) -> str:
     """A markdown table of :func:`summarize` with a total row (dense tensors folded in)."""
-    rows = summarize(params, state, num_embeddings=num_embeddings)
+    rows = summarize(params, state, num_embeddings=num_embeddings, dense_shapes=dense_shapes)
     lines = [
         "| layer | kind | dense shape | ranks (live/stored) | params (live) | dense params "
         "| compression |",

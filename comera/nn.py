@@ -59,12 +59,23 @@ class _TTModule(nn.Module):
 
     def load_tensors(self, params: Params, state: State) -> None:
         """Hold these params and state (new parameters, shapes as given: a compacted
-        train's); the tensors are shared, not copied."""
-        self.cores = nn.ParameterList([nn.Parameter(c) for c in params["cores"]])  # type: ignore[union-attr]
-        self.gates = nn.ParameterList([nn.Parameter(g) for g in params["gates"]])  # type: ignore[union-attr]
+        train's); the tensors are shared, not copied. Each new parameter keeps the
+        ``requires_grad`` of the one it replaces (a frozen layer stays frozen)."""
+
+        def held(new: list[torch.Tensor], key: str) -> nn.ParameterList:
+            old = list(getattr(self, key, ()))
+            return nn.ParameterList([
+                nn.Parameter(t, requires_grad=old[k].requires_grad if k < len(old) else True)
+                for k, t in enumerate(new)
+            ])  # fmt: skip
+
+        self.cores = held(params["cores"], "cores")  # type: ignore[arg-type]
+        self.gates = held(params["gates"], "gates")  # type: ignore[arg-type]
         self.masks = _Buffers(list(state["masks"]))  # type: ignore[arg-type]
         if "bias" in params:
-            self.bias = nn.Parameter(params["bias"])  # type: ignore[arg-type]
+            old = getattr(self, "bias", None)
+            trained = old.requires_grad if old is not None else True
+            self.bias = nn.Parameter(params["bias"], requires_grad=trained)  # type: ignore[arg-type]
 
     def params(self) -> Params:
         """The functional params pytree (the module's own parameter tensors)."""
@@ -96,12 +107,8 @@ class _TTModule(nn.Module):
         """Hold new cores, gates and masks, keeping each parameter's ``requires_grad`` (a
         frozen layer stays frozen, a trained one trained) and the bias itself (never
         resized: the same parameter, and its optimizer state)."""
-        frozen = {k: [not p.requires_grad for p in getattr(self, k)] for k in ("cores", "gates")}
         bias = getattr(self, "bias", None)
-        self.load_tensors(params, state)
-        for k, flags in frozen.items():
-            for p, off in zip(getattr(self, k), flags, strict=True):
-                p.requires_grad_(not off)
+        self.load_tensors(params, state)  # it keeps each parameter's requires_grad
         if bias is not None:
             self.bias = bias
 

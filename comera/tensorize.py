@@ -463,7 +463,8 @@ def _linear_plan(
     dense = out_f * in_f + (out_f if bias else 0)
     rank = _pick_rank(modes, cfg.rank_of(name), dense, out_p if bias else 0, cfg, name)
     if dense < cfg.min_compression * _size(modes, rank, out_p if bias else 0, name):
-        return f"skipped: a rank-{rank} train is not {cfg.min_compression:g}x smaller"
+        why = f"a {_rank_text(modes, rank, name)} train is not {cfg.min_compression:g}x smaller"
+        return f"skipped: {why}"
     spec = TTLinearSpec(out_modes=tuple(reversed(out_m)), in_modes=in_m, ranks=rank, bias=bias,
                         name=name, dtype=dtype)  # fmt: skip
     padded = []
@@ -472,6 +473,22 @@ def _linear_plan(
     if in_p != in_f:
         padded.append(f"in {in_f}->{in_p}")
     return spec, ", ".join(padded)
+
+
+def _rank_text(modes: tuple[int, ...], rank: int, name: str) -> str:
+    """``rank-R``, or the ranks its bonds are capped to when they carry fewer (a rank far
+    above the modes' is quoted as what the check used)."""
+    capped = cap_ranks(modes, rank, name)
+    return f"rank-{rank}" + (
+        f" (capped to {','.join(map(str, capped))})" if max(capped) < rank else ""
+    )
+
+
+def _short_of(cfg: TensorizeConfig, dense: int, size: int) -> str:
+    """A note when a target compression could not be met even at rank 1."""
+    if cfg.compression is None or dense >= cfg.compression * size:
+        return ""
+    return f"rank 1 is only {dense / size:.2f}x smaller, short of compression={cfg.compression:g}"
 
 
 def _pick_rank(modes: tuple[int, ...], rank: int, dense: int, extra: int,
@@ -529,7 +546,7 @@ def _replace_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, 
         name=name, kind=kind, shape=(out_f, in_f),
         modes=f"{list(spec.out_modes)} / {list(spec.in_modes)}",
         ranks=tuple(tensor_train.bond_ranks(layer.params())), params_before=before,
-        params_after=after, padded=padded,
+        params_after=after, padded=padded, note=_short_of(cfg, before, after),
     )  # fmt: skip
 
 
@@ -548,7 +565,8 @@ def _replace_embedding(name: str, emb: nn.Embedding,
     merged = tuple(v * d for v, d in zip(vocab_m, dim_m, strict=True))
     rank = _pick_rank(merged, cfg.rank_of(name, embedding=True), rows * dim, 0, cfg, name)
     if rows * dim < cfg.min_compression * _size(merged, rank, 0, name):
-        why = f"skipped: a rank-{rank} train is not {cfg.min_compression:g}x smaller"
+        small = f"a {_rank_text(merged, rank, name)} train is not {cfg.min_compression:g}x smaller"
+        why = f"skipped: {small}"
         return None, LayerReport(**report, skipped=why)
     spec = TTMEmbeddingSpec(vocab_modes=vocab_m, dim_modes=dim_m, ranks=rank,
                             num_embeddings=rows, embedding_dim=dim, name=name,
@@ -559,10 +577,11 @@ def _replace_embedding(name: str, emb: nn.Embedding,
     else:
         layer = TTMEmbedding(spec, device=emb.weight.device)
     padded = f"rows {rows}->{math.prod(vocab_m)}" if math.prod(vocab_m) != rows else ""
+    after = sum(p.numel() for p in layer.parameters())
     return layer, LayerReport(
         **report, modes=f"{list(vocab_m)} x {list(dim_m)}",
         ranks=tuple(tensor_train.bond_ranks(layer.params())),
-        params_after=sum(p.numel() for p in layer.parameters()), padded=padded,
+        params_after=after, padded=padded, note=_short_of(cfg, rows * dim, after),
     )  # fmt: skip
 
 
@@ -808,8 +827,11 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
         new: nn.Module | None = None
         if why:
             shape = tuple(module.weight.shape)  # type: ignore[union-attr]
+            # weight and bias, as a layer skipped for its size counts them
+            bias = getattr(module, "bias", None)
+            held = module.weight.numel() + (bias.numel() if isinstance(bias, torch.Tensor) else 0)  # type: ignore[union-attr]
             report = LayerReport(name=name, kind=type(module).__name__, shape=shape,  # type: ignore[arg-type]
-                                 params_before=module.weight.numel(), skipped=why)  # type: ignore[union-attr]  # fmt: skip
+                                 params_before=held, skipped=why)  # fmt: skip
         elif isinstance(module, nn.Embedding):
             new, report = _replace_embedding(name, module, config)
             if new is not None:
@@ -818,7 +840,7 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
                 lost += [k for k in ("scale_grad_by_freq", "sparse") if getattr(module, k)]
                 if lost:
                     note = f"{', '.join(lost)} dropped (no TTM counterpart)"
-                    report = replace(report, note=note)
+                    report = replace(report, note="; ".join(x for x in (report.note, note) if x))
         elif isinstance(module, nn.Linear):
             if id(module.weight) in embeddings:
                 continue  # a tied decoder: handled below with every tied linear

@@ -83,6 +83,20 @@ class ModuleTask:
         out.update({n: named[n] for n in self._rest})
         return out
 
+    def dense_shapes(self) -> dict[str, tuple[int, int]]:
+        """The real ``(out, in)`` (a table's ``(rows, dim)``) of every trained TT layer, by
+        its path in :meth:`params`: a train holds the padded sizes ``tensorize_`` gave an
+        awkward layer, and :func:`comera.summarize` counts those without them."""
+        out = {}
+        for name, m in self._tt.items():
+            parent = self.model.get_submodule(name.rpartition(".")[0]) if "." in name else None
+            outer = parent if getattr(parent, "inner", None) is m else m  # PaddedTTLinear
+            if isinstance(m, TTMEmbedding):
+                out[name] = (int(m.num_embeddings), int(m.embedding_dim))
+            else:
+                out[name] = (int(outer.out_features), int(outer.in_features))  # type: ignore[union-attr]
+        return out
+
     def replicated_tensors(self) -> list[torch.Tensor]:
         """The module's frozen parameters: neither params nor state, yet every rank must
         hold the same (the trainer broadcasts rank 0's at start, as DDP does)."""

@@ -885,6 +885,61 @@ def test_summaries_count_a_padded_table_at_its_rows_when_told() -> None:
     )
 
 
+def test_summaries_count_padded_linears_at_their_sizes_from_the_module() -> None:
+    """A train holds the padded sizes tensorize_ gave awkward layers: summarize counted
+    12,714 dense parameters for a model of 11,360 (7.3x claimed, 6.4x real) without the
+    module's own sizes, which ModuleTask.dense_shapes gives."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Linear(13, 97), nn.Linear(97, 101),
+                          nn.Embedding(1009, 8))  # fmt: skip
+    dense = sum(p.numel() for p in model.parameters())
+    tensorize_(model, TensorizeConfig(target_modules="*", rank=6, cores=2, min_compression=0))
+    assert any(isinstance(m, PaddedTTLinear) for m in model)
+    task = ModuleTask(model, lambda call, batch: 0, iter([]))
+    shapes = task.dense_shapes()
+    assert shapes == {"0": (13, 7), "1.inner": (97, 13), "2.inner": (101, 97), "3": (1009, 8)}
+    rows = C.summarize(task.params(), task.state(), dense_shapes=shapes)
+    assert sum(r.dense_params for r in rows) == dense
+    assert sum(r.dense_params for r in C.summarize(task.params(), task.state())) > dense
+    table = C.summary_table(task.params(), task.state(), dense_shapes=shapes)
+    assert "| 1.inner | tt_linear | 97x13 |" in table and f"| {dense:,} |" in table
+
+
+def test_summary_rows_of_skipped_layers_and_unmet_targets_say_what_is_so() -> None:
+    """A layer skipped for how it is called counted its weight without its bias (one
+    skipped for its size counted both); a skip quoted the rank asked for, not the capped
+    ranks the check used; a compression target rank 1 cannot meet was met silently."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(32, 3))
+    model[0].register_forward_hook(lambda *a: None)
+    summary = tensorize_(model, TensorizeConfig(target_modules="*", rank=2, min_compression=0))
+    assert summary.layers[0].skipped and summary.layers[0].params_before == 16 * 16 + 16
+    wide = TensorizeConfig(target_modules="*", rank=100_000, cores=2)
+    big = tensorize_(nn.Sequential(nn.Linear(16, 16)), wide)
+    assert (
+        big.layers[0].skipped == "skipped: a rank-100000 (capped to 4,16,4) train is not 1x smaller"
+    )
+    four = TensorizeConfig(target_modules="*", rank=64, compression=4.0)
+    short = tensorize_(nn.Sequential(nn.Linear(32, 3)), four)
+    row = short.layers[0]
+    assert row.ranks == (1,) and not row.skipped
+    assert row.note == f"rank 1 is only {row.compression:.2f}x smaller, short of compression=4"
+    assert row.note in str(short)
+
+
+def test_load_tensors_keeps_a_frozen_layer_frozen() -> None:
+    """A train pruned and compacted through the functional API, installed with
+    ``load_tensors``, came back trainable: every new parameter had requires_grad=True."""
+    torch.manual_seed(0)
+    lin = C.TTLinear(C.propose_tt_linear(16, 16, d=2, ranks=4))
+    lin.requires_grad_(False)
+    p, s = C.compact(lin.params(), C.prune(lin.params(), lin.state(), 0.3, rule="contribution"))
+    lin.load_tensors(p, s)
+    assert not any(t.requires_grad for t in lin.parameters())
+    fresh = C.TTLinear(C.propose_tt_linear(16, 16, d=2, ranks=4))  # a trained one stays trained
+    fresh.load_tensors(*C.compact(fresh.params(), fresh.state()))
+    assert all(t.requires_grad for t in fresh.parameters())
+
+
 def test_modules_called_otherwise_than_their_class_says_stay_dense() -> None:
     """Hooks, an instance's own forward, a shared bias, and a tied linear whose parent
     reads its weight: replacing any of them would change the model silently (a hook that
