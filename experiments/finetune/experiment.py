@@ -187,7 +187,8 @@ def load_model(cfg: ModelConfig, data: MNLIData, *, quiet: bool = False) -> nn.M
     head) are named on stderr."""
     tf = _transformers()
     if cfg.path is not None:
-        model, missing = _load_pretrained(tf, cfg)
+        top = max((int(s.labels.max()) for s in data.splits()), default=-1)
+        model, missing = _load_pretrained(tf, cfg, labels=top + 1)
         if missing and not quiet:
             print(f"--model {cfg.path}: newly initialized (not in its checkpoint): "
                   f"{', '.join(missing)}", file=sys.stderr)  # fmt: skip
@@ -224,11 +225,12 @@ def _check_local_path(path: str) -> None:
         raise MissingFileError(f"--model {path}: no such folder")
 
 
-def _load_pretrained(tf: Any, cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
+def _load_pretrained(tf: Any, cfg: ModelConfig, labels: int = 0) -> tuple[nn.Module, list[str]]:
     """``cfg.path``'s classifier with a ``cfg.num_labels`` head and the names of the
     weights its checkpoint lacks. transformers' own load report and progress bar are
     silenced (a failure becomes one line here); weights whose saved shape differs (a head
-    trained for another label count) are refused, naming ``model.num_labels``."""
+    trained for another label count) are refused, naming ``model.num_labels`` (and the
+    saved head's count when the data's ``labels`` fit it)."""
     _check_local_path(cfg.path)  # type: ignore[arg-type]
     log = tf.utils.logging
     verbosity, bar = log.get_verbosity(), log.is_progress_bar_enabled()
@@ -267,10 +269,16 @@ def _load_pretrained(tf: Any, cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
             f"{key} is {tuple(saved)} there, {tuple(wanted)} here"
             for key, saved, wanted in mismatched
         )
+        # the saved head's label count: the first size of what differs (weight and bias)
+        saved_counts = {int(saved[0]) for _, saved, _ in mismatched if len(saved)}
+        saved_n = saved_counts.pop() if len(saved_counts) == 1 else 0
+        keep = (f"--set model.num_labels={saved_n} to keep the saved head, or "
+                if 2 <= saved_n and labels <= saved_n else "")  # fmt: skip
         raise ConfigError(
             f"--model {cfg.path}: its saved weights do not fit model.num_labels="
-            f"{cfg.num_labels} ({shapes}); give a model whose head has {cfg.num_labels} "
-            "labels, or one saved without a classification head (a fresh head is made)"
+            f"{cfg.num_labels} ({shapes}); {keep}give a model whose head has "
+            f"{cfg.num_labels} labels, or one saved without a classification head (a fresh "
+            "head is made)"
         )
     tt_keys = [k for k in info.get("unexpected_keys") or () if _TT_KEY.search(k)]
     if tt_keys:  # loaded as dense, the cores would be dropped and fresh weights compressed
@@ -417,7 +425,10 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     dense_size = sum(t.numel() for t in model.parameters())
     summary = None
     if not p.dense:
-        summary = C.tensorize_(model, p.model.tensorize())
+        try:
+            summary = C.tensorize_(model, p.model.tensorize())
+        except ConfigError as e:
+            raise ConfigError(_name_glob_flag(str(e), p.model)) from None
         tt = (C.TTLinear, C.TTMEmbedding)
         if p.train.comera.enabled and not any(isinstance(m, tt) for m in model.modules()):
             why = "; ".join(f"{r.name}: {r.skipped}" for r in summary.layers[:3] if r.skipped)
@@ -475,6 +486,23 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
         ],  # fmt: skip
     }
     return task, task.params(), task.state(), dense_size, info
+
+
+_DEFAULT_TARGET = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "target")
+
+
+def _name_glob_flag(message: str, model: ModelConfig) -> str:
+    """``tensorize_``'s error about a glob, with the flag that gave it (and, for the
+    default ``--target``, that the user never typed it: its names are BERT's)."""
+    for key in ("target", "exclude"):
+        if message.startswith(f"tensorize_: {key} glob"):
+            given = getattr(model, key)
+            default = f" (its default {','.join(given)}: BERT's names)" if (
+                key == "target" and given == _DEFAULT_TARGET) else ""  # fmt: skip
+            return f"--{key}{default}: {message.removeprefix('tensorize_: ')}"
+    if message.startswith("tensorize_: every module the target globs"):
+        return f"--target, --exclude: {message.removeprefix('tensorize_: ')}"
+    return message
 
 
 def _flags(ap: argparse.ArgumentParser) -> None:

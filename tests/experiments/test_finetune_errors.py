@@ -80,7 +80,11 @@ def test_a_model_with_another_label_count_is_one_line(tmp_path: Path, capsys) ->
     line = _one_line(capsys)
     assert f"--model {two}" in line and "model.num_labels=3" in line
     assert "classifier.weight is (2, 32) there, (3, 32) here" in line
+    assert "--set model.num_labels=2" not in line  # the data's 3 labels do not fit it
     assert not (tmp_path / "r").exists()
+    five = _saved(capsys, tmp_path / "five", labels=5)  # the data's 3 labels fit its head
+    assert main(_argv(tmp_path, "r", "--model", five)) == 2
+    assert "--set model.num_labels=5 to keep the saved head" in _one_line(capsys)
     p = cli.set_field(preset("smoke"), "model.path", _saved(capsys, tmp_path / "enc", head=False))
     p = cli.set_field(p, "data.generated_train", 30)
     capsys.readouterr()
@@ -116,13 +120,32 @@ def test_a_comera_run_with_nothing_tensorized_is_one_line(tmp_path: Path, capsys
     ``--dense`` runs the same model."""
     assert main(_argv(tmp_path, "r", "--exclude", "*")) == 2
     line = _one_line(capsys)
-    assert "every module the target globs" in line and "is excluded by ['*']" in line
+    assert "error: --target, --exclude: every module the target globs" in line
+    assert "is excluded by ['*']" in line
     assert not (tmp_path / "r").exists()
     # every match skipped rather than excluded: the run's own check names the globs
     assert main(_argv(tmp_path, "r", "--set", "model.min_compression=1000")) == 2
     line = _one_line(capsys)
     assert "no module was tensorized" in line and "is not 1000x smaller" in line
     assert "--dense" in line and not (tmp_path / "r").exists()
+
+
+def test_a_glob_that_matches_nothing_names_its_flag(tmp_path: Path, capsys) -> None:
+    """The default --target globs are BERT's names: on GPT-2 the error quoted 'query',
+    which the user never typed, and named no flag."""
+    path = tmp_path / "gpt2"
+    tf.GPT2ForSequenceClassification(tf.GPT2Config(
+        vocab_size=_generated_vocab(), n_embd=16, n_layer=1, n_head=2, n_positions=160,
+        num_labels=3)).save_pretrained(path)  # fmt: skip
+    capsys.readouterr()
+    assert main(_argv(tmp_path, "r", "--model", str(path))) == 2
+    line = _one_line(capsys)
+    assert line.startswith("python -m experiments.finetune: error: --target (its default "
+                           "query,key,value,dense,word_embeddings: BERT's names): target glob "
+                           "'query' matches no")  # fmt: skip
+    assert "transformer.h.0.attn.c_attn" in line and not (tmp_path / "r").exists()
+    assert main(_argv(tmp_path, "r", "--exclude", "nothing")) == 2
+    assert ": error: --exclude: exclude glob 'nothing' matches no" in _one_line(capsys)
 
 
 @pytest.mark.parametrize(
