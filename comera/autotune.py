@@ -136,19 +136,45 @@ def _well_formed(d: Decision) -> bool:
     return texts and times and skipped
 
 
+# how long a save waits for another process's lock on the cache before it gives up (a
+# save takes milliseconds; a process stopped while holding the lock would hold it forever)
+LOCK_WAIT_S = 10.0
+
+
+class LockTimeout(OSError):
+    """The plan cache's lock stayed held by another process past :data:`LOCK_WAIT_S`."""
+
+
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def _file_lock(path: Path, wait_s: float | None = None) -> Iterator[None]:
     """An exclusive advisory lock on ``path`` (created if missing, opened read-only: a
     lock needs no write access, so users sharing a cache can each take it) while the block
     runs, so two processes saving one cache do not drop each other's entries. Where it
     cannot be taken (no ``fcntl`` on Windows, a filesystem without locks, a lock file
-    another user made unreadable), the block runs unlocked, as saves did before."""
+    another user made unreadable), the block runs unlocked, as saves did before; one held
+    by another process past ``wait_s`` (:data:`LOCK_WAIT_S`) raises :class:`LockTimeout`
+    (the block never runs)."""
+    wait_s = LOCK_WAIT_S if wait_s is None else wait_s
     fd = None
     try:
         import fcntl
 
         fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    fd = None
+                    raise LockTimeout(
+                        f"its lock {path.name} stayed held by another process for {wait_s:g} s"
+                    ) from None
+                time.sleep(0.05)
+    except LockTimeout:
+        raise
     except (ImportError, OSError):
         if fd is not None:
             os.close(fd)
@@ -244,6 +270,8 @@ class PlanTuner:
         self._fast: dict[tuple, tuple[str, str]] = {}  # (call, threads) -> (key, choice)
         self._last: dict[tuple, str] = {}  # call -> its latest choice (read under compile)
         self._loaded = False
+        self._warned = False  # a cache it cannot read or write is warned of once
+        self._unreadable = False  # a cache file this user cannot read is never replaced
         # one decision (timing, then recording and saving) at a time among threads
         self._lock = threading.RLock()
 
@@ -256,10 +284,12 @@ class PlanTuner:
 
     @staticmethod
     def _read_raw(path: Path) -> dict[str, Any]:
-        """A cache file's entries as stored, or nothing when it is not a JSON object."""
+        """A cache file's entries as stored, or nothing when it is not a JSON object (a
+        damaged file, rewritten by the next save). A file this user cannot read raises
+        ``OSError``: it may hold other users' entries, which a save must not replace."""
         try:
             table = json.loads(path.read_text())
-        except (OSError, ValueError, RecursionError):  # unreadable, not JSON, too deep
+        except (ValueError, RecursionError):  # not JSON (or not UTF-8), too deep
             return {}
         return table if isinstance(table, dict) else {}
 
@@ -274,14 +304,25 @@ class PlanTuner:
                 d = Decision(**v)
             except TypeError:  # not a mapping, or other fields
                 continue
-            if _well_formed(d) and _choice_in_key(k, d.choice):
+            # a choice its own entry says was not timed (the memory rule ruled it out)
+            # contradicts itself: damaged or edited
+            if _well_formed(d) and _choice_in_key(k, d.choice) and d.choice not in d.skipped:
                 out[k] = d
         return out
 
     @classmethod
     def _read_table(cls, path: Path) -> dict[str, Decision]:
-        """The decisions in a cache file (see :meth:`_parse`)."""
+        """The decisions in a cache file (see :meth:`_parse`); raises ``OSError`` when it
+        cannot be read."""
         return cls._parse(cls._read_raw(path))
+
+    def _warn(self, text: str) -> None:
+        """One warning per tuner for a cache it cannot use: a run decides many shapes,
+        and each would warn again (a message naming a random temp file is never seen
+        twice by Python's filter)."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"comera.autotune: {text}", stacklevel=4)
 
     def _load(self) -> None:
         with self._lock:  # threads sharing the tuner see the table once it is read
@@ -289,13 +330,12 @@ class PlanTuner:
                 return
             path = self.cache_file
             try:  # is_file() raises for a folder this user cannot open
-                found = path is not None and path.is_file()
+                if path is not None and path.is_file():
+                    self.decisions = {**self._read_table(path), **self.decisions}
             except OSError as e:
-                warnings.warn(f"comera.autotune: cannot read the plan cache {path}: {e}; "
-                              "deciding afresh", stacklevel=3)  # fmt: skip
-                found = False
-            if found:
-                self.decisions = {**self._read_table(path), **self.decisions}
+                self._warn(f"cannot read the plan cache {path}: {e.strerror or e}; deciding "
+                           "afresh (and not saving over it)")  # fmt: skip
+                self._unreadable = True
             self._loaded = True
 
     def _save(self) -> None:
@@ -303,13 +343,14 @@ class PlanTuner:
         whole through a rename; a cache that cannot be written costs a warning, never the
         run."""
         path = self.cache_file
-        if path is None:
+        if path is None or self._unreadable:
             return
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with _file_lock(path.with_name(path.name + ".lock")):  # other processes' saves
-                # entries as stored: one this version cannot read (another version's) is kept
+                # entries as stored: one this version cannot read (another version's) is
+                # kept; a file this user cannot read raises, and is not replaced
                 disk = self._read_raw(path) if path.is_file() else {}
                 merged = {**disk, **{k: asdict(v) for k, v in self.decisions.items()}}
                 text = json.dumps(dict(sorted(merged.items())), indent=1)
@@ -319,9 +360,9 @@ class PlanTuner:
                 os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide a shared cache
                 os.replace(tmp, path)
                 tmp = None
-        except OSError as e:
-            warnings.warn(f"comera.autotune: cannot write the plan cache {path}: {e}",
-                          stacklevel=2)  # fmt: skip
+        except OSError as e:  # the reason alone: e's text names a random temp file
+            self._warn(f"cannot write the plan cache {path}: {e.strerror or e}; decisions "
+                       "stay in memory for this run")  # fmt: skip
         finally:
             if tmp is not None:  # written but not renamed (a full disk, a folder there)
                 with contextlib.suppress(OSError):

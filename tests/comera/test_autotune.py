@@ -373,6 +373,77 @@ def test_an_unwritable_cache_warns_and_the_call_goes_on(tmp_path) -> None:
     assert y.shape == (512, 16)
 
 
+def test_an_unwritable_cache_warns_once_per_run(tmp_path) -> None:
+    """Each decision warned again, naming a random temp file, so Python's filter never
+    folded them: a two-step smoke run printed 12 warnings."""
+    (tmp_path / A.CACHE_FILE).mkdir()  # the rename fails after the temp file is written
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)):
+        with pytest.warns(UserWarning) as seen:
+            for ranks in (2, 3, 4):  # three decisions, three failed saves
+                C.tt_linear(*_linear(ranks), _x(), plan="auto")
+    said = [str(w.message) for w in seen]
+    assert timer.calls == 3 and len(said) == 1, said
+    assert "cannot write the plan cache" in said[0] and ".tmp" not in said[0]
+
+
+def test_a_cache_this_user_cannot_read_is_not_replaced(tmp_path, monkeypatch) -> None:
+    """Another user's cache, unreadable here, was taken as empty and replaced by this
+    run's one entry (50 entries lost) without a word."""
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    (tmp_path / A.CACHE_FILE).write_text(json.dumps({f"k{i}": {} for i in range(50)}))
+    real = Path.read_text
+
+    def denied(self: Path, *a, **kw) -> str:
+        if self.name == A.CACHE_FILE:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)):
+        with pytest.warns(UserWarning, match="cannot read the plan cache .*not saving over it"):
+            C.tt_linear(*_linear(), _x(), plan="auto")
+    monkeypatch.undo()
+    assert timer.calls == 1 and len(json.loads((tmp_path / A.CACHE_FILE).read_text())) == 50
+
+
+def test_a_lock_held_elsewhere_delays_a_save_only_so_long(tmp_path, monkeypatch) -> None:
+    """A process stopped while holding the cache's lock stopped every other run at its
+    first decision, for good."""
+    import fcntl
+    import os
+
+    monkeypatch.setattr(A, "LOCK_WAIT_S", 0.2)
+    lock = tmp_path / (A.CACHE_FILE + ".lock")
+    fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)  # another open file: held
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+        with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)):
+            with pytest.warns(UserWarning, match="stayed held by another process for 0.2 s"):
+                y = C.tt_linear(*_linear(), _x(), plan="auto")
+        assert y.shape == (512, 16) and not (tmp_path / A.CACHE_FILE).exists()
+    finally:
+        os.close(fd)
+
+
+def test_an_entry_choosing_what_it_says_was_not_timed_is_not_trusted(tmp_path) -> None:
+    """An entry whose choice its own ``skipped`` rules out (edited, or damaged) was used
+    with no timing and no word."""
+    timer = StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0})
+    with A.use_tuner(A.PlanTuner(tmp_path, timer=timer)):
+        C.tt_linear(*_linear(), _x(), plan="auto")
+    table = json.loads((tmp_path / A.CACHE_FILE).read_text())
+    (key,) = table
+    table[key]["skipped"] = {"dense": "W 16x16 > 0.05 of T x (N + M)"}
+    table[key]["choice"] = "dense"
+    (tmp_path / A.CACHE_FILE).write_text(json.dumps(table))
+    tuner = A.PlanTuner(tmp_path, timer=timer)
+    with A.use_tuner(tuner):
+        C.tt_linear(*_linear(), _x(), plan="auto")
+    assert timer.calls == 2 and tuner.decisions[key].choice == "comera"
+
+
 def test_timing_inside_a_checkpointed_block_leaves_recomputation_alone() -> None:
     """A timing run saves its own tensors; inside ``checkpoint`` (activation
     recomputation) they must not be counted as the block's."""
