@@ -470,7 +470,8 @@ def _decision_rows(decisions: list[dict]) -> list[str]:
         layers = d.get("layers")
         where = (f"{layers[0]}" + (f" (+{len(layers) - 1})" if len(layers) > 1 else "")
                  if layers else "-")  # fmt: skip
-        rows.append(f"| {d['kind']} | {d['what']} | {where} | **{d['choice']}** | {timed} | "
+        what = d["what"].replace("|", "\\|")  # the shapes' "[in | out]" splits no cell
+        rows.append(f"| {d['kind']} | {what} | {where} | **{d['choice']}** | {timed} | "
                     f"{skipped} |")  # fmt: skip
     return rows
 

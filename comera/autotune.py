@@ -403,7 +403,8 @@ class PlanTuner:
         for d in (decisions if decisions is not None else self.decisions).values():
             timed = ", ".join(f"{c} {t:.3f}" for c, t in d.times_ms.items()) or "cached"
             skipped = ", ".join(f"{c}: {why}" for c, why in d.skipped.items()) or "-"
-            rows.append(f"| {d.kind} | {d.what} | {d.choice} | {timed} | {skipped} |")
+            what = d.what.replace("|", "\\|")  # the shapes' "[in | out]" splits no cell
+            rows.append(f"| {d.kind} | {what} | {d.choice} | {timed} | {skipped} |")
         return "\n".join(rows)
 
     def _decide(self, base: tuple, key: str, what: str, runs: dict[str, Callable[[], None]],

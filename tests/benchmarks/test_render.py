@@ -213,3 +213,28 @@ def test_render_never_puts_toy_partial_or_gpu_figures_over_the_cpu_reports(
     capsys.readouterr()
     assert [p.relative_to(tmp_path).as_posix() for p in (tmp_path / "reports").rglob("*.md")] == [
         "reports/gpu/step_modes.md"]  # fmt: skip
+
+
+def _tables(text: str) -> list[list[str]]:
+    """The markdown tables of ``text``: runs of lines that start with ``|``."""
+    tables: list[list[str]] = []
+    for line, prev in zip(text.splitlines(), ["", *text.splitlines()], strict=False):
+        if line.startswith("|"):
+            if not prev.startswith("|"):
+                tables.append([])
+            tables[-1].append(line)
+    return tables
+
+
+def test_every_committed_table_has_as_many_cells_per_row_as_its_header() -> None:
+    """The layer shapes ``[12,8,8 | 8,8,12]`` went into tables unescaped: each such row
+    had a cell too many, so the rendered "auto chose" column showed ``-`` and the choice
+    landed under the timings."""
+    import re
+
+    pages = [*REPORTS.rglob("*.md"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
+    for page in pages:
+        for table in _tables(page.read_text()):
+            cells = [len(re.findall(r"(?<!\\)\|", row)) for row in table]
+            odd = [row for row, n in zip(table, cells, strict=True) if n != cells[0]]
+            assert not odd, f"{page.relative_to(ROOT)}: {odd[0]}"

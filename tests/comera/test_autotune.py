@@ -444,6 +444,15 @@ def test_an_entry_choosing_what_it_says_was_not_timed_is_not_trusted(tmp_path) -
     assert timer.calls == 2 and tuner.decisions[key].choice == "comera"
 
 
+def test_describe_keeps_the_shapes_in_one_cell() -> None:
+    tuner = A.PlanTuner(timer=StubTimer({"comera": 1.0, "dense": 2.0, "dp": 3.0}))
+    with A.use_tuner(tuner):
+        C.tt_linear(*_linear(), _x(), plan="auto")
+    header, _, row = tuner.describe().splitlines()
+    assert "[4,4 \\| 4,4]" in row
+    assert row.replace("\\|", "").count("|") == header.count("|")
+
+
 def test_timing_inside_a_checkpointed_block_leaves_recomputation_alone() -> None:
     """A timing run saves its own tensors; inside ``checkpoint`` (activation
     recomputation) they must not be counted as the block's."""
