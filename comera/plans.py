@@ -85,16 +85,19 @@ _PROCESS_DEFAULT: list[Strategy] = ["comera"]
 _SCOPED_PLAN: ContextVar[Strategy | None] = ContextVar("comera_default_plan", default=None)
 
 
-def resolve_plan(plan: PlanLike, name: str) -> Strategy:
+def resolve_plan(plan: PlanLike, name: str, *, pairs: bool = True) -> Strategy:
     """Validate a plan argument (a known strategy name or a list of index pairs) and resolve
-    ``None`` to the default in force (:func:`get_default_plan`); ``name`` labels errors."""
+    ``None`` to the default in force (:func:`get_default_plan`); ``name`` labels errors.
+    ``pairs=False``: where only names are taken (a config's ``LayerPlans``), the error
+    offers names only."""
     if plan is None:
         return get_default_plan()
     if isinstance(plan, str):
         if plan not in STRATEGIES:
+            tip = " or an explicit list of (i, j) contraction pairs" if pairs else ""
             raise ConfigError(
                 f"{name}: unknown contraction strategy {plan!r}; expected one of "
-                f"{', '.join(STRATEGIES)} or an explicit list of (i, j) contraction pairs"
+                f"{', '.join(STRATEGIES)}{tip}"
             )
         return plan
     try:
@@ -157,11 +160,11 @@ class LayerPlans:
         rules = tuple(tuple(r) for r in self.per_layer)
         object.__setattr__(self, "per_layer", rules)
         if self.default is not None:
-            resolve_plan(self.default, "LayerPlans.default")
+            resolve_plan(self.default, "LayerPlans.default", pairs=False)
         for rule in rules:
             if len(rule) != 2:
                 raise ConfigError(f"LayerPlans.per_layer: {rule!r} is not a (glob, strategy) pair")
-            resolve_plan(rule[1], f"LayerPlans.per_layer[{rule[0]!r}]")
+            resolve_plan(rule[1], f"LayerPlans.per_layer[{rule[0]!r}]", pairs=False)
         if self.embedding_impl not in EMBEDDING_IMPLS:
             raise ConfigError(
                 f"LayerPlans.embedding_impl={self.embedding_impl!r}; choose one of "
@@ -186,12 +189,14 @@ class LayerPlans:
             hit = [e for e in embeddings if fnmatch.fnmatchcase(e, pattern)]
             if hit:
                 raise ConfigError(
-                    f"plan rule {pattern!r} matches only TTM embeddings ({', '.join(hit)}), "
-                    "which take embedding_impl (--embedding-impl), not a contraction plan"
+                    f"plan rule {pattern!r} (--plan-for, plans.per_layer) matches only TTM "
+                    f"embeddings ({', '.join(hit)}), which take embedding_impl "
+                    "(--embedding-impl), not a contraction plan"
                 )
+            layers = ", ".join(paths) if paths else "none (this model has no TT linear layer)"
             raise ConfigError(
                 f"plan rule {pattern!r} (--plan-for, plans.per_layer) matches no TT layer; "
-                f"layers are: {', '.join(paths)}"
+                f"layers are: {layers}"
             )
 
 

@@ -727,8 +727,10 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         own = exp.flag_overrides(args) if exp.flag_overrides else []
         from_file = config_file_items(args.config, cfg) if args.config else []
         refuse_derived(exp, [(k, f"--config {args.config}:") for k, _, _ in from_file])
+        # flags that add to a setting (--plan-for's rules) add to the file's, not the preset's
+        base = apply_overrides(cfg, [], [], file_items=from_file) if from_file else cfg
         return apply_overrides(
-            cfg, [*own, *_common_overrides(args, cfg)], args.sets, file_items=from_file
+            cfg, [*own, *_common_overrides(args, base)], args.sets, file_items=from_file
         )
     path = Path(args.resume) / "config.json"
     if not path.is_file():

@@ -12,6 +12,7 @@ import types
 import pytest
 
 import comera as C
+from comera.errors import ConfigError
 from comera.train import TrainConfig
 from comera.train.logging import resolve_wandb_mode
 from experiments import cli
@@ -215,6 +216,30 @@ def test_a_plan_rule_must_reach_a_tt_linear(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and text in err[0], err
         assert not (run_dir / "checkpoints").exists()
+
+
+def test_plan_for_adds_to_a_config_files_rules(tmp_path):
+    """``--plan-for`` appended its rules to the preset's, so a ``--config`` file's
+    ``plans.per_layer`` was dropped without a word."""
+    (tmp_path / "plans.json").write_text('{"plans": {"per_layer": [["layers.0.q", "dp"]]}}')
+    ap = cli.build_parser(mnli.EXPERIMENT)
+    args = ap.parse_args(["--preset", "smoke", "--config", str(tmp_path / "plans.json"),
+                          "--plan-for", "layers.1.q=dense"])  # fmt: skip
+    cfg = cli.resolve_config(mnli.EXPERIMENT, args, ap)
+    assert cfg.plans.per_layer == (("layers.0.q", "dp"), ("layers.1.q", "dense"))
+
+
+def test_plan_errors_name_what_the_cli_takes():
+    """A config's plan takes a name only (the tip offered index pairs the CLI refuses), a
+    rule for a model without TT linears said "layers are: " and nothing, and one for an
+    embedding named no flag."""
+    with pytest.raises(ConfigError) as err:
+        C.LayerPlans(default="bogus")
+    assert "contraction pairs" not in str(err.value) and "auto, comera" in str(err.value)
+    with pytest.raises(ConfigError, match="layers are: none .this model has no TT linear"):
+        C.LayerPlans(per_layer=(("x", "dp"),)).check_layers([])
+    with pytest.raises(ConfigError, match=r"'e\*' \(--plan-for, plans.per_layer\) matches only"):
+        C.LayerPlans(per_layer=(("e*", "dp"),)).check_layers(["q"], ["emb"])
 
 
 def test_resume_replays_config_and_allows_only_reporting_changes(tmp_path, capsys):
