@@ -299,7 +299,9 @@ class ContractionPlan:
         x = x2d.reshape(x2d.shape[0], *n_modes)
         ops = [cores[0][0], *cores[1:-1], cores[-1][..., 0]]
         y = self._expr(x, *ops, backend="torch").reshape(x2d.shape[0], m)
-        return y if bias is None else y + bias
+        # a path may end in a transposed product (one mode a side, dp and optimal):
+        # contiguous, as nn.Linear's output is, so a caller's .view() works under any plan
+        return y.contiguous() if bias is None else y + bias
 
     def cost(self, tokens: int) -> tuple[int, int]:
         """(forward FLOPs, largest intermediate) of this path at ``tokens`` tokens, as

@@ -119,6 +119,17 @@ def test_gradcheck_float64(strategy):
     assert torch.autograd.gradcheck(f, (x, *tensors))
 
 
+@pytest.mark.parametrize("strategy", ["comera", "dense", "dp", "optimal", "greedy"])
+def test_every_plan_returns_a_contiguous_output(strategy):
+    """With one mode a side, dp and optimal ended in a transposed product, so a caller's
+    ``.view()`` of the output failed under those plans only."""
+    spec = C.TTLinearSpec(out_modes=(6,), in_modes=(5,), ranks=3, bias=False)
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(30, 5, generator=torch.Generator().manual_seed(1))
+    y = C.tt_linear(p, s, x, plan=strategy)
+    assert y.is_contiguous() and y.view(-1).shape == (180,)
+
+
 def test_explicit_pairs_match_and_are_reported():
     gen = torch.Generator().manual_seed(4)
     spec = C.TTLinearSpec(out_modes=(3, 4), in_modes=(2, 5), ranks=3, dtype=torch.float64)
