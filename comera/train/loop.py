@@ -863,7 +863,9 @@ class Trainer:
                     t_tune = time.perf_counter()
                     self.tune_plans(batches[0])
                     t_step += time.perf_counter() - t_tune
+                timed = tuner.timings
                 metrics = self.train_step(*batches)
+                timed = tuner.timings > timed  # an eager step times what it meets first
                 self._sync_plans()
                 self._record_plans(log)
                 stage = self.stage  # the objective it trained with, before a transition
@@ -872,7 +874,7 @@ class Trainer:
                 self._tokens_seen += metrics.get("tokens", 0.0)
                 bar.update(1)
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                    last = self._log_row(log, metrics, step_time, t0, steps0, stage)
+                    last = self._log_row(log, metrics, step_time, t0, steps0, stage, timed)
                     bar.set_postfix(
                         loss=f"{last['loss']:.3f}",
                         acc=f"{last.get('accuracy', float('nan')):.3f}",
@@ -917,11 +919,13 @@ class Trainer:
             ) from None
 
     def _log_row(
-        self, log: RunLog, metrics: dict, step_time: float, t0: float, steps0: int, stage: str
-    ) -> dict:
+        self, log: RunLog, metrics: dict, step_time: float, t0: float, steps0: int, stage: str,
+        timed: bool = False,
+    ) -> dict:  # fmt: skip
         """The step's row: ``stage`` is the one it trained in (the step that ends the early
         stage is an early step, though the transition after it made the trainer late);
-        sizes are after the step's rank events."""
+        sizes are after the step's rank events. ``timed``: the step timed ``auto`` plans'
+        candidates (its ``step_time_s`` holds them), marked ``plans_timed``."""
         live = model_size(self.params, self.state)
         itemsize = tree_flatten(self.params)[0][0].element_size()
         row = {
@@ -932,6 +936,7 @@ class Trainer:
             "model_mb": live * itemsize / 2**20,
             "compression": self.initial_size / max(live, 1),
             "step_time_s": step_time,
+            **({"plans_timed": True} if timed else {}),
             "steps_per_s": (self.step - steps0) / max(time.perf_counter() - t0, 1e-9),
             **(
                 {"tokens_per_s": self._tokens_seen / max(time.perf_counter() - t0, 1e-9)}

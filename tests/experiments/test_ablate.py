@@ -158,6 +158,12 @@ def test_summary_reports_the_best_eval_and_its_step(tmp_path):
     rows.append({"step": 40, "eval/val/auc": 0.66})  # a tie: the earlier step is kept
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert ablate._summary({"label": "x", "dir": tmp_path})["best_eval"] == (0.66, 20)
+    # steps that timed auto's candidates (3 s each) are not steps' times: at 4 steps, auto's
+    # median was 6x comera's
+    timing = [dict(train(s, 0.7, 100), step_time_s=3.0, plans_timed=True) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timing + rows))
+    assert ablate._summary({"label": "x", "dir": tmp_path})["step_time_ms"] == pytest.approx(100)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     ablate.write_report("steps", [{"label": "x", "dir": tmp_path}], tmp_path / "a.md", "cmd")
     (row,) = json.loads((tmp_path / "a.json").read_text())["variants"]
     assert row["eval_auc"] == 0.66 and row["best_eval"] == [0.66, 20]

@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_flatten
 
 import comera as C
 from comera import autotune as A
-from comera.train import Trainer, sync_free
+from comera.train import Trainer, read_metrics, sync_free
 from tests.train_helpers import ToyTask, _cfg, _toy_model
 
 from .test_sync_free import STAGES, _PureToy
@@ -42,8 +42,8 @@ def _fit(tmp_path, name, plan, timer=None, task=None, **kw):
 def test_auto_choosing_comera_trains_exactly_like_comera(tmp_path, capsys) -> None:
     """Deciding (timing) happens inside the first step and after each compaction, and
     changes nothing the step computes or draws: the same run as ``plan="comera"``."""
-    ref, out_ref, _ = _fit(tmp_path, "comera", "comera")
-    auto, out_auto, tuner = _fit(tmp_path, "auto", "auto")
+    ref, out_ref, _ = _fit(tmp_path, "comera", "comera", log_every=1)
+    auto, out_auto, tuner = _fit(tmp_path, "auto", "auto", log_every=1)
     for a, b in zip(tree_flatten(ref.params)[0], tree_flatten(auto.params)[0], strict=True):
         assert torch.equal(a, b)
     assert out_ref["loss"] == out_auto["loss"]
@@ -60,6 +60,10 @@ def test_auto_choosing_comera_trains_exactly_like_comera(tmp_path, capsys) -> No
     assert len(config["auto_plans"]) == sum(len(h) for h in history.values())
     assert "comera: auto plans at step 1: tt_linear: comera" in capsys.readouterr().err
     assert not (tmp_path / "comera" / "run" / "plans.json").exists()
+    # the steps that timed candidates are marked: their times are not training steps'
+    rows = read_metrics(tmp_path / "auto" / "run" / "metrics.jsonl")
+    marked = {r["step"] for r in rows if r.get("plans_timed")}
+    assert marked == {int(k) for k in history} and 1 in marked
 
 
 def test_a_resume_keeps_the_runs_record_and_a_fresh_run_its_own_history(tmp_path) -> None:
