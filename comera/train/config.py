@@ -40,6 +40,9 @@ LATE_PRUNES = ("schedule", "threshold")
 # the largest weight an objective term may get (gamma, rho, (1 + rho) / L0): a tenth of
 # float32's largest value (3.4e38), as the sync-free steps cast the weights to it
 WEIGHT_LIMIT = 1e37
+# micro-batches one step holds together (train.accum_steps): a bound far above any real
+# accumulation, below what a host runs out of memory for without a word
+MAX_ACCUM_STEPS = 1 << 16
 WANDB_MODES = ("online", "offline", "disabled")
 CPU_MALLOC_POLICIES = ("default", "keep", "release", "lean")  # applied by experiments.malloc
 
@@ -113,11 +116,11 @@ class ComeraConfig:
             raise ConfigError(
                 f"ComeraConfig.prune_rule={self.prune_rule!r}; choose one of {PRUNE_RULES}"
             )
-        if self.early_steps < 0 or self.prune_every < 1:
-            raise ConfigError(
-                f"ComeraConfig: early_steps >= 0 and prune_every >= 1 required, got "
-                f"{self.early_steps}, {self.prune_every}"
-            )
+        for name, low in (("early_steps", 0), ("prune_every", 1)):  # each named alone
+            if getattr(self, name) < low:
+                raise ConfigError(
+                    f"ComeraConfig.{name} must be >= {low}, got {getattr(self, name)}"
+                )
         if self.compact_every is not None and self.compact_every < 1:
             raise ConfigError(
                 f"ComeraConfig.compact_every must be None or >= 1, got {self.compact_every}"
@@ -280,22 +283,25 @@ class TrainConfig:
                 f"cuda:1, ...): {e}"
             ) from None
         if self.bf16 and not self.device.startswith("cuda"):
-            raise ConfigError("TrainConfig.bf16 autocast is for CUDA devices; set device='cuda'")
-        if self.log_every < 1 or self.warmup_steps < 0:
             raise ConfigError(
-                f"TrainConfig: log_every >= 1 and warmup_steps >= 0 required, got "
-                f"{self.log_every}, {self.warmup_steps}"
+                f"TrainConfig.bf16 autocast is for CUDA devices, and train.device is "
+                f"{self.device!r}; set it to cuda (--device cuda) or leave bf16 off"
+            )
+        for name, low in (("log_every", 1), ("warmup_steps", 0), ("keep_checkpoints", 1)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"TrainConfig.{name} must be >= {low}, got {getattr(self, name)}")
+        if not 1 <= self.accum_steps <= MAX_ACCUM_STEPS:
+            # the step holds its micro-batches together: 10**22 of them was an out-of-memory
+            # kill with no message
+            raise ConfigError(
+                f"TrainConfig.accum_steps must be in [1, {MAX_ACCUM_STEPS}] (a step holds its "
+                f"micro-batches together; give a larger batch instead), got {self.accum_steps}"
             )
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(
                     f"TrainConfig.{name} must be None or >= 1, got {getattr(self, name)}"
                 )
-        if self.accum_steps < 1 or self.keep_checkpoints < 1:
-            raise ConfigError(
-                f"TrainConfig: accum_steps >= 1 and keep_checkpoints >= 1 required, got "
-                f"{self.accum_steps}, {self.keep_checkpoints}"
-            )
         if self.grad_clip is not None and not self.grad_clip > 0:  # inf: clips nothing
             raise ConfigError(
                 f"TrainConfig.grad_clip must be None (off) or > 0, got {self.grad_clip}"

@@ -216,9 +216,6 @@ class Trainer:
             if cfg.optimizer == "galore"
             else None
         )
-        # made once the model's own checks (no TT layer, GaLore's ranks) have passed: a
-        # refused run leaves no empty folder behind
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
         self._tokens_seen = 0.0
         self.stages = StageController(cfg.comera, cfg.steps)
@@ -227,6 +224,10 @@ class Trainer:
             if cfg.step_mode != "eager"
             else None
         )
+        # made once the model's own checks (no TT layer, GaLore's ranks) and the step
+        # mode's (cuda_graph without CUDA) have passed: a refused run leaves no empty
+        # folder behind
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_dict = {"train": dataclasses.asdict(cfg), **(extra_config or {})}
         self.initial_size = reference_size or model_size(self.params, self.state)
         self.on_compact: list[Callable[[Trainer], None]] = []
@@ -794,8 +795,10 @@ class Trainer:
         metrics (plus the final eval). It draws from the run's own random streams (seeded
         by ``cfg.seed``, or restored from the checkpoint), swapped in for the call; the
         caller's streams are put back after."""
-        if until is not None and (isinstance(until, bool) or not isinstance(until, Integral)):
-            raise ConfigError(f"fit(until=...) must be a step (an int) or None, got {until!r}")
+        if until is not None and (
+            isinstance(until, bool) or not isinstance(until, Integral) or until < 0
+        ):  # a negative step was a silent no-op
+            raise ConfigError(f"fit(until=...) must be a step (an int >= 0) or None, got {until!r}")
         with self._own_streams():
             return self._fit(until)
 

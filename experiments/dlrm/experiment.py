@@ -51,10 +51,14 @@ class Preset:
 
     def __post_init__(self) -> None:
         if self.train.step_mode == "cuda_graph":
+            batched = self.model.tt and self.model.batched_lookup and not self.dense
+            why = ("the table-batched TTM lookup sizes its work from the ids on the host"
+                   if batched else "its capture has never been checked with per-table "
+                   "lookups or dense tables (its default table-batched lookup cannot be "
+                   "captured at all)")  # fmt: skip
             raise ConfigError(
-                "train.step_mode='cuda_graph' cannot run DLRM: the table-batched TTM lookup "
-                "sizes its work from the ids on the host; use --step-mode eager, sync_free "
-                "or compile"
+                f"train.step_mode='cuda_graph' cannot run DLRM: {why}; use --step-mode "
+                "eager, sync_free or compile"
             )
         cli.check_batch_sizes(self.batch_size, self.eval_batch_size)
         if self.model.hot_rows and self.dense:  # before anything trains (an ablation's runs)

@@ -97,6 +97,7 @@ def test_step_mode_errors(tmp_path):
         _cfg(tmp_path, step_mode="turbo")
     with pytest.raises(ValueError, match="cuda_graph' needs a CUDA device"):
         Trainer(_cfg(tmp_path, step_mode="cuda_graph"), ToyTask(), *_toy_model())
+    assert not (tmp_path / "run").exists()  # it was made, empty, before the refusal
 
 
 class _PureToy(ToyTask):

@@ -524,8 +524,18 @@ def test_lr_schedule_ends_above_zero_and_starts_at_one_after_warmup():
 
 
 def test_more_config_errors():
-    with pytest.raises(ValueError, match="log_every >= 1"):
+    with pytest.raises(ValueError, match="TrainConfig.log_every must be >= 1, got 0"):
         TrainConfig(steps=1, run_dir="x", log_every=0)
+    # each field named alone (two checked together were named together, values and all)
+    with pytest.raises(ValueError, match=r"^TrainConfig.keep_checkpoints must be >= 1, got 0$"):
+        TrainConfig(steps=1, run_dir="x", keep_checkpoints=0)
+    with pytest.raises(ValueError, match=r"^ComeraConfig.prune_every must be >= 1, got 0$"):
+        ComeraConfig(prune_every=0)
+    # a step holds its micro-batches together: 10**22 of them was killed for memory unsaid
+    with pytest.raises(ValueError, match=r"accum_steps must be in \[1, 65536\].*got 10{22}"):
+        TrainConfig(steps=1, run_dir="x", accum_steps=10**22)
+    with pytest.raises(ValueError, match=r"train.device is 'cpu'; set it to cuda \(--device"):
+        TrainConfig(steps=1, run_dir="x", bf16=True)
     with pytest.raises(ValueError, match="grad_clip must be None"):
         TrainConfig(steps=1, run_dir="x", grad_clip=-1.0)
     with pytest.raises(ValueError, match="reg_start_step=50 must be"):
@@ -593,6 +603,8 @@ def test_fit_until_pauses_and_a_later_fit_ends_where_one_fit_does(tmp_path):
     once = Trainer(_cfg(tmp_path / "once"), ToyTask(), *_toy_model())
     once.fit()
     paused = Trainer(_cfg(tmp_path / "paused"), ToyTask(), *_toy_model())
+    with pytest.raises(ValueError, match=r"until=...\) must be a step \(an int >= 0\)"):
+        paused.fit(until=-3)  # it was a silent no-op
     paused.fit(until=45)
     assert paused.step == 45 and paused.stage == "late"
     paused.fit()

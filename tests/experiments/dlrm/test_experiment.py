@@ -684,7 +684,14 @@ def test_step_modes_on_dlrm(tmp_path: Path, capsys) -> None:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
     assert _cli(tmp_path, "--run-dir", str(tmp_path / "g"), "--step-mode", "cuda_graph") == 2
-    assert "cannot run DLRM" in capsys.readouterr().err.strip().splitlines()[-1]
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "cannot run DLRM: the table-batched TTM lookup sizes its work" in line
+    # without that lookup the reason was still its (wrong) one
+    for extra in (["--dense"], ["--set", "model.batched_lookup=false"]):
+        assert _cli(tmp_path, "--run-dir", str(tmp_path / "g"), "--step-mode", "cuda_graph",
+                    *extra) == 2  # fmt: skip
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "cannot run DLRM: its capture has never been checked" in line, extra
 
 
 @pytest.mark.slow
