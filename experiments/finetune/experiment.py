@@ -223,6 +223,11 @@ def _check_local_path(path: str) -> None:
     )
     if local and not p.exists():
         raise MissingFileError(f"--model {path}: no such folder")
+    if p.is_dir() and not (p / "config.json").is_file():  # blamed on num_labels otherwise
+        raise ConfigError(
+            f"--model {path}: the folder holds no config.json; give a folder a transformers "
+            "model was saved to (save_pretrained)"
+        )
 
 
 def _load_pretrained(tf: Any, cfg: ModelConfig, labels: int = 0) -> tuple[nn.Module, list[str]]:
@@ -250,6 +255,11 @@ def _load_pretrained(tf: Any, cfg: ModelConfig, labels: int = 0) -> tuple[nn.Mod
             f"--model {cfg.path}: cannot load a model there ({first_line(e)}){tip}"
         ) from None
     except (RuntimeError, ValueError) as e:  # an unknown architecture, weights that do not fit
+        if "Unrecognized model" in str(e):  # no model_type: not a saved model's config.json
+            raise ConfigError(
+                f"--model {cfg.path}: not a folder a transformers model was saved to "
+                f"({first_line(e)})"
+            ) from None
         raise ConfigError(
             f"--model {cfg.path}: cannot load it as a sequence classifier with "
             f"model.num_labels={cfg.num_labels} labels ({first_line(e)})"

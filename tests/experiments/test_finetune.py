@@ -111,6 +111,8 @@ def test_a_saved_decoder_classifier_and_path_mistakes(tmp_path: Path, capsys) ->
         (tmp_path / "gpt2" / "config.json", "that is a file; give the folder"),
         (tmp_path / "gpt2_typo" / "x", "no such folder"),
         (damaged, "cannot read the model saved there"),
+        (tmp_path / "run-gpt2" / "checkpoints", "holds no config.json"),  # no model's
+        (tmp_path / "run-gpt2", "not a folder a transformers model was saved to"),
     ]:
         run = tmp_path / "refused"
         assert main([*_argv(tmp_path, "refused", "--model", str(model)), *fast]) == 2, model
