@@ -301,7 +301,8 @@ class ContractionPlan:
         y = self._expr(x, *ops, backend="torch").reshape(x2d.shape[0], m)
         # a path may end in a transposed product (one mode a side, dp and optimal):
         # contiguous, as nn.Linear's output is, so a caller's .view() works under any plan
-        return y.contiguous() if bias is None else y + bias
+        y = y.contiguous()  # (y + bias keeps a transposed y's strides)
+        return y if bias is None else y + bias
 
     def cost(self, tokens: int) -> tuple[int, int]:
         """(forward FLOPs, largest intermediate) of this path at ``tokens`` tokens, as
