@@ -646,8 +646,10 @@ RECOMPUTE_CPU_MALLOC = "lean"
 
 
 def _common_overrides(
-    args: argparse.Namespace, cfg: Any, *, fresh: bool = True
+    args: argparse.Namespace, cfg: Any, *, fresh: bool = True, rules: Any = None
 ) -> list[tuple[str, Any]]:
+    """The common flags as ``(key, value)`` overrides of ``cfg``; ``rules``: the per-layer
+    plan rules a ``--config`` file gives (``--plan-for`` adds to them)."""
     out = [(key, getattr(args, dest)) for dest, key in _COMMON.items()]
     out = [(k, v) for k, v in out if v is not None]
     if args.wandb_tags is not None:
@@ -666,7 +668,7 @@ def _common_overrides(
     if args.no_progress:
         out.append(("train.progress", False))
     if args.plan_for:
-        rules = []
+        file_rules, new_rules = rules, []
         for item in args.plan_for:
             glob, sep, strategy = item.partition("=")
             if not sep or not glob:
@@ -674,8 +676,14 @@ def _common_overrides(
             if strategy not in C.STRATEGIES:  # named here: the rule's section names no flag
                 raise CLIError(f"--plan-for {item!r}: unknown strategy {strategy!r}; choose "
                                f"one of {', '.join(C.STRATEGIES)}")  # fmt: skip
-            rules.append((glob, strategy))
-        out.append(("plans.per_layer", (*cfg.plans.per_layer, *rules)))
+            new_rules.append((glob, strategy))
+        given = cfg.plans.per_layer if file_rules is None else file_rules
+        if not isinstance(given, list | tuple):
+            raise CLIError(f"--config {args.config}: plans.per_layer={given!r} must be a list "
+                           "of [LAYER_GLOB, STRATEGY] pairs")  # fmt: skip
+        # a file's rules as given (lists); a rule that is no pair fails LayerPlans' check
+        base = tuple(tuple(r) if isinstance(r, list | tuple) else r for r in given)
+        out.append(("plans.per_layer", (*base, *new_rules)))
     if args.dense:
         out += [("dense", True), ("train.comera.enabled", False)]
         if args.wandb_name is None and cfg.train.run_name:
@@ -727,11 +735,11 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         own = exp.flag_overrides(args) if exp.flag_overrides else []
         from_file = config_file_items(args.config, cfg) if args.config else []
         refuse_derived(exp, [(k, f"--config {args.config}:") for k, _, _ in from_file])
-        # flags that add to a setting (--plan-for's rules) add to the file's, not the preset's
-        base = apply_overrides(cfg, [], [], file_items=from_file) if from_file else cfg
-        return apply_overrides(
-            cfg, [*own, *_common_overrides(args, base)], args.sets, file_items=from_file
-        )
+        # --plan-for adds its rules to the file's, not the preset's (the file's value as
+        # given: a config built from the file alone could fail checks a flag completes)
+        rules = next((v for k, v, _ in from_file if k == "plans.per_layer"), None)
+        common = _common_overrides(args, cfg, rules=rules)
+        return apply_overrides(cfg, [*own, *common], args.sets, file_items=from_file)
     path = Path(args.resume) / "config.json"
     if not path.is_file():
         raise CLIError(f"--resume {args.resume}: no config.json there; is it a run dir?")

@@ -227,6 +227,13 @@ def test_plan_for_adds_to_a_config_files_rules(tmp_path):
                           "--plan-for", "layers.1.q=dense"])  # fmt: skip
     cfg = cli.resolve_config(mnli.EXPERIMENT, args, ap)
     assert cfg.plans.per_layer == (("layers.0.q", "dp"), ("layers.1.q", "dense"))
+    # a file valid only with a flag beside it (bf16 with --device cuda) is not refused
+    # for want of the flag
+    (tmp_path / "bf16.json").write_text('{"train": {"bf16": true}}')
+    args = ap.parse_args(["--preset", "smoke", "--config", str(tmp_path / "bf16.json"),
+                          "--device", "cuda", "--plan-for", "layers.1.q=dense"])  # fmt: skip
+    cfg = cli.resolve_config(mnli.EXPERIMENT, args, ap)
+    assert cfg.train.bf16 and cfg.plans.per_layer == (("layers.1.q", "dense"),)
 
 
 def test_plan_errors_name_what_the_cli_takes():
