@@ -272,6 +272,7 @@ class PlanTuner:
         self._loaded = False
         self._warned = False  # a cache it cannot read or write is warned of once
         self._unreadable = False  # a cache file this user cannot read is never replaced
+        self._lock_stuck = False  # the cache's lock stayed held once: no more saves
         # one decision (timing, then recording and saving) at a time among threads
         self._lock = threading.RLock()
 
@@ -343,7 +344,7 @@ class PlanTuner:
         whole through a rename; a cache that cannot be written costs a warning, never the
         run."""
         path = self.cache_file
-        if path is None or self._unreadable:
+        if path is None or self._unreadable or self._lock_stuck:
             return
         tmp = None
         try:
@@ -360,6 +361,10 @@ class PlanTuner:
                 os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide a shared cache
                 os.replace(tmp, path)
                 tmp = None
+        except LockTimeout as e:  # waited once: the next decisions do not wait again
+            self._lock_stuck = True
+            self._warn(f"cannot write the plan cache {path}: {e}; decisions stay in memory "
+                       "for this run")  # fmt: skip
         except OSError as e:  # the reason alone: e's text names a random temp file
             self._warn(f"cannot write the plan cache {path}: {e.strerror or e}; decisions "
                        "stay in memory for this run")  # fmt: skip
