@@ -162,7 +162,7 @@ class TokenLoader:
         self._readers = max(1, num_workers)
         self._dl_kwargs = {
             "prefetch_factor": prefetch_factor,
-            "pin_memory": pin_memory,
+            "pin_memory": bool(pin_memory),
             "multiprocessing_context": multiprocessing_context,
         }
         self.sources = {d.name: open_source(d, config.cache_dir) for d in config.datasets}
@@ -461,12 +461,19 @@ def _check_worker_args(
                 f"prefetch_factor must be an integer >= 1 (batches loaded ahead per worker), "
                 f"got {prefetch_factor!r}"
             )
-    if not isinstance(pin_memory, bool):
+    if not (
+        isinstance(pin_memory, bool | np.bool_) or (is_int(pin_memory) and pin_memory in (0, 1))
+    ):
         raise LoaderInputError(f"pin_memory must be True or False, got {pin_memory!r}")
-    if isinstance(context, str) and context not in mp.get_all_start_methods():
+    methods = mp.get_all_start_methods()
+    if not (
+        context is None
+        or isinstance(context, mp.context.BaseContext)
+        or (isinstance(context, str) and context in methods)
+    ):
         raise LoaderInputError(
             f"multiprocessing_context={context!r} is not a start method here; use one of "
-            f"{mp.get_all_start_methods()} (or a multiprocessing context object)"
+            f"{methods} (or a multiprocessing context object)"
         )
 
 

@@ -120,7 +120,7 @@ class ReaderPipeline:
             name, shard = cur
             slot = self.shards[name].ids.index(int(shard))
             if not self._finished(self.shards[name], slot):  # num_epochs may have been lowered
-                self._cur = (name, slot, self._tokens(name, slot))
+                self._cur = (name, slot, self._fitting(name, slot, self._tokens(name, slot)))
 
     # -- state -------------------------------------------------------------------------
     def state(self) -> dict:
@@ -178,8 +178,11 @@ class ReaderPipeline:
         return not all(self._finished(sc, s) for s in range(len(sc.ids)))
 
     def _tokens(self, name: str, slot: int) -> np.ndarray:
-        doc = self.shards[name].current_doc(slot)
-        toks = self.sources[name].doc(doc)
+        return self.sources[name].doc(self.shards[name].current_doc(slot))
+
+    def _fitting(self, name: str, slot: int, toks: np.ndarray) -> np.ndarray:
+        """``toks`` of a document about to be emitted, checked against ``out_dtype`` where
+        the source's type is wider (one skipped as too short is never checked)."""
         narrows = self._narrows.get(toks.dtype)
         if narrows is None:
             narrows = self._narrows[toks.dtype] = not np.can_cast(toks.dtype, self._np_dtype)
@@ -190,6 +193,7 @@ class ReaderPipeline:
             lo, hi = int(toks.min()), int(toks.max())
             if lo < info.min or hi > info.max:
                 bad = hi if hi > info.max else lo
+                doc = self.shards[name].current_doc(slot)
                 raise LoaderInputError(
                     f"sub-dataset {name!r}: document {doc} holds token id {bad}, which "
                     f"LoaderConfig.out_dtype={self.config.out_dtype!r} cannot hold; use "
@@ -269,7 +273,7 @@ class ReaderPipeline:
                     break
                 toks = self._tokens(name, slot)
                 if len(toks) >= min_len or sc.offset[slot] > 0:
-                    return name, slot, toks
+                    return name, slot, self._fitting(name, slot, toks)
                 self._roll(sc, slot)  # too short (or empty): skip, never emit
                 skipped += 1
                 if self.config.num_epochs is not None:
@@ -325,7 +329,7 @@ class ReaderPipeline:
                     raise LoaderInputError(
                         f"loader state: sub-dataset {name!r} shard {sc.ids[slot]} resumes "
                         f"at offset {off} of a document of {len(toks)} tokens; the state is "
-                        "damaged or not this corpus's: use another checkpoint"
+                        "damaged or not this corpus's (or tokenizer's): use another checkpoint"
                     )
                 self._roll(sc, slot)
                 self._cur = None

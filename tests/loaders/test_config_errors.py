@@ -61,6 +61,10 @@ def _config(**kw) -> LoaderConfig:
             lambda: TokenLoader(_config(), num_workers=1, multiprocessing_context="bogus"),
             "multiprocessing_context='bogus' is not a start method",
         ),
+        (
+            lambda: TokenLoader(_config(), num_workers=1, multiprocessing_context=5),
+            "multiprocessing_context=5 is not a start method",
+        ),
     ],
 )
 def test_bad_values_name_their_field(build, field):
@@ -218,19 +222,35 @@ def test_an_offset_past_its_document_is_refused(tmp_path):
 
 class _WideDocs(_Docs):
     def doc(self, i: int) -> np.ndarray:
+        if i == 5:  # too short for min_doc_len=2: skipped, never emitted nor checked
+            return np.array([2**41], dtype=np.int64)
         return np.array([7, 2**40 + 5 if i == 3 else 8], dtype=np.int64)
+
+
+def test_loader_flags_take_what_torch_takes() -> None:
+    """numpy's bools and 0/1 were taken for pin_memory before it was checked; a context
+    object is a context."""
+    import multiprocessing
+
+    for pin in (np.True_, 1, 0):
+        TokenLoader(_config(), num_workers=1, pin_memory=pin)
+    TokenLoader(_config(), num_workers=1, multiprocessing_context=multiprocessing.get_context())
 
 
 def test_ids_out_dtype_cannot_hold_are_refused(tmp_path):
     """Rows are filled by numpy assignment, which wrapped 2**40 + 5 to 5 in int32."""
     cfg = LoaderConfig(datasets=[DatasetSpec(name="w", path=_WideDocs())], num_shards=1,
-                       seq_len=4, out_dtype="int32", shuffle="none", num_epochs=1)  # fmt: skip
+                       seq_len=4, out_dtype="int32", shuffle="none", num_epochs=1,
+                       min_doc_len=2)  # fmt: skip
     with pytest.raises(LoaderInputError, match=r"document 3 holds token id 1099511627781, wh"
                        r"ich LoaderConfig.out_dtype='int32' cannot hold"):  # fmt: skip
         list(TokenLoader(cfg))
     wide = LoaderConfig(datasets=[DatasetSpec(name="w", path=_WideDocs())], num_shards=1,
                         seq_len=4, shuffle="none", num_epochs=1)  # fmt: skip
     assert 2**40 + 5 in torch.cat([b["input_ids"].reshape(-1) for b in TokenLoader(wide)])
+    # the short document alone out of range, skipped: nothing stops the run
+    cfg.datasets[0].path.doc = lambda i: np.array([2**41] if i == 5 else [7, 8], np.int64)
+    assert len(list(TokenLoader(cfg))) > 0
 
 
 def test_an_endless_stream_counts_only_documents_of_min_doc_len(tmp_path):
