@@ -479,9 +479,9 @@ def _rank_text(modes: tuple[int, ...], rank: int, name: str) -> str:
     """``rank-R``, or the ranks its bonds are capped to when they carry fewer (a rank far
     above the modes' is quoted as what the check used)."""
     capped = cap_ranks(modes, rank, name)
-    return f"rank-{rank}" + (
-        f" (capped to {','.join(map(str, capped))})" if max(capped) < rank else ""
-    )
+    # any bond capped: rank 8 over bonds that carry (4, 8, 4) is not a rank-8 train
+    shown = f" (capped to {','.join(map(str, capped))})" if min(capped) < rank else ""
+    return f"rank-{rank}{shown}"
 
 
 def _short_of(cfg: TensorizeConfig, dense: int, size: int) -> str:

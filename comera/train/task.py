@@ -33,7 +33,7 @@ BUFFERS = "[buffers]"
 TRAINER_METRICS = frozenset({
     "step", "stage", "loss", "objective", "grad_norm", "lr_scale", "loss_terms", "tokens",
     "live_params", "model_mb", "compression", "step_time_s", "steps_per_s", "tokens_per_s",
-    "peak_memory_mb", "gate_reg", "size", "size_budget", "focus_size",
+    "peak_memory_mb", "gate_reg", "size", "size_budget", "focus_size", "plans_timed",
 })  # fmt: skip
 
 

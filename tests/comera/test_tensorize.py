@@ -918,6 +918,9 @@ def test_summary_rows_of_skipped_layers_and_unmet_targets_say_what_is_so() -> No
     assert (
         big.layers[0].skipped == "skipped: a rank-100000 (capped to 4,16,4) train is not 1x smaller"
     )
+    some = TensorizeConfig(target_modules="*", rank=8, cores=2, min_compression=1000)
+    capped = tensorize_(nn.Sequential(nn.Linear(16, 16)), some).layers[0].skipped
+    assert capped == "skipped: a rank-8 (capped to 4,8,4) train is not 1000x smaller"
     four = TensorizeConfig(target_modules="*", rank=64, compression=4.0)
     short = tensorize_(nn.Sequential(nn.Linear(32, 3)), four)
     row = short.layers[0]
