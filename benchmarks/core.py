@@ -32,6 +32,7 @@ from benchmarks.reporting import (
     arg_parser,
     check_bench_device,
     check_output,
+    md_cell,
     one_line_errors,
     render_only,
     render_refusal,
@@ -463,9 +464,8 @@ def render(result: dict) -> str:
         return "" if v is None else f"{v:.3f}"
 
     for r in result["tt_linear"]:
-        shape = r["shape"].replace("|", "\\|")  # "[in | out]" splits no cell
         lines.append(
-            f"| {shape} | {r['strategy']} | {r['time_ratio_vs_dense']:.3f} | "
+            f"| {md_cell(r['shape'])} | {r['strategy']} | {r['time_ratio_vs_dense']:.3f} | "
             f"{opt(r.get('time_ratio_vs_dense_keep_malloc'))} | "
             f"{opt(r.get('gemm_floor_ratio_vs_dense'))} | "
             f"{r['flops_ratio_vs_dense']:.3f} | {r['time_ms']:.1f} | {r['dense_time_ms']:.1f} |"

@@ -49,6 +49,7 @@ from benchmarks.reporting import (
     add_json_and_render,
     arg_parser,
     check_output,
+    md_cell,
     one_line_errors,
     print_rendered,
     render_only,
@@ -470,9 +471,8 @@ def _decision_rows(decisions: list[dict]) -> list[str]:
         layers = d.get("layers")
         where = (f"{layers[0]}" + (f" (+{len(layers) - 1})" if len(layers) > 1 else "")
                  if layers else "-")  # fmt: skip
-        what = d["what"].replace("|", "\\|")  # the shapes' "[in | out]" splits no cell
-        rows.append(f"| {d['kind']} | {what} | {where} | **{d['choice']}** | {timed} | "
-                    f"{skipped} |")  # fmt: skip
+        rows.append(f"| {d['kind']} | {md_cell(d['what'])} | {where} | **{d['choice']}** | "
+                    f"{timed} | {skipped} |")  # fmt: skip
     return rows
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "arg_parser",
     "check_bench_device",
     "check_output",
+    "md_cell",
     "measure_points",
     "one_line_errors",
     "print_rendered",
@@ -161,6 +162,12 @@ def render_only(ap: argparse.ArgumentParser, argv: list[str] | None,
             flag = max(action.option_strings, key=len)
             raise CLIError(f"{flag} with --render: --render measures nothing, so {flag} "
                            "would do nothing; drop it")  # fmt: skip
+
+
+def md_cell(text: str) -> str:
+    """``text`` for a markdown table cell: a layer's shapes, written ``[in modes | out
+    modes]``, would split its cell in two."""
+    return text.replace("|", "\\|")
 
 
 def write_text(path: Path, text: str) -> None:

@@ -62,6 +62,7 @@ from experiments.report import (
     record_host,
     runs_host,
     staged,
+    step_times,
     train_and_eval_rows,
     write_report_json,
 )
@@ -518,8 +519,7 @@ def _summary(rec: dict) -> dict:
     )
     key = auc_key or acc_key  # the headline metric: its best eval, and when
     best = max((r for r in evals if key in r), key=lambda r: r[key]) if key else None
-    # a step that timed auto's candidates is not a training step's time
-    times = [r["step_time_s"] for r in train if "step_time_s" in r and not r.get("plans_timed")]
+    times = step_times(train)
     tail = [r["loss"] for r in train[-5:]]
     return {
         "label": rec["label"],

@@ -49,6 +49,7 @@ __all__ = [
     "series",
     "smoke_report_main",
     "staged",
+    "step_times",
     "train_and_eval_rows",
     "write_report_json",
 ]
@@ -224,6 +225,12 @@ def train_and_eval_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     return train, evals
+
+
+def step_times(rows: list[dict]) -> list[float]:
+    """The ``step_time_s`` of a run's training rows, but those of steps that timed ``auto``
+    plans' candidates (``plans_timed``): their time is not a training step's."""
+    return [r["step_time_s"] for r in rows if "step_time_s" in r and not r.get("plans_timed")]
 
 
 def series(rows: list[dict], key: str) -> list[list[float]]:

@@ -187,8 +187,7 @@ def load_model(cfg: ModelConfig, data: MNLIData, *, quiet: bool = False) -> nn.M
     head) are named on stderr."""
     tf = _transformers()
     if cfg.path is not None:
-        top = max((int(s.labels.max()) for s in data.splits()), default=-1)
-        model, missing = _load_pretrained(tf, cfg, labels=top + 1)
+        model, missing = _load_pretrained(tf, cfg, labels=data.max_label() + 1)
         if missing and not quiet:
             print(f"--model {cfg.path}: newly initialized (not in its checkpoint): "
                   f"{', '.join(missing)}", file=sys.stderr)  # fmt: skip

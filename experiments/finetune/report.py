@@ -24,6 +24,7 @@ from experiments.report import (
     series,
     smoke_report_main,
     staged,
+    step_times,
     write_report_json,
 )
 
@@ -37,8 +38,7 @@ def _summary(run: dict) -> dict:
     evals = [r for r in rows if ACC in r]
     trained = [r for r in rows if "live_params" in r and "step_time_s" in r]
     best = max(evals, key=lambda r: r[ACC]) if evals else {}
-    # a step that timed auto's candidates is not a training step's time
-    times = sorted(r["step_time_s"] for r in trained if not r.get("plans_timed"))
+    times = sorted(step_times(trained))
     return {
         "final_accuracy": evals[-1][ACC] if evals else None,
         "final_loss": evals[-1].get("eval/validation/loss") if evals else None,

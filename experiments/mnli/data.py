@@ -126,10 +126,14 @@ class MNLIData:
         ``eval_data_id``, so a resume over an eval file changed in place is refused."""
         return {name: split.identity(every_row=True) for name, split in self.eval.items()}
 
+    def max_label(self) -> int:
+        """The largest label id the splits hold (-1 for none)."""
+        return max((int(s.labels.max()) for s in self.splits() if len(s.labels)), default=-1)
+
     def check_label_count(self, num_labels: int) -> None:
         """Refuse a classifier of ``num_labels`` outputs smaller than the labels the splits
         hold (the first step's loss would fail on them, naming no setting)."""
-        top = max((int(s.labels.max()) for s in self.splits()), default=-1)
+        top = self.max_label()
         if top >= num_labels:
             raise ConfigError(
                 f"the data has label ids up to {top} but model.num_labels={num_labels}; "
