@@ -283,6 +283,8 @@ def layer_summary(run: dict) -> list[dict]:
     from comera.accounting import summarize
 
     ckpt = load_checkpoint(run["dir"])
+    # a run that recorded its layers' own sizes (finetune's padded layers): counted at them
+    shapes = {k: tuple(v) for k, v in (run["config"].get("dense_shapes") or {}).items()}
     return [
         {
             "path": r.path,
@@ -293,7 +295,7 @@ def layer_summary(run: dict) -> list[dict]:
             "ranks": list(r.ranks),
             "live": list(r.live),
         }
-        for r in summarize(ckpt["params"], ckpt["state"])
+        for r in summarize(ckpt["params"], ckpt["state"], dense_shapes=shapes)
     ]
 
 

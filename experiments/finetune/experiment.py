@@ -493,6 +493,9 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
             }
             for r in (summary.layers if summary is not None else [])
         ],  # fmt: skip
+        # each TT layer's own sizes, by its params path: a train holds the padded ones, and
+        # a report's layer table counts those without them (comera.summarize)
+        "dense_shapes": {k: list(v) for k, v in task.dense_shapes().items()},
     }
     return task, task.params(), task.state(), dense_size, info
 

@@ -55,6 +55,25 @@ def test_smoke_cli_tensorizes_adapts_ranks_and_resumes(tmp_path: Path, capsys) -
     assert again == text  # rendered from the JSON alone
 
 
+def test_the_layer_table_counts_padded_layers_at_their_own_size(tmp_path: Path) -> None:
+    """An FFN of 97 is padded to a train of 98 or more: the report's layer table counted
+    the padded size, and so overstated the compression."""
+    from experiments.report import layer_summary, load_run
+
+    argv = _argv(tmp_path, "odd", "--set", "model.ffn=97", "--set", "train.steps=2",
+                 "--set", "train.eval_every=None", "--set", "train.checkpoint_every=2")  # fmt: skip
+    assert main(argv) == 0
+    config = json.loads((tmp_path / "odd" / "config.json").read_text())
+    padded = [r for r in config["tensorized"] if "padded" in r["note"]]
+    assert padded, config["tensorized"]
+    summary = {
+        r["path"].removesuffix(".inner"): r for r in layer_summary(load_run(tmp_path / "odd"))
+    }
+    for record in config["tensorized"]:
+        if not record["note"].startswith("skipped"):
+            assert summary[record["layer"]]["dense_params"] == record["params"][0], record
+
+
 @pytest.mark.slow
 def test_a_local_model_folder_and_bad_input(tmp_path: Path, capsys) -> None:
     """``--model FOLDER`` loads a saved transformers model (here one saved from the smoke
