@@ -69,6 +69,9 @@ __all__ = [
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, as RoBERTa
 MIN_TRAIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte and every special
+MAX_TRAIN_VOCAB = 1 << 24  # far above any code vocabulary; a trainer's memory stays sane
+# binary table files: matched by a folder source's --glob, each would be read as one text
+TABLE_SUFFIXES = (".parquet", ".arrow", ".ipc", ".feather")
 
 
 class PrepareError(LoaderInputError):
@@ -118,19 +121,25 @@ def tokenizer_digest(tokenizer: str | None) -> str | None:
     return hashlib.blake2b(p.read_bytes(), digest_size=16).hexdigest()
 
 
-def heldout_docs(docs: list[Doc], fraction: float) -> set[Doc]:
+def heldout_docs(docs: list[Doc], fraction: float, roots: dict[Doc, str] | None = None) -> set[Doc]:
     """The documents :func:`prepare` holds out: those whose key hashes below ``fraction``
     (fixed across runs); when that picks none or all of several documents, exactly the one
-    of smallest hash. The key is a document's path relative to the deepest folder holding
-    every document (plus its row), so the split does not depend on where the corpus lives:
-    the same files held out on every machine and after a move."""
+    of smallest hash. The key is a document's path (plus its row) relative to its folder
+    source in ``roots``, or for the others to the deepest folder holding them all, so the
+    split does not depend on where the corpus lives (the same files held out on every
+    machine and after a move), nor, for a folder source, on files added beside or above
+    the others (relative to the deepest folder of all, one file added at the top moved
+    most of the held-out files into train)."""
     if fraction <= 0:
         return set()
-    files = sorted({d.path for d in docs if not d.path.startswith("hub:")})
+    roots = roots or {}
+    files = sorted({d.path for d in docs if not d.path.startswith("hub:") and d not in roots})
     root = os.path.dirname(files[0]) if len(files) == 1 else os.path.commonpath(files or ["."])
 
     def name(d: Doc) -> str:
-        return d.path if d.path.startswith("hub:") else os.path.relpath(d.path, root)
+        if d.path.startswith("hub:"):
+            return d.path
+        return os.path.relpath(d.path, roots.get(d, root))
 
     key = {d: _hash01(f"{name(d)}#{d.row}") for d in docs}
     held = {d for d in docs if key[d] < fraction}
@@ -139,19 +148,52 @@ def heldout_docs(docs: list[Doc], fraction: float) -> set[Doc]:
     return held
 
 
+def _check_out_outside(out: Path, source: str) -> None:
+    """Refuse an ``--out`` inside a folder source: its shards would match the glob on the
+    next run, which then refuses as prepared with other settings."""
+    if out.resolve().is_relative_to(Path(source).resolve()):
+        raise PrepareError(
+            f"--out {out} is inside the source folder {source}; write the splits elsewhere"
+        )
+
+
+def _refuse_repeats(docs: list[Doc]) -> None:
+    """Refuse a document reached twice (a source given twice, a folder and a folder inside
+    it, a link to a file already read): it would be trained on twice, or land in both
+    splits."""
+    seen: dict[tuple[str, int | None], str] = {}
+    for d in docs:
+        key = (d.path if d.path.startswith("hub:") else os.path.realpath(d.path), d.row)
+        if key in seen:
+            row = "" if d.row is None else f" (row {d.row})"
+            raise PrepareError(
+                f"{d.path}{row} is a document twice among the sources (also as {seen[key]}); "
+                "give each source once, and no folder inside another"
+            )
+        seen[key] = d.path
+
+
 def list_docs(source: str, *, glob: str | None, text_column: str) -> list[Doc]:
     """Every document of a local source, in a fixed order."""
     path = Path(source)
     if path.is_dir():
         if not glob:
             raise PrepareError(f"{source} is a folder: pass --glob PATTERN (e.g. '**/*.py')")
-        if Path(glob).is_absolute():
+        if Path(glob).is_absolute() or ".." in Path(glob).parts:
             raise PrepareError(
-                f"--glob {glob!r} is absolute; give a pattern relative to {source} (e.g. '**/*.py')"
+                f"--glob {glob!r} reaches outside {source}; give a pattern inside it (e.g. "
+                "'**/*.py')"
             )
         files = sorted(p for p in path.glob(glob) if p.is_file())
         if not files:
             raise PrepareError(f"{source}: no file matches --glob {glob!r}")
+        tables = [p for p in files if p.suffix in TABLE_SUFFIXES]
+        if tables:  # one document per file: its bytes, read as text
+            raise PrepareError(
+                f"--glob {glob!r} matches table files ({tables[0]}, ...), which a folder "
+                "source would read as one text each; give the table files as sources "
+                "themselves, or a --glob that leaves them out"
+            )
         return [Doc(str(p)) for p in files]
     if path.is_file():
         if path.suffix not in TEXT_SUFFIXES:  # a source file: one document
@@ -274,6 +316,12 @@ def _write_shard(
     rows = [piece for p, r in docs
             for piece in _pieces(np.asarray(encode(texts(Doc(p, r))), dtype=np.int32),
                                  max_tokens)]  # fmt: skip
+    total = sum(len(r) for r in rows)
+    if total >= 2**31:  # the offsets are int32: they would wrap, and Arrow refuse them
+        raise PrepareError(
+            f"{out}: a shard of {total:,} tokens passes the 2**31 an Arrow list holds; lower "
+            "--docs-per-shard (or cut documents with --max-doc-tokens)"
+        )
     offsets = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum([len(r) for r in rows], out=offsets[1:])
     values = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
@@ -333,11 +381,11 @@ def prepare(
 
     if (tokenizer is None) == (train_vocab is None):
         raise PrepareError("pass exactly one of --tokenizer and --train-tokenizer VOCAB")
-    if not 0 <= heldout < 1 or docs_per_shard < 1 or workers < 1:
-        raise PrepareError(
-            f"--heldout must be in [0, 1), --docs-per-shard and --workers >= 1; got "
-            f"{heldout}, {docs_per_shard}, {workers}"
-        )
+    if not 0 <= heldout < 1:
+        raise PrepareError(f"--heldout must be in [0, 1), got {heldout}")
+    for flag, value in (("--docs-per-shard", docs_per_shard), ("--workers", workers)):
+        if value < 1:
+            raise PrepareError(f"{flag} must be >= 1, got {value}")
     if max_doc_tokens is not None and max_doc_tokens < 1:
         raise PrepareError(f"--max-doc-tokens must be >= 1, got {max_doc_tokens}")
     if train_vocab is not None and train_vocab < MIN_TRAIN_VOCAB:
@@ -345,8 +393,15 @@ def prepare(
             f"--train-tokenizer {train_vocab}: a byte-level BPE needs a vocabulary of at least "
             f"{MIN_TRAIN_VOCAB} (256 bytes and the specials)"
         )
+    if train_vocab is not None and train_vocab > MAX_TRAIN_VOCAB:  # the trainer aborts
+        raise PrepareError(  # allocating for it (2**31: 283 GB), or overflows
+            f"--train-tokenizer {train_vocab}: give a vocabulary of at most {MAX_TRAIN_VOCAB:,}"
+        )
+    if not str(out):  # Path("") is the current folder: the plan and splits went there
+        raise PrepareError("--out is empty; give the folder to write the splits to")
     out = Path(out)
     hub, docs = None, []
+    roots: dict[Doc, str] = {}  # a folder source's documents: the folder
     for src in sources:
         if src.startswith("hub:"):
             if len(sources) > 1:
@@ -355,10 +410,15 @@ def prepare(
             ds = _load_hub(*hub, text_column)
             docs = [Doc(src, i) for i in range(len(ds))]  # type: ignore[arg-type]
         else:
-            docs += list_docs(src, glob=glob, text_column=text_column)
+            found = list_docs(src, glob=glob, text_column=text_column)
+            if Path(src).is_dir():
+                _check_out_outside(out, src)
+                roots.update(dict.fromkeys(found, src))
+            docs += found
     if not docs:
         raise PrepareError(f"sources {sources} hold no document")
-    held = heldout_docs(docs, heldout)
+    _refuse_repeats(docs)
+    held = heldout_docs(docs, heldout, roots)
     splits = {"train": [d for d in docs if d not in held]}
     if heldout > 0 and len(docs) == 1:  # held out, no train split; kept, no held-out one
         raise PrepareError(
@@ -378,7 +438,9 @@ def prepare(
         "sources": sources, "glob": glob, "text_column": text_column, "heldout": heldout,
         "docs_per_shard": docs_per_shard, "tokenizer": tokenizer, "train_vocab": train_vocab,
         "hub_config": hub_config, "hub_split": hub_split, "docs": len(docs),
-        "heldout_rule": 2,  # 2: keys relative to the corpus root (1: absolute paths)
+        # 3: a folder source's keys relative to it; 2: keys relative to the corpus root
+        # (1: absolute paths); file sources' keys are 2's either way
+        "heldout_rule": 3 if roots else 2,
     }  # fmt: skip
     if max_doc_tokens is not None:  # (absent when unset: older plans stay valid)
         settings["max_doc_tokens"] = max_doc_tokens

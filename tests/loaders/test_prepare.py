@@ -212,7 +212,53 @@ def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
         ),
         (
             ["{src}", "--glob", "{src}/*.py", "--out", "{out}", "--train-tokenizer", "300"],
-            "is absolute; give a pattern relative to",
+            "reaches outside",
+        ),
+        # each taken without a word: the parent's files, a document twice, the shards
+        # inside the source (the next run refused), the current folder, a Rust abort
+        (
+            ["{src}/pkg0", "--glob", "../*.txt", "--out", "{out}", "--train-tokenizer", "300"],
+            "--glob '../*.txt' reaches outside",
+        ),
+        (
+            [
+                "{src}",
+                "{src}/pkg0",
+                "--glob",
+                "**/*.py",
+                "--out",
+                "{out}",
+                "--train-tokenizer",
+                "300",
+            ],
+            "is a document twice among the sources",
+        ),
+        (
+            ["{src}", "--glob", "**/*.py", "--out", "{src}/o", "--train-tokenizer", "300"],
+            "is inside the source folder",
+        ),
+        (["{src}", "--glob", "**/*.py", "--out", "", "--train-tokenizer", "300"], "--out is empty"),
+        (
+            ["{src}", "--glob", "**/*.py", "--out", "{out}", "--train-tokenizer", "4294967296"],
+            "give a vocabulary of at most 16,777,216",
+        ),
+        (
+            [
+                "{src}",
+                "--glob",
+                "**/*.py",
+                "--out",
+                "{out}",
+                "--train-tokenizer",
+                "300",
+                "--workers",
+                "0",
+            ],
+            "--workers must be >= 1, got 0",
+        ),
+        (
+            ["{tables}", "--glob", "*.parquet", "--out", "{out}", "--train-tokenizer", "300"],
+            "matches table files",
         ),
         # a traceback, and a train split of no document with exit 0
         (
@@ -234,11 +280,44 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys, args: list[str], message:
     jsonl = tmp_path / "t.jsonl"
     jsonl.write_text('{"code": "x = 1"}\n')
     (tmp_path / "src" / "one.py").write_text("x = 1\n")
-    fill = {"src": str(tmp_path / "src"), "out": str(tmp_path / "o"), "jsonl": str(jsonl)}
+    (tmp_path / "tables").mkdir()
+    (tmp_path / "tables" / "a.parquet").write_bytes(b"PAR1")  # read as its bytes before
+    fill = {"src": str(tmp_path / "src"), "out": str(tmp_path / "o"), "jsonl": str(jsonl),
+            "tables": str(tmp_path / "tables")}  # fmt: skip
     code = main([a.format(**fill) for a in args] + ["--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0]
     assert not os.path.exists(tmp_path / "o" / "train")
+
+
+def test_a_file_added_above_the_others_moves_no_held_out_file(tmp_path: Path, monkeypatch) -> None:
+    """Keys were relative to the deepest folder holding every file: one file added at the
+    top of a folder source re-keyed every other, and moved most of the held-out files into
+    train (evaluation then scored files it had trained on)."""
+    import loaders.prepare as P
+
+    src = tmp_path / "src"
+    (src / "pkg" / "mod").mkdir(parents=True)
+    for i in range(200):
+        (src / "pkg" / "mod" / f"m{i:03d}.py").write_text(f"x = {i}\n")
+    tok = str(tmp_path / "tok.json")
+    prepare([str(src)], tmp_path / "t", glob="**/*.py", train_vocab=300, progress=False)
+    shutil.copy(tmp_path / "t" / "tokenizer.json", tok)
+    held: list[set[str]] = []
+    real = P.heldout_docs
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        held.append({Path(d.path).name for d in out})
+        return out
+
+    monkeypatch.setattr(P, "heldout_docs", spy)
+    prepare([str(src)], tmp_path / "a", glob="**/*.py", tokenizer=tok, heldout=0.1,
+            progress=False)  # fmt: skip
+    (src / "setup.py").write_text("y = 1\n")
+    prepare([str(src)], tmp_path / "b", glob="**/*.py", tokenizer=tok, heldout=0.1,
+            progress=False)  # fmt: skip
+    assert len(held[0]) > 5 and held[0] <= held[1]
 
 
 def test_a_local_tokenizer_folder_without_tokenizer_json_still_loads(tmp_path: Path) -> None:
