@@ -91,6 +91,12 @@ class MNLIDataConfig:
         for name in ("dataset", "tokenizer", "premise_column", "hypothesis_column", "label_column"):
             if not getattr(self, name):
                 raise bad(name, "give a non-empty string")
+        columns = ("premise_column", "hypothesis_column", "label_column")
+        for i, a in enumerate(columns):  # the labels as a sentence, or one sentence twice
+            for b in columns[i + 1 :]:
+                if getattr(self, a) == getattr(self, b):
+                    flags = "--premise-column, --hypothesis-column, --label-column"
+                    raise bad(a, f"{b} names that column too; give each its own ({flags})")
         if self.eval_files is not None and self.train_file is None:
             raise bad("eval_files", "set train_file too (local files replace the hub as a whole)")
         if "train" in (self.eval_files or {}):
@@ -227,6 +233,11 @@ def _hub_error(exc: Exception, what: str) -> Exception:
 Raw = tuple[list[str], list[str], np.ndarray]  # premises, hypotheses, labels
 
 
+# the CSV reader's block: a field must fit in one (Arrow's default, 1 MiB, refused a
+# valid file with one long sentence)
+CSV_BLOCK_BYTES = 64 << 20
+
+
 def _read_table(path: str) -> pa.Table:
     fmt = _FORMATS[Path(path).suffix.lower()]
     if not Path(path).is_file():
@@ -251,12 +262,22 @@ def _parse_table(path: str, fmt: str) -> pa.Table:
     if fmt == "csv":
         import pyarrow.csv as pcsv
 
-        return pcsv.read_csv(path, parse_options=pcsv.ParseOptions(newlines_in_values=True))
-    with open(path, encoding="utf-8") as f:
+        # blocks far larger than Arrow's 1 MiB: a field longer than a block was refused
+        read = pcsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
+        return pcsv.read_csv(path, read_options=read,
+                             parse_options=pcsv.ParseOptions(newlines_in_values=True))  # fmt: skip
+    with open(path, encoding="utf-8-sig") as f:  # a BOM (Windows tools write one) is no text
         text = f.read()
     if text.lstrip().startswith("["):  # a JSON array of records
         return _records_table(json.loads(text))
-    return _records_table([json.loads(line) for line in text.splitlines() if line.strip()])
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:  # its position within the line: name the file's line
+                raise ValueError(f"line {number}: {first_line(e)}") from None
+    return _records_table(rows)
 
 
 def _records_table(rows: list) -> pa.Table:
@@ -412,6 +433,12 @@ def encode_pairs(
                 f"{source}: the tokenizer cannot encode it ({first_line(e)}); check --tokenizer"
             ) from None
         for i, enc in enumerate(encoded, start):
+            if len(enc.ids) != length:  # its specials alone pass the length: no truncation fits
+                raise DataError(
+                    f"{source}: the tokenizer made a pair of {len(enc.ids)} tokens where "
+                    f"data.max_length={length} (its template adds more special tokens than "
+                    "that leaves room for); raise data.max_length or check --tokenizer"
+                )
             ids[i], types[i], mask[i] = enc.ids, enc.type_ids, enc.attention_mask
             truncated += bool(enc.overflowing)
     if truncated:

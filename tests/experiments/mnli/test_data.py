@@ -249,6 +249,9 @@ def test_label_names_accepted(tmp_path, gen_files):
         ({"train_file": "x.txt"}, "train_file"),
         ({"dataset": "generated", "train_file": "x.jsonl"}, "train_file"),
         ({"premise_column": ""}, "premise_column"),
+        # the labels read as a sentence, or one sentence twice: trained without a word
+        ({"premise_column": "label"}, "premise_column"),
+        ({"hypothesis_column": "premise"}, "premise_column"),
         ({"generated_vocab": 10}, "generated_vocab"),
     ],
 )
@@ -498,6 +501,42 @@ def test_rows_that_are_not_text_or_labels_are_named(tmp_path, gen_files, capsys)
     long = [{"premise": "a " * 300, "hypothesis": "b", "label": 0}]
     load_mnli(MNLIDataConfig(train_file=jsonl("l.jsonl", long), tokenizer=tok, max_length=16))
     assert "truncated 1 of 1 pairs to data.max_length=16 tokens" in capsys.readouterr().err
+
+
+def test_a_bom_a_long_field_and_a_bad_line_are_read_or_named(tmp_path, gen_files):
+    """A BOM in JSON was refused (read in CSV); a CSV field longer than Arrow's 1 MiB
+    block was refused; a JSONL error named line 1 (its position within the line)."""
+    tok = str(gen_files[2])
+    row = {"premise": "a b", "hypothesis": "c", "label": 0}
+    (tmp_path / "bom.jsonl").write_text("\ufeff" + json.dumps(row) + "\n", encoding="utf-8")
+    data = load_mnli(MNLIDataConfig(train_file=str(tmp_path / "bom.jsonl"), tokenizer=tok))
+    assert len(data.train) == 1
+    (tmp_path / "long.csv").write_text("premise,hypothesis,label\n" + "a " * 700_000 + ",c,0\n")
+    data = load_mnli(MNLIDataConfig(train_file=str(tmp_path / "long.csv"), tokenizer=tok))
+    assert len(data.train) == 1
+    lines = [json.dumps(row)] * 4 + ['{"premise": "x", ']
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"\(ValueError: line 5: Expecting property name"):
+        load_mnli(MNLIDataConfig(train_file=str(tmp_path / "bad.jsonl"), tokenizer=tok))
+
+
+def test_a_template_longer_than_max_length_is_one_error(tmp_path, gen_files):
+    """A pair template with more special tokens than max_length leaves room for: the
+    tokenizers library gave up truncating, and the encoded rows did not fit their array
+    (a ValueError traceback)."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(gen_files[2]))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] " * 8 + "$A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])  # fmt: skip
+    tok.save(str(tmp_path / "many.json"))
+    rows = [{"premise": "a b c d e f", "hypothesis": "a b c d e", "label": 0}]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"made a pair of \d+ tokens where data.max_length=8"):
+        load_mnli(MNLIDataConfig(train_file=str(tmp_path / "t.jsonl"), max_length=8,
+                                 tokenizer=str(tmp_path / "many.json")))  # fmt: skip
 
 
 def test_a_tokenizer_with_gaps_in_its_ids_or_an_unnamed_split_is_refused(tmp_path, capsys):
