@@ -89,8 +89,9 @@ def ensure_smoke_run(exp_main: Any, run_dir: Path, *, dense: bool, label: str) -
     else:
         argv = ["--preset", "smoke", "--run-dir", str(run_dir), "--no-progress"]
         code = exp_main([*argv, "--dense"] if dense else argv)
-    if code:
-        raise SystemExit(f"{label}: the run in {run_dir} failed (exit {code})")
+    if code:  # its own status: 2 (bad input) is not a bug's 1
+        print(f"{label}: the run in {run_dir} failed (exit {code})", file=sys.stderr)
+        raise SystemExit(code)
     trained = not metrics.is_file() or metrics.stat().st_mtime_ns != before
     if trained or not (run_dir / HOST_FILE).is_file():
         record_host(run_dir)

@@ -241,3 +241,13 @@ def test_runs_a_report_cannot_read_are_one_line(tmp_path: Path) -> None:
     report.check_smoke_pair({"CoMERA": run, "dense": dense}, "dlrm")
     with pytest.raises(DataError, match=r"is a run of experiments.dlrm, not of .*codebert"):
         report.check_smoke_pair({"CoMERA": run, "dense": dense}, "codebert")
+
+
+@pytest.mark.parametrize("code", [2, 1, 143])
+def test_a_report_passes_on_its_runs_exit_status(tmp_path: Path, capsys, code: int) -> None:
+    """A smoke run refused for bad input (2) made the report command exit 1, which
+    cli.md keeps for bugs."""
+    with pytest.raises(SystemExit) as stop:
+        report.ensure_smoke_run(lambda argv: code, tmp_path / "r", dense=False, label="x report")
+    assert stop.value.code == code
+    assert f"x report: the run in {tmp_path / 'r'} failed (exit {code})" in capsys.readouterr().err
