@@ -14,6 +14,7 @@ whose cue baseline the table shows. Each run is the same as ``python -m experime
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 import time
@@ -74,7 +75,13 @@ def run_demo(sets: list[str], runs_dir: Path, *, restart: bool = False) -> dict:
         argv += ["--dense"] if kind == "dense" else []
         try:
             out[kind] = mnli.run(cli.apply_overrides(base, over, []), argv=argv)
-        except cli.Interrupted as e:  # the table needs both runs: the demo starts anew
+        except BaseException as e:
+            # the folder reserved for the CoMERA run, left empty by a refusal: gone again
+            with contextlib.suppress(OSError):
+                dirs["comera"].rmdir()
+            if not isinstance(e, cli.Interrupted):
+                raise
+            # the table needs both runs: the demo starts anew
             raise cli.Interrupted(
                 f"its {kind} run ({run_dir}) {e.how}; run the demo again (it trains both "
                 "runs anew)",

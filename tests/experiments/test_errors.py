@@ -257,6 +257,10 @@ def test_the_demo_refuses_what_would_mislabel_its_table(tmp_path, capsys):
     assert demo.main(["--runs-dir", str(tmp_path / "file" / "runs")]) == 2
     assert "--runs-dir " in _one_line(capsys, "experiments.mnli.demo")
     assert not runs.exists()
+    # refused by the run itself, once the demo had reserved its folder: it was left empty
+    assert demo.main(["--set", "data.generated_train=8", "--runs-dir", str(runs)]) == 2
+    assert "smaller than batch_size" in _one_line(capsys, "experiments.mnli.demo")
+    assert not list(runs.iterdir())
 
 
 def test_the_demo_scores_the_cue_on_what_the_runs_evaluated(tmp_path, monkeypatch, capsys):
