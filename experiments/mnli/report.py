@@ -112,6 +112,10 @@ def gather(run_dirs: list[str], bench: dict | None, command: str) -> dict:
                 f"{r['dir']}: its metrics.jsonl or config.json lack what the report reads "
                 f"({type(e).__name__}: {e}); is it a run of experiments.mnli?"
             ) from None
+    names = [s["name"] for s in summaries]
+    for s, r in zip(summaries, runs, strict=True):
+        if names.count(s["name"]) > 1:  # runs/A and runs2/A: two rows of one name
+            s["name"] = f"{r['dir'].parent.name}/{r['dir'].name}"
     return {
         "meta": {"command": command, **runs_host(r["dir"] for r in runs)},
         "paper": PAPER,

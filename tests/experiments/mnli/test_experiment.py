@@ -189,6 +189,10 @@ def test_report_from_run_dirs(tmp_path, capsys):
     assert (out.parent / "mnli_curves.png").stat().st_size > 1000
     assert (out.parent / "mnli_ranks.png").stat().st_size > 1000
     text = out.read_text()
+    twin = tmp_path / "other" / "smoke"  # two rows, two rank sections named "smoke" before
+    shutil.copytree(run_dir, twin)
+    names = [r["name"] for r in report.gather([str(run_dir), str(twin)], None, "c")["runs"]]
+    assert names == [f"{tmp_path.name}/smoke", "other/smoke"]
     shutil.rmtree(run_dir)  # re-rendered from the JSON alone: the same report
     again = tmp_path / "again" / "mnli.md"
     assert report.main(["--from-json", str(out.parent / "mnli.json"), "--out", str(again)]) == 0
