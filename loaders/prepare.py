@@ -61,6 +61,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "Doc",
     "PrepareError",
+    "drop_link_twins",
     "heldout_docs",
     "prepare",
     "tokenizer_digest",
@@ -71,7 +72,7 @@ SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, as RoB
 MIN_TRAIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte and every special
 MAX_TRAIN_VOCAB = 1 << 24  # far above any code vocabulary; a trainer's memory stays sane
 # binary table files: matched by a folder source's --glob, each would be read as one text
-TABLE_SUFFIXES = (".parquet", ".arrow", ".ipc", ".feather")
+TABLE_SUFFIXES = tuple(s for s in TEXT_SUFFIXES if s not in (".json", ".jsonl"))
 
 
 class PrepareError(LoaderInputError):
@@ -148,22 +149,29 @@ def heldout_docs(docs: list[Doc], fraction: float, roots: dict[Doc, str] | None 
     return held
 
 
-def _check_out_outside(out: Path, source: str) -> None:
-    """Refuse an ``--out`` inside a folder source: its shards would match the glob on the
-    next run, which then refuses as prepared with other settings."""
-    if out.resolve().is_relative_to(Path(source).resolve()):
-        raise PrepareError(
-            f"--out {out} is inside the source folder {source}; write the splits elsewhere"
-        )
+def drop_link_twins(files: list[Path]) -> tuple[list[Path], int]:
+    """``files`` with those whose target is already listed (links) left out, and how many
+    were: a link is read as its target, so a twin could be held out while it trains."""
+    seen: set[Path] = set()
+    kept = []
+    for p in files:
+        real = p.resolve()
+        if real not in seen:
+            seen.add(real)
+            kept.append(p)
+    return kept, len(files) - len(kept)
 
 
 def _refuse_repeats(docs: list[Doc]) -> None:
-    """Refuse a document reached twice (a source given twice, a folder and a folder inside
-    it, a link to a file already read): it would be trained on twice, or land in both
-    splits."""
+    """Refuse a document reached twice across sources (a source given twice, a folder and
+    a folder inside it): it would be trained on twice, or land in both splits. (Links
+    within one folder source are read once: :func:`drop_link_twins`.)"""
     seen: dict[tuple[str, int | None], str] = {}
+    real: dict[str, str] = {}  # per path, not per row: a table has many rows
     for d in docs:
-        key = (d.path if d.path.startswith("hub:") else os.path.realpath(d.path), d.row)
+        if d.path not in real:
+            real[d.path] = d.path if d.path.startswith("hub:") else os.path.realpath(d.path)
+        key = (real[d.path], d.row)
         if key in seen:
             row = "" if d.row is None else f" (row {d.row})"
             raise PrepareError(
@@ -173,8 +181,11 @@ def _refuse_repeats(docs: list[Doc]) -> None:
         seen[key] = d.path
 
 
-def list_docs(source: str, *, glob: str | None, text_column: str) -> list[Doc]:
-    """Every document of a local source, in a fixed order."""
+def list_docs(
+    source: str, *, glob: str | None, text_column: str, exclude: Path | None = None
+) -> list[Doc]:
+    """Every document of a local source, in a fixed order; for a folder, none of the files
+    under ``exclude`` (prepare's own output)."""
     path = Path(source)
     if path.is_dir():
         if not glob:
@@ -185,6 +196,9 @@ def list_docs(source: str, *, glob: str | None, text_column: str) -> list[Doc]:
                 "'**/*.py')"
             )
         files = sorted(p for p in path.glob(glob) if p.is_file())
+        if exclude is not None:
+            mine = Path(exclude).resolve()
+            files = [p for p in files if not p.resolve().is_relative_to(mine)]
         if not files:
             raise PrepareError(f"{source}: no file matches --glob {glob!r}")
         tables = [p for p in files if p.suffix in TABLE_SUFFIXES]
@@ -410,9 +424,14 @@ def prepare(
             ds = _load_hub(*hub, text_column)
             docs = [Doc(src, i) for i in range(len(ds))]  # type: ignore[arg-type]
         else:
-            found = list_docs(src, glob=glob, text_column=text_column)
+            # prepare's own output inside a folder source: a rerun's glob would reach it
+            found = list_docs(src, glob=glob, text_column=text_column, exclude=out)
             if Path(src).is_dir():
-                _check_out_outside(out, src)
+                kept, twins = drop_link_twins([Path(d.path) for d in found])
+                if twins:  # a link read as its target: a twin could be held out as it trains
+                    print(f"loaders.prepare: {src}: {twins} files are links to files already "
+                          "in it; each is read once", file=sys.stderr)  # fmt: skip
+                    found = [Doc(str(p)) for p in kept]
                 roots.update(dict.fromkeys(found, src))
             docs += found
     if not docs:
@@ -439,8 +458,9 @@ def prepare(
         "docs_per_shard": docs_per_shard, "tokenizer": tokenizer, "train_vocab": train_vocab,
         "hub_config": hub_config, "hub_split": hub_split, "docs": len(docs),
         # 3: a folder source's keys relative to it; 2: keys relative to the corpus root
-        # (1: absolute paths); file sources' keys are 2's either way
-        "heldout_rule": 3 if roots else 2,
+        # (1: absolute paths); file sources alone keep 2's keys, and without a held-out
+        # split the rule decides nothing (an older output reruns as it is)
+        "heldout_rule": 3 if roots and heldout > 0 else 2,
     }  # fmt: skip
     if max_doc_tokens is not None:  # (absent when unset: older plans stay valid)
         settings["max_doc_tokens"] = max_doc_tokens
@@ -454,6 +474,14 @@ def prepare(
             raise PrepareError(
                 f"{plan_path} is unreadable ({e}); delete {out} or pass another --out"
             ) from None
+        old = saved.get("settings") if isinstance(saved, dict) else None
+        if isinstance(old, dict) and {**old, "heldout_rule": 0} == {**settings, "heldout_rule": 0}:
+            if old.get("heldout_rule") != settings["heldout_rule"]:
+                raise PrepareError(
+                    f"{out} was prepared by an older loaders.prepare, whose held-out split "
+                    "keyed a folder's files differently (this run's split would differ); pass "
+                    "another --out or delete that folder"
+                )
         if not isinstance(saved, dict) or saved.get("settings") != settings:
             raise PrepareError(
                 f"{out} was prepared with other settings ({plan_path}); pass another --out "

@@ -33,6 +33,7 @@ from loaders.prepare import (
     PLAN_NAME,
     Doc,
     PrepareError,
+    drop_link_twins,
     heldout_docs,
     prepare,
     tokenizer_digest,
@@ -284,18 +285,10 @@ def _candidates(folder: Path, glob: str | None) -> list[Path]:
 def _linked_twins(name: str, folder: str, files: list[Path]) -> list[Path]:
     """``files`` with links to a file already listed dropped (a link is read as its
     target: a twin could be held out while its target trains); said on stderr."""
-    seen: set[Path] = set()
-    out = []
-    for p in files:
-        real = p.resolve()
-        if real not in seen:
-            seen.add(real)
-            out.append(p)
-    if len(out) < len(files):
-        note(
-            f"--corpus {name}={folder}: {len(files) - len(out)} files are links to files "
-            "already in it; each is read once"
-        )
+    out, twins = drop_link_twins(files)
+    if twins:
+        note(f"--corpus {name}={folder}: {twins} files are links to files already in it; "
+             "each is read once")  # fmt: skip
     return out
 
 

@@ -233,10 +233,6 @@ def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
             ],
             "is a document twice among the sources",
         ),
-        (
-            ["{src}", "--glob", "**/*.py", "--out", "{src}/o", "--train-tokenizer", "300"],
-            "is inside the source folder",
-        ),
         (["{src}", "--glob", "**/*.py", "--out", "", "--train-tokenizer", "300"], "--out is empty"),
         (
             ["{src}", "--glob", "**/*.py", "--out", "{out}", "--train-tokenizer", "4294967296"],
@@ -318,6 +314,34 @@ def test_a_file_added_above_the_others_moves_no_held_out_file(tmp_path: Path, mo
     prepare([str(src)], tmp_path / "b", glob="**/*.py", tokenizer=tok, heldout=0.1,
             progress=False)  # fmt: skip
     assert len(held[0]) > 5 and held[0] <= held[1]
+
+
+def test_an_out_inside_the_source_links_and_older_outputs(tmp_path: Path, capsys) -> None:
+    """--out inside a folder source: its shards matched a '**/*' glob on the rerun, which
+    was refused as "other settings"; they are left out. A link to a file of the same
+    source is read once (said). An output prepared before the held-out keys changed
+    reruns as it is without a held-out split, and is refused, saying why, with one."""
+    src = tmp_path / "src"
+    _corpus(src, n=6)
+    (src / "pkg0" / "alias.py").symlink_to(src / "pkg1" / "mod001.py")
+    for _ in range(2):
+        s = prepare([str(src)], src / "o", glob="**/*", train_vocab=300, progress=False)
+    assert s["splits"]["train"]["docs"] == 7  # 6 modules and the README, once each
+    assert "1 files are links to files already in it; each is read once" in capsys.readouterr().err
+    plan = src / "o" / "prepare_plan.json"
+    for heldout, rule in ((0.0, 2), (0.3, 3)):
+        out = tmp_path / f"h{heldout}"
+        prepare([str(src)], out, glob="**/*.py", train_vocab=300, heldout=heldout, progress=False)
+        plan = json.loads((out / "prepare_plan.json").read_text())
+        assert plan["settings"]["heldout_rule"] == rule
+        plan["settings"]["heldout_rule"] = 2  # as written before the keys changed
+        (out / "prepare_plan.json").write_text(json.dumps(plan))
+        if heldout:
+            with pytest.raises(PrepareError, match="by an older loaders.prepare, whose held-out"):
+                prepare([str(src)], out, glob="**/*.py", train_vocab=300, heldout=heldout,
+                        progress=False)  # fmt: skip
+        else:
+            prepare([str(src)], out, glob="**/*.py", train_vocab=300, progress=False)
 
 
 def test_a_local_tokenizer_folder_without_tokenizer_json_still_loads(tmp_path: Path) -> None:
