@@ -681,8 +681,13 @@ def _common_overrides(
         if not isinstance(given, list | tuple):
             raise CLIError(f"--config {args.config}: plans.per_layer={given!r} must be a list "
                            "of [LAYER_GLOB, STRATEGY] pairs")  # fmt: skip
-        # a file's rules as given (lists); a rule that is no pair fails LayerPlans' check
         base = tuple(tuple(r) if isinstance(r, list | tuple) else r for r in given)
+        if file_rules is not None:  # checked here: merged, they would be named by no file
+            for rule in base:
+                if not (isinstance(rule, tuple) and len(rule) == 2 and rule[1] in C.STRATEGIES):
+                    raise CLIError(f"--config {args.config}: plans.per_layer: {rule!r} is not "
+                                   f"a [LAYER_GLOB, STRATEGY] pair of a strategy in "
+                                   f"{', '.join(C.STRATEGIES)}")  # fmt: skip
         out.append(("plans.per_layer", (*base, *new_rules)))
     if args.dense:
         out += [("dense", True), ("train.comera.enabled", False)]
@@ -737,7 +742,7 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         refuse_derived(exp, [(k, f"--config {args.config}:") for k, _, _ in from_file])
         # --plan-for adds its rules to the file's, not the preset's (the file's value as
         # given: a config built from the file alone could fail checks a flag completes)
-        rules = next((v for k, v, _ in from_file if k == "plans.per_layer"), None)
+        rules = next((v for k, v, _ in reversed(from_file) if k == "plans.per_layer"), None)
         common = _common_overrides(args, cfg, rules=rules)
         return apply_overrides(cfg, [*own, *common], args.sets, file_items=from_file)
     path = Path(args.resume) / "config.json"

@@ -271,7 +271,9 @@ def _parse_table(path: str, fmt: str) -> pa.Table:
     if text.lstrip().startswith("["):  # a JSON array of records
         return _records_table(json.loads(text))
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    # lines end at "\n" alone: splitlines() also cut a string holding U+2028 (valid JSON)
+    for number, line in enumerate(text.split("\n"), 1):
+        line = line.removesuffix("\r")
         if line.strip():
             try:
                 rows.append(json.loads(line))

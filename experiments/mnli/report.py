@@ -115,7 +115,12 @@ def gather(run_dirs: list[str], bench: dict | None, command: str) -> dict:
     names = [s["name"] for s in summaries]
     for s, r in zip(summaries, runs, strict=True):
         if names.count(s["name"]) > 1:  # runs/A and runs2/A: two rows of one name
-            s["name"] = f"{r['dir'].parent.name}/{r['dir'].name}"
+            where = Path(r["dir"]).resolve()
+            s["name"] = f"{where.parent.name}/{where.name}"
+    named = [s["name"] for s in summaries]
+    for s, r in zip(summaries, runs, strict=True):
+        if named.count(s["name"]) > 1:  # x/y/A and z/y/A: the whole path
+            s["name"] = str(Path(r["dir"]).resolve())
     return {
         "meta": {"command": command, **runs_host(r["dir"] for r in runs)},
         "paper": PAPER,

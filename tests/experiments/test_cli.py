@@ -234,6 +234,12 @@ def test_plan_for_adds_to_a_config_files_rules(tmp_path):
                           "--device", "cuda", "--plan-for", "layers.1.q=dense"])  # fmt: skip
     cfg = cli.resolve_config(mnli.EXPERIMENT, args, ap)
     assert cfg.train.bf16 and cfg.plans.per_layer == (("layers.1.q", "dense"),)
+    # a bad rule of the file is the file's (merged with the flag's, it was named by none)
+    (tmp_path / "bad.json").write_text('{"plans": {"per_layer": [["layers.0.q", "nope"]]}}')
+    args = ap.parse_args(["--preset", "smoke", "--config", str(tmp_path / "bad.json"),
+                          "--plan-for", "layers.1.q=dense"])  # fmt: skip
+    with pytest.raises(cli.CLIError, match=r"^--config .*bad.json: plans.per_layer: \('layers"):
+        cli.resolve_config(mnli.EXPERIMENT, args, ap)
 
 
 def test_plan_errors_name_what_the_cli_takes():

@@ -514,6 +514,10 @@ def test_a_bom_a_long_field_and_a_bad_line_are_read_or_named(tmp_path, gen_files
     (tmp_path / "long.csv").write_text("premise,hypothesis,label\n" + "a " * 700_000 + ",c,0\n")
     data = load_mnli(MNLIDataConfig(train_file=str(tmp_path / "long.csv"), tokenizer=tok))
     assert len(data.train) == 1
+    odd = {"premise": "a\u2028b", "hypothesis": "c", "label": 1}  # one line of JSON
+    (tmp_path / "sep.jsonl").write_text(json.dumps(odd, ensure_ascii=False) + "\n")
+    data = load_mnli(MNLIDataConfig(train_file=str(tmp_path / "sep.jsonl"), tokenizer=tok))
+    assert len(data.train) == 1
     lines = [json.dumps(row)] * 4 + ['{"premise": "x", ']
     (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=r"\(ValueError: line 5: Expecting property name"):

@@ -193,6 +193,11 @@ def test_report_from_run_dirs(tmp_path, capsys):
     shutil.copytree(run_dir, twin)
     names = [r["name"] for r in report.gather([str(run_dir), str(twin)], None, "c")["runs"]]
     assert names == [f"{tmp_path.name}/smoke", "other/smoke"]
+    import contextlib
+
+    with contextlib.chdir(tmp_path):  # given as "smoke": its parent folder is still named
+        names = [r["name"] for r in report.gather(["smoke", str(twin)], None, "c")["runs"]]
+    assert names == [f"{tmp_path.name}/smoke", "other/smoke"]
     shutil.rmtree(run_dir)  # re-rendered from the JSON alone: the same report
     again = tmp_path / "again" / "mnli.md"
     assert report.main(["--from-json", str(out.parent / "mnli.json"), "--out", str(again)]) == 0
