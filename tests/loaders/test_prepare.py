@@ -191,6 +191,10 @@ def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
         prepare([str(tmp_path / "latin.parquet")], tmp_path / "lat", tokenizer=tok, progress=False)
 
 
+# a folder source's files into {out}, with a trained tokenizer
+_PY = ["{src}", "--glob", "**/*.py", "--out", "{out}", "--train-tokenizer", "300"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -220,36 +224,14 @@ def test_parallel_equals_serial_and_table_sources(tmp_path: Path) -> None:
             ["{src}/pkg0", "--glob", "../*.txt", "--out", "{out}", "--train-tokenizer", "300"],
             "--glob '../*.txt' reaches outside",
         ),
-        (
-            [
-                "{src}",
-                "{src}/pkg0",
-                "--glob",
-                "**/*.py",
-                "--out",
-                "{out}",
-                "--train-tokenizer",
-                "300",
-            ],
-            "is a document twice among the sources",
-        ),
+        (["{src}/pkg0", *_PY], "is a document twice among the sources"),
         (["{src}", "--glob", "**/*.py", "--out", "", "--train-tokenizer", "300"], "--out is empty"),
         (
             ["{src}", "--glob", "**/*.py", "--out", "{out}", "--train-tokenizer", "4294967296"],
             "give a vocabulary of at most 16,777,216",
         ),
         (
-            [
-                "{src}",
-                "--glob",
-                "**/*.py",
-                "--out",
-                "{out}",
-                "--train-tokenizer",
-                "300",
-                "--workers",
-                "0",
-            ],
+            [*_PY, "--workers", "0"],
             "--workers must be >= 1, got 0",
         ),
         (
