@@ -196,8 +196,8 @@ def list_docs(
                 "'**/*.py')"
             )
         files = sorted(p for p in path.glob(glob) if p.is_file())
-        if exclude is not None:
-            mine = Path(exclude).resolve()
+        mine = Path(exclude).resolve() if exclude is not None else None
+        if mine is not None and mine.is_relative_to(path.resolve()):  # else none is under it
             files = [p for p in files if not p.resolve().is_relative_to(mine)]
         if not files:
             raise PrepareError(f"{source}: no file matches --glob {glob!r}")
