@@ -166,4 +166,13 @@ class TextSource:
         text = self._chunks[c][i - self._starts[c]].as_py()
         if not text:
             return np.zeros(0, dtype=np.int32)
-        return np.asarray(self.encode(text), dtype=np.int32)
+        ids = np.asarray(self.encode(text))
+        # cast blindly, 2**31 + 5 became negative and 1.7 became 1
+        ints = ids.dtype.kind in "iu"
+        if ids.size and (not ints or ids.min() < 0 or ids.max() >= 2**31):
+            got = f"{ids.min()} to {ids.max()}" if ints else f"of type {ids.dtype}"
+            raise LoaderInputError(
+                f"the tokenizer gave document {i} ids that are not token ids in [0, 2**31) "
+                f"({got}); check the tokenizer"
+            )
+        return ids.astype(np.int32, copy=False)

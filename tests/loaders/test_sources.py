@@ -193,6 +193,24 @@ def test_text_sources_tokenized_on_the_fly(tmp_path, kind):
     assert sorted(got.tolist()) == sorted(expected)
 
 
+@pytest.mark.parametrize(
+    "ids", [np.array([2**31 + 5, 7], np.int64), [2**31 + 5, 7], [1.7, 2.2], [-3, 4], [10**30]]
+)
+def test_a_tokenizer_giving_no_token_ids_is_refused(ids):
+    """Ids were cast to int32 blindly: 2**31 + 5 became negative, 1.7 became 1, and a
+    plain list with a large id was a bare OverflowError."""
+    from loaders.errors import LoaderInputError
+    from loaders.text import TextSource
+
+    source = TextSource(pa.table({"text": ["a b"]}), tokenizer=lambda text: ids)
+    with pytest.raises(LoaderInputError, match="document 0 ids that are not token ids"):
+        source.doc(0)
+    assert TextSource(pa.table({"text": ["a"]}), tokenizer=lambda t: [3, 4]).doc(0).tolist() == [
+        3,
+        4,
+    ]
+
+
 # -- bad input -------------------------------------------------------------------------
 
 
