@@ -463,8 +463,7 @@ def _linear_plan(
     dense = out_f * in_f + (out_f if bias else 0)
     rank = _pick_rank(modes, cfg.rank_of(name), dense, out_p if bias else 0, cfg, name)
     if dense < cfg.min_compression * _size(modes, rank, out_p if bias else 0, name):
-        why = f"a {_rank_text(modes, rank, name)} train is not {cfg.min_compression:g}x smaller"
-        return f"skipped: {why}"
+        return _not_smaller(modes, rank, name, cfg)
     spec = TTLinearSpec(out_modes=tuple(reversed(out_m)), in_modes=in_m, ranks=rank, bias=bias,
                         name=name, dtype=dtype)  # fmt: skip
     padded = []
@@ -475,13 +474,14 @@ def _linear_plan(
     return spec, ", ".join(padded)
 
 
-def _rank_text(modes: tuple[int, ...], rank: int, name: str) -> str:
-    """``rank-R``, or the ranks its bonds are capped to when they carry fewer (a rank far
+def _not_smaller(modes: tuple[int, ...], rank: int, name: str, cfg: TensorizeConfig) -> str:
+    """Why a layer stays dense: its train at ``rank`` is not ``min_compression`` times
+    smaller. The ranks its bonds are capped to are quoted when they carry fewer (a rank far
     above the modes' is quoted as what the check used)."""
     capped = cap_ranks(modes, rank, name)
     # any bond capped: rank 8 over bonds that carry (4, 8, 4) is not a rank-8 train
     shown = f" (capped to {','.join(map(str, capped))})" if min(capped) < rank else ""
-    return f"rank-{rank}{shown}"
+    return f"skipped: a rank-{rank}{shown} train is not {cfg.min_compression:g}x smaller"
 
 
 def _short_of(cfg: TensorizeConfig, dense: int, size: int) -> str:
@@ -565,9 +565,7 @@ def _replace_embedding(name: str, emb: nn.Embedding,
     merged = tuple(v * d for v, d in zip(vocab_m, dim_m, strict=True))
     rank = _pick_rank(merged, cfg.rank_of(name, embedding=True), rows * dim, 0, cfg, name)
     if rows * dim < cfg.min_compression * _size(merged, rank, 0, name):
-        small = f"a {_rank_text(merged, rank, name)} train is not {cfg.min_compression:g}x smaller"
-        why = f"skipped: {small}"
-        return None, LayerReport(**report, skipped=why)
+        return None, LayerReport(**report, skipped=_not_smaller(merged, rank, name, cfg))
     spec = TTMEmbeddingSpec(vocab_modes=vocab_m, dim_modes=dim_m, ranks=rank,
                             num_embeddings=rows, embedding_dim=dim, name=name,
                             dtype=emb.weight.dtype)  # fmt: skip

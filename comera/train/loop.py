@@ -866,9 +866,9 @@ class Trainer:
                     t_tune = time.perf_counter()
                     self.tune_plans(batches[0])
                     t_step += time.perf_counter() - t_tune
-                timed = tuner.timings
+                timings = tuner.timings
                 metrics = self.train_step(*batches)
-                timed = tuner.timings > timed  # an eager step times what it meets first
+                timed = tuner.timings > timings  # an eager step times what it meets first
                 self._sync_plans()
                 self._record_plans(log)
                 stage = self.stage  # the objective it trained with, before a transition
