@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from loaders.config import is_int
 from loaders.errors import LoaderInputError
 
 METADATA_NAME = "doc_counts.json"
@@ -168,7 +169,7 @@ def file_doc_counts(
         docs = entry.get("docs") if isinstance(entry, dict) else None
         # a file listed with no documents is never opened, so a count of 0 (or a damaged
         # one) taken on trust would drop its documents silently: those are counted
-        ok = isinstance(docs, int) and not isinstance(docs, bool) and docs > 0
+        ok = is_int(docs) and docs > 0
         if ok and entry.get("bytes", size) == size:
             counts.append(docs)
             continue

@@ -111,7 +111,7 @@ class ReaderPipeline:
         self.done = False
         self._active = [n for n in sources if self._usable(n)]
         self._np_dtype = np.dtype(config.out_dtype)
-        # per source dtype: whether out_dtype may not hold its ids (see _tokens)
+        # per source dtype: whether out_dtype may not hold its ids (see _fitting)
         self._narrows: dict[np.dtype, bool] = {}
         self._source_index = {d.name: i for i, d in enumerate(config.datasets)}
         self._cur: tuple[str, int, np.ndarray] | None = None

@@ -330,14 +330,15 @@ def _write_shard(
     rows = [piece for p, r in docs
             for piece in _pieces(np.asarray(encode(texts(Doc(p, r))), dtype=np.int32),
                                  max_tokens)]  # fmt: skip
-    total = sum(len(r) for r in rows)
+    lengths = [len(r) for r in rows]
+    total = sum(lengths)
     if total >= 2**31:  # the offsets are int32: they would wrap, and Arrow refuse them
         raise PrepareError(
             f"{out}: a shard of {total:,} tokens passes the 2**31 an Arrow list holds; lower "
             "--docs-per-shard (or cut documents with --max-doc-tokens)"
         )
     offsets = np.zeros(len(rows) + 1, dtype=np.int32)
-    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    np.cumsum(lengths, out=offsets[1:])
     values = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
     arr = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
     table = pa.table({"tokens": arr})
