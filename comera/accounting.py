@@ -16,7 +16,7 @@ import torch
 
 from comera.plans import PlanLike, tt_linear_plan
 from comera.pruning import live_ranks
-from comera.tensor_train import Params, State, is_tt_params
+from comera.tensor_train import Params, State, check_format, is_tt_params
 
 __all__ = [
     "LayerSummary",
@@ -117,6 +117,7 @@ def tt_linear_flops(params: Params, tokens: int, plan: PlanLike = "comera") -> d
     (2 per multiply-add). Backward is counted as twice the forward: every pairwise
     contraction has two input gradients of the same cost (the dense layer too).
     """
+    check_format(params, 3, "tt_linear_flops")
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     p = tt_linear_plan(plan, [c.shape for c in cores], tokens)
     fwd, largest = p.cost(tokens)
@@ -134,6 +135,7 @@ def ttm_embedding_flops(
     params: Params, ids: int, unique: int | None = None, impl: str = "optimized"
 ) -> int:
     """Forward FLOPs of a TTM lookup of ``ids`` rows (``unique`` distinct for ``optimized``)."""
+    check_format(params, 4, "ttm_embedding_flops")
     shapes = [tuple(c.shape) for c in params["cores"]]  # type: ignore[union-attr]
 
     def chain_cost(shapes: list[tuple[int, ...]], rows: int) -> int:

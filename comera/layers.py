@@ -8,6 +8,7 @@ weight unless the chosen strategy says so.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 from collections.abc import Sequence
 
@@ -25,11 +26,12 @@ from comera.plans import (
     tt_linear_plan,
 )
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec
-from comera.tensor_train import Params, State, gated_cores, is_batched, ttm_table
+from comera.tensor_train import Params, State, check_format, gated_cores, is_batched, ttm_table
 
 __all__ = [
     "WHOLE_TABLE_ELEMENTS",
     "SyncFreeLookups",
+    "check_ids_dtype",
     "gather_rows",
     "pair_cores",
     "tt_linear",
@@ -92,6 +94,32 @@ def _check_operand(name: str, what: str, t: torch.Tensor, core: torch.Tensor) ->
         )
 
 
+# torch's "limited support" unsigned types: comparisons and casts of ids fail in its ops
+_PARTLY_SUPPORTED = (torch.uint16, torch.uint32, torch.uint64)
+
+
+def check_ids_dtype(name: str, ids: torch.Tensor) -> None:
+    """Refuse ids that are not of an integer dtype a lookup can compare and index with."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{name}: ids must be an integer tensor, got dtype {ids.dtype}")
+    if ids.dtype in _PARTLY_SUPPORTED:
+        raise ValueError(
+            f"{name}: ids have dtype {ids.dtype}, which torch supports only in part; cast "
+            "them with ids.long()"
+        )
+
+
+def _count(v: object) -> int | None:
+    """``v`` as an int >= 1 (numpy's ints too), or None: not a bool, float or string."""
+    if isinstance(v, bool):
+        return None
+    try:
+        n = operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return n if n >= 1 else None
+
+
 def _check_bias(name: str, bias: object, m: int, core: torch.Tensor) -> None:
     """A layer's bias must be ``(M,)`` on the cores' device, in their dtype (any under
     autocast). Checked per call: the plans read a bias differently (a padding slot of the
@@ -128,6 +156,7 @@ def tt_linear(
     ``comera`` and ``dense`` paths; a layer it does not hold builds its own.
     """
     name = spec.label if spec is not None else "tt_linear"
+    check_format(params, 3, name)
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     d = len(cores) // 2
     n = math.prod([c.shape[1] for c in cores[d:]])
@@ -176,6 +205,7 @@ def tt_linear_shared_input(
     ready = bool(built) and all(b is not None for b in built)
     trains, biases, outs = [], [], []
     for k, (params, state) in enumerate(layers):
+        check_format(params, 3, f"tt_linear_shared_input layer {k}")
         cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
         d = len(cores) // 2
         n = math.prod([c.shape[1] for c in cores[d:]])
@@ -315,6 +345,7 @@ def ttm_embedding(
     name = spec.label if spec is not None else "ttm_embedding"
     if impl not in EMBEDDING_IMPLS:
         raise ConfigError(f"{name}: unknown impl {impl!r}; expected one of {EMBEDDING_IMPLS}")
+    check_format(params, 4, name)
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     vocab_modes = [c.shape[1] for c in cores]
     padded = math.prod(vocab_modes)
@@ -324,15 +355,18 @@ def ttm_embedding(
             f"{name}: the spec has {vocab} rows but the cores' vocab modes {vocab_modes} "
             f"hold {padded}; pass the spec these params were built from"
         )
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise ValueError(f"{name}: ids must be an integer tensor, got dtype {ids.dtype}")
+    check_ids_dtype(name, ids)
     if ids.device != cores[0].device:
         raise ValueError(
             f"{name}: ids are on {ids.device} but the cores are on {cores[0].device}; "
             f"move them with ids.to({str(cores[0].device)!r})"
         )
-    if max_unique is not None and (impl != "static" or max_unique < 1):
-        raise ConfigError(f"{name}: max_unique={max_unique} needs impl='static' and a value >= 1")
+    if max_unique is not None:  # 2.5 and "3" failed in torch, and True counted as 1
+        if impl != "static" or _count(max_unique) is None:
+            raise ConfigError(
+                f"{name}: max_unique={max_unique!r} needs impl='static' and an int >= 1"
+            )
+        max_unique = _count(max_unique)
     no_sync = _no_host_sync(sync_free)
     if impl == "optimized" and no_sync:
         impl = "static"  # torch.unique would sync (CUDA graphs) or break the graph

@@ -171,6 +171,9 @@ class TTLinearSpec:
                     f"whose product is {dim} (see comera.spec.propose_modes)"
                 )
         _check_dtype_std(name, self.dtype, self.std)
+        if not isinstance(self.bias, (bool, np.bool_)):  # None meant no bias, "no" one
+            raise ConfigError(f"{name}: bias must be True or False, got {self.bias!r}")
+        object.__setattr__(self, "bias", bool(self.bias))
         object.__setattr__(self, "out_modes", out_modes)
         object.__setattr__(self, "in_modes", in_modes)
         object.__setattr__(self, "ranks", cap_ranks(out_modes + in_modes, self.ranks, name))
@@ -310,6 +313,21 @@ def _prime_factors(n: int) -> list[int]:
     return out + [n] * (n > 1)
 
 
+def _exact_modes(caller: str, what: str, dim: int, d: int, pad_hint: str) -> tuple[int, ...]:
+    """``factorize(dim, d)``, or a :class:`ConfigError` from ``caller`` naming ``what`` and
+    why (the primes: too few of them, or one too large) with the way out: a smaller ``d``,
+    or ``pad_hint`` where padding would help (a large prime, not a size too small)."""
+    modes = factorize(dim, d)
+    if modes is None:
+        primes = " x ".join(map(str, _prime_factors(dim)))
+        way = pad_hint if dim >= 2**d else "pass a smaller d"
+        raise ConfigError(
+            f"{caller}: {what} = {primes} has no balanced factorization into {d} modes of "
+            f"at least 2; {way}"
+        )
+    return modes
+
+
 def propose_modes(dim: int, d: int, *, pad: bool = False, max_pad: float = 0.1) -> tuple[int, ...]:
     """Propose ``d`` balanced mode sizes for ``dim`` (ascending).
 
@@ -327,16 +345,9 @@ def propose_modes(dim: int, d: int, *, pad: bool = False, max_pad: float = 0.1) 
     if dim < 1 or d < 1:
         raise ConfigError(f"propose_modes: need dim >= 1 and d >= 1, got dim={dim}, d={d}")
     if not pad:
-        modes = factorize(dim, d)
-        if modes is None:  # the primes say why: too few of them, or one too large
-            primes = _prime_factors(dim)
-            # padding helps a large prime, not a size too small to split d ways
-            way = "pad=True to pad it to a size that factors" if dim >= 2**d else "a smaller d"
-            raise ConfigError(
-                f"propose_modes: {dim} = {' x '.join(map(str, primes))} has no balanced "
-                f"factorization into {d} modes of at least 2; pass {way}"
-            )
-        return modes
+        # padding helps a large prime, not a size too small to split d ways
+        return _exact_modes("propose_modes", str(dim), dim, d, "pass pad=True to pad it to a "
+                            "size that factors")  # fmt: skip
     best: tuple[int, ...] | None = None
     best_key: tuple[float, ...] | None = None
     for n in range(dim, int(dim * (1 + max_pad)) + 1):
@@ -359,8 +370,12 @@ def propose_tt_linear(
     """A :class:`TTLinearSpec` with balanced modes, large modes at the two ends of the train
     (where the bonds are capped by the mode size), as in the paper's [12,8,8 | 8,8,12]."""
     _sizes("propose_tt_linear", out_features=out_features, in_features=in_features, d=d)
-    out_modes = tuple(sorted(propose_modes(out_features, d), reverse=True))
-    in_modes = tuple(sorted(propose_modes(in_features, d)))
+    # a linear layer's sizes are its own: padding is for the caller to do (tensorize_ does)
+    pad = "pad the layer to a size that factors (comera.tensorize_ does)"
+    out_modes = tuple(sorted(_exact_modes("propose_tt_linear", f"out_features={out_features}",
+                                          out_features, d, pad), reverse=True))  # fmt: skip
+    in_modes = tuple(sorted(_exact_modes("propose_tt_linear", f"in_features={in_features}",
+                                         in_features, d, pad)))  # fmt: skip
     return TTLinearSpec(
         out_modes=out_modes,
         in_modes=in_modes,
@@ -377,7 +392,9 @@ def propose_ttm_embedding(
     """A :class:`TTMEmbeddingSpec` with a padded, balanced vocabulary factorization."""
     _sizes("propose_ttm_embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim, d=d)
     vocab_modes = tuple(sorted(propose_modes(num_embeddings, d, pad=True), reverse=True))
-    dim_modes = tuple(sorted(propose_modes(embedding_dim, d)))
+    dim_modes = tuple(sorted(_exact_modes(
+        "propose_ttm_embedding", f"embedding_dim={embedding_dim}", embedding_dim, d,
+        "choose a dim that factors (only the vocabulary is padded)")))  # fmt: skip
     return TTMEmbeddingSpec(
         vocab_modes=vocab_modes,
         dim_modes=dim_modes,

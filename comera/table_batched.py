@@ -38,11 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from comera.errors import ConfigError, IdOutOfRangeError
-from comera.layers import gather_rows, pair_cores, ttm_embedding
+from comera.layers import check_ids_dtype, gather_rows, pair_cores, ttm_embedding
 from comera.spec import TTMEmbeddingSpec
 from comera.tensor_train import (
     Params,
     State,
+    check_format,
     check_state,
     gated_cores,
     is_batched,
@@ -322,8 +323,10 @@ def ttm_embedding_batched(
             f"ttm_embedding_batched: ids must be an integer tensor (..., {t}) with one column "
             f"per table, got {tuple(ids.shape)} {ids.dtype}"
         )
+    check_ids_dtype("ttm_embedding_batched", ids)
     names = [s.label for s in specs] if specs is not None else [f"table {i}" for i in range(t)]
     for p, s, n in zip(params, states, names, strict=True):
+        check_format(p, 4, n)
         check_state(p, s, n)
     cores = [list(p["cores"]) for p in params]  # type: ignore[call-overload]
     dims = {math.prod(int(c.shape[2]) for c in cs) for cs in cores}

@@ -34,6 +34,7 @@ __all__ = [
     "bond_ranks",
     "chain",
     "chain_from_right",
+    "check_format",
     "check_params",
     "check_state",
     "from_dense",
@@ -156,6 +157,10 @@ def from_dense(
     Use this to start CoMERA training from a pretrained dense model.
     """
     expected = spec.dense_shape
+    for what, t in (("weight", weight), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):  # numpy: no .detach
+            raise ConfigError(f"{spec.label}: from_dense takes a torch.Tensor {what}, got "
+                              f"{type(t).__name__}; convert it with torch.as_tensor")  # fmt: skip
     if bias is not None and not (isinstance(spec, TTLinearSpec) and spec.bias):
         raise ConfigError(
             f"{spec.label}: from_dense got a bias but the spec has none (bias=False), so the "
@@ -171,6 +176,11 @@ def from_dense(
         raise ConfigError(
             f"{spec.label}: from_dense expects a bias of shape ({spec.out_features},) "  # type: ignore[union-attr]
             f"(out_features), got {tuple(bias.shape)}"
+        )
+    if not weight.is_meta and not bool(torch.isfinite(weight).all()):
+        raise ConfigError(  # the eigh inside the SVD failed to converge, naming no layer
+            f"{spec.label}: from_dense got a weight holding NaN or inf, which TT-SVD cannot "
+            "compress"
         )
     # the SVDs run in at least fp32: torch has no half-precision SVD, and the cores are
     # cast to the spec's dtype once they are found
@@ -262,6 +272,35 @@ def check_state(params: Params, state: State, name: str = "TT layer") -> None:
     for b, (g, r) in enumerate(zip(params["gates"], ranks, strict=False)):  # type: ignore[call-overload]
         if g.shape != (r,):
             raise ValueError(f"{name}: gate {b} has shape {tuple(g.shape)} for a bond of rank {r}")
+        if g.dtype != cores[b].dtype:  # type: ignore[index]
+            # a float64 gate promoted its core, and the GEMM then refused the input raw
+            raise ValueError(
+                f"{name}: gate {b} has dtype {g.dtype} but the cores have "
+                f"{cores[b].dtype}; keep a layer's params in one dtype (cast them together)"  # type: ignore[index]
+            )
+
+
+def check_format(params: Params, ndim: int, name: str) -> None:
+    """Refuse params whose cores are not all ``ndim``-D: a TT linear's are 3-D
+    ``(r, mode, r')``, a TTM embedding's 4-D ``(r, v, d, r')``. One format's params passed
+    to the other's function failed deep in a reshape, naming neither the layer nor why."""
+    cores = params.get("cores") if isinstance(params, dict) else None
+    if (
+        isinstance(cores, (list, tuple))
+        and cores
+        and all(isinstance(c, torch.Tensor) and c.dim() == ndim for c in cores)
+    ):
+        return
+    if isinstance(cores, (list, tuple)) and all(isinstance(c, torch.Tensor) for c in cores):
+        got = f"cores of shapes {[tuple(c.shape) for c in cores]}"
+    else:
+        got = "no list of core tensors in params['cores']"
+    want = "3-D cores (r, mode, r') of a TT linear" if ndim == 3 else (
+        "4-D cores (r, v, d, r') of a TTM embedding")  # fmt: skip
+    raise ValueError(
+        f"{name}: params['cores'] must hold {want}, got {got}; pass the params made with "
+        "this layer's spec (comera.init / from_dense)"
+    )
 
 
 def check_params(params: Params, state: State, spec: Spec) -> None:

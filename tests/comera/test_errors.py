@@ -156,6 +156,27 @@ def test_from_dense_shape_mismatch():
         (lambda: C.TTMEmbeddingSpec(vocab_modes=(3, 3), dim_modes=(2, 2), ranks=2,
                                     embedding_dim="4"),
          ConfigError, "embedding_dim must be an int or None"),
+        # None made no bias, and the layer then blamed the params; "no" made one
+        (lambda: C.TTLinearSpec(out_modes=(2,), in_modes=(3,), ranks=1, bias=None),
+         ConfigError, "'tt_linear': bias must be True or False, got None"),
+        (lambda: C.TTLinearSpec(out_modes=(2,), in_modes=(3,), ranks=1, bias="no"),
+         ConfigError, "bias must be True or False, got 'no'"),
+        # the advice was pad=True, which propose_tt_linear does not take
+        (lambda: C.propose_tt_linear(6, 16), ConfigError,
+         r"propose_tt_linear: out_features=6 = 2 x 3 has no balanced .* pass a smaller d$"),
+        (lambda: C.propose_tt_linear(16, 1031), ConfigError,
+         r"in_features=1031 = 1031 has no .*; pad the layer to a size that factors"),
+        (lambda: C.propose_ttm_embedding(1000, 10), ConfigError,
+         r"propose_ttm_embedding: embedding_dim=10 = 2 x 5 has no .* pass a smaller d$"),
+        # 2.5 and "3" failed inside torch, and True was taken as 1
+        *[(lambda v=v: C.ttm_embedding(*_table().params_state(), torch.tensor([1, 2]),
+                                       impl="static", max_unique=v),
+           ConfigError, "max_unique=.* needs impl='static' and an int >= 1")
+          for v in (2.5, "3", True)],
+        (lambda: C.from_dense(torch.full((6, 6), float("nan")), _spec()), ConfigError,
+         "'o': from_dense got a weight holding NaN or inf"),
+        (lambda: C.from_dense(np.ones((6, 6), np.float32), _spec()), ConfigError,
+         "'o': from_dense takes a torch.Tensor weight, got ndarray"),
     ],
 )  # fmt: skip
 def test_bad_values_are_user_errors_naming_the_argument(call, kind, message):
@@ -169,8 +190,50 @@ def test_bad_values_are_user_errors_naming_the_argument(call, kind, message):
         assert isinstance(err.value, IndexError)
 
 
+def _spec() -> C.TTLinearSpec:
+    return C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=2, name="o")
+
+
 def _layer():
-    return C.init(C.TTLinearSpec(out_modes=(2, 3), in_modes=(3, 2), ranks=2, name="o"))
+    return C.init(_spec())
+
+
+def test_a_layer_s_params_in_the_other_format_or_dtype_are_named():
+    """TTM params passed to tt_linear (and the other way round), a float64 gate beside
+    float32 cores and ids of torch's partly supported unsigned types failed in torch (a
+    reshape, an unpack, a GEMM's dtype, ``lt_cpu``) without naming the layer or cause."""
+    from comera import accounting
+    from comera.table_batched import ttm_embedding_batched
+
+    linear, table = _layer(), _table().params_state()
+    spec = _spec()
+    with pytest.raises(ValueError, match=r"'o': params\['cores'\] must hold 3-D cores .* got "
+                                         r"cores of shapes \[\(1, 4, 2, 2\)"):  # fmt: skip
+        C.tt_linear(*table, torch.randn(2, 6), spec=spec)
+    for impl in ("optimized", "table", "naive"):
+        with pytest.raises(ValueError, match="ttm_embedding: params.* must hold 4-D cores"):
+            C.ttm_embedding(*linear, torch.tensor([1]), impl=impl)
+    with pytest.raises(ValueError, match="table 1: params.* must hold 4-D cores"):
+        ttm_embedding_batched([table[0], linear[0]], [table[1], linear[1]], torch.tensor([[1, 1]]))
+    with pytest.raises(ValueError, match="tt_linear_flops: params.* must hold 3-D cores"):
+        accounting.tt_linear_flops(table[0], 5)
+    with pytest.raises(ValueError, match="ttm_embedding_flops: params.* must hold 4-D cores"):
+        accounting.ttm_embedding_flops(linear[0], 5)
+    params, state = linear
+    doubled = {**params, "gates": [g.double() for g in params["gates"]]}
+    with pytest.raises(ValueError, match="'o': gate 0 has dtype torch.float64 but the cores"):
+        C.tt_linear(doubled, state, torch.randn(2, 6), spec=spec)
+    for dtype in (torch.uint16, torch.uint32, torch.uint64):
+        ids = torch.tensor([1], dtype=dtype)
+        with pytest.raises(ValueError, match=f"ids have dtype {dtype}.* ids.long"):
+            C.ttm_embedding(*table, ids)
+        with pytest.raises(ValueError, match=f"ids have dtype {dtype}"):
+            ttm_embedding_batched([table[0]], [table[1]], ids[:, None])
+    # what still works: uint8 ids, numpy int max_unique, a numpy bool bias
+    assert C.ttm_embedding(*table, torch.tensor([1], dtype=torch.uint8)).shape == (1, 6)
+    rows = C.ttm_embedding(*table, torch.tensor([1, 1]), impl="static", max_unique=np.int64(1))
+    assert rows.shape == (2, 6)
+    assert C.TTLinearSpec(out_modes=(2,), in_modes=(3,), ranks=1, bias=np.False_).bias is False
 
 
 class _Table(C.TTMEmbedding):
