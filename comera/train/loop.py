@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import json
 import math
+import numbers
 import random
 import sys
 import time
@@ -179,6 +180,19 @@ class Trainer:
         check_rank_device(cfg.device)
         self.device = torch.device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
+        # a file there (or on the way there) was a raw FileExistsError or NotADirectoryError
+        found = next((p for p in (self.run_dir, *self.run_dir.parents) if p.exists()), None)
+        if found is not None and not found.is_dir():
+            raise ConfigError(f"TrainConfig.run_dir={cfg.run_dir}: {found} is a file, not a "
+                              "folder; give a folder (new, or the run's to resume)")  # fmt: skip
+        if reference_size is not None and (
+            isinstance(reference_size, bool) or not isinstance(reference_size, numbers.Integral)
+            or reference_size < 1
+        ):  # -5 made every "compression" negative, "abc" failed at the stage switch  # fmt: skip
+            raise ConfigError(
+                f"Trainer: reference_size={reference_size!r} must be a parameter count >= 1 "
+                "(the dense model's size compression is measured against), or None"
+            )
         held = [] if resume else ck.complete_checkpoints(self.run_dir)
         if held:  # its newer checkpoints would win over this run's: each new one deleted
             raise CheckpointError(
@@ -229,7 +243,8 @@ class Trainer:
         # folder behind
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_dict = {"train": dataclasses.asdict(cfg), **(extra_config or {})}
-        self.initial_size = reference_size or model_size(self.params, self.state)
+        self.initial_size = int(reference_size) if reference_size is not None else (
+            model_size(self.params, self.state))  # fmt: skip
         self.on_compact: list[Callable[[Trainer], None]] = []
         if hasattr(task, "on_compaction"):
             self.on_compact.append(lambda tr: tr.task.on_compaction(tr.params, tr.state))

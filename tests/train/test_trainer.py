@@ -924,6 +924,22 @@ def test_run_dir_forms(tmp_path):
     with pytest.raises(CheckpointError, match="no run to resume in .*missing.run: it does not"):
         Trainer(_cfg(tmp_path / "missing"), ToyTask(), *_toy_model(), resume=True)
     assert not (tmp_path / "missing").exists()
+    # a file there was a raw FileExistsError (a resume said the run did not exist)
+    (tmp_path / "afile").write_text("x")
+    for resume, run_dir in ((False, "afile"), (True, "afile"), (False, "afile/run")):
+        cfg = _cfg(tmp_path, run_dir=str(tmp_path / run_dir))
+        with pytest.raises(C.errors.ConfigError, match=r"run_dir=.*: .*afile is a file, not a"):
+            Trainer(cfg, ToyTask(), *_toy_model(), resume=resume)
+
+
+@pytest.mark.parametrize("size", [-5, 0, 2.5, "abc", True])
+def test_a_reference_size_that_is_no_parameter_count_is_refused(tmp_path, size):
+    """-5 drove every bond to rank 1 and reported negative compression, 0 was taken as
+    none, and "abc" failed at the stage switch, naming no argument."""
+    said = f"reference_size={size!r} must be a parameter count"
+    with pytest.raises(C.errors.ConfigError, match=re.escape(said)):
+        Trainer(_cfg(tmp_path / "r"), ToyTask(), *_toy_model(), reference_size=size)
+    assert not (tmp_path / "r").exists()
 
 
 def test_steps_taken_by_hand_then_fit_equal_their_resume(tmp_path):
