@@ -160,11 +160,11 @@ def check_line(line: str, path: str | Path, lineno: int) -> None:
 
 
 # what a compressed file starts with: its kind and the tool that undoes it
-_COMPRESSED = (
-    (b"\x1f\x8b", "gzip", "gunzip"),
-    (b"BZh", "bzip2", "bunzip2"),
-    (b"\xfd7zXZ\x00", "xz", "unxz"),
-    (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"),
+_COMPRESSED = (  # magic bytes, the format, its decompressor and usual suffix
+    (b"\x1f\x8b", "gzip", "gunzip", ".gz"),
+    (b"BZh", "bzip2", "bunzip2", ".bz2"),
+    (b"\xfd7zXZ\x00", "xz", "unxz", ".xz"),
+    (b"\x28\xb5\x2f\xfd", "zstd", "unzstd", ".zst"),
 )
 
 
@@ -173,11 +173,15 @@ def check_head(path: Path, lines: int = 50) -> None:
     compressed one (read as it is, whatever its name) with what decompresses it."""
     with open(path, "rb") as f:
         magic = f.read(6)
-    for prefix, kind, tool in _COMPRESSED:
+    for prefix, kind, tool, suffix in _COMPRESSED:
         if magic.startswith(prefix):
+            # "gunzip F" refuses a name without the usual suffix: -c writes any name out
+            name = path.name
+            plain = name[: -len(suffix)] if name.endswith(suffix) and name != suffix else (
+                f"{path.stem}-plain{path.suffix or '.txt'}")  # fmt: skip
             raise CriteoFormatError(
-                f"{path} is {kind}-compressed; decompress it first ({tool} {path.name}) and "
-                "pass the plain text file with --data PATH"
+                f"{path} is {kind}-compressed; decompress it first ({tool} -c {name} > "
+                f"{plain}) and pass the plain text file with --data {plain}"
             )
     with open(path, encoding="utf-8", errors="replace") as f:
         n = 0

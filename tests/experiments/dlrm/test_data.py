@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -373,6 +374,7 @@ def test_source_read_errors_name_the_data_file(tmp_path: Path, monkeypatch) -> N
     a compressed file says so; an error reading the source names it and --data, never
     --cache-dir."""
     import gzip
+    import lzma
 
     plain = preprocess(SAMPLE, _cfg(tmp_path), progress=False)
     for name in ("train.txt.gz", "train.txt.bz2"):
@@ -382,8 +384,14 @@ def test_source_read_errors_name_the_data_file(tmp_path: Path, monkeypatch) -> N
         np.testing.assert_array_equal(named.cat, plain.cat)
     packed = tmp_path / "packed.txt.gz"
     packed.write_bytes(gzip.compress(SAMPLE.read_bytes()))
-    with pytest.raises(CriteoFormatError, match="packed.txt.gz is gzip-compressed.*gunzip"):
+    said = r"packed.txt.gz is gzip-compressed; decompress it first \(gunzip -c packed.txt.gz > "
+    with pytest.raises(CriteoFormatError, match=said + r"packed.txt\) .* --data packed.txt$"):
         preprocess(packed, _cfg(tmp_path), progress=False)
+    # "gunzip day_0" refuses a name without .gz ("unknown suffix"): -c takes any name
+    for name, plain in (("day_0", "day_0-plain.txt"), ("train.txt", "train-plain.txt")):
+        (tmp_path / name).write_bytes(lzma.compress(SAMPLE.read_bytes()))
+        with pytest.raises(CriteoFormatError, match=re.escape(f"(unxz -c {name} > {plain})")):
+            preprocess(tmp_path / name, _cfg(tmp_path), progress=False)
 
     def broken(*a, **kw):
         raise OSError("zlib inflate failed: incorrect header check")
