@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -170,13 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         except UserError as e:  # a file that is not Criteo: one line, as training says it
             # the data module's advice names training's flags: here the file is --file and
             # the cache a temporary folder
-            text = (
-                str(e)
-                .replace("--data PATH", "--file PATH")
-                .replace(
-                    "point --cache-dir (data.cache_dir) at",
-                    "point $TMPDIR (where the benchmark caches) at",
-                )
+            text = re.sub(r"--data\b", "--file", str(e)).replace(
+                "point --cache-dir (data.cache_dir) at",
+                "point $TMPDIR (where the benchmark caches) at",
             )
             print(f"{ap.prog}: error: {text}", file=sys.stderr)
             return 2

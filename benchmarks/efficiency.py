@@ -28,6 +28,7 @@ from benchmarks.reporting import (
     check_output,
     measure_points,
     one_line_errors,
+    reduced_run,
     render_only,
     render_refusal,
     render_saved,
@@ -121,6 +122,19 @@ def command(result: dict) -> str:
     return " ".join(parts)
 
 
+# what a sweep measured: the paper-size model, or --tiny's toy one (benchmarks.mnli_step)
+_MODELS = {
+    "paper": "The paper-size model: 6 encoders, width 768, TT linears at rank 30, TTM "
+    "embedding at rank 32 (CoMERA); the same model dense under AdamW; the dense model "
+    "under GaLore-AdamW (galore-torch, rank 128, projection refreshed every 200 steps, "
+    "scale 0.25: the GaLore paper's settings, on the encoder blocks' linears; embeddings "
+    "and the pooler get plain AdamW).",
+    "tiny": "A toy model (`--tiny`: one encoder, width 16, TT linears and the TTM embedding "
+    "at rank 4), not the paper's: CoMERA; the same model dense under AdamW; the dense "
+    "model under GaLore-AdamW (rank 8, projection refreshed every 200 steps, scale 0.25).",
+}
+
+
 def render(result: dict) -> str:
     """The markdown report of a sweep result (``efficiency.json``), from the result alone:
     after a sweep, and with ``--render JSON`` for a saved one."""
@@ -138,12 +152,9 @@ def render(result: dict) -> str:
         "",
         f"{result['threads']} threads, median of {result['repeats']} timed steps after a "
         "warm-up, a fresh process per point, peak RSS above the pre-model baseline, glibc "
-        "as found. The paper-size model: 6 encoders, width 768, TT linears at rank 30, TTM "
-        "embedding at rank 32 (CoMERA); the same model dense under AdamW; the dense model "
-        "under GaLore-AdamW (galore-torch, rank 128, projection refreshed every 200 steps, "
-        "scale 0.25: the GaLore paper's settings, on the encoder blocks' linears; embeddings "
-        "and the pooler get plain AdamW). The timed steps exclude GaLore's SVD refresh, "
-        "which runs once per 200 steps (in the warm-up step here).",
+        f"as found. {_MODELS['tiny' if result.get('tiny') else 'paper']} The timed steps "
+        "exclude GaLore's SVD refresh, which runs once per 200 steps (in the warm-up step "
+        "here).",
         "",
         "| batch | CoMERA ms | dense ms | GaLore ms | CoMERA MB | dense MB | GaLore MB | "
         "CoMERA / GaLore time | CoMERA / GaLore memory |",
@@ -241,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.threads < 1:
         print(f"{ap.prog}: error: --repeats and --threads must be >= 1, got {args.repeats}, "
               f"{args.threads}", file=sys.stderr)  # fmt: skip
+        return 2
+    why = reduced_run(ap, args, ("batches", "repeats"), "--out")
+    if why is not None and args.out is None:
+        print(f"{ap.prog}: error: {why}", file=sys.stderr)
         return 2
     if not galore_available():  # the comparison's third side: nothing to compare without it
         print(f"{ap.prog}: error: galore-torch (or its bitsandbytes) cannot be imported; "

@@ -28,6 +28,7 @@ from benchmarks.reporting import (
     arg_parser,
     check_output,
     one_line_errors,
+    reduced_run,
     render_only,
     render_saved,
     write_json,
@@ -257,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.render is not None:  # measuring flags beside it would do nothing
         render_only(p, argv, ("report", "no_report"))
+    if args.render is None and (args.tokens < MIN_TOKENS or args.measure_tokens < 1):
+        p.error(f"--tokens must be >= {MIN_TOKENS} (a token for each of the corpus's "
+                f"{len(DATASETS)} sub-datasets) and --measure-tokens >= 1, got {args.tokens}, "
+                f"{args.measure_tokens}")  # fmt: skip
+    why = reduced_run(p, args, ("tokens", "measure_tokens"), "--report")
+    if why is not None and args.report is None and not args.no_report:
+        p.error(why)
     args.report = args.report or REPORT
     if not args.no_report:  # before measuring: refused now, not after the run
         check_output(args.report, "--report", "file", ".json")
@@ -268,10 +276,6 @@ def main(argv: list[str] | None = None) -> int:
             write_text(args.report, done[1])
         print(done[1])
         return 0
-    if args.tokens < MIN_TOKENS or args.measure_tokens < 1:
-        p.error(f"--tokens must be >= {MIN_TOKENS} (a token for each of the corpus's "
-                f"{len(DATASETS)} sub-datasets) and --measure-tokens >= 1, got {args.tokens}, "
-                f"{args.measure_tokens}")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="loader-bench-") as tmp:
         res = run(args.tokens, args.measure_tokens, Path(tmp))
     if not args.no_report:

@@ -52,6 +52,7 @@ from benchmarks.reporting import (
     md_cell,
     one_line_errors,
     print_rendered,
+    reduced_run,
     render_only,
     write_json,
     write_text,
@@ -640,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"timed paper-size steps per variant, each in a fresh process "
                          f"(default {PAPER_STEPS}; DLRM's, whose steps are short, its step "
                          "benchmark's own 10; 0: skip them)")  # fmt: skip
-    ap.add_argument("--out", type=Path, default=REPORTS / "plans.json", help="the JSON written")
+    ap.add_argument("--out", type=Path, help="the JSON written (default reports/plans.json)")
     ap.add_argument("--smoke-worker", choices=EXPERIMENTS, help=argparse.SUPPRESS)
     ap.add_argument("--no-shapes", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -666,9 +667,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: --steps must be >= 1 and --paper-steps >= 0, got "
               f"{a.steps}, {a.paper_steps}", file=sys.stderr)  # fmt: skip
         return 2
+    why = reduced_run(ap, a, ("steps", "experiments", "paper_steps"), "--out")
+    if why is not None and a.out is None:
+        print(f"{ap.prog}: error: {why}", file=sys.stderr)
+        return 2
     given = sys.argv[1:] if argv is None else argv
     command = " ".join(["python -m benchmarks.plans", *given])
-    return run(json_out=a.json, steps=a.steps, experiments=chosen, out=a.out, command=command,
+    out = REPORTS / "plans.json" if a.out is None else a.out
+    return run(json_out=a.json, steps=a.steps, experiments=chosen, out=out, command=command,
                paper_steps_timed=a.paper_steps)  # fmt: skip
 
 

@@ -13,7 +13,7 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ __all__ = [
     "one_line_errors",
     "print_rendered",
     "read_result",
+    "reduced_run",
     "render_only",
     "render_refusal",
     "render_saved",
@@ -60,6 +61,20 @@ def arg_parser(prog: str, description: str | None = None, **kwargs: Any) -> argp
     whose errors raise :class:`CLIError` (one line through :func:`one_line_errors`), not
     argparse's usage block and exit."""
     return Parser(prog=prog, description=description, **kwargs)
+
+
+def reduced_run(ap: argparse.ArgumentParser, args: argparse.Namespace, dests: Sequence[str],
+                out_flag: str) -> str | None:  # fmt: skip
+    """Why a run must name ``out_flag``, or None: measuring flags of ``dests`` set away from
+    their defaults, the settings the committed report was measured with. A smaller or
+    partial run (the loader at 20,000 tokens, the plans of one experiment, one step mode)
+    replaced the whole report's figures by its own."""
+    changed = [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d) != ap.get_default(d)]
+    if not changed:
+        return None
+    return (f"{', '.join(changed)} measure{'s' if len(changed) == 1 else ''} other than the "
+            f"report's settings: give {out_flag} PATH (by default these figures would replace "
+            "the report's)")  # fmt: skip
 
 
 def one_line_errors(prog: str) -> Callable[[Main], Main]:

@@ -37,6 +37,7 @@ from benchmarks.reporting import (
     check_bench_device,
     check_output,
     one_line_errors,
+    reduced_run,
     render_only,
     render_refusal,
     render_saved,
@@ -322,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--point-timeout must be > 0 s, got {args.point_timeout:g}")
     if args.tiny and args.out is None:  # toy figures must not replace the report's
         ap.error(TINY_NEEDS_OUT)
+    why = reduced_run(ap, args, ("models", "modes", "repeats"), "--out")
+    if why is not None and args.out is None:
+        ap.error(why)
     check_bench_device(args.device)
     modes = ["eager", *[m for m in modes if m != "eager"]]  # every ratio is against it
     out = args.out or (REPORTS if torch.device(args.device).type == "cpu" else REPORTS / "gpu")

@@ -445,7 +445,7 @@ def test_a_value_given_twice_is_measured_once(tmp_path: Path, monkeypatch, capsy
     assert points == [("smoke", "eager"), ("smoke", "sync_free")]
     runs: list[tuple] = []
     monkeypatch.setattr(plans, "run", lambda **k: runs.append(k["experiments"]) or 0)
-    assert plans.main(["--experiments", "dlrm,mnli,dlrm"]) == 0
+    assert plans.main(["--experiments", "dlrm,mnli,dlrm", "--out", str(tmp_path / "p.json")]) == 0
     assert runs == [("dlrm", "mnli")]
 
 
@@ -489,7 +489,7 @@ def test_dlrm_prep_s_file_errors_name_its_own_flag(tmp_path: Path, capsys) -> No
     packed.write_bytes(gzip.compress(b"0\t1\n"))
     assert dlrm_prep.main(["--child", str(packed), str(tmp_path / "cache")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "gzip" in err and "--file PATH" in err and "--data" not in err, err
+    assert "gzip" in err and "--file day-plain.txt" in err and "--data" not in err, err
     (tmp_path / "afile").write_text("")  # a cache that cannot be made: no --cache-dir here
     plain = tmp_path / "day2.txt"
     plain.write_text("0\t1" + "\t" * 38 + "\n")

@@ -25,6 +25,9 @@ def test_figure_one_sweep_plumbing_on_a_toy_model(tmp_path: Path) -> None:
     # the report is rendered from the JSON alone, and rendered again from it the same
     assert (tmp_path / "efficiency.md").read_text() == efficiency.render(result)
     assert (tmp_path / "efficiency.png").is_file()
+    # it described the paper-size model it did not measure
+    text = (tmp_path / "efficiency.md").read_text()
+    assert "A toy model (`--tiny`" in text and "The paper-size model" not in text
     again = tmp_path / "again"
     assert (
         efficiency.main(["--render", str(tmp_path / "efficiency.json"), "--out", str(again)]) == 0

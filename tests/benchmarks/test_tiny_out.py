@@ -19,6 +19,42 @@ def test_tiny_without_out_is_refused_in_one_line(bench, capsys) -> None:  # noqa
     assert err[0].endswith("(by default its figures would replace the report's)"), err
 
 
+@pytest.mark.parametrize(
+    ("module", "argv", "flags"),
+    [
+        ("loader", ["--tokens", "20000", "--json"], "--tokens measures"),
+        ("loader", ["--tokens", "20000", "--measure-tokens", "5000"], "--tokens, --measure-tokens"),
+        ("plans", ["--experiments", "mnli", "--steps", "1", "--paper-steps", "0", "--json"],
+         "--steps, --experiments, --paper-steps measure"),
+        ("step_modes", ["--models", "smoke", "--modes", "eager", "--repeats", "1"],
+         "--models, --modes, --repeats"),
+        ("efficiency", ["--batches", "1"], "--batches measures"),
+    ],
+)  # fmt: skip
+def test_a_smaller_or_partial_run_must_name_its_output(
+    module: str,
+    argv: list[str],
+    flags: str,
+    monkeypatch,
+    capsys,  # noqa: ANN001
+) -> None:
+    """A run at other sizes or of a subset (the loader at 20,000 tokens, the plans of one
+    experiment) replaced the committed report's figures, the README's included: it must
+    name where it writes, as --tiny must; nothing is measured before the refusal."""
+    import importlib
+
+    bench = importlib.import_module(f"benchmarks.{module}")
+    for name in ("run", "sweep", "run_point"):  # measuring would fail the test
+        if hasattr(bench, name):
+            monkeypatch.setattr(bench, name, lambda *a, **k: pytest.fail("measured"))
+    with pytest.raises(SystemExit) as stop:  # a parser error or a returned status
+        raise SystemExit(bench.main(argv))
+    assert stop.value.code == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
+    assert len(err) == 1 and flags in err[0], err
+    assert "other than the report's settings: give --" in err[0], err
+
+
 def test_mnli_step_refuses_zero_threads(capsys) -> None:
     assert mnli_step.main(["--threads", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
