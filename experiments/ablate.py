@@ -355,6 +355,13 @@ def check_sweep(name: str, cfg: Any, label: str | None = None) -> None:
     if getattr(cfg, "dense", False):
         raise cli.CLIError(f"{where}: a dense run (dense=true) reads no TT or rank-adaptation "
                            "setting; drop --set dense=true")  # fmt: skip
+    if name == "contraction" and not getattr(cfg.model, "tt_layers", True):
+        # DLRM's smoke MLPs are dense, and TTM lookups read no plan: six equal rows
+        raise cli.CLIError(
+            f"{where}: model.tt_layers is empty, so no layer reads the contraction plan; make "
+            "some MLP layers TT (e.g. --set \"model.tt_layers=('bottom.1', 'top.1')\", the "
+            "Kaggle preset's)"
+        )
     if need != "tt" and not c.enabled:
         raise cli.CLIError(f"{where}: train.comera.enabled=false reads no rank-adaptation "
                            "setting; drop --set train.comera.enabled=false")  # fmt: skip

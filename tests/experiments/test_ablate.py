@@ -545,6 +545,9 @@ def test_report_only_reads_its_own_experiments_runs_and_nan_metrics(tmp_path, ca
         # gamma 0: no regularizer, so its kinds could not differ; gamma 0 scaled stays 0
         (["regularizer", "--set", "train.comera.gamma=0"], "gamma=0.0 turns the regularizer off"),
         (["gamma", "--set", "train.comera.gamma=0"], "gives the one value 0.0"),
+        # DLRM's smoke MLPs are dense and lookups read no plan: six identical rows
+        (["contraction", "--experiment", "dlrm"],
+         r"model.tt_layers is empty, so no layer reads the contraction plan"),
     ],
 )  # fmt: skip
 def test_sweeps_whose_rows_could_not_differ_are_refused(tmp_path, capsys, argv, message):
