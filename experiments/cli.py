@@ -795,7 +795,33 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         ) from None
     cfg = set_field(cfg, "train.run_dir", str(args.resume))
     overrides = [(k, v) for k, v in _common_overrides(args, cfg, fresh=False) if k in mutable]
-    return apply_overrides(cfg, [*own, *overrides], args.sets)
+    kept = _kept_settings(saved, exp)
+    return apply_overrides(cfg, [*kept, *own, *overrides], args.sets)
+
+
+def resumed_config(exp: Experiment, run_dir: str | Path) -> Any:
+    """The config a plain ``--resume RUN_DIR`` runs with: the saved one, with what its
+    resumes kept (:func:`_kept_settings`: a moved data file, a changed mix)."""
+    ap = build_parser(exp)
+    return resolve_config(exp, ap.parse_args(["--resume", str(run_dir)]), ap)
+
+
+def get_field(cfg: Any, key: str) -> Any:
+    """The value of dotted ``key`` in ``cfg``."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _kept_settings(saved: dict, exp: Experiment) -> list[tuple[str, Any]]:
+    """What the last resume ran with of the experiment's own mutable settings (a ``--mix``,
+    a moved data path): they stay in force until changed again. The next plain ``--resume``
+    (the command a stopped run prints) went back to the started config's weights."""
+    for entry in reversed(_resumes(saved)):
+        kept = entry.get("settings") if isinstance(entry, dict) else None
+        if isinstance(kept, dict):
+            return [(k, v) for k, v in kept.items() if k in exp.resume_mutable]
+    return []
 
 
 # ----------------------------------------------------------------------------- running
@@ -959,7 +985,11 @@ def prepare(
         # what a resume may change (--mix, --device, ...) is in its command line: recorded
         # beside the config the run was started with, which stays as it was
         data = json.loads(saved.read_text())
-        data["resumes"] = [*_resumes(data), {"step": trainer.step, "argv": argv}]
+        entry: dict[str, Any] = {"step": trainer.step, "argv": argv}
+        if exp.resume_mutable:  # kept for the next resume (_kept_settings)
+            kept = {k: get_field(cfg, k) for k in sorted(exp.resume_mutable)}
+            entry["settings"] = json.loads(json.dumps(kept, default=_jsonable))
+        data["resumes"] = [*_resumes(data), entry]
         write_json_atomic(saved, data)
     if rank == 0:
         if not resume:  # a resume records it after training (train), if it trains

@@ -32,6 +32,7 @@ from experiments.host import host_meta
 __all__ = [
     "HOST_FILE",
     "REPORTS",
+    "check_evaluated",
     "check_smoke_pair",
     "check_step_bench",
     "ensure_smoke_run",
@@ -209,8 +210,9 @@ def check_smoke_pair(dirs: dict[str, Path], experiment: str) -> None:
     """Refuse smoke run dirs that are not what their names say: ``dirs["CoMERA"]`` and
     ``dirs["dense"]`` must be runs of ``experiment`` with CoMERA on and off (a CoMERA run
     copied into the dense slot was reported as a compressed "dense" baseline)."""
+    configs = {}
     for kind, d in dirs.items():
-        config = read_run_json(Path(d) / "config.json", dict)
+        config = configs[kind] = read_run_json(Path(d) / "config.json", dict)
         _check_experiment(d, config, experiment)
         if bool(config.get("dense")) != (kind == "dense"):
             what = "a dense" if config.get("dense") else "a CoMERA"
@@ -218,6 +220,34 @@ def check_smoke_pair(dirs: dict[str, Path], experiment: str) -> None:
                 f"{d} holds {what} run, but the report reads it as the {kind} run; train the "
                 f"{kind} run there (or move the run dirs)"
             )
+    a, b = (_setup(configs[k]) for k in ("CoMERA", "dense"))
+    gaps = [f"{k} ({a.get(k)!r} against {b.get(k)!r})" for k in sorted({*a, *b})
+            if a.get(k) != b.get(k)]  # fmt: skip
+    if gaps:  # a dense run of other data or length was set beside CoMERA's without a word
+        raise DataError(
+            f"{dirs['CoMERA']} and {dirs['dense']} were trained on other setups: "
+            f"{', '.join(gaps[:4])}{' ...' if len(gaps) > 4 else ''}; the report compares runs "
+            "of one setup: train both with the same flags (the dense one adds --dense)"
+        )
+
+
+def _setup(config: dict) -> dict[str, Any]:
+    """What two runs a smoke report compares must share: the data section (but where its
+    cache lives), the batch size, the number of steps and the seed."""
+    data = config.get("data") if isinstance(config.get("data"), dict) else {}
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    out = {f"data.{k}": v for k, v in data.items() if k != "cache_dir"}
+    return out | {"batch_size": config.get("batch_size"), "train.steps": train.get("steps"),
+                  "train.seed": train.get("seed")}  # fmt: skip
+
+
+def check_evaluated(rows: dict[Path, list[dict]], key: str, how: str) -> None:
+    """Refuse a run whose metrics hold no row with ``key`` (it never evaluated, ``how``
+    says what makes it): the report compares its runs' evaluations."""
+    for d, run_rows in rows.items():
+        if not any(key in r for r in run_rows):
+            raise DataError(f"{d} holds no evaluation ({key}); the report compares the runs' "
+                            f"evaluations: train it with {how}")  # fmt: skip
 
 
 def train_and_eval_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:

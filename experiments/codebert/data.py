@@ -210,6 +210,27 @@ def stdlib_corpus(
     return _prepare_groups(groups, root, vocab, heldout, max_doc_tokens, progress, tokenizer)
 
 
+def _prepared_sources(folder: Path, plan: dict) -> list[Path]:
+    """The local files a prepared folder was made from, as far as they can still be found
+    (its folder sources listed again with its glob, its file sources themselves; a source
+    no longer where the plan says is left out): a raw group holding one of them could
+    train on a file the folder holds out."""
+    settings = plan.get("settings", {})
+    sources, glob = settings.get("sources"), settings.get("glob")
+    found: list[Path] = []
+    for src in sources if isinstance(sources, list) else []:
+        path = Path(src) if isinstance(src, str) and not src.startswith("hub:") else None
+        if path is not None and path.is_file():
+            found.append(path)
+        elif path is not None and path.is_dir() and isinstance(glob, str):
+            try:
+                found += [p for p in path.glob(glob) if p.is_file()
+                          and not p.resolve().is_relative_to(folder.resolve())]  # fmt: skip
+            except ValueError:  # a pattern this Python's glob refuses: nothing to compare
+                continue
+    return found
+
+
 def _prepared(name: str, folder: Path) -> tuple[str, Path]:
     """The tokenizer and train/heldout of a folder made by ``python -m loaders.prepare``."""
     try:
@@ -303,9 +324,21 @@ def corpus_from_paths(
     is (its tokenizer then serves every sub-dataset, so all such folders must share one).
     A folder in which nothing matches is an error naming the pattern, and so are two
     groups that share a file (each draws its held-out files apart, so a file could train
-    in one and be held out in the other)."""
+    in one and be held out in the other; a prepared folder's files are its sources',
+    :func:`_prepared_sources`)."""
     groups, ready, toks = {}, {}, set()
     owner: dict[Path, str] = {}
+
+    def own(name: str, files: list[Path]) -> None:
+        for p in files:
+            other = owner.setdefault(p.resolve(), name)
+            if other != name:
+                raise DataError(
+                    f"--corpus {other} and --corpus {name} share files ({p}); a file in two "
+                    "groups could train in one and be held out in the other: give folders "
+                    "(or globs) that do not overlap"
+                )
+
     for name, folder in paths.items():
         path = Path(folder)
         if not path.is_dir():
@@ -313,6 +346,7 @@ def corpus_from_paths(
         if (path / PLAN_NAME).is_file():
             tok, ready[name] = _prepared(name, path)
             toks.add(tok)
+            own(name, _prepared_sources(path, json.loads((path / PLAN_NAME).read_text())))
             continue
         pattern = (globs or {}).get(name) or glob
         try:
@@ -331,14 +365,7 @@ def corpus_from_paths(
                 f"not UTF-8 text (binary or another encoding), e.g. {skipped}"
             )
         groups[name] = _linked_twins(name, folder, text)
-        for p in groups[name]:
-            other = owner.setdefault(p.resolve(), name)
-            if other != name:
-                raise DataError(
-                    f"--corpus {other} and --corpus {name} share files ({p}); a file in two "
-                    "groups could train in one and be held out in the other: give folders "
-                    "(or globs) that do not overlap"
-                )
+        own(name, groups[name])
         if not groups[name]:
             what = (
                 f"no file matches {pattern!r}"
@@ -363,12 +390,19 @@ def corpus_from_paths(
                 f"--corpus {name}={folder}: {len(groups[name])} file; a group needs at least "
                 "2, one of them held out (data.heldout)"
             )
-    if tokenizer is not None:
-        toks.add(tokenizer)
-    if len(toks) > 1:
-        raise DataError(f"--corpus folders were prepared with different tokenizers {sorted(toks)}"
-                        "; prepare them with one --tokenizer")  # fmt: skip
-    tok = next(iter(toks), None)
+    # one tokenizer by its content (a folder, its tokenizer.json, a trailing slash: one
+    # file), or a hub name by its name
+    keys = {tokenizer_digest(t) or t: t for t in sorted(toks)}
+    if len(keys) > 1:
+        raise DataError(f"--corpus folders were prepared with different tokenizers "
+                        f"{sorted(keys.values())}; prepare them with one --tokenizer")  # fmt: skip
+    if tokenizer is not None and keys and (tokenizer_digest(tokenizer) or tokenizer) not in keys:
+        theirs = next(iter(keys.values()))
+        raise DataError(f"data.tokenizer={tokenizer} is not the tokenizer the prepared --corpus "
+                        f"folders were made with ({theirs}); pass --set data.tokenizer={theirs}, "
+                        "or prepare them with --tokenizer "
+                        f"{tokenizer}")  # fmt: skip
+    tok = next(iter(keys.values()), tokenizer)
     if groups:
         corpus = _prepare_groups(groups, root, vocab, heldout, max_doc_tokens, progress, tok)
     else:
@@ -396,7 +430,7 @@ def corpus_from_hub(
                 f"{e}. Offline, prepare a local copy into token shards (python -m "
                 f"loaders.prepare FILE --out DIR --tokenizer TOKENIZER_DIR --text-column "
                 f"{text_column} --heldout {heldout}, TOKENIZER_DIR a local copy of "
-                f"{tokenizer}) and pass --corpus {name}=DIR"
+                f"{tokenizer}) and pass --corpus {name}=DIR --set data.tokenizer=TOKENIZER_DIR"
             ) from None
     return Corpus(
         root=root,

@@ -38,7 +38,7 @@ from experiments.codebert.task import MLMTask
 from experiments.notes import note
 from experiments.transformer import EncoderConfig, check_step_mode, dense_param_count, fit_vocab
 from loaders import DatasetSpec, EmptyStream, LoaderConfig, TokenLoader
-from loaders.config import is_int
+from loaders.config import check_weight, is_int
 from loaders.pipeline import holds_long
 
 __all__ = ["EXPERIMENT", "CorpusConfig", "Preset", "build", "codebert_model", "main", "preset"]
@@ -89,11 +89,11 @@ class CorpusConfig:
             raise ConfigError(f"data.source={self.source!r}; choose 'stdlib', 'paths' or 'hub'")
         if self.source == "paths" and not self.paths:
             raise ConfigError("data.source='paths' needs --corpus NAME=FOLDER")
-        for name in self.paths:  # a name is a cache folder's name
-            if name in ("", ".", "..") or "/" in name or "\\" in name:
+        for name in self.paths:  # a name is a cache folder's name, beside its BPE's file
+            if name in ("", ".", "..", "tokenizer.json") or "/" in name or "\\" in name:
                 raise ConfigError(
                     f"data.paths: {name!r} is not a sub-dataset name (no path separators, "
-                    "not . or ..); name it as in --corpus NAME=FOLDER"
+                    "not . or .. or tokenizer.json); name it as in --corpus NAME=FOLDER"
                 )
         for name, folder in self.paths.items():
             if not isinstance(folder, str) or not folder.strip():  # Path("") is the cwd
@@ -139,6 +139,10 @@ class CorpusConfig:
                 f"data.max_doc_tokens={self.max_doc_tokens!r} must be None (whole files) or "
                 "an integer >= 1"
             )
+        for name, weight in self.mix.items():  # the loader's error named no flag
+            check_weight(f"--mix {name}={weight} (data.mix)", weight)
+        if self.mix and not any(self.mix.values()):
+            raise ConfigError("--mix gives every sub-dataset weight 0; weigh at least one above 0")
         if self.max_files is not None and self.max_files < 1:  # 0 read all, -1 all but one
             raise ConfigError(f"data.max_files={self.max_files} must be None (all) or >= 1")
         if self.eval_batches < 0:
@@ -335,7 +339,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
     bos, pad, eos, mask_id = ids["<s>"], ids["<pad>"], ids["</s>"], ids["<mask>"]
     if mask_id is None or pad is None:
         raise DataError(f"tokenizer {corpus.tokenizer} has no <mask> or <pad> token; MLM "
-                        "needs both (a RoBERTa-style tokenizer)")  # fmt: skip
+                        "needs both (a RoBERTa-style tokenizer): give data.tokenizer (or "
+                        "prepare the --corpus folders with) one that has them")  # fmt: skip
     special = tuple(i for i in ids.values() if i is not None)
 
     def loader_cfg(folders: dict[str, Path], mix: dict[str, float], **kw: Any) -> LoaderConfig:

@@ -25,6 +25,7 @@ from experiments import cli
 from experiments.codebert.experiment import EXPERIMENT, build
 from experiments.host import report_header
 from experiments.report import (
+    check_evaluated,
     check_smoke_pair,
     layer_summary,
     layer_table,
@@ -42,6 +43,7 @@ from loaders.sources import ArrowTokenFile
 
 __all__ = [
     "AUDIT_MIX",
+    "audit_weights",
     "AUDIT_TOKENS",
     "PAPER",
     "gather",
@@ -65,11 +67,6 @@ AUDIT_MIX = (0.6, 0.3, 0.1)  # the weights the mix audit switches to, in sub-dat
 AUDIT_TOKENS = 1_000_000  # how many tokens the mix audit reads after the switch
 
 
-def _config(run_dir: Path) -> object:
-    ap = cli.build_parser(EXPERIMENT)
-    return cli.resolve_config(EXPERIMENT, ap.parse_args(["--resume", str(run_dir)]), ap)
-
-
 def unigram_baseline(train_folders: list[Path], eval_batches: list[dict], vocab: int) -> float:
     """Cross-entropy (nats) on the held-out masked tokens of a model that predicts every
     token from the training tokens' unigram frequencies (add-one smoothed): the loss a
@@ -83,6 +80,13 @@ def unigram_baseline(train_folders: list[Path], eval_batches: list[dict], vocab:
     logp = np.log(counts / counts.sum())
     labels = torch.cat([b["labels"][b["labels"] != -100] for b in eval_batches]).numpy()
     return float(-logp[labels].mean())
+
+
+def audit_weights(names: list[str]) -> dict[str, float]:
+    """The weights the mix audit switches to: :data:`AUDIT_MIX` in sub-dataset order, 0 for
+    any sub-dataset past it. Every one is weighed: one left out of ``set_weights`` keeps its
+    old weight, and the audit's targets (0 for it) missed the mix by its whole share."""
+    return {n: AUDIT_MIX[i] if i < len(AUDIT_MIX) else 0.0 for i, n in enumerate(names)}
 
 
 def mix_audit(
@@ -234,12 +238,14 @@ def gather(runs_dir: Path, bench: dict | None, command: str) -> dict:
     dirs = {"CoMERA": runs_dir / "codebert-smoke", "dense": runs_dir / "codebert-smoke-dense"}
     check_smoke_pair(dirs, "codebert")
     rows = {k: read_metrics(d / "metrics.jsonl") for k, d in dirs.items()}
-    cfg = _config(dirs["CoMERA"])
+    check_evaluated({dirs[k]: r for k, r in rows.items()}, "eval/heldout/loss",
+                    "train.eval_every and data.eval_batches > 0")  # fmt: skip
+    cfg = cli.resumed_config(EXPERIMENT, dirs["CoMERA"])
     task = build(cfg)[0]
     vocab = task.model.vocab_size
     train_folders = [d.path for d in task.train_iter.config.datasets]
     names = list(task.train_iter.config.weights)
-    weights = dict(zip(names, AUDIT_MIX, strict=False))
+    weights = audit_weights(names)
     audit = mix_audit(dirs["CoMERA"], task.train_iter.config, weights, AUDIT_TOKENS)
     audit["largest_gap"] = max(abs(audit["shares"][n] - audit["targets"][n]) for n in names)
     run = load_run(dirs["CoMERA"])
@@ -249,6 +255,8 @@ def gather(runs_dir: Path, bench: dict | None, command: str) -> dict:
         "paper": PAPER,
         "setup": {
             "sub_datasets": names,
+            "paths": dict(d.paths) if d.source == "paths" else None,
+            "hub_dataset": d.hub_dataset if d.source == "hub" else None,
             "max_files": d.max_files,
             "heldout": d.heldout,
             "vocab": vocab,
@@ -276,6 +284,36 @@ def gather(runs_dir: Path, bench: dict | None, command: str) -> dict:
         "layers": layer_summary(run),
         "bench": bench,
     }
+
+
+def _corpus_lines(s: dict) -> list[str]:
+    """The section title and the corpus sentence's start: the stdlib corpus, the
+    ``--corpus`` folders or the hub dataset a run read (a JSON from before they were kept:
+    stdlib)."""
+    names = s["sub_datasets"]
+    held = f"{s['heldout']:.0%} of files held out by a hash of the path"
+    if s.get("hub_dataset"):
+        return [
+            "## Ours: the smoke preset (CPU, a hub dataset)",
+            "",
+            f"Corpus: `{s['hub_dataset']}` as {len(names)} sub-datasets ({', '.join(names)}; "
+            f"{s['heldout']:.0%} of rows held out), a vocabulary of {s['vocab']:,} tokens, ",
+        ]
+    if not s.get("paths"):
+        return [
+            "## Ours: the smoke preset (CPU, the Python standard library)",
+            "",
+            f"Corpus: this interpreter's standard library as {len(names)} sub-datasets by "
+            f"file kind ({', '.join(names)}; {s['max_files']} files each, {held}), a "
+            f"byte-level BPE of {s['vocab']:,} tokens trained on the training files, ",
+        ]
+    folders = ", ".join(f"{n}: `{p}`" for n, p in s["paths"].items())
+    return [
+        "## Ours: the smoke preset (CPU, `--corpus` folders)",
+        "",
+        f"Corpus: {len(s['paths'])} sub-datasets from `--corpus` ({folders}; {held}), a "
+        f"vocabulary of {s['vocab']:,} tokens, ",
+    ]
 
 
 def render(data: dict, out_dir: Path) -> str:
@@ -311,12 +349,8 @@ def render(data: dict, out_dir: Path) -> str:
         "torchrun --nproc_per_node 8 -m experiments.codebert --preset paper     # 8 GPUs",
         "```",
         "",
-        "## Ours: the smoke preset (CPU, the Python standard library)",
-        "",
-        f"Corpus: this interpreter's standard library as {len(names)} sub-datasets by file "
-        f"kind ({', '.join(names)}; {s['max_files']} files each, {s['heldout']:.0%} of files "
-        f"held out by a hash of the path), a byte-level BPE of {s['vocab']:,} tokens trained "
-        f"on the training files, files cut into pieces of at most {s['max_doc_tokens']} "
+        *_corpus_lines(s),
+        f"files cut into pieces of at most {s['max_doc_tokens']} "
         f"tokens, packed into rows of {s['seq_len']}. Model: {s['layers']} layers, width "
         f"{s['d_model']}, {s['heads']} heads, FFN {s['ffn']}; CoMERA: TT linears at rank "
         f"{s['rank']}, TTM embedding at rank {s['emb_rank']}, early stage {s['early_steps']} "

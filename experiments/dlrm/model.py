@@ -109,6 +109,11 @@ class DLRMConfig:
             )
         if not self.names:
             self.names = tuple(f"C{i + 1}" for i in range(len(self.cardinalities)))
+        if len(self.names) != len(self.cardinalities):  # was a bare zip() error at init
+            raise ConfigError(
+                f"DLRMConfig: {len(self.names)} names for {len(self.cardinalities)} "
+                "cardinalities; give one name per table (or none)"
+            )
         layers = self.layer_names()
         unknown = [n for n in self.tt_layers if n not in layers]
         if unknown:

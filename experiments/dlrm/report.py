@@ -14,13 +14,15 @@ import json
 from pathlib import Path
 
 from comera.train.logging import read_metrics
-from experiments.cli import config_from_dict
-from experiments.dlrm.data import CriteoDataConfig, load_criteo
+from experiments import cli
+from experiments.dlrm.data import load_criteo
+from experiments.dlrm.experiment import EXPERIMENT
 from experiments.dlrm.generate import planted_logits
 from experiments.dlrm.task import roc_auc
 from experiments.host import report_header
 from experiments.malloc import lean_without_hugepages, restart_for
 from experiments.report import (
+    check_evaluated,
     check_smoke_pair,
     number,
     runs_host,
@@ -107,15 +109,18 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
     dirs = {"CoMERA": runs_dir / "dlrm-smoke", "dense": runs_dir / "dlrm-smoke-dense"}
     check_smoke_pair(dirs, "dlrm")
     rows = {k: read_metrics(d / "metrics.jsonl") for k, d in dirs.items()}
+    check_evaluated({dirs[k]: r for k, r in rows.items()}, "eval/val/auc", "train.eval_every")
     config = json.loads((dirs["CoMERA"] / "config.json").read_text())
     dense_cfg = json.loads((dirs["dense"] / "config.json").read_text())
-    data = load_criteo(config_from_dict(CriteoDataConfig, config["data"]), progress=False)
+    # where the data is now: a resume with --data of a moved file keeps it for the next
+    data_cfg = cli.resumed_config(EXPERIMENT, dirs["CoMERA"]).data
+    data = load_criteo(data_cfg, progress=False)
     lo, hi = data.splits["val"]
-    eval_hi = hi if config["data"]["eval_rows"] is None else lo + config["data"]["eval_rows"]
-    generated = config["data"]["path"] == "generated"
+    eval_hi = hi if data_cfg.eval_rows is None else min(hi, lo + data_cfg.eval_rows)
+    generated = data_cfg.path == "generated"
     planted = None
     if generated:
-        logits = planted_logits(config["data"]["generated_rows"])[lo:eval_hi]
+        logits = planted_logits(data_cfg.generated_rows)[lo:eval_hi]
         planted = roc_auc(logits, data.label[lo:eval_hi])
     m = config["model"]
     ranks = json.loads((dirs["CoMERA"] / "ranks.json").read_text())
@@ -123,10 +128,11 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
         "meta": {"command": command, **runs_host(dirs.values())},
         "paper": PAPER,
         "setup": {
-            "data": config["data"]["path"],
+            "data": data_cfg.path,
             "rows": config["rows"],
             "train_rows": config["train_rows"],
             "val_rows": hi - lo,
+            "eval_rows": eval_hi - lo,  # what the evals (and the planted AUC) read
             "bottom": m["bottom"],
             "top": m["top"],
             "emb_dim": m["emb_dim"],
@@ -169,7 +175,12 @@ def render(data: dict, out_dir: Path) -> str:
     lines += [
         f"## Ours: smoke preset (CPU, {source})",
         "",
-        f"{s['rows']:,} rows ({s['train_rows']:,} train, {s['val_rows']:,} val)"
+        f"{s['rows']:,} rows ({s['train_rows']:,} train, {s['val_rows']:,} val"
+        + (
+            f", of which the evals read the first {s['eval_rows']:,}, data.eval_rows)"
+            if s.get("eval_rows", s["val_rows"]) != s["val_rows"]
+            else ")"
+        )  # fmt: skip
         + ("" if planted is None else f"; the planted logit scores val AUC {planted:.3f}")
         + f". DLRM with bottom {s['bottom']}, top {s['top']}, dim {s['emb_dim']}; CoMERA: "
         f"{s['ttm_tables']} tables with >= {s['tt_min_rows']:,} rows as {s['emb_cores']}-core "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -242,6 +243,40 @@ def test_runs_a_report_cannot_read_are_one_line(tmp_path: Path) -> None:
     report.check_smoke_pair({"CoMERA": run, "dense": dense}, "dlrm")
     with pytest.raises(DataError, match=r"is a run of experiments.dlrm, not of .*codebert"):
         report.check_smoke_pair({"CoMERA": run, "dense": dense}, "codebert")
+
+
+def test_a_pair_of_runs_of_other_setups_or_without_evals_is_refused(tmp_path: Path) -> None:
+    """A dense run of other data, steps, batch or seed beside CoMERA's was reported side
+    by side (its loss at another step, on other held-out files); a run that never
+    evaluated was a traceback. Where the cache lives may differ."""
+
+    def run(name: str, dense: bool, **changes: object) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        config = {"experiment": "codebert", "dense": dense, "batch_size": 8,
+                  "data": {"max_files": 12, "cache_dir": f"/c/{name}"},
+                  "train": {"steps": 20, "seed": 0}}  # fmt: skip
+        for key, value in changes.items():
+            section, _, field = key.rpartition("__")
+            (config[section] if section else config)[field] = value
+        (d / "config.json").write_text(json.dumps(config))
+        return d
+
+    comera = run("a", False)
+    report.check_smoke_pair({"CoMERA": comera, "dense": run("b", True)}, "codebert")
+    for i, (changes, named) in enumerate([
+        ({"data__max_files": 20}, "data.max_files (12 against 20)"),
+        ({"train__steps": 10}, "train.steps (20 against 10)"),
+        ({"batch_size": 4, "train__seed": 1}, "batch_size (8 against 4), train.seed (0 against 1)"),
+    ]):  # fmt: skip
+        dense = run(f"d{i}", True, **changes)
+        with pytest.raises(DataError, match=re.escape(f"other setups: {named};")):
+            report.check_smoke_pair({"CoMERA": comera, "dense": dense}, "codebert")
+    rows = {comera: [{"step": 1, "loss": 2.0}, {"step": 1, "eval/x": 1.0}],
+            tmp_path / "b": [{"step": 1, "loss": 2.0}]}  # fmt: skip
+    with pytest.raises(DataError, match=r"b holds no evaluation \(eval/x\); .* with flag"):
+        report.check_evaluated(rows, "eval/x", "flag")
+    report.check_evaluated({comera: rows[comera]}, "eval/x", "flag")
 
 
 @pytest.mark.parametrize("code", [2, 1, 143])

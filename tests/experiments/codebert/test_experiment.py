@@ -142,6 +142,24 @@ def test_report_is_rendered_from_its_json(smoke_runs: Path, tmp_path: Path, monk
     again = tmp_path / "again"  # re-rendered from the JSON alone: the same report
     assert report.main(["--from-json", str(out / "codebert.json"), "--out", str(again)]) == 0
     assert (again / "codebert.md").read_text() == text
+    assert "the Python standard library" in text and "`--corpus` folders" not in text
+    # runs on --corpus folders were described as the stdlib corpus "by file kind"
+    data["setup"]["paths"] = {"app": "/src/app", "lib": "/src/lib"}
+    report.write_report_json(tmp_path / "corpus.json", data)
+    assert report.main(["--from-json", str(tmp_path / "corpus.json"), "--out", str(again)]) == 0
+    text = (again / "codebert.md").read_text()
+    assert "(CPU, `--corpus` folders)" in text and "app: `/src/app`, lib: `/src/lib`" in text
+    assert "standard library" not in text
+
+
+def test_the_mix_audit_weighs_every_sub_dataset() -> None:
+    """With other than three sub-datasets, the fourth was left out of the audit's weights:
+    it kept its old weight while its target was 0, a 50-point gap that was no mixer's."""
+    from experiments.codebert.report import AUDIT_MIX, audit_weights
+
+    first = dict(zip("abc", AUDIT_MIX, strict=True))
+    assert audit_weights(["a", "b", "c", "d"]) == {**first, "d": 0.0}
+    assert audit_weights(["a", "b"]) == {"a": AUDIT_MIX[0], "b": AUDIT_MIX[1]}
 
 
 def test_unknown_mix_name_is_one_line(tmp_path: Path, capsys) -> None:
@@ -203,6 +221,13 @@ def test_mix_may_change_on_resume_and_nothing_else(tmp_path: Path, capsys) -> No
     for name, want in {"modules": 0.35, "packages": 0.5, "tests": 0.15}.items():
         assert abs(shares[name] - want) < 0.01, (shares, name)
     cli.train(prepared)
+    # that resume's --mix stays in force at the next plain --resume (the command a stopped
+    # run prints): it went back to the weights the run started with
+    plain = cli.resolve_config(EXPERIMENT, ap.parse_args(["--resume", str(run)]), ap)
+    assert plain.data.mix == {"modules": 0.7, "packages": 1.0, "tests": 0.3}
+    args = ap.parse_args(["--resume", str(run), "--mix", "modules=1,packages=0,tests=1"])
+    again = cli.resolve_config(EXPERIMENT, args, ap)
+    assert again.data.mix == {"modules": 1.0, "packages": 0.0, "tests": 1.0}
     # the cache's place may change (a cache gone or unwritable): a resume prepares anew
     args = ap.parse_args(["--resume", str(run), "--set", f"data.cache_dir={tmp_path / 'c2'}"])
     assert cli.resolve_config(EXPERIMENT, args, ap).data.cache_dir == str(tmp_path / "c2")
@@ -333,6 +358,46 @@ def _javascript(folder: Path, files: int = 16) -> None:
     (folder / ".git").mkdir(exist_ok=True)
     (folder / ".git" / "hook.js").write_text("hidden();\n")
     (folder / "NOTES.txt").write_text("not code\n")
+
+
+def test_a_prepared_folder_sharing_files_with_another_group_is_refused(tmp_path: Path) -> None:
+    """A prepared folder and a raw folder (or two prepared folders) made from the same
+    files trained the raw group on files the prepared one holds out; its plan names its
+    sources, so the overlap is refused as two raw groups' is."""
+    from comera.errors import DataError
+    from experiments.codebert.data import corpus_from_paths
+    from loaders.prepare import prepare
+
+    _javascript(tmp_path / "js", files=8)
+    js = tmp_path / "js"
+    prepare([str(js)], tmp_path / "prep", glob="lib/*.js", train_vocab=300, heldout=0.3,
+            progress=False)  # fmt: skip
+    prepare([str(js / "src" / "m0.js"), str(js / "src" / "m2.js")], tmp_path / "files",
+            train_vocab=300, heldout=0.3, progress=False)  # fmt: skip
+    with pytest.raises(DataError, match=r"--corpus prep and --corpus raw share files .*lib/m"):
+        corpus_from_paths({"prep": str(tmp_path / "prep"), "raw": str(js)}, tmp_path / "c",
+                          vocab=300)  # fmt: skip
+    with pytest.raises(DataError, match=r"--corpus raw and --corpus files share files .*m0.js"):
+        corpus_from_paths({"raw": str(js / "src"), "files": str(tmp_path / "files")},
+                          tmp_path / "c", vocab=300)  # fmt: skip
+    with pytest.raises(DataError, match=r"--corpus a and --corpus b share files"):
+        corpus_from_paths({"a": str(tmp_path / "prep"), "b": str(tmp_path / "prep")},
+                          tmp_path / "c", vocab=300)  # fmt: skip
+    # apart: the prepared lib files beside the raw src files (its glob left src out)
+    corpus = corpus_from_paths({"prep": str(tmp_path / "prep"), "raw": str(js / "src")},
+                               tmp_path / "c", vocab=300, progress=False)  # fmt: skip
+    assert set(corpus.train) == {"prep", "raw"}
+    # data.tokenizer naming the folder's tokenizer in another spelling serves (it was
+    # compared as a string: the offline route the hub error gives was refused)
+    prep = tmp_path / "prep"
+    for spelling in (f"{prep}/", str(prep / "tokenizer.json")):
+        corpus = corpus_from_paths({"prep": str(prep)}, tmp_path / "c", vocab=300,
+                                   tokenizer=spelling, progress=False)  # fmt: skip
+        assert corpus.train == {"prep": prep / "train"}
+    said = r"data.tokenizer=.*files is not the tokenizer the prepared --corpus folders were "
+    with pytest.raises(DataError, match=said + r"made with .*--set data.tokenizer="):
+        corpus_from_paths({"prep": str(prep)}, tmp_path / "c", vocab=300,
+                          tokenizer=str(tmp_path / "files"))  # fmt: skip
 
 
 def test_source_files_take_any_language_and_a_glob_picks_others(tmp_path: Path) -> None:
@@ -558,6 +623,12 @@ def test_corpus_files_that_would_leak_or_train_as_noise_are_refused_or_said(
         (["--corpus", "a={src}", "--corpus", "b={empty}"], "'b' .* holds no training document"),
         (["--corpus", "a={src}", "--corpus", "b={empty}", "--mix", "a=0.9"],
          r"--mix gives no weight to \['b'\]"),
+        # the loader's message named no flag; a name was the cache's tokenizer file
+        (["--corpus", "a={src}", "--corpus", "b={src}/x", "--mix", "a=-1,b=1"],
+         r"--mix a=-1.0 \(data.mix\): weight must be a finite number >= 0"),
+        (["--corpus", "a={src}", "--corpus", "b={src}/x", "--mix", "a=0,b=0"],
+         "--mix gives every sub-dataset weight 0"),
+        (["--corpus", "tokenizer.json={src}"], "'tokenizer.json' is not a sub-dataset name"),
     ],
 )  # fmt: skip
 def test_corpus_settings_that_were_ignored_or_misread_are_one_line(

@@ -68,6 +68,9 @@ def test_architecture_and_lookups_agree() -> None:
     assert dense_param_count(paper) == 33_762_577 * 16 + 475_985  # tables + MLPs
     with pytest.raises(ValueError, match="tt_layers names"):
         _model(tt_layers=("top.7",))
+    # names of another length were a bare zip() error when the tables were made
+    with pytest.raises(ValueError, match="DLRMConfig: 1 names for 2 cardinalities"):
+        DLRMConfig(cardinalities=(5, 6), names=("C1",), bottom=(4,), top=(4,), tt_layers=())
 
 
 def test_interaction_is_the_references_pairwise_dot_products() -> None:
@@ -793,3 +796,11 @@ def test_a_moved_file_resumes_with_data_and_another_file_is_refused(tmp_path: Pa
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r][-1] == 4
     assert (run / "checkpoints" / "step_00000004").is_dir()
+    # the new place holds at the next plain --resume (and for the report's resume): it
+    # went back to the old path and failed, whatever was passed before
+    from experiments import cli
+    from experiments.dlrm.experiment import EXPERIMENT
+
+    kept = cli.resumed_config(EXPERIMENT, run).data
+    assert (kept.path, kept.cache_dir) == (str(moved), str(tmp_path / "cache2"))
+    assert main(resume) == 0
