@@ -15,7 +15,7 @@ change when :func:`comera.pruning.compact` removes dead ranks.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
 import torch
@@ -272,11 +272,12 @@ def check_state(params: Params, state: State, name: str = "TT layer") -> None:
     for b, (g, r) in enumerate(zip(params["gates"], ranks, strict=False)):  # type: ignore[call-overload]
         if g.shape != (r,):
             raise ValueError(f"{name}: gate {b} has shape {tuple(g.shape)} for a bond of rank {r}")
-        if g.dtype != cores[b].dtype:  # type: ignore[index]
+        core = cores[b]  # type: ignore[index]
+        if g.dtype != core.dtype and not torch.is_autocast_enabled(core.device.type):
             # a float64 gate promoted its core, and the GEMM then refused the input raw
-            raise ValueError(
-                f"{name}: gate {b} has dtype {g.dtype} but the cores have "
-                f"{cores[b].dtype}; keep a layer's params in one dtype (cast them together)"  # type: ignore[index]
+            raise ValueError(  # (autocast casts each GEMM's operands: mixed dtypes work)
+                f"{name}: gate {b} has dtype {g.dtype} but the cores have {core.dtype}; keep "
+                "a layer's params in one dtype (cast them together)"
             )
 
 
@@ -284,17 +285,16 @@ def check_format(params: Params, ndim: int, name: str) -> None:
     """Refuse params whose cores are not all ``ndim``-D: a TT linear's are 3-D
     ``(r, mode, r')``, a TTM embedding's 4-D ``(r, v, d, r')``. One format's params passed
     to the other's function failed deep in a reshape, naming neither the layer nor why."""
-    cores = params.get("cores") if isinstance(params, dict) else None
-    if (
-        isinstance(cores, (list, tuple))
-        and cores
-        and all(isinstance(c, torch.Tensor) and c.dim() == ndim for c in cores)
-    ):
+    cores = params.get("cores") if hasattr(params, "get") else None
+    # a list, a tuple, an nn.ParameterList: any sequence of tensors
+    found = list(cores) if isinstance(cores, Iterable) and not isinstance(
+        cores, (torch.Tensor, str, bytes, Mapping)) else None  # fmt: skip
+    if found and all(isinstance(c, torch.Tensor) and c.dim() == ndim for c in found):
         return
-    if isinstance(cores, (list, tuple)) and all(isinstance(c, torch.Tensor) for c in cores):
-        got = f"cores of shapes {[tuple(c.shape) for c in cores]}"
+    if found and all(isinstance(c, torch.Tensor) for c in found):
+        got = f"cores of shapes {[tuple(c.shape) for c in found]}"
     else:
-        got = "no list of core tensors in params['cores']"
+        got = f"{type(cores).__name__}, not a sequence of core tensors"
     want = "3-D cores (r, mode, r') of a TT linear" if ndim == 3 else (
         "4-D cores (r, v, d, r') of a TTM embedding")  # fmt: skip
     raise ValueError(

@@ -229,7 +229,14 @@ def test_a_layer_s_params_in_the_other_format_or_dtype_are_named():
             C.ttm_embedding(*table, ids)
         with pytest.raises(ValueError, match=f"ids have dtype {dtype}"):
             ttm_embedding_batched([table[0]], [table[1]], ids[:, None])
-    # what still works: uint8 ids, numpy int max_unique, a numpy bool bias
+    # what still works: cores in an nn.ParameterList, a float32 gate beside bf16 cores
+    # under autocast (it casts each GEMM's operands), uint8 ids, numpy int max_unique, a
+    # numpy bool bias
+    listed = {**params, "cores": torch.nn.ParameterList(params["cores"])}
+    assert C.tt_linear(listed, state, torch.randn(2, 6)).shape == (2, 6)
+    half = {**params, "cores": [c.bfloat16() for c in params["cores"]]}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert C.tt_linear(half, state, torch.randn(2, 6)).dtype == torch.bfloat16
     assert C.ttm_embedding(*table, torch.tensor([1], dtype=torch.uint8)).shape == (1, 6)
     rows = C.ttm_embedding(*table, torch.tensor([1, 1]), impl="static", max_unique=np.int64(1))
     assert rows.shape == (2, 6)
