@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -31,6 +32,7 @@ __all__ = [
     "rank_first",
     "rank_world",
     "sum_across_ranks",
+    "union_names",
 ]
 
 T = TypeVar("T")
@@ -137,12 +139,37 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     return box[0]
 
 
+def union_names(names: list[str]) -> list[str]:
+    """The sorted union of every rank's ``names`` (one gather of the lists): ranks whose
+    task returned other metric names reduce them by name, not by position."""
+    if rank_world()[1] == 1:
+        return sorted(set(names))
+    gathered: list[list[str] | None] = [None] * rank_world()[1]
+    dist.all_gather_object(gathered, sorted(set(names)))
+    return sorted({n for g in gathered for n in g or ()})
+
+
 def rank_first(fn: Callable[[], T], rank: int, world: int) -> T:
     """Run ``fn`` on rank 0 while the other ranks wait, then on the others: rank 0 builds
-    something shared (a preprocessed cache) once, and the rest find it built."""
-    if world > 1 and rank != 0:
-        dist.barrier()
-    out = fn()
-    if world > 1 and rank == 0:
-        dist.barrier()
+    something shared (a preprocessed cache) once, and the rest find it built. If ``fn``
+    fails on rank 0 (a data file that is missing, not Criteo), the others raise its error
+    too: they waited at a barrier until rank 0's exit closed the process group under them,
+    a transport traceback instead of the one line."""
+    if world == 1:
+        return fn()
+    if rank != 0:
+        failed = broadcast_object(None)  # rank 0's error, or None once it is done
+        if failed is not None:
+            raise failed
+        return fn()
+    try:
+        out = fn()
+    except Exception as e:
+        try:  # the exception itself (its kind decides how a command reports it)
+            told: Exception = pickle.loads(pickle.dumps(e))
+        except Exception:  # noqa: BLE001 - one that cannot travel goes as its text
+            told = RuntimeError(f"rank 0 failed: {type(e).__name__}: {e}")
+        broadcast_object(told)
+        raise
+    broadcast_object(None)
     return out

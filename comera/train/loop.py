@@ -39,6 +39,7 @@ from comera.train.distributed import (
     init_distributed,
     rank_world,
     sum_across_ranks,
+    union_names,
 )
 from comera.train.galore import GaLore
 from comera.train.logging import RunLog, write_json_atomic, write_rank_snapshot
@@ -249,6 +250,7 @@ class Trainer:
         if hasattr(task, "on_compaction"):
             self.on_compact.append(lambda tr: tr.task.on_compaction(tr.params, tr.state))
         self._size_miss: str | None = None  # why the last budget prune fell short
+        self._metric_names: list[str] = []  # metric names all ranks agreed on (train steps)
         self._reach_checked = False  # whether the loss's reach was checked (first step)
         # auto plans are decided by a separate forward before a step (at the start, and after
         # each compaction) only where a step cannot time: compiled or captured; elsewhere
@@ -640,9 +642,15 @@ class Trainer:
         if root is None:
             reach = self._reach(grads, only_loss=True)
             self._line_up(grads, leaves, keep_sparse)
-        keys = sorted(metric_sums)
-        extra = torch.tensor([count, *(metric_sums[k] for k in keys), detached, *reach],
-                             dtype=torch.float64)  # fmt: skip
+        # with several ranks, metrics go by the names every rank has agreed on so far
+        # (each with how many ranks hold it now), and a name new on any rank is flagged:
+        # ranks may return other names (a class absent from a share, an empty share's {}),
+        # which a reduction by position summed into other metrics' slots
+        keys = sorted(metric_sums) if self.world == 1 else self._metric_names
+        fresh = [float(bool(set(metric_sums) - set(keys)))] if self.world > 1 else []
+        held = [float(k in metric_sums) for k in keys] if self.world > 1 else []
+        extra = torch.tensor([count, *(metric_sums.get(k, 0.0) for k in keys), *held, *fresh,
+                              detached, *reach], dtype=torch.float64)  # fmt: skip
         scalars = torch.cat([loss_sum.reshape(1), extra.to(self.device)])
         # alone this is a no-op; with several ranks every gradient is dense and present
         *grads, scalars = sum_across_ranks([*grads, scalars])  # type: ignore[list-item]
@@ -650,6 +658,8 @@ class Trainer:
         reached = metric_totals.pop() if reach else 1.0  # summed over ranks
         if metric_totals.pop():  # a detached share on some rank: every rank raises
             raise detached_error()
+        if self.world > 1:
+            keys, metric_totals = self._metric_totals(keys, metric_totals, metric_sums)
         if count <= 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss terms (count 0)")
         if not reached:  # every rank raises
@@ -710,6 +720,30 @@ class Trainer:
                for k, v in zip(keys, metric_totals, strict=True)},
         }  # fmt: skip
 
+    def _metric_totals(
+        self, keys: list[str], totals: list[float], sums: dict[str, float]
+    ) -> tuple[list[str], list[float]]:
+        """The names and summed values of this step's metrics across ranks, from the
+        reduction's ``totals`` (each agreed name's sum, how many ranks held it, and whether
+        any rank held a name not agreed yet); a new name is agreed on by every rank (one
+        gather) and its sums reduced on their own. A name no rank held this step is left
+        out, as one process leaves it out."""
+        k = len(keys)
+        values, held, fresh = totals[:k], totals[k : 2 * k], totals[2 * k]
+        names = dict(zip(keys, values, strict=True))
+        present = {n for n, h in zip(keys, held, strict=True) if h > 0}
+        if fresh:  # the same on every rank (summed): all gather, all reduce the new sums
+            self._metric_names = union_names([*keys, *sums])
+            new = [n for n in self._metric_names if n not in names]
+            flat = torch.tensor([*(sums.get(n, 0.0) for n in new),
+                                 *(float(n in sums) for n in new)],
+                                dtype=torch.float64, device=self.device)  # fmt: skip
+            got = sum_across_ranks([flat])[0].cpu().tolist()
+            names.update(zip(new, got[: len(new)], strict=True))
+            present |= {n for n, h in zip(new, got[len(new) :], strict=True) if h > 0}
+        out = sorted(present)
+        return out, [names[n] for n in out]
+
     def _reach(self, grads: list[torch.Tensor | None], *, only_loss: bool) -> list[float]:
         """At a run's first step, ``[1.0]`` if the loss reached one of the trainer's leaves
         on this rank, else ``[0.0]`` (summed over ranks, so all refuse together); ``[]``
@@ -769,10 +803,12 @@ class Trainer:
         )
         with torch.no_grad():
             raw = fn(self.params, self.state, **kw)
-        terms = eval_terms(raw)
-        keys = [k for k, _, _ in terms]
-        flat = torch.tensor([x for _, s, n in terms for x in (s, n)], dtype=torch.float64,
-                            device=self.device)  # fmt: skip
+        terms = {k: (s, n) for k, s, n in eval_terms(raw)}
+        # by name: a rank whose share held no example of a class returned no metric of it,
+        # and a reduction by position summed other metrics into its slots
+        keys = union_names(list(terms)) if self.world > 1 else list(terms)
+        flat = torch.tensor([x for k in keys for x in terms.get(k, (0.0, 0.0))],
+                            dtype=torch.float64, device=self.device)  # fmt: skip
         flat = sum_across_ranks([flat])[0].cpu().tolist()
         # nothing counted (an empty held-out split) is NaN, not a perfect 0 loss
         out = {k: flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else math.nan

@@ -3,6 +3,7 @@ state, and a killed torchrun job resumed at another world size reading every tok
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -84,6 +85,93 @@ def test_unequal_per_rank_counts_match_single_process(tmp_path, one_thread):
     ev = torch.load(tmp_path / "eval_False.pt", weights_only=False)
     assert ev["mse"] == pytest.approx(single.evaluate()["mse"], rel=1e-5)
     assert ev["rank_mean"] == 0.5  # plain floats are averaged over ranks
+
+
+NAMED = """
+import json, sys, torch, torch.distributed as dist
+from pathlib import Path
+from tests.train_helpers import SumCountTask, _cfg, _toy_model
+from comera.train import Trainer
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+
+class Named(SumCountTask):
+    # each rank names its own metric beside a shared one; every third step rank 1's
+    # share is empty (a plain zero, no metrics), and each rank evaluates its own class
+    calls = 0
+
+    def loss(self, params, state, batch, *, train):
+        Named.calls += 1
+        if rank == 1 and Named.calls % 3 == 0:
+            return torch.zeros(()), 0, {}
+        s, n, _ = super().loss(params, state, batch, train=train)
+        return s, n, {"shared": float(rank + 1), f"only{rank}": 10.0 * (rank + 1)}
+
+    def evaluate(self, params, state, *, rank=0, world=1):
+        return {"shared": (float(rank + 1), 1.0), f"class{rank}": (5.0 * (rank + 1), 2.0)}
+
+tr = Trainer(_cfg(Path(sys.argv[1]), steps=4, log_every=1), Named(rank, world),
+             *_toy_model())
+tr.fit()
+ev = tr.evaluate()
+if rank == 0:
+    Path(sys.argv[1], "eval.json").write_text(json.dumps(ev))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_returning_other_metric_names_are_reduced_by_name(tmp_path, one_thread):
+    """Metrics were reduced by position: a name one rank lacked took the other rank's
+    value of another name (silently), and rank 1's documented empty share (a zero and no
+    metrics) shifted the slots until a false "does not depend on the parameters" error."""
+    script = tmp_path / "worker.py"
+    script.write_text(NAMED)
+    run = tmp_path / "run"
+    assert _spawn(script, 2, str(run)) == [0, 0]
+    rows = [json.loads(x) for x in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:  # rank 0 holds 5 examples, rank 1 11 (or none on its empty steps)
+        n0, n1 = 5, 0 if r["loss_terms"] == 5 else 11
+        assert r["loss_terms"] == n0 + n1
+        assert r["shared"] == pytest.approx((1 * n0 + 2 * n1) / (n0 + n1))
+        assert r["only0"] == pytest.approx(10 * n0 / (n0 + n1))
+        assert ("only1" in r) == bool(n1)  # no rank held it: left out, as one process does
+        if n1:
+            assert r["only1"] == pytest.approx(20 * n1 / (n0 + n1))
+    assert any(r["loss_terms"] == 5 for r in steps)  # an empty share was taken
+    ev = json.loads((run / "eval.json").read_text())
+    assert ev == {"shared": 1.5, "class0": 2.5, "class1": 5.0}
+
+
+FIRST_FAILS = """
+import sys, torch.distributed as dist
+from comera.errors import DataError
+from comera.train.distributed import rank_first
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+def build():
+    if rank == 0:
+        raise DataError("no such file: data.txt")
+    return "built"
+try:
+    rank_first(build, rank, dist.get_world_size())
+except DataError as e:
+    print(f"rank {rank}: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def test_a_failure_on_rank_0_of_a_rank_first_build_stops_every_rank(tmp_path, capfd):
+    """Rank 0 failed (a missing data file) while the others waited at a barrier: they
+    died with a transport traceback when its exit closed the group. They now raise its
+    error: one line each, the same status."""
+    script = tmp_path / "worker.py"
+    script.write_text(FIRST_FAILS)
+    assert _spawn(script, 2) == [2, 2]
+    err = capfd.readouterr().err
+    assert "rank 0: no such file: data.txt" in err and "rank 1: no such file: data.txt" in err
 
 
 LOG_REFUSED = """
