@@ -48,7 +48,7 @@ from comera.train.logging import read_metrics, write_json_atomic
 from comera.tree import iter_tt
 from experiments.cache import cache_root
 from experiments.malloc import apply_cpu_malloc, restart_for
-from experiments.report import record_host, train_and_eval_rows
+from experiments.report import kept_settings, record_host, resumes, train_and_eval_rows
 from loaders.errors import LoaderInputError
 
 __all__ = [
@@ -817,11 +817,7 @@ def _kept_settings(saved: dict, exp: Experiment) -> list[tuple[str, Any]]:
     """What the last resume ran with of the experiment's own mutable settings (a ``--mix``,
     a moved data path): they stay in force until changed again. The next plain ``--resume``
     (the command a stopped run prints) went back to the started config's weights."""
-    for entry in reversed(_resumes(saved)):
-        kept = entry.get("settings") if isinstance(entry, dict) else None
-        if isinstance(kept, dict):
-            return [(k, v) for k, v in kept.items() if k in exp.resume_mutable]
-    return []
+    return [(k, v) for k, v in kept_settings(saved).items() if k in exp.resume_mutable]
 
 
 # ----------------------------------------------------------------------------- running
@@ -868,12 +864,6 @@ def uses_auto(plans: C.LayerPlans) -> bool:
     per-layer plan, or as the embedding implementation."""
     strategies = [plans.default, *(s for _, s in plans.per_layer)]
     return "auto" in strategies or plans.embedding_impl == "auto"
-
-
-def _resumes(record: dict) -> list:
-    """A run record's list of resumes (a hand-edited one that is not a list: none)."""
-    resumes = record.get("resumes", [])
-    return resumes if isinstance(resumes, list) else []
 
 
 def check_folder(path: Path, flag: str) -> None:
@@ -936,7 +926,7 @@ def prepare(
         old = json.loads(saved.read_text()) if saved.is_file() else {}
         preset = preset or old.get("preset")
         history = {"argv": old.get("argv", argv),
-                   "resumes": [*_resumes(old),
+                   "resumes": [*resumes(old),
                                {"step": 0, "argv": argv, "restarted": True}]}  # fmt: skip
 
     if uses_auto(cfg.plans):  # decisions cached on disk: a second run times nothing
@@ -989,7 +979,7 @@ def prepare(
         if exp.resume_mutable:  # kept for the next resume (_kept_settings)
             kept = {k: get_field(cfg, k) for k in sorted(exp.resume_mutable)}
             entry["settings"] = json.loads(json.dumps(kept, default=_jsonable))
-        data["resumes"] = [*_resumes(data), entry]
+        data["resumes"] = [*resumes(data), entry]
         write_json_atomic(saved, data)
     if rank == 0:
         if not resume:  # a resume records it after training (train), if it trains

@@ -36,6 +36,7 @@ __all__ = [
     "check_smoke_pair",
     "check_step_bench",
     "ensure_smoke_run",
+    "kept_settings",
     "layer_summary",
     "layer_table",
     "load_run",
@@ -45,6 +46,7 @@ __all__ = [
     "read_run_json",
     "read_report_json",
     "render_report_json",
+    "resumes",
     "record_host",
     "runs_host",
     "series",
@@ -84,7 +86,7 @@ def ensure_smoke_run(exp_main: Any, run_dir: Path, *, dense: bool, label: str) -
     finish the run already there (a no-op when it is done); exit on failure. A run that
     trained here, or has no ``host.json`` yet, records this host (:func:`record_host`)."""
     metrics = run_dir / "metrics.jsonl"
-    before = metrics.stat().st_mtime_ns if metrics.is_file() else None
+    before = _last_step(metrics)
     if (run_dir / "config.json").is_file():
         code = exp_main(["--resume", str(run_dir), "--no-progress"])
     else:
@@ -93,9 +95,19 @@ def ensure_smoke_run(exp_main: Any, run_dir: Path, *, dense: bool, label: str) -
     if code:  # its own status: 2 (bad input) is not a bug's 1
         print(f"{label}: the run in {run_dir} failed (exit {code})", file=sys.stderr)
         raise SystemExit(code)
-    trained = not metrics.is_file() or metrics.stat().st_mtime_ns != before
+    # by the steps it logged: a resume that trains nothing still rewrites the file (its
+    # rows after the checkpoint), and its report restamped a finished run with this host
+    trained = _last_step(metrics) != before
     if trained or not (run_dir / HOST_FILE).is_file():
         record_host(run_dir)
+
+
+def _last_step(metrics: Path) -> int | None:
+    """The last training step a run's ``metrics.jsonl`` holds (None: no file, no row)."""
+    if not metrics.is_file():
+        return None
+    steps = [r["step"] for r in read_metrics(metrics) if "loss" in r]
+    return steps[-1] if steps else None
 
 
 def smoke_report_main(
@@ -233,12 +245,33 @@ def check_smoke_pair(dirs: dict[str, Path], experiment: str) -> None:
 
 def _setup(config: dict) -> dict[str, Any]:
     """What two runs a smoke report compares must share: the data section (but where its
-    cache lives), the batch size, the number of steps and the seed."""
+    cache lives) as the run last resumed with it, the batch size, the number of steps and
+    the seed."""
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
     train = config.get("train") if isinstance(config.get("train"), dict) else {}
     out = {f"data.{k}": v for k, v in data.items() if k != "cache_dir"}
+    out |= {k: v for k, v in kept_settings(config).items() if k in out}
     return out | {"batch_size": config.get("batch_size"), "train.steps": train.get("steps"),
                   "train.seed": train.get("seed")}  # fmt: skip
+
+
+def resumes(record: dict) -> list:
+    """A run record's list of resumes (a hand-edited one that is not a list: none)."""
+    found = record.get("resumes", [])
+    return found if isinstance(found, list) else []
+
+
+def kept_settings(record: dict) -> dict[str, Any]:
+    """The settings the run's last resume ran with (``--mix``, a moved data path: each
+    resume records the experiment's own mutable ones), in force until changed again; none
+    past a restart from step 0, whose config ``config.json`` holds itself."""
+    for entry in reversed(resumes(record)):
+        if not isinstance(entry, dict) or entry.get("restarted"):
+            return {}
+        kept = entry.get("settings")
+        if isinstance(kept, dict):
+            return kept
+    return {}
 
 
 def check_evaluated(rows: dict[Path, list[dict]], key: str, how: str) -> None:

@@ -38,13 +38,16 @@ def test_smoke_runs_record_the_host_that_trained_them(tmp_path: Path) -> None:
     alone keeps the host it recorded; ``runs_host`` reads it back, else names this host."""
     calls: list[list[str]] = []
 
+    steps = [1]  # the run's last step: a resume trains to it
+
     def exp_main(argv: list[str]) -> int:  # stands in for an experiment's main
         calls.append(argv)
         run = Path(argv[argv.index("--run-dir" if "--run-dir" in argv else "--resume") + 1])
         run.mkdir(parents=True, exist_ok=True)
-        if "--resume" not in argv:
-            (run / "config.json").write_text("{}")
-            (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        (run / "config.json").write_text("{}")
+        # a resume rewrites the file even when it trains nothing (its rows to the checkpoint)
+        rows = [{"step": s, "loss": 1.0} for s in range(1, steps[0] + 1)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return 0
 
     run = tmp_path / "x-smoke"
@@ -56,6 +59,9 @@ def test_smoke_runs_record_the_host_that_trained_them(tmp_path: Path) -> None:
     report.ensure_smoke_run(exp_main, run, dense=False, label="x")  # finished: no-op
     assert calls[-1][:2] == ["--resume", str(run)]
     assert report.runs_host([run])["cpu"] == "the training machine"
+    steps[0] = 3  # a resume that trains records this host
+    report.ensure_smoke_run(exp_main, run, dense=False, label="x")
+    assert report.runs_host([run]) == host_meta()
     assert report.runs_host([tmp_path / "nothing"]) == host_meta()
     with pytest.raises(SystemExit) as stop:  # its status; the line: see below
         report.ensure_smoke_run(lambda argv: 1, tmp_path / "y", dense=True, label="x")
@@ -277,6 +283,18 @@ def test_a_pair_of_runs_of_other_setups_or_without_evals_is_refused(tmp_path: Pa
     with pytest.raises(DataError, match=r"b holds no evaluation \(eval/x\); .* with flag"):
         report.check_evaluated(rows, "eval/x", "flag")
     report.check_evaluated({comera: rows[comera]}, "eval/x", "flag")
+
+
+def test_kept_settings_are_the_last_resume_s_until_a_restart() -> None:
+    """A --mix or data path given at a resume holds at later resumes; a restart from step 0
+    rewrote config.json with its own config, which an older resume's must not override."""
+    entry = {"step": 4, "argv": [], "settings": {"data.cache_dir": "c1"}}
+    assert report.kept_settings({"resumes": [entry, {"step": 6, "argv": []}]}) == {
+        "data.cache_dir": "c1"
+    }
+    restarted = {"step": 0, "argv": [], "restarted": True}
+    assert report.kept_settings({"resumes": [entry, restarted]}) == {}
+    assert report.kept_settings({"resumes": "damaged"}) == {}
 
 
 @pytest.mark.parametrize("code", [2, 1, 143])
