@@ -517,6 +517,12 @@ def prepare(
                 "settings": settings,
                 "tokenizer": tokenizer,
                 "sources": sources,
+                # where the sources are, whatever folder prepare ran in (the settings keep
+                # them as given): what a reader checks its own files against
+                "source_paths": [
+                    src if src.startswith("hub:") else os.path.abspath(src)
+                    for src in settings["sources"]
+                ],
                 **({"tokenizer_digest": tok_digest} if tok_digest else {}),
             },
             indent=1,

@@ -216,10 +216,13 @@ def _prepared_sources(folder: Path, plan: dict) -> list[Path]:
     no longer where the plan says is left out): a raw group holding one of them could
     train on a file the folder holds out."""
     settings = plan.get("settings", {})
-    sources, glob = settings.get("sources"), settings.get("glob")
+    glob = settings.get("glob")
+    # absolute paths only: a plan's relative sources are relative to wherever prepare ran
+    # (a plan from before source_paths keeps only those as typed)
+    sources = plan.get("source_paths", settings.get("sources"))
     found: list[Path] = []
     for src in sources if isinstance(sources, list) else []:
-        path = Path(src) if isinstance(src, str) and not src.startswith("hub:") else None
+        path = Path(src) if isinstance(src, str) and os.path.isabs(src) else None
         if path is not None and path.is_file():
             found.append(path)
         elif path is not None and path.is_dir() and isinstance(glob, str):
@@ -327,6 +330,7 @@ def corpus_from_paths(
     in one and be held out in the other; a prepared folder's files are its sources',
     :func:`_prepared_sources`)."""
     groups, ready, toks = {}, {}, set()
+    digests: dict[str, str] = {}  # a prepared folder's tokenizer: the digest its plan saved
     owner: dict[Path, str] = {}
 
     def own(name: str, files: list[Path]) -> None:
@@ -346,7 +350,10 @@ def corpus_from_paths(
         if (path / PLAN_NAME).is_file():
             tok, ready[name] = _prepared(name, path)
             toks.add(tok)
-            own(name, _prepared_sources(path, json.loads((path / PLAN_NAME).read_text())))
+            plan = json.loads((path / PLAN_NAME).read_text())
+            if isinstance(plan.get("tokenizer_digest"), str):
+                digests[tok] = plan["tokenizer_digest"]
+            own(name, _prepared_sources(path, plan))
             continue
         pattern = (globs or {}).get(name) or glob
         try:
@@ -391,13 +398,15 @@ def corpus_from_paths(
                 "2, one of them held out (data.heldout)"
             )
     # one tokenizer by its content (a folder, its tokenizer.json, a trailing slash: one
-    # file), or a hub name by its name
-    keys = {tokenizer_digest(t) or t: t for t in sorted(toks)}
+    # file; a prepared folder's as its plan saved it), or a hub name by its name
+    keys = {digests.get(t) or tokenizer_digest(t) or t: t for t in sorted(toks)}
     if len(keys) > 1:
         raise DataError(f"--corpus folders were prepared with different tokenizers "
                         f"{sorted(keys.values())}; prepare them with one --tokenizer")  # fmt: skip
     if tokenizer is not None and keys and (tokenizer_digest(tokenizer) or tokenizer) not in keys:
         theirs = next(iter(keys.values()))
+        if Path(theirs).exists():  # a path relative to where prepare ran: not from here
+            theirs = str(Path(theirs).resolve())
         raise DataError(f"data.tokenizer={tokenizer} is not the tokenizer the prepared --corpus "
                         f"folders were made with ({theirs}); pass --set data.tokenizer={theirs}, "
                         "or prepare them with --tokenizer "

@@ -400,6 +400,31 @@ def test_a_prepared_folder_sharing_files_with_another_group_is_refused(tmp_path:
                           tokenizer=str(tmp_path / "files"))  # fmt: skip
 
 
+def test_a_prepared_folder_s_relative_sources_are_where_prepare_ran(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The plan keeps sources as typed: read from where training runs, a relative one
+    named other files (a false overlap) or missed the real one. The plan also records
+    where they are (source_paths)."""
+    from comera.errors import DataError
+    from experiments.codebert.data import corpus_from_paths
+    from loaders.prepare import PLAN_NAME, prepare
+
+    for side in ("a", "b"):
+        _javascript(tmp_path / side / "js", files=6)
+    monkeypatch.chdir(tmp_path / "a")
+    prepare(["js"], tmp_path / "a" / "prep", glob="lib/*.js", train_vocab=300, heldout=0.3,
+            progress=False)  # fmt: skip
+    plan = json.loads((tmp_path / "a" / "prep" / PLAN_NAME).read_text())
+    assert plan["source_paths"] == [str(tmp_path / "a" / "js")]
+    monkeypatch.chdir(tmp_path / "b")  # its own js/lib: other files
+    prep = str(tmp_path / "a" / "prep")
+    corpus_from_paths({"prep": prep, "raw": "js"}, tmp_path / "c", vocab=300, progress=False)
+    with pytest.raises(DataError, match="--corpus prep and --corpus raw share files"):
+        corpus_from_paths({"prep": prep, "raw": str(tmp_path / "a" / "js")}, tmp_path / "c",
+                          vocab=300)  # fmt: skip
+
+
 def test_source_files_take_any_language_and_a_glob_picks_others(tmp_path: Path) -> None:
     from comera.errors import DataError
     from experiments.codebert.data import corpus_from_paths, source_files
