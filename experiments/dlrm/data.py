@@ -34,6 +34,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -177,11 +178,12 @@ def check_head(path: Path, lines: int = 50) -> None:
         if magic.startswith(prefix):
             # "gunzip F" refuses a name without the usual suffix: -c writes any name out
             name = path.name
-            plain = name[: -len(suffix)] if name.endswith(suffix) and name != suffix else (
-                f"{path.stem}-plain{path.suffix or '.txt'}")  # fmt: skip
+            plain = path.with_name(name[: -len(suffix)] if name.endswith(suffix) and name != suffix
+                                   else f"{path.stem}-plain{path.suffix or '.txt'}")  # fmt: skip
+            src, dst = shlex.quote(str(path)), shlex.quote(str(plain))
             raise CriteoFormatError(
-                f"{path} is {kind}-compressed; decompress it first ({tool} -c {name} > "
-                f"{plain}) and pass the plain text file with --data {plain}"
+                f"{path} is {kind}-compressed; decompress it first ({tool} -c {src} > {dst}) "
+                f"and pass the plain text file with --data {dst}"
             )
     with open(path, encoding="utf-8", errors="replace") as f:
         n = 0
