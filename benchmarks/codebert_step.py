@@ -46,6 +46,7 @@ from benchmarks.reporting import (
     check_output,
     one_line_errors,
     print_rendered,
+    reduced_run,
     render_only,
     variant_batch,
     write_json,
@@ -304,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.tiny and a.out is None:  # toy figures must not pass for the report's
         return error(TINY_NEEDS_OUT)
+    why = reduced_run({"--steps": (a.steps, STEPS)}, "--out")
+    if why is not None and a.out is None:
+        return error(why)
     return run(json_out=a.json, steps=a.steps, tiny=a.tiny, out=a.out or REPORT_JSON)
 
 

@@ -34,6 +34,7 @@ from benchmarks.reporting import (
     check_output,
     md_cell,
     one_line_errors,
+    reduced_run,
     render_only,
     render_refusal,
     render_saved,
@@ -64,6 +65,7 @@ PAPER_LINEAR = [
     ((16, 16, 12), (8, 8, 12)),  # 768 -> 3072
     ((12, 8, 8), (12, 16, 16)),  # 3072 -> 768
 ]
+REPEATS = 9  # rounds of the paper shapes (the committed report's)
 QUICK_LINEAR = [((4, 3), (2, 5)), ((3, 2, 2), (2, 2, 3))]
 REPORT = Path(__file__).resolve().parent.parent / "reports" / "bench_core.md"
 GPU_REPORT = REPORT.parent / "gpu" / "bench_core_cuda.md"  # a GPU run never replaces the CPU one
@@ -567,7 +569,7 @@ def run(
         ttm = TTMEmbeddingSpec(vocab_modes=(4, 5, 3), dim_modes=(2, 2, 3), ranks=4)
         n_ids = 64
     else:
-        shapes, rank, tokens, reps = PAPER_LINEAR, 30, 4096, repeats or 9
+        shapes, rank, tokens, reps = PAPER_LINEAR, 30, 4096, repeats or REPEATS
         ttm = TTMEmbeddingSpec(
             vocab_modes=(16, 20, 10, 10), dim_modes=(4, 4, 8, 6), ranks=32, num_embeddings=30522
         )
@@ -733,6 +735,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     check_bench_device(args.device)
     dev = torch.device(args.device)
+    default_processes = 1 if args.quick or dev.type != "cpu" else PROCESSES
+    why = reduced_run({"--repeats": (args.repeats or REPEATS, REPEATS),
+                       "--processes": (args.processes or default_processes, default_processes)},
+                      "--report")  # fmt: skip
+    if why is not None and args.report is None and not args.no_report and not args.quick:
+        ap.error(why)
     write = not args.no_report and not (args.quick and args.report is None)
     path = args.report or (REPORT if dev.type == "cpu" else GPU_REPORT)
     if write:  # before measuring: a path it cannot write is refused now, not after the run

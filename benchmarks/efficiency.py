@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: --repeats and --threads must be >= 1, got {args.repeats}, "
               f"{args.threads}", file=sys.stderr)  # fmt: skip
         return 2
-    why = reduced_run(ap, args, ("batches", "repeats"), "--out")
+    why = reduced_run({"--batches": (set(batches), set(DEFAULTS["batches"])),
+                       "--repeats": (args.repeats, DEFAULTS["repeats"])}, "--out")  # fmt: skip
     if why is not None and args.out is None:
         print(f"{ap.prog}: error: {why}", file=sys.stderr)
         return 2

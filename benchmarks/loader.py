@@ -262,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--tokens must be >= {MIN_TOKENS} (a token for each of the corpus's "
                 f"{len(DATASETS)} sub-datasets) and --measure-tokens >= 1, got {args.tokens}, "
                 f"{args.measure_tokens}")  # fmt: skip
-    why = reduced_run(p, args, ("tokens", "measure_tokens"), "--report")
+    why = reduced_run({"--tokens": (args.tokens, DEFAULT_TOKENS),
+                       "--measure-tokens": (args.measure_tokens, DEFAULT_MEASURE_TOKENS)},
+                      "--report")  # fmt: skip
     if why is not None and args.report is None and not args.no_report:
         p.error(why)
     args.report = args.report or REPORT

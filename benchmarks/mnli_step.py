@@ -40,6 +40,7 @@ from benchmarks.reporting import (
     measure_points,
     one_line_errors,
     print_rendered,
+    reduced_run,
     render_only,
 )
 from benchmarks.timing import timed_steps
@@ -442,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.tiny and a.out is None and not a.worker:  # toy figures must not pass for the report
         print(f"{ap.prog}: error: {TINY_NEEDS_OUT}", file=sys.stderr)
+        return 2
+    why = reduced_run({"--repeats": (a.repeats, ap.get_default("repeats"))}, "--out")
+    if why is not None and a.out is None and not a.worker:
+        print(f"{ap.prog}: error: {why}", file=sys.stderr)
         return 2
     if a.device is not None and not a.worker:  # the bench checked its workers' device
         check_bench_device(a.device)

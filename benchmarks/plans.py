@@ -667,7 +667,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: --steps must be >= 1 and --paper-steps >= 0, got "
               f"{a.steps}, {a.paper_steps}", file=sys.stderr)  # fmt: skip
         return 2
-    why = reduced_run(ap, a, ("steps", "experiments", "paper_steps"), "--out")
+    why = reduced_run({"--steps": (a.steps, STEPS),
+                       "--experiments": (set(chosen), set(EXPERIMENTS)),
+                       "--paper-steps": (a.paper_steps, None)}, "--out")  # fmt: skip
     if why is not None and a.out is None:
         print(f"{ap.prog}: error: {why}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +63,14 @@ def arg_parser(prog: str, description: str | None = None, **kwargs: Any) -> argp
     return Parser(prog=prog, description=description, **kwargs)
 
 
-def reduced_run(ap: argparse.ArgumentParser, args: argparse.Namespace, dests: Sequence[str],
-                out_flag: str) -> str | None:  # fmt: skip
-    """Why a run must name ``out_flag``, or None: measuring flags of ``dests`` set away from
-    their defaults, the settings the committed report was measured with. A smaller or
-    partial run (the loader at 20,000 tokens, the plans of one experiment, one step mode)
-    replaced the whole report's figures by its own."""
-    changed = [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d) != ap.get_default(d)]
+def reduced_run(settings: dict[str, tuple[object, object]], out_flag: str) -> str | None:
+    """Why a run must name ``out_flag``, or None: measuring flags set away from their
+    defaults, the settings the committed report was measured with (``settings``: flag ->
+    (what this run measures, what the defaults measure), each as the benchmark reads it:
+    ``--modes sync_free,compile`` measures the default points). A smaller or partial run
+    (the loader at 20,000 tokens, the plans of one experiment, one step mode) replaced
+    the whole report's figures by its own."""
+    changed = [flag for flag, (given, default) in settings.items() if given != default]
     if not changed:
         return None
     return (f"{', '.join(changed)} measure{'s' if len(changed) == 1 else ''} other than the "

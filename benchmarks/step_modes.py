@@ -323,8 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--point-timeout must be > 0 s, got {args.point_timeout:g}")
     if args.tiny and args.out is None:  # toy figures must not replace the report's
         ap.error(TINY_NEEDS_OUT)
-    why = reduced_run(ap, args, ("models", "modes", "repeats"), "--out")
-    if why is not None and args.out is None:
+    # what the points measure: eager always comes first (every ratio is against it); on
+    # a GPU the default place is reports/gpu/, where no step_modes report is committed
+    default_modes = {"eager", *ap.get_default("modes").split(",")}
+    why = reduced_run({"--models": (set(models), set(ap.get_default("models").split(","))),
+                       "--modes": ({"eager", *modes}, default_modes),
+                       "--repeats": (args.repeats, ap.get_default("repeats"))},
+                      "--out")  # fmt: skip
+    if why is not None and args.out is None and torch.device(args.device).type == "cpu":
         ap.error(why)
     check_bench_device(args.device)
     modes = ["eager", *[m for m in modes if m != "eager"]]  # every ratio is against it

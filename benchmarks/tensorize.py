@@ -36,6 +36,7 @@ from benchmarks.reporting import (
     check_output,
     one_line_errors,
     print_rendered,
+    reduced_run,
     render_only,
     variant_batch,
     write_json,
@@ -232,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.tiny and a.out is None:  # toy figures must not pass for the report's
         print(f"{ap.prog}: error: {TINY_NEEDS_OUT}", file=sys.stderr)
+        return 2
+    why = reduced_run({"--steps": (a.steps, STEPS)}, "--out")
+    if why is not None and a.out is None:
+        print(f"{ap.prog}: error: {why}", file=sys.stderr)
         return 2
     return run(json_out=a.json, steps=a.steps, tiny=a.tiny, out=a.out or REPORTS / "tensorize.json")
 

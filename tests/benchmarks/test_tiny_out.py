@@ -29,6 +29,10 @@ def test_tiny_without_out_is_refused_in_one_line(bench, capsys) -> None:  # noqa
         ("step_modes", ["--models", "smoke", "--modes", "eager", "--repeats", "1"],
          "--models, --modes, --repeats"),
         ("efficiency", ["--batches", "1"], "--batches measures"),
+        ("core", ["--repeats", "1", "--processes", "1"], "--repeats, --processes measure"),
+        ("mnli_step", ["--repeats", "2"], "--repeats measures"),
+        ("codebert_step", ["--steps", "2"], "--steps measures"),
+        ("tensorize", ["--steps", "1"], "--steps measures"),
     ],
 )  # fmt: skip
 def test_a_smaller_or_partial_run_must_name_its_output(
@@ -44,7 +48,7 @@ def test_a_smaller_or_partial_run_must_name_its_output(
     import importlib
 
     bench = importlib.import_module(f"benchmarks.{module}")
-    for name in ("run", "sweep", "run_point"):  # measuring would fail the test
+    for name in ("run", "sweep", "run_point", "_run_processes"):  # measuring would fail it
         if hasattr(bench, name):
             monkeypatch.setattr(bench, name, lambda *a, **k: pytest.fail("measured"))
     with pytest.raises(SystemExit) as stop:  # a parser error or a returned status
@@ -53,6 +57,28 @@ def test_a_smaller_or_partial_run_must_name_its_output(
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
     assert len(err) == 1 and flags in err[0], err
     assert "other than the report's settings: give --" in err[0], err
+
+
+def test_a_run_of_the_default_points_in_another_spelling_is_no_reduced_run(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Settings compare as the benchmark reads them: --modes without eager (always added
+    first) and --experiments in another order measure the report's points."""
+    from benchmarks import plans
+
+    def point(model, mode, *args):  # noqa: ANN001, ANN202
+        return {"model": model, "mode": mode, "batch": 8, "seq": 16, "first_step_s": 1.0,
+                "step_s": 0.5, "peak_mb": 10.0}  # fmt: skip
+
+    monkeypatch.setattr(step_modes, "run_point", point)
+    monkeypatch.setattr(step_modes, "REPORTS", tmp_path)  # where the report would go
+    assert step_modes.main(["--modes", "sync_free,compile"]) == 0
+    assert (tmp_path / "step_modes.md").is_file()
+    assert step_modes.main(["--modes", "sync_free"]) == 2  # one mode fewer: refused
+    runs: list[tuple] = []
+    monkeypatch.setattr(plans, "run", lambda **k: runs.append(k["experiments"]) or 0)
+    assert plans.main(["--experiments", "dlrm,mnli,codebert"]) == 0
+    assert runs == [("dlrm", "mnli", "codebert")]
 
 
 def test_mnli_step_refuses_zero_threads(capsys) -> None:
