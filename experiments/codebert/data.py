@@ -330,7 +330,6 @@ def corpus_from_paths(
     in one and be held out in the other; a prepared folder's files are its sources',
     :func:`_prepared_sources`)."""
     groups, ready, toks = {}, {}, set()
-    digests: dict[str, str] = {}  # a prepared folder's tokenizer: the digest its plan saved
     owner: dict[Path, str] = {}
 
     def own(name: str, files: list[Path]) -> None:
@@ -349,10 +348,9 @@ def corpus_from_paths(
             raise DataError(f"--corpus {name}={folder}: not a folder; pass NAME=FOLDER")
         if (path / PLAN_NAME).is_file():
             tok, ready[name] = _prepared(name, path)
-            toks.add(tok)
             plan = json.loads((path / PLAN_NAME).read_text())
-            if isinstance(plan.get("tokenizer_digest"), str):
-                digests[tok] = plan["tokenizer_digest"]
+            saved = plan.get("tokenizer_digest")  # (name, digest): one name may be two files
+            toks.add((tok, saved if isinstance(saved, str) else None))
             own(name, _prepared_sources(path, plan))
             continue
         pattern = (globs or {}).get(name) or glob
@@ -399,7 +397,9 @@ def corpus_from_paths(
             )
     # one tokenizer by its content (a folder, its tokenizer.json, a trailing slash: one
     # file; a prepared folder's as its plan saved it), or a hub name by its name
-    keys = {digests.get(t) or tokenizer_digest(t) or t: t for t in sorted(toks)}
+    keys = {
+        d or tokenizer_digest(t) or t: t for t, d in sorted(toks, key=lambda x: (x[0], x[1] or ""))
+    }
     if len(keys) > 1:
         raise DataError(f"--corpus folders were prepared with different tokenizers "
                         f"{sorted(keys.values())}; prepare them with one --tokenizer")  # fmt: skip
@@ -411,7 +411,9 @@ def corpus_from_paths(
                         f"folders were made with ({theirs}); pass --set data.tokenizer={theirs}, "
                         "or prepare them with --tokenizer "
                         f"{tokenizer}")  # fmt: skip
-    tok = next(iter(keys.values()), tokenizer)
+    # the caller's own spelling where it names the same file: the plan's may be relative
+    # to wherever prepare ran
+    tok = tokenizer if tokenizer is not None else next(iter(keys.values()), None)
     if groups:
         corpus = _prepare_groups(groups, root, vocab, heldout, max_doc_tokens, progress, tok)
     else:

@@ -423,6 +423,17 @@ def test_a_prepared_folder_s_relative_sources_are_where_prepare_ran(
     with pytest.raises(DataError, match="--corpus prep and --corpus raw share files"):
         corpus_from_paths({"prep": prep, "raw": str(tmp_path / "a" / "js")}, tmp_path / "c",
                           vocab=300)  # fmt: skip
+    # a tokenizer given to prepare by a relative path: data.tokenizer naming that file
+    # from elsewhere is taken, and the corpus uses the caller's spelling (the plan's
+    # "prep/tokenizer.json" names nothing from here)
+    monkeypatch.chdir(tmp_path / "a")
+    prepare(["js/src"], tmp_path / "a" / "prep2", glob="*.js",
+            tokenizer="prep/tokenizer.json", heldout=0.3, progress=False)  # fmt: skip
+    monkeypatch.chdir(tmp_path / "b")
+    mine = str(tmp_path / "a" / "prep" / "tokenizer.json")
+    corpus = corpus_from_paths({"p2": str(tmp_path / "a" / "prep2")}, tmp_path / "c",
+                               vocab=300, tokenizer=mine, progress=False)  # fmt: skip
+    assert corpus.tokenizer == mine
 
 
 def test_source_files_take_any_language_and_a_glob_picks_others(tmp_path: Path) -> None:
