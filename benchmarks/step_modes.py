@@ -326,13 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     # what the points measure: eager always comes first (every ratio is against it); on
     # a GPU the default place is reports/gpu/, where no step_modes report is committed
     default_modes = {"eager", *ap.get_default("modes").split(",")}
+    check_bench_device(args.device)  # before torch.device reads it (a traceback)
     why = reduced_run({"--models": (set(models), set(ap.get_default("models").split(","))),
                        "--modes": ({"eager", *modes}, default_modes),
                        "--repeats": (args.repeats, ap.get_default("repeats"))},
                       "--out")  # fmt: skip
     if why is not None and args.out is None and torch.device(args.device).type == "cpu":
         ap.error(why)
-    check_bench_device(args.device)
     modes = ["eager", *[m for m in modes if m != "eager"]]  # every ratio is against it
     out = args.out or (REPORTS if torch.device(args.device).type == "cpu" else REPORTS / "gpu")
     check_output(out, "--out", "folder")  # before measuring, not after

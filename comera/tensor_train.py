@@ -273,12 +273,21 @@ def check_state(params: Params, state: State, name: str = "TT layer") -> None:
         if g.shape != (r,):
             raise ValueError(f"{name}: gate {b} has shape {tuple(g.shape)} for a bond of rank {r}")
         core = cores[b]  # type: ignore[index]
-        if g.dtype != core.dtype and not torch.is_autocast_enabled(core.device.type):
+        if g.dtype != core.dtype and not _autocast_on(core.device):
             # a float64 gate promoted its core, and the GEMM then refused the input raw
             raise ValueError(  # (autocast casts each GEMM's operands: mixed dtypes work)
                 f"{name}: gate {b} has dtype {g.dtype} but the cores have {core.dtype}; keep "
                 "a layer's params in one dtype (cast them together)"
             )
+
+
+def _autocast_on(device: torch.device) -> bool:
+    """Whether autocast is on for ``device``'s type (never for one it has no mode for, such
+    as meta: torch raises there)."""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except RuntimeError:
+        return False
 
 
 def check_format(params: Params, ndim: int, name: str) -> None:
@@ -293,6 +302,8 @@ def check_format(params: Params, ndim: int, name: str) -> None:
         return
     if found and all(isinstance(c, torch.Tensor) for c in found):
         got = f"cores of shapes {[tuple(c.shape) for c in found]}"
+    elif found is not None and not found:
+        got = "no core"
     else:
         got = f"{type(cores).__name__}, not a sequence of core tensors"
     want = "3-D cores (r, mode, r') of a TT linear" if ndim == 3 else (

@@ -164,9 +164,9 @@ def rank_first(fn: Callable[[], T], rank: int, world: int) -> T:
         return fn()
     try:
         out = fn()
-    except Exception as e:
+    except BaseException as e:  # a Ctrl-C too: the others would wait for the group's end
         try:  # the exception itself (its kind decides how a command reports it)
-            told: Exception = pickle.loads(pickle.dumps(e))
+            told: BaseException = pickle.loads(pickle.dumps(e))
         except Exception:  # noqa: BLE001 - one that cannot travel goes as its text
             told = RuntimeError(f"rank 0 failed: {type(e).__name__}: {e}")
         broadcast_object(told)

@@ -75,6 +75,7 @@ def test_a_run_of_the_default_points_in_another_spelling_is_no_reduced_run(
     assert step_modes.main(["--modes", "sync_free,compile"]) == 0
     assert (tmp_path / "step_modes.md").is_file()
     assert step_modes.main(["--modes", "sync_free"]) == 2  # one mode fewer: refused
+    assert step_modes.main(["--device", "bogus", "--repeats", "2"]) == 2  # not a traceback
     runs: list[tuple] = []
     monkeypatch.setattr(plans, "run", lambda **k: runs.append(k["experiments"]) or 0)
     assert plans.main(["--experiments", "dlrm,mnli,codebert"]) == 0
