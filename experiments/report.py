@@ -85,8 +85,7 @@ def ensure_smoke_run(exp_main: Any, run_dir: Path, *, dense: bool, label: str) -
     """Train the ``smoke`` preset into ``run_dir`` (``--dense`` for the baseline), or
     finish the run already there (a no-op when it is done); exit on failure. A run that
     trained here, or has no ``host.json`` yet, records this host (:func:`record_host`)."""
-    metrics = run_dir / "metrics.jsonl"
-    before = _last_step(metrics)
+    before = _progress(run_dir)
     if (run_dir / "config.json").is_file():
         code = exp_main(["--resume", str(run_dir), "--no-progress"])
     else:
@@ -95,19 +94,21 @@ def ensure_smoke_run(exp_main: Any, run_dir: Path, *, dense: bool, label: str) -
     if code:  # its own status: 2 (bad input) is not a bug's 1
         print(f"{label}: the run in {run_dir} failed (exit {code})", file=sys.stderr)
         raise SystemExit(code)
-    # by the steps it logged: a resume that trains nothing still rewrites the file (its
-    # rows after the checkpoint), and its report restamped a finished run with this host
-    trained = _last_step(metrics) != before
+    # by what it logged and saved: a resume that trains nothing still rewrites the metrics
+    # file (its rows after the checkpoint), and its report restamped a finished run
+    trained = _progress(run_dir) != before
     if trained or not (run_dir / HOST_FILE).is_file():
         record_host(run_dir)
 
 
-def _last_step(metrics: Path) -> int | None:
-    """The last training step a run's ``metrics.jsonl`` holds (None: no file, no row)."""
-    if not metrics.is_file():
-        return None
-    steps = [r["step"] for r in read_metrics(metrics) if "loss" in r]
-    return steps[-1] if steps else None
+def _progress(run_dir: Path) -> tuple[int | None, str | None]:
+    """How far a run is: the last training step its ``metrics.jsonl`` holds and its newest
+    complete checkpoint (a run killed after its last row, before its last checkpoint,
+    retrains to the same last step and saves that checkpoint)."""
+    metrics = run_dir / "metrics.jsonl"
+    steps = [r["step"] for r in read_metrics(metrics) if "loss" in r] if metrics.is_file() else []
+    saved = complete_checkpoints(run_dir) if run_dir.is_dir() else []
+    return (steps[-1] if steps else None), (saved[-1].name if saved else None)
 
 
 def smoke_report_main(

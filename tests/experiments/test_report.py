@@ -39,6 +39,7 @@ def test_smoke_runs_record_the_host_that_trained_them(tmp_path: Path) -> None:
     calls: list[list[str]] = []
 
     steps = [1]  # the run's last step: a resume trains to it
+    saved: list[int] = []  # the checkpoints the next call writes
 
     def exp_main(argv: list[str]) -> int:  # stands in for an experiment's main
         calls.append(argv)
@@ -48,6 +49,9 @@ def test_smoke_runs_record_the_host_that_trained_them(tmp_path: Path) -> None:
         # a resume rewrites the file even when it trains nothing (its rows to the checkpoint)
         rows = [{"step": s, "loss": 1.0} for s in range(1, steps[0] + 1)]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        for s in saved:
+            (run / "checkpoints" / f"step_{s:08d}").mkdir(parents=True, exist_ok=True)
+            (run / "checkpoints" / f"step_{s:08d}" / "model.pt").write_bytes(b"")
         return 0
 
     run = tmp_path / "x-smoke"
@@ -60,6 +64,12 @@ def test_smoke_runs_record_the_host_that_trained_them(tmp_path: Path) -> None:
     assert calls[-1][:2] == ["--resume", str(run)]
     assert report.runs_host([run])["cpu"] == "the training machine"
     steps[0] = 3  # a resume that trains records this host
+    report.ensure_smoke_run(exp_main, run, dense=False, label="x")
+    assert report.runs_host([run]) == host_meta()
+    # killed after its last row, before its last checkpoint: the resume retrains to the
+    # same last step and saves it, which is training here too
+    (run / report.HOST_FILE).write_text(json.dumps({**host, "cpu": "the training machine"}))
+    saved.append(3)
     report.ensure_smoke_run(exp_main, run, dense=False, label="x")
     assert report.runs_host([run]) == host_meta()
     assert report.runs_host([tmp_path / "nothing"]) == host_meta()
