@@ -928,6 +928,11 @@ def prepare(
         history = {"argv": old.get("argv", argv),
                    "resumes": [*resumes(old),
                                {"step": 0, "argv": argv, "restarted": True}]}  # fmt: skip
+    elif resume and preset is None:  # the record checkpoints keep names the run's preset,
+        # not its run name (config.json was right)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            saved_preset = json.loads((run_dir / "config.json").read_text()).get("preset")
+            preset = saved_preset if isinstance(saved_preset, str) else None
 
     if uses_auto(cfg.plans):  # decisions cached on disk: a second run times nothing
         plans_dir = cache_root("plans")

@@ -627,6 +627,10 @@ def test_the_record_names_the_preset_not_the_run(tmp_path, capsys):
     shutil.rmtree(run_dir / "checkpoints")
     assert mnli.main(["--resume", str(run_dir)]) == 0
     assert json.loads((run_dir / "config.json").read_text())["preset"] == "smoke"
+    # a resume's record (what its checkpoints and wandb keep) named the run instead
+    ap = cli.build_parser(mnli.EXPERIMENT)
+    cfg = cli.resolve_config(mnli.EXPERIMENT, ap.parse_args(["--resume", str(run_dir)]), ap)
+    assert cli.prepare(mnli.EXPERIMENT, cfg, resume=True).trainer.config_dict["preset"] == "smoke"
 
 
 def test_cache_dirs_expand_home(tmp_path, monkeypatch) -> None:
