@@ -745,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.report or (REPORT if dev.type == "cpu" else GPU_REPORT)
     if write:  # before measuring: a path it cannot write is refused now, not after the run
         check_output(path, "--report", "file", ".json")
-    processes = args.processes or (1 if args.quick or dev.type != "cpu" else PROCESSES)
+    processes = args.processes or default_processes
     if processes > 1:
         passed = ["--threads", str(args.threads), "--malloc", args.malloc, "--device", args.device]
         passed += ["--quick"] if args.quick else []

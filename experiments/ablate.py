@@ -95,7 +95,7 @@ def _scaled(key: str, factors: tuple[float, ...]) -> Callable[[Any, Any], list[V
     report would hold one row (gamma 0 times anything), is refused."""
 
     def make(cfg: Any, exp: cli.Experiment) -> list[Variant]:
-        base = _get(cfg, key)
+        base = cli.get_field(cfg, key)
         kind = type(base)
         vals = [kind(base * f) if f else kind(0) for f in factors]
         if kind is int:
@@ -284,12 +284,6 @@ def _rank_key(cfg: Any) -> str:
     return "model.rank" if hasattr(cfg.model, "rank") else "model.emb_rank"
 
 
-def _get(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> list[Variant]:
     """The variants of ablation ``name``; ``values`` (comma-separated) replaces the defaults
     of single-key ablations."""
@@ -433,7 +427,7 @@ def run_ablation(
             label = f"--values {value}" if given else f"ablation {name!r}'s {key}={value}"
             cfg = cli.set_field(cfg, key, value, text=text_values, label=label)
         check_sweep(name, cfg, v.label)
-        same = repr(tuple(_get(cfg, key) for key, _ in v.overrides))
+        same = repr(tuple(cli.get_field(cfg, key) for key, _ in v.overrides))
         if settings.setdefault(same, v.label) != v.label:  # 0.5 and 5e-1: one run twice
             raise cli.CLIError(
                 f"--values: {settings[same]!r} and {v.label!r} are the same setting; give "

@@ -221,6 +221,7 @@ def _prepared_sources(folder: Path, plan: dict) -> list[Path]:
     # (a plan from before source_paths keeps only those as typed)
     sources = plan.get("source_paths", settings.get("sources"))
     found: list[Path] = []
+    mine = folder.resolve()  # its own output, if it lies inside a source
     for src in sources if isinstance(sources, list) else []:
         path = Path(src) if isinstance(src, str) and os.path.isabs(src) else None
         if path is not None and path.is_file():
@@ -228,14 +229,15 @@ def _prepared_sources(folder: Path, plan: dict) -> list[Path]:
         elif path is not None and path.is_dir() and isinstance(glob, str):
             try:
                 found += [p for p in path.glob(glob) if p.is_file()
-                          and not p.resolve().is_relative_to(folder.resolve())]  # fmt: skip
+                          and not p.resolve().is_relative_to(mine)]  # fmt: skip
             except ValueError:  # a pattern this Python's glob refuses: nothing to compare
                 continue
     return found
 
 
-def _prepared(name: str, folder: Path) -> tuple[str, Path]:
-    """The tokenizer and train/heldout of a folder made by ``python -m loaders.prepare``."""
+def _prepared(name: str, folder: Path) -> tuple[str, dict]:
+    """The tokenizer and plan of a folder made by ``python -m loaders.prepare`` (checked:
+    readable, with a held-out split, complete, its tokenizer unchanged)."""
     try:
         plan = json.loads((folder / PLAN_NAME).read_text())
         if not isinstance(plan, dict) or not isinstance(plan.get("settings", {}), dict):
@@ -264,7 +266,7 @@ def _prepared(name: str, folder: Path) -> tuple[str, Path]:
         raise DataError(f"--corpus {name}={folder}: its tokenizer {tok} changed since the "
                         "folder was prepared (its ids would not match the shards'); restore "
                         "it, or prepare the folder again")  # fmt: skip
-    return tok, folder
+    return tok, plan
 
 
 def _hidden(path: Path, folder: Path, glob: str | None) -> bool:
@@ -347,8 +349,8 @@ def corpus_from_paths(
         if not path.is_dir():
             raise DataError(f"--corpus {name}={folder}: not a folder; pass NAME=FOLDER")
         if (path / PLAN_NAME).is_file():
-            tok, ready[name] = _prepared(name, path)
-            plan = json.loads((path / PLAN_NAME).read_text())
+            tok, plan = _prepared(name, path)
+            ready[name] = path
             saved = plan.get("tokenizer_digest")  # (name, digest): one name may be two files
             toks.add((tok, saved if isinstance(saved, str) else None))
             own(name, _prepared_sources(path, plan))
