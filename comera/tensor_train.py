@@ -295,9 +295,15 @@ def check_format(params: Params, ndim: int, name: str) -> None:
     ``(r, mode, r')``, a TTM embedding's 4-D ``(r, v, d, r')``. One format's params passed
     to the other's function failed deep in a reshape, naming neither the layer nor why."""
     cores = params.get("cores") if hasattr(params, "get") else None
-    # a list, a tuple, an nn.ParameterList: any sequence of tensors
-    found = list(cores) if isinstance(cores, Iterable) and not isinstance(
-        cores, (torch.Tensor, str, bytes, Mapping)) else None  # fmt: skip
+    # a list, a tuple, an nn.ParameterList: any sequence of tensors (a list or tuple, the
+    # usual form, is taken as it is, with no ABC check: this runs on every layer call)
+    found: Sequence | None = None
+    if isinstance(cores, list | tuple):
+        found = cores
+    elif isinstance(cores, Iterable) and not isinstance(
+        cores, torch.Tensor | str | bytes | Mapping
+    ):
+        found = list(cores)
     if found and all(isinstance(c, torch.Tensor) and c.dim() == ndim for c in found):
         return
     if found and all(isinstance(c, torch.Tensor) for c in found):
