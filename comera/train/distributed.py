@@ -12,6 +12,7 @@ shapes, which DDP's reducer cannot follow without being rebuilt.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -47,14 +48,25 @@ def rank_world() -> tuple[int, int]:
 
 def init_distributed(device: str) -> tuple[int, int]:
     """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1): gloo on CPU,
-    nccl on CUDA, each rank on its ``LOCAL_RANK`` GPU."""
+    nccl on CUDA, each rank on its ``LOCAL_RANK`` GPU. A group joined here is left at exit
+    (if still held): a script need not call ``destroy_process_group`` itself."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        atexit.register(_leave, dist.group.WORLD)
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _leave(group: object) -> None:
+    """Leave at exit the group :func:`init_distributed` joined, if it is still the one held.
+    A process that exits holding a gloo group can abort in its teardown ("terminate called
+    without an active exception", status -6) after it has finished, or after printing its
+    one-line error: a script that lets the ``Trainer`` join the group need not leave it."""
+    if dist.is_available() and dist.is_initialized() and dist.group.WORLD is group:
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -146,11 +146,14 @@ def test_ranks_returning_other_metric_names_are_reduced_by_name(tmp_path, one_th
 
 
 FIRST_FAILS = """
-import sys, torch.distributed as dist
+import atexit, sys, torch.distributed as dist
+from pathlib import Path
 from comera.errors import DataError
-from comera.train.distributed import rank_first
-dist.init_process_group("gloo")
-rank = dist.get_rank()
+from comera.train.distributed import init_distributed, rank_first
+def held():  # registered first, so it runs after every exit handler registered later
+    Path(sys.argv[1], f"held{rank}").write_text(str(dist.is_initialized()))
+atexit.register(held)
+rank, _ = init_distributed("cpu")  # as the Trainer joins: the script never leaves the group
 def build():
     if rank == 0:
         raise DataError("no such file: data.txt")
@@ -166,12 +169,14 @@ except DataError as e:
 def test_a_failure_on_rank_0_of_a_rank_first_build_stops_every_rank(tmp_path, capfd):
     """Rank 0 failed (a missing data file) while the others waited at a barrier: they
     died with a transport traceback when its exit closed the group. They now raise its
-    error: one line each, the same status."""
+    error: one line each, the same status. A rank that exited holding the group could
+    then abort in its teardown (status -6, now and then): the group is left at exit."""
     script = tmp_path / "worker.py"
     script.write_text(FIRST_FAILS)
-    assert _spawn(script, 2) == [2, 2]
+    assert _spawn(script, 2, str(tmp_path)) == [2, 2]
     err = capfd.readouterr().err
     assert "rank 0: no such file: data.txt" in err and "rank 1: no such file: data.txt" in err
+    assert [(tmp_path / f"held{r}").read_text() for r in range(2)] == ["False", "False"]
 
 
 LOG_REFUSED = """
