@@ -194,10 +194,12 @@ class ReaderPipeline:
             if lo < info.min or hi > info.max:
                 bad = hi if hi > info.max else lo
                 doc = self.shards[name].current_doc(slot)
+                # int64 is the widest: past it (a uint64 id) only the data can change
+                wider = "out_dtype='int64' or " if self.config.out_dtype != "int64" else ""
                 raise LoaderInputError(
                     f"sub-dataset {name!r}: document {doc} holds token id {bad}, which "
                     f"LoaderConfig.out_dtype={self.config.out_dtype!r} cannot hold; use "
-                    "out_dtype='int64' or re-tokenize the data"
+                    f"{wider}re-tokenize the data"
                 )
         return toks
 

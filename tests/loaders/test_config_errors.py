@@ -248,6 +248,10 @@ def test_ids_out_dtype_cannot_hold_are_refused(tmp_path):
     wide = LoaderConfig(datasets=[DatasetSpec(name="w", path=_WideDocs())], num_shards=1,
                         seq_len=4, shuffle="none", num_epochs=1)  # fmt: skip
     assert 2**40 + 5 in torch.cat([b["input_ids"].reshape(-1) for b in TokenLoader(wide)])
+    # past int64 (a uint64 id) only the data can change: the advice is not the setting held
+    wide.datasets[0].path.doc = lambda i: np.array([7, 2**64 - 1], np.uint64)
+    with pytest.raises(LoaderInputError, match=r"out_dtype='int64' cannot hold; use re-tok"):
+        list(TokenLoader(wide))
     # the short document alone out of range, skipped: nothing stops the run
     cfg.datasets[0].path.doc = lambda i: np.array([2**41] if i == 5 else [7, 8], np.int64)
     assert len(list(TokenLoader(cfg))) > 0
