@@ -47,9 +47,12 @@ class DatasetSpec:
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
+        # printable: the shuffle's keys join the name with other parts by a control
+        # character, which inside a name could give two sub-datasets one order
+        if not self.name or not isinstance(self.name, str) or not self.name.isprintable():
             raise LoaderInputError(
-                f"DatasetSpec.name must be a non-empty string, got {self.name!r}"
+                "DatasetSpec.name must be a non-empty string of printable characters, "
+                f"got {self.name!r}"
             )
         self.weight = check_weight(f"dataset {self.name!r}", self.weight)
         if self.path is None:

@@ -31,6 +31,8 @@ def _config(**kw) -> LoaderConfig:
         (lambda: DatasetSpec(name="a", path=_Docs(), weight="0.5"), "weight"),
         (lambda: DatasetSpec(name="a", path=_Docs(), weight=math.inf), "weight"),
         (lambda: DatasetSpec(name="a", path=None), "path is None"),
+        # the shuffle's keys join parts with \x1f: inside a name, two orders could coincide
+        (lambda: DatasetSpec(name="a\x1f1", path=_Docs()), "printable characters"),
         (lambda: _config(seq_len="64"), "seq_len"),
         (lambda: _config(seq_len=64.5), "seq_len"),
         (lambda: _config(batch_size=2.0), "batch_size"),
