@@ -17,6 +17,7 @@ can rescale (``rescalable = True``, e.g. ``TokenLoader``: any N -> M) and refuse
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -320,8 +321,54 @@ def _save_files(tr: Any, d: Path, data: object) -> None:
             "world_size": tr.world,
             "config": tr.config_dict,
             "eval_data": eval_data_id(tr.task),
+            "replicated": replicated_digests(tr),
         }
         write_model(d, payload, tr.cfg.keep_checkpoints)
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A tensor's dtype, shape and the digest of its bytes."""
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    h = hashlib.blake2b(memoryview(raw), digest_size=16).hexdigest()
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{h}"
+
+
+def replicated_digests(tr: Any) -> dict[str, str]:
+    """Digests of the tensors the task holds outside params and state
+    (``replicated_tensors()``: a ``ModuleTask``'s frozen parameters), by name where the
+    task's ``model`` names them. A checkpoint does not hold those tensors (a frozen
+    backbone would double it), only these, so a resume onto other ones is refused: taken
+    once per trainer (they do not train)."""
+    held = getattr(tr, "_replicated_digests", None)
+    if held is not None:
+        return held
+    fn = getattr(tr.task, "replicated_tensors", None)
+    tensors = list(fn()) if fn is not None else []
+    model = getattr(tr.task, "model", None)
+    names = {id(p): n for n, p in model.named_parameters()} if hasattr(
+        model, "named_parameters") else {}  # fmt: skip
+    held = {names.get(id(t), f"replicated tensor {i}"): _digest(t) for i, t in enumerate(tensors)}
+    tr._replicated_digests = held
+    return held
+
+
+def check_replicated(tr: Any, saved: dict[str, str] | None) -> None:
+    """Refuse a resume whose task holds other frozen tensors than the run was saved with
+    (``saved``: the checkpoint's digests; None for a checkpoint written before they were
+    recorded): a model rebuilt from another seed or backbone file went on training from
+    another model without a word."""
+    if saved is None:
+        return
+    now = replicated_digests(tr)
+    differ = [n for n in dict.fromkeys([*saved, *now]) if saved.get(n) != now.get(n)]
+    if differ:
+        more = f" (+{len(differ) - 4} more)" if len(differ) > 4 else ""
+        raise CheckpointError(
+            f"checkpoint in {tr.run_dir} was trained with other frozen tensors than this run "
+            f"built: {', '.join(differ[:4])}{more} differ (a checkpoint holds only what "
+            "trains); rebuild the model as it was (the same weights file, seed and frozen "
+            "layers) to resume it"
+        )
 
 
 # TrainConfig fields a resume may change: where it runs, how it reports, how often it
@@ -536,6 +583,7 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     dev = tr.device
     to_dev = lambda tree: tree_map(lambda t: t.to(dev), tree)  # noqa: E731
     tr.params = tree_map(lambda t: t.to(dev).requires_grad_(True), ckpt["params"])
+    tr._saved_replicated = ckpt.get("replicated")  # checked once every rank holds rank 0's
     tr.state = to_dev(ckpt["state"])
     opt = dict(ckpt["opt"])
     galore = opt.pop("galore", None)

@@ -280,6 +280,8 @@ class Trainer:
         replicated = getattr(task, "replicated_tensors", None)
         broadcast_tensors([*tree_flatten(self.params)[0], *self._buffers(),
                            *(replicated() if replicated is not None else [])])  # fmt: skip
+        if resume:  # after the broadcast: every rank decides on rank 0's tensors
+            ck.check_replicated(self, self._saved_replicated)
         # the run's own random streams, swapped in by fit, train_step and checkpoint
         # (_own_streams): what the caller draws between calls (or another trainer's
         # seeding) changes nothing the run draws, and an in-process run equals its resume

@@ -132,6 +132,37 @@ def test_a_frozen_tt_layer_is_neither_trained_nor_pruned(tmp_path) -> None:
         _task(mixed)
 
 
+def test_a_resume_onto_other_frozen_weights_is_refused(tmp_path) -> None:
+    """A checkpoint holds only what trains: a resume onto a model rebuilt with other
+    frozen weights (another seed, another backbone file) trained on from another model
+    without a word. The frozen tensors' digests are checked."""
+
+    def model(seed: int) -> nn.Module:
+        m = _model()
+        m.get_submodule("2").requires_grad_(False)
+        with torch.no_grad():
+            m.get_submodule("5").weight.normal_(generator=torch.Generator().manual_seed(seed))
+        m.get_submodule("5").requires_grad_(False)
+        return m
+
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    _task(model(0)).trainer(cfg).fit(until=10)
+    refused = r"other frozen tensors than this run built: 5.weight differ .*same weights file"
+    with pytest.raises(CheckpointError, match=refused):
+        _task(model(1)).trainer(cfg, resume=True)
+    resumed = model(0)
+    with torch.no_grad():  # a frozen TT layer's cores are named too
+        resumed.get_submodule("2").cores[1].mul_(2)
+    with pytest.raises(CheckpointError, match=r"built: 2.cores.1 differ"):
+        _task(resumed).trainer(cfg, resume=True)
+    again = _task(model(0)).trainer(cfg, resume=True)
+    assert again.fit()["step"] == 20
+    # the resumed run's checkpoint records them too
+    assert _task(model(0)).trainer(cfg, resume=True).step == 20
+    with pytest.raises(CheckpointError, match="5.weight differ"):
+        _task(model(2)).trainer(cfg, resume=True)
+
+
 class _Counting(nn.Module):
     """A module that counts the rows it saw by assigning its buffer anew each call."""
 
