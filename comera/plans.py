@@ -172,10 +172,12 @@ class LayerPlans:
             )
 
     def for_layer(self, path: str) -> str | None:
-        """The strategy for the layer at ``path`` (None: the process default)."""
+        """The strategy for the layer at ``path`` (None: the process default). A padded
+        layer's train sits at ``NAME.inner`` (``PaddedTTLinear``): rules over
+        ``NAME``, the module that was tensorized, match it too."""
         chosen = self.default
         for pattern, strategy in self.per_layer:
-            if fnmatch.fnmatchcase(path, pattern):
+            if _matches(path, pattern):
                 chosen = strategy
         return chosen
 
@@ -184,7 +186,7 @@ class LayerPlans:
         silently do nothing, and so would a rule for the TTM ``embeddings`` (a lookup takes
         ``embedding_impl``, never a contraction plan)."""
         for pattern, _ in self.per_layer:
-            if any(fnmatch.fnmatchcase(p, pattern) for p in paths):
+            if any(_matches(p, pattern) for p in paths):
                 continue
             hit = [e for e in embeddings if fnmatch.fnmatchcase(e, pattern)]
             if hit:
@@ -193,11 +195,23 @@ class LayerPlans:
                     f"embeddings ({', '.join(hit)}), which take embedding_impl "
                     "(--embedding-impl), not a contraction plan"
                 )
-            layers = ", ".join(paths) if paths else "none (this model has no TT linear layer)"
+            names = dict.fromkeys(p.removesuffix(_PADDED) for p in paths)  # as tensorized
+            layers = ", ".join(names) if paths else "none (this model has no TT linear layer)"
             raise ConfigError(
                 f"plan rule {pattern!r} (--plan-for, plans.per_layer) matches no TT layer; "
                 f"layers are: {layers}"
             )
+
+
+_PADDED = ".inner"  # where comera.tensorize.PaddedTTLinear holds its train
+
+
+def _matches(path: str, pattern: str) -> bool:
+    """Whether a plan rule's glob names the TT linear at ``path``, or the padded layer
+    that holds it there."""
+    if fnmatch.fnmatchcase(path, pattern):
+        return True
+    return path.endswith(_PADDED) and fnmatch.fnmatchcase(path.removesuffix(_PADDED), pattern)
 
 
 def token_bucket(tokens: int) -> int:

@@ -8,6 +8,7 @@ import torch
 
 import comera as C
 from comera.accounting import tt_linear_flops
+from comera.errors import ConfigError
 from comera.plans import tt_linear_plan
 
 
@@ -204,6 +205,18 @@ def test_per_layer_plan_overrides_default():
     x = torch.randn(5, 6, dtype=torch.float64)
     with C.default_plan("dense"):
         torch.testing.assert_close(layer(x), x @ layer.to_dense().T + layer.bias)
+
+
+def test_a_rule_over_a_padded_layer_names_its_train():
+    """A padded layer's train sits at ``NAME.inner``; the summary and config.json show
+    ``NAME``, and a rule over it was refused as matching no TT layer."""
+    plans = C.LayerPlans(per_layer=(("*.gate_proj", "dp"),))
+    assert plans.for_layer("mlp.gate_proj.inner") == "dp"
+    assert plans.for_layer("mlp.gate_proj.inner.x") is None
+    plans.check_layers(["mlp.gate_proj.inner", "mlp.up_proj"])
+    typo = C.LayerPlans(per_layer=(("*.gate_prj", "dp"),))
+    with pytest.raises(ConfigError, match=r"matches no TT layer; layers are: mlp.gate_proj, mlp"):
+        typo.check_layers(["mlp.gate_proj.inner", "mlp.up_proj"])
 
 
 def test_flops_accounting_dense_and_comera():

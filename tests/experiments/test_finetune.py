@@ -60,12 +60,16 @@ def test_the_layer_table_counts_padded_layers_at_their_own_size(tmp_path: Path) 
     the padded size, and so overstated the compression."""
     from experiments.report import layer_summary, load_run
 
+    # a plan rule over a padded layer's own name (what config.json shows) reaches its
+    # train at NAME.inner: it was refused as matching no TT layer
     argv = _argv(tmp_path, "odd", "--set", "model.ffn=97", "--set", "train.steps=2",
-                 "--set", "train.eval_every=None", "--set", "train.checkpoint_every=2")  # fmt: skip
+                 "--set", "train.eval_every=None", "--set", "train.checkpoint_every=2",
+                 "--plan-for", "*.intermediate.dense=dense")  # fmt: skip
     assert main(argv) == 0
     config = json.loads((tmp_path / "odd" / "config.json").read_text())
     padded = [r for r in config["tensorized"] if "padded" in r["note"]]
     assert padded, config["tensorized"]
+    assert any(r["layer"].endswith(".intermediate.dense") for r in padded)
     summary = {
         r["path"].removesuffix(".inner"): r for r in layer_summary(load_run(tmp_path / "odd"))
     }
