@@ -296,6 +296,11 @@ def _load_pretrained(tf: Any, cfg: ModelConfig, labels: int = 0) -> tuple[nn.Mod
             "from a tensorized model; --model loads a dense one (resume a run with --resume, "
             "or load those weights into a model tensorized the same way)"
         )
+    # a model saved in half precision loads as such (transformers' dtype="auto"): Adam
+    # on bf16 weights drops every update below their resolution (most of a LayerNorm's
+    # stayed 1.0), so its weights train in float32 (``--bf16`` is autocast on top)
+    if any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):
+        model.float()
     return model, sorted(info.get("missing_keys") or ())
 
 

@@ -100,6 +100,27 @@ def test_a_local_model_folder_and_bad_input(tmp_path: Path, capsys) -> None:
     assert len(err) == 1 and "'attn.*' matches no" in err[0] and "query" in err[0]
 
 
+def test_a_model_saved_in_half_precision_trains_in_float32(tmp_path: Path) -> None:
+    """transformers loads a bf16 checkpoint as bf16: Adam on those weights dropped every
+    update below their resolution (most of a LayerNorm's stayed 1.0), without a word."""
+    import dataclasses
+
+    import torch
+
+    from experiments.finetune.experiment import load_model, preset
+    from experiments.mnli.data import load_mnli
+
+    p = preset("smoke")
+    data = load_mnli(p.data)
+    model = load_model(p.model, data).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    loaded = load_model(dataclasses.replace(p.model, path=str(tmp_path / "bf16")), data)
+    assert {t.dtype for t in loaded.parameters()} == {torch.float32}
+    saved = dict(model.named_parameters())
+    for name, t in loaded.named_parameters():  # the saved values, upcast exactly
+        assert torch.equal(t, saved[name].float()), name
+
+
 def _one_error(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0], err
