@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera.errors import ConfigError
 from comera.nn import TTLinear, TTMEmbedding
 from comera.train.task import BUFFERS
 from comera.tree import iter_tt, leaves
@@ -70,6 +71,7 @@ class ModuleTask:
         adapters = (TTLinear, TTMEmbedding)
         every = {name: m for name, m in model.named_modules() if isinstance(m, adapters)}
         self._tt = {name: m for name, m in every.items() if _trained(name, m)}
+        self._frozen_tt = [name for name in every if name not in self._tt]
         owned = {_dotted(name, p) for name, m in every.items() for p, _ in m.named_parameters()}
         # frozen parameters stay the module's own: the trainer differentiates what it holds
         self._rest = [n for n, p in model.named_parameters() if n not in owned and p.requires_grad]
@@ -226,6 +228,13 @@ class ModuleTask:
         """A :class:`comera.train.Trainer` of this task on the module's own tensors."""
         from comera.train.loop import Trainer
 
+        if self._frozen_tt and not self._tt and getattr(cfg.comera, "enabled", False):
+            # the trainer would say the model holds no TT layer: it holds them, all frozen
+            raise ConfigError(
+                f"ModuleTask: every TT layer is frozen ({', '.join(self._frozen_tt[:6])}), "
+                "and CoMERA adapts the ranks of trained ones only; unfreeze some "
+                "(requires_grad_(True)) or train with train.comera.enabled=False"
+            )
         return Trainer(cfg, self, self.params(), self.state(), copy=False, **kw)
 
 

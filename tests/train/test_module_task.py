@@ -126,6 +126,15 @@ def test_a_frozen_tt_layer_is_neither_trained_nor_pruned(tmp_path) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert any(r < 8 for p in ("0", "4") for r in bond_ranks(trainer.params[p]))
 
+    # every TT layer frozen: said so (the trainer said the model holds no TT layer)
+    still = _model()
+    for path in ("0", "2", "4"):
+        still.get_submodule(path).requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"every TT layer is frozen \(0, 2, 4\)"):
+        _task(still).trainer(_cfg(tmp_path / "still", steps=2))
+    off = C.train.ComeraConfig(enabled=False)  # dense training of the rest is fine
+    assert _task(still).trainer(_cfg(tmp_path / "off", steps=2, comera=off)).fit()["step"] == 2
+
     mixed = _model()
     mixed.get_submodule("2").cores[0].requires_grad_(False)
     with pytest.raises(ValueError, match="TT layer '2' has frozen tensors"):
