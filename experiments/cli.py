@@ -42,7 +42,12 @@ from comera import autotune
 from comera.errors import ConfigError, UserError
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.checkpoint import complete_checkpoints
-from comera.train.config import CPU_MALLOC_POLICIES, STEP_MODES, usable_device
+from comera.train.config import (
+    CPU_MALLOC_POLICIES,
+    STEP_MODES,
+    check_step_mode_device,
+    usable_device,
+)
 from comera.train.distributed import own_process_group, rank_first
 from comera.train.logging import read_metrics, write_json_atomic
 from comera.tree import iter_tt
@@ -1142,6 +1147,8 @@ def _main(exp: Experiment, argv: list[str] | None) -> int:
         check_device(
             cfg.train.device, "--device" if args.device == cfg.train.device else "train.device"
         )
+        # before the model is built: a command that prints its layers would print them first
+        check_step_mode_device(cfg.train.step_mode, cfg.train.device)
         if from_command_line and torch.device(cfg.train.device).type == "cpu":
             restart_for(cfg.train.cpu_malloc)  # lean: re-executed with huge pages enabled
         run = prepare(exp, cfg, resume=args.resume is not None, argv=argv,

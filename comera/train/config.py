@@ -310,6 +310,16 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.seed must fit in 64 bits (signed), got {self.seed}")
 
 
+def check_step_mode_device(step_mode: str, device: str) -> None:
+    """Refuse ``step_mode='cuda_graph'`` off a CUDA device: a command checks it before it
+    builds (and prints) the model, the sync-free step again when it is made."""
+    if step_mode == "cuda_graph" and torch.device(device).type != "cuda":
+        raise ConfigError(
+            "train.step_mode='cuda_graph' needs a CUDA device (train.device); use "
+            "'compile' or 'sync_free' on CPU"
+        )
+
+
 def usable_device(device: str, what: str = "TrainConfig.device", cpu: str = "device='cpu'") -> None:
     """Refuse a device this process cannot train on, naming ``what`` to change and
     ``cpu`` as the way out: a CUDA device torch does not see, another type (mps, xpu)

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from comera.errors import ConfigError
 from comera.layers import SyncFreeLookups
-from comera.train.config import STEP_MODES, TrainConfig
+from comera.train.config import STEP_MODES, TrainConfig, check_step_mode_device
 from comera.train.distributed import sum_across_ranks
 from comera.train.measures import lr_scale
 from comera.train.optim import GROUPS, leaf_groups
@@ -101,11 +101,7 @@ class SyncFreeStep:
         if mode not in STEP_MODES[1:]:
             raise ConfigError(f"train.step_mode={mode!r}; choose one of {STEP_MODES}")
         dev = torch.device(cfg.device)
-        if mode == "cuda_graph" and dev.type != "cuda":
-            raise ConfigError(
-                "train.step_mode='cuda_graph' needs a CUDA device (train.device); use "
-                "'compile' or 'sync_free' on CPU"
-            )
+        check_step_mode_device(mode, cfg.device)
         if mode == "compile":
             require_traceable_grad()
         self.mode, self.cfg, self.task, self.stages = mode, cfg, task, stages

@@ -127,6 +127,14 @@ def _one_error(capsys) -> str:
     return err[0]
 
 
+def test_a_cuda_graph_step_off_cuda_is_one_line(tmp_path: Path, capsys) -> None:
+    """It was refused once the model was built and its layer table printed: the table,
+    then the line."""
+    assert main(_argv(tmp_path, "graph", "--step-mode", "cuda_graph")) == 2
+    assert "cuda_graph' needs a CUDA device (train.device)" in _one_error(capsys)
+    assert not (tmp_path / "graph").exists()
+
+
 def test_a_saved_decoder_classifier_and_path_mistakes(tmp_path: Path, capsys) -> None:
     """A GPT-2 classifier saved with no pad id (GPT-2's configs have none) trains with the
     data's; fewer positions than the rows, a file for the folder, a mistyped local folder
