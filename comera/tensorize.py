@@ -481,7 +481,10 @@ def _not_smaller(modes: tuple[int, ...], rank: int, name: str, cfg: TensorizeCon
     capped = cap_ranks(modes, rank, name)
     # any bond capped: rank 8 over bonds that carry (4, 8, 4) is not a rank-8 train
     shown = f" (capped to {','.join(map(str, capped))})" if min(capped) < rank else ""
-    return f"skipped: a rank-{rank}{shown} train is not {cfg.min_compression:g}x smaller"
+    if cfg.min_compression <= 1:
+        return f"skipped: a rank-{rank}{shown} train is no smaller than the dense layer"
+    return (f"skipped: a rank-{rank}{shown} train is not {cfg.min_compression:g}x smaller "
+            "(min_compression)")  # fmt: skip
 
 
 def _short_of(cfg: TensorizeConfig, dense: int, size: int) -> str:
@@ -787,6 +790,14 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
                         ("rank_for", rank_globs)):  # fmt: skip
         for glob in globs:
             if not any(_match(p, (glob,)) for p in every):
+                done = [n for n, m in model.named_modules() if n and _match(n, (glob,))
+                        and isinstance(m, (TTLinear, TTMEmbedding, PaddedTTLinear))]  # fmt: skip
+                if done:  # a second call over a tensorized model
+                    raise ConfigError(
+                        f"tensorize_: {flag} glob {glob!r} matches only layers already "
+                        f"tensorized ({', '.join(done[:6])}); tensorize_ replaces dense "
+                        "layers, once"
+                    )
                 names = ", ".join(every[:40])
                 more = f" (+{len(every) - 40} more)" if len(every) > 40 else ""
                 raise ConfigError(
