@@ -20,7 +20,7 @@ from pathlib import Path
 from loaders import TokenLoader, load_states
 from tests.loaders_helpers import config
 root, ckpt, log = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-resume, total = sys.argv[4] == "1", int(sys.argv[5])
+resume, total, hold = sys.argv[4] == "1", int(sys.argv[5]), int(sys.argv[6])
 ld = TokenLoader(config([("a", root / "a", 0.6), ("b", root / "b", 0.4)], seq_len=37))
 step = 0
 if resume:
@@ -34,7 +34,9 @@ with open(log, "a") as f:
         f.flush()
         if step % 3 == 0:
             ld.save(ckpt, step=step)
-        time.sleep(0.01)
+        # waits there to be killed: a test process descheduled for the 0.8 s the 80 steps
+        # take found the child done, not running
+        time.sleep(60 if step == hold else 0.01)
 """
 
 
@@ -65,6 +67,7 @@ def test_sigkill_then_restart_continues_exactly(tmp_path):
             str(log),
             "1" if resume else "0",
             str(total),
+            "0" if resume else str(kill_after),
         ]
         return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
