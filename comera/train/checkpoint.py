@@ -17,8 +17,8 @@ can rescale (``rescalable = True``, e.g. ``TokenLoader``: any N -> M) and refuse
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -321,53 +321,88 @@ def _save_files(tr: Any, d: Path, data: object) -> None:
             "world_size": tr.world,
             "config": tr.config_dict,
             "eval_data": eval_data_id(tr.task),
-            "replicated": replicated_digests(tr),
+            "replicated": replicated_fingerprints(tr),
         }
         write_model(d, payload, tr.cfg.keep_checkpoints)
 
 
-def _digest(t: torch.Tensor) -> str:
-    """A tensor's dtype, shape and the digest of its bytes."""
-    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    h = hashlib.blake2b(memoryview(raw), digest_size=16).hexdigest()
-    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{h}"
+_SAMPLES = 64  # |x| at this many fixed positions of each replicated tensor
+_CLOSE = 1e-3  # relative to the tensor's rms: another build's rounding, not other weights
 
 
-def replicated_digests(tr: Any) -> dict[str, str]:
-    """Digests of the tensors the task holds outside params and state
-    (``replicated_tensors()``: a ``ModuleTask``'s frozen parameters), by name where the
-    task's ``model`` names them. A checkpoint does not hold those tensors (a frozen
-    backbone would double it), only these, so a resume onto other ones is refused: taken
-    once per trainer (they do not train)."""
-    held = getattr(tr, "_replicated_digests", None)
-    if held is not None:
-        return held
+def _fingerprint(t: torch.Tensor) -> dict:
+    """A replicated tensor's dtype and shape, its rms and ``|x|`` at fixed positions: what
+    tells other weights (another seed, another file) from the same ones built again. Not
+    its bytes: a TT-SVD at another thread count or on another device differs in the last
+    bits and in the cores' signs. What cannot be read (a meta tensor) keeps only its
+    dtype and shape."""
+    out: dict = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    try:
+        x = t.detach()
+        if x.is_sparse:
+            x = x.coalesce().values()
+        elif x.layout != torch.strided:
+            x = x.to_dense()
+        x = x.reshape(-1)
+        x = (x.abs() if x.is_complex() else x).float()
+        n = x.numel()
+        if n == 0:
+            return out
+        rms = float(torch.linalg.vector_norm(x)) / math.sqrt(n)
+        picks = torch.randint(n, (_SAMPLES,), generator=torch.Generator().manual_seed(0))
+        out["rms"] = rms
+        out["abs"] = x[picks.to(x.device)].abs().cpu().tolist()
+    except (RuntimeError, NotImplementedError):  # meta, or a layout with no values to read
+        pass
+    return out
+
+
+def _alike(a: object, b: object) -> bool:
+    """Whether two fingerprints are of the same tensor, up to rounding."""
+    if not isinstance(a, dict) or not isinstance(b, dict):  # one side absent
+        return a is None and b is None
+    if (a.get("dtype"), a.get("shape")) != (b.get("dtype"), b.get("shape")):
+        return False
+    if "rms" not in a or "rms" not in b:  # one side unreadable: as far as can be told
+        return True
+    tol = _CLOSE * max(a["rms"], b["rms"])
+    return abs(a["rms"] - b["rms"]) <= tol and all(
+        abs(x - y) <= tol for x, y in zip(a["abs"], b["abs"], strict=True)
+    )
+
+
+def replicated_fingerprints(tr: Any) -> dict[str, dict]:
+    """Fingerprints (:func:`_fingerprint`) of the tensors the task holds outside params
+    and state (``replicated_tensors()``: a ``ModuleTask``'s frozen parameters), by name
+    where the task's ``model`` names them. A checkpoint does not hold those tensors (a
+    frozen backbone would double it), only these, so a resume onto other ones is
+    refused."""
     fn = getattr(tr.task, "replicated_tensors", None)
     tensors = list(fn()) if fn is not None else []
     model = getattr(tr.task, "model", None)
     names = {id(p): n for n, p in model.named_parameters()} if hasattr(
         model, "named_parameters") else {}  # fmt: skip
-    held = {names.get(id(t), f"replicated tensor {i}"): _digest(t) for i, t in enumerate(tensors)}
-    tr._replicated_digests = held
-    return held
+    return {names.get(id(t), f"replicated tensor {i}"): _fingerprint(t)
+            for i, t in enumerate(tensors)}  # fmt: skip
 
 
-def check_replicated(tr: Any, saved: dict[str, str] | None) -> None:
-    """Refuse a resume whose task holds other frozen tensors than the run was saved with
-    (``saved``: the checkpoint's digests; None for a checkpoint written before they were
-    recorded): a model rebuilt from another seed or backbone file went on training from
-    another model without a word."""
-    if saved is None:
+def check_replicated(tr: Any, saved: object) -> None:
+    """Refuse a resume whose task holds other replicated tensors (a ``ModuleTask``'s
+    frozen parameters) than the run was saved with (``saved``: the checkpoint's
+    fingerprints; None for a checkpoint written before they were recorded): a model
+    rebuilt from another seed or backbone file went on training from another model
+    without a word. Call it once every rank holds rank 0's tensors."""
+    if not isinstance(saved, dict):
         return
-    now = replicated_digests(tr)
-    differ = [n for n in dict.fromkeys([*saved, *now]) if saved.get(n) != now.get(n)]
+    now = replicated_fingerprints(tr)
+    differ = [n for n in dict.fromkeys([*saved, *now]) if not _alike(saved.get(n), now.get(n))]
     if differ:
         more = f" (+{len(differ) - 4} more)" if len(differ) > 4 else ""
         raise CheckpointError(
             f"checkpoint in {tr.run_dir} was trained with other frozen tensors than this run "
-            f"built: {', '.join(differ[:4])}{more} differ (a checkpoint holds only what "
-            "trains); rebuild the model as it was (the same weights file, seed and frozen "
-            "layers) to resume it"
+            f"built (a checkpoint holds only what trains; these differ: "
+            f"{', '.join(differ[:4])}{more}); rebuild the model as it was (the same weights "
+            "file, seed and frozen layers) to resume it"
         )
 
 
@@ -582,8 +617,9 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     saved_world = len(datas)
     dev = tr.device
     to_dev = lambda tree: tree_map(lambda t: t.to(dev), tree)  # noqa: E731
+    # the caller broadcast them: every rank decides alike, before its module changes
+    check_replicated(tr, ckpt.get("replicated"))
     tr.params = tree_map(lambda t: t.to(dev).requires_grad_(True), ckpt["params"])
-    tr._saved_replicated = ckpt.get("replicated")  # checked once every rank holds rank 0's
     tr.state = to_dev(ckpt["state"])
     opt = dict(ckpt["opt"])
     galore = opt.pop("galore", None)

@@ -261,6 +261,10 @@ class Trainer:
         self._timed = 0  # the tuner's timing count at the last sync
         self.plans: dict[str, dict] = {}  # the auto-plan decisions this run has used
         self._history = resume  # plans.json holds this run's history (a fresh run's: none)
+        # replicas start identical: what the task holds outside params and state (a
+        # ModuleTask's frozen parameters) first, so a resume checks rank 0's on every rank
+        replicated = getattr(task, "replicated_tensors", None)
+        broadcast_tensors(list(replicated()) if replicated is not None else [])
         if resume:
             self._reinstall_plans()
             ck.restore_trainer(self, ck.load_checkpoint(self.run_dir))
@@ -275,13 +279,8 @@ class Trainer:
             torch.manual_seed(cfg.seed + self.rank)
         # layers already at rank 0 (a resumed run's) were said when they got there
         self._zero_said = self._zero_layers()
-        # replicas start identical: the params, the model's running buffers and what the
-        # task holds outside both (a ModuleTask's frozen parameters)
-        replicated = getattr(task, "replicated_tensors", None)
-        broadcast_tensors([*tree_flatten(self.params)[0], *self._buffers(),
-                           *(replicated() if replicated is not None else [])])  # fmt: skip
-        if resume:  # after the broadcast: every rank decides on rank 0's tensors
-            ck.check_replicated(self, self._saved_replicated)
+        # then the params and the model's running buffers
+        broadcast_tensors([*tree_flatten(self.params)[0], *self._buffers()])
         # the run's own random streams, swapped in by fit, train_step and checkpoint
         # (_own_streams): what the caller draws between calls (or another trainer's
         # seeding) changes nothing the run draws, and an in-process run equals its resume

@@ -52,7 +52,7 @@ class ModuleTask:
     Frozen parameters (``requires_grad=False``) stay the module's own and are not trained:
     a whole TT layer frozen is neither trained nor pruned, nor counted in the sizes the
     trainer reports and targets; the trainer gives every rank rank 0's when it starts
-    (:meth:`replicated_tensors`). Checkpoints do not hold them, only their digests: a
+    (:meth:`replicated_tensors`). Checkpoints do not hold them, only their fingerprints: a
     resume onto other frozen weights is refused. A TT layer with some tensors frozen and
     others not is refused. The model must already be on the trainer's device
     (``model.to(cfg.device)``)."""
