@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,11 +48,12 @@ class DatasetSpec:
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
-        # printable: the shuffle's keys join the name with other parts by a control
-        # character, which inside a name could give two sub-datasets one order
-        if not self.name or not isinstance(self.name, str) or not self.name.isprintable():
+        # no control characters: the shuffle's keys join the name with other parts by one
+        # (\x1f), which inside a name could give two sub-datasets one order
+        if (not self.name or not isinstance(self.name, str)
+                or any(unicodedata.category(c) == "Cc" for c in self.name)):  # fmt: skip
             raise LoaderInputError(
-                "DatasetSpec.name must be a non-empty string of printable characters, "
+                "DatasetSpec.name must be a non-empty string with no control characters, "
                 f"got {self.name!r}"
             )
         self.weight = check_weight(f"dataset {self.name!r}", self.weight)

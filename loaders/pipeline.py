@@ -195,11 +195,15 @@ class ReaderPipeline:
                 bad = hi if hi > info.max else lo
                 doc = self.shards[name].current_doc(slot)
                 # int64 is the widest: past it (a uint64 id) only the data can change
-                wider = "out_dtype='int64' or " if self.config.out_dtype != "int64" else ""
+                wide = bad <= np.iinfo(np.int64).max
                 raise LoaderInputError(
                     f"sub-dataset {name!r}: document {doc} holds token id {bad}, which "
-                    f"LoaderConfig.out_dtype={self.config.out_dtype!r} cannot hold; use "
-                    f"{wider}re-tokenize the data"
+                    f"LoaderConfig.out_dtype={self.config.out_dtype!r} cannot hold; "
+                    + (
+                        "set out_dtype='int64' or re-tokenize the data"
+                        if wide
+                        else "no output dtype holds it (int64 is the widest): re-tokenize the data"
+                    )
                 )
         return toks
 

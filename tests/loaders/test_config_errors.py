@@ -32,7 +32,7 @@ def _config(**kw) -> LoaderConfig:
         (lambda: DatasetSpec(name="a", path=_Docs(), weight=math.inf), "weight"),
         (lambda: DatasetSpec(name="a", path=None), "path is None"),
         # the shuffle's keys join parts with \x1f: inside a name, two orders could coincide
-        (lambda: DatasetSpec(name="a\x1f1", path=_Docs()), "printable characters"),
+        (lambda: DatasetSpec(name="a\x1f1", path=_Docs()), "no control characters"),
         (lambda: _config(seq_len="64"), "seq_len"),
         (lambda: _config(seq_len=64.5), "seq_len"),
         (lambda: _config(batch_size=2.0), "batch_size"),
@@ -229,6 +229,13 @@ class _WideDocs(_Docs):
         return np.array([7, 2**40 + 5 if i == 3 else 8], dtype=np.int64)
 
 
+def test_names_of_any_script_are_taken() -> None:
+    """Only control characters are refused: ZWNJ (Persian words), NBSP and the
+    ideographic space are not printable to Python, yet are names."""
+    for name in ("فارسی\u200cمتن", "a\u00a0b", "日本\u3000語", "code"):
+        DatasetSpec(name=name, path=_Docs())
+
+
 def test_loader_flags_take_what_torch_takes() -> None:
     """numpy's bools and 0/1 were taken for pin_memory before it was checked; a context
     object is a context."""
@@ -245,15 +252,20 @@ def test_ids_out_dtype_cannot_hold_are_refused(tmp_path):
                        seq_len=4, out_dtype="int32", shuffle="none", num_epochs=1,
                        min_doc_len=2)  # fmt: skip
     with pytest.raises(LoaderInputError, match=r"document 3 holds token id 1099511627781, wh"
-                       r"ich LoaderConfig.out_dtype='int32' cannot hold"):  # fmt: skip
+                       r"ich LoaderConfig.out_dtype='int32' cannot hold; set out_dtype='int64'"
+                       r" or re-tokenize the data"):  # fmt: skip
         list(TokenLoader(cfg))
     wide = LoaderConfig(datasets=[DatasetSpec(name="w", path=_WideDocs())], num_shards=1,
                         seq_len=4, shuffle="none", num_epochs=1)  # fmt: skip
     assert 2**40 + 5 in torch.cat([b["input_ids"].reshape(-1) for b in TokenLoader(wide)])
-    # past int64 (a uint64 id) only the data can change: the advice is not the setting held
-    wide.datasets[0].path.doc = lambda i: np.array([7, 2**64 - 1], np.uint64)
-    with pytest.raises(LoaderInputError, match=r"out_dtype='int64' cannot hold; use re-tok"):
-        list(TokenLoader(wide))
+    # past int64 (a uint64 id) only the data can change: int64 is not advised, at any setting
+    for out in ("int64", "int32"):
+        huge = LoaderConfig(datasets=[DatasetSpec(name="w", path=_WideDocs())], num_shards=1,
+                            seq_len=4, shuffle="none", num_epochs=1, out_dtype=out)  # fmt: skip
+        huge.datasets[0].path.doc = lambda i: np.array([7, 2**64 - 1], np.uint64)
+        with pytest.raises(LoaderInputError, match=rf"out_dtype='{out}' cannot hold; no output"
+                           r" dtype holds it \(int64 is the widest\): re-tokenize"):  # fmt: skip
+            list(TokenLoader(huge))
     # the short document alone out of range, skipped: nothing stops the run
     cfg.datasets[0].path.doc = lambda i: np.array([2**41] if i == 5 else [7, 8], np.int64)
     assert len(list(TokenLoader(cfg))) > 0
