@@ -481,10 +481,10 @@ def _not_smaller(modes: tuple[int, ...], rank: int, name: str, cfg: TensorizeCon
     capped = cap_ranks(modes, rank, name)
     # any bond capped: rank 8 over bonds that carry (4, 8, 4) is not a rank-8 train
     shown = f" (capped to {','.join(map(str, capped))})" if min(capped) < rank else ""
-    if cfg.min_compression <= 1:
-        return f"skipped: a rank-{rank}{shown} train is no smaller than the dense layer"
+    if cfg.min_compression == 1:  # the default: skipped means larger (an equal size is kept)
+        return f"skipped: a rank-{rank}{shown} train is larger than the dense layer"
     return (f"skipped: a rank-{rank}{shown} train is not {cfg.min_compression:g}x smaller "
-            "(min_compression)")  # fmt: skip
+            "than the dense layer (min_compression)")  # fmt: skip
 
 
 def _short_of(cfg: TensorizeConfig, dense: int, size: int) -> str:
@@ -792,6 +792,9 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             if not any(_match(p, (glob,)) for p in every):
                 done = [n for n, m in model.named_modules() if n and _match(n, (glob,))
                         and isinstance(m, (TTLinear, TTMEmbedding, PaddedTTLinear))]  # fmt: skip
+                # a padded layer once, not beside its train at NAME.inner
+                done = [n for n in done if n.removesuffix(".inner") == n
+                        or n.removesuffix(".inner") not in done]  # fmt: skip
                 if done:  # a second call over a tensorized model
                     raise ConfigError(
                         f"tensorize_: {flag} glob {glob!r} matches only layers already "

@@ -917,13 +917,17 @@ def test_summary_rows_of_skipped_layers_and_unmet_targets_say_what_is_so() -> No
     big = tensorize_(nn.Sequential(nn.Linear(16, 16)), wide)
     assert (
         big.layers[0].skipped
-        == "skipped: a rank-100000 (capped to 4,16,4) train is no smaller than the dense layer"
+        == "skipped: a rank-100000 (capped to 4,16,4) train is larger than the dense layer"
     )
     some = TensorizeConfig(target_modules="*", rank=8, cores=2, min_compression=1000)
     capped = tensorize_(nn.Sequential(nn.Linear(16, 16)), some).layers[0].skipped
     assert (
-        capped == "skipped: a rank-8 (capped to 4,8,4) train is not 1000x smaller (min_compression)"
+        capped == "skipped: a rank-8 (capped to 4,8,4) train is not 1000x smaller than the "
+        "dense layer (min_compression)"
     )
+    half = TensorizeConfig(target_modules="*", rank=16, cores=2, min_compression=0.5)
+    larger = tensorize_(nn.Sequential(nn.Linear(16, 16)), half).layers[0].skipped
+    assert larger.endswith("train is not 0.5x smaller than the dense layer (min_compression)")
     four = TensorizeConfig(target_modules="*", rank=64, compression=4.0)
     short = tensorize_(nn.Sequential(nn.Linear(32, 3)), four)
     row = short.layers[0]
@@ -1038,6 +1042,10 @@ def test_bad_tensorize_configs_name_the_field() -> None:
     tensorize_(twice, TensorizeConfig(target_modules=("0",), rank=2, min_compression=0))
     with pytest.raises(ConfigError, match=r"'0' matches only layers already tensorized \(0\)"):
         tensorize_(twice, TensorizeConfig(target_modules=("0",), rank=2, min_compression=0))
+    odd = nn.Sequential(nn.Linear(16, 97))  # padded: its train sits at 0.inner
+    tensorize_(odd, TensorizeConfig(target_modules=("*",), rank=2, min_compression=0))
+    with pytest.raises(ConfigError, match=r"already tensorized \(0\); tensorize_ replaces"):
+        tensorize_(odd, TensorizeConfig(target_modules=("*",), rank=2, min_compression=0))
     with torch.no_grad():
         model[1].weight[0, 0] = float("nan")
     with pytest.raises(ConfigError, match="1's weight holds NaN or inf, .* init='random'"):
