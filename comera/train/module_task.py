@@ -230,8 +230,9 @@ class ModuleTask:
 
         if self._frozen_tt and not self._tt and getattr(cfg.comera, "enabled", False):
             # the trainer would say the model holds no TT layer: it holds them, all frozen
+            more = f" (+{len(self._frozen_tt) - 6} more)" if len(self._frozen_tt) > 6 else ""
             raise ConfigError(
-                f"ModuleTask: every TT layer is frozen ({', '.join(self._frozen_tt[:6])}), "
+                f"ModuleTask: every TT layer is frozen ({', '.join(self._frozen_tt[:6])}{more}), "
                 "and CoMERA adapts the ranks of trained ones only; unfreeze some "
                 "(requires_grad_(True)) or train with train.comera.enabled=False"
             )

@@ -298,9 +298,13 @@ def _load_pretrained(tf: Any, cfg: ModelConfig, labels: int = 0) -> tuple[nn.Mod
         )
     # a model saved in half precision loads as such (transformers' dtype="auto"): Adam
     # on bf16 weights drops every update below their resolution (most of a LayerNorm's
-    # stayed 1.0), so its weights train in float32 (``--bf16`` is autocast on top)
-    if any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):
-        model.float()
+    # stayed 1.0), so those train in float32 (``--bf16`` is autocast on top); other
+    # dtypes (a float64 model, integer buffers) stay as saved
+    half = (torch.float16, torch.bfloat16)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:  # in place: ties stay tied
+            if t.dtype in half:
+                t.data = t.data.float()
     return model, sorted(info.get("missing_keys") or ())
 
 

@@ -119,6 +119,10 @@ def test_a_model_saved_in_half_precision_trains_in_float32(tmp_path: Path) -> No
     saved = dict(model.named_parameters())
     for name, t in loaded.named_parameters():  # the saved values, upcast exactly
         assert torch.equal(t, saved[name].float()), name
+    # float64 weights stay float64 (a float32 copy would round them)
+    model.double().save_pretrained(tmp_path / "f64")
+    wide = load_model(dataclasses.replace(p.model, path=str(tmp_path / "f64")), data)
+    assert {t.dtype for t in wide.parameters()} == {torch.float64}
 
 
 def _one_error(capsys) -> str:
