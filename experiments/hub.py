@@ -41,6 +41,10 @@ def hub_unreachable(exc: BaseException) -> bool:
 def quiet_hub() -> Iterator[None]:
     """Hide huggingface_hub's warnings (one per retried request) while a load runs: its
     failure is reported in one line by the caller."""
+    # the client's logging module sets the level when first imported (inside a load, by
+    # datasets), which undid ours: imported first, then ours set
+    with contextlib.suppress(ImportError):
+        import huggingface_hub.utils.logging  # noqa: F401
     logger = logging.getLogger("huggingface_hub")
     level = logger.level
     logger.setLevel(logging.ERROR)

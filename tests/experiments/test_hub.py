@@ -33,12 +33,28 @@ def test_unreachable_is_told_from_a_wrong_name() -> None:
 
 
 def test_quiet_hub_hides_the_clients_warnings_and_restores_its_level() -> None:
+    pytest.importorskip("huggingface_hub.utils.logging")  # whose import sets the level
     logger = logging.getLogger("huggingface_hub")
     before = logger.level
     with quiet_hub():
         assert not logger.isEnabledFor(logging.WARNING)
         assert logger.isEnabledFor(logging.ERROR)
     assert logger.level == before
+
+
+def test_quiet_hub_holds_when_the_client_is_first_imported_inside_it() -> None:
+    """huggingface_hub sets its logger's level when imported: a first import inside the
+    block (datasets loading MNLI) undid the block's level, and its retries printed."""
+    import subprocess
+    import sys
+
+    code = ("import logging\nfrom experiments.hub import quiet_hub\nwith quiet_hub():\n"
+            "    import datasets\n"
+            "    print(logging.getLogger('huggingface_hub').getEffectiveLevel())\n")  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=root, check=True, env={"PYTHONPATH": str(root)})  # fmt: skip
+    assert out.stdout.split()[-1] == str(logging.ERROR)
 
 
 def test_finetune_on_an_unreachable_hub_is_one_line_with_the_tip(
