@@ -215,7 +215,15 @@ class RunLog:
                     f"got {tag!r}; give others (--wandb-tags a,b) or --wandb disabled, and go "
                     f"on with --resume {self.run_dir}"
                 )
-        import wandb  # lazily: runs without wandb never import it
+        try:
+            import wandb  # lazily: runs without wandb never import it
+        except Exception as e:  # noqa: BLE001 - installed but broken (a protobuf mismatch)
+            raise ConfigError(
+                f"wandb={mode!r}: the wandb package is installed but does not import "
+                f"({type(e).__name__}: {first_line(e)}); repair it (pip install "
+                "--force-reinstall wandb) or use --wandb disabled, and go on with "
+                f"--resume {self.run_dir}"
+            ) from None
 
         id_path = self.run_dir / WANDB_ID
         # only a resume continues the recorded wandb run: a fresh one (a restart of a run
@@ -242,8 +250,13 @@ class RunLog:
         # refuses (pydantic's ValueErrors: a project name with "/"); a file it cannot write
         except (wandb.errors.Error, ValueError, OSError) as e:
             why = " ".join(str(e).split())[:300] or type(e).__name__
+            unreachable = isinstance(e, getattr(wandb.errors, "CommError", ())) or (
+                "timed out" in why.lower())  # fmt: skip
             if isinstance(e, OSError):  # a disk, a permission: not a setting
                 fix = f"make {self.run_dir / 'wandb'} writable (or use --wandb disabled)"
+            elif mode == "online" and unreachable:  # a key, but no server answered in time
+                fix = ("check the network (or WANDB_BASE_URL) or use --wandb offline "
+                       "(WANDB_INIT_TIMEOUT=SECONDS gives up sooner than wandb's 90)")  # fmt: skip
             elif mode == "online":
                 fix = "log in (wandb login, or WANDB_API_KEY) or use --wandb offline"
             else:

@@ -408,6 +408,30 @@ def test_a_wandb_that_cannot_start_is_one_line_and_the_run_resumes(tmp_path, mon
     assert mnli.main(["--resume", str(run_dir), "--no-progress", "--wandb", "disabled"]) == 0
 
 
+def test_a_wandb_server_that_never_answers_is_not_a_login_problem(tmp_path, monkeypatch):
+    """With a key set and no server reachable, wandb gives up after its init timeout; the
+    advice was to log in. A wandb that is installed but does not import was a traceback."""
+    import wandb
+
+    from comera.errors import ConfigError
+    from comera.train import Trainer
+    from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+    def timed_out(**kw):
+        raise wandb.errors.CommError("Run initialization has timed out after 90.0 sec.")
+
+    monkeypatch.setattr(wandb, "init", timed_out)
+    cfg = _cfg(tmp_path, steps=2, wandb="online")
+    with pytest.raises(ConfigError, match=r"timed out .*; check the network \(or WANDB_BASE_"):
+        Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    cfg = _cfg(tmp_path / "broken", steps=2, wandb="offline")
+    with pytest.raises(ConfigError, match=r"installed but does not import \(ModuleNotFoundError: .*"
+                       r"--wandb disabled, and go on with --resume"):  # fmt: skip
+        Trainer(cfg, ToyTask(), *_toy_model()).fit()
+
+
 def test_a_bad_wandb_mode_variable_is_not_what_wandb_reads(tmp_path, monkeypatch):
     """``WANDB_MODE=junk`` (or ``Offline``): the note said "using offline", then wandb read
     the variable itself and failed with a pydantic traceback, --wandb offline or not. The
