@@ -42,6 +42,7 @@ __all__ = [
     "load_run",
     "number",
     "rank_table",
+    "run_setup",
     "read_bench_json",
     "read_run_json",
     "read_report_json",
@@ -233,7 +234,7 @@ def check_smoke_pair(dirs: dict[str, Path], experiment: str) -> None:
                 f"{d} holds {what} run, but the report reads it as the {kind} run; train the "
                 f"{kind} run there (or move the run dirs)"
             )
-    a, b = (_setup(configs[k]) for k in ("CoMERA", "dense"))
+    a, b = (run_setup(configs[k]) for k in ("CoMERA", "dense"))
     gaps = [f"{k} ({a.get(k)!r} against {b.get(k)!r})" for k in sorted({*a, *b})
             if a.get(k) != b.get(k)]  # fmt: skip
     if gaps:  # a dense run of other data or length was set beside CoMERA's without a word
@@ -244,7 +245,7 @@ def check_smoke_pair(dirs: dict[str, Path], experiment: str) -> None:
         )
 
 
-def _setup(config: dict) -> dict[str, Any]:
+def run_setup(config: dict) -> dict[str, Any]:
     """What two runs a smoke report compares must share: the data section (but where its
     cache lives) as the run last resumed with it, the batch size, the number of steps and
     the seed."""

@@ -13,6 +13,7 @@ paper's figures are quoted next to the measurements.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from experiments.report import (
     read_bench_json,
     read_report_json,
     render_report_json,
+    run_setup,
     runs_host,
     series,
     staged,
@@ -72,9 +74,12 @@ def _summary(run: dict) -> dict:
         "name": run["dir"].name,
         "kind": "dense" if dense else "CoMERA",
         "preset": str(cfg.get("preset")),
+        "data_source": _data_source(cfg.get("data") or {}),
+        "setup": run_setup(cfg),  # what rows set side by side are assumed to share
         "steps": last["step"],
         "planned_steps": cfg.get("train", {}).get("steps"),
         "final_loss": last["loss"],
+        "eval_step": last_eval.get("step"),
         "accuracy": {k[5:]: v for k, v in last_eval.items() if k.endswith("accuracy")},
         "live_params": last["live_params"],
         "model_mb": last["live_params"] * 4 / 2**20,
@@ -91,6 +96,25 @@ def _summary(run: dict) -> dict:
             **({} if dense else {k: series(train, k) for k in rank_keys}),
         },
     }
+
+
+def _data_source(data: dict) -> str:
+    """Where a run's examples came from, in words."""
+    if data.get("train_file"):
+        return f"local files ({Path(str(data['train_file'])).name}, ...)"
+    if data.get("dataset") == "generated":
+        return "the generated task"
+    return f"{data.get('dataset')} ({data.get('dataset_config')})"
+
+
+def _setup_gaps(runs: list[dict]) -> list[str]:
+    """The setup keys (data, batch, steps, seed) on which the runs differ; none for runs
+    gathered before setups were recorded."""
+    setups = [r.get("setup") for r in runs]
+    if len(runs) < 2 or any(not isinstance(s, dict) for s in setups):
+        return []
+    keys = sorted({k for s in setups for k in s})
+    return [k for k in keys if len({json.dumps(s.get(k), sort_keys=True) for s in setups}) > 1]
 
 
 def gather(run_dirs: list[str], bench: dict | None, command: str) -> dict:
@@ -135,15 +159,44 @@ def render(data: dict, out_dir: Path, name: str = "mnli.md") -> str:
     runs = data["runs"]
     if runs:
         presets = sorted({r["preset"] for r in runs})
+        sources = sorted({r["data_source"] for r in runs if "data_source" in r})
+        data_line = (
+            (
+                f"Runs: {', '.join(presets)}. Smoke runs use a tiny model; data: "
+                f"{'; '.join(sources)}."
+            )
+            if sources
+            # fmt: skip
+            else (f"Runs: {', '.join(presets)}. Smoke runs use a tiny model on the generated task.")
+        )
+        lines += [data_line, ""]
+        gaps = _setup_gaps(runs)
+        if gaps:  # rows of other data, steps or seeds: said, with each run's values
+            shown = gaps[:6]
+            lines += [
+                "These runs were trained on different setups, so their rows are not a "
+                f"like-for-like comparison; they differ in {', '.join(gaps)}:",
+                "",
+                "| run | " + " | ".join(shown) + " |",
+                "|---|" + "---|" * len(shown),
+                *(
+                    f"| {r['name']} | "
+                    + " | ".join(f"`{json.dumps(r['setup'].get(k))}`" for k in shown)
+                    + " |"
+                    for r in runs
+                ),  # fmt: skip
+                "",
+            ]
         lines += [
-            f"Runs: {', '.join(presets)}. Smoke runs use a tiny model on the generated task.",
-            "",
             "| run | kind | steps | final loss | eval accuracy | live params | model MB (fp32) | "
             "compression vs dense | s / epoch | peak MB |",
             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
         ]
         for s in runs:
             acc = ", ".join(f"{k} {number(v, '.3f')}" for k, v in s["accuracy"].items()) or "-"
+            at = s.get("eval_step")  # an evaluation older than the last step says when
+            if s["accuracy"] and at is not None and at != s["steps"]:
+                acc += f" (at step {at})"
             epoch = "-" if s["epoch_s"] is None else f"{s['epoch_s']:.1f}"
             of = s.get("planned_steps")  # a run that stopped early says so
             steps = f"{s['steps']} of {of}" if of is not None and s["steps"] < of else s["steps"]

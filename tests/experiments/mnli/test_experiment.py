@@ -198,6 +198,24 @@ def test_report_from_run_dirs(tmp_path, capsys):
     with contextlib.chdir(tmp_path):  # given as "smoke": its parent folder is still named
         names = [r["name"] for r in report.gather(["smoke", str(twin)], None, "c")["runs"]]
     assert names == [f"{tmp_path.name}/smoke", "other/smoke"]
+    # a run of another seed and data beside it: said, with each run's values; the line
+    # of data names where each came from (it said "the generated task" of local files)
+    other = tmp_path / "seeded"
+    shutil.copytree(run_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["train"]["seed"], config["data"]["train_file"] = 7, "/data/train.jsonl"
+    (other / "config.json").write_text(json.dumps(config))
+    rows = [json.loads(x) for x in (other / "metrics.jsonl").read_text().splitlines()]
+    last = next(r for r in reversed(rows) if "loss" in r)
+    rows.append({**{k: v for k, v in last.items() if not k.startswith("eval/")}, "step": 31})
+    (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    both = report.render(report.gather([str(run_dir), str(other)], None, "c"), tmp_path)
+    assert "data: local files (train.jsonl, ...); the generated task." in both
+    assert "they differ in data.train_file, train.seed:" in both
+    assert "| smoke | `null` | `0` |" in both and '| seeded | `"/data/train.jsonl"` | `7` |' in both
+    last_eval = max(r["step"] for r in rows if any(k.startswith("eval/") for k in r))
+    assert f"(at step {last_eval})" in both  # its last row is past its last evaluation
+    assert both.count("(at step") == 1  # the run whose last row was evaluated: nothing
     shutil.rmtree(run_dir)  # re-rendered from the JSON alone: the same report
     again = tmp_path / "again" / "mnli.md"
     assert report.main(["--from-json", str(out.parent / "mnli.json"), "--out", str(again)]) == 0
