@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from comera.train import NonFiniteLoss
+from comera.train.checkpoint import complete_checkpoints
 from comera.train.distributed import own_process_group
 from experiments import cli
 from experiments.malloc import restart_for
@@ -35,6 +38,9 @@ __all__ = ["main", "run_demo"]
 # what the demo sets for each of its two runs: a --set of these would make a row of its
 # table something other than its label says (both runs dense, a run elsewhere)
 OWN_KEYS = ("dense", "model.tt", "train.comera.enabled", "train.run_dir", "train.run_name")
+
+# how a run's own message says to go on: the demo trains both anew instead
+_RESUME_ADVICE = re.compile(r",? and go on with --resume \S+|;? go on with --resume \S+")
 
 
 def run_demo(sets: list[str], runs_dir: Path, *, restart: bool = False) -> dict:
@@ -79,6 +85,17 @@ def run_demo(sets: list[str], runs_dir: Path, *, restart: bool = False) -> dict:
             # the folder reserved for the CoMERA run, left empty by a refusal: gone again
             with contextlib.suppress(OSError):
                 dirs["comera"].rmdir()
+            if isinstance(e, cli.USER_ERRORS):  # said for one run: said for the demo
+                if run_dir.is_dir() and not complete_checkpoints(run_dir):
+                    # records a refused start wrote (wandb that could not start): the demo
+                    # starts anew, so they would only be left behind
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                why = _RESUME_ADVICE.sub("", str(e))
+                raise cli.CLIError(
+                    f"its {kind} run: {why}; the demo takes each setting as --set KEY=VALUE "
+                    "(--wandb offline is --set train.wandb=offline; python -m experiments.mnli "
+                    "--help names each flag's key): run the demo again"
+                ) from None
             if not isinstance(e, cli.Interrupted):
                 raise
             # the table needs both runs: the demo starts anew

@@ -263,6 +263,30 @@ def test_the_demo_refuses_what_would_mislabel_its_table(tmp_path, capsys):
     assert not list(runs.iterdir())
 
 
+def test_a_run_the_demo_cannot_start_is_said_as_the_demo_takes_it(tmp_path, monkeypatch,
+                                                                   capsys):  # fmt: skip
+    """A wandb that cannot start was said as the single run says it ("use --wandb
+    offline, and go on with --resume RUN"): the demo has no --wandb flag, and resuming
+    one run never makes its table. The refused run's records were left behind."""
+    import wandb
+
+    from experiments.mnli import demo
+
+    def refuse(**kw):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    runs = tmp_path / "runs"
+    assert demo.main(["--set", "train.wandb=online", "--runs-dir", str(runs)]) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if ": error: " in x]  # after the run's model line
+    assert "Traceback" not in err
+    assert "its comera run: wandb='online': wandb could not start (No API key" in line
+    assert "--resume" not in line and "--set train.wandb=offline" in line
+    assert line.endswith("run the demo again")
+    assert not list(runs.iterdir())  # nothing left of the refused start
+
+
 def test_the_demo_scores_the_cue_on_what_the_runs_evaluated(tmp_path, monkeypatch, capsys):
     """The cue baseline counts the eval examples the runs scored (max_eval_examples);
     the dense twin is named and recorded as ``--dense`` names it; a demo started in the
