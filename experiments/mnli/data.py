@@ -36,7 +36,8 @@ GENERATED = "generated"
 DEFAULT_TOKENIZER = "bert-base-uncased"
 NUM_LABELS = 3
 LABEL_NAMES = ("entailment", "neutral", "contradiction")  # label ids 0, 1, 2
-_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv",
+            ".tsv": "tsv"}  # fmt: skip
 _OFFLINE_HELP = (
     "Use local data with --train-file PATH --eval-file NAME=PATH (parquet/jsonl/json/csv) or the "
     "synthetic task with --dataset generated, and a local tokenizer with --tokenizer PATH "
@@ -109,7 +110,8 @@ class MNLIDataConfig:
         paths += [("eval_files", p) for p in (self.eval_files or {}).values()]
         for name, path in paths:
             if Path(path).suffix.lower() not in _FORMATS:
-                raise bad(name, f"{path!r} must end in one of {sorted(_FORMATS)}")
+                flag = "--train-file" if name == "train_file" else "--eval-file"
+                raise bad(name, f"{path!r} must end in one of {sorted(_FORMATS)} ({flag})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -266,6 +268,12 @@ def _parse_table(path: str, fmt: str) -> pa.Table:
         read = pcsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
         return pcsv.read_csv(path, read_options=read,
                              parse_options=pcsv.ParseOptions(newlines_in_values=True))  # fmt: skip
+    if fmt == "tsv":  # GLUE's own files: one row a line, quotes are text (no quoting)
+        import pyarrow.csv as pcsv
+
+        read = pcsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
+        tabs = pcsv.ParseOptions(delimiter="\t", quote_char=False)
+        return pcsv.read_csv(path, read_options=read, parse_options=tabs)
     with open(path, encoding="utf-8-sig") as f:  # a BOM (Windows tools write one) is no text
         text = f.read()
     if text.lstrip().startswith("["):  # a JSON array of records

@@ -230,6 +230,23 @@ def test_a_missing_sentence_is_read_as_empty_and_said(tmp_path, gen_files, capsy
     assert "'hypothesis'" not in err
 
 
+def test_glue_tsv_files_are_read_as_glue_writes_them(tmp_path, gen_files):
+    """GLUE's MNLI files are tab-separated with quotes as text: .tsv was refused."""
+    lines = ["index\tsentence1\tsentence2\tgold_label",
+             '0\tbaba "bade\tbaba\tentailment',  # an unmatched quote is text
+             '1\tbada babe\t"bobo"\tneutral',
+             "2\tbabi bado\tnot babi\tcontradiction"]  # fmt: skip
+    path = tmp_path / "dev_matched.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    cols = {"premise_column": "sentence1", "hypothesis_column": "sentence2",
+            "label_column": "gold_label"}  # fmt: skip
+    data = load_mnli(MNLIDataConfig(train_file=str(path), tokenizer=str(gen_files[2]), **cols))
+    assert data.train.labels.tolist() == [0, 1, 2]
+    table = md._read_table(str(path))
+    assert table.column("sentence1")[0].as_py() == 'baba "bade'
+    assert table.column("sentence2")[1].as_py() == '"bobo"'
+
+
 def test_label_names_accepted(tmp_path, gen_files):
     rows = [dict(r, label=md.LABEL_NAMES[r["label"]]) for r in ROWS]
     # MultiNLI's own files mark examples without annotator consensus "-": unlabelled
