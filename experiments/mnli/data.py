@@ -143,9 +143,12 @@ class MNLIData:
         hold (the first step's loss would fail on them, naming no setting)."""
         top = self.max_label()
         if top >= num_labels:
+            named = {"train": self.train, **{f"eval split {k!r}": v for k, v in self.eval.items()}}
+            where = [n for n, sp in named.items() if len(sp.labels) and int(sp.labels.max()) == top]
             raise ConfigError(
-                f"the data has label ids up to {top} but model.num_labels={num_labels}; "
-                f"set --set model.num_labels={top + 1}"
+                f"the data has label ids up to {top} ({', '.join(where)}) but "
+                f"model.num_labels={num_labels}; set --set model.num_labels={top + 1}, or "
+                "check that split's labels"
             )
 
 

@@ -195,9 +195,16 @@ def test_labels_past_three_classes_are_read_for_a_larger_head(tmp_path, gen_file
     path = _write(tmp_path / f"five{suffix}", rows)
     data = load_mnli(MNLIDataConfig(train_file=path, tokenizer=str(gen_files[2])))
     assert data.train.labels.tolist() == [0, 1, 2, 4]
-    with pytest.raises(ConfigError, match=r"label ids up to 4 .*--set model.num_labels=5"):
+    with pytest.raises(ConfigError, match=r"label ids up to 4 \(train\) .*num_labels=5"):
         data.check_label_count(3)
     data.check_label_count(5)
+    # only an eval file holds the id past the head: named, as the data to check
+    dev = _write(tmp_path / f"dev{suffix}", [{"premise": "a", "hypothesis": "b", "label": 3}])
+    train = _write(tmp_path / f"t{suffix}", ROWS)
+    cfg = MNLIDataConfig(train_file=train, eval_files={"dev": dev}, tokenizer=str(gen_files[2]))
+    data = load_mnli(cfg)
+    with pytest.raises(ConfigError, match=r"up to 3 \(eval split 'dev'\) but model.num_lab"):
+        data.check_label_count(3)
     floats = _write(tmp_path / "f.jsonl", [{**r, "label": float(r["label"])} for r in ROWS])
     data = load_mnli(MNLIDataConfig(train_file=floats, tokenizer=str(gen_files[2])))
     assert data.train.labels.tolist() == [0, 1, 2]

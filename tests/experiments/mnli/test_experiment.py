@@ -339,7 +339,7 @@ def test_cli_argument_errors(tmp_path, capsys):
     [
         ("model.type_vocab=1", "token types up to 1 but model.type_vocab=1"),
         ("model.type_vocab=0", "type_vocab must be >= 1"),
-        ("model.num_labels=2", "label ids up to 2 but model.num_labels=2"),
+        ("model.num_labels=2", "label ids up to 2 (train, eval split 'validation') but mod"),
     ],
 )
 def test_a_model_smaller_than_its_data_is_one_line(tmp_path, capsys, key, text):
