@@ -365,9 +365,16 @@ def _alike(a: object, b: object) -> bool:
         return False
     if "rms" not in a or "rms" not in b:  # one side unreadable: as far as can be told
         return True
-    tol = _CLOSE * max(a["rms"], b["rms"])
-    return abs(a["rms"] - b["rms"]) <= tol and all(
-        abs(x - y) <= tol for x, y in zip(a["abs"], b["abs"], strict=True)
+    finite = [r for r in (a["rms"], b["rms"]) if math.isfinite(r)]
+    tol = _CLOSE * max(finite, default=0.0)  # NaN or inf held: the rest compared exactly
+
+    def same(x: float, y: float) -> bool:  # a NaN matches a NaN: one frozen stays one
+        if math.isnan(x) or math.isnan(y):
+            return math.isnan(x) and math.isnan(y)
+        return x == y or abs(x - y) <= tol
+
+    return same(a["rms"], b["rms"]) and all(
+        same(x, y) for x, y in zip(a["abs"], b["abs"], strict=True)
     )
 
 

@@ -183,6 +183,25 @@ def test_a_resume_onto_other_frozen_weights_is_refused(tmp_path) -> None:
         _task(model(2)).trainer(cfg, resume=True)
 
 
+def test_fingerprints_match_a_rebuild_and_tell_other_values() -> None:
+    """A frozen tensor holding NaN (or inf) must match itself, or no resume of it could
+    go on; zeros, integers, bools and tensors of fewer elements than samples match
+    themselves and not other values."""
+    from comera.train.checkpoint import _alike, _fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    nan = torch.randn(100, generator=g)
+    nan[3] = float("nan")
+    inf = torch.randn(100, generator=g)
+    inf[5] = float("inf")
+    for t in (nan, inf, torch.zeros(10), torch.arange(7), torch.ones(3, dtype=torch.bool),
+              torch.randn(2, generator=g), torch.tensor(1.5)):  # fmt: skip
+        assert _alike(_fingerprint(t), _fingerprint(t.clone())), t
+        assert not _alike(_fingerprint(t), _fingerprint(t + 1)), t
+    assert not _alike(_fingerprint(torch.zeros(3)), _fingerprint(torch.zeros(4)))  # shape
+    assert not _alike(_fingerprint(torch.zeros(3)), _fingerprint(torch.zeros(3).double()))
+
+
 class _Counting(nn.Module):
     """A module that counts the rows it saw by assigning its buffer anew each call."""
 
