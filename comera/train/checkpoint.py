@@ -326,17 +326,13 @@ def _save_files(tr: Any, d: Path, data: object) -> None:
         write_model(d, payload, tr.cfg.keep_checkpoints)
 
 
-_SAMPLES = 64  # |x| at this many fixed positions of each replicated tensor
+_SAMPLES = 64  # |x| at this many positions of each replicated tensor
 _CLOSE = 1e-3  # relative to the tensor's rms: another build's rounding, not other weights
 
 
-def _fingerprint(t: torch.Tensor) -> dict:
-    """A replicated tensor's dtype and shape, its rms and ``|x|`` at fixed positions: what
-    tells other weights (another seed, another file) from the same ones built again. Not
-    its bytes: a TT-SVD at another thread count or on another device differs in the last
-    bits and in the cores' signs. What cannot be read (a meta tensor) keeps only its
-    dtype and shape."""
-    out: dict = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+def _values(t: torch.Tensor) -> torch.Tensor | None:
+    """A tensor's values, flat (a sparse one's stored values; a complex one's moduli);
+    None where none can be read (a meta or quantized tensor)."""
     try:
         x = t.detach()
         if x.is_sparse:
@@ -344,65 +340,119 @@ def _fingerprint(t: torch.Tensor) -> dict:
         elif x.layout != torch.strided:
             x = x.to_dense()
         x = x.reshape(-1)
-        x = (x.abs() if x.is_complex() else x).float()
-        n = x.numel()
-        if n == 0:
-            return out
-        rms = float(torch.linalg.vector_norm(x)) / math.sqrt(n)
-        picks = torch.randint(n, (_SAMPLES,), generator=torch.Generator().manual_seed(0))
-        out["rms"] = rms
-        out["abs"] = x[picks.to(x.device)].abs().cpu().tolist()
-    except (RuntimeError, NotImplementedError):  # meta, or a layout with no values to read
-        pass
+        return x.abs() if x.is_complex() else x
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _fingerprint(t: torch.Tensor, picks: list[int] | None = None) -> dict:
+    """A replicated tensor's dtype and shape, its rms, mean ``|x|`` (and where along the
+    tensor that mass lies), nonzero count and ``|x|`` at ``picks`` (64 seeded positions
+    unless given: a saved fingerprint's, so a resume reads the same ones): what tells
+    other weights (another seed, another file) from the same ones built again. Not its
+    bytes: a TT-SVD at another thread count or on another device differs in the last bits
+    and in the cores' signs. One whose values cannot be read keeps only its dtype and
+    shape."""
+    out: dict = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    x = _values(t)
+    if x is None or x.numel() == 0:
+        return out
+    n = x.numel()
+    if picks is None:
+        gen = torch.Generator().manual_seed(0)
+        picks = torch.randint(n, (_SAMPLES,), generator=gen).tolist()
+    if any(not 0 <= i < n for i in picks):  # another size: the shapes already differ
+        return out
+    # float64 sums: a float64 tensor's values past float32's range stay finite
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        y = x if x.is_floating_point() else x.to(wide)
+        out["rms"] = float(torch.linalg.vector_norm(y, dtype=wide)) / math.sqrt(n)
+        out["mean_abs"] = float(y.abs().mean(dtype=wide))
+        out["where_abs"] = _where_abs(y, wide)
+        out["nonzero"] = int(torch.count_nonzero(x))
+        taken = x[torch.tensor(picks, device=x.device)]  # indexed first: 64 values copied
+        out["abs"] = taken.double().abs().cpu().tolist()
+    out["picks"] = picks
     return out
 
 
-def _alike(a: object, b: object) -> bool:
+def _where_abs(y: torch.Tensor, wide: torch.dtype, chunk: int = 1 << 24) -> float:
+    """Mean of ``|y_i| * (i + 0.5) / n``: where along the tensor its mass lies, which
+    tells apart tensors of the same values in other places (sparse rows of other seeds).
+    In chunks: one position vector of the whole would double a big tensor's memory."""
+    n, total = y.numel(), 0.0
+    for start in range(0, n, chunk):
+        seg = y[start : start + chunk].abs().to(wide)
+        pos = torch.arange(start, start + seg.numel(), device=y.device, dtype=wide)
+        total += float((seg * (pos + 0.5)).sum(dtype=wide))
+    return total / n / n
+
+
+def _alike(a: dict, b: dict) -> bool:
     """Whether two fingerprints are of the same tensor, up to rounding."""
-    if not isinstance(a, dict) or not isinstance(b, dict):  # one side absent
-        return a is None and b is None
     if (a.get("dtype"), a.get("shape")) != (b.get("dtype"), b.get("shape")):
         return False
-    if "rms" not in a or "rms" not in b:  # one side unreadable: as far as can be told
+    keys = ("rms", "mean_abs", "where_abs", "nonzero", "abs")
+    if any(k not in a or k not in b for k in keys):  # one side unreadable: as can be told
         return True
+    if len(a["abs"]) != len(b["abs"]):
+        return False
     finite = [r for r in (a["rms"], b["rms"]) if math.isfinite(r)]
     tol = _CLOSE * max(finite, default=0.0)  # NaN or inf held: the rest compared exactly
 
-    def same(x: float, y: float) -> bool:  # a NaN matches a NaN: one frozen stays one
+    def same(x: float, y: float, scale: float = tol) -> bool:  # NaN matches NaN
         if math.isnan(x) or math.isnan(y):
             return math.isnan(x) and math.isnan(y)
-        return x == y or abs(x - y) <= tol
+        return x == y or abs(x - y) <= scale
 
-    return same(a["rms"], b["rms"]) and all(
-        same(x, y) for x, y in zip(a["abs"], b["abs"], strict=True)
-    )
+    # a few entries exactly zero in one build and not in another: rounding, not weights
+    count = max(1.0, _CLOSE * max(a["nonzero"], b["nonzero"]))
+    mass = [m for m in (a["mean_abs"], b["mean_abs"]) if math.isfinite(m)]
+    return (same(a["rms"], b["rms"]) and same(a["mean_abs"], b["mean_abs"])
+            and same(a["where_abs"], b["where_abs"], _CLOSE * max(mass, default=0.0))
+            and same(a["nonzero"], b["nonzero"], count)
+            and all(same(x, y) for x, y in zip(a["abs"], b["abs"], strict=True)))  # fmt: skip
 
 
-def replicated_fingerprints(tr: Any) -> dict[str, dict]:
-    """Fingerprints (:func:`_fingerprint`) of the tensors the task holds outside params
-    and state (``replicated_tensors()``: a ``ModuleTask``'s frozen parameters), by name
-    where the task's ``model`` names them. A checkpoint does not hold those tensors (a
-    frozen backbone would double it), only these, so a resume onto other ones is
-    refused."""
+def _replicated(tr: Any) -> dict[str, torch.Tensor]:
+    """The tensors the task holds outside params and state (``replicated_tensors()``: a
+    ``ModuleTask``'s frozen parameters), by name where the task's ``model`` names them."""
     fn = getattr(tr.task, "replicated_tensors", None)
     tensors = list(fn()) if fn is not None else []
     model = getattr(tr.task, "model", None)
     names = {id(p): n for n, p in model.named_parameters()} if hasattr(
         model, "named_parameters") else {}  # fmt: skip
-    return {names.get(id(t), f"replicated tensor {i}"): _fingerprint(t)
-            for i, t in enumerate(tensors)}  # fmt: skip
+    return {names.get(id(t), f"replicated tensor {i}"): t for i, t in enumerate(tensors)}
+
+
+def replicated_fingerprints(tr: Any) -> dict[str, dict]:
+    """Fingerprints (:func:`_fingerprint`) of the task's replicated tensors. A checkpoint
+    does not hold those tensors (a frozen backbone would double it), only these, so a
+    resume onto other ones is refused."""
+    return {name: _fingerprint(t) for name, t in _replicated(tr).items()}
 
 
 def check_replicated(tr: Any, saved: object) -> None:
     """Refuse a resume whose task holds other replicated tensors (a ``ModuleTask``'s
     frozen parameters) than the run was saved with (``saved``: the checkpoint's
-    fingerprints; None for a checkpoint written before they were recorded): a model
-    rebuilt from another seed or backbone file went on training from another model
-    without a word. Call it once every rank holds rank 0's tensors."""
+    fingerprints; None for a checkpoint written before they were recorded, and an entry
+    of another form is not checked): a model rebuilt from another seed or backbone file
+    went on training from another model without a word. Call it once every rank holds
+    rank 0's tensors."""
     if not isinstance(saved, dict):
         return
-    now = replicated_fingerprints(tr)
-    differ = [n for n in dict.fromkeys([*saved, *now]) if not _alike(saved.get(n), now.get(n))]
+    held = _replicated(tr)
+    differ = []
+    for name in dict.fromkeys([*saved, *held]):
+        was, t = saved.get(name), held.get(name)
+        if was is None or t is None:  # a tensor only one side holds
+            differ.append(name)
+        elif isinstance(was, dict):  # an earlier build's digest (a string): not checked
+            picks = was.get("picks")
+            ok = isinstance(picks, list) and all(isinstance(i, int) for i in picks)
+            if not _alike(was, _fingerprint(t, picks if ok else None)):
+                differ.append(name)
     if differ:
         more = f" (+{len(differ) - 4} more)" if len(differ) > 4 else ""
         raise CheckpointError(
@@ -612,6 +662,8 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
         )
     check_same_eval(tr, ckpt)  # first: changed data also changes a vocabulary's shapes
     check_same_run(tr, ckpt)
+    # the caller broadcast them: every rank decides alike, before anything is restored
+    check_replicated(tr, ckpt.get("replicated"))
     # the run's records, which rank 0 adds to: checked on every rank (files all ranks see),
     # so every rank refuses (none waits at the first step for a rank that left)
     rows = check_metrics(tr.run_dir / "metrics.jsonl")  # kept for the truncation below
@@ -624,8 +676,6 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     saved_world = len(datas)
     dev = tr.device
     to_dev = lambda tree: tree_map(lambda t: t.to(dev), tree)  # noqa: E731
-    # the caller broadcast them: every rank decides alike, before its module changes
-    check_replicated(tr, ckpt.get("replicated"))
     tr.params = tree_map(lambda t: t.to(dev).requires_grad_(True), ckpt["params"])
     tr.state = to_dev(ckpt["state"])
     opt = dict(ckpt["opt"])

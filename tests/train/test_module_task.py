@@ -198,8 +198,37 @@ def test_fingerprints_match_a_rebuild_and_tell_other_values() -> None:
               torch.randn(2, generator=g), torch.tensor(1.5)):  # fmt: skip
         assert _alike(_fingerprint(t), _fingerprint(t.clone())), t
         assert not _alike(_fingerprint(t), _fingerprint(t + 1)), t
-    assert not _alike(_fingerprint(torch.zeros(3)), _fingerprint(torch.zeros(4)))  # shape
     assert not _alike(_fingerprint(torch.zeros(3)), _fingerprint(torch.zeros(3).double()))
+    big = torch.full((4,), 1e300, dtype=torch.float64)  # past float32: its sums stay finite
+    assert _alike(_fingerprint(big), _fingerprint(big.clone()))
+    # sparse +-1 tensors of other seeds: one rms, and most samples land on zeros
+    a, b = (torch.zeros(100_000) for _ in range(2))
+    for t, seed in ((a, 1), (b, 2)):
+        idx = torch.randperm(100_000, generator=torch.Generator().manual_seed(seed))[:1000]
+        t[idx] = 1.0
+    assert not _alike(_fingerprint(a), _fingerprint(b))
+
+
+def test_a_resume_reads_the_saved_positions_and_skips_old_digests(tmp_path) -> None:
+    """The sampled positions are saved, so a change in how torch draws them refuses
+    nothing; an entry written by an earlier build (a byte digest) is not checked."""
+    import types
+
+    from comera.train.checkpoint import _fingerprint, check_replicated
+
+    t = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    tr = types.SimpleNamespace(task=types.SimpleNamespace(replicated_tensors=lambda: [t]),
+                               run_dir=tmp_path)  # fmt: skip
+    saved = _fingerprint(t, picks=[0, 49, 7])
+    assert saved["picks"] == [0, 49, 7] and len(saved["abs"]) == 3
+    check_replicated(tr, {"replicated tensor 0": saved})  # read at those positions
+    check_replicated(tr, {"replicated tensor 0": "float32[50]:3f9a"})  # an old digest
+    check_replicated(tr, None)  # a checkpoint from before fingerprints
+    other = _fingerprint(t + 1, picks=[0, 49, 7])
+    with pytest.raises(CheckpointError, match=r"these differ: replicated tensor 0\)"):
+        check_replicated(tr, {"replicated tensor 0": other})
+    with pytest.raises(CheckpointError, match=r"these differ: extra\)"):
+        check_replicated(tr, {"replicated tensor 0": saved, "extra": saved})
 
 
 class _Counting(nn.Module):
