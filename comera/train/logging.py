@@ -250,8 +250,11 @@ class RunLog:
         # refuses (pydantic's ValueErrors: a project name with "/"); a file it cannot write
         except (wandb.errors.Error, ValueError, OSError) as e:
             why = " ".join(str(e).split())[:300] or type(e).__name__
-            unreachable = isinstance(e, getattr(wandb.errors, "CommError", ())) or (
-                "timed out" in why.lower())  # fmt: skip
+            # a refused key is a CommError too (AuthenticationError): login advice for it
+            refused = isinstance(e, getattr(wandb.errors, "AuthenticationError", ()))
+            unreachable = not refused and (
+                isinstance(e, getattr(wandb.errors, "CommError", ())) or "timed out" in why.lower()
+            )
             if isinstance(e, OSError):  # a disk, a permission: not a setting
                 fix = f"make {self.run_dir / 'wandb'} writable (or use --wandb disabled)"
             elif mode == "online" and unreachable:  # a key, but no server answered in time

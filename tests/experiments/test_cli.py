@@ -424,6 +424,13 @@ def test_a_wandb_server_that_never_answers_is_not_a_login_problem(tmp_path, monk
     cfg = _cfg(tmp_path, steps=2, wandb="online")
     with pytest.raises(ConfigError, match=r"timed out .*; check the network \(or WANDB_BASE_"):
         Trainer(cfg, ToyTask(), *_toy_model()).fit()
+
+    def bad_key(**kw):  # a CommError too, in wandb's classes
+        raise wandb.errors.AuthenticationError("Failed to verify credentials: 401")
+
+    monkeypatch.setattr(wandb, "init", bad_key)
+    with pytest.raises(ConfigError, match=r"401\); log in \(wandb login, or WANDB_API_KEY\)"):
+        Trainer(_cfg(tmp_path / "key", steps=2, wandb="online"), ToyTask(), *_toy_model()).fit()
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
     cfg = _cfg(tmp_path / "broken", steps=2, wandb="offline")
