@@ -49,12 +49,13 @@ class DatasetSpec:
 
     def __post_init__(self) -> None:
         # no control characters: the shuffle's keys join the name with other parts by one
-        # (\x1f), which inside a name could give two sub-datasets one order
+        # (\x1f), which inside a name could give two sub-datasets one order; and text the
+        # keys can encode (a lone surrogate, from a file name that is not UTF-8, cannot)
         if (not self.name or not isinstance(self.name, str)
-                or any(unicodedata.category(c) == "Cc" for c in self.name)):  # fmt: skip
+                or any(unicodedata.category(c) in ("Cc", "Cs") for c in self.name)):  # fmt: skip
             raise LoaderInputError(
-                "DatasetSpec.name must be a non-empty string with no control characters, "
-                f"got {self.name!r}"
+                "DatasetSpec.name must be a non-empty string with no control characters "
+                f"(and valid UTF-8 text), got {self.name!r}"
             )
         self.weight = check_weight(f"dataset {self.name!r}", self.weight)
         if self.path is None:

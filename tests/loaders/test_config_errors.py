@@ -33,6 +33,8 @@ def _config(**kw) -> LoaderConfig:
         (lambda: DatasetSpec(name="a", path=None), "path is None"),
         # the shuffle's keys join parts with \x1f: inside a name, two orders could coincide
         (lambda: DatasetSpec(name="a\x1f1", path=_Docs()), "no control characters"),
+        # a folder name that is not UTF-8, as os.fsdecode gives it: the keys cannot encode it
+        (lambda: DatasetSpec(name="caf\udce9", path=_Docs()), "valid UTF-8 text"),
         (lambda: _config(seq_len="64"), "seq_len"),
         (lambda: _config(seq_len=64.5), "seq_len"),
         (lambda: _config(batch_size=2.0), "batch_size"),
