@@ -39,9 +39,6 @@ __all__ = ["main", "run_demo"]
 # table something other than its label says (both runs dense, a run elsewhere)
 OWN_KEYS = ("dense", "model.tt", "train.comera.enabled", "train.run_dir", "train.run_name")
 
-# how a run's own message says to go on: the demo trains both anew instead
-_RESUME_ADVICE = re.compile(r",? and go on with --resume \S+|;? go on with --resume \S+")
-
 
 def run_demo(sets: list[str], runs_dir: Path, *, restart: bool = False) -> dict:
     """Both runs; returns ``{"comera": metrics, "dense": metrics, "cue": acc, ...}``.
@@ -90,7 +87,10 @@ def run_demo(sets: list[str], runs_dir: Path, *, restart: bool = False) -> dict:
                     # records a refused start wrote (wandb that could not start): the demo
                     # starts anew, so they would only be left behind
                     shutil.rmtree(run_dir, ignore_errors=True)
-                why = _RESUME_ADVICE.sub("", str(e))
+                # how the run's message says to go on with it: the demo trains both anew
+                resume = re.compile(r"[,;]? *(?:and |then )?(?:go on with )?--resume "
+                                    + re.escape(str(run_dir)))  # fmt: skip
+                why = resume.sub("", str(e))
                 raise cli.CLIError(
                     f"its {kind} run: {why}; the demo takes each setting as --set KEY=VALUE "
                     "(--wandb offline is --set train.wandb=offline; python -m experiments.mnli "

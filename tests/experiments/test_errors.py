@@ -276,13 +276,14 @@ def test_a_run_the_demo_cannot_start_is_said_as_the_demo_takes_it(tmp_path, monk
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
 
     monkeypatch.setattr(wandb, "init", refuse)
-    runs = tmp_path / "runs"
+    runs = tmp_path / "my runs"  # a space: the advice's path was cut there, half left
     assert demo.main(["--set", "train.wandb=online", "--runs-dir", str(runs)]) == 2
     err = capsys.readouterr().err
     (line,) = [x for x in err.splitlines() if ": error: " in x]  # after the run's model line
     assert "Traceback" not in err
     assert "its comera run: wandb='online': wandb could not start (No API key" in line
     assert "--resume" not in line and "--set train.wandb=offline" in line
+    assert "mnli-smoke-comera" not in line
     assert line.endswith("run the demo again")
     assert not list(runs.iterdir())  # nothing left of the refused start
 
