@@ -483,6 +483,10 @@ def _not_smaller(modes: tuple[int, ...], rank: int, name: str, cfg: TensorizeCon
     shown = f" (capped to {','.join(map(str, capped))})" if min(capped) < rank else ""
     if cfg.min_compression == 1:  # the default: skipped means larger (an equal size is kept)
         return f"skipped: a rank-{rank}{shown} train is larger than the dense layer"
+    if cfg.min_compression < 1:  # a train larger than dense is kept up to 1/min_compression
+        times = f"{1 / cfg.min_compression:g}x"
+        return (f"skipped: a rank-{rank}{shown} train is more than {times} the dense "
+                "layer's size (min_compression)")  # fmt: skip
     return (f"skipped: a rank-{rank}{shown} train is not {cfg.min_compression:g}x smaller "
             "than the dense layer (min_compression)")  # fmt: skip
 

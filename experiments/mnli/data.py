@@ -1,6 +1,6 @@
 """MNLI data for the six-encoder classifier: load, encode BERT-style pairs, batch.
 
-Stages, in order: source (HF hub, local parquet/jsonl/json/csv files, or the generated
+Stages, in order: source (HF hub, local parquet/jsonl/json/csv/tsv files, or the generated
 synthetic task of `experiments.mnli.generated`) -> tokenizer (`tokenizers`, Rust)
 -> `encode_pairs` -> `EncodedSplit` (tensors)
 -> `BatchIterator` (deterministic, resumable, DDP-aware) / `eval_batches` (in order).
@@ -39,8 +39,8 @@ LABEL_NAMES = ("entailment", "neutral", "contradiction")  # label ids 0, 1, 2
 _FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv",
             ".tsv": "tsv"}  # fmt: skip
 _OFFLINE_HELP = (
-    "Use local data with --train-file PATH --eval-file NAME=PATH (parquet/jsonl/json/csv) or the "
-    "synthetic task with --dataset generated, and a local tokenizer with --tokenizer PATH "
+    "Use local data with --train-file PATH --eval-file NAME=PATH (parquet/jsonl/json/csv/tsv) "
+    "or the synthetic task with --dataset generated, and a local tokenizer with --tokenizer PATH "
     "(a tokenizer.json file or a directory holding one)."
 )
 

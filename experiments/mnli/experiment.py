@@ -277,7 +277,9 @@ def data_flags(ap: argparse.ArgumentParser) -> None:
     """The data flags (dataset, local files, tokenizer, columns): MNLI's and any sentence-pair
     classification experiment's (``experiments.finetune``)."""
     ap.add_argument("--dataset", help="hub name or 'generated'")
-    ap.add_argument("--train-file", dest="train_file", help="local parquet/jsonl/json/csv train")
+    ap.add_argument(
+        "--train-file", dest="train_file", help="local parquet/jsonl/json/csv/tsv train"
+    )
     ap.add_argument("--eval-file", dest="eval_file", action="append", help="[NAME=]PATH")
     ap.add_argument("--tokenizer", help="hub name or local tokenizer.json / directory")
     for col in ("premise", "hypothesis", "label"):

@@ -23,6 +23,7 @@ from experiments.malloc import lean_without_hugepages
 from experiments.report import (
     REPORTS,
     check_step_bench,
+    kept_settings,
     layer_summary,
     layer_table,
     load_run,
@@ -74,7 +75,17 @@ def _summary(run: dict) -> dict:
         "name": run["dir"].name,
         "kind": "dense" if dense else "CoMERA",
         "preset": str(cfg.get("preset")),
-        "data_source": _data_source(cfg.get("data") or {}),
+        # the data the run last resumed with (a moved file), as the setup below
+        "data_source": _data_source(
+            {
+                **(cfg.get("data") or {}),
+                **{
+                    k.removeprefix("data."): v
+                    for k, v in kept_settings(cfg).items()
+                    if k.startswith("data.")
+                },
+            }
+        ),  # fmt: skip
         "setup": run_setup(cfg),  # what rows set side by side are assumed to share
         "steps": last["step"],
         "planned_steps": cfg.get("train", {}).get("steps"),
@@ -105,6 +116,11 @@ def _data_source(data: dict) -> str:
     if data.get("dataset") == "generated":
         return "the generated task"
     return f"{data.get('dataset')} ({data.get('dataset_config')})"
+
+
+def _cell(value: object) -> str:
+    """A setting as a table cell: its JSON, a ``|`` in it escaped."""
+    return "`" + json.dumps(value).replace("|", "\\|") + "`"
 
 
 def _setup_gaps(runs: list[dict]) -> list[str]:
@@ -180,9 +196,7 @@ def render(data: dict, out_dir: Path, name: str = "mnli.md") -> str:
                 "| run | " + " | ".join(shown) + " |",
                 "|---|" + "---|" * len(shown),
                 *(
-                    f"| {r['name']} | "
-                    + " | ".join(f"`{json.dumps(r['setup'].get(k))}`" for k in shown)
-                    + " |"
+                    f"| {r['name']} | " + " | ".join(_cell(r["setup"].get(k)) for k in shown) + " |"
                     for r in runs
                 ),  # fmt: skip
                 "",

@@ -48,6 +48,7 @@ def test_quiet_hub_holds_when_the_client_is_first_imported_inside_it() -> None:
     import subprocess
     import sys
 
+    pytest.importorskip("datasets")
     code = ("import logging\nfrom experiments.hub import quiet_hub\nwith quiet_hub():\n"
             "    import datasets\n"
             "    print(logging.getLogger('huggingface_hub').getEffectiveLevel())\n")  # fmt: skip
