@@ -448,7 +448,7 @@ def check_replicated(tr: Any, saved: object) -> None:
         was, t = saved.get(name), held.get(name)
         if was is None or t is None:  # a tensor only one side holds
             differ.append(name)
-        elif isinstance(was, dict):  # an earlier build's digest (a string): not checked
+        elif isinstance(was, dict):  # (a string, an earlier build's digest: not checked)
             picks = was.get("picks")
             ok = isinstance(picks, list) and all(isinstance(i, int) for i in picks)
             if not _alike(was, _fingerprint(t, picks if ok else None)):
