@@ -327,7 +327,8 @@ def _save_files(tr: Any, d: Path, data: object) -> None:
 
 
 _SAMPLES = 64  # |x| at this many positions of each replicated tensor
-_CLOSE = 1e-3  # relative to the tensor's rms: another build's rounding, not other weights
+_BLOCKS = 1024  # sum |x| over this many contiguous blocks of each
+_CLOSE = 1e-3  # relative: another build's rounding passes, other weights do not
 
 
 def _values(t: torch.Tensor) -> torch.Tensor | None:
@@ -346,13 +347,14 @@ def _values(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _fingerprint(t: torch.Tensor, picks: list[int] | None = None) -> dict:
-    """A replicated tensor's dtype and shape, its rms, mean ``|x|`` (and where along the
-    tensor that mass lies), nonzero count and ``|x|`` at ``picks`` (64 seeded positions
-    unless given: a saved fingerprint's, so a resume reads the same ones): what tells
-    other weights (another seed, another file) from the same ones built again. Not its
-    bytes: a TT-SVD at another thread count or on another device differs in the last bits
-    and in the cores' signs. One whose values cannot be read keeps only its dtype and
-    shape."""
+    """A replicated tensor's dtype and shape, its rms, ``sum |x|`` over 1024 contiguous
+    blocks (a changed row of a frozen embedding moves its block), its nonzero count and
+    ``|x|`` at ``picks`` (64 seeded positions unless given: a saved fingerprint's, so a
+    resume reads the same ones): what tells other weights (another seed, another file)
+    from the same ones built again. Magnitudes, not signs or bytes: a TT-SVD at another
+    thread count or on another device differs in the last bits and in its cores' signs
+    (so a tensor negated whole is taken as the same). One whose values cannot be read
+    keeps only its dtype and shape."""
     out: dict = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
     x = _values(t)
     if x is None or x.numel() == 0:
@@ -368,8 +370,7 @@ def _fingerprint(t: torch.Tensor, picks: list[int] | None = None) -> dict:
     with torch.no_grad():
         y = x if x.is_floating_point() else x.to(wide)
         out["rms"] = float(torch.linalg.vector_norm(y, dtype=wide)) / math.sqrt(n)
-        out["mean_abs"] = float(y.abs().mean(dtype=wide))
-        out["where_abs"] = _where_abs(y, wide)
+        out["blocks"] = _block_sums(y, wide)
         out["nonzero"] = int(torch.count_nonzero(x))
         taken = x[torch.tensor(picks, device=x.device)]  # indexed first: 64 values copied
         out["abs"] = taken.double().abs().cpu().tolist()
@@ -377,47 +378,59 @@ def _fingerprint(t: torch.Tensor, picks: list[int] | None = None) -> dict:
     return out
 
 
-def _where_abs(y: torch.Tensor, wide: torch.dtype, chunk: int = 1 << 24) -> float:
-    """Mean of ``|y_i| * (i + 0.5) / n``: where along the tensor its mass lies, which
-    tells apart tensors of the same values in other places (sparse rows of other seeds).
-    In chunks: one position vector of the whole would double a big tensor's memory."""
-    n, total = y.numel(), 0.0
-    for start in range(0, n, chunk):
-        seg = y[start : start + chunk].abs().to(wide)
-        pos = torch.arange(start, start + seg.numel(), device=y.device, dtype=wide)
-        total += float((seg * (pos + 0.5)).sum(dtype=wide))
-    return total / n / n
+def _block_sums(y: torch.Tensor, wide: torch.dtype) -> list[float]:
+    """``sum |y|`` over ``min(1024, n)`` contiguous blocks (the last takes the rest), as
+    norms: no copy of the tensor is made."""
+    n = y.numel()
+    b = min(_BLOCKS, n)
+    size = n // b
+    head = torch.linalg.vector_norm(y[: b * size].reshape(b, size), ord=1, dim=1, dtype=wide)
+    sums = head.double().cpu().tolist()
+    if b * size < n:
+        sums[-1] += float(torch.linalg.vector_norm(y[b * size :], ord=1, dtype=wide))
+    return sums
 
 
-def _alike(a: dict, b: dict) -> bool:
-    """Whether two fingerprints are of the same tensor, up to rounding."""
-    if (a.get("dtype"), a.get("shape")) != (b.get("dtype"), b.get("shape")):
-        return False
-    keys = ("rms", "mean_abs", "where_abs", "nonzero", "abs")
+def _alike(a: dict, b: dict) -> str | None:
+    """Why two fingerprints are not of the same tensor, up to rounding (None: alike)."""
+    if a.get("dtype") != b.get("dtype"):
+        return f"dtype {a.get('dtype')} saved, {b.get('dtype')} now"
+    if a.get("shape") != b.get("shape"):
+        return f"shape {a.get('shape')} saved, {b.get('shape')} now"
+    keys = ("rms", "blocks", "nonzero", "abs")
     if any(k not in a or k not in b for k in keys):  # one side unreadable: as can be told
-        return True
-    if len(a["abs"]) != len(b["abs"]):
-        return False
+        return None
+    if len(a["abs"]) != len(b["abs"]) or len(a["blocks"]) != len(b["blocks"]):
+        return "values"
     finite = [r for r in (a["rms"], b["rms"]) if math.isfinite(r)]
     tol = _CLOSE * max(finite, default=0.0)  # NaN or inf held: the rest compared exactly
 
-    def same(x: float, y: float, scale: float = tol) -> bool:  # NaN matches NaN
+    def same(x: float, y: float, scale: float) -> bool:  # NaN matches NaN
         if math.isnan(x) or math.isnan(y):
             return math.isnan(x) and math.isnan(y)
         return x == y or abs(x - y) <= scale
 
     # a few entries exactly zero in one build and not in another: rounding, not weights
     count = max(1.0, _CLOSE * max(a["nonzero"], b["nonzero"]))
-    mass = [m for m in (a["mean_abs"], b["mean_abs"]) if math.isfinite(m)]
-    return (same(a["rms"], b["rms"]) and same(a["mean_abs"], b["mean_abs"])
-            and same(a["where_abs"], b["where_abs"], _CLOSE * max(mass, default=0.0))
-            and same(a["nonzero"], b["nonzero"], count)
-            and all(same(x, y) for x, y in zip(a["abs"], b["abs"], strict=True)))  # fmt: skip
+    # a block's own sum, or a typical block's where it is small (blocks of a few entries
+    # near zero differ by more than 1e-3 of themselves between builds)
+    typical = max((sum(v) / len(v) for v in (a["blocks"], b["blocks"])
+                   if v and math.isfinite(sum(v))), default=0.0)  # fmt: skip
+    ok = (same(a["rms"], b["rms"], tol) and same(a["nonzero"], b["nonzero"], count)
+          and all(same(x, y, tol) for x, y in zip(a["abs"], b["abs"], strict=True))
+          and all(same(x, y, _CLOSE * max(abs(x), abs(y), typical))
+                  for x, y in zip(a["blocks"], b["blocks"], strict=True)))  # fmt: skip
+    return None if ok else "values"
 
 
 def _replicated(tr: Any) -> dict[str, torch.Tensor]:
     """The tensors the task holds outside params and state (``replicated_tensors()``: a
-    ``ModuleTask``'s frozen parameters), by name where the task's ``model`` names them."""
+    ``ModuleTask``'s frozen parameters), by name where the task's ``model`` names them;
+    as the task's ``replicated_named()`` gives them where it has one (a ``ModuleTask``:
+    a frozen TT layer as its output on fixed probes, not its cores)."""
+    named = getattr(tr.task, "replicated_named", None)
+    if named is not None:
+        return dict(named())
     fn = getattr(tr.task, "replicated_tensors", None)
     tensors = list(fn()) if fn is not None else []
     model = getattr(tr.task, "model", None)
@@ -429,8 +442,20 @@ def _replicated(tr: Any) -> dict[str, torch.Tensor]:
 def replicated_fingerprints(tr: Any) -> dict[str, dict]:
     """Fingerprints (:func:`_fingerprint`) of the task's replicated tensors. A checkpoint
     does not hold those tensors (a frozen backbone would double it), only these, so a
-    resume onto other ones is refused."""
-    return {name: _fingerprint(t) for name, t in _replicated(tr).items()}
+    resume onto other ones is refused. Each is taken again only when its tensor changed
+    (frozen ones do not: a save reads a large backbone once per run)."""
+    cache = tr.__dict__.setdefault("_fingerprints", {})
+    out = {}
+    for name, t in _replicated(tr).items():
+        if not isinstance(t, torch.nn.Parameter):  # a probe's output, made anew: a key on
+            out[name] = _fingerprint(t)  # its address could match a freed one's
+            continue
+        key = (id(t), t.data_ptr() if t.layout == torch.strided else 0, t._version)
+        held = cache.get(name)
+        if held is None or held[0] != key:
+            held = cache[name] = (key, _fingerprint(t))
+        out[name] = held[1]
+    return out
 
 
 def check_replicated(tr: Any, saved: object) -> None:
@@ -443,23 +468,25 @@ def check_replicated(tr: Any, saved: object) -> None:
     if not isinstance(saved, dict):
         return
     held = _replicated(tr)
-    differ = []
+    differ: dict[str, str] = {}
     for name in dict.fromkeys([*saved, *held]):
         was, t = saved.get(name), held.get(name)
         if was is None or t is None:  # a tensor only one side holds
-            differ.append(name)
+            differ[name] = "saved only" if t is None else "not saved"
         elif isinstance(was, dict):  # (a string, an earlier build's digest: not checked)
             picks = was.get("picks")
             ok = isinstance(picks, list) and all(isinstance(i, int) for i in picks)
-            if not _alike(was, _fingerprint(t, picks if ok else None)):
-                differ.append(name)
+            why = _alike(was, _fingerprint(t, picks if ok else None))
+            if why is not None:
+                differ[name] = why
     if differ:
         more = f" (+{len(differ) - 4} more)" if len(differ) > 4 else ""
+        shown = ", ".join(f"{n} ({why})" for n, why in list(differ.items())[:4])
         raise CheckpointError(
             f"checkpoint in {tr.run_dir} was trained with other frozen tensors than this run "
-            f"built (a checkpoint holds only what trains; these differ: "
-            f"{', '.join(differ[:4])}{more}); rebuild the model as it was (the same weights "
-            "file, seed and frozen layers) to resume it"
+            f"built (a checkpoint holds only what trains; these differ: {shown}{more}); "
+            "rebuild the model as it was (the same weights file, seed, dtype and frozen "
+            "layers) to resume it"
         )
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from comera.errors import ConfigError
+from comera.layers import tt_linear, ttm_embedding
 from comera.nn import TTLinear, TTMEmbedding
 from comera.train.task import BUFFERS
 from comera.tree import iter_tt, leaves
@@ -106,6 +107,29 @@ class ModuleTask:
         hold the same (the trainer broadcasts rank 0's at start, as DDP does)."""
         held = {id(t) for t in leaves(self.params())}
         return [p for p in self.model.parameters() if id(p) not in held]
+
+    def replicated_named(self) -> dict[str, torch.Tensor]:
+        """The frozen tensors by name, as a checkpoint fingerprints them: a frozen TT layer
+        as its output on fixed probes (``NAME(probe)``), not as its cores, which are one of
+        many factorizations of its weight (a TT-SVD at another thread count gives others,
+        its entries far apart); the rest as they are."""
+        frozen = {n: self.model.get_submodule(n) if n else self.model for n in self._frozen_tt}
+        inside = {id(p) for m in frozen.values() for p in m.parameters()}
+        held = {id(t) for t in leaves(self.params())}
+        out = {n: p for n, p in self.model.named_parameters()
+               if id(p) not in held and id(p) not in inside}  # fmt: skip
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, m in frozen.items():
+                like = next(iter(m.parameters()))
+                if isinstance(m, TTMEmbedding):  # a fixed plan: "auto" would time candidates
+                    ids = torch.randint(m.num_embeddings, (16,), generator=gen).to(like.device)
+                    y = ttm_embedding(m.params(), m.state(), ids, impl="optimized", spec=m.spec)
+                else:
+                    x = torch.randn(4, m.in_features, generator=gen).to(like.device, like.dtype)
+                    y = tt_linear(m.params(), m.state(), x, plan="comera", spec=m.spec)
+                out[f"{name or 'model'}(probe)"] = y
+        return out
 
     def state(self) -> dict:
         """The adapters' rank masks as the trainer's state pytree, and the module's

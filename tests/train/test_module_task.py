@@ -159,7 +159,7 @@ def test_a_resume_onto_other_frozen_weights_is_refused(tmp_path) -> None:
     _task(model(0)).trainer(cfg).fit(until=10)
     other = model(1)
     start = [c.clone() for c in other.get_submodule("0").cores]
-    refused = r"frozen tensors than this run built .*these differ: 5.weight\); rebuild the model"
+    refused = r"than this run built .*these differ: 5.weight \(values\)\); rebuild the model"
     with pytest.raises(CheckpointError, match=refused):
         _task(other).trainer(cfg, resume=True)
     # refused before the checkpoint's tensors went into the caller's module
@@ -168,7 +168,7 @@ def test_a_resume_onto_other_frozen_weights_is_refused(tmp_path) -> None:
     resumed = model(0)
     with torch.no_grad():  # a frozen TT layer's cores are named too
         resumed.get_submodule("2").cores[1].mul_(2)
-    with pytest.raises(CheckpointError, match=r"these differ: 2.cores.1\)"):
+    with pytest.raises(CheckpointError, match=r"these differ: 2\(probe\) \(values\)\)"):
         _task(resumed).trainer(cfg, resume=True)
     rebuilt = model(0)
     with torch.no_grad():  # the same weights built again: other last bits, other signs
@@ -196,17 +196,49 @@ def test_fingerprints_match_a_rebuild_and_tell_other_values() -> None:
     inf[5] = float("inf")
     for t in (nan, inf, torch.zeros(10), torch.arange(7), torch.ones(3, dtype=torch.bool),
               torch.randn(2, generator=g), torch.tensor(1.5)):  # fmt: skip
-        assert _alike(_fingerprint(t), _fingerprint(t.clone())), t
-        assert not _alike(_fingerprint(t), _fingerprint(t + 1)), t
-    assert not _alike(_fingerprint(torch.zeros(3)), _fingerprint(torch.zeros(3).double()))
+        assert _alike(_fingerprint(t), _fingerprint(t.clone())) is None, t
+        assert _alike(_fingerprint(t), _fingerprint(t + 1)), t
+    assert _alike(_fingerprint(torch.zeros(3)), _fingerprint(torch.zeros(3).double())) == (
+        "dtype float32 saved, float64 now"
+    )
     big = torch.full((4,), 1e300, dtype=torch.float64)  # past float32: its sums stay finite
-    assert _alike(_fingerprint(big), _fingerprint(big.clone()))
+    assert _alike(_fingerprint(big), _fingerprint(big.clone())) is None
     # sparse +-1 tensors of other seeds: one rms, and most samples land on zeros
     a, b = (torch.zeros(100_000) for _ in range(2))
     for t, seed in ((a, 1), (b, 2)):
         idx = torch.randperm(100_000, generator=torch.Generator().manual_seed(seed))[:1000]
         t[idx] = 1.0
-    assert not _alike(_fingerprint(a), _fingerprint(b))
+    assert _alike(_fingerprint(a), _fingerprint(b)) == "values"
+    # one row of a frozen embedding redrawn, or zeroed: its block moves
+    emb = torch.randn(30522, 128, generator=torch.Generator().manual_seed(4))
+    for change in (lambda e: e[5].normal_(), lambda e: e[5].zero_()):
+        other = emb.clone()
+        change(other)
+        assert _alike(_fingerprint(emb), _fingerprint(other)) == "values"
+
+
+def test_a_frozen_tt_layer_is_fingerprinted_by_what_it_computes() -> None:
+    """A TT-SVD at another thread count gives other cores (entries up to twice the
+    tolerance apart at rank 64, a near-degenerate split rotated), yet the same layer: a
+    frozen TT layer is fingerprinted by its output on fixed probes."""
+    from comera.train.checkpoint import _alike, _fingerprint
+
+    threads = torch.get_num_threads()
+    prints = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Embedding(5000, 256), nn.Linear(1024, 1024))
+            C.tensorize_(model, C.TensorizeConfig(target_modules=("0", "1"), rank=64, cores=2,
+                                                  min_compression=0, init="svd"))  # fmt: skip
+            model.requires_grad_(False)
+            named = ModuleTask(model, lambda call, b: call(b), _Iter(None)).replicated_named()
+            assert set(named) == {"0(probe)", "1(probe)"}  # no core among them
+            prints.append({k: _fingerprint(v) for k, v in named.items()})
+    finally:
+        torch.set_num_threads(threads)
+    assert all(_alike(prints[0][k], prints[1][k]) is None for k in prints[0])
 
 
 def test_a_resume_reads_the_saved_positions_and_skips_old_digests(tmp_path) -> None:
@@ -225,9 +257,9 @@ def test_a_resume_reads_the_saved_positions_and_skips_old_digests(tmp_path) -> N
     check_replicated(tr, {"replicated tensor 0": "float32[50]:3f9a"})  # an old digest
     check_replicated(tr, None)  # a checkpoint from before fingerprints
     other = _fingerprint(t + 1, picks=[0, 49, 7])
-    with pytest.raises(CheckpointError, match=r"these differ: replicated tensor 0\)"):
+    with pytest.raises(CheckpointError, match=r"these differ: replicated tensor 0 \(values\)\)"):
         check_replicated(tr, {"replicated tensor 0": other})
-    with pytest.raises(CheckpointError, match=r"these differ: extra\)"):
+    with pytest.raises(CheckpointError, match=r"these differ: extra \(saved only\)\)"):
         check_replicated(tr, {"replicated tensor 0": saved, "extra": saved})
 
 
