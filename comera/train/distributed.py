@@ -27,6 +27,7 @@ from comera.errors import ConfigError
 __all__ = [
     "broadcast_object",
     "broadcast_tensors",
+    "check_alike",
     "check_rank_device",
     "init_distributed",
     "own_process_group",
@@ -149,6 +150,36 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     box = [obj]
     dist.broadcast_object_list(box, src)
     return box[0]
+
+
+def check_alike(tensors: list[torch.Tensor], names: list[str], what: str) -> None:
+    """Refuse, on every rank alike, ``tensors`` whose count, dtypes or shapes differ from
+    rank 0's, before :func:`broadcast_tensors` copies rank 0's into them: it packs each
+    dtype's tensors into one buffer, so a rank that built one of another size took values
+    at other offsets into the rest without a word, or aborted in the transport. ``what``
+    names them in the error (e.g. "frozen tensors")."""
+    world = rank_world()[1]
+    if world == 1:
+        return
+    mine = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors]
+    ref = broadcast_object(mine)
+    first = None
+    if mine != ref:
+        pairs = enumerate(zip(mine, ref, strict=False))  # the shorter list may end first
+        at = next((i for i, (a, b) in pairs if a != b), min(len(mine), len(ref)))
+        held = f"{mine[at][0]}{list(mine[at][1])}" if at < len(mine) else "none"
+        want = f"{ref[at][0]}{list(ref[at][1])}" if at < len(ref) else "none"
+        name = names[at] if at < len(names) else f"#{at}"
+        first = f"{name}: {held} here, {want} on rank 0"
+    told: list[str | None] = [None] * world
+    dist.all_gather_object(told, first)
+    bad = [(r, f) for r, f in enumerate(told) if f is not None]
+    if bad:
+        rank, said = bad[0]
+        raise ConfigError(
+            f"rank(s) {', '.join(str(r) for r, _ in bad)} built {what} other than rank 0's "
+            f"(rank {rank}: {said}); build the model the same way on every rank"
+        )
 
 
 def union_names(names: list[str]) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from comera.autotune import LINEAR_CANDIDATES, current_tuner, summarize_decisions
 from comera.errors import CheckpointError, ConfigError, DataError, UserError
@@ -35,6 +35,7 @@ from comera.train.config import TrainConfig, usable_device
 from comera.train.distributed import (
     broadcast_object,
     broadcast_tensors,
+    check_alike,
     check_rank_device,
     init_distributed,
     rank_world,
@@ -264,7 +265,13 @@ class Trainer:
         # replicas start identical: what the task holds outside params and state (a
         # ModuleTask's frozen parameters) first, so a resume checks rank 0's on every rank
         replicated = getattr(task, "replicated_tensors", None)
-        broadcast_tensors(list(replicated()) if replicated is not None else [])
+        frozen = list(replicated()) if replicated is not None else []
+        model = getattr(task, "model", None)
+        known = {id(p): n for n, p in model.named_parameters()} if hasattr(
+            model, "named_parameters") else {}  # fmt: skip
+        check_alike(frozen, [known.get(id(t), f"#{i}") for i, t in enumerate(frozen)],
+                    "frozen tensors")  # fmt: skip
+        broadcast_tensors(frozen)
         if resume:
             self._reinstall_plans()
             ck.restore_trainer(self, ck.load_checkpoint(self.run_dir))
@@ -280,7 +287,13 @@ class Trainer:
         # layers already at rank 0 (a resumed run's) were said when they got there
         self._zero_said = self._zero_layers()
         # then the params and the model's running buffers
-        broadcast_tensors([*tree_flatten(self.params)[0], *self._buffers()])
+        paths, _ = tree_flatten_with_path(self.params)
+        shared = [t for _, t in paths] + self._buffers()
+        names = [keystr(p) for p, _ in paths] + [
+            f"buffer #{i}" for i in range(len(self._buffers()))
+        ]
+        check_alike(shared, names, "parameters or buffers")
+        broadcast_tensors(shared)
         # the run's own random streams, swapped in by fit, train_step and checkpoint
         # (_own_streams): what the caller draws between calls (or another trainer's
         # seeding) changes nothing the run draws, and an in-process run equals its resume

@@ -62,7 +62,9 @@ class Task(Protocol):
     neither params nor state (a ModuleTask's frozen parameters): under data parallelism
     the trainer gives every rank rank 0's when it starts, as it does the params. They
     must not change as the run goes: checkpoints hold only their fingerprints (rms and
-    values at fixed positions), and a resume onto other ones is refused. The
+    magnitudes by block and at fixed positions; an optional ``replicated_named()`` gives
+    them by name, as the checkpoint should compare them), and a resume onto other ones is
+    refused. The
     state's :data:`BUFFERS` entry holds tensors the model updates as it runs: every rank
     gets rank 0's after each step."""
 

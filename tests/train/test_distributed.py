@@ -179,6 +179,49 @@ def test_a_failure_on_rank_0_of_a_rank_first_build_stops_every_rank(tmp_path, ca
     assert [(tmp_path / f"held{r}").read_text() for r in range(2)] == ["False", "False"]
 
 
+OTHER_SHAPES = """
+import sys, torch
+from pathlib import Path
+from torch import nn
+import comera as C
+from comera.errors import ConfigError
+from comera.train.distributed import init_distributed
+from comera.train.module_task import ModuleTask
+from tests.train_helpers import _cfg, _Iter
+rank, world = init_distributed("cpu")
+torch.manual_seed(0)
+rows = 110 if rank == 1 and sys.argv[2] == "frozen" else 100  # a per-rank vocabulary
+width = 16 if rank == 0 or sys.argv[2] != "params" else 24
+m = nn.Sequential(nn.Embedding(rows, 16), nn.Linear(16, width))
+m[0].requires_grad_(False)
+task = ModuleTask(m, lambda call, b: call(b[0]).pow(2).mean(), _Iter(torch.zeros(1, 16)))
+off = C.train.ComeraConfig(enabled=False)
+try:
+    task.trainer(_cfg(Path(sys.argv[1]), steps=2, comera=off))
+except ConfigError as e:
+    print(f"rank {rank}: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def test_ranks_that_built_tensors_of_other_shapes_are_refused_alike(tmp_path, capfd):
+    """Broadcasts pack each dtype's tensors into one buffer: a rank that built a frozen
+    embedding of another vocabulary took rank 0's values at other offsets into every
+    tensor after it (exit 0, ranks training different models), or aborted in gloo. Every
+    rank now refuses, in one line naming the tensor."""
+    script = tmp_path / "worker.py"
+    script.write_text(OTHER_SHAPES)
+    assert _spawn(script, 2, str(tmp_path / "a"), "frozen") == [2, 2]
+    err = capfd.readouterr().err
+    said = ("rank(s) 1 built frozen tensors other than rank 0's (rank 1: 0.weight: "
+            "float32[110, 16] here, float32[100, 16] on rank 0); build the model")  # fmt: skip
+    assert f"rank 0: {said}" in err and f"rank 1: {said}" in err
+    assert _spawn(script, 2, str(tmp_path / "b"), "params") == [2, 2]
+    err = capfd.readouterr().err
+    assert err.count("rank(s) 1 built parameters or buffers other than rank 0's") == 2
+    assert _spawn(script, 2, str(tmp_path / "c"), "frozen-alike") == [0, 0]
+
+
 LOG_REFUSED = """
 import sys, types, torch, torch.distributed as dist
 from pathlib import Path
