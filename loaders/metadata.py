@@ -84,6 +84,12 @@ def atomic_write_text(path: Path, text: str, *, fsync: bool = True) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # as an open() would make it: mkstemp's 0600 hid the metadata of a shared folder
+        # from its other readers (the shards beside it are 0644)
+        if hasattr(os, "fchmod"):  # POSIX
+            mask = os.umask(0)
+            os.umask(mask)
+            os.fchmod(fd, 0o666 & ~mask)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             if fsync:

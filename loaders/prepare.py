@@ -195,7 +195,10 @@ def list_docs(
                 f"--glob {glob!r} reaches outside {source}; give a pattern inside it (e.g. "
                 "'**/*.py')"
             )
-        files = sorted(p for p in path.glob(glob) if p.is_file())
+        try:
+            files = sorted(p for p in path.glob(glob) if p.is_file())
+        except ValueError as e:  # '**' inside a part ("a**b"): pathlib's own refusal
+            raise PrepareError(f"--glob {glob!r} is not a pattern pathlib takes ({e})") from None
         mine = Path(exclude).resolve() if exclude is not None else None
         if mine is not None and mine.is_relative_to(path.resolve()):  # else none is under it
             files = [p for p in files if not p.resolve().is_relative_to(mine)]
@@ -468,7 +471,16 @@ def prepare(
     plan_path = out / PLAN_NAME
     sources = _sources_digest(docs)
     tok_digest = tokenizer_digest(tokenizer) if train_vocab is None else None
-    if plan_path.is_file():
+    saved: object = None
+    if not plan_path.is_file():  # shards are skipped where their files exist: another run's
+        stale = [n for n in ("train", "heldout", "tokenizer.json") if (out / n).exists()]
+        if stale:
+            raise PrepareError(
+                f"{out} holds {', '.join(stale)} but no {PLAN_NAME}, so nothing says they are "
+                "this run's (existing shards would be kept as they are); pass another --out or "
+                "delete them"
+            )
+    else:
         try:
             saved = json.loads(plan_path.read_text())
         except ValueError as e:
@@ -489,8 +501,9 @@ def prepare(
                 "or delete that folder"
             )
         # (a plan written before sources were fingerprinted has none: taken as it is)
-        # (a plan written before tokenizers were fingerprinted has none: taken as it is)
-        if saved.get("tokenizer_digest", tok_digest) != tok_digest:
+        # (a plan written before tokenizers were fingerprinted has none: taken as it is;
+        # a trained one is checked once it is found, below)
+        if train_vocab is None and saved.get("tokenizer_digest", tok_digest) != tok_digest:
             raise PrepareError(
                 f"{out} was prepared with another version of the tokenizer {tokenizer} (its "
                 f"file changed since, {plan_path}): new shards would mix two tokenizations; "
@@ -508,6 +521,14 @@ def prepare(
             texts = _Texts(text_column, _load_hub(*hub, text_column) if hub else None)
             train_tokenizer((texts(d) for d in splits["train"]), train_vocab, tok_path)
         tokenizer = str(tok_path)
+        tok_digest = tokenizer_digest(tokenizer)  # recorded: the shards are its
+        was = saved.get("tokenizer_digest") if isinstance(saved, dict) else None
+        if was is not None and was != tok_digest:
+            raise PrepareError(
+                f"{tok_path} is not the tokenizer {out} was prepared with (it changed since "
+                f"it was trained, {plan_path}): new shards would mix two tokenizations; pass "
+                "another --out or delete that folder"
+            )
     load_tokenizer(tokenizer)  # fail here, not in a worker
     layout = {name: _plan(ds, docs_per_shard) for name, ds in splits.items()}
     atomic_write_text(

@@ -120,9 +120,28 @@ def test_rerun_finishes_a_crashed_run_and_refuses_other_settings(tmp_path: Path)
     (tmp_path / "file").write_text("x")
     with pytest.raises(PrepareError, match="is a file; give a folder"):
         prepare([str(tmp_path / "src")], tmp_path / "file", **kw)
-    # sources edited since: the old shards (and tokenizer) would be served as they were
+    # shards beside no plan (one removed by hand): nothing says they are this run's, and
+    # existing shards are kept as they are (others' documents, lost or twice)
     (out / "prepare_plan.json").unlink()
+    with pytest.raises(PrepareError, match="holds train, tokenizer.json but no prepare_plan"):
+        prepare([str(tmp_path / "src")], out, **kw)
+    assert shards[0].read_bytes() == before[shards[0].name]  # nothing lost by the refusal
+    # sources edited since: the old shards (and tokenizer) would be served as they were
+    shutil.rmtree(out)
     prepare([str(tmp_path / "src")], out, **kw)  # the plan again, with the sources' digest
+    plan_mode = (out / "prepare_plan.json").stat().st_mode & 0o777
+    mask = os.umask(0)
+    os.umask(mask)
+    assert plan_mode == 0o666 & ~mask  # readable by the folder's other readers (was 0600)
+    assert (out / "train" / "doc_counts.json").stat().st_mode & 0o777 == 0o666 & ~mask
+    # a trained tokenizer replaced: the missing shards would be another tokenization's
+    (out / "train" / "part-00001.arrow").unlink()
+    trained = (out / "tokenizer.json").read_text()
+    (out / "tokenizer.json").write_text(trained.replace('"unk_token":', '"unk_token" :'))
+    with pytest.raises(PrepareError, match="tokenizer.json is not the tokenizer .* prepared"):
+        prepare([str(tmp_path / "src")], out, **kw)
+    (out / "tokenizer.json").write_text(trained)
+    prepare([str(tmp_path / "src")], out, **kw)  # as trained: the shard is made again
     first = sorted((tmp_path / "src").rglob("*.py"))[0]
     first.write_text(first.read_text() + "\nx = 1\n")
     with pytest.raises(PrepareError, match="other versions of these files"):
@@ -225,6 +244,10 @@ _PY = ["{src}", "--glob", "**/*.py", "--out", "{out}", "--train-tokenizer", "300
             "--glob '../*.txt' reaches outside",
         ),
         (["{src}/pkg0", *_PY], "is a document twice among the sources"),
+        (  # pathlib's own ValueError, a traceback
+            ["{src}", "--glob", "a**b/*.py", "--out", "{out}", "--train-tokenizer", "300"],
+            "--glob 'a**b/*.py' is not a pattern pathlib takes",
+        ),
         (["{src}", "--glob", "**/*.py", "--out", "", "--train-tokenizer", "300"], "--out is empty"),
         (
             ["{src}", "--glob", "**/*.py", "--out", "{out}", "--train-tokenizer", "4294967296"],
