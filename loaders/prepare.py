@@ -496,9 +496,12 @@ def prepare(
                     "another --out or delete that folder"
                 )
         if not isinstance(saved, dict) or saved.get("settings") != settings:
+            was = old if isinstance(old, dict) else {}
+            keys = [k for k in dict.fromkeys([*was, *settings]) if was.get(k) != settings.get(k)]
+            what = f": {', '.join(keys[:4])} differ" if keys else ""
             raise PrepareError(
-                f"{out} was prepared with other settings ({plan_path}); pass another --out "
-                "or delete that folder"
+                f"{out} was prepared with other settings ({plan_path}{what}); pass another "
+                "--out or delete that folder"
             )
         # (a plan written before sources were fingerprinted has none: taken as it is)
         # (a plan written before tokenizers were fingerprinted has none: taken as it is;
@@ -536,7 +539,9 @@ def prepare(
         json.dumps(
             {
                 "settings": settings,
-                "tokenizer": tokenizer,
+                # a local file by its absolute path: a reader in another folder took a
+                # relative one for a hub name
+                "tokenizer": os.path.abspath(tokenizer) if Path(tokenizer).exists() else tokenizer,
                 "sources": sources,
                 # where the sources are, whatever folder prepare ran in (the settings keep
                 # them as given): what a reader checks its own files against
@@ -573,7 +578,9 @@ def prepare(
                 _write_shard(job)
                 bar.update(1)
         else:
-            with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=init) as ex:
+            # no more processes than shards to write (--workers 48 over 2 forked 48)
+            pool = min(workers, len(todo))
+            with ProcessPoolExecutor(pool, initializer=_init_worker, initargs=init) as ex:
                 for _ in ex.map(_write_shard, todo):
                     bar.update(1)
         bar.close()

@@ -110,7 +110,7 @@ def test_rerun_finishes_a_crashed_run_and_refuses_other_settings(tmp_path: Path)
     prepare([str(tmp_path / "src")], out, **kw)
     assert shards[2].read_bytes() == before[shards[2].name]
     assert all(p.stat().st_mtime_ns == stamps[p.name] for p in shards if p != shards[2])
-    with pytest.raises(PrepareError, match="other settings"):
+    with pytest.raises(PrepareError, match=r"other settings \(.*: docs_per_shard differ\)"):
         prepare([str(tmp_path / "src")], out, **{**kw, "docs_per_shard": 5})
     # a damaged plan (a crash while it was written by hand, a bad edit) is named, not a
     # JSONDecodeError with exit status 1; an --out that is a file likewise
@@ -347,6 +347,20 @@ def test_an_out_inside_the_source_links_and_older_outputs(tmp_path: Path, capsys
                         progress=False)  # fmt: skip
         else:
             prepare([str(src)], out, glob="**/*.py", train_vocab=300, progress=False)
+
+
+def test_a_relative_tokenizer_is_recorded_by_its_absolute_path(tmp_path: Path, monkeypatch):
+    """A reader in another folder (the codebert command) took the plan's relative
+    tokenizer path for a hub name, and waited through the hub's retries."""
+    _corpus(tmp_path / "src", n=6)
+    prepare([str(tmp_path / "src")], tmp_path / "trained", train_vocab=300, glob="**/*.py",
+            progress=False)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    kw = dict(tokenizer="trained/tokenizer.json", glob="**/*.py", progress=False, workers=4)
+    prepare(["src"], Path("given"), **kw)  # type: ignore[arg-type]
+    plan = json.loads((tmp_path / "given" / "prepare_plan.json").read_text())
+    assert plan["tokenizer"] == str(tmp_path / "trained" / "tokenizer.json")
+    assert plan["settings"]["tokenizer"] == "trained/tokenizer.json"  # reruns compare this
 
 
 def test_a_local_tokenizer_folder_without_tokenizer_json_still_loads(tmp_path: Path) -> None:
