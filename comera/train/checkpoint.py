@@ -42,6 +42,7 @@ from comera.train.logging import (
     resolve_wandb_mode,
     truncate_metrics,
 )
+from comera.train.task import replicated_by_name
 from comera.tree import iter_tt
 
 __all__ = [
@@ -425,18 +426,11 @@ def _alike(a: dict, b: dict) -> str | None:
 
 def _replicated(tr: Any) -> dict[str, torch.Tensor]:
     """The tensors the task holds outside params and state (``replicated_tensors()``: a
-    ``ModuleTask``'s frozen parameters), by name where the task's ``model`` names them;
-    as the task's ``replicated_named()`` gives them where it has one (a ``ModuleTask``:
-    a frozen TT layer as its output on fixed probes, not its cores)."""
+    ``ModuleTask``'s frozen parameters) by name (:func:`replicated_by_name`); as the
+    task's ``replicated_named()`` gives them where it has one (a ``ModuleTask``: a frozen
+    TT layer as its output on fixed probes, not its cores)."""
     named = getattr(tr.task, "replicated_named", None)
-    if named is not None:
-        return dict(named())
-    fn = getattr(tr.task, "replicated_tensors", None)
-    tensors = list(fn()) if fn is not None else []
-    model = getattr(tr.task, "model", None)
-    names = {id(p): n for n, p in model.named_parameters()} if hasattr(
-        model, "named_parameters") else {}  # fmt: skip
-    return {names.get(id(t), f"replicated tensor {i}"): t for i, t in enumerate(tensors)}
+    return dict(named()) if named is not None else replicated_by_name(tr.task)
 
 
 def replicated_fingerprints(tr: Any) -> dict[str, dict]:

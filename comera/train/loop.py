@@ -54,6 +54,7 @@ from comera.train.task import (
     detached_error,
     eval_terms,
     loss_terms,
+    replicated_by_name,
     unreached_error,
 )
 from comera.tree import compact_tree, iter_tt, prune_to_size, prune_tree
@@ -264,14 +265,9 @@ class Trainer:
         self._history = resume  # plans.json holds this run's history (a fresh run's: none)
         # replicas start identical: what the task holds outside params and state (a
         # ModuleTask's frozen parameters) first, so a resume checks rank 0's on every rank
-        replicated = getattr(task, "replicated_tensors", None)
-        frozen = list(replicated()) if replicated is not None else []
-        model = getattr(task, "model", None)
-        known = {id(p): n for n, p in model.named_parameters()} if hasattr(
-            model, "named_parameters") else {}  # fmt: skip
-        check_alike(frozen, [known.get(id(t), f"#{i}") for i, t in enumerate(frozen)],
-                    "frozen tensors")  # fmt: skip
-        broadcast_tensors(frozen)
+        frozen = replicated_by_name(task)
+        check_alike(list(frozen.values()), list(frozen), "frozen tensors")
+        broadcast_tensors(list(frozen.values()))
         if resume:
             self._reinstall_plans()
             ck.restore_trainer(self, ck.load_checkpoint(self.run_dir))
@@ -288,10 +284,9 @@ class Trainer:
         self._zero_said = self._zero_layers()
         # then the params and the model's running buffers
         paths, _ = tree_flatten_with_path(self.params)
-        shared = [t for _, t in paths] + self._buffers()
-        names = [keystr(p) for p, _ in paths] + [
-            f"buffer #{i}" for i in range(len(self._buffers()))
-        ]
+        buffers = self._buffers()
+        shared = [t for _, t in paths] + buffers
+        names = [keystr(p) for p, _ in paths] + [f"buffer #{i}" for i in range(len(buffers))]
         check_alike(shared, names, "parameters or buffers")
         broadcast_tensors(shared)
         # the run's own random streams, swapped in by fit, train_step and checkpoint

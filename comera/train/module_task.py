@@ -115,9 +115,8 @@ class ModuleTask:
         its entries far apart); the rest as they are."""
         frozen = {n: self.model.get_submodule(n) if n else self.model for n in self._frozen_tt}
         inside = {id(p) for m in frozen.values() for p in m.parameters()}
-        held = {id(t) for t in leaves(self.params())}
-        out = {n: p for n, p in self.model.named_parameters()
-               if id(p) not in held and id(p) not in inside}  # fmt: skip
+        kept = {id(p) for p in self.replicated_tensors()} - inside  # the rest as they are
+        out = {n: p for n, p in self.model.named_parameters() if id(p) in kept}
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for name, m in frozen.items():

@@ -17,6 +17,7 @@ __all__ = [
     "detached_error",
     "eval_terms",
     "loss_terms",
+    "replicated_by_name",
     "unreached_error",
 ]
 
@@ -73,6 +74,18 @@ class Task(Protocol):
     def loss(self, params: Any, state: Any, batch: Any, *, train: bool) -> tuple: ...
 
     def evaluate(self, params: Any, state: Any) -> dict: ...
+
+
+def replicated_by_name(task: object) -> dict[str, torch.Tensor]:
+    """The task's ``replicated_tensors()`` by name: the parameter's name where the task's
+    ``model`` names it, else ``replicated tensor I`` (what errors and fingerprints call
+    them); empty for a task without any."""
+    fn = getattr(task, "replicated_tensors", None)
+    tensors = list(fn()) if fn is not None else []
+    model = getattr(task, "model", None)
+    names = {id(p): n for n, p in model.named_parameters()} if hasattr(
+        model, "named_parameters") else {}  # fmt: skip
+    return {names.get(id(t), f"replicated tensor {i}"): t for i, t in enumerate(tensors)}
 
 
 def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
