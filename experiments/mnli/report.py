@@ -23,7 +23,6 @@ from experiments.malloc import lean_without_hugepages
 from experiments.report import (
     REPORTS,
     check_step_bench,
-    kept_settings,
     layer_summary,
     layer_table,
     load_run,
@@ -71,22 +70,14 @@ def _summary(run: dict) -> dict:
     acc_keys = sorted({k for r in evals for k in r if k.endswith("accuracy")})
     rank_keys = sorted({k for r in train for k in r if k.startswith("ranks/")})
     dense = bool(cfg.get("dense"))
+    setup = run_setup(cfg)
     return {
         "name": run["dir"].name,
         "kind": "dense" if dense else "CoMERA",
         "preset": str(cfg.get("preset")),
-        # the data the run last resumed with (a moved file), as the setup below
-        "data_source": _data_source(
-            {
-                **(cfg.get("data") or {}),
-                **{
-                    k.removeprefix("data."): v
-                    for k, v in kept_settings(cfg).items()
-                    if k.startswith("data.")
-                },
-            }
-        ),  # fmt: skip
-        "setup": run_setup(cfg),  # what rows set side by side are assumed to share
+        # the data the run last resumed with (a moved file): the setup's data keys
+        "data_source": _data_source(setup),
+        "setup": setup,  # what rows set side by side are assumed to share
         "steps": last["step"],
         "planned_steps": cfg.get("train", {}).get("steps"),
         "final_loss": last["loss"],
@@ -109,13 +100,13 @@ def _summary(run: dict) -> dict:
     }
 
 
-def _data_source(data: dict) -> str:
-    """Where a run's examples came from, in words."""
-    if data.get("train_file"):
-        return f"local files ({Path(str(data['train_file'])).name}, ...)"
-    if data.get("dataset") == "generated":
+def _data_source(setup: dict) -> str:
+    """Where a run's examples came from, in words (from its :func:`run_setup`)."""
+    if setup.get("data.train_file"):
+        return f"local files ({Path(str(setup['data.train_file'])).name}, ...)"
+    if setup.get("data.dataset") == "generated":
         return "the generated task"
-    return f"{data.get('dataset')} ({data.get('dataset_config')})"
+    return f"{setup.get('data.dataset')} ({setup.get('data.dataset_config')})"
 
 
 def _cell(value: object) -> str:
@@ -176,16 +167,9 @@ def render(data: dict, out_dir: Path, name: str = "mnli.md") -> str:
     if runs:
         presets = sorted({r["preset"] for r in runs})
         sources = sorted({r["data_source"] for r in runs if "data_source" in r})
-        data_line = (
-            (
-                f"Runs: {', '.join(presets)}. Smoke runs use a tiny model; data: "
-                f"{'; '.join(sources)}."
-            )
-            if sources
-            # fmt: skip
-            else (f"Runs: {', '.join(presets)}. Smoke runs use a tiny model on the generated task.")
-        )
-        lines += [data_line, ""]
+        # runs gathered before their data was recorded: the smoke preset's, as said then
+        said = f"; data: {'; '.join(sources)}." if sources else " on the generated task."
+        lines += [f"Runs: {', '.join(presets)}. Smoke runs use a tiny model{said}", ""]
         gaps = _setup_gaps(runs)
         if gaps:  # rows of other data, steps or seeds: said, with each run's values
             shown = gaps[:6]
