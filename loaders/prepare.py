@@ -496,8 +496,9 @@ def prepare(
                     "another --out or delete that folder"
                 )
         if not isinstance(saved, dict) or saved.get("settings") != settings:
-            was = old if isinstance(old, dict) else {}
-            keys = [k for k in dict.fromkeys([*was, *settings]) if was.get(k) != settings.get(k)]
+            before = old if isinstance(old, dict) else {}
+            keys = [k for k in dict.fromkeys([*before, *settings])
+                    if before.get(k) != settings.get(k)]  # fmt: skip
             what = f": {', '.join(keys[:4])} differ" if keys else ""
             raise PrepareError(
                 f"{out} was prepared with other settings ({plan_path}{what}); pass another "
