@@ -557,18 +557,34 @@ def _replace_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, 
     )  # fmt: skip
 
 
+def _embedding_modes(rows: int, dim: int, d: int) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+    """Vocabulary modes (zero-padded rows where needed) and dim modes (exact: a table's
+    width is not padded) with the same number of cores, ``d`` or fewer but at least two
+    (a TTM train has two or more); or why there are none."""
+    dim_splits = False
+    for k in range(d, 1, -1):
+        try:  # 30 into 4 needed padding, so the table was skipped, where 3 cores split it
+            dim_m = propose_modes(dim, k)
+        except ConfigError:
+            continue
+        dim_splits = True
+        vocab = _modes(rows, k)
+        if vocab is not None:
+            return vocab[0], dim_m
+    if d >= 2 and not dim_splits:
+        return f"skipped: dim {dim} has no balanced split into 2 or more factors"
+    return f"skipped: {rows}x{dim} has no split into 2 or more cores"
+
+
 def _replace_embedding(name: str, emb: nn.Embedding,
                        cfg: TensorizeConfig) -> tuple[nn.Module | None, LayerReport]:  # fmt: skip
     rows, dim = emb.weight.shape
-    (vocab_m, _), (dim_m, dim_p) = _split((rows, dim), cfg.embedding_cores)
-    vocab_m = tuple(reversed(vocab_m))
     report = {"name": name, "kind": "embedding", "shape": (rows, dim),
               "params_before": emb.weight.numel()}  # fmt: skip
-    if dim_p != dim:
-        return None, LayerReport(**report, skipped=f"skipped: dim {dim} has no balanced split")
-    if len(vocab_m) < 2:  # a TTM train has at least two cores
-        why = f"skipped: {rows}x{dim} has no split into 2 or more cores"
-        return None, LayerReport(**report, skipped=why)
+    found = _embedding_modes(rows, dim, cfg.embedding_cores)
+    if isinstance(found, str):
+        return None, LayerReport(**report, skipped=found)
+    vocab_m, dim_m = tuple(reversed(found[0])), found[1]
     merged = tuple(v * d for v, d in zip(vocab_m, dim_m, strict=True))
     rank = _pick_rank(merged, cfg.rank_of(name, embedding=True), rows * dim, 0, cfg, name)
     if rows * dim < cfg.min_compression * _size(merged, rank, 0, name):

@@ -814,6 +814,23 @@ def test_compact_keeps_what_was_frozen_and_the_bias_parameter() -> None:
     assert all(p.requires_grad for p in trained.parameters())
 
 
+def test_a_table_takes_fewer_cores_where_its_dim_splits_exactly() -> None:
+    """A dim of 30 has no 4-way split but a 3-way one: the table was skipped as having "no
+    balanced split" (the 4-way split padded it, and a table's dim is never padded); it now
+    takes 3 cores and is exact at full rank. A prime dim is still skipped, by name."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Embedding(1000, 30), "b": nn.Embedding(1000, 31)})
+    ids = torch.tensor([0, 7, 999])
+    before = model["a"](ids)
+    summary = tensorize_(model, TensorizeConfig(target_modules="*", rank=1000,
+                                                min_compression=0.0))  # fmt: skip
+    a, b = summary.layers
+    assert a.modes == "[10, 10, 10] x [2, 3, 5]" and not a.skipped
+    torch.testing.assert_close(model["a"](ids), before, rtol=1e-4, atol=1e-5)
+    assert b.skipped == "skipped: dim 31 has no balanced split into 2 or more factors"
+    assert isinstance(model["b"], nn.Embedding)
+
+
 def test_a_table_too_small_for_two_cores_is_skipped_not_fatal() -> None:
     """BERT's 2-row ``token_type_embeddings`` has no split into the two cores a TTM train
     needs: it is listed as skipped (it raised a ConfigError after the word embedding had
