@@ -100,6 +100,11 @@ _PARTLY_SUPPORTED = (torch.uint16, torch.uint32, torch.uint64)
 
 def check_ids_dtype(name: str, ids: torch.Tensor) -> None:
     """Refuse ids that are not of an integer dtype a lookup can compare and index with."""
+    if not isinstance(ids, torch.Tensor):  # a list failed on a missing tensor method
+        raise ValueError(
+            f"{name}: ids must be an integer torch.Tensor, got {type(ids).__name__}; wrap "
+            "them with torch.as_tensor(ids)"
+        )
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"{name}: ids must be an integer tensor, got dtype {ids.dtype}")
     if ids.dtype in _PARTLY_SUPPORTED:

@@ -9,6 +9,7 @@ Current ranks after pruning/compaction are read from the core shapes, not from h
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -293,6 +294,10 @@ def _best_split(n: int, d: int, max_factor: int) -> tuple[int, ...] | None:
 def factorize(n: int, d: int) -> tuple[int, ...] | None:
     """Split ``n`` into ``d`` factors as evenly as possible (ascending), or None if the
     only splits contain a factor far above ``n ** (1/d)`` (e.g. a large prime factor)."""
+    try:  # 12.0 gave (3, 4.0), a float mode every spec then refuses
+        n, d = _index(n), _index(d)
+    except TypeError:
+        raise ConfigError(f"factorize: n and d must be ints, got n={n!r}, d={d!r}") from None
     if n < 1 or d < 1:
         raise ConfigError(f"factorize: need n >= 1 and d >= 1, got n={n}, d={d}")
     if d == 1:
@@ -344,6 +349,12 @@ def propose_modes(dim: int, d: int, *, pad: bool = False, max_pad: float = 0.1) 
         ) from None
     if dim < 1 or d < 1:
         raise ConfigError(f"propose_modes: need dim >= 1 and d >= 1, got dim={dim}, d={d}")
+    if not (isinstance(max_pad, numbers.Real) and not isinstance(max_pad, bool)
+            and math.isfinite(max_pad) and max_pad >= 0):  # fmt: skip
+        raise ConfigError(  # NaN and "0.1" failed inside range() naming neither
+            f"propose_modes: max_pad must be a finite number >= 0 (a fraction of dim), "
+            f"got {max_pad!r}"
+        )
     if not pad:
         # padding helps a large prime, not a size too small to split d ways
         return _exact_modes("propose_modes", str(dim), dim, d, "pass pad=True to pad it to a "
@@ -357,9 +368,10 @@ def propose_modes(dim: int, d: int, *, pad: bool = False, max_pad: float = 0.1) 
         key = (max(modes), sum(modes), n)
         if best_key is None or key < best_key:
             best, best_key = modes, key
-    if best is None:  # pragma: no cover - powers of two always factor
+    if best is None:  # a size too small to split d ways (7 into 3), or max_pad too tight
         raise ConfigError(
-            f"propose_modes: no balanced {d}-factorization within {max_pad:.0%} of {dim}"
+            f"propose_modes: no balanced {d}-factorization within {max_pad:.0%} of {dim}; "
+            f"pass a smaller d or a larger max_pad"
         )
     return best
 

@@ -313,6 +313,8 @@ def ttm_embedding_batched(
             + ("" if specs is None else f", {len(specs)} specs")
             + "; pass one of each per table"
         )
+    if not isinstance(ids, torch.Tensor):
+        check_ids_dtype("ttm_embedding_batched", ids)  # names the type and the way out
     if (
         ids.shape[-1:] != (t,)
         or ids.is_floating_point()
@@ -334,6 +336,12 @@ def ttm_embedding_batched(
         raise ConfigError(
             f"ttm_embedding_batched: tables have embedding dims {sorted(dims)}; "
             "a batched lookup needs one dim (look the others up separately)"
+        )
+    dtypes = {c.dtype for cs in cores for c in cs}
+    if len(dtypes) > 1:  # float32 and float64 tables were promoted, where one table refuses
+        raise ConfigError(
+            f"ttm_embedding_batched: tables have core dtypes {sorted(map(str, dtypes))}; "
+            "a batched lookup needs one dtype (cast the tables together)"
         )
     if is_batched(ids) or any(is_batched(c) for cs in cores for c in cs):
         # under vmap the dedup and the range check cannot read values: each table's own

@@ -246,8 +246,20 @@ def check_state(params: Params, state: State, name: str = "TT layer") -> None:
                 f"{got}; pass the state returned with these params by comera.init / "
                 "from_dense / compact"
             )
+    found = params.get("gates") if hasattr(params, "get") else None  # type: ignore[union-attr]
+    if found is None:  # a bare KeyError named neither the layer nor what gates are
+        raise ValueError(
+            f"{name}: the params have no 'gates' (one vector per bond between cores); pass "
+            "the params made by comera.init / from_dense / compact"
+        )
+    for b, g in enumerate(found):  # type: ignore[arg-type]
+        if not isinstance(g, torch.Tensor) or g.dim() != 1:
+            got = f"shape {tuple(g.shape)}" if isinstance(g, torch.Tensor) else type(g).__name__
+            raise ValueError(  # a 2-D gate was read by its first dim and blamed on compaction
+                f"{name}: gate {b} must be a 1-D tensor (one entry per rank of its bond), got {got}"
+            )
     masks = [int(m.shape[0]) for m in state["masks"]]  # type: ignore[union-attr]
-    gates = [int(g.shape[0]) for g in params["gates"]]  # type: ignore[union-attr]
+    gates = [int(g.shape[0]) for g in found]  # type: ignore[union-attr]
     if masks != gates:
         raise ValueError(
             f"{name}: the rank state does not match the params: masks of {masks} ranks for "
@@ -539,6 +551,12 @@ def to_dense(params: Params, state: State, spec: Spec | None = None) -> torch.Te
     For a TTM the padded vocabulary rows are dropped when ``spec`` is given.
     """
     cores = gated_cores(params, state)
+    if spec is not None and isinstance(spec, TTLinearSpec) != (cores[0].dim() == 3):
+        kind = "a TT linear's (3-D cores)" if cores[0].dim() == 3 else "a TTM's (4-D cores)"
+        raise ValueError(  # a linear spec for a table failed on a missing attribute
+            f"{spec.label}: to_dense got a {type(spec).__name__} with {kind} params; pass "
+            "the spec the params were made for"
+        )
     if cores[0].dim() == 3:
         d = len(cores) // 2
         m = math.prod([c.shape[1] for c in cores[:d]])

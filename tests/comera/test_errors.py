@@ -177,6 +177,16 @@ def test_from_dense_shape_mismatch():
          "'o': from_dense got a weight holding NaN or inf"),
         (lambda: C.from_dense(np.ones((6, 6), np.float32), _spec()), ConfigError,
          "'o': from_dense takes a torch.Tensor weight, got ndarray"),
+        # NaN and "0.1" failed inside range() naming neither; -1 was taken
+        *[(lambda v=v: C.spec.propose_modes(30011, 4, pad=True, max_pad=v), ConfigError,
+           "propose_modes: max_pad must be a finite number >= 0")
+          for v in (float("nan"), "0.1", -1, True)],
+        # a size too small to split reached a branch marked unreachable, with no way out
+        (lambda: C.spec.propose_modes(7, 3, pad=True), ConfigError,
+         "no balanced 3-factorization within 10% of 7; pass a smaller d or a larger max_pad"),
+        # 12.0 gave (3, 4.0), a float mode every spec then refused
+        (lambda: C.spec.factorize(12.0, 2), ConfigError,
+         "factorize: n and d must be ints, got n=12.0"),
     ],
 )  # fmt: skip
 def test_bad_values_are_user_errors_naming_the_argument(call, kind, message):
@@ -381,3 +391,37 @@ def test_a_layer_built_from_another_spec_s_tensors_is_refused():
     emb = C.TTMEmbedding(C.TTMEmbeddingSpec(vocab_modes=(15, 20), dim_modes=(4, 4), ranks=4,
                                             num_embeddings=300))  # fmt: skip
     assert (emb.num_embeddings, emb.embedding_dim) == (300, 16)
+
+
+def test_params_and_specs_of_the_wrong_shape_are_refused_by_name():
+    """A 2-D gate was read by its first dim and blamed on compaction; params with no gates
+    were a bare KeyError; ids in a list an AttributeError; a linear spec passed to
+    ``to_dense`` with a table's params an AttributeError, and the other way round was
+    ignored."""
+    p, s = _layer()
+    x = torch.randn(2, 6)
+    with pytest.raises(ValueError, match="'o': gate 0 must be a 1-D tensor .*got shape"):
+        C.tt_linear({**p, "gates": [g[None] for g in p["gates"]]}, s, x, spec=_spec())
+    with pytest.raises(ValueError, match="the params have no 'gates'"):
+        C.tt_linear({"cores": p["cores"]}, s, x)
+    table = _table()
+    with pytest.raises(ValueError, match="ids must be an integer torch.Tensor, got list"):
+        C.ttm_embedding(*table.params_state(), [1, 2])
+    with pytest.raises(ValueError, match="ids must be an integer torch.Tensor, got list"):
+        C.ttm_embedding_batched([table.params()], [table.state()], [[1]])
+    with pytest.raises(ValueError, match="to_dense got a TTLinearSpec with a TTM's"):
+        C.to_dense(*table.params_state(), _spec())
+    with pytest.raises(ValueError, match="to_dense got a TTMEmbeddingSpec with a TT linear's"):
+        C.to_dense(p, s, table.spec)
+    assert C.to_dense(p, s, _spec()).shape == (6, 6)
+
+
+def test_a_batched_lookup_refuses_tables_of_two_dtypes():
+    """A float32 table batched with a float64 one came back float64, where one table's
+    lookup refuses mixed dtypes."""
+    spec = C.TTMEmbeddingSpec(vocab_modes=(3, 4), dim_modes=(2, 2), ranks=2)
+    a, sa = C.init(spec)
+    b, sb = C.init(spec)
+    b = {k: [t.double() for t in v] for k, v in b.items()}
+    with pytest.raises(ConfigError, match="core dtypes .*float32.*float64.*one dtype"):
+        C.ttm_embedding_batched([a, b], [sa, sb], torch.tensor([[1, 2]]))
