@@ -62,6 +62,7 @@ __all__ = [
     "Doc",
     "PrepareError",
     "drop_link_twins",
+    "file_identity",
     "heldout_docs",
     "prepare",
     "tokenizer_digest",
@@ -149,13 +150,23 @@ def heldout_docs(docs: list[Doc], fraction: float, roots: dict[Doc, str] | None 
     return held
 
 
+def file_identity(path: Path) -> tuple[int, int] | Path:
+    """What makes two names one file: its device and inode (a symbolic or a hard link and
+    its target alike), or its resolved path where it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return Path(path).resolve()
+    return st.st_dev, st.st_ino
+
+
 def drop_link_twins(files: list[Path]) -> tuple[list[Path], int]:
-    """``files`` with those whose target is already listed (links) left out, and how many
-    were: a link is read as its target, so a twin could be held out while it trains."""
-    seen: set[Path] = set()
+    """``files`` with those that are a file already listed (links, symbolic or hard) left
+    out, and how many were: a twin could be held out while its target trains."""
+    seen: set[tuple[int, int] | Path] = set()
     kept = []
     for p in files:
-        real = p.resolve()
+        real = file_identity(p)  # a resolved path missed hard links
         if real not in seen:
             seen.add(real)
             kept.append(p)
@@ -488,6 +499,11 @@ def prepare(
                 f"{plan_path} is unreadable ({e}); delete {out} or pass another --out"
             ) from None
         old = saved.get("settings") if isinstance(saved, dict) else None
+        if (isinstance(old, dict) and old.get("tokenizer") != tokenizer and tok_digest
+                and saved.get("tokenizer_digest") == tok_digest):  # fmt: skip
+            # one file spelled two ways (a folder or its tokenizer.json, relative or not):
+            # the same tokens, refused as "other settings"
+            settings["tokenizer"] = old["tokenizer"]
         if isinstance(old, dict) and {**old, "heldout_rule": 0} == {**settings, "heldout_rule": 0}:
             if old.get("heldout_rule") != settings["heldout_rule"]:
                 raise PrepareError(

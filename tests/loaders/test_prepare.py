@@ -363,6 +363,27 @@ def test_a_relative_tokenizer_is_recorded_by_its_absolute_path(tmp_path: Path, m
     assert plan["settings"]["tokenizer"] == "trained/tokenizer.json"  # reruns compare this
 
 
+def test_one_tokenizer_spelled_two_ways_and_hard_links_are_one(tmp_path: Path, monkeypatch):
+    """The same tokenizer given as its folder, then as its tokenizer.json (or relative,
+    then absolute), was refused as "other settings" on the rerun (the codebert command's
+    cache met it); another file is still refused. A hard link to a file of the source was
+    read twice, so it could be held out while its target trained."""
+    _corpus(tmp_path / "src", n=6)
+    os.link(tmp_path / "src" / "pkg1" / "mod001.py", tmp_path / "src" / "pkg0" / "hard.py")
+    prepare([str(tmp_path / "src")], tmp_path / "trained", train_vocab=300, glob="**/*.py",
+            progress=False)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    kw = dict(glob="**/*.py", progress=False, heldout=0.3)
+    for spelling in ("trained", "trained/tokenizer.json", str(tmp_path / "trained")):
+        s = prepare([str(tmp_path / "src")], tmp_path / "out", tokenizer=spelling, **kw)  # type: ignore[arg-type]
+        assert s["splits"]["train"]["docs"] + s["splits"]["heldout"]["docs"] == 6
+    shutil.copytree(tmp_path / "trained", tmp_path / "other")
+    with open(tmp_path / "other" / "tokenizer.json", "a") as f:
+        f.write(" ")  # the same tokens, but not the same file: refused
+    with pytest.raises(PrepareError, match="other settings .*tokenizer differ"):
+        prepare([str(tmp_path / "src")], tmp_path / "out", tokenizer="other", **kw)  # type: ignore[arg-type]
+
+
 def test_a_local_tokenizer_folder_without_tokenizer_json_still_loads(tmp_path: Path) -> None:
     """A downloaded model folder with only ``vocab.txt`` (no ``tokenizer.json``) is a path,
     not a hub id: it loads through transformers, offline."""
