@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -120,12 +121,16 @@ def smoke_report_main(
     description: str,
     render: Callable[[dict, Path], str] | None = None,
     bench_section: Callable[[dict], list[str]] | None = None,
+    experiment: Any = None,
 ) -> int:
     """The ``python -m experiments.<name>.report`` command: the smoke preset's CoMERA and
     dense runs (``RUNS/<name>-smoke``, ``-smoke-dense``), then ``write(runs, out, bench,
     command=...)``; with ``--from-json FILE``, ``render(json, out)`` alone (no training).
     ``bench_section`` renders the ``--bench-json`` figures: tried on them first, so another
-    benchmark's JSON is refused before any run trains or any report file is written."""
+    benchmark's JSON is refused before any run trains or any report file is written.
+    ``experiment`` (its ``cli.Experiment``): where one of the two runs is there and the
+    other is not, the one there must be of the smoke preset's setup, or the missing one,
+    trained from the preset, could not be set beside it (refused before it trains)."""
     prog = f"python -m experiments.{name}.report"
     ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--runs", default="runs")
@@ -169,6 +174,12 @@ def smoke_report_main(
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
     runs = Path(args.runs)
+    try:
+        if experiment is not None:
+            check_smoke_setup(runs, name, experiment)
+    except DataError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     for dense in (False, True):
         run_dir = runs / f"{name}-smoke{'-dense' if dense else ''}"
         ensure_smoke_run(exp_main, run_dir, dense=dense, label=f"{name} report")
@@ -179,6 +190,41 @@ def smoke_report_main(
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_smoke_setup(runs: Path, name: str, experiment: Any) -> None:
+    """Refuse a smoke run dir (``RUNS/<name>-smoke`` or ``-smoke-dense``) trained with
+    another setup than the smoke preset's (``--corpus``, ``--set data.*``, steps) where its
+    partner is missing: the report would train the partner from the preset for minutes,
+    then refuse the pair (:func:`check_smoke_pair`)."""
+    dirs = {kind: runs / f"{name}-smoke{'-dense' if kind == 'dense' else ''}"
+            for kind in ("CoMERA", "dense")}  # fmt: skip
+    there = [k for k, d in dirs.items() if (d / "config.json").is_file()]
+    if len(there) != 1:
+        return
+    (kind,) = there
+    missing = "dense" if kind == "CoMERA" else "CoMERA"
+    cfg = experiment.presets["smoke"]()
+    record = {"data": cfg.data, "batch_size": getattr(cfg, "batch_size", None),
+              "train": {"steps": cfg.train.steps, "seed": cfg.train.seed}}  # fmt: skip
+    preset = run_setup(json.loads(json.dumps(record, default=_jsonable)))
+    have = run_setup(read_run_json(dirs[kind] / "config.json", dict))
+    gaps = [k for k in sorted({*preset, *have}) if preset.get(k) != have.get(k)]
+    if gaps:
+        flag = " --dense" if missing == "dense" else " (without --dense)"
+        raise DataError(
+            f"{dirs[kind]} was not trained with the smoke preset's setup ({', '.join(gaps[:4])}"
+            f"{' ...' if len(gaps) > 4 else ''} differ), and the {missing} run it is compared "
+            f"with would be; train that one yourself with the same flags{flag} --run-dir "
+            f"{dirs[missing]}, then run the report again"
+        )
+
+
+def _jsonable(o: Any) -> Any:
+    """A config value as ``config.json`` holds it: dataclasses as dicts, paths as text."""
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        return dataclasses.asdict(o)
+    return str(o)
 
 
 def load_run(run_dir: str | Path, experiment: str | None = None) -> dict:

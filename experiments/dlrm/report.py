@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         argv,
         __doc__.split("\n")[0],
         render=render,
+        experiment=EXPERIMENT,
         bench_section=_bench_section,
     )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from experiments.finetune.experiment import EXPERIMENT
 from experiments.finetune.experiment import main as exp_main
 from experiments.host import report_header
 from experiments.report import (
@@ -156,7 +157,7 @@ def write_report(
 def main(argv: list[str] | None = None) -> int:
     """``python -m experiments.finetune.report``."""
     return smoke_report_main("finetune", exp_main, write_report, argv, __doc__.split("\n")[0],
-                             render=render)  # fmt: skip
+                             render=render, experiment=EXPERIMENT)  # fmt: skip
 
 
 if __name__ == "__main__":

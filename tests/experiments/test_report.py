@@ -315,3 +315,39 @@ def test_a_report_passes_on_its_runs_exit_status(tmp_path: Path, capsys, code: i
         report.ensure_smoke_run(lambda argv: code, tmp_path / "r", dense=False, label="x report")
     assert stop.value.code == code
     assert f"x report: the run in {tmp_path / 'r'} failed (exit {code})" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["CoMERA", "dense"])
+def test_a_lone_run_of_another_setup_is_refused_before_its_partner_trains(
+    tmp_path: Path, capsys, kind: str
+) -> None:
+    """A ``--corpus`` CoMERA run in ``RUNS/codebert-smoke`` made the report train the
+    dense partner from the smoke preset (the stdlib corpus, minutes), then refuse the
+    pair as of other setups; a lone run of the preset's own setup trains its partner."""
+    from experiments.codebert.experiment import EXPERIMENT
+
+    def no_training(argv: list[str]) -> int:
+        raise AssertionError("a lone run of another setup must be refused before training")
+
+    cfg = EXPERIMENT.presets["smoke"]()
+    record = {"data": cfg.data, "batch_size": cfg.batch_size, "dense": kind == "dense",
+              "train": {"steps": cfg.train.steps, "seed": cfg.train.seed}}  # fmt: skip
+    record = json.loads(json.dumps(record, default=report._jsonable))
+    run = tmp_path / "runs" / f"codebert-smoke{'-dense' if kind == 'dense' else ''}"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({**record, "data": {**record["data"],
+                                     "source": "paths", "paths": {"a": "/src"}}}))  # fmt: skip
+    argv = ["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+    assert report.smoke_report_main("codebert", no_training, None, argv, "x",
+                                    experiment=EXPERIMENT) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was not trained with the smoke preset's setup (data.paths" in err[0]
+    other = "codebert-smoke" if kind == "dense" else "codebert-smoke-dense"
+    assert f"--run-dir {tmp_path / 'runs' / other}, then" in err[0]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [run.name]
+    (run / "config.json").write_text(json.dumps(record))  # the preset's own setup
+    trained = []
+    with pytest.raises(SystemExit):  # the partner's training is called (and fails here)
+        report.smoke_report_main("codebert", lambda a: trained.append(a) or 3, None, argv,
+                                 "x", experiment=EXPERIMENT)  # fmt: skip
+    assert trained
