@@ -34,6 +34,7 @@ from loaders.prepare import (
     Doc,
     PrepareError,
     drop_link_twins,
+    file_identity,
     heldout_docs,
     prepare,
     tokenizer_digest,
@@ -269,6 +270,29 @@ def _prepared(name: str, folder: Path) -> tuple[str, dict]:
     return tok, plan
 
 
+def group_settings(folder: Path) -> dict:
+    """The held-out fraction and piece length (``max_doc_tokens``, None: whole files) a
+    prepared group's folder (``loaders.prepare``'s output) was made with."""
+    settings = json.loads((Path(folder) / PLAN_NAME).read_text()).get("settings", {})
+    return {"heldout": settings.get("heldout"), "max_doc_tokens": settings.get("max_doc_tokens")}
+
+
+def _note_prepared(
+    name: str, folder: str, plan: dict, heldout: float, max_doc_tokens: int | None
+) -> None:
+    """Say on stderr which of the run's data settings a prepared folder does not follow
+    (its own held-out split and piece length serve): ``config.json`` records the run's."""
+    settings = plan.get("settings", {})
+    theirs = {"data.heldout": settings.get("heldout"),
+              "data.max_doc_tokens": settings.get("max_doc_tokens")}  # fmt: skip
+    mine = {"data.heldout": heldout, "data.max_doc_tokens": max_doc_tokens}
+    differ = [k for k in mine if theirs[k] != mine[k]]
+    if differ:
+        what = "; ".join(f"{k}={mine[k]} not applied (the folder's: {theirs[k]})" for k in differ)
+        note(f"--corpus {name}={folder} was prepared by loaders.prepare and is used as it is: "
+             f"{what}")  # fmt: skip
+
+
 def _hidden(path: Path, folder: Path, glob: str | None) -> bool:
     """Whether ``path`` is, or lies in, a hidden file or folder (``.git``, ``.venv``,
     ``.eslintrc.js``) that no part of ``glob`` starting with a dot names (``.github/**``
@@ -332,11 +356,11 @@ def corpus_from_paths(
     in one and be held out in the other; a prepared folder's files are its sources',
     :func:`_prepared_sources`)."""
     groups, ready, toks = {}, {}, set()
-    owner: dict[Path, str] = {}
+    owner: dict[tuple[int, int] | Path, str] = {}
 
     def own(name: str, files: list[Path]) -> None:
         for p in files:
-            other = owner.setdefault(p.resolve(), name)
+            other = owner.setdefault(file_identity(p), name)  # hard links too
             if other != name:
                 raise DataError(
                     f"--corpus {other} and --corpus {name} share files ({p}); a file in two "
@@ -347,9 +371,22 @@ def corpus_from_paths(
     for name, folder in paths.items():
         path = Path(folder)
         if not path.is_dir():
-            raise DataError(f"--corpus {name}={folder}: not a folder; pass NAME=FOLDER")
+            where = (
+                ""
+                if path.is_absolute()
+                # a run saved before folders were absolute
+                else (f" under {os.getcwd()} (a relative folder: run from where the run started)")
+            )
+            raise DataError(f"--corpus {name}={folder}: not a folder{where}; pass NAME=FOLDER")
         if (path / PLAN_NAME).is_file():
+            if (globs or {}).get(name):  # ignored without a word: the folder's files are fixed
+                raise DataError(
+                    f"--corpus {name}={folder}:{globs[name]}: {folder} was prepared by "  # type: ignore[index]
+                    "loaders.prepare, whose files are fixed; drop the :GLOB (or prepare with "
+                    "--glob)"
+                )
             tok, plan = _prepared(name, path)
+            _note_prepared(name, folder, plan, heldout, max_doc_tokens)
             ready[name] = path
             saved = plan.get("tokenizer_digest")  # (name, digest): one name may be two files
             toks.add((tok, saved if isinstance(saved, str) else None))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,8 +144,11 @@ class CorpusConfig:
             check_weight(f"--mix {name}={weight} (data.mix)", weight)
         if self.mix and not any(self.mix.values()):
             raise ConfigError("--mix gives every sub-dataset weight 0; weigh at least one above 0")
-        if self.max_files is not None and self.max_files < 1:  # 0 read all, -1 all but one
-            raise ConfigError(f"data.max_files={self.max_files} must be None (all) or >= 1")
+        if self.max_files is not None and self.max_files < 2:  # 0 read all, -1 all but one
+            raise ConfigError(  # 1 was refused by prepare, naming its own --heldout flag
+                f"data.max_files={self.max_files} must be None (all) or >= 2 (each group holds "
+                "one file or more out, data.heldout, and trains on the rest)"
+            )
         if self.eval_batches < 0:
             raise ConfigError(f"data.eval_batches={self.eval_batches} must be >= 0 (0: none)")
 
@@ -367,10 +371,22 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
     # the held-out batches weigh every group alike, whatever --mix: a mix changed on resume
     # (or a group given no weight) leaves the held-out loss measured on the same tokens
     try:
-        held = iter(TokenLoader(loader_cfg(corpus.heldout, {}, shuffle="none", num_epochs=1),
-                                rank=0, world_size=1))  # fmt: skip
+        held_loader = TokenLoader(loader_cfg(corpus.heldout, {}, shuffle="none", num_epochs=1),
+                                  rank=0, world_size=1)  # fmt: skip
     except EmptyStream:  # no held-out token: refused below, naming data.heldout
-        held = iter(())
+        held_loader = None
+    silent = [] if held_loader is None or not p.data.eval_batches else [
+        n for n in corpus.heldout
+        if not holds_long(held_loader.sources[n], held_loader.config.min_doc_len)
+    ]  # fmt: skip
+    if silent:  # its held-out files empty: the held-out loss measured the others alone
+        raise DataError(
+            f"sub-dataset {silent[0]!r}: its held-out split ({corpus.heldout[silent[0]]}) "
+            f"holds no document of {held_loader.config.min_doc_len}+ tokens (empty files?), "
+            "so the held-out loss would leave it out; hold out other files (data.heldout), "
+            "or drop it from --corpus"
+        )
+    held = iter(held_loader) if held_loader is not None else iter(())
     model = fit_vocab(p.model, vocab_size)
     if p.dense:
         model = dataclasses.replace(model, tt=False)
@@ -466,7 +482,10 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
             for name, value in _parse_pairs("--corpus", item, str, commas_in_values=True).items():
                 if name in paths:  # the later one replaced the earlier without a word
                     raise cli.CLIError(f"--corpus {item!r}: sub-dataset {name!r} is named twice")
-                paths[name], glob = _folder_and_glob(value)
+                folder, glob = _folder_and_glob(value)
+                # absolute: a run saved 'src' as typed, and --resume from another folder
+                # then failed on '--corpus src: not a folder', a flag it had not been given
+                paths[name] = os.path.abspath(folder) if folder else folder
                 if glob:
                     globs[name] = glob
         # paths first: validated; max_files (the smoke preset's 150) picks stdlib files only

@@ -22,6 +22,7 @@ import torch
 from comera.train.checkpoint import complete_checkpoints, read_rank_files
 from comera.train.logging import read_metrics
 from experiments import cli
+from experiments.codebert.data import group_settings
 from experiments.codebert.experiment import EXPERIMENT, build
 from experiments.host import report_header
 from experiments.report import (
@@ -250,6 +251,9 @@ def gather(runs_dir: Path, bench: dict | None, command: str) -> dict:
     audit["largest_gap"] = max(abs(audit["shares"][n] - audit["targets"][n]) for n in names)
     run = load_run(dirs["CoMERA"])
     m, d, t = cfg.model, cfg.data, cfg.train
+    # what each group was prepared with: a prepared --corpus folder keeps its own held-out
+    # fraction and piece length, whatever data.heldout and data.max_doc_tokens say
+    groups = {n: group_settings(Path(f).parent) for n, f in zip(names, train_folders, strict=True)}
     return {
         "meta": {"command": command, **runs_host(dirs.values())},
         "paper": PAPER,
@@ -279,6 +283,8 @@ def gather(runs_dir: Path, bench: dict | None, command: str) -> dict:
         "unigram_baseline": unigram_baseline(train_folders, task.eval_batches, vocab),
         "runs": {k: _run(r) for k, r in rows.items()},
         "early_end": run["ranks"].get("end_of_early", {}).get("step"),
+        "groups": groups,
+        "mix": dict(d.mix),  # as the run last trained with (a resume may change it)
         "mix_audit": {"weights": weights, **audit},
         "ranks": run["ranks"],
         "layers": layer_summary(run),
@@ -292,6 +298,10 @@ def _corpus_lines(s: dict) -> list[str]:
     stdlib)."""
     names = s["sub_datasets"]
     held = f"{s['heldout']:.0%} of files held out by a hash of the path"
+    if "groups" in s:  # (a JSON from before groups were kept: the run's data.heldout)
+        fractions = sorted({g["heldout"] for g in s["groups"].values()})
+        held = (f"{', '.join(f'{f:.0%}' for f in fractions)} of each group's files held out "
+                "by a hash of the path (one file where that picks none or all)")  # fmt: skip
     if s.get("hub_dataset"):
         return [
             "## Ours: the smoke preset (CPU, a hub dataset)",
@@ -314,6 +324,26 @@ def _corpus_lines(s: dict) -> list[str]:
         f"Corpus: {len(s['paths'])} sub-datasets from `--corpus` ({folders}; {held}), a "
         f"vocabulary of {s['vocab']:,} tokens, ",
     ]
+
+
+def _pieces(s: dict) -> str:
+    """How the files were cut: the groups' piece lengths as prepared, or (a JSON from
+    before they were kept) the run's ``data.max_doc_tokens``."""
+    sizes = {g["max_doc_tokens"] for g in s["groups"].values()} if "groups" in s else {
+        s["max_doc_tokens"]}  # fmt: skip
+    cut = sorted(n for n in sizes if n is not None)
+    if not cut:
+        return "whole files (not cut)"
+    said = f"files cut into pieces of at most {' or '.join(map(str, cut))} tokens"
+    return said + (" (some groups whole)" if None in sizes else "")
+
+
+def _mixed(s: dict) -> str:
+    """The training mix, where one was given (none: every sub-dataset weighed alike; a
+    JSON from before the mix was kept: nothing said)."""
+    if not s.get("mix"):
+        return ""
+    return f", mixed by --mix {','.join(f'{n}={w:g}' for n, w in s['mix'].items())}"
 
 
 def render(data: dict, out_dir: Path) -> str:
@@ -349,9 +379,10 @@ def render(data: dict, out_dir: Path) -> str:
         "torchrun --nproc_per_node 8 -m experiments.codebert --preset paper     # 8 GPUs",
         "```",
         "",
-        *_corpus_lines(s),
-        f"files cut into pieces of at most {s['max_doc_tokens']} "
-        f"tokens, packed into rows of {s['seq_len']}. Model: {s['layers']} layers, width "
+        *_corpus_lines(s)[:-1],
+        # one line with the corpus sentence's start (two rendered alike, but not as written)
+        _corpus_lines(s)[-1] + f"{_pieces(s)}{_mixed(s)}, packed into rows of {s['seq_len']}. "
+        f"Model: {s['layers']} layers, width "
         f"{s['d_model']}, {s['heads']} heads, FFN {s['ffn']}; CoMERA: TT linears at rank "
         f"{s['rank']}, TTM embedding at rank {s['emb_rank']}, early stage {s['early_steps']} "
         f"steps (gate regularizer from step {s['reg_start_step']}), then the late stage. "
@@ -443,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         argv,
         __doc__.split("\n")[0],
         render=render,
+        experiment=EXPERIMENT,
         bench_section=_bench_section,
     )
 

@@ -705,7 +705,9 @@ def test_a_corpus_cache_that_cannot_be_made_or_a_folder_with_a_comma(
     ap = cli.build_parser(EXPERIMENT)
     args = ap.parse_args(["--corpus", f"a={tmp_path}/with,comma", "--corpus", "b=x,c=y:*.js"])
     over = dict(EXPERIMENT.flag_overrides(args))
-    assert over["data.paths"] == {"a": f"{tmp_path}/with,comma", "b": "x", "c": "y"}
+    cwd = Path.cwd()  # relative folders are kept absolute, for a resume from elsewhere
+    assert over["data.paths"] == {"a": f"{tmp_path}/with,comma", "b": str(cwd / "x"),
+                                  "c": str(cwd / "y")}  # fmt: skip
     assert over["data.globs"] == {"c": "*.js"}
 
 
@@ -741,3 +743,76 @@ def test_a_resume_over_edited_held_out_files_is_refused(tmp_path: Path, capsys) 
     err = capsys.readouterr().err.strip().splitlines()
     assert "other examples in eval split 'heldout'" in err[-1], err
     assert (tmp_path / "run" / "checkpoints" / "step_00000006" / "model.pt").is_file()
+
+
+def test_prepared_folders_hard_links_and_relative_folders_are_taken_as_they_are(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """A prepared folder kept its own held-out split and piece length while config.json
+    and the report showed data.heldout and data.max_doc_tokens (now said on stderr, and the
+    report reads the folders'); a :GLOB on it was ignored (now refused); a hard link in
+    two groups trained in one and was held out in the other; a relative --corpus folder
+    was saved as typed, so --resume from elsewhere failed on a flag it was not given."""
+    import argparse
+    import os
+
+    from comera.errors import DataError
+    from experiments.codebert.data import corpus_from_paths, group_settings
+    from experiments.codebert.experiment import _flag_overrides
+    from experiments.codebert.report import _corpus_lines, _mixed, _pieces
+    from loaders.prepare import prepare
+
+    _javascript(tmp_path / "js", files=8)
+    js = tmp_path / "js"
+    prepare([str(js / "lib")], tmp_path / "prep", glob="*.js", train_vocab=300, heldout=0.3,
+            progress=False)  # fmt: skip
+    prep = str(tmp_path / "prep")
+    with pytest.raises(DataError, match=r"--corpus p=.*prep:\*.js: .* drop the :GLOB"):
+        corpus_from_paths({"p": prep}, tmp_path / "c", vocab=300, globs={"p": "*.js"})
+    capsys.readouterr()
+    corpus = corpus_from_paths({"p": prep, "raw": str(js / "src")}, tmp_path / "c", vocab=300,
+                               heldout=0.05, max_doc_tokens=64, progress=False)  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--corpus p=" in err and "data.heldout=0.05 not applied (the folder's: 0.3)" in err
+    assert "data.max_doc_tokens=64 not applied (the folder's: None)" in err
+    groups = {n: group_settings(f.parent) for n, f in corpus.train.items()}
+    assert groups == {"p": {"heldout": 0.3, "max_doc_tokens": None},
+                      "raw": {"heldout": 0.05, "max_doc_tokens": 64}}  # fmt: skip
+    s = {"sub_datasets": ["p", "raw"], "paths": {"p": prep, "raw": "src"}, "heldout": 0.05,
+         "vocab": 300, "max_doc_tokens": 64, "groups": groups}  # fmt: skip
+    assert "5%, 30% of each group's files held out" in _corpus_lines(s)[-1]
+    assert _pieces(s) == "files cut into pieces of at most 64 tokens (some groups whole)"
+    assert _pieces({"max_doc_tokens": 1024}) == "files cut into pieces of at most 1024 tokens"
+    assert _mixed({"mix": {"p": 0.7, "raw": 0.3}}) == ", mixed by --mix p=0.7,raw=0.3"
+    assert _mixed({"mix": {}}) == _mixed({}) == ""  # alike, or a JSON from before
+    (tmp_path / "other").mkdir()
+    os.link(js / "lib" / "m3.js", tmp_path / "other" / "m3.js")
+    (tmp_path / "other" / "x.js").write_text("var x = 1;\n")
+    with pytest.raises(DataError, match=r"--corpus a and --corpus b share files .*m3.js"):
+        corpus_from_paths({"a": str(js / "lib"), "b": str(tmp_path / "other")},
+                          tmp_path / "c", vocab=300)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    paths = dict(_flag_overrides(argparse.Namespace(corpus=["a=js/lib,b=/abs"], mix=None)))
+    assert paths["data.paths"] == {"a": str(js / "lib"), "b": "/abs"}
+    monkeypatch.chdir(js)  # a run saved before folders were absolute, resumed elsewhere
+    with pytest.raises(DataError, match=rf"--corpus a=js/lib: not a folder under {js} "):
+        corpus_from_paths({"a": "js/lib"}, tmp_path / "c", vocab=300)
+
+
+def test_a_group_whose_held_out_files_are_empty_is_refused(tmp_path: Path, capsys) -> None:
+    """One group's held-out file was an empty ``__init__.py``: the held-out loss measured
+    the other groups alone, without a word."""
+    import json as _json
+    import textwrap as _textwrap
+
+    for name, text in (("e", ""), ("f", Path(_textwrap.__file__).read_text())):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.py").write_text(text)  # the one held out (the smaller hash)
+        (tmp_path / name / "b.py").write_text(Path(_json.__file__).read_text())
+    argv = _argv(
+        tmp_path, "r", "--corpus", f"e={tmp_path / 'e'}", "--corpus", f"f={tmp_path / 'f'}"
+    )
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sub-dataset 'e': its held-out split" in err[-1], err
+    assert "data.heldout" in err[-1] and not (tmp_path / "r").exists()
