@@ -1138,6 +1138,17 @@ def _main(exp: Experiment, argv: list[str] | None) -> int:
     try:
         args = ap.parse_args(argv)
         if getattr(args, "bench", False):  # a forward to the benchmark's own command
+            dropped = [  # --steps or --preset ran the whole benchmark, dropped unsaid
+                a.option_strings[0] for a in ap._actions
+                if a.option_strings and a.dest not in ("bench", "json", "device", "help")
+                and getattr(args, a.dest, None) != a.default
+            ]  # fmt: skip
+            if dropped:
+                raise CLIError(
+                    f"--bench takes only --json and --device (it runs the step benchmark, "
+                    f"python -m benchmarks.{exp.name}_step); drop {', '.join(dropped)}, or "
+                    "run that command with its own flags"
+                )
             if args.device:
                 check_device(args.device)  # first: a device error stays one line
             return exp.bench(args)  # type: ignore[misc]

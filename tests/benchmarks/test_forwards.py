@@ -89,6 +89,12 @@ def test_experiment_bench_flag_forwards_json_and_device(exp, new, monkeypatch, c
     err = capsys.readouterr().err.splitlines()
     assert err == [f"note: {_notice(f'experiments.{exp} --bench', new)}; the old name goes in "
                    "a later release"] * 2  # fmt: skip
+    # every other flag was dropped unsaid: --steps 3 ran the whole benchmark (minutes)
+    assert module.main(["--bench", "--steps", "3", "--set", "train.seed=1"]) == 2
+    assert calls == [(new, ["--json", "--device", "cpu"]), (new, [])]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--bench takes only --json and --device" in err[0]
+    assert f"python -m {new}); drop --set, --steps, or" in err[0]
 
 
 def test_bench_flag_refusal_comes_from_the_benchmark(monkeypatch, capsys) -> None:
