@@ -130,6 +130,9 @@ class Experiment:
     # ``--bench`` (the old command of a benchmark): ``bench(args)`` forwards to it
     bench: Callable[[argparse.Namespace], int] | None = None
     resume_mutable: frozenset[str] = frozenset()
+    # config keys a smoke report's dense run may hold otherwise than its CoMERA partner
+    # (DLRM's hot rows and hashed tables: each run's own, and the report says them)
+    pair_differs: frozenset[str] = frozenset()
     # config keys the build sets itself (key -> where from): a ``--set`` of one is refused,
     # as the build would replace its value without a word
     derived: Mapping[str, str] = field(default_factory=dict)

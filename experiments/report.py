@@ -205,11 +205,12 @@ def check_smoke_setup(runs: Path, name: str, experiment: Any) -> None:
     (kind,) = there
     missing = "dense" if kind == "CoMERA" else "CoMERA"
     cfg = experiment.presets["smoke"]()
-    record = {"data": cfg.data, "batch_size": getattr(cfg, "batch_size", None),
+    record = {"data": cfg.data, "model": cfg.model, "batch_size": getattr(cfg, "batch_size", None),
               "train": {"steps": cfg.train.steps, "seed": cfg.train.seed}}  # fmt: skip
     preset = run_setup(json.loads(json.dumps(record, default=_jsonable)))
     have = run_setup(read_run_json(dirs[kind] / "config.json", dict))
-    gaps = [k for k in sorted({*preset, *have}) if preset.get(k) != have.get(k)]
+    skip = {"dense_params", *experiment.pair_differs}  # (the build's count; each run's own)
+    gaps = [k for k in sorted({*preset, *have}) if k not in skip and preset.get(k) != have.get(k)]
     if gaps:
         flag = " --dense" if missing == "dense" else " (without --dense)"
         raise DataError(
@@ -266,10 +267,13 @@ def read_run_json(path: Path, kind: type) -> Any:
     return data
 
 
-def check_smoke_pair(dirs: dict[str, Path], experiment: str) -> None:
+def check_smoke_pair(
+    dirs: dict[str, Path], experiment: str, may_differ: Iterable[str] = ()
+) -> None:
     """Refuse smoke run dirs that are not what their names say: ``dirs["CoMERA"]`` and
     ``dirs["dense"]`` must be runs of ``experiment`` with CoMERA on and off (a CoMERA run
-    copied into the dense slot was reported as a compressed "dense" baseline)."""
+    copied into the dense slot was reported as a compressed "dense" baseline), of one
+    setup (:func:`run_setup`; but the keys in ``may_differ``, each run's own)."""
     configs = {}
     for kind, d in dirs.items():
         config = configs[kind] = read_run_json(Path(d) / "config.json", dict)
@@ -281,9 +285,10 @@ def check_smoke_pair(dirs: dict[str, Path], experiment: str) -> None:
                 f"{kind} run there (or move the run dirs)"
             )
     a, b = (run_setup(configs[k]) for k in ("CoMERA", "dense"))
+    skip = set(may_differ)
     gaps = [f"{k} ({a.get(k)!r} against {b.get(k)!r})" for k in sorted({*a, *b})
-            if a.get(k) != b.get(k)]  # fmt: skip
-    if gaps:  # a dense run of other data or length was set beside CoMERA's without a word
+            if k not in skip and a.get(k) != b.get(k)]  # fmt: skip
+    if gaps:  # a dense run of other data, length or model was set beside CoMERA's unsaid
         raise DataError(
             f"{dirs['CoMERA']} and {dirs['dense']} were trained on other setups: "
             f"{', '.join(gaps[:4])}{' ...' if len(gaps) > 4 else ''}; the report compares runs "
@@ -293,14 +298,19 @@ def check_smoke_pair(dirs: dict[str, Path], experiment: str) -> None:
 
 def run_setup(config: dict) -> dict[str, Any]:
     """What two runs a smoke report compares must share: the data section (but where its
-    cache lives) as the run last resumed with it, the batch size, the number of steps and
-    the seed."""
+    cache lives) as the run last resumed with it, the model section and the size of its
+    dense architecture (``dense_params``: a dense run of other widths, or another saved
+    model, was set beside CoMERA's as "the same architecture"), the batch size, the number
+    of steps and the seed."""
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
     train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
     out = {f"data.{k}": v for k, v in data.items() if k != "cache_dir"}
     out |= {k: v for k, v in kept_settings(config).items() if k in out}
+    out |= {f"model.{k}": v for k, v in model.items()}
     return out | {"batch_size": config.get("batch_size"), "train.steps": train.get("steps"),
-                  "train.seed": train.get("seed")}  # fmt: skip
+                  "train.seed": train.get("seed"),
+                  "dense_params": config.get("dense_params")}  # fmt: skip
 
 
 def resumes(record: dict) -> list:

@@ -323,6 +323,7 @@ EXPERIMENT = cli.Experiment(
     bench=_bench,
     # a moved file resumes with --data NEW_PATH, and a cache gone or unwritable with
     # --cache-dir NEW: the data's digest guards its content
+    pair_differs=frozenset({"model.hot_rows", "model.hash_rows"}),
     resume_mutable=frozenset({"data.path", "data.cache_dir"}),
     derived={
         "model.cardinalities": "one table per categorical column, sized by the data's ids",

@@ -107,7 +107,7 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
     val AUC (generated data), per-table ranks, the ablation reports in ``out_dir`` and
     the bench JSON."""
     dirs = {"CoMERA": runs_dir / "dlrm-smoke", "dense": runs_dir / "dlrm-smoke-dense"}
-    check_smoke_pair(dirs, "dlrm")
+    check_smoke_pair(dirs, "dlrm", EXPERIMENT.pair_differs)
     rows = {k: read_metrics(d / "metrics.jsonl") for k, d in dirs.items()}
     check_evaluated({dirs[k]: r for k, r in rows.items()}, "eval/val/auc", "train.eval_every")
     config = json.loads((dirs["CoMERA"] / "config.json").read_text())
@@ -143,6 +143,8 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
             "optimizer": config["train"]["optimizer"],
             "early_steps": config["train"]["comera"]["early_steps"],
             "dense_optimizer": dense_cfg["train"]["optimizer"],
+            "hot_rows": m.get("hot_rows", 0),  # each run's own: said beside its run
+            "hash_rows": dense_cfg["model"].get("hash_rows", 0),
         },
         "planted_auc": planted,
         "runs": {k: _run(r) for k, r in rows.items()},
@@ -150,6 +152,18 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
         "ablations": sorted(p.name for p in Path(out_dir).glob("ablation_dlrm_*.md")),
         "bench": bench,
     }
+
+
+def _hot(s: dict) -> str:
+    """CoMERA's hot rows, where it had some (a JSON from before they were kept: none)."""
+    k = s.get("hot_rows", 0)
+    return f", plus a dense row for each table's {k:,} most frequent ids" if k else ""
+
+
+def _hashed(s: dict) -> str:
+    """The dense run's hashed tables, where it had them."""
+    k = s.get("hash_rows", 0)
+    return f", its large tables hashed into {k:,} rows each (model.hash_rows)" if k else ""
 
 
 def render(data: dict, out_dir: Path) -> str:
@@ -185,7 +199,7 @@ def render(data: dict, out_dir: Path) -> str:
         + f". DLRM with bottom {s['bottom']}, top {s['top']}, dim {s['emb_dim']}; CoMERA: "
         f"{s['ttm_tables']} tables with >= {s['tt_min_rows']:,} rows as {s['emb_cores']}-core "
         f"TTMs at rank {s['emb_rank']}, {s['optimizer']}, early stage {s['early_steps']} "
-        f"steps; dense: same architecture, {s['dense_optimizer']}.",
+        f"steps{_hot(s)}; dense: same architecture, {s['dense_optimizer']}{_hashed(s)}.",
         "",
         "| run | val AUC at end | best val AUC (step) | val NCE | val log loss | "
         "val accuracy | params at end | model MB | compression |",

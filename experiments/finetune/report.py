@@ -17,6 +17,7 @@ from experiments.finetune.experiment import EXPERIMENT
 from experiments.finetune.experiment import main as exp_main
 from experiments.host import report_header
 from experiments.report import (
+    check_evaluated,
     check_smoke_pair,
     load_run,
     number,
@@ -57,10 +58,15 @@ def gather(runs_dir: Path, command: str) -> dict:
     dirs = {"CoMERA": runs_dir / "finetune-smoke", "dense": runs_dir / "finetune-smoke-dense"}
     check_smoke_pair(dirs, "finetune")
     runs = {name: load_run(d) for name, d in dirs.items()}
+    # local data evaluated under other split names: every cell was "-", exit 0
+    check_evaluated({d: runs[k]["rows"] for k, d in dirs.items()}, ACC,
+                    "train.eval_every and an evaluation split named validation (the "
+                    "generated task's; --eval-file validation=FILE)")  # fmt: skip
     config = runs["CoMERA"]["config"]
     return {
         "meta": {**runs_host(dirs.values()), "command": command},
         "model": config["model"],
+        "data": config["data"],
         "dense_params": config["dense_params"],
         "tensorized": config["tensorized"],
         "runs": {name: _summary(r) for name, r in runs.items()},
@@ -97,6 +103,17 @@ def _plot(data: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def _task(data: dict) -> str:
+    """The runs' data in words: the generated task, local files or a hub dataset (a JSON
+    from before the data was kept: the generated task, all the report then took)."""
+    d = data.get("data") or {"dataset": "generated"}
+    if d.get("train_file"):
+        return f"local files (train `{d['train_file']}`)"
+    if d.get("dataset") != "generated":
+        return f"`{d.get('dataset')}` ({d.get('dataset_config')})"
+    return "the generated NLI task"
+
+
 def render(data: dict, out: Path) -> str:
     """``finetune.md`` and the curves from the JSON alone; returns the markdown."""
     m = data["model"]
@@ -106,7 +123,7 @@ def render(data: dict, out: Path) -> str:
     source = m["path"] or (f"a {m['layers']}-layer BERT ({m['hidden']} wide, FFN {m['ffn']}) "
                            "built from a config")  # fmt: skip
     lines += [
-        f"`python -m experiments.finetune --preset smoke` on the generated NLI task: {source}, "
+        f"`python -m experiments.finetune --preset smoke` on {_task(data)}: {source}, "
         f"its modules matching {', '.join(m['target'])} tensorized (init {m['init']}: "
         "TT-SVD of a loaded model, a random draw for one built from a config) at rank "
         f"{m['rank']} (embeddings {m['embedding_rank']}), then "

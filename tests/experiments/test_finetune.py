@@ -253,3 +253,28 @@ def test_a_run_resumed_from_a_mid_run_checkpoint_ends_where_the_whole_run_did(
     resumed = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     evals = lambda rs: [r for r in rs if "eval/validation/accuracy" in r]  # noqa: E731
     assert evals(resumed)[-1] == evals(whole)[-1]
+
+
+def test_the_report_names_local_data_and_refuses_runs_without_validation(tmp_path: Path) -> None:
+    """Runs on local files evaluated under another split name were reported with every
+    figure "-", exit 0, as "the generated NLI task"; a dense run of another model was set
+    beside CoMERA's as "the same model as built"."""
+    from comera.errors import DataError
+    from experiments.finetune import report
+
+    for name, dense in (("finetune-smoke", False), ("finetune-smoke-dense", True)):
+        d = tmp_path / name
+        d.mkdir()
+        config = {"experiment": "finetune", "dense": dense, "data": {"train_file": "t.jsonl"},
+                  "model": {}, "dense_params": 10}  # fmt: skip
+        (d / "config.json").write_text(json.dumps(config))
+        rows = [{"step": 1, "loss": 1.0}, {"step": 1, "eval/dev/accuracy": 0.5}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"smoke holds no evaluation \(eval/validation/accur"):
+        report.gather(tmp_path, "cmd")
+    config["dense_params"] = 99  # the dense slot's (another model's)
+    (tmp_path / "finetune-smoke-dense" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DataError, match=r"other setups: dense_params \(10 against 99\)"):
+        report.gather(tmp_path, "cmd")
+    assert report._task({"data": {"train_file": "t.jsonl"}}) == "local files (train `t.jsonl`)"
+    assert report._task({}) == "the generated NLI task"  # a JSON from before

@@ -804,3 +804,15 @@ def test_a_moved_file_resumes_with_data_and_another_file_is_refused(tmp_path: Pa
     kept = cli.resumed_config(EXPERIMENT, run).data
     assert (kept.path, kept.cache_dir) == (str(moved), str(tmp_path / "cache2"))
     assert main(resume) == 0
+
+
+def test_the_report_says_hot_rows_and_hashed_dense_tables() -> None:
+    """A hashed dense baseline (and CoMERA's hot rows) were described as "the same
+    architecture" with nothing more; a JSON from before they were kept says nothing."""
+    from experiments.dlrm.report import _hashed, _hot
+
+    assert _hot({"hot_rows": 64}) == ", plus a dense row for each table's 64 most frequent ids"
+    assert _hashed({"hash_rows": 5000}) == (
+        ", its large tables hashed into 5,000 rows each (model.hash_rows)"
+    )
+    assert _hot({}) == _hashed({}) == _hot({"hot_rows": 0}) == ""
