@@ -77,18 +77,17 @@ class EpochCursor:
             out["data_id"] = self.data_id
         return out
 
-    def load_state_dict(self, state: dict | list[dict]) -> None:
-        """Resume so the next batch is the one an uninterrupted run would yield next.
-
-        Takes this iterator's state, or every saved rank's (any old world size): they hold
-        one global position, which is checked."""
+    def check_data(self, state: dict | list[dict]) -> None:
+        """Refuse a saved position (this iterator's, or every saved rank's) taken over
+        other data than this iterator reads; changes nothing. The trainer asks before it
+        compares the model's shapes: DLRM's table sizes come from its data, and a changed
+        file was refused as "other model settings", which the user had not changed."""
         name = type(self).__name__
         if isinstance(state, list):
             if not state or any(s != state[0] for s in state):
                 raise DataError(f"{name}: the saved ranks disagree on the position")
             state = state[0]
         _check_form(name, state)
-        # the data first: lines added or removed also change n, and the data is the cause
         saved_id = state.get("data_id")
         if (
             saved_id is not None
@@ -106,6 +105,17 @@ class EpochCursor:
                 "split it or number its ids, changed since; resume with the same data, or "
                 "start a new run"
             )
+
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """Resume so the next batch is the one an uninterrupted run would yield next.
+
+        Takes this iterator's state, or every saved rank's (any old world size): they hold
+        one global position, which is checked."""
+        name = type(self).__name__
+        # the data first: lines added or removed also change n, and the data is the cause
+        self.check_data(state)
+        if isinstance(state, list):
+            state = state[0]
         for key, mine in (("n", self.n), ("seed", self.seed), ("batch_size", self.batch_size)):
             if key in state and state[key] != mine:
                 raise DataError(

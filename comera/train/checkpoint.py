@@ -588,6 +588,21 @@ def check_same_run(tr: Any, ckpt: dict) -> None:
             )
 
 
+def check_same_data(tr: Any, datas: list[dict]) -> None:
+    """Let the run's ``train_iter`` refuse a saved position over other data, where it can
+    tell (an optional ``check_data(state)``, given what its ``load_state_dict`` takes),
+    before the model's shapes are compared: data that sizes the model (DLRM's tables)
+    was refused as a model of other settings."""
+    it = tr.task.train_iter
+    check = getattr(it, "check_data", None)
+    if check is None or any(d["state"] is None for d in datas):
+        return
+    rescalable = getattr(it, "rescalable", False)
+    if not rescalable and len(datas) != tr.world:
+        return  # refused by the position's restore, naming the world sizes
+    check([d["state"] for d in datas] if rescalable else datas[tr.rank]["state"])
+
+
 def eval_data_id(task: Any) -> dict[str, str]:
     """The task's optional ``eval_data_id``: eval split name to a digest of its examples."""
     ids = getattr(task, "eval_data_id", None)
@@ -681,6 +696,9 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
             f"checkpoint in {tr.run_dir} holds {kind} optimizer state but this run uses "
             f"optimizer={tr.cfg.optimizer!r}; resume with the saved optimizer"
         )
+    with _naming_previous(ckpt):  # read first: their data position is checked first
+        rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
+    check_same_data(tr, datas)
     check_same_eval(tr, ckpt)  # first: changed data also changes a vocabulary's shapes
     check_same_run(tr, ckpt)
     # the caller broadcast them: every rank decides alike, before anything is restored
@@ -691,8 +709,6 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     check_rank_snapshots(tr.run_dir)
     if resolve_wandb_mode(tr.cfg.wandb)[0] != "disabled":  # the id is read only to log
         read_run_id(tr.run_dir / WANDB_ID)
-    with _naming_previous(ckpt):  # as for an unreadable model file: say how to go on
-        rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
     _restore_position(tr, ckpt, datas)
     saved_world = len(datas)
     dev = tr.device

@@ -790,6 +790,15 @@ def test_a_moved_file_resumes_with_data_and_another_file_is_refused(tmp_path: Pa
     assert main([*resume, "--data", str(other)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trained on other data" in err[0], err
+    # rows with new ids resize the tables: that was refused as "other parameters than
+    # this run builds ... resume with the model settings", none of which had changed
+    grown = tmp_path / "grown.txt"
+    new = ["\t".join([*f[:14], *(f"{i:08x}" for _ in f[14:])]) + "\n"
+           for i, f in enumerate(x.rstrip("\n").split("\t") for x in lines[:40])]  # fmt: skip
+    grown.write_text("".join(lines + new))
+    assert main([*resume, "--data", str(grown)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trained on other data" in err[0], err
     # its cache gone (or unwritable) too: another --cache-dir was refused as a change
     assert main([*resume, "--data", str(moved), "--cache-dir", str(tmp_path / "cache2")]) == 0
     assert (tmp_path / "cache2").is_dir()
