@@ -628,12 +628,22 @@ def load_criteo(cfg: CriteoDataConfig, *, progress: bool = True) -> CriteoData:
         ) from None
 
 
+def generated_name(rows: int) -> str:
+    """The cached file of ``rows`` generated rows, named by a digest of the generator's
+    source too: a file the generator wrote before it changed was served again, and the
+    report scored its labels against the new generator's planted logits."""
+    from experiments.dlrm import generate
+
+    code = hashlib.blake2b(Path(generate.__file__).read_bytes(), digest_size=4).hexdigest()
+    return f"generated-{rows}-{code}.txt"
+
+
 def _load(cfg: CriteoDataConfig, progress: bool) -> CriteoData:
     if cfg.path == "generated":
         from experiments.dlrm.generate import write_generated
 
         root = cache_root("criteo", cfg.cache_dir)
-        path = root / f"generated-{cfg.generated_rows}.txt"
+        path = root / generated_name(cfg.generated_rows)
         if root.is_dir():  # files of killed generations
             _remove_stale(root, "generated-*.txt.tmp-*")
         if not path.is_file():

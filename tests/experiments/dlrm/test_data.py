@@ -490,3 +490,24 @@ def test_appended_lines_are_named_as_changed_data(sample, tmp_path: Path) -> Non
     assert hi2 - lo2 != hi - lo
     with pytest.raises(DataError, match=rf"trained on other data .*had {hi - lo} examples"):
         RowBatches(longer, lo2, hi2, 16, seed=3).load_state_dict(state)
+
+
+def test_a_changed_generator_writes_its_own_file(tmp_path: Path, monkeypatch) -> None:
+    """The generated file was cached by its row count alone: after the generator changed,
+    the old file was served again, and the report scored its labels against the new
+    generator's planted logits. Its name now holds a digest of the generator's source."""
+    from experiments.dlrm import generate
+    from experiments.dlrm.data import generated_name
+
+    cfg = CriteoDataConfig(cache_dir=str(tmp_path), generated_rows=200)
+    load_criteo(cfg, progress=False)
+    before = sorted(p.name for p in tmp_path.glob("generated-*"))
+    assert before == [generated_name(200)]
+    changed = tmp_path / "generate.py"
+    changed.write_text(Path(generate.__file__).read_text() + "\n# changed\n")
+    monkeypatch.setattr(generate, "__file__", str(changed))
+    assert generated_name(200) not in before
+    load_criteo(cfg, progress=False)
+    assert sorted(p.name for p in tmp_path.glob("generated-*")) == sorted(
+        [*before, generated_name(200)]
+    )
