@@ -39,7 +39,7 @@ import torch
 
 import comera as C
 from comera import autotune
-from comera.errors import ConfigError, UserError
+from comera.errors import ConfigError, MissingFileError, UserError
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.checkpoint import complete_checkpoints
 from comera.train.config import (
@@ -133,6 +133,9 @@ class Experiment:
     # config keys a smoke report's dense run may hold otherwise than its CoMERA partner
     # (DLRM's hot rows and hashed tables: each run's own, and the report says them)
     pair_differs: frozenset[str] = frozenset()
+    # a resume's missing file or folder (it came from the saved config): how to go on,
+    # with ``{run}`` the run dir
+    moved: str = ""
     # config keys the build sets itself (key -> where from): a ``--set`` of one is refused,
     # as the build would replace its value without a word
     derived: Mapping[str, str] = field(default_factory=dict)
@@ -950,7 +953,13 @@ def prepare(
             autotune.set_tuner(autotune.PlanTuner(plans_dir))
     if torch.device(cfg.train.device).type == "cpu":
         apply_cpu_malloc(cfg.train.cpu_malloc)  # the command's policy: the library sets none
-    task, params, state, reference, info = exp.build(cfg, rank, world)
+    try:
+        task, params, state, reference, info = exp.build(cfg, rank, world)
+    except MissingFileError as e:
+        if not (resume and exp.moved):
+            raise
+        # the path came from the saved config: a flag naming it again was refused
+        raise MissingFileError(f"{e}; {exp.moved.format(run=run_dir)}") from None
     layers = [(path, p["cores"][0].dim() == 3) for path, p, _ in iter_tt(params, state)]
     if not layers and cfg.train.comera.enabled:  # refused before the run dir is written
         if getattr(cfg, "dense", False):  # --set dense=true alone: --dense sets both

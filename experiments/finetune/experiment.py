@@ -556,6 +556,15 @@ EXPERIMENT = cli.Experiment(
     presets={"smoke": lambda: preset("smoke")},
     flags=_flags,
     flag_overrides=_flag_overrides,
+    # a moved model folder or tokenizer: the checkpoint refuses another architecture or
+    # other frozen weights, the examples' digest another tokenization
+    resume_mutable=frozenset({"model.path", "data.tokenizer"}),
+    moved=(
+        "the run in {run} was saved with it: a moved model folder or tokenizer resumes with "
+        "--resume {run} --model NEW_FOLDER or --tokenizer NEW_PATH (another architecture, "
+        "other frozen weights or another tokenization is refused), a data file must be put "
+        "back where it was (data files cannot change on resume)"
+    ),
     description=__doc__.split("\n")[0],
 )
 

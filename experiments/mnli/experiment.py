@@ -324,6 +324,13 @@ EXPERIMENT = cli.Experiment(
     flags=data_flags,
     flag_overrides=data_flag_overrides,
     bench=_bench,
+    # a moved tokenizer folder: the encoded examples' digest refuses another tokenization
+    resume_mutable=frozenset({"data.tokenizer"}),
+    moved=(
+        "the run in {run} was saved with it: a moved tokenizer resumes with --resume {run} "
+        "--tokenizer NEW_PATH (the examples' digest refuses another), a data file must be "
+        "put back where it was (data files cannot change on resume)"
+    ),
     derived={
         "model.vocab_size": "the tokenizer's vocabulary: data.tokenizer (--tokenizer) picks another"
     },

@@ -98,6 +98,21 @@ def test_a_local_model_folder_and_bad_input(tmp_path: Path, capsys) -> None:
     assert main(_argv(tmp_path, "notarget", "--target", "attn.*")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'attn.*' matches no" in err[0] and "query" in err[0]
+    # the model folder moved while the run was stopped: the resume named --model, which
+    # it then refused as a change (a dead end); it now takes the new place
+    import shutil
+
+    run = tmp_path / "local"
+    shutil.rmtree(run / "checkpoints" / "step_00000030")  # stopped after step 15
+    (tmp_path / "bert").rename(tmp_path / "moved")
+    resume = ["--resume", str(run), "--no-progress"]
+    assert main(resume) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--resume {run} --model NEW_FOLDER" in err[0], err
+    assert main([*resume, "--model", str(tmp_path / "moved")]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r][-1] == 30
+    assert main(resume) == 0  # the new place holds for later resumes
 
 
 def test_a_model_saved_in_half_precision_trains_in_float32(tmp_path: Path) -> None:
