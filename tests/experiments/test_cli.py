@@ -510,7 +510,7 @@ def test_damaged_run_records_are_refused_before_a_resume_trains(tmp_path, monkey
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypatch, capsys,
-                                                              signum):  # fmt: skip
+                                                              signum, request):  # fmt: skip
     """SIGTERM (a scheduler's stop) killed the run before wandb.finish, losing every row
     not yet flushed; SIGINT printed a 20-line traceback. Both now close the logs and end
     in one line naming the resume command, with the shell's status for the signal; the
@@ -518,6 +518,10 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
     (SIGINT's case here) is not told to continue from one: its resume starts over."""
     from comera.train import Trainer
 
+    # a shell's background job starts with SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt for it (the run is not stopped, by the user's choice): Ctrl-C's own
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, old or signal.SIG_DFL))
     fake, finished = _FakeWandb(), []
     init = fake.init
     fake.init = lambda **kw: types.SimpleNamespace(
