@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.file:
         path = Path(args.file)
         if not path.is_file():
-            print(f"{ap.prog}: error: --file {path}: no such file", file=sys.stderr)
+            what = "a folder; give a Criteo train.txt" if path.is_dir() else "no such file"
+            print(f"{ap.prog}: error: --file {path}: {what}", file=sys.stderr)
             return 2
     else:
         tmp = tempfile.mkdtemp(prefix="criteo-gen-")

@@ -136,6 +136,10 @@ def check_line(line: str, path: str | Path, lineno: int) -> None:
     """Raise :class:`CriteoFormatError` naming the first bad field of one line."""
     fields = line.rstrip("\n").rstrip("\r").split("\t")
     where = f"{path}, line {lineno}"
+    if fields == [""]:  # "got 1 field; is this a Criteo train.txt?" hid a blank line
+        raise CriteoFormatError(
+            f"{where} is blank; a Criteo file has one row per line (remove the blank line)"
+        )
     if len(fields) != 40:
         raise CriteoFormatError(
             f"{where}: expected 40 tab-separated fields (label, I1..I13, C1..C26), got "
@@ -516,7 +520,7 @@ def _open(root: Path) -> CriteoData:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(
             f"the Criteo cache {root} is damaged ({type(e).__name__}: {e}); delete that "
-            "folder to rebuild it, or point data.cache_dir elsewhere"
+            "folder to rebuild it, or point --cache-dir (data.cache_dir) elsewhere"
         ) from None
 
 

@@ -26,6 +26,8 @@ def test_prep_bench_measures_a_kaggle_shaped_file(tmp_path: Path, capsys) -> Non
     assert res["peak_anon_mb"] >= res["peak_anon_above_baseline_mb"] >= 0
     assert prep_bench.main(["--file", str(tmp_path / "missing.txt")]) == 2
     assert "no such file" in capsys.readouterr().err
+    assert prep_bench.main(["--file", str(tmp_path)]) == 2  # was "no such file" too
+    assert f"--file {tmp_path}: a folder; give a Criteo train.txt" in capsys.readouterr().err
 
 
 def test_prep_bench_names_a_file_that_is_not_criteo_in_one_line(tmp_path: Path) -> None:

@@ -150,7 +150,7 @@ def test_blank_lines_and_overflow_are_named(tmp_path: Path, case: str) -> None:
     if case == "blank":
         _set_field(lines, 151, 1, "9q")  # a later bad line: the blank one comes first
         lines.insert(120, "")
-        message = "line 121: expected 40 tab-separated fields"
+        message = "line 121 is blank; a Criteo file has one row per line"  # was "got 1 field"
     elif case == "overflow":
         _set_field(lines, 151, 2, "9" * 20)  # does not fit in int64
         message = "line 152, field I2: expected a 64-bit integer"
