@@ -306,8 +306,8 @@ def run_setup(config: dict) -> dict[str, Any]:
     train = config.get("train") if isinstance(config.get("train"), dict) else {}
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     out = {f"data.{k}": v for k, v in data.items() if k != "cache_dir"}
-    out |= {k: v for k, v in kept_settings(config).items() if k in out}
     out |= {f"model.{k}": v for k, v in model.items()}
+    out |= {k: v for k, v in kept_settings(config).items() if k in out}  # (a moved model)
     return out | {"batch_size": config.get("batch_size"), "train.steps": train.get("steps"),
                   "train.seed": train.get("seed"),
                   "dense_params": config.get("dense_params")}  # fmt: skip

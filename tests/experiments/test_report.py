@@ -313,6 +313,11 @@ def test_kept_settings_are_the_last_resume_s_until_a_restart() -> None:
     restarted = {"step": 0, "argv": [], "restarted": True}
     assert report.kept_settings({"resumes": [entry, restarted]}) == {}
     assert report.kept_settings({"resumes": "damaged"}) == {}
+    # a model folder given at a resume (it moved) is the run's model in its setup too
+    moved = {"step": 4, "argv": [], "settings": {"model.path": "/new"}}
+    config = {"model": {"path": "/old", "rank": 8}, "resumes": [moved]}
+    setup = report.run_setup(config)
+    assert setup["model.path"] == "/new" and setup["model.rank"] == 8
 
 
 @pytest.mark.parametrize("code", [2, 1, 143])
