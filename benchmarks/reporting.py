@@ -130,6 +130,11 @@ def check_output(path: Path, flag: str, kind: str, beside: str | None = None) ->
     (``path.with_suffix(beside)``), a path that already ends in it (the second write would
     replace the first) or whose twin is a folder."""
     if kind == "folder":
+        if not path.exists() and path.suffix.lower() in (".md", ".json", ".png"):
+            raise CLIError(  # a folder named eff.md was made, the report written into it
+                f"{flag} {path}: give the folder the report goes in, not a file name (a "
+                f"folder named {path.name} would be made)"
+            )
         check_folder(path, flag)
         return
     if kind != "file":

@@ -85,6 +85,9 @@ OUTPUTS = [
     ("efficiency", ["--render", "{reports}/efficiency.json", "--out", "{file}"],
      "--out {file} is a file; give a folder"),
     ("step_modes", ["--tiny", "--out", "{file}"], "--out {file} is a file; give a folder"),
+    # a folder named eff.md was made, the report written into it
+    ("efficiency", ["--render", "{reports}/efficiency.json", "--out", "{tmp}/eff.md"],
+     "--out {tmp}/eff.md: give the folder the report goes in, not a file name"),
     ("step_modes", ["--render", "{reports}/step_modes.json", "--out", "{file}"],
      "--out {file} is a file; give a folder"),
 ]  # fmt: skip
