@@ -55,8 +55,8 @@ class RowBatches(EpochCursor):
         if self.n < batch_size:
             raise ConfigError(
                 f"the training split has {self.n} rows, fewer than batch_size={batch_size}; "
-                "lower batch_size or use more data (a resumed run keeps its batch_size: "
-                "give --data the file it trained on)"
+                "lower it (--set batch_size=N) or use more data (a resumed run keeps its "
+                "batch_size: give --data the file it trained on)"
             )
         self.data, self.lo, self.batch_size, self.seed = data, lo, batch_size, seed
         self.rank, self.world = rank, world

@@ -103,7 +103,7 @@ class BatchIterator(EpochCursor):
         if self.steps_per_epoch == 0:
             raise ConfigError(
                 f"split of {self.n} examples is smaller than batch_size={batch_size}"
-                " with drop_last=True; lower batch_size"
+                " with drop_last=True; lower it (--set batch_size=N) or give more examples"
             )
         self.epoch = self.batch_in_epoch = 0
         self._order: tuple[int, torch.Tensor] | None = None  # cache of (epoch, permutation)

@@ -179,7 +179,7 @@ def test_bad_inputs_are_one_line_raised_as_user_errors(tmp_path, monkeypatch, ca
     assert not (tmp_path / "long").exists()
     # a config check that runs while the data is built, not in the dataclass
     run = [*FAST, "--run-dir", str(tmp_path / "r")]
-    refused([*run, "--set", "batch_size=1000"], ConfigError, "lower batch_size")
+    refused([*run, "--set", "batch_size=1000"], ConfigError, "lower it (--set batch_size=N)")
     _, _, tok = write_generated_files(tmp_path / "gen", 30, 9)
     missing = str(tmp_path / "missing.jsonl")
     refused(
@@ -259,7 +259,7 @@ def test_the_demo_refuses_what_would_mislabel_its_table(tmp_path, capsys):
     assert not runs.exists()
     # refused by the run itself, once the demo had reserved its folder: it was left empty
     assert demo.main(["--set", "data.generated_train=8", "--runs-dir", str(runs)]) == 2
-    assert "smaller than batch_size" in _one_line(capsys, "experiments.mnli.demo")
+    assert "lower it (--set batch_size=N)" in _one_line(capsys, "experiments.mnli.demo")
     assert not list(runs.iterdir())
 
 
