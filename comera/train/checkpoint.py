@@ -698,7 +698,7 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
         )
     with _naming_previous(ckpt):  # read first: their data position is checked first
         rngs, datas = read_rank_files(Path(ckpt["dir"]), ckpt["step"], ckpt.get("world_size"))
-    check_same_data(tr, datas)
+        check_same_data(tr, datas)  # (a damaged position: the previous checkpoint's way on)
     check_same_eval(tr, ckpt)  # first: changed data also changes a vocabulary's shapes
     check_same_run(tr, ckpt)
     # the caller broadcast them: every rank decides alike, before anything is restored

@@ -362,9 +362,18 @@ class _StrictIter:
         self.inner.load_state_dict(s)
 
 
-def _strict_task() -> ToyTask:
+class _CheckingIter(_StrictIter):
+    """The same, refusing a damaged position already in ``check_data`` (as
+    ``EpochCursor``), which the trainer asks before the model's shapes are compared."""
+
+    def check_data(self, s):
+        if not isinstance(s, dict) or not isinstance(s.get("i"), int):
+            raise CheckpointError("the saved position lacks i; it is damaged")
+
+
+def _strict_task(kind: type = _StrictIter) -> ToyTask:
     task = ToyTask()
-    task.train_iter = _StrictIter(task.train_iter)
+    task.train_iter = kind(task.train_iter)
     return task
 
 
@@ -379,21 +388,23 @@ def _damage_position(ckpt: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "damage,message",
-    [(_damage_rng, "rank00000.pt lacks its step or RNG state"),
-     (_damage_position, "the saved position lacks i")],
+    "damage,message,kind",
+    [(_damage_rng, "rank00000.pt lacks its step or RNG state", _StrictIter),
+     (_damage_position, "the saved position lacks i", _StrictIter),
+     # refused by check_data, asked first: it named no previous checkpoint (review)
+     (_damage_position, "the saved position lacks i", _CheckingIter)],
 )  # fmt: skip
-def test_a_damaged_rank_file_names_the_previous_checkpoint(tmp_path, damage, message):
+def test_a_damaged_rank_file_names_the_previous_checkpoint(tmp_path, damage, message, kind):
     # both loaded, then failed in the resume with a traceback (KeyError: 'torch', or the
     # iterator's own), the RNG one after the model was restored
     cfg = _cfg(tmp_path, steps=10, checkpoint_every=5)
-    Trainer(cfg, _strict_task(), *_toy_model()).fit()
+    Trainer(cfg, _strict_task(kind), *_toy_model()).fit()
     newest = complete_checkpoints(cfg.run_dir)[-1]
     damage(newest)
     with pytest.raises(
         CheckpointError, match=rf"{message}.*previous checkpoint is .*step_00000005"
     ):
-        Trainer(cfg, _strict_task(), *_toy_model(), resume=True)
+        Trainer(cfg, _strict_task(kind), *_toy_model(), resume=True)
 
 
 def test_a_copy_of_a_rank_file_beside_it_is_ignored(tmp_path):
