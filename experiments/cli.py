@@ -54,6 +54,7 @@ from comera.tree import iter_tt
 from experiments.cache import cache_root
 from experiments.malloc import apply_cpu_malloc, restart_for
 from experiments.report import kept_settings, record_host, resumes, train_and_eval_rows
+from experiments.run_config import RESUME_MUTABLE, config_jsonable
 from loaders.errors import LoaderInputError
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "apply_overrides",
     "check_folder",
     "config_file_items",
+    "config_jsonable",
     "build_parser",
     "check_batch_sizes",
     "config_from_dict",
@@ -77,24 +79,6 @@ __all__ = [
     "train",
     "user_error",
 ]
-
-# keys a resumed run may change: where it runs and how it reports, never what it computes
-RESUME_MUTABLE = frozenset(
-    {
-        "train.device",
-        "train.wandb",
-        "train.wandb_project",
-        "train.wandb_entity",
-        "train.wandb_group",
-        "train.wandb_tags",
-        "train.run_name",
-        "train.progress",
-        "train.cpu_malloc",
-        "train.step_mode",
-        "model.recompute",
-        "model.grouped_halves",
-    }
-)
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints")  # a run dir already in use
@@ -135,7 +119,7 @@ class Experiment:
     pair_differs: frozenset[str] = frozenset()
     # a resume's missing file or folder (it came from the saved config): how to go on,
     # with ``{run}`` the run dir
-    moved: str = ""
+    moved_hint: str = ""
     # config keys the build sets itself (key -> where from): a ``--set`` of one is refused,
     # as the build would replace its value without a word
     derived: Mapping[str, str] = field(default_factory=dict)
@@ -956,10 +940,10 @@ def prepare(
     try:
         task, params, state, reference, info = exp.build(cfg, rank, world)
     except MissingFileError as e:
-        if not (resume and exp.moved):
+        if not (resume and exp.moved_hint):
             raise
         # the path came from the saved config: a flag naming it again was refused
-        raise MissingFileError(f"{e}; {exp.moved.format(run=run_dir)}") from None
+        raise MissingFileError(f"{e}; {exp.moved_hint.format(run=run_dir)}") from None
     layers = [(path, p["cores"][0].dim() == 3) for path, p, _ in iter_tt(params, state)]
     if not layers and cfg.train.comera.enabled:  # refused before the run dir is written
         if getattr(cfg, "dense", False):  # --set dense=true alone: --dense sets both
@@ -979,7 +963,7 @@ def prepare(
     record = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "train"}
     record |= {"experiment": exp.name, "preset": preset or cfg.train.run_name, "argv": argv,
                **info, **history}  # fmt: skip
-    record = json.loads(json.dumps(record, default=_jsonable))
+    record = json.loads(json.dumps(record, default=config_jsonable))
     if history:  # a restart: its rows go once nothing else can refuse the run
         _clear_stopped_attempt(run_dir, rank, world)
     trainer = Trainer(
@@ -1002,7 +986,7 @@ def prepare(
         entry: dict[str, Any] = {"step": trainer.step, "argv": argv}
         if exp.resume_mutable:  # kept for the next resume (_kept_settings)
             kept = {k: get_field(cfg, k) for k in sorted(exp.resume_mutable)}
-            entry["settings"] = json.loads(json.dumps(kept, default=_jsonable))
+            entry["settings"] = json.loads(json.dumps(kept, default=config_jsonable))
         data["resumes"] = [*resumes(data), entry]
         write_json_atomic(saved, data)
     if rank == 0:
@@ -1101,14 +1085,6 @@ def run_experiment(
 ) -> dict:
     """Prepare and train ``cfg``; returns the final metrics."""
     return train(prepare(exp, cfg, resume=resume, argv=argv))
-
-
-def _jsonable(o: Any) -> Any:
-    if dataclasses.is_dataclass(o):
-        return dataclasses.asdict(o)
-    if isinstance(o, torch.device | Path):
-        return str(o)
-    return repr(o)
 
 
 def summary_table(name: str, kind: str, out: dict, steps: int) -> str:

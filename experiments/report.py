@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -29,12 +28,14 @@ from comera.errors import DataError, MissingFileError, UserError
 from comera.train import load_checkpoint, read_metrics
 from comera.train.checkpoint import complete_checkpoints
 from experiments.host import host_meta
+from experiments.run_config import RESUME_MUTABLE, config_jsonable
 
 __all__ = [
     "HOST_FILE",
     "REPORTS",
     "check_evaluated",
     "check_smoke_pair",
+    "check_smoke_setup",
     "check_step_bench",
     "ensure_smoke_run",
     "kept_settings",
@@ -42,6 +43,7 @@ __all__ = [
     "layer_table",
     "load_run",
     "number",
+    "pair_setup",
     "rank_table",
     "run_setup",
     "read_bench_json",
@@ -207,8 +209,8 @@ def check_smoke_setup(runs: Path, name: str, experiment: Any) -> None:
     cfg = experiment.presets["smoke"]()
     record = {"data": cfg.data, "model": cfg.model, "batch_size": getattr(cfg, "batch_size", None),
               "train": {"steps": cfg.train.steps, "seed": cfg.train.seed}}  # fmt: skip
-    preset = run_setup(json.loads(json.dumps(record, default=_jsonable)))
-    have = run_setup(read_run_json(dirs[kind] / "config.json", dict))
+    preset = pair_setup(json.loads(json.dumps(record, default=config_jsonable)))
+    have = pair_setup(read_run_json(dirs[kind] / "config.json", dict))
     skip = {"dense_params", *experiment.pair_differs}  # (the build's count; each run's own)
     gaps = [k for k in sorted({*preset, *have}) if k not in skip and preset.get(k) != have.get(k)]
     if gaps:
@@ -219,13 +221,6 @@ def check_smoke_setup(runs: Path, name: str, experiment: Any) -> None:
             f"with would be; train that one yourself with the same flags{flag} --run-dir "
             f"{dirs[missing]}, then run the report again"
         )
-
-
-def _jsonable(o: Any) -> Any:
-    """A config value as ``config.json`` holds it: dataclasses as dicts, paths as text."""
-    if dataclasses.is_dataclass(o) and not isinstance(o, type):
-        return dataclasses.asdict(o)
-    return str(o)
 
 
 def load_run(run_dir: str | Path, experiment: str | None = None) -> dict:
@@ -273,7 +268,7 @@ def check_smoke_pair(
     """Refuse smoke run dirs that are not what their names say: ``dirs["CoMERA"]`` and
     ``dirs["dense"]`` must be runs of ``experiment`` with CoMERA on and off (a CoMERA run
     copied into the dense slot was reported as a compressed "dense" baseline), of one
-    setup (:func:`run_setup`; but the keys in ``may_differ``, each run's own)."""
+    setup (:func:`pair_setup`; but the keys in ``may_differ``, each run's own)."""
     configs = {}
     for kind, d in dirs.items():
         config = configs[kind] = read_run_json(Path(d) / "config.json", dict)
@@ -284,7 +279,7 @@ def check_smoke_pair(
                 f"{d} holds {what} run, but the report reads it as the {kind} run; train the "
                 f"{kind} run there (or move the run dirs)"
             )
-    a, b = (run_setup(configs[k]) for k in ("CoMERA", "dense"))
+    a, b = (pair_setup(configs[k]) for k in ("CoMERA", "dense"))
     skip = set(may_differ)
     gaps = [f"{k} ({a.get(k)!r} against {b.get(k)!r})" for k in sorted({*a, *b})
             if k not in skip and a.get(k) != b.get(k)]  # fmt: skip
@@ -297,20 +292,27 @@ def check_smoke_pair(
 
 
 def run_setup(config: dict) -> dict[str, Any]:
-    """What two runs a smoke report compares must share: the data section (but where its
-    cache lives) as the run last resumed with it, the model section and the size of its
-    dense architecture (``dense_params``: a dense run of other widths, or another saved
-    model, was set beside CoMERA's as "the same architecture"), the batch size, the number
-    of steps and the seed."""
+    """What runs a report sets side by side are taken to share: the data section (but
+    where its cache lives) as the run last resumed with it, the batch size, the number of
+    steps and the seed (MNLI's report names those that differ)."""
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
     train = config.get("train") if isinstance(config.get("train"), dict) else {}
-    model = config.get("model") if isinstance(config.get("model"), dict) else {}
     out = {f"data.{k}": v for k, v in data.items() if k != "cache_dir"}
-    out |= {f"model.{k}": v for k, v in model.items()}
-    out |= {k: v for k, v in kept_settings(config).items() if k in out}  # (a moved model)
+    out |= {k: v for k, v in kept_settings(config).items() if k in out}
     return out | {"batch_size": config.get("batch_size"), "train.steps": train.get("steps"),
-                  "train.seed": train.get("seed"),
-                  "dense_params": config.get("dense_params")}  # fmt: skip
+                  "train.seed": train.get("seed")}  # fmt: skip
+
+
+def pair_setup(config: dict) -> dict[str, Any]:
+    """What a smoke report's CoMERA and dense runs must share: :func:`run_setup`, the model
+    section as the run last resumed with it (but how a run executes, which may change on
+    resume: recompute, grouped halves) and the size of its dense architecture
+    (``dense_params``): a dense run of other widths, or of another saved model, was set
+    beside CoMERA's as "the same architecture"."""
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    out = {f"model.{k}": v for k, v in model.items() if f"model.{k}" not in RESUME_MUTABLE}
+    out |= {k: v for k, v in kept_settings(config).items() if k in out}  # (a moved model)
+    return run_setup(config) | out | {"dense_params": config.get("dense_params")}
 
 
 def resumes(record: dict) -> list:

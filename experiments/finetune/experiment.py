@@ -559,7 +559,7 @@ EXPERIMENT = cli.Experiment(
     # a moved model folder or tokenizer: the checkpoint refuses another architecture or
     # other frozen weights, the examples' digest another tokenization
     resume_mutable=frozenset({"model.path", "data.tokenizer"}),
-    moved=(
+    moved_hint=(
         "the run in {run} was saved with it: a moved model folder or tokenizer resumes with "
         "--resume {run} --model NEW_FOLDER or --tokenizer NEW_PATH (another architecture, "
         "other frozen weights or another tokenization is refused), a data file must be put "

@@ -326,10 +326,10 @@ EXPERIMENT = cli.Experiment(
     bench=_bench,
     # a moved tokenizer folder: the encoded examples' digest refuses another tokenization
     resume_mutable=frozenset({"data.tokenizer"}),
-    moved=(
-        "the run in {run} was saved with it: a moved tokenizer resumes with --resume {run} "
-        "--tokenizer NEW_PATH (the examples' digest refuses another), a data file must be "
-        "put back where it was (data files cannot change on resume)"
+    moved_hint=(
+        "on --resume the run in {run} reads what it was saved with: a moved tokenizer "
+        "resumes with --resume {run} --tokenizer NEW_PATH (the examples' digest refuses "
+        "another), a moved data file must be put back (data files cannot change on resume)"
     ),
     derived={
         "model.vocab_size": "the tokenizer's vocabulary: data.tokenizer (--tokenizer) picks another"

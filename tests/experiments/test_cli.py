@@ -270,9 +270,14 @@ def test_resume_replays_config_and_allows_only_reporting_changes(tmp_path, capsy
     # a resume's command line is recorded beside the config the run started with
     assert mnli.main(["--resume", str(run_dir), "--wandb-group", "g2"]) == 0
     saved = json.loads((run_dir / "config.json").read_text())
+    # (with the experiment's own settings that may change on resume, as it ran them)
+    kept = {"data.tokenizer": saved["data"]["tokenizer"]}
     assert saved["resumes"] == [{"step": 3, "argv": ["--resume", str(run_dir), "--wandb-group",
-                                                      "g2"]}]  # fmt: skip
+                                                      "g2"], "settings": kept}]  # fmt: skip
     assert saved["train"]["comera"]["gamma"] == 0.07
+    # a moved tokenizer's new place may be given (it was refused: a dead end)
+    tokenizer = ["--tokenizer", saved["data"]["tokenizer"]]
+    assert mnli.main(["--resume", str(run_dir), *tokenizer]) == 0
 
 
 def test_resume_of_a_run_without_a_checkpoint_starts_it_over(tmp_path, capsys):

@@ -263,13 +263,17 @@ def test_a_model_with_no_token_type_table_trains_on_pairs(tmp_path: Path, capsys
 
 def test_a_resume_that_changes_the_model_names_the_flag_typed(tmp_path: Path, capsys) -> None:
     """The resume refusal built each flag's name from its dest: it said ``drop
-    --model-path`` for the ``--model`` flag, which does not exist."""
+    --model-path`` for the ``--model`` flag, which does not exist. (``--model`` may now
+    give a moved model folder on resume; ``--train-file``, dest ``train_file``, may not.)"""
     assert main(_argv(tmp_path, "run")) == 0
     capsys.readouterr()
     run = str(tmp_path / "run")
-    assert main(["--resume", run, "--model", str(tmp_path / "other")]) == 2
+    assert main(["--resume", run, "--train-file", str(tmp_path / "other.jsonl")]) == 2
     line = _one_line(capsys)
-    assert "drop --model (only" in line and "--model-path" not in line
+    assert "drop --train-file (only" in line and "train_file" not in line.split("(only")[0]
+    assert main(["--resume", run, "--model", str(tmp_path / "other")]) == 2  # no such folder
+    line = _one_line(capsys)
+    assert "--model" in line and "no such folder" in line and f"--resume {run} --model" in line
 
 
 def test_plan_rules_are_checked_only_where_a_tt_layer_is_left(tmp_path: Path, capsys) -> None:
