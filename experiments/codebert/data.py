@@ -383,7 +383,7 @@ def corpus_from_paths(
                 raise DataError(
                     f"--corpus {name}={folder}:{globs[name]}: {folder} was prepared by "  # type: ignore[index]
                     "loaders.prepare, whose files are fixed; drop the :GLOB (or prepare with "
-                    "--glob)"
+                    "--glob; a run saved with the :GLOB cannot resume: start it again)"
                 )
             tok, plan = _prepared(name, path)
             _note_prepared(name, folder, plan, heldout, max_doc_tokens)

@@ -384,7 +384,7 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
             f"sub-dataset {silent[0]!r}: its held-out split ({corpus.heldout[silent[0]]}) "
             f"holds no document of {held_loader.config.min_doc_len}+ tokens (empty files?), "
             "so the held-out loss would leave it out; hold out other files (data.heldout), "
-            "or drop it from --corpus"
+            "or drop it from --corpus (a run saved so cannot resume: start it again)"
         )
     held = iter(held_loader) if held_loader is not None else iter(())
     model = fit_vocab(p.model, vocab_size)
