@@ -656,6 +656,13 @@ def _load(cfg: CriteoDataConfig, progress: bool) -> CriteoData:
             try:
                 write_generated(tmp, cfg.generated_rows)
                 os.replace(tmp, path)
+                # the same rows by an earlier generator (up to 8 GB each): never read again
+                for old in root.glob(f"generated-{cfg.generated_rows}*.txt"):
+                    if old != path and re.fullmatch(
+                        rf"generated-{cfg.generated_rows}(-[0-9a-f]{{8}})?\.txt", old.name
+                    ):
+                        with contextlib.suppress(OSError):
+                            old.unlink()
             except BaseException:
                 with contextlib.suppress(OSError):
                     tmp.unlink()

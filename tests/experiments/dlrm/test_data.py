@@ -507,7 +507,10 @@ def test_a_changed_generator_writes_its_own_file(tmp_path: Path, monkeypatch) ->
     changed.write_text(Path(generate.__file__).read_text() + "\n# changed\n")
     monkeypatch.setattr(generate, "__file__", str(changed))
     assert generated_name(200) not in before
+    (tmp_path / "generated-200.txt").write_text("x")  # as named before the digest
+    (tmp_path / "generated-2000.txt").write_text("x")  # other rows: another run's, kept
     load_criteo(cfg, progress=False)
+    # the earlier generators' files of these rows (up to 8 GB each) are removed
     assert sorted(p.name for p in tmp_path.glob("generated-*")) == sorted(
-        [*before, generated_name(200)]
+        [generated_name(200), "generated-2000.txt"]
     )
