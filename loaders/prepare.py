@@ -157,6 +157,8 @@ def file_identity(path: Path) -> tuple[int, int] | Path:
         st = os.stat(path)
     except OSError:
         return Path(path).resolve()
+    if not st.st_ino:  # a file system with no inode numbers: its paths, as before
+        return Path(path).resolve()
     return st.st_dev, st.st_ino
 
 

@@ -384,6 +384,25 @@ def test_one_tokenizer_spelled_two_ways_and_hard_links_are_one(tmp_path: Path, m
         prepare([str(tmp_path / "src")], tmp_path / "out", tokenizer="other", **kw)  # type: ignore[arg-type]
 
 
+def test_a_file_system_without_inode_numbers_tells_files_apart_by_path(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Files were told apart by device and inode alone: where a file system reports
+    inode 0 for every file, two files would have been taken as one (review)."""
+    import types
+
+    from loaders import prepare as prep
+
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text(name)
+    real = os.stat
+    with monkeypatch.context() as m:  # (undone before pytest itself stats a file)
+        m.setattr(prep.os, "stat", lambda p, **kw: types.SimpleNamespace(
+            st_dev=real(p, **kw).st_dev, st_ino=0, st_mode=real(p, **kw).st_mode))  # fmt: skip
+        kept, twins = prep.drop_link_twins([tmp_path / "a.py", tmp_path / "b.py"])
+    assert twins == 0 and len(kept) == 2
+
+
 def test_a_local_tokenizer_folder_without_tokenizer_json_still_loads(tmp_path: Path) -> None:
     """A downloaded model folder with only ``vocab.txt`` (no ``tokenizer.json``) is a path,
     not a hub id: it loads through transformers, offline."""
