@@ -33,7 +33,7 @@ RESUME_MUTABLE = frozenset(
 def config_jsonable(o: Any) -> Any:
     """A config value as ``config.json`` holds it: dataclasses as dicts, devices and
     paths as text, anything else by its ``repr``."""
-    if dataclasses.is_dataclass(o):
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):  # (a class: its repr)
         return dataclasses.asdict(o)
     if isinstance(o, torch.device | Path):
         return str(o)

@@ -271,6 +271,10 @@ def test_a_resume_that_changes_the_model_names_the_flag_typed(tmp_path: Path, ca
     assert main(["--resume", run, "--train-file", str(tmp_path / "other.jsonl")]) == 2
     line = _one_line(capsys)
     assert "drop --train-file (only" in line and "train_file" not in line.split("(only")[0]
+    from experiments import cli  # the flag whose name is not its dest's: --model, model_path
+    from experiments.finetune.experiment import EXPERIMENT
+
+    assert cli._flag_of(cli.build_parser(EXPERIMENT), "model_path") == "--model"
     assert main(["--resume", run, "--model", str(tmp_path / "other")]) == 2  # no such folder
     line = _one_line(capsys)
     assert "--model" in line and "no such folder" in line and f"--resume {run} --model" in line
