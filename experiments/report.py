@@ -37,6 +37,7 @@ __all__ = [
     "check_smoke_pair",
     "check_smoke_setup",
     "check_step_bench",
+    "differing_keys",
     "ensure_smoke_run",
     "kept_settings",
     "layer_summary",
@@ -54,6 +55,7 @@ __all__ = [
     "record_host",
     "runs_host",
     "series",
+    "smoke_dirs",
     "smoke_report_main",
     "staged",
     "step_times",
@@ -182,9 +184,8 @@ def smoke_report_main(
     except DataError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    for dense in (False, True):
-        run_dir = runs / f"{name}-smoke{'-dense' if dense else ''}"
-        ensure_smoke_run(exp_main, run_dir, dense=dense, label=f"{name} report")
+    for kind, run_dir in smoke_dirs(runs, name).items():
+        ensure_smoke_run(exp_main, run_dir, dense=kind == "dense", label=f"{name} report")
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
     try:
         print(write(runs, out, bench, command=command))
@@ -194,13 +195,25 @@ def smoke_report_main(
     return 0
 
 
+def smoke_dirs(runs: Path, name: str) -> dict[str, Path]:
+    """The run dirs of a smoke report's pair: ``RUNS/<name>-smoke`` (CoMERA) and
+    ``RUNS/<name>-smoke-dense``."""
+    return {"CoMERA": runs / f"{name}-smoke", "dense": runs / f"{name}-smoke-dense"}
+
+
+def differing_keys(setups: list[dict], skip: Iterable[str] = ()) -> list[str]:
+    """The keys (sorted) on which ``setups`` differ, values compared as JSON; but those in
+    ``skip``."""
+    keys = sorted({k for s in setups for k in s} - set(skip))
+    return [k for k in keys if len({json.dumps(s.get(k), sort_keys=True) for s in setups}) > 1]
+
+
 def check_smoke_setup(runs: Path, name: str, experiment: Any) -> None:
     """Refuse a smoke run dir (``RUNS/<name>-smoke`` or ``-smoke-dense``) trained with
     another setup than the smoke preset's (``--corpus``, ``--set data.*``, steps) where its
     partner is missing: the report would train the partner from the preset for minutes,
     then refuse the pair (:func:`check_smoke_pair`)."""
-    dirs = {kind: runs / f"{name}-smoke{'-dense' if kind == 'dense' else ''}"
-            for kind in ("CoMERA", "dense")}  # fmt: skip
+    dirs = smoke_dirs(runs, name)
     there = [k for k, d in dirs.items() if (d / "config.json").is_file()]
     if len(there) != 1:
         return
@@ -212,7 +225,7 @@ def check_smoke_setup(runs: Path, name: str, experiment: Any) -> None:
     preset = pair_setup(json.loads(json.dumps(record, default=config_jsonable)))
     have = pair_setup(read_run_json(dirs[kind] / "config.json", dict))
     skip = {"dense_params", *experiment.pair_differs}  # (the build's count; each run's own)
-    gaps = [k for k in sorted({*preset, *have}) if k not in skip and preset.get(k) != have.get(k)]
+    gaps = differing_keys([preset, have], skip)
     if gaps:
         flag = " --dense" if missing == "dense" else " (without --dense)"
         raise DataError(
@@ -280,9 +293,7 @@ def check_smoke_pair(
                 f"{kind} run there (or move the run dirs)"
             )
     a, b = (pair_setup(configs[k]) for k in ("CoMERA", "dense"))
-    skip = set(may_differ)
-    gaps = [f"{k} ({a.get(k)!r} against {b.get(k)!r})" for k in sorted({*a, *b})
-            if k not in skip and a.get(k) != b.get(k)]  # fmt: skip
+    gaps = [f"{k} ({a.get(k)!r} against {b.get(k)!r})" for k in differing_keys([a, b], may_differ)]
     if gaps:  # a dense run of other data, length or model was set beside CoMERA's unsaid
         raise DataError(
             f"{dirs['CoMERA']} and {dirs['dense']} were trained on other setups: "

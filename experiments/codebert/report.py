@@ -35,6 +35,7 @@ from experiments.report import (
     rank_table,
     runs_host,
     series,
+    smoke_dirs,
     smoke_report_main,
     staged,
     write_report_json,
@@ -236,7 +237,7 @@ def gather(runs_dir: Path, bench: dict | None, command: str) -> dict:
     ``-smoke-dense``): the host that made them, the setup, each run's held-out figures and
     curves, the unigram baseline on the same held-out tokens, a mix audit from the CoMERA
     run's last checkpoint, its ranks and per-layer sizes, and the bench JSON."""
-    dirs = {"CoMERA": runs_dir / "codebert-smoke", "dense": runs_dir / "codebert-smoke-dense"}
+    dirs = smoke_dirs(runs_dir, "codebert")
     check_smoke_pair(dirs, "codebert")
     rows = {k: read_metrics(d / "metrics.jsonl") for k, d in dirs.items()}
     check_evaluated({dirs[k]: r for k, r in rows.items()}, "eval/heldout/loss",

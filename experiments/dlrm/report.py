@@ -27,6 +27,7 @@ from experiments.report import (
     number,
     runs_host,
     series,
+    smoke_dirs,
     smoke_report_main,
     staged,
     write_report_json,
@@ -106,7 +107,7 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
     the host that made them, the setup, each run's evals and curves, the planted logit's
     val AUC (generated data), per-table ranks, the ablation reports in ``out_dir`` and
     the bench JSON."""
-    dirs = {"CoMERA": runs_dir / "dlrm-smoke", "dense": runs_dir / "dlrm-smoke-dense"}
+    dirs = smoke_dirs(runs_dir, "dlrm")
     check_smoke_pair(dirs, "dlrm", EXPERIMENT.pair_differs)
     rows = {k: read_metrics(d / "metrics.jsonl") for k, d in dirs.items()}
     check_evaluated({dirs[k]: r for k, r in rows.items()}, "eval/val/auc", "train.eval_every")

@@ -24,6 +24,7 @@ from experiments.report import (
     rank_table,
     runs_host,
     series,
+    smoke_dirs,
     smoke_report_main,
     staged,
     step_times,
@@ -55,7 +56,7 @@ def _summary(run: dict) -> dict:
 
 def gather(runs_dir: Path, command: str) -> dict:
     """The report's data from the two smoke run dirs."""
-    dirs = {"CoMERA": runs_dir / "finetune-smoke", "dense": runs_dir / "finetune-smoke-dense"}
+    dirs = smoke_dirs(runs_dir, "finetune")
     check_smoke_pair(dirs, "finetune")
     runs = {name: load_run(d) for name, d in dirs.items()}
     # local data evaluated under other split names: every cell was "-", exit 0

@@ -23,6 +23,7 @@ from experiments.malloc import lean_without_hugepages
 from experiments.report import (
     REPORTS,
     check_step_bench,
+    differing_keys,
     layer_summary,
     layer_table,
     load_run,
@@ -120,8 +121,7 @@ def _setup_gaps(runs: list[dict]) -> list[str]:
     setups = [r.get("setup") for r in runs]
     if len(runs) < 2 or any(not isinstance(s, dict) for s in setups):
         return []
-    keys = sorted({k for s in setups for k in s})
-    return [k for k in keys if len({json.dumps(s.get(k), sort_keys=True) for s in setups}) > 1]
+    return differing_keys(setups)
 
 
 def gather(run_dirs: list[str], bench: dict | None, command: str) -> dict:
