@@ -270,11 +270,17 @@ def _prepared(name: str, folder: Path) -> tuple[str, dict]:
     return tok, plan
 
 
-def group_settings(folder: Path) -> dict:
+def _split_settings(plan: dict) -> dict:
     """The held-out fraction and piece length (``max_doc_tokens``, None: whole files) a
-    prepared group's folder (``loaders.prepare``'s output) was made with."""
-    settings = json.loads((Path(folder) / PLAN_NAME).read_text()).get("settings", {})
+    ``loaders.prepare`` plan records."""
+    settings = plan.get("settings", {})
     return {"heldout": settings.get("heldout"), "max_doc_tokens": settings.get("max_doc_tokens")}
+
+
+def group_settings(folder: Path) -> dict:
+    """The held-out fraction and piece length a prepared group's folder
+    (``loaders.prepare``'s output) was made with."""
+    return _split_settings(json.loads((Path(folder) / PLAN_NAME).read_text()))
 
 
 def _note_prepared(
@@ -282,13 +288,12 @@ def _note_prepared(
 ) -> None:
     """Say on stderr which of the run's data settings a prepared folder does not follow
     (its own held-out split and piece length serve): ``config.json`` records the run's."""
-    settings = plan.get("settings", {})
-    theirs = {"data.heldout": settings.get("heldout"),
-              "data.max_doc_tokens": settings.get("max_doc_tokens")}  # fmt: skip
-    mine = {"data.heldout": heldout, "data.max_doc_tokens": max_doc_tokens}
+    theirs = _split_settings(plan)
+    mine = {"heldout": heldout, "max_doc_tokens": max_doc_tokens}
     differ = [k for k in mine if theirs[k] != mine[k]]
     if differ:
-        what = "; ".join(f"{k}={mine[k]} not applied (the folder's: {theirs[k]})" for k in differ)
+        what = "; ".join(f"data.{k}={mine[k]} not applied (the folder's: {theirs[k]})"
+                         for k in differ)  # fmt: skip
         note(f"--corpus {name}={folder} was prepared by loaders.prepare and is used as it is: "
              f"{what}")  # fmt: skip
 

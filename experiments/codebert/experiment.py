@@ -357,11 +357,7 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
     train_iter = TokenLoader(loader_cfg(corpus.train, p.data.mix, provenance=p.data.provenance),
                              rank=rank, world_size=world)  # fmt: skip
     cfg = train_iter.config
-    empty = [
-        d.name
-        for d in cfg.datasets
-        if d.weight > 0 and not holds_long(train_iter.sources[d.name], cfg.min_doc_len)
-    ]
+    empty = _without_text(train_iter)
     if empty:  # the loader drops it, and its share goes to the others without a word
         raise DataError(
             f"sub-dataset {empty[0]!r} ({corpus.train[empty[0]]}) holds no training document "
@@ -375,10 +371,7 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                                   rank=0, world_size=1)  # fmt: skip
     except EmptyStream:  # no held-out token: refused below, naming data.heldout
         held_loader = None
-    silent = [] if held_loader is None or not p.data.eval_batches else [
-        n for n in corpus.heldout
-        if not holds_long(held_loader.sources[n], held_loader.config.min_doc_len)
-    ]  # fmt: skip
+    silent = [] if held_loader is None or not p.data.eval_batches else _without_text(held_loader)
     if silent:  # its held-out files empty: the held-out loss measured the others alone
         raise DataError(
             f"sub-dataset {silent[0]!r}: its held-out split ({corpus.heldout[silent[0]]}) "
@@ -408,6 +401,14 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
     dense_size = dense_param_count(dataclasses.replace(model, num_labels=0)) + 2 * d
     dense_size += model.vocab_size
     return task, params, state, dense_size
+
+
+def _without_text(loader: TokenLoader) -> list[str]:
+    """The weighted sub-datasets of ``loader`` holding no document of ``min_doc_len``
+    tokens: the loader drops them, and their share goes to the others without a word."""
+    cfg = loader.config
+    weighted = [d.name for d in cfg.datasets if d.weight > 0]
+    return [n for n in weighted if not holds_long(loader.sources[n], cfg.min_doc_len)]
 
 
 def _corpus_os_error(e: OSError, root: Path) -> DataError:

@@ -352,6 +352,7 @@ def render(data: dict, out_dir: Path) -> str:
     returns the markdown."""
     _plot(data["runs"], data["early_end"], out_dir / "codebert_curves.png")
     s, paper = data["setup"], data["paper"]
+    corpus = _corpus_lines(s)
     names = s["sub_datasets"]
     lines = report_header(TITLE, data["meta"]["command"], data["meta"])
     lines += ["## The paper", "", f"Source: {paper['source']}.", ""]
@@ -380,9 +381,9 @@ def render(data: dict, out_dir: Path) -> str:
         "torchrun --nproc_per_node 8 -m experiments.codebert --preset paper     # 8 GPUs",
         "```",
         "",
-        *_corpus_lines(s)[:-1],
+        *corpus[:-1],
         # one line with the corpus sentence's start (two rendered alike, but not as written)
-        _corpus_lines(s)[-1] + f"{_pieces(s)}{_mixed(s)}, packed into rows of {s['seq_len']}. "
+        corpus[-1] + f"{_pieces(s)}{_mixed(s)}, packed into rows of {s['seq_len']}. "
         f"Model: {s['layers']} layers, width "
         f"{s['d_model']}, {s['heads']} heads, FFN {s['ffn']}; CoMERA: TT linears at rank "
         f"{s['rank']}, TTM embedding at rank {s['emb_rank']}, early stage {s['early_steps']} "
