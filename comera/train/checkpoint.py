@@ -597,10 +597,18 @@ def check_same_data(tr: Any, datas: list[dict]) -> None:
     check = getattr(it, "check_data", None)
     if check is None or any(d["state"] is None for d in datas):
         return
-    rescalable = getattr(it, "rescalable", False)
-    if not rescalable and len(datas) != tr.world:
+    if not getattr(it, "rescalable", False) and len(datas) != tr.world:
         return  # refused by the position's restore, naming the world sizes
-    check([d["state"] for d in datas] if rescalable else datas[tr.rank]["state"])
+    check(_saved_position(it, datas, tr.rank))
+
+
+def _saved_position(it: Any, datas: list[dict], rank: int) -> Any:
+    """What the saved data position is for ``it``: every saved rank's state for a
+    rescalable iterator, at any world size (at an unchanged one too, since a TokenLoader
+    whose worker count changed needs every rank's shards to re-cut them), else this
+    rank's."""
+    return [d["state"] for d in datas] if getattr(it, "rescalable", False) else (
+        datas[rank]["state"])  # fmt: skip
 
 
 def eval_data_id(task: Any) -> dict[str, str]:
@@ -663,13 +671,8 @@ def _restore_position(tr: Any, ckpt: dict, datas: list[dict]) -> None:
             f"torchrun --nproc_per_node {saved_world}"
         )
     else:
-        # a rescalable iterator takes every saved rank's state, at any world size: at an
-        # unchanged one too, since a TokenLoader whose worker count changed needs every
-        # rank's shards to re-cut them
-        rescalable = getattr(it, "rescalable", False)
         with _naming_previous(ckpt):  # a damaged position, which the iterator found
-            it.load_state_dict([d["state"] for d in datas] if rescalable
-                               else datas[tr.rank]["state"])  # fmt: skip
+            it.load_state_dict(_saved_position(it, datas, tr.rank))
 
 
 def restore_trainer(tr: Any, ckpt: dict) -> None:
