@@ -34,6 +34,7 @@ from benchmarks.reporting import (
     check_output,
     md_cell,
     one_line_errors,
+    recorded_out,
     reduced_run,
     render_only,
     render_refusal,
@@ -418,7 +419,7 @@ def command(cfg: dict) -> str:
     processes = cfg.get("processes", 1)
     default = 1 if quick or cfg.get("device", "cpu") != "cpu" else PROCESSES
     parts += ["--processes", str(processes)] if processes != default else []
-    return " ".join(parts)
+    return " ".join(parts + recorded_out(cfg, "--report"))
 
 
 def render(result: dict) -> str:
@@ -761,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
             malloc=args.malloc,
             device=args.device,
         )
+    if write and args.report is not None:  # the header's command names it, as needed
+        result["config"]["out"] = str(args.report)
     if write:
         write_json(path.with_suffix(".json"), result)  # what --render reads back
         write_text(path, render(result))

@@ -28,6 +28,7 @@ from benchmarks.reporting import (
     check_output,
     measure_points,
     one_line_errors,
+    recorded_out,
     reduced_run,
     render_only,
     render_refusal,
@@ -119,7 +120,7 @@ def command(result: dict) -> str:
         parts += ["--repeats", str(result["repeats"])]
     if "threads" in result:  # always: the default is the machine's own count
         parts += ["--threads", str(result["threads"])]
-    return " ".join(parts)
+    return " ".join(parts + recorded_out(result))
 
 
 # what a sweep measured: the paper-size model, or --tiny's toy one (benchmarks.mnli_step)
@@ -271,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: {str(e).splitlines()[0]}; the other points are in {partial}; "
               f"{out / 'efficiency.json'} was not replaced", file=sys.stderr)  # fmt: skip
         return 1
+    if args.out is not None:  # the header's command names it, as the run needed it
+        result["out"] = str(args.out)
     write_json(out / "efficiency.json", result)
     partial.unlink(missing_ok=True)
     print(write_report(result, out))

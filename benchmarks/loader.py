@@ -28,6 +28,7 @@ from benchmarks.reporting import (
     arg_parser,
     check_output,
     one_line_errors,
+    recorded_out,
     reduced_run,
     render_only,
     render_saved,
@@ -173,7 +174,7 @@ def command(res: dict) -> str:
         parts += ["--tokens", str(tokens)]
     if measure is not None and measure != DEFAULT_MEASURE_TOKENS:
         parts += ["--measure-tokens", str(measure)]
-    return " ".join(parts)
+    return " ".join(parts + recorded_out(res, "--report"))
 
 
 def _threshold(key: str) -> str:
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                       "--report")  # fmt: skip
     if why is not None and args.report is None and not args.no_report:
         p.error(why)
+    given_report = args.report  # the header's command names it, as the run needed it
     args.report = args.report or REPORT
     if not args.no_report:  # before measuring: refused now, not after the run
         check_output(args.report, "--report", "file", ".json")
@@ -280,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="loader-bench-") as tmp:
         res = run(args.tokens, args.measure_tokens, Path(tmp))
+    if given_report is not None:
+        res["out"] = str(given_report)
     if not args.no_report:
         write_report(res, args.report)
     if args.json:

@@ -40,6 +40,7 @@ from benchmarks.reporting import (
     measure_points,
     one_line_errors,
     print_rendered,
+    recorded_out,
     reduced_run,
     render_only,
 )
@@ -237,6 +238,7 @@ def run(
 
     ``tiny`` swaps in a toy model: it checks the plumbing, it measures nothing useful."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    given_out = out  # the header's command names it, as the run needed it
     out = out or (REPORT_JSON if torch.device(device).type == "cpu" else GPU_REPORT_JSON)
     check_output(out, "--out", "file")  # before measuring, not after
     # the workers' results so far, beside (never over) ``out``: a run stopped by a time
@@ -341,6 +343,7 @@ def run(
         },
         **({"galore_error": galore_error} if galore_error else {}),
         **({"tiny": True} if tiny else {}),
+        **({"out": str(given_out)} if given_out is not None else {}),
         "device": device,
         "threads": threads,
         "cpu": cpu_model(),
@@ -363,7 +366,7 @@ def command(result: dict) -> str:
     parts += ["--repeats", str(result["repeats"])] if result.get("repeats", 5) != 5 else []
     parts += ["--threads", str(result["threads"])] if "threads" in result else []
     parts += ["--tiny"] if result.get("tiny") else []
-    return " ".join(parts)
+    return " ".join(parts + recorded_out(result))
 
 
 def _ratio_rows(result: dict, prefix: str = "") -> list[str]:

@@ -12,6 +12,7 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ __all__ = [
     "one_line_errors",
     "print_rendered",
     "read_result",
+    "recorded_out",
     "reduced_run",
     "render_only",
     "render_refusal",
@@ -61,6 +63,14 @@ def arg_parser(prog: str, description: str | None = None, **kwargs: Any) -> argp
     whose errors raise :class:`CLIError` (one line through :func:`one_line_errors`), not
     argparse's usage block and exit."""
     return Parser(prog=prog, description=description, **kwargs)
+
+
+def recorded_out(result: dict, flag: str = "--out") -> list[str]:
+    """``[flag, PATH]`` for the output path a run was given (``result["out"]``, recorded
+    only when one was given), else ``[]``: a reduced or toy run is refused without one,
+    so a report header's command names it and runs as written."""
+    out = result.get("out")
+    return [flag, shlex.quote(str(out))] if out else []
 
 
 def reduced_run(settings: dict[str, tuple[object, object]], out_flag: str) -> str | None:

@@ -37,6 +37,7 @@ from benchmarks.reporting import (
     check_bench_device,
     check_output,
     one_line_errors,
+    recorded_out,
     reduced_run,
     render_only,
     render_refusal,
@@ -183,7 +184,7 @@ def command(result: dict) -> str:
         parts += ["--threads", str(result["threads"])]
     if result.get("device", "cpu") != "cpu":
         parts += ["--device", str(result["device"])]
-    return " ".join(parts)
+    return " ".join(parts + recorded_out(result))
 
 
 def render(result: dict) -> str:
@@ -343,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
               "device": args.device, "runs": runs}  # fmt: skip
     if args.tiny:  # a toy size: the report's command says so
         result["tiny"] = True
+    if args.out is not None:  # the header's command names it, as the run needed it
+        result["out"] = str(args.out)
     # the points so far go beside the report, never over it: a run cut short (a time
     # limit, a failing mode) keeps what it measured and the last complete report stays
     partial = out / "step_modes.partial.json"

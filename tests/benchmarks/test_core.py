@@ -52,7 +52,9 @@ def test_bench_quick_json(capsys, tmp_path):
     assert saved == out and report.read_text() == render(saved)
     header = report_header(render(saved).splitlines()[0][2:], command(cfg), cfg)
     assert render(saved).splitlines()[: len(header)] == header
-    assert command(cfg) == f"python -m benchmarks.core --quick --threads {cfg['threads']}"
+    assert command(cfg) == (
+        f"python -m benchmarks.core --quick --threads {cfg['threads']} --report {report}"
+    )
 
 
 def test_cpu_model_reads_cpuinfo_and_falls_back(tmp_path, monkeypatch):
@@ -137,9 +139,9 @@ def test_lean_bench_gets_the_huge_pages_training_gets(tmp_path):
     mode = malloc._thp_mode()
     want = mode == "always" or (mode == "madvise" and malloc._glibc_tunable_exists())
     assert cfg["malloc"] == "lean" and cfg["hugepages"] is want
-    assert (
-        command(cfg)
-        == f"python -m benchmarks.core --quick --malloc lean --threads {cfg['threads']}"
+    assert command(cfg) == (
+        f"python -m benchmarks.core --quick --malloc lean --threads {cfg['threads']}"
+        f" --report {tmp_path / 'b.md'}"
     )
 
 
@@ -195,5 +197,6 @@ def test_bench_runs_in_fresh_processes(tmp_path):
     assert report.read_text() == render(out)
     n = out["config"]["threads"]  # named always: the default is the machine's own count
     assert (
-        command(out["config"]) == f"python -m benchmarks.core --quick --threads {n} --processes 2"
+        command(out["config"])
+        == f"python -m benchmarks.core --quick --threads {n} --processes 2 --report {report}"
     )

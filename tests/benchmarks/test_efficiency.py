@@ -34,9 +34,9 @@ def test_figure_one_sweep_plumbing_on_a_toy_model(tmp_path: Path) -> None:
     )
     assert (again / "efficiency.md").read_text() == efficiency.render(result)
     assert (again / "efficiency.png").is_file()
-    assert (
-        efficiency.command(result)
-        == "python -m benchmarks.efficiency --tiny --batches 1 --repeats 1 --threads 1"
+    assert efficiency.command(result) == (
+        "python -m benchmarks.efficiency --tiny --batches 1 --repeats 1 --threads 1"
+        f" --out {tmp_path}"
     )
     assert efficiency.main(["--batches", "x"]) == 2
 
@@ -56,7 +56,7 @@ def test_step_modes_bench_writes_its_table(tmp_path) -> None:
     assert (tmp_path / "step_modes.md").read_text() == step_modes.render(result)
     assert step_modes.command(result) == (
         "python -m benchmarks.step_modes --tiny --models smoke --modes eager,sync_free --repeats 1"
-        f" --threads {result['threads']}"
+        f" --threads {result['threads']} --out {tmp_path}"
     )
     assert step_modes.main(["--modes", "turbo"]) == 2
 

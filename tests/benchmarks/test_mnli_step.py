@@ -145,6 +145,8 @@ def test_step_bench_plumbing(tmp_path, capsys, monkeypatch):
     # every key of the committed figures (measured by the old command) is still printed
     assert set(json.loads((REPORTS / "mnli_bench.json").read_text())) <= set(result)
     assert result["torch"] == torch.__version__ and result["cpu"] == cpu_model()
+    # a toy run needs --out: the header's command names it (a run of the default, none)
+    assert mnli_bench.command(result).endswith(f"--tiny --out {out}")
 
 
 def test_the_benchmarks_task_without_data_builds_and_names_no_eval_split() -> None:

@@ -120,6 +120,19 @@ def test_loader_render_flag_writes_the_report_from_the_json(tmp_path: Path, caps
     assert len(err) == 1 and "--render" in err[0] and "no such file" in err[0]
 
 
+def test_a_reduced_loader_run_records_its_report_path(tmp_path: Path, monkeypatch) -> None:
+    """A run at another size must name --report: the result keeps it, so the report's
+    header names the command that ran (a run without it is refused)."""
+    measured = {**_loader_result(), "requested_tokens": 20000}
+    monkeypatch.setattr(loader, "run", lambda *a: dict(measured))
+    out = tmp_path / "small.md"
+    assert loader.main(["--tokens", "20000", "--report", str(out), "--json"]) == 0
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved == {**measured, "out": str(out)}
+    command = f"python -m benchmarks.loader --tokens 20000 --report {out}"
+    assert f"Command: `{command}`" in out.read_text().splitlines()
+
+
 def test_core_render_flag_measures_nothing(tmp_path: Path, capsys) -> None:
     """``--render`` on a saved quick result writes the report beside ``--report``; a file
     that is not a JSON object is one error line, exit 2."""

@@ -150,3 +150,45 @@ def test_render_of_another_benchmarks_result_is_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{path.name} is not a result of" in err[0], err
     assert not list(tmp_path.glob("*.md"))
+
+
+class _Measured(Exception):
+    """Raised by a stubbed measuring function: the command got past every refusal."""
+
+
+def _measure(*args: object, **kwargs: object) -> None:
+    raise _Measured
+
+
+@pytest.mark.parametrize(
+    ("module", "result", "flag"),
+    [
+        ("step_modes", {"tiny": True, "runs": [{"model": "smoke", "mode": "eager"}],
+                        "threads": 1}, "--out"),
+        ("mnli_step", {"device": "cpu", "repeats": 2, "threads": 1}, "--out"),
+        ("efficiency", {"tiny": True, "batches": [1], "repeats": 1, "threads": 1}, "--out"),
+        ("loader", {"requested_tokens": 20000}, "--report"),
+        ("core", {"threads": 1, "repeats": 1, "processes": 1}, "--report"),
+    ],
+)  # fmt: skip
+def test_a_reduced_run_s_header_names_its_output_and_runs_as_written(
+    module: str, result: dict, flag: str, tmp_path: Path, monkeypatch
+) -> None:
+    """A reduced or toy run is refused without an output path, so its report's header
+    names the one it was given: the command, run as written, reaches the measuring."""
+    import importlib
+    import shlex
+
+    bench = importlib.import_module(f"benchmarks.{module}")
+    out = tmp_path / ("a report.md" if flag == "--report" else "a folder")
+    command = bench.command({**result, "out": str(out)})
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", f"benchmarks.{module}"] and words[-2:] == [flag, str(out)]
+    assert flag not in bench.command(result)  # none given, none named
+    for name in ("run", "sweep", "run_point", "_run_processes"):
+        if hasattr(bench, name):
+            monkeypatch.setattr(bench, name, _measure)
+    if module == "efficiency":  # the comparison's third side, when it is not installed
+        monkeypatch.setattr(bench, "galore_available", lambda: True)
+    with pytest.raises(_Measured):
+        bench.main(words[3:])
