@@ -56,6 +56,7 @@ __all__ = [
     "runs_host",
     "series",
     "smoke_dirs",
+    "smoke_gaps",
     "smoke_report_main",
     "staged",
     "step_times",
@@ -219,13 +220,7 @@ def check_smoke_setup(runs: Path, name: str, experiment: Any) -> None:
         return
     (kind,) = there
     missing = "dense" if kind == "CoMERA" else "CoMERA"
-    cfg = experiment.presets["smoke"]()
-    record = {"data": cfg.data, "model": cfg.model, "batch_size": getattr(cfg, "batch_size", None),
-              "train": {"steps": cfg.train.steps, "seed": cfg.train.seed}}  # fmt: skip
-    preset = pair_setup(json.loads(json.dumps(record, default=config_jsonable)))
-    have = pair_setup(read_run_json(dirs[kind] / "config.json", dict))
-    skip = {"dense_params", *experiment.pair_differs}  # (the build's count; each run's own)
-    gaps = differing_keys([preset, have], skip)
+    gaps = smoke_gaps(read_run_json(dirs[kind] / "config.json", dict), experiment)
     if gaps:
         flag = " --dense" if missing == "dense" else " (without --dense)"
         raise DataError(
@@ -234,6 +229,18 @@ def check_smoke_setup(runs: Path, name: str, experiment: Any) -> None:
             f"with would be; train that one yourself with the same flags{flag} --run-dir "
             f"{dirs[missing]}, then run the report again"
         )
+
+
+def smoke_gaps(config: dict, experiment: Any) -> list[str]:
+    """The keys of :func:`pair_setup` on which a run's recorded ``config`` differs from what
+    a plain ``--preset smoke`` run of ``experiment`` records (its ``pair_differs`` and the
+    dense size aside: each run's own): a run where any does is not "the smoke preset"."""
+    cfg = experiment.presets["smoke"]()
+    record = {"data": cfg.data, "model": cfg.model, "batch_size": getattr(cfg, "batch_size", None),
+              "train": {"steps": cfg.train.steps, "seed": cfg.train.seed}}  # fmt: skip
+    preset = pair_setup(json.loads(json.dumps(record, default=config_jsonable)))
+    skip = {"dense_params", *experiment.pair_differs}
+    return differing_keys([preset, pair_setup(config)], skip)
 
 
 def load_run(run_dir: str | Path, experiment: str | None = None) -> dict:

@@ -28,6 +28,7 @@ from experiments.report import (
     runs_host,
     series,
     smoke_dirs,
+    smoke_gaps,
     smoke_report_main,
     staged,
     write_report_json,
@@ -143,6 +144,8 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
             "emb_rank": m["emb_rank"],
             "optimizer": config["train"]["optimizer"],
             "early_steps": config["train"]["comera"]["early_steps"],
+            "steps": config["train"]["steps"],
+            "changed": smoke_gaps(config, EXPERIMENT),  # what is not the smoke preset's
             "dense_optimizer": dense_cfg["train"]["optimizer"],
             "hot_rows": m.get("hot_rows", 0),  # each run's own: said beside its run
             "hash_rows": dense_cfg["model"].get("hash_rows", 0),
@@ -153,6 +156,21 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
         "ablations": sorted(p.name for p in Path(out_dir).glob("ablation_dlrm_*.md")),
         "bench": bench,
     }
+
+
+def _changed(s: dict) -> str:
+    """The settings in which the runs are not the smoke preset's (a JSON from before they
+    were kept: none said)."""
+    changed = s.get("changed") or []
+    return f" with {', '.join(f'`{k}`' for k in changed)} changed" if changed else ""
+
+
+def _early(s: dict) -> str:
+    """The early stage's length, or that it took the whole run (no late stage)."""
+    steps = s.get("steps")  # (a JSON from before it was kept: as configured)
+    if steps is not None and s["early_steps"] >= steps:
+        return f"early stage all {steps:,} steps (no late stage)"
+    return f"early stage {s['early_steps']} steps"
 
 
 def _hot(s: dict) -> str:
@@ -188,7 +206,7 @@ def render(data: dict, out_dir: Path) -> str:
     source = "generated Criteo-format data with planted signal" if generated else s["data"]
     planted = data["planted_auc"]
     lines += [
-        f"## Ours: smoke preset (CPU, {source})",
+        f"## Ours: smoke preset{_changed(s)} (CPU, {source})",
         "",
         f"{s['rows']:,} rows ({s['train_rows']:,} train, {s['val_rows']:,} val"
         + (
@@ -199,8 +217,8 @@ def render(data: dict, out_dir: Path) -> str:
         + ("" if planted is None else f"; the planted logit scores val AUC {planted:.3f}")
         + f". DLRM with bottom {s['bottom']}, top {s['top']}, dim {s['emb_dim']}; CoMERA: "
         f"{s['ttm_tables']} tables with >= {s['tt_min_rows']:,} rows as {s['emb_cores']}-core "
-        f"TTMs at rank {s['emb_rank']}, {s['optimizer']}, early stage {s['early_steps']} "
-        f"steps{_hot(s)}; dense: same architecture, {s['dense_optimizer']}{_hashed(s)}.",
+        f"TTMs at rank {s['emb_rank']}, {s['optimizer']}, {_early(s)}{_hot(s)}; dense: same "
+        f"architecture, {s['dense_optimizer']}{_hashed(s)}.",
         "",
         "| run | val AUC at end | best val AUC (step) | val NCE | val log loss | "
         "val accuracy | params at end | model MB | compression |",

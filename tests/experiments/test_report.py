@@ -369,6 +369,7 @@ def test_a_lone_run_of_another_setup_is_refused_before_its_partner_trains(
     assert f"--run-dir {tmp_path / 'runs' / other}, then" in err[0]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [run.name]
     (run / "config.json").write_text(json.dumps(record))  # the preset's own setup
+    assert report.smoke_gaps(record, EXPERIMENT) == []  # what a report calls "smoke preset"
     trained = []
     with pytest.raises(SystemExit):  # the partner's training is called (and fails here)
         report.smoke_report_main("codebert", lambda a: trained.append(a) or 3, None, argv,

@@ -717,6 +717,12 @@ def test_report_is_rendered_from_its_json(tmp_path: Path) -> None:
     assert data["meta"]["torch"] == torch.__version__ and data["meta"]["cpu"]
     assert data["bench"] == bench and data["ablations"] == ["ablation_dlrm_rank.md"]
     assert data["setup"]["data"] == str(SAMPLE) and data["planted_auc"] is None
+    # not the smoke preset: the settings _cli changes are named in the section's title
+    changed = data["setup"]["changed"]
+    assert {"data.path", "batch_size", "train.steps", "model.tt_min_rows"} <= set(changed)
+    assert "train.seed" not in changed and "model.hot_rows" not in changed
+    assert "## Ours: smoke preset with `" in text and "`train.steps`" in text
+    assert data["setup"]["steps"] == 12 and "early stage 8 steps;" in text
     for name, d in (("CoMERA", "dlrm-smoke"), ("dense", "dlrm-smoke-dense")):
         rows = [json.loads(x) for x in (runs / d / "metrics.jsonl").read_text().splitlines()]
         evals = [r for r in rows if "eval/val/auc" in r]
@@ -825,3 +831,22 @@ def test_the_report_says_hot_rows_and_hashed_dense_tables() -> None:
         ", its large tables hashed into 5,000 rows each (model.hash_rows)"
     )
     assert _hot({}) == _hashed({}) == _hot({"hot_rows": 0}) == ""
+
+
+def test_the_report_says_what_is_not_the_smoke_preset_and_a_missing_late_stage() -> None:
+    """Runs with overridden settings were headed "smoke preset", and an early stage longer
+    than the run printed as configured ("early stage 600 steps" for 60); a JSON from
+    before steps and changes were kept reads as before."""
+    from experiments.dlrm.report import _changed, _early
+
+    assert _changed({"changed": ["train.steps", "data.path"]}) == (
+        " with `train.steps`, `data.path` changed"
+    )
+    assert _changed({"changed": []}) == _changed({}) == ""
+    assert _early({"early_steps": 600, "steps": 60}) == "early stage all 60 steps (no late stage)"
+    assert _early({"early_steps": 60, "steps": 60}) == "early stage all 60 steps (no late stage)"
+    assert (
+        _early({"early_steps": 50, "steps": 60})
+        == _early({"early_steps": 50})
+        == ("early stage 50 steps")
+    )
