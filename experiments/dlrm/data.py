@@ -642,6 +642,22 @@ def generated_name(rows: int) -> str:
     return f"generated-{rows}-{code}.txt"
 
 
+def _remove_generated(old: Path, root: Path) -> None:
+    """Remove an earlier generator's file and the preprocessed tables made from it (each
+    ``meta.json`` names its source): neither is read again, and the tables, named by the
+    file's fingerprint, could not be found to remove once the file was gone."""
+    source = str(old.resolve())
+    with contextlib.suppress(OSError):
+        old.unlink()
+    for meta in root.glob("*/meta.json"):
+        try:
+            made_from = json.loads(meta.read_text()).get("source")
+        except (OSError, ValueError, AttributeError):  # unreadable: not known to be its
+            continue
+        if made_from == source:
+            shutil.rmtree(meta.parent, ignore_errors=True)
+
+
 def _load(cfg: CriteoDataConfig, progress: bool) -> CriteoData:
     if cfg.path == "generated":
         from experiments.dlrm.generate import write_generated
@@ -661,8 +677,7 @@ def _load(cfg: CriteoDataConfig, progress: bool) -> CriteoData:
                     if old != path and re.fullmatch(
                         rf"generated-{cfg.generated_rows}(-[0-9a-f]{{8}})?\.txt", old.name
                     ):
-                        with contextlib.suppress(OSError):
-                            old.unlink()
+                        _remove_generated(old, root)
             except BaseException:
                 with contextlib.suppress(OSError):
                     tmp.unlink()

@@ -509,8 +509,26 @@ def test_a_changed_generator_writes_its_own_file(tmp_path: Path, monkeypatch) ->
     assert generated_name(200) not in before
     (tmp_path / "generated-200.txt").write_text("x")  # as named before the digest
     (tmp_path / "generated-2000.txt").write_text("x")  # other rows: another run's, kept
+    kept = tmp_path / ("f" * 32)  # another file's tables, and a folder of unreadable meta
+    kept.mkdir()
+    (kept / "meta.json").write_text(json.dumps({"source": str(tmp_path / "generated-2000.txt")}))
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "meta.json").write_text("[1, 2")
+
+    def sources() -> list[str]:
+        metas = [
+            json.loads(m.read_text())
+            for m in tmp_path.glob("*/meta.json")
+            if m.parent.name != "junk"
+        ]
+        return sorted(Path(m["source"]).name for m in metas)
+
+    assert sources() == sorted([before[0], "generated-2000.txt"])
     load_criteo(cfg, progress=False)
-    # the earlier generators' files of these rows (up to 8 GB each) are removed
+    # the earlier generators' files of these rows (up to 8 GB each) are removed, and the
+    # tables preprocessed from them (named by the old file's fingerprint) with them
     assert sorted(p.name for p in tmp_path.glob("generated-*")) == sorted(
         [generated_name(200), "generated-2000.txt"]
     )
+    assert sources() == sorted([generated_name(200), "generated-2000.txt"])
+    assert (tmp_path / "junk" / "meta.json").is_file()
