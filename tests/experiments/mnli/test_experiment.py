@@ -441,6 +441,46 @@ def test_the_mnli_report_command_refuses_outputs_it_would_spoil(tmp_path, capsys
     assert "metrics.jsonl holds no training row yet" in capsys.readouterr().err
 
 
+def test_a_moved_tokenizer_resumes_from_its_new_place_and_another_is_refused(
+    tmp_path, capsys
+) -> None:
+    """A run's tokenizer file moved: the resume says which flag gives its new place, and
+    ``--tokenizer NEW`` continues it; a tokenizer that encodes the data otherwise (two ids
+    swapped) is refused by the encoded examples' digest, keeping the checkpoint."""
+    import shutil
+
+    from experiments.mnli.generated import write_generated_files
+
+    train, dev, tok = write_generated_files(tmp_path / "data", 200, 30)
+    run = tmp_path / "run"
+    argv = ["--train-file", str(train), "--eval-file", f"dev={dev}", "--tokenizer", str(tok),
+            "--steps", "4", "--checkpoint-every", "2", "--set", "train.eval_every=None",
+            "--wandb", "disabled", "--no-progress", "--run-dir", str(run)]  # fmt: skip
+    assert mnli.main(argv) == 0
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    moved = tmp_path / "elsewhere" / "tok.json"
+    moved.parent.mkdir()
+    tok.rename(moved)
+    capsys.readouterr()
+    assert mnli.main(["--resume", str(run), "--no-progress"]) == 2
+    assert f"--resume {run} --tokenizer NEW_PATH" in _one_error_line(capsys)
+    spec = json.loads(moved.read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(w for w in vocab if w.isalpha())[:2]  # two words the data uses
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(spec))
+    assert mnli.main(["--resume", str(run), "--no-progress", "--tokenizer", str(other)]) == 2
+    line = _one_error_line(capsys)
+    assert "the checkpoint was trained on other data" in line and "start a new run" in line
+    assert (run / "checkpoints" / "step_00000002" / "model.pt").is_file()
+    assert mnli.main(["--resume", str(run), "--no-progress", "--tokenizer", str(moved)]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r][-1] == 4
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["resumes"][-1]["settings"]["data.tokenizer"] == str(moved)
+
+
 def test_a_resume_over_an_eval_file_changed_in_place_is_refused(tmp_path, capsys) -> None:
     """The checkpoint keeps a digest of each eval split: an eval file edited between a run
     and its resume was read without a word, so one curve joined two eval sets. The
