@@ -410,6 +410,11 @@ def prepare(
     returns a summary. Reruns with the same arguments finish what a crash left undone."""
     from tqdm.auto import tqdm
 
+    # a str was taken character by character ("/ is a folder: pass --glob")
+    if not isinstance(sources, (str, os.PathLike)):
+        sources = list(sources)
+    if isinstance(sources, (str, os.PathLike)) or not all(isinstance(x, str) for x in sources):
+        raise PrepareError(f"sources must be a list of str (paths, or hub:NAME), got {sources!r}")
     if (tokenizer is None) == (train_vocab is None):
         raise PrepareError("pass exactly one of --tokenizer and --train-tokenizer VOCAB")
     if not 0 <= heldout < 1:
@@ -486,7 +491,9 @@ def prepare(
     tok_digest = tokenizer_digest(tokenizer) if train_vocab is None else None
     saved: object = None
     if not plan_path.is_file():  # shards are skipped where their files exist: another run's
-        stale = [n for n in ("train", "heldout", "tokenizer.json") if (out / n).exists()]
+        # (with --tokenizer, out/tokenizer.json is neither read nor written: it may be that one)
+        names = ("train", "heldout", *(("tokenizer.json",) if train_vocab is not None else ()))
+        stale = [n for n in names if (out / n).exists()]
         if stale:
             raise PrepareError(
                 f"{out} holds {', '.join(stale)} but no {PLAN_NAME}, so nothing says they are "

@@ -507,3 +507,34 @@ def test_a_resume_on_shards_prepared_again_from_edited_sources_is_refused(
     old = json.loads(json.dumps(state))  # a state saved before content digests
     del old["fingerprint"]["content"]
     again.load_state_dict(old)
+
+
+def test_a_tokenizer_kept_in_the_out_folder_is_used_not_refused(tmp_path: Path) -> None:
+    """``--tokenizer OUT/tokenizer.json`` into a fresh OUT was refused as a stale output
+    ("pass another --out or delete them"): deleting it deletes the tokenizer the command
+    reads. With ``--tokenizer`` that file is never written, so it is no other run's."""
+    _corpus(tmp_path / "src", n=12)
+    first = tmp_path / "first"
+    prepare([str(tmp_path / "src")], first, train_vocab=300, glob="**/*.py", progress=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(first / "tokenizer.json", out / "tokenizer.json")
+    tok = str(out / "tokenizer.json")
+    prepare([str(tmp_path / "src")], out, tokenizer=tok, glob="**/*.py", progress=False)
+    got, want = _docs(out / "train"), _docs(first / "train")
+    assert len(got) == len(want) and all(map(np.array_equal, got, want))
+    # a trained tokenizer there is another run's: refused as before
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    shutil.copy(first / "tokenizer.json", fresh / "tokenizer.json")
+    with pytest.raises(PrepareError, match="holds tokenizer.json but no prepare_plan"):
+        prepare([str(tmp_path / "src")], fresh, train_vocab=300, glob="**/*.py", progress=False)
+
+
+@pytest.mark.parametrize("sources", ["/", Path("/tmp"), ["a", Path("b")]])
+def test_sources_that_are_not_a_list_of_str_are_refused(tmp_path: Path, sources) -> None:  # noqa: ANN001
+    """A str source list was read character by character ("/ is a folder: pass --glob";
+    with a glob, the whole file system from /)."""
+    with pytest.raises(PrepareError, match="sources must be a list of str"):
+        prepare(sources, tmp_path / "out", train_vocab=300, progress=False)
+    assert not (tmp_path / "out").exists()
