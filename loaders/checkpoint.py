@@ -49,7 +49,13 @@ def save_state(
     """
     global _writer
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a file there, or on the way
+        raise LoaderPathError(
+            f"cannot save the loader's state in {directory}: a file is in the way; give a "
+            "folder path"
+        ) from None
     path = state_path(directory, int(state["rank"]))
     text = json.dumps(state, separators=(",", ":"))
     world = int(state["world_size"])

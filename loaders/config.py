@@ -48,6 +48,11 @@ class DatasetSpec:
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Check the fields (when built, and again when a loader is built from them: a
+        dataclass's fields can change after it is made)."""
         # no control characters: the shuffle's keys join the name with other parts by one
         # (\x1f), which inside a name could give two sub-datasets one order; and text the
         # keys can encode (a lone surrogate, from a file name that is not UTF-8, cannot)
@@ -111,6 +116,25 @@ class LoaderConfig:
     provenance: bool = False
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Check every field, the datasets' included (when built, and again by
+        :class:`loaders.TokenLoader`: a field set after building, ``seq_len = 0`` say, was
+        taken as it was and streamed empty rows forever)."""
+        if not isinstance(self.datasets, (list, tuple, str, bytes, dict)):
+            try:  # a generator of specs: checked, then read again below, was read once
+                self.datasets = list(self.datasets)
+            except TypeError:
+                raise LoaderInputError(
+                    f"LoaderConfig.datasets must be a list of DatasetSpec, got "
+                    f"{type(self.datasets).__name__}"
+                ) from None
+        if not isinstance(self.datasets, (list, tuple)):
+            raise LoaderInputError(
+                f"LoaderConfig.datasets must be a list of DatasetSpec, got "
+                f"{type(self.datasets).__name__}"
+            )
         if not self.datasets:
             raise LoaderInputError("LoaderConfig.datasets is empty; give at least one DatasetSpec")
         for i, d in enumerate(self.datasets):
@@ -119,6 +143,7 @@ class LoaderConfig:
                     f"LoaderConfig.datasets[{i}] is a {type(d).__name__}, not a DatasetSpec; "
                     "build each as DatasetSpec(name=..., path=...) (a dict d: DatasetSpec(**d))"
                 )
+            d.check()
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
             raise LoaderInputError(f"LoaderConfig.datasets has duplicate names: {names}")

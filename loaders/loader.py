@@ -153,6 +153,9 @@ class TokenLoader:
         pin_memory: bool = False,
         multiprocessing_context: Any = None,
     ) -> None:
+        if not isinstance(config, LoaderConfig):
+            raise LoaderInputError(f"TokenLoader takes a LoaderConfig, got {type(config).__name__}")
+        config.check()  # fields set since it was built are checked too
         self.config = config
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         if not is_int(num_workers) or num_workers < 0:
@@ -234,7 +237,10 @@ class TokenLoader:
                 f"with a positive weight and a document of min_doc_len={cfg.min_doc_len} "
                 f"tokens, cut into num_shards={L}), and an endless stream "
                 "(num_epochs=None) would end at once there; use fewer ranks or workers, "
-                "more documents, shuffle='local', or set num_epochs"
+                "more documents, or shuffle='local'"
+                + ("" if self.world_size > 1 else ", or set num_epochs")
+                # finite streams end at different steps on different ranks: with several,
+                # one rank would end at once, the hang this check is there to prevent
             )
         first = self.rank * self._readers
         try:

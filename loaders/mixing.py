@@ -28,6 +28,8 @@ from loaders.errors import LoaderInputError, MixingShortfall
 # how far the shares over all readers may miss the weights (as a fraction of all tokens)
 # before the weights count as out of reach; the mixer's own granularity is one document
 SHARE_TOLERANCE = 1e-3
+# what the num_epochs advice costs: a data-parallel loop must not wait on an ended rank
+FINITE = " (a finite stream: its ranks end after different numbers of batches)"
 _ITERATIONS = 2_000  # interior solutions converge in tens to hundreds; see reader_targets
 
 
@@ -177,11 +179,11 @@ def _shortfall(
                     f"endless stream's tokens, short of the weights' {need:.1%}; lower "
                     f"{'its weight' if one else 'their weights'}, use fewer ranks or workers, "
                     f"give {'it' if one else 'them'} more documents, or use shuffle='local' "
-                    "or set num_epochs"
+                    f"or set num_epochs{FINITE}"
                 )
     return (
         f"the weights' shares {dict(zip(names, p.round(4).tolist(), strict=True))} cannot be "
         f"met by the readers owning each sub-dataset's documents ({readers} readers, "
         f"num_shards={num_shards}); lower the small sub-datasets' weights, use fewer ranks or "
-        "workers, or use shuffle='local' or set num_epochs"
+        f"workers, or use shuffle='local' or set num_epochs{FINITE}"
     )

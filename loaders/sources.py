@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +43,17 @@ def open_arrow_table(path: Path) -> pa.Table:
         raise LoaderInputError(
             f"Arrow file {path} is truncated or corrupt ({exc}); re-write or remove the file"
         ) from exc
+
+
+def check_links(files: list[Path]) -> None:
+    """Refuse a listed file that is a link to nothing (a corpus copied without its link
+    targets): counting its documents failed with a bare traceback."""
+    for f in files:
+        if not f.exists():
+            raise LoaderPathError(
+                f"{f} is a link to {os.readlink(f)}, which does not exist; restore its target "
+                "or remove the link"
+            )
 
 
 def count_arrow_docs(path: Path, column: str = "tokens") -> int:
@@ -132,10 +144,17 @@ class TokenFolder:
     ) -> None:
         self.path = Path(path)
         if self.path.is_file():
+            if self.path.suffix in (".parquet", ".jsonl", ".json"):  # "corrupt Arrow" misleads
+                raise LoaderInputError(
+                    f"{self.path} is a text file, not Arrow IPC token files ("
+                    f"{', '.join(ARROW_SUFFIXES)}); give its DatasetSpec a tokenizer to read "
+                    "its text, or tokenize it first with python -m loaders.prepare"
+                )
             files = [self.path]
             root = self.path.parent
         elif self.path.is_dir():
             files = sorted(p for p in self.path.rglob("*") if p.suffix in ARROW_SUFFIXES)
+            check_links(files)
             root = self.path
         else:
             raise LoaderPathError(f"data path {self.path} does not exist; check the dataset path")

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from loaders.errors import LoaderInputError, LoaderPathError
-from loaders.sources import open_arrow_table
+from loaders.sources import check_links, open_arrow_table
 
 TEXT_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".ipc", ".feather")
 
@@ -127,6 +127,7 @@ class TextSource:
             if path.is_dir():
                 files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
                 files = [p for p in files if p.name != "doc_counts.json"]
+                check_links(files)
             elif path.is_file():
                 files = [path]
             else:
@@ -139,6 +140,12 @@ class TextSource:
         elif isinstance(data, pa.Table):
             tables = [("<table>", data)]
         else:  # a datasets.Dataset (duck-typed to avoid importing datasets)
+            if not isinstance(getattr(getattr(data, "data", None), "table", None), pa.Table):
+                raise LoaderInputError(
+                    f"text data of type {type(data).__name__}: give a file or folder path, a "
+                    "pyarrow.Table or a datasets.Dataset (of a DatasetDict, pick a split; an "
+                    "IterableDataset or a list, write it to a file first)"
+                )
             if getattr(data, "_indices", None) is not None:
                 data = data.flatten_indices()
             tables = [("<datasets.Dataset>", data.data.table)]

@@ -317,3 +317,49 @@ def test_a_state_dict_is_a_copy_the_caller_may_edit() -> None:
         for sh in r["shards"].values():
             sh["counter"] = [0] * len(sh["counter"])
     assert json.dumps(loader.state_dict(), sort_keys=True) == kept
+
+
+def test_fields_set_after_building_are_checked_when_a_loader_is_built() -> None:
+    """``cfg.seq_len = 0`` after building streamed endless empty rows, a string batch size
+    or an id the dtype cannot hold failed deep in packing: the loader checks again."""
+    for field, value, text in [
+        ("seq_len", 0, "LoaderConfig.seq_len must be an integer >= 1"),
+        ("batch_size", "2", "LoaderConfig.batch_size must be an integer >= 1"),
+        ("bos_id", 2**40, "LoaderConfig.bos_id must be an integer that out_dtype='int32'"),
+    ]:
+        cfg = _config(out_dtype="int32")
+        setattr(cfg, field, value)
+        with pytest.raises(LoaderInputError, match=text):
+            TokenLoader(cfg)
+    cfg = _config()
+    cfg.datasets[0].weight = -1.0
+    with pytest.raises(LoaderInputError, match="dataset 'a': weight must be a finite number"):
+        TokenLoader(cfg)
+    with pytest.raises(LoaderInputError, match="TokenLoader takes a LoaderConfig, got dict"):
+        TokenLoader({"datasets": []})  # type: ignore[arg-type]
+
+
+def test_datasets_given_as_a_generator_are_read_once_and_kept() -> None:
+    """A generator of specs was used up by the type check, then reported as "all dataset
+    weights are 0"; a dict is refused, naming the type."""
+    cfg = LoaderConfig(datasets=(DatasetSpec(name=n, path=_Docs()) for n in "ab"), num_shards=4)
+    assert [d.name for d in cfg.datasets] == ["a", "b"]
+    assert len(list(TokenLoader(LoaderConfig(datasets=cfg.datasets, num_shards=4, seq_len=4,
+                                             batch_size=1, num_epochs=1)))) == 50  # fmt: skip
+    with pytest.raises(LoaderInputError, match="datasets must be a list of DatasetSpec, got dict"):
+        LoaderConfig(datasets={"a": DatasetSpec(name="a", path=_Docs())})
+    with pytest.raises(LoaderInputError, match="datasets must be a list of DatasetSpec, got int"):
+        LoaderConfig(datasets=5)
+
+
+def test_num_epochs_is_offered_against_an_empty_reader_only_on_one_rank() -> None:
+    """A finite stream ends after different numbers of batches on different ranks, so the
+    advice "or set num_epochs" led several ranks into the hang the check prevents."""
+    few = LoaderConfig(datasets=[DatasetSpec(name="a", path=_Docs())], num_shards=32)
+    with pytest.raises(LoaderInputError) as many_ranks:
+        TokenLoader(few, rank=0, world_size=30)
+    assert "would end at once" in str(many_ranks.value)
+    assert "num_epochs" not in str(many_ranks.value).split("would end at once")[1]
+    with pytest.raises(LoaderInputError) as workers:
+        TokenLoader(few, num_workers=30)
+    assert str(workers.value).endswith("or shuffle='local', or set num_epochs")

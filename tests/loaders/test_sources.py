@@ -346,3 +346,50 @@ def test_tokens_digest_is_of_the_documents_not_the_files(tmp_path) -> None:
         w.write_table(pa.table({"tokens": nulls}))
     write_arrow(tmp_path / "e.arrow", empty)
     assert tokens_digest([tmp_path / "n.arrow"]) == tokens_digest([tmp_path / "e.arrow"])
+
+
+def test_a_link_to_nothing_in_a_folder_is_named(tmp_path):
+    """A corpus copied without a link's target failed counting documents with a bare
+    FileNotFoundError traceback; token and text folders alike name the link."""
+    make_corpus(tmp_path / "corpus", 10)
+    (tmp_path / "corpus" / "gone.arrow").symlink_to(tmp_path / "missing.arrow")
+    with pytest.raises(LoaderInputError, match=r"gone.arrow is a link to .*missing.arrow, which"):
+        TokenFolder(tmp_path / "corpus")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.jsonl").write_text('{"text": "w1 w2"}\n')
+    (tmp_path / "text" / "b.jsonl").symlink_to(tmp_path / "missing.jsonl")
+    spec = DatasetSpec(name="t", path=tmp_path / "text", tokenizer=str(_tokenizer_file(tmp_path)))
+    with pytest.raises(LoaderInputError, match=r"b.jsonl is a link to .*missing.jsonl, which"):
+        TokenLoader(LoaderConfig(datasets=[spec], seq_len=4, num_shards=2))
+
+
+def test_text_given_where_token_files_belong_says_so(tmp_path):
+    """A .jsonl or .parquet file as a token source without a tokenizer was "truncated or
+    corrupt ...; re-write or remove the file": advice to delete good data."""
+    (tmp_path / "rows.jsonl").write_text('{"text": "w1 w2"}\n')
+    pq.write_table(pa.table({"text": ["w1"]}), tmp_path / "rows.parquet")
+    for name in ("rows.jsonl", "rows.parquet"):
+        with pytest.raises(LoaderInputError, match=f"{name} is a text file, not Arrow IPC"):
+            TokenFolder(tmp_path / name)
+
+
+@pytest.mark.parametrize("data", [["w1 w2", "w3"], {"train": None}, 5])
+def test_text_data_of_an_unread_type_is_named(tmp_path, data):  # noqa: ANN001
+    """A list, a DatasetDict or an IterableDataset as text failed with an AttributeError
+    ("'list' object has no attribute 'data'")."""
+    spec = DatasetSpec(name="t", path=data, tokenizer=str(_tokenizer_file(tmp_path)))
+    with pytest.raises(LoaderInputError, match=f"text data of type {type(data).__name__}: give"):
+        TokenLoader(LoaderConfig(datasets=[spec], seq_len=4, num_shards=2))
+
+
+def test_saving_where_a_file_is_in_the_way_is_one_error(tmp_path):
+    """``save`` to a file's path (or a folder under one) raised FileExistsError or
+    NotADirectoryError from mkdir; loading the same path already said what was wrong."""
+    make_corpus(tmp_path / "c", 10)
+    loader = TokenLoader(config([("c", tmp_path / "c", 1.0)]))
+    (tmp_path / "f").write_text("x")
+    for where in (tmp_path / "f", tmp_path / "f" / "sub"):
+        with pytest.raises(LoaderInputError, match="a file is in the way; give a folder path"):
+            loader.save(where)
+    assert (tmp_path / "f").read_text() == "x"
+    assert loader.save(tmp_path / "ok").is_file()  # and the count of saves goes on
