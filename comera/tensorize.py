@@ -23,6 +23,7 @@ import inspect
 import math
 import numbers
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils.hooks import RemovableHandle
 
 from comera import tensor_train
 from comera.accounting import train_size
@@ -103,16 +105,24 @@ class TensorizeConfig:
                               f"{self.min_compression}")  # fmt: skip
         if self.cores < 1 or self.embedding_cores < 1:
             raise ConfigError("TensorizeConfig: cores and embedding_cores must be >= 1")
+        if self.embedding_cores < 2:  # every table stayed dense, "no split into 2 or more"
+            raise ConfigError(
+                "TensorizeConfig.embedding_cores=1: a TTM table needs >= 2 cores (one core is "
+                "the dense table); to keep embeddings dense, leave them out of target_modules"
+            )
 
     def matches(self, name: str) -> bool:
         """Whether the module at ``name`` is a target (and not excluded)."""
         return _match(name, self.target_modules) and not _match(name, self.exclude)
 
-    def rank_of(self, name: str, embedding: bool = False) -> int:
-        """The rank of the module at ``name`` (an embedding table's, if ``embedding``)."""
+    def rank_of(self, name: str | Sequence[str], embedding: bool = False) -> int:
+        """The rank of the module at ``name`` (an embedding table's, if ``embedding``); a
+        module reached by several paths takes a rule that names any of them (the last
+        rule that does wins, as for one path)."""
+        names = (name,) if isinstance(name, str) else tuple(name)
         chosen = self.embedding_rank if embedding and self.embedding_rank else self.rank
         for glob, r in self.rank_for:
-            if _match(name, (glob,)):
+            if any(_match(n, (glob,)) for n in names):
                 chosen = r
         return chosen
 
@@ -455,13 +465,15 @@ def _size(modes: tuple[int, ...], rank: int, extra: int, name: str) -> int:
 
 
 def _linear_plan(
-    name: str, out_f: int, in_f: int, bias: bool, cfg: TensorizeConfig, dtype: torch.dtype
-) -> tuple[TTLinearSpec, str] | str:
-    """The spec of a linear layer's train and what was padded, or why it stays dense."""
+    name: str, out_f: int, in_f: int, bias: bool, cfg: TensorizeConfig, dtype: torch.dtype,
+    paths: Sequence[str] = (),
+) -> tuple[TTLinearSpec, str] | str:  # fmt: skip
+    """The spec of a linear layer's train and what was padded, or why it stays dense
+    (``paths``: every path the layer is reached by, for ``rank_for``)."""
     (out_m, out_p), (in_m, in_p) = _split((out_f, in_f), cfg.cores)
     modes = (*reversed(out_m), *in_m)
     dense = out_f * in_f + (out_f if bias else 0)
-    rank = _pick_rank(modes, cfg.rank_of(name), dense, out_p if bias else 0, cfg, name)
+    rank = _pick_rank(modes, cfg.rank_of((name, *paths)), dense, out_p if bias else 0, cfg, name)
     if dense < cfg.min_compression * _size(modes, rank, out_p if bias else 0, name):
         return _not_smaller(modes, rank, name, cfg)
     spec = TTLinearSpec(out_modes=tuple(reversed(out_m)), in_modes=in_m, ranks=rank, bias=bias,
@@ -526,10 +538,11 @@ def _check_finite(name: str, weight: torch.Tensor) -> None:
 
 
 def _replace_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, kind: str,
-                    cfg: TensorizeConfig) -> tuple[nn.Module | None, LayerReport]:  # fmt: skip
+                    cfg: TensorizeConfig,
+                    paths: Sequence[str] = ()) -> tuple[nn.Module | None, LayerReport]:  # fmt: skip
     """A TT replacement of the linear map ``x weight^T + bias`` (weight ``(out, in)``)."""
     out_f, in_f = weight.shape
-    plan = _linear_plan(name, out_f, in_f, bias is not None, cfg, weight.dtype)
+    plan = _linear_plan(name, out_f, in_f, bias is not None, cfg, weight.dtype, paths)
     before = weight.numel() + (bias.numel() if bias is not None else 0)
     if isinstance(plan, str):
         return None, LayerReport(name=name, kind=kind, shape=(out_f, in_f),
@@ -576,8 +589,9 @@ def _embedding_modes(rows: int, dim: int, d: int) -> tuple[tuple[int, ...], tupl
     return f"skipped: {rows}x{dim} has no split into 2 or more cores"
 
 
-def _replace_embedding(name: str, emb: nn.Embedding,
-                       cfg: TensorizeConfig) -> tuple[nn.Module | None, LayerReport]:  # fmt: skip
+def _replace_embedding(
+    name: str, emb: nn.Embedding, cfg: TensorizeConfig, paths: Sequence[str] = ()
+) -> tuple[nn.Module | None, LayerReport]:
     rows, dim = emb.weight.shape
     report = {"name": name, "kind": "embedding", "shape": (rows, dim),
               "params_before": emb.weight.numel()}  # fmt: skip
@@ -586,7 +600,8 @@ def _replace_embedding(name: str, emb: nn.Embedding,
         return None, LayerReport(**report, skipped=found)
     vocab_m, dim_m = tuple(reversed(found[0])), found[1]
     merged = tuple(v * d for v, d in zip(vocab_m, dim_m, strict=True))
-    rank = _pick_rank(merged, cfg.rank_of(name, embedding=True), rows * dim, 0, cfg, name)
+    rank = _pick_rank(merged, cfg.rank_of((name, *paths), embedding=True), rows * dim, 0, cfg,
+                      name)  # fmt: skip
     if rows * dim < cfg.min_compression * _size(merged, rank, 0, name):
         return None, LayerReport(**report, skipped=_not_smaller(merged, rank, name, cfg))
     spec = TTMEmbeddingSpec(vocab_modes=vocab_m, dim_modes=dim_m, ranks=rank,
@@ -635,8 +650,9 @@ def _run_time_source(cls: type) -> str:
 
 def _reads_weight(cls: type, child: str) -> bool:
     """Whether a method of ``cls`` or of a class it derives from (below ``nn.Module``)
-    reads ``self.<child>.weight``, ``child`` a dotted path below it (a TT adapter has no
-    ``weight``: the first forward would fail).
+    reads ``self.<child>.weight``, ``child`` a dotted path below it, a list's item at any
+    index (``self.layers[0].proj.weight`` for ``layers.1.proj`` too) or a dict's by name (a
+    TT adapter has no ``weight``: the first forward would fail).
 
     Every method counts, not only ``forward``: a helper it calls may read the weight
     (DeBERTa-v2's ``get_rel_embedding`` reads ``rel_embeddings.weight``); methods that set
@@ -644,7 +660,14 @@ def _reads_weight(cls: type, child: str) -> bool:
     not. A read in any branch counts, on purpose: which branch runs depends on the config,
     the device and the mode (``nn.TransformerEncoderLayer``'s fast path, Mamba mixers' CUDA
     kernels), and a layer wrongly left dense still trains where one wrongly replaced fails."""
-    pattern = re.compile(rf"\bself\.{re.escape(child)}\.weight\b")
+    steps = []
+    for part in child.split("."):  # a list's item by any index, a dict's by name too
+        if part.isdigit():  # self.layers[0].proj, self.blocks[-1].proj, self.layers[i]
+            steps.append(r"\[[^\]\n]*\]")
+        else:
+            name = re.escape(part)
+            steps.append(rf"(?:\.{name}\b|\[\s*['\"]{name}['\"]\s*\])")
+    pattern = re.compile(r"\bself" + "".join(steps) + r"\.weight\b")
     return bool(pattern.search(_run_time_source(cls)))
 
 
@@ -712,6 +735,24 @@ def _call_problem(path: str, module: nn.Module, model: nn.Module) -> str:
         if _reads_weight(type(above), below):
             return f"{type(above).__name__} reads {below}.weight"
     return ""
+
+
+def _carry_handle(model: nn.Module, old: nn.Module, hook_id: int, handle: RemovableHandle) -> None:
+    """Point a hook's handle kept on a module of ``model``, alone or in a list (Hugging
+    Face's ``_require_grads_hooks``, which ``disable_input_require_grads`` removes), from
+    ``old``'s hook to its carried copy on the adapter: it removed nothing, and a frozen
+    embedding's output went on requiring grad."""
+
+    def held(value: object) -> bool:
+        return (isinstance(value, RemovableHandle) and value.id == hook_id
+                and value.hooks_dict_ref() is old._forward_hooks)  # fmt: skip
+
+    for m in model.modules():
+        for key, value in list(vars(m).items()):
+            if held(value):
+                setattr(m, key, handle)
+            elif isinstance(value, list) and any(held(v) for v in value):
+                value[:] = [handle if held(v) else v for v in value]
 
 
 def _why_not(name: str, module: nn.Module, model: nn.Module, owners: dict[int, list[str]],
@@ -848,10 +889,17 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             f"tensorize_: {lazy[0]} is a lazy module whose weight is not initialized yet; run "
             "one forward pass first (or exclude it)"
         )
-    if config.init == "svd":  # all before any is replaced: no half-rewritten model
-        for n, m in chosen:  # those that stay (a tie, a hook) are not compressed
-            if not _why_not(n, m, model, owners, paths, {}, config.exclude):
-                _check_finite(n, m.weight)  # type: ignore[arg-type]
+    for n, m in chosen:  # all before any is replaced: no half-rewritten model
+        if _why_not(n, m, model, owners, paths, {}, config.exclude):
+            continue  # those that stay (a tie, a hook) are not compressed
+        dtype = m.weight.dtype  # type: ignore[union-attr]
+        if not dtype.is_floating_point:  # a complex or integer layer failed after others
+            raise ConfigError(  # were replaced, leaving the model half rewritten
+                f"tensorize_: {n} holds {dtype} weights; TT cores are real floating "
+                "point: exclude it (exclude globs)"
+            )
+        if config.init == "svd":
+            _check_finite(n, m.weight)  # type: ignore[arg-type]
     summary = TensorizeSummary()
     embeddings: dict[int, TTMEmbedding] = {}  # id(old weight) -> its replacement
     for name, module in chosen:
@@ -865,7 +913,7 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             report = LayerReport(name=name, kind=type(module).__name__, shape=shape,  # type: ignore[arg-type]
                                  params_before=held, skipped=why)  # fmt: skip
         elif isinstance(module, nn.Embedding):
-            new, report = _replace_embedding(name, module, config)
+            new, report = _replace_embedding(name, module, config, paths[id(module)])
             if new is not None:
                 embeddings[id(module.weight)] = new  # type: ignore[assignment]
                 lost = [k for k in ("padding_idx", "max_norm") if getattr(module, k) is not None]
@@ -876,16 +924,18 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
         elif isinstance(module, nn.Linear):
             if id(module.weight) in embeddings:
                 continue  # a tied decoder: handled below with every tied linear
-            new, report = _replace_linear(name, module.weight, module.bias, "linear", config)
+            new, report = _replace_linear(name, module.weight, module.bias, "linear", config,
+                                          paths[id(module)])  # fmt: skip
         else:
             w = module.weight.T  # type: ignore[union-attr]  # Conv1D keeps (in, out)
-            new, report = _replace_linear(name, w, module.bias, "conv1d", config)  # type: ignore[arg-type]
+            new, report = _replace_linear(name, w, module.bias, "conv1d", config,  # type: ignore[arg-type]
+                                          paths[id(module)])  # fmt: skip
         summary.layers.append(report)
         if new is not None:
             if not module.weight.requires_grad:  # type: ignore[union-attr]
                 new.requires_grad_(False)  # a frozen layer stays frozen (its bias too)
-            for hook in module._forward_hooks.values():  # only carried ones (_why_not)
-                new.register_forward_hook(hook)
+            for hook_id, hook in module._forward_hooks.items():  # only carried (_why_not)
+                _carry_handle(model, module, hook_id, new.register_forward_hook(hook))
             for path in paths[id(module)]:
                 model.set_submodule(path, new)
     tied: list[nn.Module] = []  # the tied decoders and their embeddings

@@ -99,6 +99,12 @@ class ModelConfig:
             key, value = small[0]
             flag = " (--rank)" if key == "rank" else ""
             raise ConfigError(f"model.{key}={value}{flag} must be >= 1")
+        if self.embedding_cores < 2:  # a TTM of one core is the table: every one stayed dense
+            raise ConfigError(
+                f"model.embedding_cores={self.embedding_cores} must be >= 2 (a TTM table of "
+                "one core is the dense table); to keep embeddings dense, leave them out of "
+                "model.target"
+            )
         if self.path is None:  # the BERT built from a config
             if self.hidden % self.heads:
                 raise ConfigError(
@@ -113,7 +119,9 @@ class ModelConfig:
         if not self.target:
             raise ConfigError("model.target: give at least one module glob (--target)")
         if not 0 <= self.min_compression < math.inf:  # NaN passed a "< 0" check
-            raise ConfigError(f"model.min_compression={self.min_compression} must be >= 0")
+            raise ConfigError(
+                f"model.min_compression={self.min_compression} must be finite and >= 0"
+            )
         if self.path is not None:  # the saved model's own: a value here would be dropped
             built = [k for k in _BUILT if getattr(self, k) != _BUILT[k]]
             if built:

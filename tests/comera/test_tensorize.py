@@ -446,6 +446,67 @@ def test_a_module_whose_parent_reads_its_weight_is_skipped() -> None:
     assert model(torch.randn(3, 16)).shape == (3, 16)
 
 
+def test_a_weight_read_through_an_index_is_seen() -> None:
+    """A parent reading ``self.layers[0].proj.weight`` (transformers' Inkling vision model
+    does) was not seen: both layers were replaced and the first forward failed with an
+    AttributeError. Any index counts for every item (``[-1]``, ``[i]``), and a dict's item
+    by name."""
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(64, 64, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x)
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer()])
+            self.heads = nn.ModuleDict({"a": nn.Linear(64, 64), "b": nn.Linear(64, 64)})
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.to(self.layers[0].proj.weight.dtype) * self.heads["a"].weight.sum()
+            for layer in self.layers:
+                x = layer(x)
+            return self.heads["a"](x) + self.heads["b"](x)
+
+    model = Encoder()
+    summary = tensorize_(model, TensorizeConfig(target_modules=("proj", "heads.*"), rank=4,
+                                                cores=2))  # fmt: skip
+    rows = {r.name: r.skipped for r in summary.layers}
+    assert rows == {"layers.0.proj": "skipped: Encoder reads layers.0.proj.weight",
+                    "layers.1.proj": "skipped: Encoder reads layers.1.proj.weight",
+                    "heads.a": "skipped: Encoder reads heads.a.weight", "heads.b": ""}  # fmt: skip
+    assert model(torch.randn(2, 64)).shape == (2, 64)
+
+
+def test_a_shared_module_takes_a_rank_rule_naming_any_of_its_paths() -> None:
+    """One linear reached as ``a`` and ``b``: ``rank_for=(("b", 2),)`` was accepted (the
+    unmatched-glob check counts every path) but ignored (the rank was looked up by the
+    first path alone)."""
+    shared = nn.Linear(64, 64)
+    model = nn.Module()
+    model.a, model.b = shared, shared
+    tensorize_(model, TensorizeConfig(target_modules=("a",), rank=8, cores=2,
+                                      rank_for=(("b", 2),)))  # fmt: skip
+    assert model.a is model.b and C.tensor_train.bond_ranks(model.a.params()) == [2, 2, 2]
+    rules = TensorizeConfig(target_modules=("a",), rank_for=(("b", 2), ("a", 3)))
+    assert rules.rank_of(("a", "b")) == 3  # the last rule naming one wins
+
+
+def test_a_layer_of_complex_weights_leaves_the_model_unchanged() -> None:
+    """A complex layer after a real one was refused only after the real one had been
+    replaced: the model was left half rewritten."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64, dtype=torch.complex64))
+    with pytest.raises(ConfigError, match=r"1 holds torch.complex64 weights; .* exclude it"):
+        tensorize_(model, TensorizeConfig(target_modules=("0", "1"), rank=4, cores=2))
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+    tensorize_(model, TensorizeConfig(target_modules=("0", "1"), exclude=("1",), rank=4, cores=2))
+    assert isinstance(model[0], C.TTLinear)
+
+
 def test_a_weight_read_in_a_helper_method_or_a_base_class_is_seen() -> None:
     """DeBERTa-v2's encoder reads ``rel_embeddings.weight`` in ``get_rel_embedding``, not in
     ``forward``: a read anywhere in the parent's class (or a base below ``nn.Module``)
@@ -1043,6 +1104,8 @@ def test_bad_tensorize_configs_name_the_field() -> None:
         ({"min_compression": float("nan")}, "min_compression must be finite and >= 0"),
         ({"min_compression": "2"}, "min_compression='2' must be a number"),
         ({"compression": float("inf")}, "compression must be finite and > 1"),
+        # every table stayed dense, "no split into 2 or more cores": the setting's fault
+        ({"embedding_cores": 1}, "embedding_cores=1: a TTM table needs >= 2 cores"),
     ]
     for kw, text in bad:
         with pytest.raises(ConfigError, match=re.escape(text)):
@@ -1105,3 +1168,8 @@ def test_configs_as_peft_and_numpy_give_them_and_hf_input_grads_hook_is_carried(
     assert isinstance(emb, C.TTMEmbedding) and len(emb._forward_hooks) == 1
     with torch.no_grad():  # the hook marks the output as requiring grad, as on the table
         assert emb(torch.tensor([[1, 2]])).requires_grad
+    # and Hugging Face's own handle removes it: it pointed at the replaced table's hook
+    bert.disable_input_require_grads()
+    assert not emb._forward_hooks
+    with torch.no_grad():
+        assert not emb(torch.tensor([[1, 2]])).requires_grad

@@ -156,6 +156,9 @@ def test_a_glob_that_matches_nothing_names_its_flag(tmp_path: Path, capsys) -> N
         (["--set", "model.layers=6"], "model.layers=6 shapes the BERT built from a config"),
         (["--set", "model.dropout=0.3"], "drop model.dropout"),
         (["--set", "model.num_labels=1"], "model.num_labels=1 must be >= 2"),
+        # every table stayed dense, exit 0: one core is the table itself
+        (["--set", "model.embedding_cores=1"], "model.embedding_cores=1 must be >= 2"),
+        (["--set", "model.min_compression=inf"], "model.min_compression=inf must be finite"),
         # refused after tensorizing: the layer table printed first made it 18 lines
         (["--plan-for", "nothing.*=dp"], "'nothing.*'"),
     ],
