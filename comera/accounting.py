@@ -32,16 +32,29 @@ __all__ = [
 ]
 
 
-def _no_module(tree: object, fn: str) -> None:
+def _no_module(tree: object, fn: str, where: str = "") -> None:
     """A module passed where a params pytree goes counted nothing (0 parameters, an
-    empty table): refused, naming what to pass."""
+    empty table), inside a list or dict too, and so did :func:`summarize`'s own rows:
+    refused, naming what to pass."""
+    at = f" at {where}" if where else ""
     if isinstance(tree, torch.nn.Module):
         raise TypeError(
-            f"{fn}: got the module {type(tree).__name__}; pass a params pytree (a TT "
+            f"{fn}: got the module {type(tree).__name__}{at}; pass a params pytree (a TT "
             "layer's layer.params(), with layer.state() as its state; a ModuleTask's "
             "task.params()), or count a module's tensors with sum(p.numel() for p in "
             "module.parameters())"
         )
+    if isinstance(tree, LayerSummary):
+        raise TypeError(
+            f"{fn}: got a LayerSummary{at} (summarize's rows); pass the params pytree "
+            "they were made from"
+        )
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _no_module(v, fn, f"{where}.{k}" if where else str(k))
+    elif isinstance(tree, list | tuple):
+        for i, v in enumerate(tree):
+            _no_module(v, fn, f"{where}[{i}]")
 
 
 def _leaves(tree: object) -> Iterator[torch.Tensor]:

@@ -365,6 +365,14 @@ def test_accounting_refuses_a_module_for_a_params_tree():
             call()
     assert C.param_count(layer.params()) == sum(p.numel() for p in layer.parameters())
     assert "**total**" in C.summary_table({"q": layer.params()}, {"q": layer.state()})
+    # inside a list or dict too (0 parameters), and summarize's own rows (a total of 0)
+    with pytest.raises(TypeError, match=r"param_count: got the module TTLinear at \[0\]; pass"):
+        C.param_count([layer])
+    with pytest.raises(TypeError, match="param_count: got the module TTLinear at enc.q; pass"):
+        C.param_count({"enc": {"q": layer}})
+    rows = C.summarize({"q": layer.params()}, {"q": layer.state()})
+    with pytest.raises(TypeError, match=r"summarize: got a LayerSummary at \[0\] .summarize's"):
+        C.summary_table(rows)
 
 
 def test_a_layer_built_from_another_spec_s_tensors_is_refused():
