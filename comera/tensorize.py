@@ -559,7 +559,7 @@ def _replace_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, 
         params, state = tensor_train.from_dense(w, spec, b)
         layer = TTLinear(spec, params=params, state=state)
     else:
-        layer = TTLinear(spec, device=dev)
+        layer = TTLinear(replace(spec, std=_weight_std(weight)), device=dev)
     module: nn.Module = layer if not padded else PaddedTTLinear(layer, in_f, out_f)
     after = sum(p.numel() for p in layer.parameters())
     return module, LayerReport(
@@ -568,6 +568,18 @@ def _replace_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, 
         ranks=tuple(tensor_train.bond_ranks(layer.params())), params_before=before,
         params_after=after, padded=padded, note=_short_of(cfg, before, after),
     )  # fmt: skip
+
+
+def _weight_std(weight: torch.Tensor) -> float | None:
+    """The standard deviation ``init="random"`` draws a replaced weight's train at: the
+    weight's own (a model built from a config: its init's, such as Hugging Face's
+    ``initializer_range``; torch's defaults drew a GPT-2 word table 50 times too wide),
+    or None (torch's default) where it has none: one element, all zeros, the meta device,
+    NaN or inf."""
+    if weight.is_meta or weight.numel() < 2:
+        return None
+    std = float(weight.detach().float().std())
+    return std if 0 < std < math.inf else None
 
 
 def _embedding_modes(rows: int, dim: int, d: int) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
@@ -611,7 +623,7 @@ def _replace_embedding(
         params, state = tensor_train.from_dense(emb.weight, spec)
         layer = TTMEmbedding(spec, params=params, state=state)
     else:
-        layer = TTMEmbedding(spec, device=emb.weight.device)
+        layer = TTMEmbedding(replace(spec, std=_weight_std(emb.weight)), device=emb.weight.device)
     padded = f"rows {rows}->{math.prod(vocab_m)}" if math.prod(vocab_m) != rows else ""
     after = sum(p.numel() for p in layer.parameters())
     return layer, LayerReport(

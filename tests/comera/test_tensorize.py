@@ -446,6 +446,25 @@ def test_a_module_whose_parent_reads_its_weight_is_skipped() -> None:
     assert model(torch.randn(3, 16)).shape == (3, 16)
 
 
+def test_random_init_draws_at_the_replaced_weights_scale() -> None:
+    """``init="random"`` drew torch's default scales (an embedding N(0, 1)), not the
+    model's: a GPT-2 word table at initializer_range 0.02 came out 50 times too wide and
+    its tied logits started at a loss of 59 against ln V = 6.9. A weight with no scale
+    (all zeros) gets torch's default."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 256), nn.Linear(64, 64))
+    for m, std in ((model[0], 0.02), (model[1], 0.05)):
+        nn.init.normal_(m.weight, std=std)
+    nn.init.zeros_(model[2].weight)
+    tensorize_(model, TensorizeConfig(target_modules=("*",), rank=16, cores=2,
+                                      embedding_cores=2, init="random"))  # fmt: skip
+    for i, want in ((0, 0.02), (1, 0.05)):
+        got = float(model[i].to_dense().std())
+        assert want / 1.5 < got < want * 1.5, (i, got)
+    default = float(C.TTLinear(model[2].spec).to_dense().std())  # torch's nn.Linear scale
+    assert default / 1.5 < float(model[2].to_dense().std()) < default * 1.5
+
+
 def test_a_weight_read_through_an_index_is_seen() -> None:
     """A parent reading ``self.layers[0].proj.weight`` (transformers' Inkling vision model
     does) was not seen: both layers were replaced and the first forward failed with an
