@@ -99,9 +99,19 @@ def write_rank_files(directory: Path, step: int, rank: int, world: int, rng: dic
 def data_position_text(record: dict) -> str:
     """``record`` (a data position: ``train_iter.state_dict()``'s) as JSON text, or a
     :class:`~comera.errors.DataError` saying it must be JSON data: a tensor or generator
-    state in it failed at the first checkpoint, after that much training."""
+    state in it failed at the first checkpoint, after that much training. numpy numbers
+    and arrays are saved as plain ones: a position that became numpy once iteration began
+    passed the check at the start of ``fit`` and failed at the first checkpoint."""
+
+    def plain(value: object) -> object:
+        import numpy as np
+
+        if isinstance(value, np.generic | np.ndarray):
+            return value.tolist()
+        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
     try:
-        return json.dumps(record)
+        return json.dumps(record, default=plain)
     except (TypeError, ValueError) as e:
         raise DataError(
             f"train_iter.state_dict() must return JSON data (dicts, lists, strings, "

@@ -51,6 +51,7 @@ from comera.train.sync_free import SyncFreeStep
 from comera.train.task import (
     BUFFERS,
     Task,
+    check_count,
     detached_error,
     eval_terms,
     loss_terms,
@@ -176,6 +177,15 @@ class Trainer:
         auto_plans: bool = False,
     ) -> None:
         self.cfg, self.task = cfg, task
+        # a bare AttributeError at the first step, or (evaluate) after training, before
+        # that step's checkpoint: the training lost
+        missing = [m for m in ("train_iter", "loss", "evaluate") if not hasattr(task, m)]
+        if missing:
+            raise TypeError(
+                f"Trainer: the task ({type(task).__name__}) has no {', '.join(missing)}; a task "
+                "gives train_iter, loss(params, state, batch, *, train) and evaluate(params, "
+                "state) (comera.train.Task)"
+            )
         usable_device(cfg.device)  # a bare traceback at the first .to() otherwise
         # under torchrun, join the process group (once): without it every rank trained alone
         # into one run dir, its checkpoints claiming a world of 1
@@ -261,6 +271,9 @@ class Trainer:
         self._tune_first = auto_plans and cfg.step_mode in ("compile", "cuda_graph")
         self._tune_due = self._tune_first
         self._timed = 0  # the tuner's timing count at the last sync
+        # the iterator fit() draws from, and the train_iter it came from: a later fit()
+        # (after fit(until=k)) goes on with it; iter() again restarted a list or DataLoader
+        self._batches_from: tuple[object, Iterator] | None = None
         self.plans: dict[str, dict] = {}  # the auto-plan decisions this run has used
         self._history = resume  # plans.json holds this run's history (a fresh run's: none)
         # replicas start identical: what the task holds outside params and state (a
@@ -628,6 +641,7 @@ class Trainer:
                 out = self.task.loss(self.params, self.state, batch, train=True)
             s, n, metrics = loss_terms(out)
             n = float(n)
+            check_count(n)
             # autograd's own error names neither the task nor why; a rank's empty share
             # (no terms) may be a plain zero. Alone, refused at once; with several ranks
             # after the reduction, on every rank (one rank raising alone left the others in
@@ -910,8 +924,10 @@ class Trainer:
         last: dict = {}
         t0, steps0 = time.perf_counter(), self.step
         self._tokens_seen = 0.0  # this fit's input tokens, all ranks (tasks with batch_tokens)
-        it = iter(self.task.train_iter)
         held = self.task.train_iter  # what checkpoints save the position of (save_trainer)
+        if self._batches_from is None or self._batches_from[0] is not held:
+            self._batches_from = (held, iter(held))
+        it = self._batches_from[1]
         if hasattr(held, "state_dict") and hasattr(held, "load_state_dict"):  # refused now,
             ck.data_position_text({"state": held.state_dict()})  # not after training
         tuner = current_tuner()

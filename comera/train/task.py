@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from numbers import Real
 from typing import Any, Protocol
@@ -14,6 +15,7 @@ __all__ = [
     "BUFFERS",
     "TRAINER_METRICS",
     "Task",
+    "check_count",
     "detached_error",
     "eval_terms",
     "loss_terms",
@@ -114,7 +116,28 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
             "(step, loss, tokens, ...; see comera.train.task.TRAINER_METRICS), so rename "
             "them (e.g. with a prefix: train/...)"
         )
+    # one number each: a per-example loss (reduction='none') failed in torch's broadcasting
+    # or in autograd ("grad can be implicitly created only for scalar outputs")
+    for what, value in (("sum", s), ("count", n), *((f"metric {k!r}", v) for k, v in
+                                                     metrics.items())):  # fmt: skip
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise TypeError(
+                f"Task.loss returned a {what} of shape {tuple(value.shape)}; each of (sum, "
+                "count, metrics) holds one number per batch: sum the batch's loss terms "
+                "(loss.sum(), with their count), and average a metric over the batch"
+            )
     return s, n, metrics
+
+
+def check_count(n: float) -> None:
+    """Refuse a batch's count of loss terms that is not a finite number >= 0 (the eager
+    step reads each; a sync-free step sees only the total): NaN was blamed on the learning
+    rate, and a negative count offset the other batches' silently."""
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(
+            f"Task.loss returned a count of {n}; the count is how many loss terms the sum "
+            "holds: a finite number >= 0"
+        )
 
 
 def _string_names(where: str, metrics: Mapping, logged_as: str) -> None:

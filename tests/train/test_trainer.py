@@ -613,6 +613,24 @@ def test_fit_until_pauses_and_a_later_fit_ends_where_one_fit_does(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_a_paused_fit_goes_on_with_the_batches_of_an_iterable_that_restarts(tmp_path):
+    """A train_iter whose ``iter()`` starts over (a list, a DataLoader) was iterated again
+    by the later ``fit()``: it trained on the first batches twice, without a word."""
+
+    def listed() -> ToyTask:
+        task = ToyTask()
+        task.train_iter = [next(task.train_iter) for _ in range(60)]
+        return task
+
+    once = Trainer(_cfg(tmp_path / "once"), listed(), *_toy_model())
+    once.fit()
+    paused = Trainer(_cfg(tmp_path / "paused"), listed(), *_toy_model())
+    paused.fit(until=20)
+    paused.fit()
+    for a, b in zip(tree_flatten(once.params)[0], tree_flatten(paused.params)[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_optimizer_groups_follow_the_tt_structure_not_key_names():
     """A dense tensor named ``gates`` (a router) is rest, decayed at the rest's rate; a
     TT layer's own bias is rest wherever the layer sits."""
@@ -810,6 +828,54 @@ def test_evaluate_returns_of_another_form_name_the_metric(tmp_path):
     assert math.isnan(out["e"])  # nothing counted
 
 
+@pytest.mark.parametrize("mode", ["eager", "sync_free"])
+def test_a_loss_of_many_numbers_or_a_bad_count_is_named(tmp_path, mode):
+    """A per-example loss (reduction='none') or a vector metric failed in torch's
+    broadcasting or autograd, naming neither the task nor the (sum, count, metrics) form;
+    a NaN count was blamed on the learning rate and a negative one offset the others
+    (the eager step reads each batch's; a sync-free one only the total)."""
+
+    class Returns(ToyTask):
+        def __init__(self, change):
+            super().__init__()
+            self.change = change
+
+        def loss(self, params, state, batch, *, train):
+            return self.change(*super().loss(params, state, batch, train=train))
+
+    def fit(change) -> None:
+        cfg = _cfg(tmp_path / "run", steps=1, step_mode=mode)
+        Trainer(cfg, Returns(change), *_toy_model()).fit()
+
+    for change, match in [
+        (lambda s, n, m: (s.repeat(4), 4, m), r"a sum of shape \(4,\); each of \(sum, count"),
+        (lambda s, n, m: (s, torch.ones(2), m), r"a count of shape \(2,\)"),
+        (lambda s, n, m: (s, n, {"acc": torch.ones(3)}), r"a metric 'acc' of shape \(3,\)"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            fit(change)
+    if mode == "eager":
+        for count in (math.nan, -5.0):
+            with pytest.raises(ValueError, match=rf"returned a count of {count}; the count is"):
+                fit(lambda s, n, m, c=count: (s, c, m))
+
+
+def test_a_task_without_a_member_the_trainer_calls_is_refused_when_built(tmp_path):
+    """A task without ``evaluate`` failed with an AttributeError at its first evaluation,
+    after training and before that step's checkpoint: the training was lost."""
+
+    class NoEvaluate:
+        def __init__(self):
+            self.inner = ToyTask()
+            self.train_iter = self.inner.train_iter
+
+        def loss(self, params, state, batch, *, train):
+            return self.inner.loss(params, state, batch, train=train)
+
+    with pytest.raises(TypeError, match=r"the task \(NoEvaluate\) has no evaluate; a task"):
+        Trainer(_cfg(tmp_path, steps=4), NoEvaluate(), *_toy_model())
+
+
 def test_a_run_draws_only_from_its_own_random_streams(tmp_path):
     """The trainer seeded the process's streams when built and fit drew from them, so
     building a second trainer, or drawing numbers between building and fitting (or
@@ -885,6 +951,33 @@ def test_a_data_position_checkpoints_cannot_hold_is_refused_before_training(tmp_
     with pytest.raises(ValueError, match=r"train_iter.state_dict\(\) must return JSON data"):
         tr.fit()
     assert tr.step == 0 and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_data_position_that_turns_numpy_is_saved_as_plain_numbers(tmp_path):
+    """A position counted in numpy once iteration began (``np.int64``) passed the check at
+    the start of ``fit`` and failed the first checkpoint, losing the steps before it; it
+    is saved as plain numbers, and the run resumes from it."""
+
+    class NumpyState(_Iter):
+        def state_dict(self):
+            return {**super().state_dict(), "i": np.int64(self.i), "seen": np.arange(2)}
+
+    def trainer(where: str, resume: bool = False) -> Trainer:
+        task = ToyTask()
+        task.train_iter = NumpyState(task.w)
+        cfg = _cfg(tmp_path / where, steps=6, checkpoint_every=2)
+        return Trainer(cfg, task, *_toy_model(), resume=resume)
+
+    once = trainer("once")
+    once.fit()
+    trainer("cut").fit(until=4)
+    saved = json.loads((tmp_path / "cut" / "run" / "checkpoints" / "step_00000004" /
+                        "data_rank00000.json").read_text())  # fmt: skip
+    assert saved["state"]["i"] == 4 and saved["state"]["seen"] == [0, 1]
+    again = trainer("cut", resume=True)
+    again.fit()
+    for a, b in zip(tree_flatten(once.params)[0], tree_flatten(again.params)[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("accum", [1, 2])  # one backward with the regularizer, or per batch
