@@ -160,7 +160,7 @@ class Preset:
     train: TrainConfig
     plans: C.LayerPlans = field(default_factory=C.LayerPlans)
     dense: bool = False
-    batch_size: int = 16  # rows per rank per micro-batch
+    batch_size: int = 16  # rows per micro-batch over all ranks (each takes its share)
 
     def __post_init__(self) -> None:
         if self.train.step_mode in ("compile", "cuda_graph"):
@@ -294,6 +294,13 @@ def codebert_model(**changes: Any) -> EncoderConfig:
 
 def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, dict, int]:
     """Corpus (prepared and cached; rank 0 first), loaders, task and a fresh model."""
+    if p.batch_size % world:  # per rank, a resume on other processes changed the batch
+        raise ConfigError(
+            f"batch_size={p.batch_size} (global) must be a multiple of the {world} processes; "
+            "round it to a multiple (--set batch_size=...), or run on a number of processes "
+            "that divides it (a resume keeps its batch_size)"
+        )
+
     root, progress = cache_root("codebert", p.data.cache_dir), p.train.progress and rank == 0
     for up in (root, *root.parents):  # a file on the way: NotADirectoryError mid-prepare
         if up.exists():
@@ -347,14 +354,16 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                         "prepare the --corpus folders with) one that has them")  # fmt: skip
     special = tuple(i for i in ids.values() if i is not None)
 
-    def loader_cfg(folders: dict[str, Path], mix: dict[str, float], **kw: Any) -> LoaderConfig:
+    def loader_cfg(folders: dict[str, Path], mix: dict[str, float], *, batch_size: int,
+                   **kw: Any) -> LoaderConfig:  # fmt: skip
         specs = [DatasetSpec(name=n, path=str(f), weight=mix.get(n, 1.0))
                  for n, f in folders.items()]  # fmt: skip
-        return LoaderConfig(datasets=specs, seq_len=p.data.seq_len, batch_size=p.batch_size,
+        return LoaderConfig(datasets=specs, seq_len=p.data.seq_len, batch_size=batch_size,
                             bos_id=bos, eos_id=eos, pad_id=pad, seed=p.train.seed,
                             num_shards=64, **kw)  # fmt: skip
 
-    train_iter = TokenLoader(loader_cfg(corpus.train, p.data.mix, provenance=p.data.provenance),
+    train_iter = TokenLoader(loader_cfg(corpus.train, p.data.mix, provenance=p.data.provenance,
+                                        batch_size=p.batch_size // world),
                              rank=rank, world_size=world)  # fmt: skip
     cfg = train_iter.config
     empty = _without_text(train_iter)
@@ -367,7 +376,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
     # the held-out batches weigh every group alike, whatever --mix: a mix changed on resume
     # (or a group given no weight) leaves the held-out loss measured on the same tokens
     try:
-        held_loader = TokenLoader(loader_cfg(corpus.heldout, {}, shuffle="none", num_epochs=1),
+        held_loader = TokenLoader(loader_cfg(corpus.heldout, {}, shuffle="none", num_epochs=1,
+                                             batch_size=p.batch_size),
                                   rank=0, world_size=1)  # fmt: skip
     except EmptyStream:  # no held-out token: refused below, naming data.heldout
         held_loader = None

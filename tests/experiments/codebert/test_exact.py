@@ -61,7 +61,7 @@ cli.train(run)
 def _sets(cache: Path) -> list[str]:
     sets = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "train.eval_every=100",
             "data.max_files=6", "data.vocab=400", "data.eval_batches=1", "data.seq_len=64",
-            "data.provenance=true", "batch_size=2", "train.warmup_steps=0",
+            "data.provenance=true", "batch_size=6", "train.warmup_steps=0",
             "train.comera.reg_start_step=2", "train.comera.early_steps=6",
             "train.comera.prune_every=2", f"data.cache_dir={cache}"]  # fmt: skip
     return [x for kv in sets for x in ("--set", kv)]

@@ -524,6 +524,29 @@ def test_the_heldout_batches_do_not_follow_the_mix(tmp_path: Path) -> None:
     )
 
 
+def test_the_batch_is_global_and_split_over_the_processes(tmp_path: Path) -> None:
+    """batch_size was rows per rank: two processes trained twice the tokens per step of
+    one, and a resume on another number of processes changed the batch mid-run, without a
+    word. It is the global batch, as in the other experiments: each rank takes its share,
+    and a batch the processes do not divide is refused before the corpus is prepared."""
+    import dataclasses
+
+    from comera.errors import ConfigError
+    from experiments.codebert.experiment import build, preset
+
+    def small(batch: int) -> object:
+        p = preset("smoke")
+        data = dataclasses.replace(p.data, max_files=4, vocab=300, seq_len=32, eval_batches=1,
+                                   cache_dir=str(tmp_path / "cache"))  # fmt: skip
+        return dataclasses.replace(p, data=data, batch_size=batch)
+
+    with pytest.raises(ConfigError, match=r"batch_size=3 \(global\) must be a multiple of the 2"):
+        build(small(3), rank=0, world=2)
+    assert not (tmp_path / "cache").exists()
+    shares = [build(small(4), rank=r, world=2)[0].train_iter.config.batch_size for r in (0, 1)]
+    assert shares == [2, 2] and build(small(4))[0].train_iter.config.batch_size == 4
+
+
 def test_a_group_of_one_file_or_of_tables_is_refused(tmp_path: Path) -> None:
     """One file is all train or all held out, and a globbed table file would be read as
     rows rather than as one document: both are refused naming --corpus."""
