@@ -1047,19 +1047,15 @@ def train(run: Prepared) -> dict:
             out = run.trainer.fit()
     except KeyboardInterrupt:
         signum = got[-1] if got else signal.SIGINT
-        run_dir = run.cfg.train.run_dir
         how = f"stopped by {signal.Signals(signum).name} at step {run.trainer.step}"
-        go_on = (
-            "continue from its last checkpoint"
-            if complete_checkpoints(run_dir)
-            else "no checkpoint was written yet; start it over from its saved config"
-        )
-        raise Interrupted(
-            f"{how}; {go_on} with python -m experiments.{run.exp.name} --resume {run_dir}",
-            128 + signum,
-            run.rank,
-            how,
-        ) from None
+        raise Interrupted(f"{how}; {_go_on(run)}", 128 + signum, run.rank, how) from None
+    except RuntimeError as e:  # a collective failed: another process died (OOM-killed...)
+        if getattr(run.trainer, "world", 1) == 1 or not _peer_failed(e):
+            raise
+        # its survivors printed gloo's traceback: said on each (rank 0 may be the one gone)
+        how = (f"stopped at step {run.trainer.step}: another process of this run failed "
+               f"({_collective_reason(e)})")  # fmt: skip
+        raise Interrupted(f"{how}; {_go_on(run)}", 1, 0, how) from None
     out["wall_s"] = time.perf_counter() - t0
     run_dir = Path(run.cfg.train.run_dir)
     if run.rank == 0 and run.trainer.step > start:  # a resume that trained: its machine
@@ -1069,6 +1065,31 @@ def train(run: Prepared) -> dict:
     if run.rank == 0:
         print(summary_table(run.exp.name, run.kind, out, run.trainer.step), file=sys.stderr)
     return out
+
+
+def _go_on(run: Prepared) -> str:
+    """How a stopped run goes on: from its last checkpoint, or over from its config."""
+    run_dir = run.cfg.train.run_dir
+    go_on = (
+        "continue from its last checkpoint"
+        if complete_checkpoints(run_dir)
+        else "no checkpoint was written yet; start it over from its saved config"
+    )
+    return f"{go_on} with python -m experiments.{run.exp.name} --resume {run_dir}"
+
+
+def _peer_failed(error: RuntimeError) -> bool:
+    """Whether ``error`` is a collective's failure (gloo's bare RuntimeError, torch's
+    DistError kinds), not a bug of this process."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistError) or "/gloo/" in str(error)
+
+
+def _collective_reason(error: RuntimeError) -> str:
+    """The failed collective's reason, short: gloo's source path and advice cut off."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])
+    return text.split(". ")[0].rstrip(".")[:160]
 
 
 def _last_logged(rows: list[dict]) -> dict:

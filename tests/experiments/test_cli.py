@@ -561,6 +561,40 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
     assert issubclass(cli.Interrupted, KeyboardInterrupt)  # Python callers stop as before
 
 
+def test_a_process_of_the_run_lost_mid_run_is_one_line(tmp_path, monkeypatch, capsys):
+    """Rank 0 killed (the OOM killer) left the others a 37-line gloo traceback from the
+    all-reduce, with no word of a resume; a bug's RuntimeError keeps its traceback."""
+    from comera.train import Trainer
+
+    gloo = ("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+            "[127.0.0.1]:11653: Connection reset by peer. This is typically caused by a remote "
+            "worker hanging or bugs in the app")  # fmt: skip
+
+    def raising(text):
+        def train_step(self, *batches):
+            if self.step == 2:
+                self.world = 2  # as under torchrun: the collective's failure is a peer's
+                raise RuntimeError(text)
+            return step(self, *batches)
+
+        return train_step
+
+    step = Trainer.train_step
+    run_dir = tmp_path / "run"
+    argv = [*FAST, "--set", "train.steps=6", "--set", "train.checkpoint_every=1"]
+    monkeypatch.setattr(Trainer, "train_step", raising(gloo))
+    assert mnli.main([*argv, "--run-dir", str(run_dir)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "python -m experiments.mnli: stopped at step 2: another process of this run failed "
+        "(Read error [127.0.0.1]:11653: Connection reset by peer); continue from its last "
+        f"checkpoint with python -m experiments.mnli --resume {run_dir}"
+    )
+    monkeypatch.setattr(Trainer, "train_step", raising("a bug"))
+    with pytest.raises(RuntimeError, match="a bug"):
+        mnli.main([*argv, "--run-dir", str(tmp_path / "other")])
+
+
 def test_a_wandb_folder_it_cannot_write_is_named_as_such(tmp_path, monkeypatch):
     """An OSError from wandb (a full disk, a read-only folder) was told to fix a wandb
     setting; it names the folder."""
