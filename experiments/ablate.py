@@ -555,7 +555,7 @@ def _size_record(run_dir: Path) -> dict:
         return {}
     end = read_run_json(path, dict).get("end", {})
     keys = ("size_target", "early_params", "live_params", "live_over_target",
-            "above_target_because")  # fmt: skip
+            "above_target_because", "target_held_because")  # fmt: skip
     return {k: end[k] for k in keys if k in end}
 
 
@@ -702,6 +702,10 @@ def _size_table(rows: list[dict]) -> list[str]:
     missed = [r for r in rows if (r.get("size") or {}).get("above_target_because")]
     for r in missed:
         out.append(f"\n{r['label']}: above its target because {r['size']['above_target_because']}.")
+    # a target the early stage already met: the late stage held the size, not the target
+    held = [r for r in rows if (r.get("size") or {}).get("target_held_because")]
+    for r in held:
+        out.append(f"\n{r['label']}: not the size asked for: {r['size']['target_held_because']}.")
     return out
 
 

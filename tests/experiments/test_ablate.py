@@ -446,6 +446,27 @@ def test_compression_ablation_meets_each_target_and_renders_the_path(tmp_path):
     assert (tmp_path / "rep" / "ablation_mnli_compression.png").is_file()
 
 
+def test_a_target_the_early_stage_already_met_is_said_in_the_report(tmp_path):
+    """``target_compression --values 1,2`` on a model the early stage left at 3.65x: both
+    rows showed live / target 1.000, as if met, and the reason the runs recorded (the late
+    stage never grows the model) was left out of the report."""
+    why = (
+        "train.comera.target_compression=2 asks for 41,282 parameters, more than the "
+        "22,603 the late stage starts from; it never grows the model, so it holds that size"
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    end = {"size_target": 22603, "early_params": 22603, "live_params": 22603,
+           "live_over_target": 1.0, "target_held_because": why}  # fmt: skip
+    (run / "ranks.json").write_text(json.dumps({"end": end}))
+    size = ablate._size_record(run)
+    assert size["target_held_because"] == why
+    row = {"label": "2", "size": size, "live_params": 22603, "compression": 3.65,
+           "eval_acc": 0.9}  # fmt: skip
+    text = "\n".join(ablate._size_table([row]))
+    assert f"2: not the size asked for: {why}." in text
+
+
 def test_size_ablations_refuse_bad_values(capsys, tmp_path):
     assert ablate.main(["compression", "--values", "0.5"]) == 2
     assert "numbers >= 1" in capsys.readouterr().err
