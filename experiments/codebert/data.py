@@ -486,6 +486,8 @@ def corpus_from_hub(
                 f"loaders.prepare FILE --out DIR --tokenizer TOKENIZER_DIR --text-column "
                 f"{text_column} --heldout {heldout}, TOKENIZER_DIR a local copy of "
                 f"{tokenizer}) and pass --corpus {name}=DIR --set data.tokenizer=TOKENIZER_DIR"
+                f" (where a command has no --corpus, as experiments.ablate: --set data.source="
+                f'paths --set \'data.paths={{"{name}": "DIR"}}\')'
             ) from None
     return Corpus(
         root=root,

@@ -89,7 +89,10 @@ class CorpusConfig:
         if self.source not in ("stdlib", "paths", "hub"):
             raise ConfigError(f"data.source={self.source!r}; choose 'stdlib', 'paths' or 'hub'")
         if self.source == "paths" and not self.paths:
-            raise ConfigError("data.source='paths' needs --corpus NAME=FOLDER")
+            raise ConfigError(
+                "data.source='paths' needs --corpus NAME=FOLDER (where a command has no "
+                '--corpus, as experiments.ablate: --set \'data.paths={"NAME": "FOLDER"}\')'
+            )
         for name in self.paths:  # a name is a cache folder's name, beside its BPE's file
             if name in ("", ".", "..", "tokenizer.json") or "/" in name or "\\" in name:
                 raise ConfigError(

@@ -41,7 +41,10 @@ _FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "c
 _OFFLINE_HELP = (
     "Use local data with --train-file PATH --eval-file NAME=PATH (parquet/jsonl/json/csv/tsv) "
     "or the synthetic task with --dataset generated, and a local tokenizer with --tokenizer PATH "
-    "(a tokenizer.json file or a directory holding one)."
+    "(a tokenizer.json file or a directory holding one); where a command has no such flags "
+    "(experiments.ablate): --set data.dataset=local --set data.train_file=PATH --set "
+    '\'data.eval_files={"NAME": "PATH"}\' --set data.tokenizer=PATH, or --set '
+    "data.dataset=generated."
 )
 
 

@@ -524,6 +524,15 @@ def test_the_heldout_batches_do_not_follow_the_mix(tmp_path: Path) -> None:
     )
 
 
+def test_paths_without_folders_name_the_set_key_too() -> None:
+    """experiments.ablate has no --corpus: the error named only that flag."""
+    from comera.errors import ConfigError
+    from experiments.codebert.experiment import CorpusConfig
+
+    with pytest.raises(ConfigError, match=r"--corpus NAME=FOLDER \(where .* --set 'data.paths="):
+        CorpusConfig(source="paths")
+
+
 def test_the_batch_is_global_and_split_over_the_processes(tmp_path: Path) -> None:
     """batch_size was rows per rank: two processes trained twice the tokens per step of
     one, and a resume on another number of processes changed the batch mid-run, without a

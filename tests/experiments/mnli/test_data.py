@@ -310,6 +310,10 @@ def _assert_offline_message(msg: str, what: str) -> None:
     assert "could not reach the hugging face hub" in msg.lower() and what in msg
     for option in ("--train-file", "--eval-file", "--dataset generated", "--tokenizer"):
         assert option in msg
+    # and the keys they set, for a command without them (experiments.ablate has none)
+    for key in ("data.train_file=PATH", "'data.eval_files=", "data.tokenizer=PATH",
+                "data.dataset=generated"):  # fmt: skip
+        assert f"--set {key}" in msg
 
 
 def test_hub_dataset_unreachable_error(offline, gen_files):
