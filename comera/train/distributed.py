@@ -51,9 +51,25 @@ def init_distributed(device: str) -> tuple[int, int]:
     """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1): gloo on CPU,
     nccl on CUDA, each rank on its ``LOCAL_RANK`` GPU. A group joined here is left at exit
     (if still held): a script need not call ``destroy_process_group`` itself."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a process count; launch with "
+            "torchrun, or unset WORLD_SIZE to run one process"
+        ) from None
+    if world <= 1:
         return 0, 1
     if not dist.is_initialized():
+        # set by hand without torchrun's other variables: a ValueError traceback from
+        # torch's rendezvous
+        unset = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if unset:
+            raise ConfigError(
+                f"WORLD_SIZE={world} but {', '.join(unset)} {'is' if len(unset) == 1 else 'are'}"
+                " not set; launch with torchrun (which sets them all), or unset WORLD_SIZE "
+                "to run one process"
+            )
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
         atexit.register(_leave, dist.group.WORLD)
     if device.startswith("cuda"):

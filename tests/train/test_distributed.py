@@ -654,3 +654,31 @@ def test_module_task_ranks_hold_one_model_and_resume_exactly(tmp_path):
         assert models[0].keys() == other.keys()
         for k, v in models[0].items():
             assert torch.equal(v, other[k]), k
+
+
+@pytest.mark.parametrize(
+    ("env", "text"),
+    [
+        ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2 but MASTER_ADDR, MASTER_PORT are not set"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a process count"),
+    ],
+)
+def test_a_partial_launch_environment_is_one_line(env, text, monkeypatch, capsys, tmp_path) -> None:  # noqa: ANN001
+    """WORLD_SIZE set by hand without torchrun's other variables was a ValueError
+    traceback from torch's rendezvous (or from int())."""
+    from comera.errors import ConfigError
+    from comera.train.distributed import init_distributed
+    from experiments.mnli import experiment as mnli
+
+    for var in ("RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=text):
+        init_distributed("cpu")
+    run = tmp_path / "run"
+    argv = ["--preset", "smoke", "--no-progress", "--wandb", "disabled", "--run-dir", str(run)]
+    assert mnli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and text in err[0], err
+    assert not run.exists()
