@@ -49,11 +49,11 @@ from comera.train.config import (
     usable_device,
 )
 from comera.train.distributed import own_process_group, rank_first
-from comera.train.logging import read_metrics, write_json_atomic
+from comera.train.logging import last_logged, read_metrics, write_json_atomic
 from comera.tree import iter_tt
 from experiments.cache import cache_root
 from experiments.malloc import apply_cpu_malloc, restart_for
-from experiments.report import kept_settings, record_host, resumes, train_and_eval_rows
+from experiments.report import kept_settings, record_host, resumes
 from experiments.run_config import RESUME_MUTABLE, config_jsonable
 from loaders.errors import LoaderInputError
 
@@ -1061,7 +1061,7 @@ def train(run: Prepared) -> dict:
     if run.rank == 0 and run.trainer.step > start:  # a resume that trained: its machine
         record_host(run_dir)  # (one that trained nothing keeps the host)
     if "loss" not in out and (run_dir / "metrics.jsonl").is_file():
-        out = {**_last_logged(read_metrics(run_dir / "metrics.jsonl")), **out}
+        out = {**last_logged(read_metrics(run_dir / "metrics.jsonl")), **out}
     if run.rank == 0:
         print(summary_table(run.exp.name, run.kind, out, run.trainer.step), file=sys.stderr)
     return out
@@ -1090,15 +1090,6 @@ def _collective_reason(error: RuntimeError) -> str:
     """The failed collective's reason, short: gloo's source path and advice cut off."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])
     return text.split(". ")[0].rstrip(".")[:160]
-
-
-def _last_logged(rows: list[dict]) -> dict:
-    """A finished run's last training row with its last eval (a resume of it trains
-    nothing, and its summary shows these rather than an empty table)."""
-    train, evals = train_and_eval_rows(rows)
-    last_eval = evals[-1] if evals else {}
-    return {**(train[-1] if train else {}),
-            **{k: v for k, v in last_eval.items() if k.startswith("eval/")}}  # fmt: skip
 
 
 def run_experiment(

@@ -27,6 +27,7 @@ from typing import Any
 from comera.errors import DataError, MissingFileError, UserError
 from comera.train import load_checkpoint, read_metrics
 from comera.train.checkpoint import complete_checkpoints
+from comera.train.logging import train_and_eval_rows
 from experiments.host import host_meta
 from experiments.run_config import RESUME_MUTABLE, config_jsonable
 
@@ -359,14 +360,6 @@ def check_evaluated(rows: dict[Path, list[dict]], key: str, how: str) -> None:
         if not any(key in r for r in run_rows):
             raise DataError(f"{d} holds no evaluation ({key}); the report compares the runs' "
                             f"evaluations: train it with {how}")  # fmt: skip
-
-
-def train_and_eval_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    """A run's ``metrics.jsonl`` rows split into its training rows (they hold ``loss``) and
-    its eval rows (they hold an ``eval/`` metric), each in step order."""
-    train = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
-    return train, evals
 
 
 def step_times(rows: list[dict]) -> list[float]:

@@ -25,9 +25,11 @@ __all__ = [
     "RunLog",
     "check_metrics",
     "check_rank_snapshots",
+    "last_logged",
     "read_metrics",
     "read_run_id",
     "resolve_wandb_mode",
+    "train_and_eval_rows",
     "truncate_metrics",
     "write_json_atomic",
     "write_rank_snapshot",
@@ -44,6 +46,23 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     damaged file get the rows it still holds (:func:`check_metrics` names the damage)."""
     text = Path(path).read_bytes().decode("utf-8", errors="replace")
     return [row for row in map(_row, text.splitlines()) if row is not None]
+
+
+def train_and_eval_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """A run's ``metrics.jsonl`` rows split into its training rows (they hold ``loss``) and
+    its eval rows (they hold an ``eval/`` metric), each in step order."""
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    return train, evals
+
+
+def last_logged(rows: list[dict]) -> dict:
+    """A run's last training row with its last eval's ``eval/`` metrics: what ``fit``
+    returns, read back for a finished run that a resume trains no further."""
+    train, evals = train_and_eval_rows(rows)
+    last_eval = evals[-1] if evals else {}
+    return {**(train[-1] if train else {}),
+            **{k: v for k, v in last_eval.items() if k.startswith("eval/")}}  # fmt: skip
 
 
 def _row(line: str) -> dict | None:

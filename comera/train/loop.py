@@ -43,7 +43,13 @@ from comera.train.distributed import (
     union_names,
 )
 from comera.train.galore import GaLore
-from comera.train.logging import RunLog, write_json_atomic, write_rank_snapshot
+from comera.train.logging import (
+    RunLog,
+    last_logged,
+    read_metrics,
+    write_json_atomic,
+    write_rank_snapshot,
+)
 from comera.train.measures import lr_scale, model_size, peak_memory_mb
 from comera.train.optim import adamw_init, adamw_step, leaf_groups, sgd_step
 from comera.train.stages import StageController
@@ -115,7 +121,9 @@ def _grad_norm(grads: list[torch.Tensor | None]) -> torch.Tensor:
     parts += [g._values().float().norm() for g in grads if g is not None and g.is_sparse]
     if not parts:
         return torch.zeros(())
-    return torch.stack(parts).norm()
+    # combined in fp64, as the sync-free step does: finite per-leaf norms whose squares
+    # sum past fp32's range (20 leaves of 5e18) made the norm inf and stopped the run
+    return torch.stack([p.double() for p in parts]).norm().float()
 
 
 def _scale(grads: list[torch.Tensor | None], factor: float | torch.Tensor) -> None:
@@ -983,6 +991,9 @@ class Trainer:
         finally:
             bar.close()
             log.close()
+        metrics = self.run_dir / "metrics.jsonl"
+        if not last and self.step == steps0 and metrics.is_file():  # nothing trained: {}
+            last = last_logged(read_metrics(metrics))  # was returned, not the run's metrics
         return last
 
     def _next_batches(self, it: Iterator) -> list:

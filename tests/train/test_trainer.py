@@ -1132,3 +1132,25 @@ def test_an_empty_share_may_be_a_plain_zero(tmp_path, mode):
     with pytest.raises(ValueError, match="the global batch has no loss terms"):  # said first
         Trainer(_cfg(tmp_path / "all", steps=2, accum_steps=2, step_mode=mode), AllEmpty(),
                 *_toy_model()).fit()  # fmt: skip
+
+
+def test_the_gradient_norm_of_finite_gradients_is_finite():
+    """Per-leaf norms were combined in fp32: 20 leaves of norm 1e19 (finite, as gamma=1e20
+    or rho=1e20 make them) summed squares past fp32's range, so the eager step stopped
+    with "the gradient norm is inf" where the sync-free one (fp64) trained."""
+    from comera.train.loop import _grad_norm
+
+    norm = _grad_norm([torch.full((4,), 5e18) for _ in range(20)])
+    assert norm.dtype == torch.float32 and math.isclose(float(norm), 4.472136e19, rel_tol=1e-6)
+
+
+def test_fit_of_a_finished_run_returns_its_last_metrics(tmp_path):
+    """A resume of a run that had already finished trained nothing and returned {}, where
+    fit is documented to return the last logged metrics plus the final eval."""
+    first = Trainer(_cfg(tmp_path, steps=10, eval_every=5), ToyTask(), *_toy_model()).fit()
+    again = Trainer(_cfg(tmp_path, steps=10, eval_every=5), ToyTask(), *_toy_model(),
+                    resume=True).fit()  # fmt: skip
+    assert again["step"] == 10 and "eval/mse" in again
+    assert {k: again[k] for k in ("loss", "eval/mse")} == {
+        k: first[k] for k in ("loss", "eval/mse")
+    }
