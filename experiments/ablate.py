@@ -40,6 +40,7 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -518,8 +519,12 @@ def _summary(rec: dict) -> dict:
         (k for k in (evals[-1] if evals else {}) if k.startswith("eval/") and k.endswith("/loss")),
         None,
     )
-    key = auc_key or acc_key  # the headline metric: its best eval, and when
-    best = max((r for r in evals if key in r), key=lambda r: r[key]) if key else None
+    # the headline metric: its best eval, and when (the masked LM's is its held-out loss,
+    # lowest best; its masked-token accuracy is a side figure, as in the size ablations)
+    mlm = bool(loss_key) and loss_key.endswith("heldout/loss")
+    key = auc_key or (loss_key if mlm else acc_key)
+    pick = min if mlm and not auc_key else max
+    best = pick((r for r in evals if key in r), key=lambda r: r[key]) if key else None
     times = step_times(train)
     tail = [r["loss"] for r in train[-5:]]
     return {
@@ -529,6 +534,7 @@ def _summary(rec: dict) -> dict:
         "eval_acc": evals[-1][acc_key] if acc_key else None,
         "eval_auc": evals[-1][auc_key] if auc_key else None,
         "best_eval": (best[key], best["step"]) if best else None,
+        "best_eval_metric": "AUC" if auc_key else ("held-out loss" if mlm else "accuracy"),
         "compression": train[-1]["compression"] if train else None,
         "live_params": train[-1]["live_params"] if train else None,
         "step_time_ms": 1e3 * statistics.median(times) if times else None,
@@ -604,10 +610,14 @@ def render_report(data: dict, out: Path) -> str:
             "(Adam, pruning thresholds), so the whole-run column measures divergence, not error.",
         ]
     with_auc = any(r["eval_auc"] is not None for r in rows)
+    # the masked LM's held-out loss (a JSON from before it was shown: by its key)
+    held = any(r.get("eval_loss_key", "").endswith("heldout/loss") for r in rows)
     head = "| variant | steps | train loss (last 5 logs) | eval accuracy | "
     head += "eval AUC | " if with_auc else ""
+    head += "held-out loss | " if held else ""
     with_best = any(r["best_eval"] is not None for r in rows)
-    head += f"best eval {'AUC' if with_auc else 'accuracy'} (step) | " if with_best else ""
+    best_of = rows[0].get("best_eval_metric") or ("AUC" if with_auc else "accuracy")
+    head += f"best eval {best_of} (step) | " if with_best else ""
     head += "compression "
     head += "| live params | median step (ms) | train time (s) |"
     if name == "contraction":
@@ -623,6 +633,7 @@ def render_report(data: dict, out: Path) -> str:
             number(r["loss_tail"], ".4f"),
             number(r["eval_acc"], ".4f"),
             *([number(r["eval_auc"], ".4f")] if with_auc else []),
+            *([number(r.get("eval_loss"), ".4f")] if held else []),
             *([_best_cell(r["best_eval"])] if with_best else []),
             f"{number(r['compression'], '.2f')}x",
             number(r["live_params"], ","),
@@ -842,8 +853,9 @@ def _recorded_args(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m experiments.ablate``: train the variants, write the report; leaves the
-    process group it joined under torchrun on the way out."""
+    """``python -m experiments.ablate``: train the variants, write the report, in one
+    process (under torchrun it refuses); a process group joined meanwhile is left on the
+    way out."""
     with own_process_group():
         return _main(argv)
 
@@ -867,6 +879,15 @@ def _main(argv: list[str] | None) -> int:
     args = ap.parse_args(argv)
     exp: cli.Experiment = importlib.import_module(f"experiments.{args.experiment}").EXPERIMENT
     try:
+        if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
+            # every process prepared the data, moved the same run folders aside and wrote
+            # the record and the report: races, not a data-parallel ablation
+            raise cli.CLIError(
+                "experiments.ablate runs in one process, its variants one after another: "
+                "run it without torchrun, or train each variant with torchrun -m "
+                f"experiments.{args.experiment} (its own --set and --run-dir) and compare "
+                "the runs"
+            )
         preset = args.preset or exp.default_preset
         if preset not in exp.presets:
             raise cli.CLIError(f"--preset {preset!r}: choose one of {sorted(exp.presets)}")

@@ -467,6 +467,45 @@ def test_a_target_the_early_stage_already_met_is_said_in_the_report(tmp_path):
     assert f"2: not the size asked for: {why}." in text
 
 
+def test_a_masked_lm_ablation_is_read_by_its_held_out_loss(tmp_path):
+    """CodeBERT's rank, gamma or steps ablations showed masked-token accuracy alone (0.01 to
+    0.06) and picked the best eval by it; its headline metric, the held-out loss, which its
+    size ablations use, was not in the table."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 6.0 - s / 10, "compression": 4.0, "live_params": 100,
+             "steps_per_s": 10.0, "step_time_s": 0.1} for s in (1, 2, 3, 4)]  # fmt: skip
+    rows += [{"step": 2, "eval/heldout/loss": 5.1, "eval/heldout/accuracy": 0.05},
+             {"step": 4, "eval/heldout/loss": 5.3, "eval/heldout/accuracy": 0.06}]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = ablate._summary({"label": "8", "dir": str(run)})
+    assert row["best_eval"] == (5.1, 2) and row["best_eval_metric"] == "held-out loss"
+    data = {"meta": {"command": "python -m experiments.ablate rank --experiment codebert",
+                     "cpu": "x", "torch": "y", "date": "z"},
+            "ablation": "rank", "variants": [row]}  # fmt: skip
+    (tmp_path / "rep").mkdir()
+    text = ablate.render_report(data, tmp_path / "rep" / "ablation_codebert_rank.md")
+    head = next(line for line in text.splitlines() if line.startswith("| variant | steps"))
+    assert "| eval accuracy | held-out loss | best eval held-out loss (step) |" in head
+    assert "| 0.0600 | 5.3000 | 5.1000 (2) |" in text
+
+
+def test_ablate_refuses_torchrun_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """Under torchrun every process prepared the data, moved the same run folders aside
+    and wrote the record and the report (DLRM's generated file written twice)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["gamma", "--experiment", "dlrm", "--runs-dir", str(tmp_path / "runs"),
+            "--reports", str(tmp_path / "rep")]  # fmt: skip
+    assert ablate.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and "runs in one process" in err[0]
+        and "torchrun -m experiments.dlrm" in err[0]
+    )
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "rep").exists()
+
+
 def test_size_ablations_refuse_bad_values(capsys, tmp_path):
     assert ablate.main(["compression", "--values", "0.5"]) == 2
     assert "numbers >= 1" in capsys.readouterr().err
