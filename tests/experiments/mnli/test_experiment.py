@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -441,12 +442,9 @@ def test_the_mnli_report_command_refuses_outputs_it_would_spoil(tmp_path, capsys
     assert "metrics.jsonl holds no training row yet" in capsys.readouterr().err
 
 
-def test_a_moved_tokenizer_resumes_from_its_new_place_and_another_is_refused(
-    tmp_path, capsys
-) -> None:
-    """A run's tokenizer file moved: the resume says which flag gives its new place, and
-    ``--tokenizer NEW`` continues it; a tokenizer that encodes the data otherwise (two ids
-    swapped) is refused by the encoded examples' digest, keeping the checkpoint."""
+def _local_run_cut_at_step_2(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A 4-step run on local generated files, its step-4 checkpoint removed (as if it died
+    after step 2): the run folder, the eval file and the tokenizer."""
     import shutil
 
     from experiments.mnli.generated import write_generated_files
@@ -458,6 +456,16 @@ def test_a_moved_tokenizer_resumes_from_its_new_place_and_another_is_refused(
             "--wandb", "disabled", "--no-progress", "--run-dir", str(run)]  # fmt: skip
     assert mnli.main(argv) == 0
     shutil.rmtree(run / "checkpoints" / "step_00000004")
+    return run, dev, tok
+
+
+def test_a_moved_tokenizer_resumes_from_its_new_place_and_another_is_refused(
+    tmp_path, capsys
+) -> None:
+    """A run's tokenizer file moved: the resume says which flag gives its new place, and
+    ``--tokenizer NEW`` continues it; a tokenizer that encodes the data otherwise (two ids
+    swapped) is refused by the encoded examples' digest, keeping the checkpoint."""
+    run, dev, tok = _local_run_cut_at_step_2(tmp_path)
     moved = tmp_path / "elsewhere" / "tok.json"
     moved.parent.mkdir()
     tok.rename(moved)
@@ -485,17 +493,7 @@ def test_a_resume_over_an_eval_file_changed_in_place_is_refused(tmp_path, capsys
     """The checkpoint keeps a digest of each eval split: an eval file edited between a run
     and its resume was read without a word, so one curve joined two eval sets. The
     refusal is one line and keeps the checkpoint; the original file resumes."""
-    import shutil
-
-    from experiments.mnli.generated import write_generated_files
-
-    train, dev, tok = write_generated_files(tmp_path / "data", 200, 30)
-    run = tmp_path / "run"
-    argv = ["--train-file", str(train), "--eval-file", f"dev={dev}", "--tokenizer", str(tok),
-            "--steps", "4", "--checkpoint-every", "2", "--set", "train.eval_every=None",
-            "--wandb", "disabled", "--no-progress", "--run-dir", str(run)]  # fmt: skip
-    assert mnli.main(argv) == 0
-    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    run, dev, tok = _local_run_cut_at_step_2(tmp_path)
     kept = dev.read_text()
     rows = kept.splitlines()
     first = json.loads(rows[0])
