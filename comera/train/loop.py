@@ -121,9 +121,10 @@ def _grad_norm(grads: list[torch.Tensor | None]) -> torch.Tensor:
     parts += [g._values().float().norm() for g in grads if g is not None and g.is_sparse]
     if not parts:
         return torch.zeros(())
-    # combined in fp64, as the sync-free step does: finite per-leaf norms whose squares
-    # sum past fp32's range (20 leaves of 5e18) made the norm inf and stopped the run
-    return torch.stack([p.double() for p in parts]).norm().float()
+    # combined and returned in fp64, as the sync-free step does: finite per-leaf norms
+    # whose squares sum past fp32's range (20 leaves of 5e18) made the norm inf and
+    # stopped the run
+    return torch.stack([p.double() for p in parts]).norm()
 
 
 def _scale(grads: list[torch.Tensor | None], factor: float | torch.Tensor) -> None:
@@ -187,12 +188,13 @@ class Trainer:
         self.cfg, self.task = cfg, task
         # a bare AttributeError at the first step, or (evaluate) after training, before
         # that step's checkpoint: the training lost
-        missing = [m for m in ("train_iter", "loss", "evaluate") if not hasattr(task, m)]
+        needed = ("train_iter", "loss", *(("evaluate",) if cfg.eval_every else ()))
+        missing = [m for m in needed if not hasattr(task, m)]
         if missing:
             raise TypeError(
                 f"Trainer: the task ({type(task).__name__}) has no {', '.join(missing)}; a task "
-                "gives train_iter, loss(params, state, batch, *, train) and evaluate(params, "
-                "state) (comera.train.Task)"
+                "gives train_iter, loss(params, state, batch, *, train) and, to evaluate "
+                "(train.eval_every), evaluate(params, state) (comera.train.Task)"
             )
         usable_device(cfg.device)  # a bare traceback at the first .to() otherwise
         # under torchrun, join the process group (once): without it every rank trained alone
@@ -644,12 +646,16 @@ class Trainer:
         one_pass = len(batches) == 1 and self.world == 1 and self.device.type == "cpu"
         root: torch.Tensor | None = None
         detached = 0.0  # shares here whose terms count but whose sum has no gradient
+        bad_counts = 0.0  # batches here whose count is not a finite number >= 0
         for batch in batches:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 out = self.task.loss(self.params, self.state, batch, train=True)
             s, n, metrics = loss_terms(out)
             n = float(n)
-            check_count(n)
+            if not math.isfinite(n) or n < 0:  # alone, refused at once; with several ranks
+                if self.world == 1:  # on every rank after the reduction (one rank raising
+                    check_count(n)  # alone left the others in the all-reduce)
+                bad_counts, n = bad_counts + 1.0, 0.0
             # autograd's own error names neither the task nor why; a rank's empty share
             # (no terms) may be a plain zero. Alone, refused at once; with several ranks
             # after the reduction, on every rank (one rank raising alone left the others in
@@ -681,7 +687,7 @@ class Trainer:
         fresh = [float(bool(set(metric_sums) - set(keys)))] if self.world > 1 else []
         held = [float(k in metric_sums) for k in keys] if self.world > 1 else []
         extra = torch.tensor([count, *(metric_sums.get(k, 0.0) for k in keys), *held, *fresh,
-                              detached, *reach], dtype=torch.float64)  # fmt: skip
+                              bad_counts, detached, *reach], dtype=torch.float64)  # fmt: skip
         scalars = torch.cat([loss_sum.reshape(1), extra.to(self.device)])
         # alone this is a no-op; with several ranks every gradient is dense and present
         *grads, scalars = sum_across_ranks([*grads, scalars])  # type: ignore[list-item]
@@ -689,6 +695,12 @@ class Trainer:
         reached = metric_totals.pop() if reach else 1.0  # summed over ranks
         if metric_totals.pop():  # a detached share on some rank: every rank raises
             raise detached_error()
+        if bad := metric_totals.pop():  # a count that is no count, on some rank: every rank
+            raise ValueError(
+                f"step {self.step + 1}: Task.loss returned a count that is not a finite number "
+                f">= 0 for {bad:g} batch(es) over the ranks; the count is how many loss terms "
+                "the sum holds"
+            )
         if self.world > 1:
             keys, metric_totals = self._metric_totals(keys, metric_totals, metric_sums)
         if count <= 0:

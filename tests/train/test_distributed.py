@@ -682,3 +682,35 @@ def test_a_partial_launch_environment_is_one_line(env, text, monkeypatch, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and text in err[0], err
     assert not run.exists()
+
+
+BAD_COUNT = """
+import math, sys, torch, torch.distributed as dist
+from pathlib import Path
+from tests.train_helpers import ToyTask, _cfg, _toy_model
+from comera.train import Trainer
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+class Bad(ToyTask):  # rank 1's second batch holds no count
+    def loss(self, params, state, batch, *, train):
+        s, n, m = super().loss(params, state, batch, train=train)
+        return s, math.nan if rank == 1 and self.calls >= 2 else n, m
+
+try:
+    Trainer(_cfg(Path(sys.argv[1]), steps=4), Bad(rank=rank, world=2), *_toy_model()).fit()
+except ValueError as e:
+    ok = "returned a count that is not a finite number >= 0 for 1 batch(es)" in str(e)
+    raise SystemExit(3 if ok else 4)
+raise SystemExit(0)
+"""
+
+
+def test_a_bad_count_on_one_rank_stops_every_rank_together(tmp_path):
+    """A NaN count on one rank raised there alone, before the all-reduce: the other rank
+    waited in the collective until the first one's process was gone (NCCL: until its
+    timeout). Every rank now raises the same error after the reduction."""
+    script = tmp_path / "worker.py"
+    script.write_text(BAD_COUNT)
+    assert _spawn(script, 2, str(tmp_path)) == [3, 3]
