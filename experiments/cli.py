@@ -1037,9 +1037,16 @@ def _sigterm_as_interrupt(got: list[int]) -> typing.Iterator[None]:
         signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
 
 
+class PeerLost(RuntimeError):
+    """Training stopped because another process of a multi-process run failed (a
+    collective's connection to it was lost): the message says at which step and how to
+    resume; the commands print it as one line, exit status 1."""
+
+
 def train(run: Prepared) -> dict:
     """Fit a prepared run; prints the summary table; returns the final metrics. Stopped
-    by SIGINT or SIGTERM, it raises :class:`Interrupted` saying how to go on."""
+    by SIGINT or SIGTERM, it raises :class:`Interrupted` saying how to go on; by the loss
+    of another process of the run, :class:`PeerLost`."""
     t0, start = time.perf_counter(), run.trainer.step
     got: list[int] = []
     try:
@@ -1053,9 +1060,10 @@ def train(run: Prepared) -> dict:
         if getattr(run.trainer, "world", 1) == 1 or not _peer_failed(e):
             raise
         # its survivors printed gloo's traceback: said on each (rank 0 may be the one gone)
-        how = (f"stopped at step {run.trainer.step}: another process of this run failed "
-               f"({_collective_reason(e)})")  # fmt: skip
-        raise Interrupted(f"{how}; {_go_on(run)}", 1, 0, how) from None
+        raise PeerLost(
+            f"stopped at step {run.trainer.step}: another process of this run failed "
+            f"({_collective_reason(e)}); {_go_on(run)}"
+        ) from None
     out["wall_s"] = time.perf_counter() - t0
     run_dir = Path(run.cfg.train.run_dir)
     if run.rank == 0 and run.trainer.step > start:  # a resume that trained: its machine
@@ -1078,12 +1086,19 @@ def _go_on(run: Prepared) -> str:
     return f"{go_on} with python -m experiments.{run.exp.name} --resume {run_dir}"
 
 
+# what a collective raises when the process at the other end is gone: gloo's bare
+# RuntimeError, NCCL's DistBackendError ("remote process exited or there was a network
+# error"); a failure of this process's own (a CUDA error at an NCCL call) keeps its traceback
+_PEER_GONE = re.compile(
+    r"Connection (reset|closed) by peer|remote process exited|Connection refused|Broken pipe"
+)
+
+
 def _peer_failed(error: RuntimeError) -> bool:
-    """Whether ``error`` is a collective's failure (gloo's bare RuntimeError, torch's
-    DistError kinds), not a bug of this process."""
+    """Whether ``error`` is a collective's loss of another process, not a bug here."""
     import torch.distributed as dist
 
-    return isinstance(error, dist.DistError) or "/gloo/" in str(error)
+    return isinstance(error, dist.DistNetworkError) or bool(_PEER_GONE.search(str(error)))
 
 
 def _collective_reason(error: RuntimeError) -> str:
@@ -1173,6 +1188,9 @@ def _main(exp: Experiment, argv: list[str] | None) -> int:
         return 1
     except Interrupted as e:
         return interrupted(ap.prog, e)
+    except PeerLost as e:  # each survivor says it (rank 0 may be the one gone)
+        print(f"{ap.prog}: {e}", file=sys.stderr)
+        return 1
     except USER_ERRORS as e:  # e.g. a corrupt data file met mid-epoch
         return user_error(ap.prog, e)
     return 0
