@@ -6,7 +6,8 @@ whose qualified name matches a target glob (and no ``exclude`` glob) by the TT /
 adapters of :mod:`comera.nn`, as PEFT's ``get_peft_model`` and torchao's ``quantize_``
 rewrite the modules they match: the model then trains as before, with every replaced
 weight held as gated cores. ``init="svd"`` compresses the existing weight by TT-SVD
-(exact when the ranks do not bind), ``init="random"`` draws the dense init's variance.
+(exact when the ranks do not bind), ``init="random"`` draws at the replaced weight's
+standard deviation.
 
 Modes come from :func:`comera.spec.propose_modes` (balanced; a size with no balanced
 split is zero-padded: the input with zeros, the extra outputs dropped; the summary says
@@ -103,12 +104,13 @@ class TensorizeConfig:
         if not 0 <= self.min_compression < math.inf:  # NaN passed a "< 0" check
             raise ConfigError(f"TensorizeConfig.min_compression must be finite and >= 0, got "
                               f"{self.min_compression}")  # fmt: skip
-        if self.cores < 1 or self.embedding_cores < 1:
-            raise ConfigError("TensorizeConfig: cores and embedding_cores must be >= 1")
+        if self.cores < 1:
+            raise ConfigError(f"TensorizeConfig.cores={self.cores} must be >= 1")
         if self.embedding_cores < 2:  # every table stayed dense, "no split into 2 or more"
             raise ConfigError(
-                "TensorizeConfig.embedding_cores=1: a TTM table needs >= 2 cores (one core is "
-                "the dense table); to keep embeddings dense, leave them out of target_modules"
+                f"TensorizeConfig.embedding_cores={self.embedding_cores}: a TTM table needs "
+                ">= 2 cores (one core is the dense table); to keep embeddings dense, leave "
+                "them out of target_modules"
             )
 
     def matches(self, name: str) -> bool:
@@ -660,11 +662,12 @@ def _run_time_source(cls: type) -> str:
     return "\n".join(sources)
 
 
-def _reads_weight(cls: type, child: str) -> bool:
-    """Whether a method of ``cls`` or of a class it derives from (below ``nn.Module``)
-    reads ``self.<child>.weight``, ``child`` a dotted path below it, a list's item at any
-    index (``self.layers[0].proj.weight`` for ``layers.1.proj`` too) or a dict's by name (a
-    TT adapter has no ``weight``: the first forward would fail).
+def _reads_weight(cls: type, child: str) -> str:
+    """The read, as written, where a method of ``cls`` or of a class it derives from
+    (below ``nn.Module``) reads ``self.<child>.weight`` (else ``""``), ``child`` a dotted
+    path below it, a list's item at any index (``self.layers[0].proj.weight`` for
+    ``layers.1.proj`` too) or a dict's by name (a TT adapter has no ``weight``: the first
+    forward would fail).
 
     Every method counts, not only ``forward``: a helper it calls may read the weight
     (DeBERTa-v2's ``get_rel_embedding`` reads ``rel_embeddings.weight``); methods that set
@@ -680,7 +683,9 @@ def _reads_weight(cls: type, child: str) -> bool:
             name = re.escape(part)
             steps.append(rf"(?:\.{name}\b|\[\s*['\"]{name}['\"]\s*\])")
     pattern = re.compile(r"\bself" + "".join(steps) + r"\.weight\b")
-    return bool(pattern.search(_run_time_source(cls)))
+    found = pattern.search(_run_time_source(cls))
+    # the read as written (self.layers[0].proj.weight keeps layers.1.proj too), or ""
+    return re.sub(r"\s+", "", found.group(0)).removeprefix("self.") if found else ""
 
 
 # methods that set a model up (and run before tensorize_), so a weight read there is
@@ -744,8 +749,8 @@ def _call_problem(path: str, module: nn.Module, model: nn.Module) -> str:
     for i in range(len(parts) - 1, -1, -1):
         above = model.get_submodule(".".join(parts[:i])) if i else model
         below = ".".join(parts[i:])
-        if _reads_weight(type(above), below):
-            return f"{type(above).__name__} reads {below}.weight"
+        if read := _reads_weight(type(above), below):
+            return f"{type(above).__name__} reads {read}"
     return ""
 
 

@@ -146,9 +146,10 @@ class TokenFolder:
         if self.path.is_file():
             if self.path.suffix in (".parquet", ".jsonl", ".json"):  # "corrupt Arrow" misleads
                 raise LoaderInputError(
-                    f"{self.path} is a text file, not Arrow IPC token files ("
-                    f"{', '.join(ARROW_SUFFIXES)}); give its DatasetSpec a tokenizer to read "
-                    "its text, or tokenize it first with python -m loaders.prepare"
+                    f"{self.path} is a {self.path.suffix} file, not an Arrow IPC token file "
+                    f"({', '.join(ARROW_SUFFIXES)}), which a dataset without a tokenizer "
+                    "reads: for text give its DatasetSpec a tokenizer (or tokenize it with "
+                    "python -m loaders.prepare); write token ids as Arrow IPC"
                 )
             files = [self.path]
             root = self.path.parent

@@ -52,7 +52,7 @@ def init_distributed(device: str) -> tuple[int, int]:
     nccl on CUDA, each rank on its ``LOCAL_RANK`` GPU. A group joined here is left at exit
     (if still held): a script need not call ``destroy_process_group`` itself."""
     try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = int(os.environ.get("WORLD_SIZE") or "1")  # set empty: as unset
     except ValueError:
         raise ConfigError(
             f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a process count; launch with "

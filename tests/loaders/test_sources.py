@@ -369,7 +369,8 @@ def test_text_given_where_token_files_belong_says_so(tmp_path):
     (tmp_path / "rows.jsonl").write_text('{"text": "w1 w2"}\n')
     pq.write_table(pa.table({"text": ["w1"]}), tmp_path / "rows.parquet")
     for name in ("rows.jsonl", "rows.parquet"):
-        with pytest.raises(LoaderInputError, match=f"{name} is a text file, not Arrow IPC"):
+        suffix = name.split(".")[1]
+        with pytest.raises(LoaderInputError, match=f"{name} is a .{suffix} file, not an Arrow"):
             TokenFolder(tmp_path / name)
 
 
