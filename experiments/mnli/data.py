@@ -105,6 +105,9 @@ class MNLIDataConfig:
             raise bad("eval_files", "set train_file too (local files replace the hub as a whole)")
         if "train" in (self.eval_files or {}):
             raise bad("eval_files", "name eval splits anything but 'train' (that is train_file)")
+        if any(not isinstance(k, str) or not k.strip() for k in (self.eval_files or {})):
+            # logged as eval//accuracy, shown as /accuracy
+            raise bad("eval_files", "give every eval split a name (NAME=PATH)")
         if self.train_file is not None and self.dataset == GENERATED:
             raise bad(
                 "train_file", "drop it, or set dataset to a hub name: 'generated' has no file"
@@ -246,14 +249,14 @@ Raw = tuple[list[str], list[str], np.ndarray]  # premises, hypotheses, labels
 CSV_BLOCK_BYTES = 64 << 20
 
 
-def _read_table(path: str) -> pa.Table:
+def _read_table(path: str, text_columns: tuple[str, ...] = ()) -> pa.Table:
     fmt = _FORMATS[Path(path).suffix.lower()]
     if not Path(path).is_file():
         raise MissingFileError(
             f"data file {path!r} does not exist; check --train-file / --eval-file"
         )
     try:
-        return _parse_table(path, fmt)
+        return _parse_table(path, fmt, text_columns)
     except (pa.ArrowException, ValueError, TypeError, OSError) as exc:  # JSON/CSV/Parquet
         raise DataError(
             f"data file {path!r} cannot be read as {fmt} ({type(exc).__name__}: "
@@ -262,7 +265,14 @@ def _read_table(path: str) -> pa.Table:
         ) from exc
 
 
-def _parse_table(path: str, fmt: str) -> pa.Table:
+def _parse_table(path: str, fmt: str, text_columns: tuple[str, ...] = ()) -> pa.Table:
+    """The file's table; a CSV's ``text_columns`` (the sentences) are read as written, as
+    text: Arrow's type guessing turned ``007`` into 7, ``1.50`` into 1.5 and dates into
+    dates."""
+    if fmt in ("csv", "tsv"):
+        import pyarrow.csv as pcsv
+
+        as_text = pcsv.ConvertOptions(column_types=dict.fromkeys(text_columns, pa.string()))
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -272,14 +282,15 @@ def _parse_table(path: str, fmt: str) -> pa.Table:
 
         # blocks far larger than Arrow's 1 MiB: a field longer than a block was refused
         read = pcsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
-        return pcsv.read_csv(path, read_options=read,
+        return pcsv.read_csv(path, read_options=read, convert_options=as_text,
                              parse_options=pcsv.ParseOptions(newlines_in_values=True))  # fmt: skip
     if fmt == "tsv":  # GLUE's own files: one row a line, quotes are text (no quoting)
         import pyarrow.csv as pcsv
 
         read = pcsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
         tabs = pcsv.ParseOptions(delimiter="\t", quote_char=False)
-        return pcsv.read_csv(path, read_options=read, parse_options=tabs)
+        return pcsv.read_csv(path, read_options=read, parse_options=tabs,
+                             convert_options=as_text)  # fmt: skip
     with open(path, encoding="utf-8-sig") as f:  # a BOM (Windows tools write one) is no text
         text = f.read()
     if text.lstrip().startswith("["):  # a JSON array of records
@@ -326,16 +337,19 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
     fields = ("premise_column", "hypothesis_column", "label_column")
     if not table.num_columns:  # an empty file: "missing column, columns present: []"
         raise DataError(f"{source} is empty: no rows, no columns; check the path")
+    try:  # Arrow decodes a CSV's header only here: a Latin-1 one was a traceback
+        names = table.column_names
+    except UnicodeDecodeError:
+        raise DataError(f"{source}: its header is not UTF-8 text; save the file as UTF-8") from None
     for name in fields:
         col = getattr(cfg, name)
-        if table.column_names.count(col) > 1:  # Arrow's error names no file
+        if names.count(col) > 1:  # Arrow's error names no file
             raise DataError(
-                f"{source}: column {col!r} appears {table.column_names.count(col)} times; "
-                "rename all but one"
+                f"{source}: column {col!r} appears {names.count(col)} times; rename all but one"
             )
-        if col not in table.column_names:
+        if col not in names:
             raise DataError(
-                f"{source}: missing column {col!r}; columns present: {table.column_names}. "
+                f"{source}: missing column {col!r}; columns present: {names}. "
                 f"Pass --{name.replace('_', '-')} NAME (MNLIDataConfig.{name}) to name the "
                 "column that holds it."
             )
@@ -351,7 +365,7 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
                 v = int(v)
         if isinstance(v, float) and v.is_integer():  # a CSV column Arrow read as float
             v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+        if isinstance(v, bool) or not isinstance(v, int) or not -1 <= v < 2**62:
             raise DataError(
                 f"{source}: label {v!r} in column {cfg.label_column!r} (row {i}) is not a "
                 f"class id (0, 1, ...; {'/'.join(LABEL_NAMES)} are 0/1/2) or -1 / '-' "
@@ -382,9 +396,10 @@ def _sentences(table: pa.Table, column: str, source: str) -> list[str]:
                 "sentence; point the column flag at the text"
             )
         out.append("" if v is None else str(v))
-    nulls = table.column(column).null_count
-    if nulls:  # trained on as "", said as the dropped and truncated rows are
-        note(f"{source}: {nulls} of {len(out)} rows have no {column!r} (null): read as empty")
+    empty = sum(not v for v in out)  # a null, or an empty CSV cell (Arrow reads it as "")
+    if empty:  # trained on as "", said as the dropped and truncated rows are
+        note(f"{source}: {empty} of {len(out)} rows have no {column!r} (null or empty): "
+             "read as empty")  # fmt: skip
     return out
 
 
@@ -476,7 +491,8 @@ def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
     raws: dict[str, tuple[str, Raw]] = {}
     if cfg.train_file is not None:
         files = {"train": cfg.train_file, **(cfg.eval_files or {})}
-        raws = {s: (p, _columns(_read_table(p), p, cfg)) for s, p in files.items()}
+        text = (cfg.premise_column, cfg.hypothesis_column)
+        raws = {s: (p, _columns(_read_table(p, text), p, cfg)) for s, p in files.items()}
     if cfg.dataset == GENERATED and cfg.tokenizer == DEFAULT_TOKENIZER:
         tok, tok_name = build_generated_tokenizer(), GENERATED
     else:

@@ -26,7 +26,12 @@ import torch
 
 from comera.train import NonFiniteLoss
 from comera.train.checkpoint import complete_checkpoints
-from comera.train.distributed import own_process_group
+from comera.train.distributed import (
+    broadcast_object,
+    init_distributed,
+    own_process_group,
+    rank_world,
+)
 from experiments import cli
 from experiments.malloc import restart_for
 from experiments.mnli import experiment as mnli
@@ -66,7 +71,12 @@ def run_demo(sets: list[str], runs_dir: Path, *, restart: bool = False) -> dict:
     if restart and torch.device(base.train.device).type == "cpu":
         restart_for(base.train.cpu_malloc)  # lean: re-executed with huge pages enabled
     cli.check_folder(runs_dir, "--runs-dir")
-    dirs = _fresh_dirs(runs_dir, time.strftime("%Y%m%d-%H%M%S"))
+    # under torchrun every rank took folders of its own (a stamp per process, the next
+    # free suffix): each run's checkpoint was split over two pairs and resumed in neither.
+    # Rank 0 picks them, the others take its pick
+    rank, _ = init_distributed(base.train.device)
+    dirs = _fresh_dirs(runs_dir, time.strftime("%Y%m%d-%H%M%S")) if rank == 0 else {}
+    dirs = broadcast_object(dirs)
     out: dict = {}
     for kind, run_dir in dirs.items():
         over = [("train.run_dir", str(run_dir))]
@@ -181,7 +191,8 @@ def _main(argv: list[str] | None) -> int:
         return 1
     except cli.Interrupted as e:
         return cli.interrupted(ap.prog, e)
-    print(summary(out))
+    if rank_world()[0] == 0:  # once, under torchrun too
+        print(summary(out))
     return 0
 
 

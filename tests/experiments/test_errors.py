@@ -525,3 +525,44 @@ def test_a_check_across_sections_names_the_overrides_it_is_about(tmp_path, capsy
     named = line.split(": ")[2]  # the overrides, before the check's own message
     assert named == "dense=True, --set model.hot_rows=16", line
     assert not (tmp_path / "r").exists()
+
+
+DEMO_RANKS = """
+import json, sys
+from pathlib import Path
+from experiments.mnli import demo
+import os
+rank = int(os.environ["RANK"])
+out = Path(sys.argv[1])
+seen = []
+demo.mnli.run = lambda cfg, argv=None: seen.append(cfg.train.run_dir) or {
+    "eval/validation/accuracy": 0.5}
+demo.time.strftime = lambda fmt: f"stamp{rank}"  # each process its own second
+demo.run_demo([], out / "runs")
+(out / f"rank{rank}.json").write_text(json.dumps(seen))
+"""
+
+
+def test_the_demo_under_torchrun_trains_each_run_in_one_folder(tmp_path):
+    """Every rank reserved folders of its own (a stamp per process, then the next free
+    suffix): each run's checkpoint was split over two folders and resumed in neither.
+    Rank 0 picks them; the others take its pick."""
+    import json
+    import os
+
+    from tests.train_helpers import free_port
+
+    script = tmp_path / "worker.py"
+    script.write_text(DEMO_RANKS)
+    root = Path(__file__).resolve().parents[2]
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env))
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert seen[0] == seen[1] and [Path(d).name for d in seen[0]] == [
+        "mnli-smoke-comera-stamp0", "mnli-smoke-dense-stamp0"]  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["mnli-smoke-comera-stamp0"]

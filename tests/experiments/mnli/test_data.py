@@ -233,8 +233,49 @@ def test_a_missing_sentence_is_read_as_empty_and_said(tmp_path, gen_files, capsy
                                     tokenizer=str(gen_files[2])))  # fmt: skip
     assert len(data.train) == 4
     err = capsys.readouterr().err
-    assert f"note: {path}: 1 of 4 rows have no 'premise' (null): read as empty" in err
+    assert f"note: {path}: 1 of 4 rows have no 'premise' (null or empty): read as empty" in err
     assert "'hypothesis'" not in err
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv"])
+def test_csv_sentences_are_read_as_written(tmp_path, gen_files, capsys, suffix):
+    """Arrow's type guessing turned a premise "007" into 7, "1.50" into 1.5 and a date
+    into a date, silently; an empty cell (Arrow reads it as "", not null) was no note."""
+    sep = "," if suffix == ".csv" else "\t"
+    lines = ["premise", "hypothesis", "label"], ["007", "1.50", "0"], ["2024-01-02", "true", "1"]
+    lines = [*lines, ["", "b", "2"]]
+    path = tmp_path / f"t{suffix}"
+    path.write_text("".join(sep.join(r) + "\n" for r in lines))
+    cfg = MNLIDataConfig(train_file=str(path), tokenizer=str(gen_files[2]))
+    table = md._read_table(str(path), (cfg.premise_column, cfg.hypothesis_column))
+    premises, hypotheses, labels = md._columns(table, str(path), cfg)
+    assert premises == ["007", "2024-01-02", ""] and hypotheses == ["1.50", "true", "b"]
+    assert labels.tolist() == [0, 1, 2]
+    assert "1 of 3 rows have no 'premise' (null or empty): read as empty" in capsys.readouterr().err
+
+
+def test_a_header_not_utf8_or_a_huge_label_is_one_error(tmp_path, gen_files):
+    """A Latin-1 header (an unused column "catégorie") was a UnicodeDecodeError traceback,
+    and a label past int64 (an id column named by --label-column) an OverflowError."""
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("premise,hypothesis,label,cat\xe9gorie\na,b,0,x\n".encode("latin-1"))
+    with pytest.raises(DataError, match="its header is not UTF-8 text; save the file as UTF-8"):
+        load_mnli(MNLIDataConfig(train_file=str(latin), tokenizer=str(gen_files[2])))
+    for suffix, label in ((".csv", "99999999999999999999"), (".jsonl", 1e20)):
+        path = tmp_path / f"big{suffix}"
+        if suffix == ".csv":
+            path.write_text(f"premise,hypothesis,label\na,b,{label}\n")
+        else:
+            path.write_text(json.dumps({"premise": "a", "hypothesis": "b", "label": label}))
+        with pytest.raises(DataError, match=r"label .* is not a class id"):
+            load_mnli(MNLIDataConfig(train_file=str(path), tokenizer=str(gen_files[2])))
+
+
+def test_an_eval_split_without_a_name_is_refused(tmp_path):
+    """--eval-file =PATH was refused, but the same through --set or --config trained and
+    logged eval//accuracy."""
+    with pytest.raises(ConfigError, match="give every eval split a name"):
+        MNLIDataConfig(train_file=str(tmp_path / "t.jsonl"), eval_files={"": "x.jsonl"})
 
 
 def test_glue_tsv_files_are_read_as_glue_writes_them(tmp_path, gen_files):
