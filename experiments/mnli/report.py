@@ -60,6 +60,12 @@ def epoch_seconds(cfg: dict, steps_per_s: float) -> float | None:
     return (cfg.get("train_examples", 0) // per_step) / steps_per_s if steps_per_s else None
 
 
+def _adapts(cfg: dict) -> bool:
+    """Whether a TT run adapted its ranks (``train.comera.enabled``, true unless set off)."""
+    comera = (cfg.get("train") or {}).get("comera") or {}
+    return comera.get("enabled", True) is not False
+
+
 def _summary(run: dict) -> dict:
     """One run's figures and curves, as the report's JSON holds them."""
     cfg, rows = run["config"], run["rows"]
@@ -74,7 +80,8 @@ def _summary(run: dict) -> dict:
     setup = run_setup(cfg)
     return {
         "name": run["dir"].name,
-        "kind": "dense" if dense else "CoMERA",
+        # train.comera.enabled=false alone: the TT model at its initial ranks (cli.md)
+        "kind": "dense" if dense else ("CoMERA" if _adapts(cfg) else "TT, fixed ranks"),
         "preset": str(cfg.get("preset")),
         # the data the run last resumed with (a moved file): the setup's data keys
         "data_source": _data_source(setup),

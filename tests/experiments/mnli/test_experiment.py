@@ -194,6 +194,12 @@ def test_report_from_run_dirs(tmp_path, capsys):
     shutil.copytree(run_dir, twin)
     names = [r["name"] for r in report.gather([str(run_dir), str(twin)], None, "c")["runs"]]
     assert names == [f"{tmp_path.name}/smoke", "other/smoke"]
+    # train.comera.enabled=false alone trains the TT model at fixed ranks: not "CoMERA"
+    saved = json.loads((twin / "config.json").read_text())
+    saved["train"]["comera"]["enabled"] = False
+    (twin / "config.json").write_text(json.dumps(saved))
+    kinds = [r["kind"] for r in report.gather([str(run_dir), str(twin)], None, "c")["runs"]]
+    assert kinds == ["CoMERA", "TT, fixed ranks"]
     import contextlib
 
     with contextlib.chdir(tmp_path):  # given as "smoke": its parent folder is still named
