@@ -51,7 +51,15 @@ from typing import Any
 
 import torch
 
-from comera.plans import constant_under_compile, contract_halves, token_bucket, tt_linear_plan
+from comera.errors import ConfigError
+from comera.plans import (
+    EMBEDDING_IMPLS,
+    FIXED_STRATEGIES,
+    constant_under_compile,
+    contract_halves,
+    token_bucket,
+    tt_linear_plan,
+)
 from comera.tensor_train import is_batched, under_func_transform
 
 __all__ = [
@@ -66,6 +74,7 @@ __all__ = [
     "choose_linear",
     "current_tuner",
     "median_timer",
+    "rekey",
     "set_tuner",
     "summarize_decisions",
     "use_tuner",
@@ -212,6 +221,18 @@ def _device_name(device: torch.device) -> str:
     return f"{name} x{torch.get_num_threads()}"
 
 
+def rekey(key: str, device: torch.device) -> str:
+    """A decision's ``key`` for ``device`` as it is now (its model and torch's thread count)
+    and this torch version: a resumed run reinstalls the decisions it recorded under the
+    keys its calls look up, on another thread count or machine too (it timed afresh and
+    could pick other plans than its first steps ran)."""
+    parts = key.split("|")
+    if len(parts) < 6 or not parts[-1].startswith("torch "):
+        return key  # not a key this version writes: left as it is (decided again)
+    parts[4], parts[-1] = _device_name(device), f"torch {torch.__version__}"
+    return "|".join(parts)
+
+
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     dev = t.device.type
     if torch.is_autocast_enabled(dev):
@@ -264,6 +285,17 @@ class PlanTuner:
         self.timer = timer or median_timer()
         self.linear_candidates = tuple(linear_candidates)
         self.embedding_candidates = tuple(embedding_candidates)
+        # a bad name was recorded as chosen and ran as "optimized" (an embedding), or
+        # failed at the first call naming tt_linear; none at all was min()'s bare error
+        for arg, given, known in (("linear_candidates", self.linear_candidates,
+                                   FIXED_STRATEGIES),
+                                  ("embedding_candidates", self.embedding_candidates,
+                                   tuple(i for i in EMBEDDING_IMPLS if i != "auto"))):  # fmt: skip
+            bad = [c for c in given if c not in known]
+            if bad or not given:
+                raise ConfigError(
+                    f"PlanTuner({arg}={given!r}): give one or more of {', '.join(known)}"
+                )
         self.decisions: dict[str, Decision] = {}
         self.timings = 0
         self.used: set[str] = set()  # keys asked for since the last ``take_used``

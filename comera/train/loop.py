@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
-from comera.autotune import LINEAR_CANDIDATES, current_tuner, summarize_decisions
+from comera.autotune import LINEAR_CANDIDATES, current_tuner, rekey, summarize_decisions
 from comera.errors import CheckpointError, ConfigError, DataError, UserError
 from comera.layers import SyncFreeLookups
 from comera.train import checkpoint as ck
@@ -531,12 +531,14 @@ class Trainer:
 
     def _reinstall_plans(self) -> None:
         """A resumed run goes on with the decisions it recorded (``plans.json``), whatever
-        the cache or the machine's timing would say now."""
+        the cache or the machine's timing would say now, on another thread count or
+        machine too (:func:`comera.autotune.rekey`)."""
         path = self.run_dir / "plans.json"
         if not self.auto_plans or not path.is_file():
             return
         try:
-            recorded = {k: d for h in json.loads(path.read_text()).values() for k, d in h.items()}
+            history = json.loads(path.read_text()).values()
+            recorded = {rekey(k, self.device): d for h in history for k, d in h.items()}
         except (OSError, ValueError, AttributeError, RecursionError) as e:  # damaged by hand
             warnings.warn(f"{path} is unreadable ({e}); this resume decides its plans afresh "
                           "and starts its history anew", stacklevel=2)  # fmt: skip

@@ -722,3 +722,19 @@ def test_no_cache_problem_stops_a_run(tmp_path, monkeypatch) -> None:
         tuner.install({key: {**tuner.export()[key], "choice": "bogus"}, "junk": [1]})
         assert tuner.decisions[key].choice != "bogus" and "junk" not in tuner.decisions
         assert C.tt_linear(*_linear(), _x(), plan="auto").shape == (512, 16)
+
+
+@pytest.mark.parametrize(
+    ("kw", "text"),
+    [({"embedding_candidates": ("bogus",)}, r"embedding_candidates=\('bogus',\)"),
+     ({"linear_candidates": ()}, r"linear_candidates=\(\)"),
+     ({"linear_candidates": ("comera", "fast")}, r"linear_candidates=\('comera', 'fast'\)")],
+)  # fmt: skip
+def test_candidates_that_are_no_plan_are_refused_when_built(kw, text) -> None:
+    """A bad embedding name was recorded as chosen and ran as "optimized"; no linear
+    candidate at all was min()'s bare ValueError at the first call; a bad linear name
+    failed there, naming tt_linear rather than the argument."""
+    from comera.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"PlanTuner\({text}\): give one or more of"):
+        A.PlanTuner(**kw)

@@ -95,6 +95,30 @@ def test_a_resume_keeps_the_runs_record_and_a_fresh_run_its_own_history(tmp_path
     assert "999" not in json.loads((stale / "plans.json").read_text())
 
 
+def test_a_resume_on_another_thread_count_keeps_the_recorded_plans(tmp_path) -> None:
+    """The decision keys hold the CPU's model and torch's thread count: a resume on
+    another count (or machine) found none of the decisions it recorded, timed afresh and
+    could run other plans than its first steps did."""
+    cfg = _cfg(tmp_path, steps=12, checkpoint_every=4)
+    threads = torch.get_num_threads()
+    first = A.PlanTuner(timer=StubTimer({"comera": 3.0, "dense": 2.0, "dp": 1.0}))
+    try:
+        torch.set_num_threads(1)
+        with A.use_tuner(first), C.default_plan("auto"):
+            Trainer(cfg, ToyTask(), *_toy_model(), auto_plans=True).fit(until=4)
+        recorded = json.loads((tmp_path / "run" / "config.json").read_text())["auto_plans"]
+        assert set(recorded.values()) == {"dp"}
+        torch.set_num_threads(2)
+        again = A.PlanTuner(timer=StubTimer({"comera": 1.0, "dense": 3.0, "dp": 2.0}))
+        with A.use_tuner(again), C.default_plan("auto"):
+            Trainer(cfg, ToyTask(), *_toy_model(), auto_plans=True, resume=True).fit()
+    finally:
+        torch.set_num_threads(threads)
+    assert again.timings == 0  # nothing timed afresh: the recorded choices went on
+    after = json.loads((tmp_path / "run" / "config.json").read_text())["auto_plans"]
+    assert after == recorded
+
+
 def test_a_call_that_got_no_decision_does_not_sync_every_step(tmp_path, monkeypatch) -> None:
     """Ranks sync when one timed or first used a decision; a call the tuner asked about
     but did not decide (no tokens, or where timing cannot run) is nothing to agree on."""
