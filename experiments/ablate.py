@@ -357,6 +357,15 @@ def check_sweep(name: str, cfg: Any, label: str | None = None) -> None:
             "some MLP layers TT (e.g. --set \"model.tt_layers=('bottom.1', 'top.1')\", the "
             "Kaggle preset's)"
         )
+    rules = getattr(getattr(cfg, "plans", None), "per_layer", ())
+    if name == "contraction" and rules:
+        # a per-layer rule wins over each variant's plans.default: its layers ran the rule's
+        # strategy in every variant, and the rows (all "dense", say) matched to the bit
+        raise cli.CLIError(
+            f"{where}: plans.per_layer ({', '.join(f'{g}={s}' for g, s in rules)}) fixes "
+            "the strategy of the layers it names in every variant; drop --plan-for and "
+            "--set plans.per_layer"
+        )
     if need != "tt" and not c.enabled:
         raise cli.CLIError(f"{where}: train.comera.enabled=false reads no rank-adaptation "
                            "setting; drop --set train.comera.enabled=false")  # fmt: skip

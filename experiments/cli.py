@@ -897,6 +897,13 @@ def prepare(
 
     Everything that can fail on bad input (files, columns, labels, hub, checkpoint) fails
     here, before any training."""
+    if cfg.train.optimizer == "galore" and getattr(cfg, "dense", True) is False:
+        # train.comera.enabled=false alone keeps the TT model: GaLore's plain AdamW then
+        # trained its cores and gates at lr_rest, exit 0
+        raise ConfigError(
+            "train.optimizer=galore trains the dense baseline (GaLore projects dense "
+            "weights' gradients): add --dense"
+        )
     run_dir = Path(cfg.train.run_dir)
     flag = "--resume" if resume else "--run-dir"
     check_folder(run_dir, flag)

@@ -269,7 +269,8 @@ class TrainConfig:
         if self.optimizer == "galore" and self.comera.enabled:
             raise ConfigError(
                 "TrainConfig.optimizer='galore' trains the dense baseline (GaLore projects "
-                "dense gradients); pass --dense (or set train.comera.enabled=false)"
+                "dense gradients): a dense model with train.comera.enabled=false (the "
+                "experiments' --dense)"
             )
         if self.cpu_malloc not in CPU_MALLOC_POLICIES:
             raise ConfigError(

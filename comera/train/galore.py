@@ -53,7 +53,10 @@ class GaLoreConfig:
                 "train.galore.update_proj_gap, train.galore.scale)"
             )
         if self.proj_type not in ("std", "reverse_std", "left", "right", "full"):
-            raise ConfigError(f"GaLoreConfig.proj_type={self.proj_type!r} is not a GaLore type")
+            raise ConfigError(
+                f"GaLoreConfig.proj_type={self.proj_type!r} (train.galore.proj_type) is not a "
+                "GaLore type; choose std, reverse_std, left, right or full"
+            )
 
 
 class MissingExtraError(ConfigError):

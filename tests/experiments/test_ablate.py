@@ -608,6 +608,9 @@ def test_report_only_reads_its_own_experiments_runs_and_nan_metrics(tmp_path, ca
         # DLRM's smoke MLPs are dense and lookups read no plan: six identical rows
         (["contraction", "--experiment", "dlrm"],
          r"model.tt_layers is empty, so no layer reads the contraction plan"),
+        # a per-layer rule wins over each variant's default: every row ran "dense"
+        (["contraction", "--set", 'plans.per_layer=[["*", "dense"]]'],
+         r"plans.per_layer \(\*=dense\) fixes the strategy of the layers it names"),
     ],
 )  # fmt: skip
 def test_sweeps_whose_rows_could_not_differ_are_refused(tmp_path, capsys, argv, message):

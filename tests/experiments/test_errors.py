@@ -566,3 +566,16 @@ def test_the_demo_under_torchrun_trains_each_run_in_one_folder(tmp_path):
     assert seen[0] == seen[1] and [Path(d).name for d in seen[0]] == [
         "mnli-smoke-comera-stamp0", "mnli-smoke-dense-stamp0"]  # fmt: skip
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["mnli-smoke-comera-stamp0"]
+
+
+def test_galore_on_the_tt_model_is_refused(tmp_path, capsys):
+    """train.comera.enabled=false without --dense keeps the TT model; GaLore's refusal
+    advised exactly that, and the run then trained the TT cores and gates with GaLore's
+    plain AdamW at lr_rest, exit 0."""
+    argv = ["--preset", "smoke", "--set", "train.optimizer=galore", "--set",
+            "train.comera.enabled=false", "--wandb", "disabled", "--no-progress",
+            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    assert mnli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.optimizer=galore trains the dense baseline" in err[0]
+    assert err[0].endswith("add --dense") and not (tmp_path / "run").exists()

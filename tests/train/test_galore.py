@@ -178,3 +178,11 @@ def test_galore_scale_must_be_finite() -> None:
 
     with pytest.raises(ConfigError, match="train.galore.scale"):
         GaLoreConfig(scale=float("inf"))
+
+
+def test_a_bad_projection_type_names_the_key_and_the_choices():
+    from comera.errors import ConfigError
+    from comera.train.galore import GaLoreConfig
+
+    with pytest.raises(ConfigError, match=r"proj_type='foo' \(train.galore.proj_type\) .*std, "):
+        GaLoreConfig(proj_type="foo")
