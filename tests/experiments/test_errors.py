@@ -476,7 +476,7 @@ def _presets():
         ("finetune", "model.ffn", "-1", "model.ffn=-1 must be >= 1"),
         ("finetune", "model.dropout", "1.5", r"model.dropout=1.5 must be in \[0, 1\)"),
         ("finetune", "model.init_std", "-1", "model.init_std=-1.0 must be finite"),
-        ("finetune", "model.min_compression", "nan", "min_compression=nan must be >= 0"),
+        ("finetune", "model.min_compression", "nan", "min_compression=nan must be finite and >= 0"),
         ("codebert", "data.max_files", "0", "max_files=0 must be None .all. or >= 2"),
         # prepare refused one file per group, naming its own --heldout flag
         ("codebert", "data.max_files", "1", "max_files=1 must be None .all. or >= 2 .each"),
