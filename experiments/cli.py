@@ -53,6 +53,7 @@ from comera.train.logging import last_logged, read_metrics, write_json_atomic
 from comera.tree import iter_tt
 from experiments.cache import cache_root
 from experiments.malloc import apply_cpu_malloc, restart_for
+from experiments.notes import note
 from experiments.report import kept_settings, record_host, resumes
 from experiments.run_config import RESUME_MUTABLE, config_jsonable
 from loaders.errors import LoaderInputError
@@ -1082,6 +1083,18 @@ def train(run: Prepared) -> dict:
     return out
 
 
+def _untraced_plans(cfg: Any) -> str:
+    """The plan settings of ``cfg`` that ``torch.compile`` cannot trace (opt_einsum's
+    strategies), as their flags would say them, or "" (another step mode, or none)."""
+    plans = getattr(cfg, "plans", None)
+    if cfg.train.step_mode != "compile" or plans is None:
+        return ""
+    untraced = ("optimal", "dp", "greedy")
+    said = [f"--plan {plans.default}"] if plans.default in untraced else []
+    said += [f"--plan-for {g}={s}" for g, s in plans.per_layer if s in untraced]
+    return ", ".join(said)
+
+
 def _go_on(run: Prepared) -> str:
     """How a stopped run goes on: from its last checkpoint, or over from its config."""
     run_dir = run.cfg.train.run_dir
@@ -1182,6 +1195,11 @@ def _main(exp: Experiment, argv: list[str] | None) -> int:
         )
         # before the model is built: a command that prints its layers would print them first
         check_step_mode_device(cfg.train.step_mode, cfg.train.device)
+        untraced = _untraced_plans(cfg)
+        if untraced:
+            note(f"--step-mode compile: {untraced} cannot be traced (opt_einsum's path code): "
+                 "those layers fall back to eager inside the compiled step, slower; --plan "
+                 "comera, dense or auto compile whole")  # fmt: skip
         if from_command_line and torch.device(cfg.train.device).type == "cpu":
             restart_for(cfg.train.cpu_malloc)  # lean: re-executed with huge pages enabled
         run = prepare(exp, cfg, resume=args.resume is not None, argv=argv,

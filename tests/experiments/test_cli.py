@@ -728,3 +728,22 @@ def test_a_run_saved_with_an_empty_run_dir_still_resumes(tmp_path):
     saved["train"]["run_dir"] = ""
     (run / "config.json").write_text(json.dumps(saved))
     assert mnli.main(["--resume", str(run), "--no-progress", "--wandb", "disabled"]) == 0
+
+
+def test_opt_einsum_plans_under_compile_are_noted(monkeypatch, capsys):
+    """--plan dp with --step-mode compile trained eager's values, but Dynamo fell back to
+    eager for those layers' frames (opt_einsum's caches hit its recompile limit): a slower
+    step than the one graph the docs promise, without a word."""
+
+    def stop(*args, **kwargs):
+        raise cli.CLIError("stopped before building")
+
+    monkeypatch.setattr(cli, "prepare", stop)
+    argv = ["--preset", "smoke", "--step-mode", "compile", "--plan", "dp", "--plan-for",
+            "layers.0.q=greedy", "--plan-for", "layers.1.q=dense"]  # fmt: skip
+    assert mnli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert ("note: --step-mode compile: --plan dp, --plan-for layers.0.q=greedy cannot be "
+            "traced") in err  # fmt: skip
+    assert mnli.main(["--preset", "smoke", "--step-mode", "compile", "--plan", "auto"]) == 2
+    assert "cannot be traced" not in capsys.readouterr().err
