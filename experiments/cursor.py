@@ -8,9 +8,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from comera.errors import CheckpointError, DataError
+from comera.errors import CheckpointError, ConfigError, DataError
 
-__all__ = ["EpochCursor", "full_digest", "sample_digest"]
+__all__ = ["EpochCursor", "check_global_batch", "full_digest", "sample_digest"]
+
+
+def check_global_batch(batch_size: int, world: int) -> None:
+    """Refuse a global ``batch_size`` the ``world`` processes do not divide (or below 1):
+    each rank takes ``batch_size / world`` rows, so a resume on another number of
+    processes trains the same batch."""
+    if batch_size < 1 or batch_size % world:
+        raise ConfigError(
+            f"batch_size={batch_size} (global) must be a positive multiple of "
+            f"world_size={world}; round it to a multiple (--set batch_size=...), or run on "
+            "a number of processes that divides it (a resume keeps its batch_size)"
+        )
 
 
 def sample_digest(header: object, columns: Sequence[np.ndarray]) -> str:

@@ -36,6 +36,7 @@ from experiments.codebert.data import (
 )
 from experiments.codebert.model import init_mlm
 from experiments.codebert.task import MLMTask
+from experiments.cursor import check_global_batch
 from experiments.notes import note
 from experiments.transformer import EncoderConfig, check_step_mode, dense_param_count, fit_vocab
 from loaders import DatasetSpec, EmptyStream, LoaderConfig, TokenLoader
@@ -297,13 +298,7 @@ def codebert_model(**changes: Any) -> EncoderConfig:
 
 def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, dict, int]:
     """Corpus (prepared and cached; rank 0 first), loaders, task and a fresh model."""
-    if p.batch_size % world:  # per rank, a resume on other processes changed the batch
-        raise ConfigError(
-            f"batch_size={p.batch_size} (global) must be a multiple of the {world} processes; "
-            "round it to a multiple (--set batch_size=...), or run on a number of processes "
-            "that divides it (a resume keeps its batch_size)"
-        )
-
+    check_global_batch(p.batch_size, world)  # per rank, a resume changed the batch
     root, progress = cache_root("codebert", p.data.cache_dir), p.train.progress and rank == 0
     for up in (root, *root.parents):  # a file on the way: NotADirectoryError mid-prepare
         if up.exists():

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from comera.errors import ConfigError
-from experiments.cursor import EpochCursor
+from experiments.cursor import EpochCursor, check_global_batch
 from experiments.dlrm.data import CriteoData
 from loaders.permute import IndexCipher
 
@@ -45,12 +45,7 @@ class RowBatches(EpochCursor):
         rank: int = 0,
         world: int = 1,
     ) -> None:
-        if batch_size < 1 or batch_size % world:
-            raise ConfigError(
-                f"batch_size={batch_size} (global) must be a positive multiple of the world "
-                f"size {world}; round it to a multiple (--set batch_size=...), or run on a "
-                "number of processes that divides it (a resume keeps its batch_size)"
-            )
+        check_global_batch(batch_size, world)
         self.n = hi - lo
         if self.n < batch_size:
             raise ConfigError(

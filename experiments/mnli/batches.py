@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from comera.errors import ConfigError
-from experiments.cursor import EpochCursor, full_digest, sample_digest
+from experiments.cursor import EpochCursor, check_global_batch, full_digest, sample_digest
 
 __all__ = ["BatchIterator", "EncodedSplit", "eval_batches"]
 
@@ -85,12 +85,7 @@ class BatchIterator(EpochCursor):
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
-        if batch_size < 1 or batch_size % world_size:
-            raise ConfigError(
-                f"batch_size={batch_size} (global) must be a positive multiple of "
-                f"world_size={world_size}; round it to a multiple (--set batch_size=...), or "
-                f"run on a number of processes that divides it (a resume keeps its batch_size)"
-            )
+        check_global_batch(batch_size, world_size)
         if not drop_last and world_size > 1:
             raise ValueError(
                 "drop_last=False with world_size>1 gives ranks unequal last batches; "

@@ -549,7 +549,9 @@ def test_the_batch_is_global_and_split_over_the_processes(tmp_path: Path) -> Non
                                    cache_dir=str(tmp_path / "cache"))  # fmt: skip
         return dataclasses.replace(p, data=data, batch_size=batch)
 
-    with pytest.raises(ConfigError, match=r"batch_size=3 \(global\) must be a multiple of the 2"):
+    with pytest.raises(
+        ConfigError, match=r"batch_size=3 \(global\) must be a positive multiple of world_size=2"
+    ):
         build(small(3), rank=0, world=2)
     assert not (tmp_path / "cache").exists()
     shares = [build(small(4), rank=r, world=2)[0].train_iter.config.batch_size for r in (0, 1)]
