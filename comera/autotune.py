@@ -53,6 +53,7 @@ import torch
 
 from comera.errors import ConfigError
 from comera.plans import (
+    DIRECT_STRATEGIES,
     EMBEDDING_IMPLS,
     FIXED_STRATEGIES,
     constant_under_compile,
@@ -598,7 +599,7 @@ class PlanTuner:
         # what the call differentiates, no more: no dx, or no weight gradients for a
         # frozen layer; with built halves comera and dense read (and differentiate) those
         x = _fresh(x2d, grad and x2d.requires_grad)
-        direct = strategy in ("comera", "dense")
+        direct = strategy in DIRECT_STRATEGIES
         weights = halves if direct and halves is not None else cores
         gs = [_fresh(c, grad and c.requires_grad) for c in weights]
         b = _fresh(bias, grad and bias is not None and bias.requires_grad)

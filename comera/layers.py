@@ -17,6 +17,7 @@ import torch
 from comera.autotune import choose_embedding, choose_linear
 from comera.errors import ConfigError, IdOutOfRangeError
 from comera.plans import (
+    DIRECT_STRATEGIES,
     EMBEDDING_IMPLS,
     GroupedHalves,
     PlanLike,
@@ -182,7 +183,7 @@ def tt_linear(
     strategy = resolve_plan(plan, name)
     if strategy == "auto":
         strategy = choose_linear(g, x2, params.get("bias"), built)  # type: ignore[arg-type]
-    if strategy in ("comera", "dense"):  # direct GEMMs: no plan to look up (nor to trace)
+    if strategy in DIRECT_STRATEGIES:  # direct GEMMs: no plan to look up (nor to trace)
         operands = g if built is None else built
         y = contract_halves(strategy, x2, operands, params.get("bias"), built=built is not None)
     else:

@@ -50,6 +50,7 @@ from comera.tensor_train import (
 )
 
 __all__ = [
+    "DIRECT_STRATEGIES",
     "EMBEDDING_IMPLS",
     "FIXED_STRATEGIES",
     "RANK_ALIGN",
@@ -71,6 +72,9 @@ __all__ = [
 
 # the strategies with a fixed path, and ``auto``, which picks one of them per call
 FIXED_STRATEGIES = ("comera", "optimal", "dp", "greedy", "dense")
+# the strategies run as direct GEMMs (no opt_einsum path: traceable by torch.compile); the
+# others contract through opt_einsum, whose path code Dynamo cannot trace
+DIRECT_STRATEGIES = ("comera", "dense")
 STRATEGIES = ("auto", *FIXED_STRATEGIES)
 # TTM lookup implementations (see comera.layers.ttm_embedding), chosen per model by LayerPlans
 EMBEDDING_IMPLS = ("auto", "optimized", "naive", "static", "table")
@@ -298,7 +302,7 @@ class ContractionPlan:
         self, x2d: torch.Tensor, cores: Sequence[torch.Tensor], bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``x2d (T, N)`` -> ``(T, M)``, adding ``bias`` if given."""
-        if self.strategy in ("comera", "dense"):
+        if self.strategy in DIRECT_STRATEGIES:
             return contract_halves(self.strategy, x2d, cores, bias)
         dev = x2d.device.type
         if torch.is_autocast_enabled(dev):
@@ -565,7 +569,7 @@ def _build(
     if isinstance(strategy, tuple):
         label = "explicit"
         optimize: Any = [tuple(p) for p in strategy]
-    elif strategy in ("comera", "dense"):
+    elif strategy in DIRECT_STRATEGIES:
         label = strategy
         optimize = _named_path(strategy, num_cores)
     else:

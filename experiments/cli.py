@@ -40,6 +40,7 @@ import torch
 import comera as C
 from comera import autotune
 from comera.errors import ConfigError, MissingFileError, UserError
+from comera.plans import DIRECT_STRATEGIES, FIXED_STRATEGIES
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.checkpoint import complete_checkpoints
 from comera.train.config import (
@@ -1089,7 +1090,7 @@ def _untraced_plans(cfg: Any) -> str:
     plans = getattr(cfg, "plans", None)
     if cfg.train.step_mode != "compile" or plans is None:
         return ""
-    untraced = ("optimal", "dp", "greedy")
+    untraced = [s for s in FIXED_STRATEGIES if s not in DIRECT_STRATEGIES]
     said = [f"--plan {plans.default}"] if plans.default in untraced else []
     said += [f"--plan-for {g}={s}" for g, s in plans.per_layer if s in untraced]
     return ", ".join(said)

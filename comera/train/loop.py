@@ -30,6 +30,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from comera.autotune import LINEAR_CANDIDATES, current_tuner, rekey, summarize_decisions
 from comera.errors import CheckpointError, ConfigError, DataError, UserError
 from comera.layers import SyncFreeLookups
+from comera.plans import DIRECT_STRATEGIES
 from comera.train import checkpoint as ck
 from comera.train.config import TrainConfig, usable_device
 from comera.train.distributed import (
@@ -496,7 +497,7 @@ class Trainer:
         if next(iter_tt(self.params, self.state), None) is None:  # dense: nothing to plan
             return
         tuner = current_tuner()
-        traced = ("comera", "dense") if self.cfg.step_mode == "compile" else LINEAR_CANDIDATES
+        traced = DIRECT_STRATEGIES if self.cfg.step_mode == "compile" else LINEAR_CANDIDATES
         rngs = ck.rng_state(self.device)
         try:
             with (
