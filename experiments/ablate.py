@@ -40,7 +40,6 @@ import dataclasses
 import importlib
 import json
 import math
-import os
 import shutil
 import statistics
 import sys
@@ -52,7 +51,7 @@ import torch
 
 import comera as C
 from comera.train import NonFiniteLoss, read_metrics
-from comera.train.distributed import own_process_group
+from comera.train.distributed import launched_world, own_process_group
 from comera.tree import iter_tt
 from experiments import cli
 from experiments.host import report_header
@@ -888,7 +887,7 @@ def _main(argv: list[str] | None) -> int:
     args = ap.parse_args(argv)
     exp: cli.Experiment = importlib.import_module(f"experiments.{args.experiment}").EXPERIMENT
     try:
-        if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
+        if launched_world() > 1:
             # every process prepared the data, moved the same run folders aside and wrote
             # the record and the report: races, not a data-parallel ablation
             raise cli.CLIError(

@@ -30,6 +30,7 @@ __all__ = [
     "check_alike",
     "check_rank_device",
     "init_distributed",
+    "launched_world",
     "own_process_group",
     "rank_first",
     "rank_world",
@@ -47,17 +48,23 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def init_distributed(device: str) -> tuple[int, int]:
-    """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1): gloo on CPU,
-    nccl on CUDA, each rank on its ``LOCAL_RANK`` GPU. A group joined here is left at exit
-    (if still held): a script need not call ``destroy_process_group`` itself."""
+def launched_world() -> int:
+    """The number of processes the launcher started (``WORLD_SIZE``; 1 when it is unset or
+    empty), without joining any group; text there is a :class:`ConfigError`."""
     try:
-        world = int(os.environ.get("WORLD_SIZE") or "1")  # set empty: as unset
+        return int(os.environ.get("WORLD_SIZE") or "1")  # set empty: as unset
     except ValueError:
         raise ConfigError(
             f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a process count; launch with "
             "torchrun, or unset WORLD_SIZE to run one process"
         ) from None
+
+
+def init_distributed(device: str) -> tuple[int, int]:
+    """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1): gloo on CPU,
+    nccl on CUDA, each rank on its ``LOCAL_RANK`` GPU. A group joined here is left at exit
+    (if still held): a script need not call ``destroy_process_group`` itself."""
+    world = launched_world()
     if world <= 1:
         return 0, 1
     if not dist.is_initialized():
