@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
@@ -123,13 +124,9 @@ class LoaderConfig:
         :class:`loaders.TokenLoader`: a field set after building, ``seq_len = 0`` say, was
         taken as it was and streamed empty rows forever)."""
         if not isinstance(self.datasets, (list, tuple, str, bytes, dict)):
-            try:  # a generator of specs: checked, then read again below, was read once
+            # a generator of specs: checked, then read again below, was read once
+            with contextlib.suppress(TypeError):  # not iterable: refused below
                 self.datasets = list(self.datasets)
-            except TypeError:
-                raise LoaderInputError(
-                    f"LoaderConfig.datasets must be a list of DatasetSpec, got "
-                    f"{type(self.datasets).__name__}"
-                ) from None
         if not isinstance(self.datasets, (list, tuple)):
             raise LoaderInputError(
                 f"LoaderConfig.datasets must be a list of DatasetSpec, got "
