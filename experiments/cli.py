@@ -65,6 +65,7 @@ __all__ = [
     "Experiment",
     "apply_overrides",
     "check_folder",
+    "check_same_info",
     "config_file_items",
     "config_jsonable",
     "build_parser",
@@ -102,8 +103,10 @@ class Experiment:
     """What an experiment gives the shared CLI.
 
     ``build(cfg, rank, world) -> (task, params, state, reference_size, info)``: ``info`` is
-    printed at start and stored in ``config.json``. ``flags`` adds experiment-specific
-    arguments; ``flag_overrides(args) -> [(key, value)]`` maps them onto config keys.
+    printed at start and stored in ``config.json``, but for its optional ``"layer_table"``
+    (text): printed on its own by rank 0 once the run has passed every check, not stored.
+    ``flags`` adds experiment-specific arguments; ``flag_overrides(args) -> [(key,
+    value)]`` maps them onto config keys.
     Bad input raises a :data:`USER_ERRORS` kind (one line, exit 2)."""
 
     name: str
@@ -122,6 +125,10 @@ class Experiment:
     # a resume's missing file or folder (it came from the saved config): how to go on,
     # with ``{run}`` the run dir
     moved_hint: str = ""
+    # keys of the build's ``info`` a resume must find as the run saved them (key -> what to
+    # do otherwise): what a resume may point elsewhere (a moved model folder) must still
+    # hold what the run was built from
+    resume_same: Mapping[str, str] = field(default_factory=dict)
     # config keys the build sets itself (key -> where from): a ``--set`` of one is refused,
     # as the build would replace its value without a word
     derived: Mapping[str, str] = field(default_factory=dict)
@@ -798,6 +805,32 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
     return apply_overrides(cfg, [*kept, *own, *overrides], args.sets)
 
 
+def check_same_info(run_dir: Path, info: Mapping[str, Any], keys: Mapping[str, str]) -> None:
+    """Refuse a resume whose build gives another value of an ``info`` key in ``keys`` than
+    the run's ``config.json`` saved: a ``CLIError`` naming what differs and ``keys[key]``,
+    the way on. A key the file lacks (an older version wrote it) passes, and of a mapping
+    only the entries both hold are compared."""
+    with contextlib.suppress(OSError, ValueError):
+        saved = json.loads((run_dir / "config.json").read_text())
+        for key in sorted(keys):
+            if not isinstance(saved, dict) or key not in saved or key not in info:
+                continue
+            was = saved[key]
+            now = json.loads(json.dumps(info[key], default=config_jsonable))
+            if isinstance(was, dict) and isinstance(now, dict):  # entries both have: one
+                # another version adds or drops is no change of the run
+                diff = [f"{k}: {was[k]!r} saved, {now[k]!r} now"
+                        for k in sorted(was.keys() & now.keys()) if was[k] != now[k]]  # fmt: skip
+                more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
+                what = "; ".join(diff[:4]) + more
+            else:
+                what = "" if was == now else f"{was!r} saved, {now!r} now"
+            if not what:
+                continue
+            raise CLIError(f"--resume {run_dir}: {key} differs from the run's ({what}); "
+                           f"{keys[key]}")  # fmt: skip
+
+
 def resumed_config(exp: Experiment, run_dir: str | Path) -> Any:
     """The config a plain ``--resume RUN_DIR`` runs with: the saved one, with what its
     resumes kept (:func:`_kept_settings`: a moved data file, a changed mix)."""
@@ -953,6 +986,9 @@ def prepare(
             raise
         # the path came from the saved config: a flag naming it again was refused
         raise MissingFileError(f"{e}; {exp.moved_hint.format(run=run_dir)}") from None
+    table = info.pop("layer_table", None)  # printed once nothing can refuse the run
+    if resume and exp.resume_same:
+        check_same_info(run_dir, info, exp.resume_same)
     layers = [(path, p["cores"][0].dim() == 3) for path, p, _ in iter_tt(params, state)]
     if not layers and cfg.train.comera.enabled:  # refused before the run dir is written
         if getattr(cfg, "dense", False):  # --set dense=true alone: --dense sets both
@@ -1001,6 +1037,8 @@ def prepare(
     if rank == 0:
         if not resume:  # a resume records it after training (train), if it trains
             record_host(run_dir)  # the machine a report on this run names in its header
+        if table:
+            print(table, file=sys.stderr)
         shown = {k: v for k, v in info.items() if isinstance(v, int | float | str)}
         facts = ", ".join(
             f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in shown.items()

@@ -47,6 +47,7 @@ __all__ = [
     "EXPERIMENT",
     "ModelConfig",
     "Preset",
+    "architecture",
     "build",
     "check_fits",
     "load_model",
@@ -199,11 +200,7 @@ def load_model(cfg: ModelConfig, data: MNLIData, *, quiet: bool = False) -> nn.M
         if missing and not quiet:
             print(f"--model {cfg.path}: newly initialized (not in its checkpoint): "
                   f"{', '.join(missing)}", file=sys.stderr)  # fmt: skip
-        config = getattr(model, "config", None)
-        if config is not None and getattr(config, "pad_token_id", 0) is None:
-            # a decoder-only classifier (GPT-2, Llama) finds each row's last token by the
-            # pad id, and its configs often have none: the data's, as a built BERT gets
-            config.pad_token_id = data.pad_id
+        _take_data_pad_id(model, cfg, data, quiet=quiet)
         return model
     bert = tf.BertConfig(
         vocab_size=data.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
@@ -213,6 +210,36 @@ def load_model(cfg: ModelConfig, data: MNLIData, *, quiet: bool = False) -> nn.M
         pad_token_id=data.pad_id, num_labels=cfg.num_labels, initializer_range=cfg.init_std,
     )  # fmt: skip
     return tf.BertForSequenceClassification(bert)
+
+
+def _take_data_pad_id(model: nn.Module, cfg: ModelConfig, data: MNLIData, *,
+                      quiet: bool = False) -> None:  # fmt: skip
+    """Give a loaded model's config the pad id its rows are padded with. A decoder-only
+    classifier (GPT-2, Llama) finds each row's last token by ``config.pad_token_id``: its
+    configs often have none, and one saved with another id than the tokenizer pads with
+    pooled a pad position without a word. A model that numbers its positions after its pad
+    id (RoBERTa's family: a ``position_embeddings`` table with that ``padding_idx``) read
+    the tokenizer's pads as text and its tokens of the model's pad id as pads: refused."""
+    config = getattr(model, "config", None)
+    saved = getattr(config, "pad_token_id", None) if config is not None else None
+    if config is None or saved == data.pad_id:
+        return
+    if saved is not None:
+        for name, module in model.named_modules():
+            pad = getattr(module, "padding_idx", None)
+            if name.rpartition(".")[2] == "position_embeddings" and pad == saved:
+                raise ConfigError(
+                    f"--model {cfg.path} numbers its positions after pad id {saved} "
+                    f"(config.pad_token_id), but --tokenizer {data.tokenizer_path_or_name} "
+                    f"pads with id {data.pad_id}; give --tokenizer the tokenizer --model was "
+                    "trained with"
+                )
+        if not quiet:
+            print(f"note: --model {cfg.path}: its config's pad_token_id {saved} is not the "
+                  f"id --tokenizer pads with ({data.pad_id}); the model reads "
+                  f"{data.pad_id} as its pad id (a decoder-only classifier finds each row's "
+                  "last token by it)", file=sys.stderr)  # fmt: skip
+    config.pad_token_id = data.pad_id  # as a built BERT gets the data's
 
 
 def _check_local_path(path: str) -> None:
@@ -487,11 +514,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
         linears = [n for n, m in model.named_modules() if isinstance(m, C.TTLinear)]
         lookups = [n for n, m in model.named_modules() if isinstance(m, C.TTMEmbedding)]
         if linears or lookups:  # as the command checks them once build returns (a model
-            # left all dense has no layer for a rule to name): here too, so that an error
-            # is its one line rather than this table and the line
+            # left all dense has no layer for a rule to name): here too, for build's callers
             p.plans.check_layers(linears, lookups)
-        if rank == 0:  # the table once nothing here can refuse the run
-            print(summary, file=sys.stderr)
     task = ModuleTask(model, loss, it, evaluate=_Eval(data, p.eval_batch_size, device, types),
                       eval_data_id=data.eval_identity())  # fmt: skip
     info = {
@@ -510,11 +534,34 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
             }
             for r in (summary.layers if summary is not None else [])
         ],  # fmt: skip
+        # what the loaded model is, beyond its tensors' shapes: a resume from a moved
+        # folder must find it (a changed head count or activation trained on silently)
+        **({"model_config": architecture(model)} if p.model.path is not None else {}),
         # each TT layer's own sizes, by its params path: a train holds the padded ones, and
         # a report's layer table counts those without them (comera.summarize)
         "dense_shapes": {k: list(v) for k, v in task.dense_shapes().items()},
     }
+    if summary is not None:  # the command prints it once nothing can refuse the run
+        info["layer_table"] = str(summary)
     return task, task.params(), task.state(), dense_size, info
+
+
+# transformers config keys that say nothing of the function the model computes
+_NOT_ARCHITECTURE = frozenset({
+    "architectures", "transformers_version", "dtype", "torch_dtype", "problem_type",
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "id2label",
+    "label2id", "torchscript",
+})  # fmt: skip
+
+
+def architecture(model: nn.Module) -> dict[str, Any]:
+    """A loaded model's config as a dict, without what does not change what it computes
+    (names, versions, dtype, output switches, label names, private ``_`` keys)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return {}
+    return {k: v for k, v in sorted(config.to_dict().items())
+            if not k.startswith("_") and k not in _NOT_ARCHITECTURE}  # fmt: skip
 
 
 _DEFAULT_TARGET = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "target")
@@ -567,6 +614,7 @@ EXPERIMENT = cli.Experiment(
     # a moved model folder or tokenizer: the checkpoint refuses another architecture or
     # other frozen weights, the examples' digest another tokenization
     resume_mutable=frozenset({"model.path", "data.tokenizer"}),
+    resume_same={"model_config": "give --model a folder of the model the run was saved with"},
     moved_hint=(
         "the run in {run} was saved with it: a moved model folder or tokenizer resumes with "
         "--resume {run} --model NEW_FOLDER or --tokenizer NEW_PATH (another architecture, "

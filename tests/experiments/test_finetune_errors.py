@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -217,6 +218,45 @@ def test_a_gpt2_tokenizer_pads_with_its_end_token_and_gets_no_token_types(tmp_pa
     assert not takes_token_types(gpt2) and takes_token_types(bert)
 
 
+def test_a_model_saved_with_another_pad_id_pools_the_last_token(tmp_path: Path, capsys) -> None:
+    """A GPT-2 classifier saved with pad id 1 where the tokenizer pads with 0 pooled a pad
+    position of every padded row, without a word: it takes the data's pad id, saying so.
+    A RoBERTa numbers positions after its pad id, so there the mismatch is refused."""
+    vocab = _generated_vocab()
+    gpt2 = tmp_path / "gpt2"
+    tf.GPT2ForSequenceClassification(tf.GPT2Config(
+        vocab_size=vocab, n_embd=32, n_layer=1, n_head=4, n_positions=64, num_labels=3,
+        pad_token_id=1)).save_pretrained(gpt2)  # fmt: skip
+    p = EXPERIMENT.presets["smoke"]()
+    for kv in [*SETS, f"model.path={gpt2}"]:
+        p = cli.set_field(p, *kv.split("=", 1), text=True)
+    data = load_mnli(p.data)
+    assert data.pad_id == 0
+    capsys.readouterr()
+    model = load_model(p.model, data).eval()
+    assert "pad_token_id 1 is not the id --tokenizer pads with (0)" in capsys.readouterr().err
+    assert model.config.pad_token_id == 0
+    rows = data.train.batch(torch.arange(4))
+    mask = rows["attention_mask"]
+    assert (mask == 0).any()  # padded rows: their pooled token must be the last real one
+    with torch.no_grad():
+        padded = model(input_ids=rows["input_ids"], attention_mask=mask).logits
+        for i in range(4):
+            n = int(mask[i].sum())
+            alone = model(input_ids=rows["input_ids"][i : i + 1, :n]).logits
+            torch.testing.assert_close(padded[i : i + 1], alone, rtol=1e-4, atol=1e-5)
+    roberta = tmp_path / "roberta"
+    tf.RobertaForSequenceClassification(tf.RobertaConfig(
+        vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=160, num_labels=3,
+        pad_token_id=1)).save_pretrained(roberta)  # fmt: skip
+    capsys.readouterr()
+    assert main(_argv(tmp_path, "r", "--model", str(roberta), "--dense")) == 2
+    line = _one_line(capsys)
+    assert "numbers its positions after pad id 1" in line and "pads with id 0" in line
+    assert not (tmp_path / "r").exists()
+
+
 def _generated_vocab() -> int:
     return build_generated_tokenizer().get_vocab_size(with_added_tokens=True)
 
@@ -281,6 +321,36 @@ def test_a_resume_that_changes_the_model_names_the_flag_typed(tmp_path: Path, ca
     assert main(["--resume", run, "--model", str(tmp_path / "other")]) == 2  # no such folder
     line = _one_line(capsys)
     assert "--model" in line and "no such folder" in line and f"--resume {run} --model" in line
+
+
+def test_a_resume_from_a_moved_folder_of_another_architecture_is_refused(
+    tmp_path: Path, capsys
+) -> None:
+    """``--resume RUN --model NEW`` takes a moved model folder; one whose config computes
+    another function with tensors of the same shapes (more heads, another activation)
+    resumed without a word. The saved config is compared; a moved copy resumes."""
+    import json
+    import shutil
+
+    first = _saved(capsys, tmp_path / "bert")
+    assert main(_argv(tmp_path, "run", "--model", first)) == 0
+    run = tmp_path / "run"
+    saved = json.loads((run / "config.json").read_text())["model_config"]
+    assert saved["num_attention_heads"] == 4 and "transformers_version" not in saved
+    capsys.readouterr()
+    moved, other = tmp_path / "moved", tmp_path / "other"
+    shutil.copytree(first, moved)
+    shutil.copytree(first, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(num_attention_heads=8, hidden_act="relu")
+    (other / "config.json").write_text(json.dumps(config))
+    assert main(["--resume", str(run), "--model", str(other)]) == 2
+    line = _one_line(capsys)
+    assert "model_config differs from the run's" in line
+    assert "hidden_act: 'gelu' saved, 'relu' now; num_attention_heads: 4 saved, 8 now" in line
+    assert "give --model a folder of the model the run was saved with" in line
+    assert main(["--resume", str(run), "--model", str(moved)]) == 0
+    assert "| layer | kind |" in capsys.readouterr().err  # printed once the run is taken
 
 
 def test_plan_rules_are_checked_only_where_a_tt_layer_is_left(tmp_path: Path, capsys) -> None:
