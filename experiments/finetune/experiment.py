@@ -595,6 +595,12 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
     out = mnli.data_flag_overrides(args)
     if args.model_path:
         out.append(("model.path", args.model_path))
+        if not args.resume:  # the smoke run's folder and name are the smoke report's
+            name = Path(args.model_path.rstrip("/\\")).name or "model"
+            if not args.run_dir:
+                out.append(("train.run_dir", f"runs/finetune-{name}"))
+            if not args.wandb_name:
+                out.append(("train.run_name", f"finetune-{name}"))
     for flag in ("target", "exclude"):
         value = getattr(args, flag)
         if value is not None:

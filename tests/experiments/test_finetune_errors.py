@@ -353,6 +353,22 @@ def test_a_resume_from_a_moved_folder_of_another_architecture_is_refused(
     assert "| layer | kind |" in capsys.readouterr().err  # printed once the run is taken
 
 
+def test_a_model_run_gets_its_own_run_dir_not_the_smoke_runs() -> None:
+    """The page's own-model command, given no --run-dir, trained into runs/finetune-smoke:
+    the smoke run was then refused there, and the report compared the two. A --model run
+    is named after its folder unless --run-dir, --wandb-name or --set says otherwise."""
+    ap = cli.build_parser(EXPERIMENT)
+
+    def resolved(*argv: str) -> tuple[str, str]:
+        cfg = cli.resolve_config(EXPERIMENT, ap.parse_args(list(argv)), ap)
+        return cfg.train.run_dir, cfg.train.run_name
+
+    assert resolved() == ("runs/finetune-smoke", "finetune-smoke")
+    assert resolved("--model", "models/my-bert/") == ("runs/finetune-my-bert", "finetune-my-bert")
+    assert resolved("--model", "org/bert", "--run-dir", "r", "--wandb-name", "n") == ("r", "n")
+    assert resolved("--model", "org/bert", "--set", "train.run_dir=r")[0] == "r"
+
+
 def test_plan_rules_are_checked_only_where_a_tt_layer_is_left(tmp_path: Path, capsys) -> None:
     """A model that tensorizing left all dense has no layer for a plan rule to name: the
     command never checked rules there, and build's own check (made to keep its errors to
