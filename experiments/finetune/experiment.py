@@ -485,12 +485,18 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
         tt = (C.TTLinear, C.TTMEmbedding)
         if p.train.comera.enabled and not any(isinstance(m, tt) for m in model.modules()):
             why = "; ".join(f"{r.name}: {r.skipped}" for r in summary.layers[:3] if r.skipped)
+            # every match left dense by its size: the rank, not the globs, is what to change
+            sized = bool(summary.layers) and all(
+                "train is" in (r.skipped or "") for r in summary.layers
+            )
+            way = ("lower --rank (model.embedding_rank for embedding tables) or "
+                   "model.min_compression" if sized else
+                   "name modules to compress with --target and --exclude")  # fmt: skip
             raise ConfigError(
                 f"no module was tensorized (--target {','.join(p.model.target)}"
                 + (f", --exclude {','.join(p.model.exclude)}" if p.model.exclude else "")
                 + (f"; {why}" if why else "")
-                + "), so CoMERA has no ranks to adapt; name modules to compress with --target "
-                "and --exclude, or train --dense"
+                + f"), so CoMERA has no ranks to adapt; {way}, or train --dense"
             )
         for name, module in model.named_modules():
             if isinstance(module, C.TTLinear):

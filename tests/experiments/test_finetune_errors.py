@@ -124,11 +124,17 @@ def test_a_comera_run_with_nothing_tensorized_is_one_line(tmp_path: Path, capsys
     assert "error: --target, --exclude: every module the target globs" in line
     assert "is excluded by ['*']" in line
     assert not (tmp_path / "r").exists()
-    # every match skipped rather than excluded: the run's own check names the globs
-    assert main(_argv(tmp_path, "r", "--set", "model.min_compression=1000")) == 2
-    line = _one_line(capsys)
-    assert "no module was tensorized" in line and "is not 1000x smaller" in line
-    assert "--dense" in line and not (tmp_path / "r").exists()
+    # every match skipped for its size rather than excluded: the way on is the rank (it
+    # said to name other modules with --target and --exclude)
+    for flag, reason in [(["--set", "model.min_compression=1000"], "is not 1000x smaller"),
+                         (["--rank", "1000", "--set", "model.embedding_rank=1000"],
+                          "train is larger than the dense layer")]:  # fmt: skip
+        assert main(_argv(tmp_path, "r", *flag)) == 2
+        line = _one_line(capsys)
+        assert "no module was tensorized" in line and reason in line
+        assert "lower --rank (model.embedding_rank for embedding tables) or " in line
+        assert "--target and --exclude" not in line.partition("to adapt")[2]
+        assert "--dense" in line and not (tmp_path / "r").exists()
 
 
 def test_a_glob_that_matches_nothing_names_its_flag(tmp_path: Path, capsys) -> None:
