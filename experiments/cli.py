@@ -366,14 +366,15 @@ def _derivable(section: Any, name: str) -> bool:
 
 def apply_overrides(
     cfg: Any,
-    overrides: list[tuple[str, Any]],
+    overrides: Sequence[tuple[Any, ...]],
     sets: list[str],
     *,
     file_items: Sequence[tuple[str, Any, str]] = (),
 ) -> Any:
     """A copy of ``cfg`` with every override applied at once: ``file_items`` (a
     ``--config`` file's ``(key, value, label)``), then typed ``overrides`` (from flags),
-    then ``--set KEY=VALUE`` texts; a later value of a key wins. Each section touched is
+    then ``--set KEY=VALUE`` texts; a later value of a key wins (an override's optional
+    third item is the flag that gave it, for errors). Each section touched is
     rebuilt once, after all of its new values are in, so its checks see them together
     (a width and the modes that must multiply to it, in any order). A section may derive
     fields it can compute (``DERIVED``; ``derive_fields``), asked for with ``KEY=auto`` or
@@ -381,8 +382,9 @@ def apply_overrides(
     set what is refused."""
     flag_of = {key: "--" + dest.replace("_", "-") for dest, key in _COMMON.items()}
     items = [(key, value, False, label) for key, value, label in file_items]
-    for key, value in overrides:
-        label = f"{flag_of[key]} {value}" if key in flag_of else f"{key}={value}"
+    for key, value, *given in overrides:  # a third item: the flag, as the user typed it
+        label = given[0] if given else (
+            f"{flag_of[key]} {value}" if key in flag_of else f"{key}={value}")  # fmt: skip
         items.append((key, value, False, label))
     for item in sets:
         key, sep, text = item.partition("=")
@@ -507,7 +509,8 @@ def _rebuild(section: Any, prefix: str, changes: dict, asked: dict) -> Any:
         under = [(k, lab) for k, (_, lab) in changes.items() if k.startswith(prefix)]
         under += [(k, lab) for k, lab in asked.items() if k.startswith(prefix)]
         # the whole config's check (across sections) sees every override: name those whose
-        # keys its message names, where it names any (a section's own names them all)
+        # keys its message names, where it names any (a section's own names them all: its
+        # message may leave out one that counts, as d_model beside the modes it refuses)
         named = [(k, lab) for k, lab in under
                  if not prefix and re.search(rf"(?<!\w){re.escape(k.rsplit('.', 1)[-1])}(?!\w)",
                                              str(e))]  # fmt: skip
@@ -653,26 +656,28 @@ RECOMPUTE_CPU_MALLOC = "lean"
 
 def _common_overrides(
     args: argparse.Namespace, cfg: Any, *, fresh: bool = True, rules: Any = None
-) -> list[tuple[str, Any]]:
-    """The common flags as ``(key, value)`` overrides of ``cfg``; ``rules``: the per-layer
-    plan rules a ``--config`` file gives (``--plan-for`` adds to them)."""
+) -> list[tuple[Any, ...]]:
+    """The common flags as ``(key, value)`` overrides of ``cfg`` (``(key, value, flag)``
+    where the flag a user typed is not the key's own: ``--dense`` sets three keys);
+    ``rules``: the per-layer plan rules a ``--config`` file gives (``--plan-for`` adds to
+    them)."""
     out = [(key, getattr(args, dest)) for dest, key in _COMMON.items()]
     out = [(k, v) for k, v in out if v is not None]
     if args.wandb_tags is not None:
         out.append(("train.wandb_tags", tuple(t for t in args.wandb_tags.split(",") if t)))
     if args.bf16:
-        out.append(("train.bf16", True))
+        out.append(("train.bf16", True, "--bf16"))
     if args.recompute:
         if not hasattr(getattr(cfg, "model", None), "recompute"):
             raise CLIError(
                 "--recompute: this experiment's model has no recompute setting (only the "
                 "project's own encoder, MNLI's and CodeBERT's, recomputes its blocks); drop it"
             )
-        out.append(("model.recompute", True))
+        out.append(("model.recompute", True, "--recompute"))
         if args.cpu_malloc is None and fresh:  # a resumed run keeps its saved policy
-            out.append(("train.cpu_malloc", RECOMPUTE_CPU_MALLOC))
+            out.append(("train.cpu_malloc", RECOMPUTE_CPU_MALLOC, "--recompute"))
     if args.no_progress:
-        out.append(("train.progress", False))
+        out.append(("train.progress", False, "--no-progress"))
     if args.plan_for:
         file_rules, new_rules = rules, []
         for item in args.plan_for:
@@ -696,9 +701,9 @@ def _common_overrides(
                                    f"{', '.join(C.STRATEGIES)}")  # fmt: skip
         out.append(("plans.per_layer", (*base, *new_rules)))
     if args.dense:
-        out += [("dense", True), ("train.comera.enabled", False)]
+        out += [("dense", True, "--dense"), ("train.comera.enabled", False, "--dense")]
         if args.wandb_name is None and cfg.train.run_name:
-            out.append(("train.run_name", f"{cfg.train.run_name}-dense"))
+            out.append(("train.run_name", f"{cfg.train.run_name}-dense", "--dense"))
     return out
 
 
@@ -800,7 +805,7 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
             f"--resume {args.resume}: config.json is not a saved run config ({e})"
         ) from None
     cfg = set_field(cfg, "train.run_dir", str(args.resume))
-    overrides = [(k, v) for k, v in _common_overrides(args, cfg, fresh=False) if k in mutable]
+    overrides = [o for o in _common_overrides(args, cfg, fresh=False) if o[0] in mutable]
     kept = _kept_settings(saved, exp)
     return apply_overrides(cfg, [*kept, *own, *overrides], args.sets)
 
@@ -942,12 +947,13 @@ def prepare(
     run_dir = Path(cfg.train.run_dir)
     flag = "--resume" if resume else "--run-dir"
     check_folder(run_dir, flag)
-    if not resume and any((run_dir / f).exists() for f in RUN_FILES):
+    if not resume and (run_dir / "config.json").exists():
         raise CLIError(
             f"{run_dir} already holds a run; continue it with --resume {run_dir}, or give "
             "another --run-dir (nothing there is overwritten)"
         )
-    records = [f for f in RUN_RECORDS if (run_dir / f).exists()]
+    # a run's files without its config.json: --resume, which reads it, cannot take them
+    records = [f for f in (*RUN_FILES, *RUN_RECORDS) if (run_dir / f).exists()]
     if not resume and records:
         raise CLIError(
             f"{run_dir} holds {', '.join(records)} of another run (and no config.json to "

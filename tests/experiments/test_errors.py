@@ -430,6 +430,15 @@ def test_a_run_dir_holding_another_runs_records_is_refused(tmp_path, capsys):
     assert "holds ranks.json of another run" in _one_line(capsys)
     assert (run / "ranks.json").read_text() == '{"keep": "me"}'
     (run / "ranks.json").unlink()
+    # a run's files without its config.json: "holds a run; --resume it" sent the user to a
+    # resume that refuses a folder with no config.json
+    for name in ("metrics.jsonl", "checkpoints"):
+        (run / name).mkdir() if name == "checkpoints" else (run / name).write_text("{}\n")
+        assert mnli.main([*FAST, "--run-dir", str(run)]) == 2
+        line = _one_line(capsys)
+        assert f"holds {name} of another run (and no config.json to resume it)" in line, line
+        assert "--resume" not in line
+        (run / name).rmdir() if name == "checkpoints" else (run / name).unlink()
     assert mnli.main([*FAST, "--run-dir", str(run)]) == 0  # a folder of one's own files
 
 
@@ -523,7 +532,16 @@ def test_a_check_across_sections_names_the_overrides_it_is_about(tmp_path, capsy
     assert dlrm_main(argv) == 2
     line = _one_line(capsys, "experiments.dlrm")
     named = line.split(": ")[2]  # the overrides, before the check's own message
-    assert named == "dense=True, --set model.hot_rows=16", line
+    assert named == "--dense, --set model.hot_rows=16", line
+    assert not (tmp_path / "r").exists()
+    # a section's own check names the section's overrides as typed: it named the flags that
+    # set them as keys (train.bf16=True) and a run name --dense derives as a --wandb-name
+    from experiments.mnli import main as mnli_main
+
+    argv = ["--dense", "--bf16", "--no-progress", "--run-dir", str(tmp_path / "r")]
+    assert mnli_main(argv) == 2
+    line = _one_line(capsys, "experiments.mnli")
+    assert line.split(": ")[2] == f"--run-dir {tmp_path / 'r'}, --bf16, --no-progress, --dense"
     assert not (tmp_path / "r").exists()
 
 
