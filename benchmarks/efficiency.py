@@ -140,6 +140,9 @@ def render(result: dict) -> str:
     """The markdown report of a sweep result (``efficiency.json``), from the result alone:
     after a sweep, and with ``--render JSON`` for a saved one."""
     by = {(r["variant"], r["batch"]): r for r in result["runs"]}
+    batches = result["batches"]
+    if not isinstance(batches, list) or not all(isinstance(b, int) for b in batches):
+        raise TypeError(f"batches is {batches!r}, not a list of batch sizes")  # the plot's
     lines = [
         *report_header(
             "Efficiency: CoMERA vs dense vs GaLore (the paper's Figure 1 on CPU)",
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPORTS
     check_output(out, "--out", "folder")  # before anything is measured or rendered
     if args.render is not None:
-        done = render_saved(args.render, render, ap.prog, ("runs",))
+        done = render_saved(args.render, render, ap.prog, ("runs", "batches"))
         if done is None:
             return 2
         why = render_refusal(done[0], args.out)

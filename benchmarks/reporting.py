@@ -235,8 +235,9 @@ def render_saved(
     """``--render PATH``: the saved result and ``render`` of it, or None after one error
     line on stderr: an unreadable file, a partial result (the points a run cut short had
     measured, kept beside the report for inspection: it lacks the figures and fields a
-    report is rendered from), or the result of another benchmark (a ``required`` key, or
-    one the renderer reads, is missing or of another shape). Each committed report is
+    report is rendered from), one with no figures (a ``required`` key empty), or the
+    result of another benchmark (a ``required`` key, or one the renderer reads, is missing
+    or of another shape). Each committed report is
     rendered by the tests, so such a failure is the file's, not the renderer's."""
     try:
         result = read_result(path)
@@ -247,6 +248,11 @@ def render_saved(
         print(f"{prog}: error: {path} is a partial result (the points of a run cut short), "
               "kept for inspection; it cannot be rendered: run the benchmark again",
               file=sys.stderr)  # fmt: skip
+        return None
+    empty = [k for k in required if k in result and result[k] in ([], {}, "")]
+    if empty:  # rendered, it was a table of no rows over the report it replaced
+        print(f"{prog}: error: {path} holds no figures ({empty[0]} is empty); give the JSON "
+              "a run of this benchmark wrote", file=sys.stderr)  # fmt: skip
         return None
     missing = [k for k in required if k not in result]
     try:

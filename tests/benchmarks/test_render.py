@@ -228,6 +228,32 @@ def test_render_never_puts_toy_partial_or_gpu_figures_over_the_cpu_reports(
         "reports/gpu/step_modes.md"]  # fmt: skip
 
 
+def test_render_refuses_a_result_with_no_figures_and_keeps_the_report(
+    tmp_path: Path, capsys
+) -> None:
+    """A step_modes result with no runs, or an efficiency one with no batches, replaced a
+    good report with a table of no rows (exit 0); batches of another shape ended in
+    matplotlib's traceback. Each is one line, exit 2, and the report stays."""
+    saved = json.loads((REPORTS / "step_modes.json").read_text())
+    eff = json.loads((REPORTS / "efficiency.json").read_text())
+    for module, data, key, value, want in [
+        (step_modes, saved, "runs", [], "holds no figures (runs is empty)"),
+        (efficiency, eff, "batches", [], "holds no figures (batches is empty)"),
+        (efficiency, eff, "runs", [], "holds no figures (runs is empty)"),
+        (efficiency, eff, "batches", {"1": 1}, "its fields are not this one's"),
+        (efficiency, eff, "batches", ["1"], "its fields are not this one's"),
+    ]:  # fmt: skip
+        out = tmp_path / "out"
+        out.mkdir(exist_ok=True)
+        (out / "keep.md").write_text("good")
+        path = tmp_path / "r.json"
+        path.write_text(json.dumps({**data, key: value}))
+        assert module.main(["--render", str(path), "--out", str(out)]) == 2, (key, value)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and want in err[0], err
+        assert [p.name for p in out.iterdir()] == ["keep.md"]
+
+
 def _tables(text: str) -> list[list[str]]:
     """The markdown tables of ``text``: runs of lines that start with ``|``."""
     tables: list[list[str]] = []
