@@ -1081,7 +1081,9 @@ def _sigterm_as_interrupt(got: list[int]) -> typing.Iterator[None]:
 
     def handler(signum: int, frame: object) -> None:
         got.append(signum)
-        raise KeyboardInterrupt
+        stop = KeyboardInterrupt()
+        stop.status = 128 + signum  # type: ignore[attr-defined]  # the exit code wandb records
+        raise stop
 
     old = signal.signal(signal.SIGTERM, handler)
     try:

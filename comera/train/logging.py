@@ -301,7 +301,9 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.config.update(changes, allow_val_change=True)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """End the wandb run: ``exit_code`` other than 0 marks it failed (a run stopped by
+        Ctrl-C showed as finished)."""
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=exit_code)
             self.wandb = None

@@ -956,6 +956,7 @@ class Trainer:
         tuner = current_tuner()
         tuner.take_used()  # what an earlier trainer in this process used is not this run's
         self._timed = tuner.timings
+        status = 0  # the run's exit code, for wandb
         try:
             stop = cfg.steps if until is None else min(until, cfg.steps)
             while self.step < stop:
@@ -1003,9 +1004,15 @@ class Trainer:
             just_saved = bool(cfg.checkpoint_every) and self.step % cfg.checkpoint_every == 0
             if steps0 < self.step and not just_saved:  # a resumed, finished run saves nothing
                 self.checkpoint()
+        except BaseException as e:
+            # wandb marks a run stopped by Ctrl-C (the shell's 130, or the ``status`` a
+            # KeyboardInterrupt carries: the commands' SIGTERM, 143) or by an error as
+            # failed; it showed such runs as finished
+            status = getattr(e, "status", 130) if isinstance(e, KeyboardInterrupt) else 1
+            raise
         finally:
             bar.close()
-            log.close()
+            log.close(status)
         metrics = self.run_dir / "metrics.jsonl"
         if not last and self.step == steps0 and metrics.is_file():  # nothing trained: {}
             last = last_logged(read_metrics(metrics))  # was returned, not the run's metrics

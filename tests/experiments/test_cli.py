@@ -368,12 +368,43 @@ class _FakeWandb(types.ModuleType):
 
     def __init__(self):
         super().__init__("wandb")
-        self.inits, self.logged = [], []
+        self.inits, self.logged, self.finished = [], [], []
 
     def init(self, **kw):
         self.inits.append(kw)
-        return types.SimpleNamespace(log=lambda row, step: self.logged.append(step),
-                                     finish=lambda: None)  # fmt: skip
+        return types.SimpleNamespace(
+            log=lambda row, step: self.logged.append(step),
+            finish=lambda exit_code=0: self.finished.append(exit_code),
+        )
+
+
+def test_a_stopped_run_ends_its_wandb_run_as_failed(tmp_path, monkeypatch):
+    """A run stopped by Ctrl-C (or SIGTERM: both a KeyboardInterrupt) exits 130 and was
+    recorded in wandb as finished, exit code 0; one that fails on an error likewise."""
+    from comera.train import Trainer
+    from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+
+    class Stops(ToyTask):
+        def __init__(self, error: BaseException) -> None:
+            super().__init__()
+            self.error = error
+
+        def loss(self, params, state, batch, *, train):
+            if self.calls == 3:
+                raise self.error
+            return super().loss(params, state, batch, train=train)
+
+    for run, error, code in [("a", KeyboardInterrupt(), 130), ("b", RuntimeError("x"), 1)]:
+        cfg = _cfg(tmp_path / run, steps=10, wandb="offline")
+        with pytest.raises(type(error)):
+            Trainer(cfg, Stops(error), *_toy_model()).fit()
+        assert fake.finished[-1] == code
+    Trainer(_cfg(tmp_path / "c", steps=4, wandb="offline"), ToyTask(), *_toy_model()).fit()
+    assert fake.finished == [130, 1, 0]
 
 
 def test_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
@@ -530,7 +561,7 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
     fake, finished = _FakeWandb(), []
     init = fake.init
     fake.init = lambda **kw: types.SimpleNamespace(
-        **{**vars(init(**kw)), "finish": lambda: finished.append(True)}
+        **{**vars(init(**kw)), "finish": lambda exit_code=0: finished.append(exit_code)}
     )
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
@@ -556,7 +587,7 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
         f"python -m experiments.mnli: stopped by {name} at step 2; {go_on} with "
         f"python -m experiments.mnli --resume {run_dir}"
     ]
-    assert finished == [True] and fake.logged[-1] == 2
+    assert finished == [128 + signum] and fake.logged[-1] == 2  # wandb: failed, not done
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert issubclass(cli.Interrupted, KeyboardInterrupt)  # Python callers stop as before
 
