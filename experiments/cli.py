@@ -784,16 +784,18 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
              if k not in ("resume", "sets", "compile", *flags, *own_dests)]  # fmt: skip
     bad_sets = [s.partition("=")[0] for s in args.sets if s.partition("=")[0] not in mutable]
     own = exp.flag_overrides(args) if exp.flag_overrides else []
-    bad_own = [k for k, _ in own if k not in mutable]
-    if bad_own:  # an experiment flag that changes what may not change
-        extra += [d for d in own_dests if d in _changed(ap, args)]
+    if any(o[0] not in mutable for o in own):  # an experiment flag that changes what may
+        # not change: each changed one by what it sets alone (DLRM's --data, a moved file,
+        # was named beside --max-ind-range)
+        extra += [d for d in own_dests if d in _changed(ap, args)
+                  and not _own_flag_mutable(exp, ap, args, d, mutable)]  # fmt: skip
     if extra or bad_sets:
         drop = [_flag_of(ap, k) for k in extra] + [f"--set {k}" for k in bad_sets]
         raise CLIError(
             f"--resume continues {args.resume} with its saved config; drop {', '.join(drop)} "
             f"(only --device, --wandb*, --no-progress, --cpu-malloc, --step-mode, --compile, "
             f"--recompute and --set of "
-            f"{', '.join(sorted(mutable))}"
+            f"{', '.join(sorted(mutable))} (or the flags that set them)"
             " may change on resume)"
         )
     if isinstance(saved.get("train"), dict):  # where it is now, before the checks read it
@@ -808,6 +810,19 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
     overrides = [o for o in _common_overrides(args, cfg, fresh=False) if o[0] in mutable]
     kept = _kept_settings(saved, exp)
     return apply_overrides(cfg, [*kept, *own, *overrides], args.sets)
+
+
+def _own_flag_mutable(exp: Experiment, ap: argparse.ArgumentParser, args: argparse.Namespace,
+                      dest: str, mutable: frozenset[str]) -> bool:  # fmt: skip
+    """Whether the experiment flag ``dest`` as given sets only keys a resume may change."""
+    alone = argparse.Namespace(**{k: ap.get_default(k) for k in vars(args)})
+    setattr(alone, dest, getattr(args, dest))
+    alone.resume = args.resume
+    try:
+        keys = [o[0] for o in exp.flag_overrides(alone)]  # type: ignore[misc]
+    except (*USER_ERRORS, ValueError, TypeError):
+        return False
+    return bool(keys) and all(k in mutable for k in keys)
 
 
 def check_same_info(run_dir: Path, info: Mapping[str, Any], keys: Mapping[str, str]) -> None:

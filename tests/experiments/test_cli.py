@@ -778,3 +778,19 @@ def test_opt_einsum_plans_under_compile_are_noted(monkeypatch, capsys):
             "traced") in err  # fmt: skip
     assert mnli.main(["--preset", "smoke", "--step-mode", "compile", "--plan", "auto"]) == 2
     assert "cannot be traced" not in capsys.readouterr().err
+
+
+def test_a_resume_refusal_drops_only_the_flags_that_may_not_change(tmp_path) -> None:
+    """DLRM's ``--data`` may give a moved file on resume; beside a flag that may not
+    change (``--max-ind-range``) the refusal said to drop both."""
+    from experiments.dlrm.experiment import EXPERIMENT as DLRM
+
+    (tmp_path / "config.json").write_text(json.dumps({"experiment": "dlrm"}))
+    ap = cli.build_parser(DLRM)
+    for extra, drop in [(["--max-ind-range", "50"], "drop --max-ind-range ("),
+                        (["--steps", "3"], "drop --steps (")]:  # fmt: skip
+        args = ap.parse_args(["--resume", str(tmp_path), "--data", "moved.txt", *extra])
+        with pytest.raises(cli.CLIError) as e:
+            cli.resolve_config(DLRM, args, ap)
+        assert drop in str(e.value) and "(or the flags that set them)" in str(e.value)
+        assert "data.path" in str(e.value).partition("only")[2]
