@@ -1268,6 +1268,11 @@ def _main(exp: Experiment, argv: list[str] | None) -> int:
                       preset=None if args.resume is not None else args.preset)  # fmt: skip
     except USER_ERRORS as e:
         return user_error(ap.prog, e)
+    except KeyboardInterrupt:  # Ctrl-C while the data is read or the model built: no
+        # traceback, as once training runs; nothing was trained
+        print(f"{ap.prog}: stopped by SIGINT before training started; nothing was trained",
+              file=sys.stderr)  # fmt: skip
+        return 128 + signal.SIGINT
     try:
         train(run)
     except NonFiniteLoss as e:  # a training outcome, not a bug

@@ -794,3 +794,17 @@ def test_a_resume_refusal_drops_only_the_flags_that_may_not_change(tmp_path) -> 
             cli.resolve_config(DLRM, args, ap)
         assert drop in str(e.value) and "(or the flags that set them)" in str(e.value)
         assert "data.path" in str(e.value).partition("only")[2]
+
+
+def test_ctrl_c_before_training_is_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """Ctrl-C while the data was tokenized printed KeyboardInterrupt's traceback; once
+    training runs it was already one line."""
+
+    def stopped(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "prepare", stopped)
+    assert mnli.main([*FAST, "--run-dir", str(tmp_path / "r")]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m experiments.mnli: stopped by SIGINT before training started; "
+                   "nothing was trained"]  # fmt: skip
