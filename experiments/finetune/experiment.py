@@ -316,8 +316,10 @@ def _load_pretrained(tf: Any, cfg: ModelConfig, labels: int = 0) -> tuple[nn.Mod
         # the saved head's label count: the first size of what differs (weight and bias)
         saved_counts = {int(saved[0]) for _, saved, _ in mismatched if len(saved)}
         saved_n = saved_counts.pop() if len(saved_counts) == 1 else 0
-        keep = (f"--set model.num_labels={saved_n} to keep the saved head, or "
-                if 2 <= saved_n and labels <= saved_n else "")  # fmt: skip
+        keep = ""
+        if 2 <= saved_n and labels <= saved_n:  # a resume may not change num_labels
+            keep = (f"--set model.num_labels={saved_n} to keep the saved head (a new run; "
+                    "a resume keeps the run's own), or ")  # fmt: skip
         raise ConfigError(
             f"--model {cfg.path}: its saved weights do not fit model.num_labels="
             f"{cfg.num_labels} ({shapes}); {keep}give a model whose head has "
