@@ -93,9 +93,30 @@ def train_size(mode_sizes: list[int], ranks: list[int]) -> int:
     return sum(full[k] * n * full[k + 1] for k, n in enumerate(mode_sizes)) + sum(ranks)
 
 
+def _one_layer(params: object, fn: str, num_embeddings: object = None) -> None:
+    """Refuse what is not one TT/TTM layer's params (a model's tree gave ``KeyError:
+    'cores'``) or a row count that is not one number (a ``{path: rows}`` map, which
+    :func:`summarize` takes, gave a ``TypeError`` from deep inside)."""
+    _no_module(params, fn)
+    if not isinstance(params, dict) or "cores" not in params:
+        raise TypeError(
+            f"{fn}: takes one TT/TTM layer's params (a dict with 'cores'), got "
+            f"{type(params).__name__}"
+            + (f" with keys {sorted(map(str, params))[:6]}" if isinstance(params, dict) else "")
+            + "; for a model's tree use param_count or summarize"
+        )
+    if num_embeddings is not None and (
+        not isinstance(num_embeddings, int) or isinstance(num_embeddings, bool)
+    ):
+        raise TypeError(
+            f"{fn}: num_embeddings is this table's row count (an int), got "
+            f"{type(num_embeddings).__name__}; a {{path: rows}} map goes to summarize"
+        )
+
+
 def live_param_count(params: Params, state: State) -> int:
     """Parameters a TT/TTM layer keeps after compaction (cores, gates, bias)."""
-    _no_module(params, "live_param_count")
+    _one_layer(params, "live_param_count")
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     n = train_size([math.prod(c.shape[1:-1]) for c in cores], live_ranks(state))
     if params.get("bias") is not None:
@@ -105,7 +126,7 @@ def live_param_count(params: Params, state: State) -> int:
 
 def dense_param_count(params: Params, num_embeddings: int | None = None) -> int:
     """Parameters of the dense layer this TT/TTM layer replaces (weight + bias)."""
-    _no_module(params, "dense_param_count")
+    _one_layer(params, "dense_param_count", num_embeddings)
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     if _is_ttm(params):
         rows = num_embeddings or math.prod(c.shape[1] for c in cores)
@@ -116,8 +137,9 @@ def dense_param_count(params: Params, num_embeddings: int | None = None) -> int:
 
 
 def compression_ratio(params: Params, state: State, num_embeddings: int | None = None) -> float:
-    """Dense parameters / live TT parameters (inf when the layer was pruned to nothing)."""
-    _no_module(params, "compression_ratio")
+    """One TT/TTM layer's dense parameters / its live ones (inf when it was pruned to
+    nothing); ``num_embeddings``: a padded table's real rows."""
+    _one_layer(params, "compression_ratio", num_embeddings)
     live = live_param_count(params, state)
     dense = dense_param_count(params, num_embeddings)
     return dense / live if live else math.inf

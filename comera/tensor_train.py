@@ -557,6 +557,8 @@ def to_dense(params: Params, state: State, spec: Spec | None = None) -> torch.Te
             f"{spec.label}: to_dense got a {type(spec).__name__} with {kind} params; pass "
             "the spec the params were made for"
         )
+    if spec is not None:  # another table's spec cut rows off this one's without a word
+        check_params(params, state, spec)
     if cores[0].dim() == 3:
         d = len(cores) // 2
         m = math.prod([c.shape[1] for c in cores[:d]])

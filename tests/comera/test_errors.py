@@ -433,3 +433,35 @@ def test_a_batched_lookup_refuses_tables_of_two_dtypes():
     b = {k: [t.double() for t in v] for k, v in b.items()}
     with pytest.raises(ConfigError, match="core dtypes .*float32.*float64.*one dtype"):
         C.ttm_embedding_batched([a, b], [sa, sb], torch.tensor([[1, 2]]))
+
+
+def test_one_layer_accounting_refuses_a_tree_or_a_row_map():
+    """``compression_ratio`` of a model's tree was ``KeyError: 'cores'``, and with the
+    ``{path: rows}`` map summarize takes, a TypeError from inside; both name the way on."""
+    spec = C.TTMEmbeddingSpec(vocab_modes=(10, 10), dim_modes=(4, 4), ranks=8,
+                              num_embeddings=95, name="emb")  # fmt: skip
+    p, s = C.init(spec)
+    from comera.accounting import live_param_count
+
+    assert C.compression_ratio(p, s, num_embeddings=95) == 95 * 16 / live_param_count(p, s)
+    with pytest.raises(
+        TypeError,
+        match=r"compression_ratio: takes one TT/TTM layer's params.*"
+        r"keys \['emb'\]; for a model's tree use param_count or summarize",
+    ):
+        C.compression_ratio({"emb": p}, {"emb": s})
+    with pytest.raises(
+        TypeError,
+        match=r"num_embeddings is this table's row count \(an int\), "
+        r"got dict; a \{path: rows\} map goes to summarize",
+    ):
+        C.compression_ratio(p, s, num_embeddings={"emb": 95})  # type: ignore[arg-type]
+
+
+def test_to_dense_refuses_another_layer_s_spec():
+    """A spec of other modes cut a 100-row table to 50 rows without a word."""
+    p, s = C.init(C.TTMEmbeddingSpec(vocab_modes=(10, 10), dim_modes=(4, 4), ranks=8, name="t"))
+    other = C.TTMEmbeddingSpec(vocab_modes=(5, 10), dim_modes=(2, 8), ranks=8, name="u")
+    with pytest.raises(ValueError, match="'u'"):
+        C.to_dense(p, s, other)
+    assert C.to_dense(p, s).shape == (100, 16)
