@@ -458,6 +458,12 @@ def corpus_from_paths(
     # the caller's own spelling where it names the same file: the plan's may be relative
     # to wherever prepare ran
     tok = tokenizer if tokenizer is not None else next(iter(keys.values()), None)
+    if tokenizer is None and tok is not None and Path(tok).exists():  # vocab: a new BPE's
+        theirs = tokenizer_info(tok)[0]
+        if theirs != vocab:
+            raws = ", the raw folders' too" if groups else ""
+            note(f"data.vocab={vocab} not applied: the prepared --corpus folders' tokenizer "
+                 f"({tok}, {theirs:,} tokens) tokenizes every group{raws}")  # fmt: skip
     if groups:
         corpus = _prepare_groups(groups, root, vocab, heldout, max_doc_tokens, progress, tok)
     else:

@@ -809,6 +809,17 @@ def test_prepared_folders_hard_links_and_relative_folders_are_taken_as_they_are(
     err = capsys.readouterr().err
     assert "--corpus p=" in err and "data.heldout=0.05 not applied (the folder's: 0.3)" in err
     assert "data.max_doc_tokens=64 not applied (the folder's: None)" in err
+    # data.vocab too: the prepared folder's tokenizer serves every group, raw ones included
+    from experiments.codebert.data import tokenizer_info
+
+    size = tokenizer_info(str(prep) + "/tokenizer.json")[0]
+    corpus_from_paths({"p": prep, "raw": str(js / "src")}, tmp_path / "c2", vocab=size + 1,
+                      heldout=0.3, progress=False)  # fmt: skip
+    err = capsys.readouterr().err
+    assert f"data.vocab={size + 1} not applied: the prepared --corpus folders' tokenizer" in err
+    assert f"{size:,} tokens) tokenizes every group, the raw folders' too" in err
+    corpus_from_paths({"p": prep}, tmp_path / "c3", vocab=size, heldout=0.3, progress=False)
+    assert "data.vocab" not in capsys.readouterr().err
     groups = {n: group_settings(f.parent) for n, f in corpus.train.items()}
     assert groups == {"p": {"heldout": 0.3, "max_doc_tokens": None},
                       "raw": {"heldout": 0.05, "max_doc_tokens": 64}}  # fmt: skip
