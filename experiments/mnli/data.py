@@ -153,7 +153,7 @@ class MNLIData:
             where = [n for n, sp in named.items() if len(sp.labels) and int(sp.labels.max()) == top]
             raise ConfigError(
                 f"the data has label ids up to {top} ({', '.join(where)}) but "
-                f"model.num_labels={num_labels}; set --set model.num_labels={top + 1}, or "
+                f"model.num_labels={num_labels}; --set model.num_labels={top + 1}, or "
                 "check that split's labels"
             )
 
@@ -493,6 +493,9 @@ def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
         files = {"train": cfg.train_file, **(cfg.eval_files or {})}
         text = (cfg.premise_column, cfg.hypothesis_column)
         raws = {s: (p, _columns(_read_table(p, text), p, cfg)) for s, p in files.items()}
+        if not cfg.eval_files:  # local files replace the hub's splits as a whole
+            note(f"{cfg.train_file}: no eval split is given (--eval-file NAME=PATH, "
+                 "data.eval_files), so the run reports no held-out accuracy")  # fmt: skip
     if cfg.dataset == GENERATED and cfg.tokenizer == DEFAULT_TOKENIZER:
         tok, tok_name = build_generated_tokenizer(), GENERATED
     else:
