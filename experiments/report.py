@@ -151,6 +151,12 @@ def smoke_report_main(
         )
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if not out.exists() and out.suffix.lower() in (".md", ".json", ".png"):
+        # a folder named x.md was made and the report written into it (MNLI's --out is
+        # the file's path)
+        print(f"{prog}: error: --out {out}: give the folder the report goes in, not a file "
+              f"name (a folder named {out.name} would be made)", file=sys.stderr)  # fmt: skip
+        return 2
     if getattr(args, "from_json", None):
         path = Path(args.from_json)
         try:

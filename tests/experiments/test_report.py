@@ -98,6 +98,11 @@ def test_from_json_renders_without_training(tmp_path: Path, capsys) -> None:
     assert report.smoke_report_main("x", no_training, None, argv, "x", render=render) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m experiments.x.report: error: ")
+    # --out names a folder here (MNLI's report takes a file): a folder x.md was made
+    argv = ["--from-json", str(tmp_path / "x.json"), "--out", str(tmp_path / "new.md")]
+    assert report.smoke_report_main("x", no_training, None, argv, "x", render=render) == 2
+    assert "give the folder the report goes in, not a file name" in capsys.readouterr().err
+    assert not (tmp_path / "new.md").exists()
 
 
 @pytest.mark.parametrize("name", ["mnli", "dlrm", "codebert", "finetune"])
