@@ -551,6 +551,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     }
     if summary is not None:  # the command prints it once nothing can refuse the run
         info["layer_table"] = str(summary)
+    if rank == 0:
+        data.note_unevaluated()
     return task, task.params(), task.state(), dense_size, info
 
 

@@ -144,6 +144,15 @@ class MNLIData:
         """The largest label id the splits hold (-1 for none)."""
         return max((int(s.labels.max()) for s in self.splits() if len(s.labels)), default=-1)
 
+    def note_unevaluated(self) -> None:
+        """Say on stderr when there is no eval split (local files replace the hub's splits
+        as a whole, so ``--train-file`` alone gives none): the run reports no held-out
+        score, and trained without a word of it. Called once the data has passed every
+        check, so an error stays one line."""
+        if not self.eval:
+            note("no eval split is given (--eval-file NAME=PATH, data.eval_files), so the "
+                 "run reports no held-out accuracy")  # fmt: skip
+
     def check_label_count(self, num_labels: int) -> None:
         """Refuse a classifier of ``num_labels`` outputs smaller than the labels the splits
         hold (the first step's loss would fail on them, naming no setting)."""
@@ -493,9 +502,6 @@ def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
         files = {"train": cfg.train_file, **(cfg.eval_files or {})}
         text = (cfg.premise_column, cfg.hypothesis_column)
         raws = {s: (p, _columns(_read_table(p, text), p, cfg)) for s, p in files.items()}
-        if not cfg.eval_files:  # local files replace the hub's splits as a whole
-            note(f"{cfg.train_file}: no eval split is given (--eval-file NAME=PATH, "
-                 "data.eval_files), so the run reports no held-out accuracy")  # fmt: skip
     if cfg.dataset == GENERATED and cfg.tokenizer == DEFAULT_TOKENIZER:
         tok, tok_name = build_generated_tokenizer(), GENERATED
     else:

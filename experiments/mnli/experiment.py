@@ -219,6 +219,8 @@ def build(
     task = MNLITask(model, data, it, p.eval_batch_size, p.plans)
     task.device = torch.device(p.train.device)
     params, state = init_encoder(model, generator=torch.Generator().manual_seed(p.train.seed))
+    if rank == 0:
+        data.note_unevaluated()
     return task, params, state, dense_param_count(model)
 
 
@@ -276,7 +278,7 @@ def _parse_eval_files(values: list[str] | None) -> dict[str, str] | None:
 def data_flags(ap: argparse.ArgumentParser) -> None:
     """The data flags (dataset, local files, tokenizer, columns): MNLI's and any sentence-pair
     classification experiment's (``experiments.finetune``)."""
-    ap.add_argument("--dataset", help="hub name or 'generated'")
+    ap.add_argument("--dataset", help="hub name, a local dataset folder, or 'generated'")
     ap.add_argument(
         "--train-file", dest="train_file", help="local parquet/jsonl/json/csv/tsv train"
     )

@@ -379,6 +379,10 @@ def test_bad_data_is_one_line_naming_the_flag(tmp_path, capsys):
     bad.write_text('{"premise": "a", "hypothesis": "b", "label": 7}\n')  # a class id
     assert mnli.main([*base, "--train-file", str(bad)]) == 2
     assert "--set model.num_labels=8" in _one_error_line(capsys)
+    # good data, but no eval split: it trains, saying that nothing is evaluated
+    good = [*base, "--train-file", str(train), "--set", "batch_size=8"]
+    assert mnli.main([*good, "--set", "train.eval_every=None"]) == 0
+    assert "note: no eval split is given (--eval-file" in capsys.readouterr().err
 
 
 def test_bad_local_data_is_reported_before_the_tokenizer_loads(tmp_path, capsys, monkeypatch):
