@@ -872,7 +872,7 @@ def _main(argv: list[str] | None) -> int:
     from_command_line = argv is None  # only a command may re-execute itself
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(
-        prog="python -m experiments.ablate", description=__doc__.split("\n")[0]
+        prog="python -m experiments.ablate", description=__doc__.split("\n\n")[0].replace("\n", " ")
     )
     ap.add_argument("ablation", choices=sorted(ABLATIONS))
     ap.add_argument("--experiment", choices=EXPERIMENTS, default="mnli")

@@ -536,7 +536,12 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
         epilog=exp.epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--preset", choices=sorted(exp.presets), default=exp.default_preset)
+    ap.add_argument(
+        "--preset",
+        choices=sorted(exp.presets),
+        default=exp.default_preset,
+        help=f"the experiment's settings to start from (default: {exp.default_preset})",
+    )
     ap.add_argument(
         "--config",
         metavar="FILE",
@@ -602,7 +607,8 @@ def build_parser(exp: Experiment) -> argparse.ArgumentParser:
     ap.add_argument(
         "--recompute",
         action="store_true",
-        help="recompute each encoder block's activations in backward (less memory, slower); "
+        help="recompute each encoder block's activations in backward (less memory, slower; "
+        "MNLI's and CodeBERT's encoders, not DLRM or finetune); "
         "also selects --cpu-malloc lean on a new run unless --cpu-malloc is given",
     )
     ap.add_argument(

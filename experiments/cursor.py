@@ -112,7 +112,7 @@ class EpochCursor:
                 else ""
             )
             raise DataError(
-                f"{name}: the checkpoint was trained on other data (digest {saved_id}) than "
+                f"the checkpoint was trained on other data (digest {saved_id}) than "
                 f"this run reads ({self.data_id}){changed}: the file, or the settings that "
                 "split it or number its ids, changed since; resume with the same data, or "
                 "start a new run"

@@ -249,7 +249,7 @@ def _flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data", help="a Criteo-format train.txt, or 'generated'")
     ap.add_argument("--cache-dir", dest="cache_dir", help="where preprocessed data is cached")
     ap.add_argument(
-        "--max-ind-range", dest="max_ind_range", type=int, help="hash ids modulo this (>0)"
+        "--max-ind-range", dest="max_ind_range", type=int, help="hash ids modulo this (0: off)"
     )
 
 
