@@ -298,7 +298,11 @@ def _plots(runs: list[dict], out_dir: Path, stem: str = "mnli") -> list[str]:
 def _bench_section(b: dict | None) -> list[str]:
     """The step benchmark's table and ratios, beside the paper's figures where it has one."""
     if b is None:
-        return ["", "No step benchmark yet: run `python -m benchmarks.mnli_step --json`."]
+        return [
+            "",
+            "No step benchmark yet: `python -m benchmarks.mnli_step --json` writes "
+            "`mnli_bench.json` into reports/, which this report reads from beside it.",
+        ]
     lines = [
         "",
         f"## One training step, paper-size model ({b['device']}, {b['threads']} threads"
