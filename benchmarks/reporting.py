@@ -23,6 +23,7 @@ import torch
 from comera.errors import DataError, UserError
 from experiments import cli
 from experiments.cli import CLIError, Parser, check_folder, user_error
+from experiments.report import md_cell
 from experiments.workers import WorkerFailed
 
 __all__ = [
@@ -193,12 +194,6 @@ def render_only(ap: argparse.ArgumentParser, argv: list[str] | None,
             flag = max(action.option_strings, key=len)
             raise CLIError(f"{flag} with --render: --render measures nothing, so {flag} "
                            "would do nothing; drop it")  # fmt: skip
-
-
-def md_cell(text: str) -> str:
-    """``text`` for a markdown table cell: a layer's shapes, written ``[in modes | out
-    modes]``, would split its cell in two."""
-    return text.replace("|", "\\|")
 
 
 def write_text(path: Path, text: str) -> None:

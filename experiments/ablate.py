@@ -57,6 +57,7 @@ from experiments import cli
 from experiments.host import report_header
 from experiments.malloc import restart_for
 from experiments.report import (
+    md_cell,
     number,
     read_run_json,
     record_host,
@@ -630,13 +631,13 @@ def render_report(data: dict, out: Path) -> str:
     head += "| live params | median step (ms) | train time (s) |"
     if name == "contraction":
         ref = next((r["label"] for r in rows if r["label"] == "comera"), rows[0]["label"])
-        head += f" loss diff vs {ref}: step 1 | steps 1-10 | whole run |"
+        head += f" loss diff vs {md_cell(ref)}: step 1 | steps 1-10 | whole run |"
     if name in SIZE_ABLATIONS:
         lines += _size_table(rows)
-    lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
+    lines += ["", head, "|" + "---|" * (head.replace("\\|", "").count("|") - 1)]
     for r in rows:
         cells = [
-            r["label"],
+            md_cell(r["label"]),
             str(r["steps"]),
             number(r["loss_tail"], ".4f"),
             number(r["eval_acc"], ".4f"),
@@ -693,9 +694,9 @@ def _size_table(rows: list[dict]) -> list[str]:
     ref = _headline(rows[0])[1]
     head = (
         "| variant | live params at the early stage's end | size target | live params at "
-        f"the end | live / target | compression | {metric} | vs {rows[0]['label']} |"
+        f"the end | live / target | compression | {metric} | vs {md_cell(rows[0]['label'])} |"
     )
-    out = ["", head, "|" + "---|" * (head.count("|") - 1)]
+    out = ["", head, "|" + "---|" * (head.replace("\\|", "").count("|") - 1)]
     for r in rows:
         size, (_, val) = r.get("size") or {}, _headline(r)
         ratio = size.get("live_over_target")
@@ -706,7 +707,7 @@ def _size_table(rows: list[dict]) -> list[str]:
             "| "
             + " | ".join(
                 [
-                    r["label"],
+                    md_cell(r["label"]),
                     f"{size['early_params']:,}" if "early_params" in size else "n/a",
                     f"{size['size_target']:,}" if "size_target" in size else "n/a",
                     f"{r['live_params']:,}" if r["live_params"] is not None else "n/a",

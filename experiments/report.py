@@ -44,6 +44,7 @@ __all__ = [
     "layer_summary",
     "layer_table",
     "load_run",
+    "md_cell",
     "number",
     "pair_setup",
     "rank_table",
@@ -67,6 +68,12 @@ __all__ = [
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 HOST_FILE = "host.json"  # cpu, torch, date of the process that trained the run
+
+
+def md_cell(text: str) -> str:
+    """``text`` for a markdown table cell: a layer's shapes, written ``[in modes | out
+    modes]``, or a run named ``a|b`` would split its cell in two."""
+    return text.replace("|", "\\|")
 
 
 def record_host(run_dir: Path) -> None:

@@ -27,6 +27,7 @@ from experiments.report import (
     layer_summary,
     layer_table,
     load_run,
+    md_cell,
     number,
     rank_table,
     read_bench_json,
@@ -187,7 +188,9 @@ def render(data: dict, out_dir: Path, name: str = "mnli.md") -> str:
                 "| run | " + " | ".join(shown) + " |",
                 "|---|" + "---|" * len(shown),
                 *(
-                    f"| {r['name']} | " + " | ".join(_cell(r["setup"].get(k)) for k in shown) + " |"
+                    f"| {md_cell(r['name'])} | "
+                    + " | ".join(_cell(r["setup"].get(k)) for k in shown)
+                    + " |"
                     for r in runs
                 ),  # fmt: skip
                 "",
@@ -206,7 +209,8 @@ def render(data: dict, out_dir: Path, name: str = "mnli.md") -> str:
             of = s.get("planned_steps")  # a run that stopped early says so
             steps = f"{s['steps']} of {of}" if of is not None and s["steps"] < of else s["steps"]
             lines.append(
-                f"| {s['name']} | {s['kind']} | {steps} | {number(s['final_loss'], '.3f')} | "
+                f"| {md_cell(s['name'])} | {s['kind']} | {steps} | "
+                f"{number(s['final_loss'], '.3f')} | "
                 f"{acc} | "
                 f"{s['live_params']:,} | {s['model_mb']:.2f} | {s['compression']:.1f}x | "
                 f"{epoch} | {s['peak_mb']:.0f} |"

@@ -516,3 +516,45 @@ def test_a_resume_over_an_eval_file_changed_in_place_is_refused(tmp_path, capsys
     assert (run / "checkpoints" / "step_00000002" / "model.pt").is_file()
     dev.write_text(kept)
     assert mnli.main(["--resume", str(run), "--no-progress"]) == 0
+
+
+def test_a_run_named_with_a_bar_keeps_the_report_tables_whole(tmp_path) -> None:
+    """A run folder named ``a|b`` split its row of the results table in two (a column
+    more than the header); ablation labels likewise."""
+    import json
+
+    from experiments import ablate
+    from experiments.mnli.report import REPORTS, render
+
+    data = json.loads((REPORTS / "mnli.json").read_text())
+    for run in data["runs"]:
+        run["name"] = "run|" + run["name"]
+    text = render(data, tmp_path, "mnli.md")
+    rows = [ln for ln in text.splitlines() if ln.startswith("| run")]
+    assert rows
+    for table in _md_tables(text):
+        width = _md_cells(table[0])
+        assert all(_md_cells(row) == width for row in table), table
+    abl = json.loads((REPORTS / "ablation_contraction.json").read_text())
+    for row in abl["variants"]:
+        row["label"] = "a|" + row["label"]
+    (tmp_path / "a").mkdir()
+    for table in _md_tables(ablate.render_report(abl, tmp_path / "a" / "ablation_x.md")):
+        assert all(_md_cells(row) == _md_cells(table[0]) for row in table), table
+
+
+def _md_cells(row: str) -> int:
+    """Cells of a markdown table row: its unescaped bars, less one."""
+    return row.replace("\\|", "").count("|") - 1
+
+
+def _md_tables(text: str) -> list[list[str]]:
+    tables: list[list[str]] = []
+    prev = ""
+    for line in text.splitlines():
+        if line.startswith("|"):
+            if not prev.startswith("|"):
+                tables.append([])
+            tables[-1].append(line)
+        prev = line
+    return tables
