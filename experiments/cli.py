@@ -836,25 +836,27 @@ def check_same_info(run_dir: Path, info: Mapping[str, Any], keys: Mapping[str, s
     the run's ``config.json`` saved: a ``CLIError`` naming what differs and ``keys[key]``,
     the way on. A key the file lacks (an older version wrote it) passes, and of a mapping
     only the entries both hold are compared."""
-    with contextlib.suppress(OSError, ValueError):
+    try:
         saved = json.loads((run_dir / "config.json").read_text())
-        for key in sorted(keys):
-            if not isinstance(saved, dict) or key not in saved or key not in info:
-                continue
-            was = saved[key]
-            now = json.loads(json.dumps(info[key], default=config_jsonable))
-            if isinstance(was, dict) and isinstance(now, dict):  # entries both have: one
-                # another version adds or drops is no change of the run
-                diff = [f"{k}: {was[k]!r} saved, {now[k]!r} now"
-                        for k in sorted(was.keys() & now.keys()) if was[k] != now[k]]  # fmt: skip
-                more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
-                what = "; ".join(diff[:4]) + more
-            else:
-                what = "" if was == now else f"{was!r} saved, {now!r} now"
-            if not what:
-                continue
-            raise CLIError(f"--resume {run_dir}: {key} differs from the run's ({what}); "
-                           f"{keys[key]}")  # fmt: skip
+    except (OSError, ValueError):  # the resume's own checks name a damaged config.json
+        return
+    for key in sorted(keys):
+        if not isinstance(saved, dict) or key not in saved or key not in info:
+            continue
+        was = saved[key]
+        now = json.loads(json.dumps(info[key], default=config_jsonable))
+        if isinstance(was, dict) and isinstance(now, dict):  # entries both have: one
+            # another version adds or drops is no change of the run
+            diff = [f"{k}: {was[k]!r} saved, {now[k]!r} now"
+                    for k in sorted(was.keys() & now.keys()) if was[k] != now[k]]  # fmt: skip
+            more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
+            what = "; ".join(diff[:4]) + more
+        else:
+            what = "" if was == now else f"{was!r} saved, {now!r} now"
+        if not what:
+            continue
+        raise CLIError(f"--resume {run_dir}: {key} differs from the run's ({what}); "
+                       f"{keys[key]}")  # fmt: skip
 
 
 def resumed_config(exp: Experiment, run_dir: str | Path) -> Any:
