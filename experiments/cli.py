@@ -105,8 +105,8 @@ class Experiment:
     ``build(cfg, rank, world) -> (task, params, state, reference_size, info)``: ``info`` is
     printed at start and stored in ``config.json``, but for its optional ``"layer_table"``
     (text): printed on its own by rank 0 once the run has passed every check, not stored.
-    ``flags`` adds experiment-specific arguments; ``flag_overrides(args) -> [(key,
-    value)]`` maps them onto config keys.
+    ``flags`` adds experiment-specific arguments; ``flag_overrides(args) -> [(key, value)]``
+    maps them onto config keys (``(key, value, flag)``: named so in errors).
     Bad input raises a :data:`USER_ERRORS` kind (one line, exit 2)."""
 
     name: str
@@ -115,7 +115,11 @@ class Experiment:
     build: Callable[..., tuple]
     default_preset: str = "smoke"
     flags: Callable[[argparse.ArgumentParser], None] | None = None
-    flag_overrides: Callable[[argparse.Namespace], list[tuple[str, Any]]] | None = None
+    flag_overrides: Callable[[argparse.Namespace], list[tuple[Any, ...]]] | None = None
+    # ``preset_defaults(args, cfg) -> cfg``: the preset adjusted to the flags before any
+    # override applies, so a --config file, a flag or a --set still wins (finetune names a
+    # --model run after its folder); new runs only
+    preset_defaults: Callable[[argparse.Namespace, Any], Any] | None = None
     # ``--bench`` (the old command of a benchmark): ``bench(args)`` forwards to it
     bench: Callable[[argparse.Namespace], int] | None = None
     resume_mutable: frozenset[str] = frozenset()
@@ -670,7 +674,8 @@ def _common_overrides(
     out = [(key, getattr(args, dest)) for dest, key in _COMMON.items()]
     out = [(k, v) for k, v in out if v is not None]
     if args.wandb_tags is not None:
-        out.append(("train.wandb_tags", tuple(t for t in args.wandb_tags.split(",") if t)))
+        tags = tuple(t for t in args.wandb_tags.split(",") if t)
+        out.append(("train.wandb_tags", tags, f"--wandb-tags {args.wandb_tags}"))
     if args.bf16:
         out.append(("train.bf16", True, "--bf16"))
     if args.recompute:
@@ -705,7 +710,8 @@ def _common_overrides(
                     raise CLIError(f"--config {args.config}: plans.per_layer: {rule!r} is not "
                                    f"a [LAYER_GLOB, STRATEGY] pair of a strategy in "
                                    f"{', '.join(C.STRATEGIES)}")  # fmt: skip
-        out.append(("plans.per_layer", (*base, *new_rules)))
+        given_rules = " ".join(f"--plan-for {r}" for r in args.plan_for)
+        out.append(("plans.per_layer", (*base, *new_rules), given_rules))
     if args.dense:
         out += [("dense", True, "--dense"), ("train.comera.enabled", False, "--dense")]
         if args.wandb_name is None and cfg.train.run_name:
@@ -754,6 +760,8 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
     refuse_derived_sets(exp, args.sets)
     if not args.resume:
         cfg = exp.presets[args.preset]()
+        if exp.preset_defaults is not None:
+            cfg = exp.preset_defaults(args, cfg)
         own = exp.flag_overrides(args) if exp.flag_overrides else []
         from_file = config_file_items(args.config, cfg) if args.config else []
         refuse_derived(exp, [(k, f"--config {args.config}:") for k, _, _ in from_file])

@@ -601,16 +601,23 @@ def _flags(ap: argparse.ArgumentParser) -> None:
                     "(embedding tables: model.embedding_rank)")  # fmt: skip
 
 
+def _model_run_defaults(args: argparse.Namespace, p: Preset) -> Preset:
+    """A --model run's folder and name after its model folder (``runs/finetune-NAME``,
+    ``-dense`` for the dense one): the preset's are the smoke runs', which the smoke report
+    reads. A --config file, --run-dir, --wandb-name or --set still decides."""
+    if not args.model_path:
+        return p
+    name = Path(args.model_path.rstrip("/\\")).name or "model"
+    dense = "-dense" if args.dense else ""
+    train = dataclasses.replace(p.train, run_dir=f"runs/finetune-{name}{dense}",
+                                run_name=f"finetune-{name}")  # fmt: skip
+    return dataclasses.replace(p, train=train)
+
+
 def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
     out = mnli.data_flag_overrides(args)
     if args.model_path:
         out.append(("model.path", args.model_path))
-        if not args.resume:  # the smoke run's folder and name are the smoke report's
-            name = Path(args.model_path.rstrip("/\\")).name or "model"
-            if not args.run_dir:
-                out.append(("train.run_dir", f"runs/finetune-{name}"))
-            if not args.wandb_name:
-                out.append(("train.run_name", f"finetune-{name}"))
     for flag in ("target", "exclude"):
         value = getattr(args, flag)
         if value is not None:
@@ -631,6 +638,7 @@ EXPERIMENT = cli.Experiment(
     # other frozen weights, the examples' digest another tokenization
     resume_mutable=frozenset({"model.path", "data.tokenizer"}),
     resume_same={"model_config": "give --model a folder of the model the run was saved with"},
+    preset_defaults=_model_run_defaults,
     moved_hint=(
         "the run in {run} was saved with it: a moved model folder or tokenizer resumes with "
         "--resume {run} --model NEW_FOLDER or --tokenizer NEW_PATH (another architecture, "

@@ -543,6 +543,10 @@ def test_a_check_across_sections_names_the_overrides_it_is_about(tmp_path, capsy
     line = _one_line(capsys, "experiments.mnli")
     assert line.split(": ")[2] == f"--run-dir {tmp_path / 'r'}, --bf16, --no-progress, --dense"
     assert not (tmp_path / "r").exists()
+    argv = ["--wandb-tags", "a,b", "--set", "train.steps=0", "--run-dir", str(tmp_path / "r")]
+    assert mnli_main(argv) == 2
+    line = _one_line(capsys, "experiments.mnli")
+    assert "--wandb-tags a,b, --set train.steps=0" in line and "wandb_tags=" not in line
 
 
 DEMO_RANKS = """

@@ -363,7 +363,7 @@ def test_a_resume_from_a_moved_folder_of_another_architecture_is_refused(
     assert "| layer | kind |" in capsys.readouterr().err  # printed once the run is taken
 
 
-def test_a_model_run_gets_its_own_run_dir_not_the_smoke_runs() -> None:
+def test_a_model_run_gets_its_own_run_dir_not_the_smoke_runs(tmp_path: Path, capsys) -> None:
     """The page's own-model command, given no --run-dir, trained into runs/finetune-smoke:
     the smoke run was then refused there, and the report compared the two. A --model run
     is named after its folder unless --run-dir, --wandb-name or --set says otherwise."""
@@ -377,6 +377,17 @@ def test_a_model_run_gets_its_own_run_dir_not_the_smoke_runs() -> None:
     assert resolved("--model", "models/my-bert/") == ("runs/finetune-my-bert", "finetune-my-bert")
     assert resolved("--model", "org/bert", "--run-dir", "r", "--wandb-name", "n") == ("r", "n")
     assert resolved("--model", "org/bert", "--set", "train.run_dir=r")[0] == "r"
+    # the dense partner gets a folder and name of its own, not the smoke run's name
+    assert resolved("--model", "org/bert", "--dense") == (
+        "runs/finetune-bert-dense", "finetune-bert-dense")  # fmt: skip
+    # a --config file decides too (the defaults are the preset's, not overrides)
+    conf = tmp_path / "c.toml"
+    conf.write_text('[train]\nrun_dir = "runs/mine"\nrun_name = "mine"\n')
+    assert resolved("--config", str(conf), "--model", "org/bert") == ("runs/mine", "mine")
+    # and errors name only what was typed
+    assert main(["--model", "org/bert", "--set", "train.steps=0"]) == 2
+    line = _one_line(capsys)
+    assert "--run-dir" not in line and "--wandb-name" not in line, line
 
 
 def test_plan_rules_are_checked_only_where_a_tt_layer_is_left(tmp_path: Path, capsys) -> None:
