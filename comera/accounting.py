@@ -9,6 +9,7 @@ Compression ratios compare the dense layer's parameters with the live TT paramet
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -105,12 +106,18 @@ def _one_layer(params: object, fn: str, num_embeddings: object = None) -> None:
             + (f" with keys {sorted(map(str, params))[:6]}" if isinstance(params, dict) else "")
             + "; for a model's tree use param_count or summarize"
         )
-    if num_embeddings is not None and (
-        not isinstance(num_embeddings, int) or isinstance(num_embeddings, bool)
-    ):
+    if num_embeddings is None:
+        return
+    try:  # numpy and torch integers too
+        operator.index(num_embeddings)  # type: ignore[arg-type]
+        ok = not isinstance(num_embeddings, bool)
+    except TypeError:
+        ok = False
+    if not ok:
+        where = "; a {path: rows} map goes to summarize" if isinstance(num_embeddings, dict) else ""
         raise TypeError(
             f"{fn}: num_embeddings is this table's row count (an int), got "
-            f"{type(num_embeddings).__name__}; a {{path: rows}} map goes to summarize"
+            f"{type(num_embeddings).__name__}{where}"
         )
 
 
@@ -129,7 +136,11 @@ def dense_param_count(params: Params, num_embeddings: int | None = None) -> int:
     _one_layer(params, "dense_param_count", num_embeddings)
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     if _is_ttm(params):
-        rows = num_embeddings or math.prod(c.shape[1] for c in cores)
+        rows = (
+            operator.index(num_embeddings)
+            if num_embeddings
+            else math.prod(c.shape[1] for c in cores)
+        )
         return rows * math.prod(c.shape[2] for c in cores)
     n = math.prod(c.shape[1] for c in cores)
     bias = params.get("bias")

@@ -332,12 +332,9 @@ def check_format(params: Params, ndim: int, name: str) -> None:
     )
 
 
-def check_params(params: Params, state: State, spec: Spec) -> None:
-    """Refuse ``params``/``state`` that are not a train of ``spec`` (at any ranks: a
-    compacted train fits its spec): :func:`check_state`, then the number of cores, each
-    core's modes, and a bias exactly when ``spec.bias`` is set, of ``out_features``. A
-    layer built from another spec's tensors computed at other sizes than its spec said,
-    or dropped the bias the spec asked for, without a word."""
+def _check_modes(params: Params, state: State, spec: Spec) -> None:
+    """:func:`check_state`, then the number of cores and each core's modes against
+    ``spec``'s (what :func:`to_dense` reads of a spec: the bias it never uses)."""
     name = spec.label
     check_state(params, state, name)
     want = [shape[1:-1] for shape in _core_shapes(spec)]
@@ -348,6 +345,16 @@ def check_params(params: Params, state: State, spec: Spec) -> None:
             "made for this spec (comera.init / from_dense with it), or build the spec they "
             "were made for"
         )
+
+
+def check_params(params: Params, state: State, spec: Spec) -> None:
+    """Refuse ``params``/``state`` that are not a train of ``spec`` (at any ranks: a
+    compacted train fits its spec): :func:`check_state`, then the number of cores, each
+    core's modes, and a bias exactly when ``spec.bias`` is set, of ``out_features``. A
+    layer built from another spec's tensors computed at other sizes than its spec said,
+    or dropped the bias the spec asked for, without a word."""
+    name = spec.label
+    _check_modes(params, state, spec)
     if isinstance(spec, TTLinearSpec):
         bias = params.get("bias")  # type: ignore[union-attr]
         if spec.bias != (bias is not None):
@@ -558,7 +565,7 @@ def to_dense(params: Params, state: State, spec: Spec | None = None) -> torch.Te
             "the spec the params were made for"
         )
     if spec is not None:  # another table's spec cut rows off this one's without a word
-        check_params(params, state, spec)
+        _check_modes(params, state, spec)
     if cores[0].dim() == 3:
         d = len(cores) // 2
         m = math.prod([c.shape[1] for c in cores[:d]])

@@ -456,6 +456,12 @@ def test_one_layer_accounting_refuses_a_tree_or_a_row_map():
         r"got dict; a \{path: rows\} map goes to summarize",
     ):
         C.compression_ratio(p, s, num_embeddings={"emb": 95})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got float$"):
+        C.compression_ratio(p, s, num_embeddings=95.0)  # type: ignore[arg-type]
+    # numpy and torch integers are row counts too (the review: they were refused)
+    for rows in (np.int64(95), torch.tensor(95)):
+        assert C.compression_ratio(p, s, num_embeddings=rows) == 95 * 16 / live_param_count(p, s)
+        assert C.summarize({"emb": p}, {"emb": s}, num_embeddings={"emb": rows})
 
 
 def test_to_dense_refuses_another_layer_s_spec():
@@ -465,3 +471,7 @@ def test_to_dense_refuses_another_layer_s_spec():
     with pytest.raises(ValueError, match="'u'"):
         C.to_dense(p, s, other)
     assert C.to_dense(p, s).shape == (100, 16)
+    # the bias, which to_dense never reads, is not checked: a layer whose bias was dropped
+    layer = C.TTLinear(C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=2, name="l"))
+    layer.bias = None
+    assert layer.to_dense().shape == (16, 16)
