@@ -174,8 +174,8 @@ class ComeraConfig:
                 "ComeraConfig: early_steps=0 starts in the late stage, which needs a loss "
                 "target; set loss_target (L0) or give the early stage some steps"
             )
-        if self.reg_start_step < 0 or (
-            self.gamma > 0 and 0 < self.early_steps <= self.reg_start_step
+        if self.reg_start_step < 0 or (  # a dense run (enabled off) has no regularizer
+            self.enabled and self.gamma > 0 and 0 < self.early_steps <= self.reg_start_step
         ):
             raise ConfigError(
                 f"ComeraConfig.reg_start_step={self.reg_start_step} must be >= 0 and below "

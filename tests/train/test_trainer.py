@@ -540,6 +540,9 @@ def test_more_config_errors():
         TrainConfig(steps=1, run_dir="x", grad_clip=-1.0)
     with pytest.raises(ValueError, match="reg_start_step=50 must be"):
         ComeraConfig(early_steps=50, reg_start_step=50)
+    # a dense run (CoMERA off) has no regularizer: the preset's reg_start_step above a
+    # short --set early_steps refused `--dense` runs
+    ComeraConfig(enabled=False, early_steps=50, reg_start_step=50)
 
 
 def test_trainer_does_not_touch_the_callers_tensors(tmp_path):
