@@ -104,7 +104,8 @@ class Experiment:
 
     ``build(cfg, rank, world) -> (task, params, state, reference_size, info)``: ``info`` is
     printed at start and stored in ``config.json``, but for its optional ``"layer_table"``
-    (text): printed on its own by rank 0 once the run has passed every check, not stored.
+    (text) and ``"notes"`` (lines): printed by rank 0 once the run has passed every check
+    (so an error stays one line), not stored.
     ``flags`` adds experiment-specific arguments; ``flag_overrides(args) -> [(key, value)]``
     maps them onto config keys (``(key, value, flag)``: named so in errors).
     Bad input raises a :data:`USER_ERRORS` kind (one line, exit 2)."""
@@ -839,11 +840,23 @@ def _own_flag_mutable(exp: Experiment, ap: argparse.ArgumentParser, args: argpar
     return bool(keys) and all(k in mutable for k in keys)
 
 
+def _changes(was: Any, now: Any, at: str = "") -> list[str]:
+    """``KEY: X saved, Y now`` for each value that differs; of mappings (at any depth)
+    only the entries both hold are compared: one another version adds or drops is no
+    change of the run."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        return [c for k in sorted(was.keys() & now.keys())
+                for c in _changes(was[k], now[k], f"{at}{k}.")]  # fmt: skip
+    if was == now:
+        return []
+    return [f"{at[:-1]}: {was!r} saved, {now!r} now" if at else f"{was!r} saved, {now!r} now"]
+
+
 def check_same_info(run_dir: Path, info: Mapping[str, Any], keys: Mapping[str, str]) -> None:
     """Refuse a resume whose build gives another value of an ``info`` key in ``keys`` than
     the run's ``config.json`` saved: a ``CLIError`` naming what differs and ``keys[key]``,
-    the way on. A key the file lacks (an older version wrote it) passes, and of a mapping
-    only the entries both hold are compared."""
+    the way on. A key the file lacks (an older version wrote it) passes, and of mappings
+    only the entries both hold are compared (:func:`_changes`)."""
     try:
         saved = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError):  # the resume's own checks name a damaged config.json
@@ -851,18 +864,12 @@ def check_same_info(run_dir: Path, info: Mapping[str, Any], keys: Mapping[str, s
     for key in sorted(keys):
         if not isinstance(saved, dict) or key not in saved or key not in info:
             continue
-        was = saved[key]
         now = json.loads(json.dumps(info[key], default=config_jsonable))
-        if isinstance(was, dict) and isinstance(now, dict):  # entries both have: one
-            # another version adds or drops is no change of the run
-            diff = [f"{k}: {was[k]!r} saved, {now[k]!r} now"
-                    for k in sorted(was.keys() & now.keys()) if was[k] != now[k]]  # fmt: skip
-            more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
-            what = "; ".join(diff[:4]) + more
-        else:
-            what = "" if was == now else f"{was!r} saved, {now!r} now"
-        if not what:
+        diff = _changes(saved[key], now)
+        if not diff:
             continue
+        more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
+        what = "; ".join(diff[:4]) + more
         raise CLIError(f"--resume {run_dir}: {key} differs from the run's ({what}); "
                        f"{keys[key]}")  # fmt: skip
 
@@ -1024,6 +1031,7 @@ def prepare(
         # the path came from the saved config: a flag naming it again was refused
         raise MissingFileError(f"{e}; {exp.moved_hint.format(run=run_dir)}") from None
     table = info.pop("layer_table", None)  # printed once nothing can refuse the run
+    notes = info.pop("notes", [])
     if resume and exp.resume_same:
         check_same_info(run_dir, info, exp.resume_same)
     layers = [(path, p["cores"][0].dim() == 3) for path, p, _ in iter_tt(params, state)]
@@ -1074,6 +1082,8 @@ def prepare(
     if rank == 0:
         if not resume:  # a resume records it after training (train), if it trains
             record_host(run_dir)  # the machine a report on this run names in its header
+        for line in notes:
+            note(line)
         if table:
             print(table, file=sys.stderr)
         shown = {k: v for k, v in info.items() if isinstance(v, int | float | str)}
@@ -1285,9 +1295,10 @@ def _main(exp: Experiment, argv: list[str] | None) -> int:
     except USER_ERRORS as e:
         return user_error(ap.prog, e)
     except KeyboardInterrupt:  # Ctrl-C while the data is read or the model built: no
-        # traceback, as once training runs; nothing was trained
-        print(f"{ap.prog}: stopped by SIGINT before training started; nothing was trained",
-              file=sys.stderr)  # fmt: skip
+        # traceback, as once training runs; nothing was trained (said by rank 0 only)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{ap.prog}: stopped by SIGINT before training started; nothing was "
+                  "trained", file=sys.stderr)  # fmt: skip
         return 128 + signal.SIGINT
     try:
         train(run)

@@ -219,20 +219,24 @@ def _take_data_pad_id(model: nn.Module, cfg: ModelConfig, data: MNLIData, *,
     configs often have none, and one saved with another id than the tokenizer pads with
     pooled a pad position without a word. A model that numbers its positions after its pad
     id (RoBERTa's family: a ``position_embeddings`` table with that ``padding_idx``) read
-    the tokenizer's pads as text and its tokens of the model's pad id as pads: refused."""
+    its text tokens of that id as pads: refused where the data holds such a token."""
     config = getattr(model, "config", None)
     saved = getattr(config, "pad_token_id", None) if config is not None else None
     if config is None or saved == data.pad_id:
         return
     if saved is not None:
+        # positions numbered after the model's pad id go wrong only where the data's text
+        # holds that id (the data's own pads are masked): refused there
+        in_text = any(bool(((s.input_ids == saved) & (s.attention_mask == 1)).any())
+                      for s in data.splits())  # fmt: skip
         for name, module in model.named_modules():
             pad = getattr(module, "padding_idx", None)
-            if name.rpartition(".")[2] == "position_embeddings" and pad == saved:
+            if name.rpartition(".")[2] == "position_embeddings" and pad == saved and in_text:
                 raise ConfigError(
                     f"--model {cfg.path} numbers its positions after pad id {saved} "
-                    f"(config.pad_token_id), but --tokenizer {data.tokenizer_path_or_name} "
-                    f"pads with id {data.pad_id}; give --tokenizer the tokenizer --model was "
-                    "trained with"
+                    f"(config.pad_token_id), which --tokenizer {data.tokenizer_path_or_name} "
+                    f"gives as a text token (it pads with id {data.pad_id}); give --tokenizer "
+                    "the tokenizer --model was trained with"
                 )
         if not quiet:
             print(f"note: --model {cfg.path}: its config's pad_token_id {saved} is not the "
@@ -488,12 +492,12 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
         if p.train.comera.enabled and not any(isinstance(m, tt) for m in model.modules()):
             why = "; ".join(f"{r.name}: {r.skipped}" for r in summary.layers[:3] if r.skipped)
             # every match left dense by its size: the rank, not the globs, is what to change
-            sized = bool(summary.layers) and all(
-                "train is" in (r.skipped or "") for r in summary.layers
+            sized = [(r.skipped or "").startswith("skipped: a rank-") for r in summary.layers]
+            rank = (
+                "lower --rank (model.embedding_rank for embedding tables) or model.min_compression"
             )
-            way = ("lower --rank (model.embedding_rank for embedding tables) or "
-                   "model.min_compression" if sized else
-                   "name modules to compress with --target and --exclude")  # fmt: skip
+            globs = "name modules to compress with --target and --exclude"
+            way = rank if sized and all(sized) else f"{rank}, or {globs}" if any(sized) else globs
             raise ConfigError(
                 f"no module was tensorized (--target {','.join(p.model.target)}"
                 + (f", --exclude {','.join(p.model.exclude)}" if p.model.exclude else "")
@@ -551,16 +555,17 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     }
     if summary is not None:  # the command prints it once nothing can refuse the run
         info["layer_table"] = str(summary)
-    if rank == 0:
-        data.note_unevaluated()
+    info["notes"] = [n for n in [data.unevaluated_note()] if n]  # printed, not stored
     return task, task.params(), task.state(), dense_size, info
 
 
-# transformers config keys that say nothing of the function the model computes
+# transformers config keys that say nothing of the function a loaded model computes (an
+# initializer's scale: its weights are loaded; feed-forward chunking: the same values)
 _NOT_ARCHITECTURE = frozenset({
     "architectures", "transformers_version", "dtype", "torch_dtype", "problem_type",
     "use_cache", "output_attentions", "output_hidden_states", "return_dict", "id2label",
-    "label2id", "torchscript",
+    "label2id", "torchscript", "initializer_range", "initializer_factor",
+    "chunk_size_feed_forward",
 })  # fmt: skip
 
 

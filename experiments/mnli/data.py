@@ -144,14 +144,15 @@ class MNLIData:
         """The largest label id the splits hold (-1 for none)."""
         return max((int(s.labels.max()) for s in self.splits() if len(s.labels)), default=-1)
 
-    def note_unevaluated(self) -> None:
-        """Say on stderr when there is no eval split (local files replace the hub's splits
+    def unevaluated_note(self) -> str | None:
+        """What to say when there is no eval split (local files replace the hub's splits
         as a whole, so ``--train-file`` alone gives none): the run reports no held-out
-        score, and trained without a word of it. Called once the data has passed every
-        check, so an error stays one line."""
-        if not self.eval:
-            note("no eval split is given (--eval-file NAME=PATH, data.eval_files), so the "
-                 "run reports no held-out accuracy")  # fmt: skip
+        score, and trained without a word of it. The commands print it once the run has
+        passed every check, so an error stays one line."""
+        if self.eval:
+            return None
+        return ("no eval split is given (--eval-file NAME=PATH, data.eval_files), so the run "
+                "reports no held-out accuracy")  # fmt: skip
 
     def check_label_count(self, num_labels: int) -> None:
         """Refuse a classifier of ``num_labels`` outputs smaller than the labels the splits

@@ -219,8 +219,6 @@ def build(
     task = MNLITask(model, data, it, p.eval_batch_size, p.plans)
     task.device = torch.device(p.train.device)
     params, state = init_encoder(model, generator=torch.Generator().manual_seed(p.train.seed))
-    if rank == 0:
-        data.note_unevaluated()
     return task, params, state, dense_param_count(model)
 
 
@@ -251,6 +249,7 @@ def _build(p: Preset, rank: int, world: int) -> tuple:
         "vocab": task.model.vocab_size,
         "train_examples": len(task.data.train),
         "model_effective": dataclasses.asdict(task.model),
+        "notes": [n for n in [task.data.unevaluated_note()] if n],  # printed, not stored
     }
     return task, params, state, dense_size, info
 

@@ -808,3 +808,19 @@ def test_ctrl_c_before_training_is_one_line(tmp_path, monkeypatch, capsys) -> No
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["python -m experiments.mnli: stopped by SIGINT before training started; "
                    "nothing was trained"]  # fmt: skip
+
+
+def test_a_resume_compares_saved_info_by_the_entries_both_hold(tmp_path) -> None:
+    """A transformers version that adds a key, even inside a nested setting (rope_scaling's
+    rope_type), must not refuse a resume; a changed value, at any depth, is named."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"m": {"heads": 4, "rope": {"factor": 2.0}, "gone": 1}, "n": 3}))  # fmt: skip
+    same = {"m": {"heads": 4, "rope": {"factor": 2.0, "rope_type": "linear"}, "new": 0}, "n": 3}
+    cli.check_same_info(tmp_path, same, {"m": "fix m", "n": "fix n"})
+    with pytest.raises(cli.CLIError, match=r"m differs from the run's \(rope.factor: 2.0 "
+                       r"saved, 4.0 now\); fix m"):  # fmt: skip
+        cli.check_same_info(tmp_path, {**same, "m": {"heads": 4, "rope": {"factor": 4.0}}},
+                            {"m": "fix m"})  # fmt: skip
+    with pytest.raises(cli.CLIError, match=r"n differs from the run's \(3 saved, 5 now\)"):
+        cli.check_same_info(tmp_path, {**same, "n": 5}, {"n": "fix n"})
+    cli.check_same_info(tmp_path, {"other": 1}, {"other": "x"})  # not saved: an older run

@@ -231,7 +231,7 @@ def test_a_gpt2_tokenizer_pads_with_its_end_token_and_gets_no_token_types(tmp_pa
 def test_a_model_saved_with_another_pad_id_pools_the_last_token(tmp_path: Path, capsys) -> None:
     """A GPT-2 classifier saved with pad id 1 where the tokenizer pads with 0 pooled a pad
     position of every padded row, without a word: it takes the data's pad id, saying so.
-    A RoBERTa numbers positions after its pad id, so there the mismatch is refused."""
+    A RoBERTa numbers positions after its pad id: refused where the data's text holds it."""
     vocab = _generated_vocab()
     gpt2 = tmp_path / "gpt2"
     tf.GPT2ForSequenceClassification(tf.GPT2Config(
@@ -255,16 +255,23 @@ def test_a_model_saved_with_another_pad_id_pools_the_last_token(tmp_path: Path, 
             n = int(mask[i].sum())
             alone = model(input_ids=rows["input_ids"][i : i + 1, :n]).logits
             torch.testing.assert_close(padded[i : i + 1], alone, rtol=1e-4, atol=1e-5)
-    roberta = tmp_path / "roberta"
-    tf.RobertaForSequenceClassification(tf.RobertaConfig(
-        vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=160, num_labels=3,
-        pad_token_id=1)).save_pretrained(roberta)  # fmt: skip
-    capsys.readouterr()
-    assert main(_argv(tmp_path, "r", "--model", str(roberta), "--dense")) == 2
-    line = _one_line(capsys)
-    assert "numbers its positions after pad id 1" in line and "pads with id 0" in line
-    assert not (tmp_path / "r").exists()
+    # a RoBERTa numbers positions after its pad id: harmless where the data's text never
+    # holds that id (1 here: [UNK]), wrong where it does (a text token read as a pad)
+    text_id = int(data.train.input_ids[0, 1])
+    for pad, code in [(1, 0), (text_id, 2)]:
+        roberta = tmp_path / f"roberta{pad}"
+        tf.RobertaForSequenceClassification(tf.RobertaConfig(
+            vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=160, num_labels=3,
+            pad_token_id=pad)).save_pretrained(roberta)  # fmt: skip
+        capsys.readouterr()
+        run = f"r{pad}"
+        assert main(_argv(tmp_path, run, "--model", str(roberta), "--dense")) == code
+        if code:
+            line = _one_line(capsys)
+            assert f"numbers its positions after pad id {pad}" in line
+            assert "gives as a text token (it pads with id 0)" in line
+            assert not (tmp_path / run).exists()
 
 
 def _generated_vocab() -> int:

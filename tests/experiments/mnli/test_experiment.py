@@ -383,6 +383,10 @@ def test_bad_data_is_one_line_naming_the_flag(tmp_path, capsys):
     good = [*base, "--train-file", str(train), "--set", "batch_size=8"]
     assert mnli.main([*good, "--set", "train.eval_every=None"]) == 0
     assert "note: no eval split is given (--eval-file" in capsys.readouterr().err
+    # printed once the run passed every check: a later refusal stays one line
+    argv = [*good, "--plan-for", "nomatch*=dense", "--run-dir", str(tmp_path / "run2")]
+    assert mnli.main(argv) == 2
+    assert "matches no TT layer" in _one_error_line(capsys)
 
 
 def test_bad_local_data_is_reported_before_the_tokenizer_loads(tmp_path, capsys, monkeypatch):
