@@ -94,10 +94,11 @@ def train_size(mode_sizes: list[int], ranks: list[int]) -> int:
     return sum(full[k] * n * full[k + 1] for k, n in enumerate(mode_sizes)) + sum(ranks)
 
 
-def _one_layer(params: object, fn: str, num_embeddings: object = None) -> None:
+def _one_layer(params: object, fn: str, num_embeddings: object = None) -> int | None:
     """Refuse what is not one TT/TTM layer's params (a model's tree gave ``KeyError:
     'cores'``) or a row count that is not one number (a ``{path: rows}`` map, which
-    :func:`summarize` takes, gave a ``TypeError`` from deep inside)."""
+    :func:`summarize` takes, gave a ``TypeError`` from deep inside); returns the row
+    count as an ``int`` (None when not given)."""
     _no_module(params, fn)
     if not isinstance(params, dict) or "cores" not in params:
         raise TypeError(
@@ -107,18 +108,22 @@ def _one_layer(params: object, fn: str, num_embeddings: object = None) -> None:
             + "; for a model's tree use param_count or summarize"
         )
     if num_embeddings is None:
-        return
+        return None
+    boolean = isinstance(num_embeddings, bool) or str(getattr(num_embeddings, "dtype", "")) in (
+        "bool", "torch.bool")  # fmt: skip
     try:  # numpy and torch integers too
-        operator.index(num_embeddings)  # type: ignore[arg-type]
-        ok = not isinstance(num_embeddings, bool)
+        rows = None if boolean else operator.index(num_embeddings)  # type: ignore[arg-type]
     except TypeError:
-        ok = False
-    if not ok:
+        rows = None
+    if rows is None:
         where = "; a {path: rows} map goes to summarize" if isinstance(num_embeddings, dict) else ""
         raise TypeError(
             f"{fn}: num_embeddings is this table's row count (an int), got "
             f"{type(num_embeddings).__name__}{where}"
         )
+    if rows < 0:
+        raise ValueError(f"{fn}: num_embeddings={rows} must be >= 0 (0: the padded rows)")
+    return rows
 
 
 def live_param_count(params: Params, state: State) -> int:
@@ -133,14 +138,10 @@ def live_param_count(params: Params, state: State) -> int:
 
 def dense_param_count(params: Params, num_embeddings: int | None = None) -> int:
     """Parameters of the dense layer this TT/TTM layer replaces (weight + bias)."""
-    _one_layer(params, "dense_param_count", num_embeddings)
+    num_embeddings = _one_layer(params, "dense_param_count", num_embeddings)
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     if _is_ttm(params):
-        rows = (
-            operator.index(num_embeddings)
-            if num_embeddings
-            else math.prod(c.shape[1] for c in cores)
-        )
+        rows = num_embeddings or math.prod(c.shape[1] for c in cores)
         return rows * math.prod(c.shape[2] for c in cores)
     n = math.prod(c.shape[1] for c in cores)
     bias = params.get("bias")
@@ -239,7 +240,7 @@ def _walk(
         )
         cores: list[torch.Tensor] = p["cores"]  # type: ignore[assignment]
         ttm = _is_ttm(p)
-        vocab = rows.get(path or "<root>") if ttm else None
+        vocab = _one_layer(p, "summarize", rows.get(path or "<root>")) if ttm else None
         if ttm:
             shape = (vocab or math.prod(c.shape[1] for c in cores),
                      math.prod(c.shape[2] for c in cores))  # fmt: skip

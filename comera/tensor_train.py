@@ -334,7 +334,7 @@ def check_format(params: Params, ndim: int, name: str) -> None:
 
 def _check_modes(params: Params, state: State, spec: Spec) -> None:
     """:func:`check_state`, then the number of cores and each core's modes against
-    ``spec``'s (what :func:`to_dense` reads of a spec: the bias it never uses)."""
+    ``spec``'s: what :func:`to_dense` checks (not the bias, which it never reads)."""
     name = spec.label
     check_state(params, state, name)
     want = [shape[1:-1] for shape in _core_shapes(spec)]

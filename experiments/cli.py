@@ -666,12 +666,13 @@ RECOMPUTE_CPU_MALLOC = "lean"
 
 
 def _common_overrides(
-    args: argparse.Namespace, cfg: Any, *, fresh: bool = True, rules: Any = None
-) -> list[tuple[Any, ...]]:
+    args: argparse.Namespace, cfg: Any, *, fresh: bool = True, rules: Any = None,
+    named: bool = False,
+) -> list[tuple[Any, ...]]:  # fmt: skip
     """The common flags as ``(key, value)`` overrides of ``cfg`` (``(key, value, flag)``
     where the flag a user typed is not the key's own: ``--dense`` sets three keys);
     ``rules``: the per-layer plan rules a ``--config`` file gives (``--plan-for`` adds to
-    them)."""
+    them); ``named``: a ``--config`` file names the run (``--dense`` then keeps its name)."""
     out = [(key, getattr(args, dest)) for dest, key in _COMMON.items()]
     out = [(k, v) for k, v in out if v is not None]
     if args.wandb_tags is not None:
@@ -715,7 +716,7 @@ def _common_overrides(
         out.append(("plans.per_layer", (*base, *new_rules), given_rules))
     if args.dense:
         out += [("dense", True, "--dense"), ("train.comera.enabled", False, "--dense")]
-        if args.wandb_name is None and cfg.train.run_name:
+        if args.wandb_name is None and cfg.train.run_name and not named:
             out.append(("train.run_name", f"{cfg.train.run_name}-dense", "--dense"))
     return out
 
@@ -769,7 +770,8 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         # --plan-for adds its rules to the file's, not the preset's (the file's value as
         # given: a config built from the file alone could fail checks a flag completes)
         rules = next((v for k, v, _ in reversed(from_file) if k == "plans.per_layer"), None)
-        common = _common_overrides(args, cfg, rules=rules)
+        named = any(k == "train.run_name" for k, _, _ in from_file)  # --dense keeps it
+        common = _common_overrides(args, cfg, rules=rules, named=named)
         return apply_overrides(cfg, [*own, *common], args.sets, file_items=from_file)
     path = Path(args.resume) / "config.json"
     if not path.is_file():

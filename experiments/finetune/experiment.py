@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import math
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from experiments.hub import hub_unreachable, offline_tip, quiet_hub
 from experiments.mnli import experiment as mnli
 from experiments.mnli.batches import BatchIterator
 from experiments.mnli.data import MNLIData, MNLIDataConfig, load_mnli
+from experiments.notes import note
 
 __all__ = [
     "EXPERIMENT",
@@ -188,19 +188,27 @@ def _transformers() -> Any:
     return transformers
 
 
-def load_model(cfg: ModelConfig, data: MNLIData, *, quiet: bool = False) -> nn.Module:
+def load_model(cfg: ModelConfig, data: MNLIData, *, quiet: bool = False,
+               notes: list[str] | None = None) -> nn.Module:  # fmt: skip
     """The classifier: ``cfg.path``'s (local folder, or hub name) or a BERT from a config.
 
     A saved model that cannot be loaded with a head of ``cfg.num_labels`` labels is a
-    ``ConfigError`` naming ``--model``; unless ``quiet``, the weights it lacks (a fresh
-    head) are named on stderr."""
+    ``ConfigError`` naming ``--model``. What it says of the model (the weights it lacks,
+    a fresh head; a pad id it changed) goes to ``notes`` where given (the command prints
+    them once nothing can refuse the run), else on stderr unless ``quiet``."""
     tf = _transformers()
     if cfg.path is not None:
+        said: list[str] = []
         model, missing = _load_pretrained(tf, cfg, labels=data.max_label() + 1)
-        if missing and not quiet:
-            print(f"--model {cfg.path}: newly initialized (not in its checkpoint): "
-                  f"{', '.join(missing)}", file=sys.stderr)  # fmt: skip
-        _take_data_pad_id(model, cfg, data, quiet=quiet)
+        if missing:
+            said.append(f"--model {cfg.path}: newly initialized (not in its checkpoint): "
+                        f"{', '.join(missing)}")  # fmt: skip
+        said += _take_data_pad_id(model, cfg, data)
+        if notes is not None:
+            notes += said
+        elif not quiet:
+            for line in said:
+                note(line)
         return model
     bert = tf.BertConfig(
         vocab_size=data.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
@@ -212,38 +220,43 @@ def load_model(cfg: ModelConfig, data: MNLIData, *, quiet: bool = False) -> nn.M
     return tf.BertForSequenceClassification(bert)
 
 
-def _take_data_pad_id(model: nn.Module, cfg: ModelConfig, data: MNLIData, *,
-                      quiet: bool = False) -> None:  # fmt: skip
-    """Give a loaded model's config the pad id its rows are padded with. A decoder-only
-    classifier (GPT-2, Llama) finds each row's last token by ``config.pad_token_id``: its
-    configs often have none, and one saved with another id than the tokenizer pads with
-    pooled a pad position without a word. A model that numbers its positions after its pad
-    id (RoBERTa's family: a ``position_embeddings`` table with that ``padding_idx``) read
-    its text tokens of that id as pads: refused where the data holds such a token."""
+def _take_data_pad_id(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> list[str]:
+    """Give a loaded model's config the pad id its rows are padded with; returns what to
+    say of it. A decoder-only classifier (GPT-2, Llama) finds each row's last token by
+    ``config.pad_token_id``: its configs often have none, and one saved with another id
+    than the tokenizer pads with pooled a pad position without a word. A model that numbers
+    its positions after its own pad id (RoBERTa's family: a ``position_embeddings`` table
+    with that ``padding_idx``) reads its text tokens of that id as pads: refused where the
+    data's text holds such a token, else harmless (the data's pads are masked)."""
     config = getattr(model, "config", None)
     saved = getattr(config, "pad_token_id", None) if config is not None else None
     if config is None or saved == data.pad_id:
-        return
+        return []
+    said = []
     if saved is not None:
-        # positions numbered after the model's pad id go wrong only where the data's text
-        # holds that id (the data's own pads are masked): refused there
-        in_text = any(bool(((s.input_ids == saved) & (s.attention_mask == 1)).any())
-                      for s in data.splits())  # fmt: skip
-        for name, module in model.named_modules():
-            pad = getattr(module, "padding_idx", None)
-            if name.rpartition(".")[2] == "position_embeddings" and pad == saved and in_text:
-                raise ConfigError(
-                    f"--model {cfg.path} numbers its positions after pad id {saved} "
-                    f"(config.pad_token_id), which --tokenizer {data.tokenizer_path_or_name} "
-                    f"gives as a text token (it pads with id {data.pad_id}); give --tokenizer "
-                    "the tokenizer --model was trained with"
-                )
-        if not quiet:
-            print(f"note: --model {cfg.path}: its config's pad_token_id {saved} is not the "
-                  f"id --tokenizer pads with ({data.pad_id}); the model reads "
-                  f"{data.pad_id} as its pad id (a decoder-only classifier finds each row's "
-                  "last token by it)", file=sys.stderr)  # fmt: skip
+        numbered = any(
+            name.rpartition(".")[2] == "position_embeddings"
+            and getattr(module, "padding_idx", None) == saved
+            for name, module in model.named_modules()
+        )
+        in_text = numbered and any(
+            bool(((s.input_ids == saved) & (s.attention_mask == 1)).any()) for s in data.splits()
+        )
+        if in_text:
+            raise ConfigError(
+                f"--model {cfg.path} numbers its positions after pad id {saved} "
+                f"(config.pad_token_id), which --tokenizer {data.tokenizer_path_or_name} "
+                f"gives as a text token (it pads with id {data.pad_id}); give --tokenizer "
+                "the tokenizer --model was trained with"
+            )
+        why = (f"its positions stay numbered after {saved}, which the data's text never holds"
+               if numbered else
+               "a decoder-only classifier finds each row's last token by it")  # fmt: skip
+        said.append(f"--model {cfg.path}: its config's pad_token_id {saved} is not the id "
+                    f"--tokenizer pads with ({data.pad_id}); config.pad_token_id is set to "
+                    f"{data.pad_id} ({why})")  # fmt: skip
     config.pad_token_id = data.pad_id  # as a built BERT gets the data's
+    return said
 
 
 def _check_local_path(path: str) -> None:
@@ -479,7 +492,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     """Data, the (tensorized) model and its task; returns the CLI's five-tuple."""
     data = load_mnli(p.data)
     torch.manual_seed(p.train.seed)
-    model = load_model(p.model, data, quiet=rank != 0)
+    notes: list[str] = []  # printed by the command once nothing can refuse the run
+    model = load_model(p.model, data, notes=notes)
     check_fits(model, p.model, data)
     dense_size = sum(t.numel() for t in model.parameters())
     summary = None
@@ -493,11 +507,12 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
             why = "; ".join(f"{r.name}: {r.skipped}" for r in summary.layers[:3] if r.skipped)
             # every match left dense by its size: the rank, not the globs, is what to change
             sized = [(r.skipped or "").startswith("skipped: a rank-") for r in summary.layers]
-            rank = (
+            by_rank = (
                 "lower --rank (model.embedding_rank for embedding tables) or model.min_compression"
             )
             globs = "name modules to compress with --target and --exclude"
-            way = rank if sized and all(sized) else f"{rank}, or {globs}" if any(sized) else globs
+            way = (by_rank if sized and all(sized) else
+                   f"{by_rank}, or {globs}" if any(sized) else globs)  # fmt: skip
             raise ConfigError(
                 f"no module was tensorized (--target {','.join(p.model.target)}"
                 + (f", --exclude {','.join(p.model.exclude)}" if p.model.exclude else "")
@@ -555,7 +570,7 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     }
     if summary is not None:  # the command prints it once nothing can refuse the run
         info["layer_table"] = str(summary)
-    info["notes"] = [n for n in [data.unevaluated_note()] if n]  # printed, not stored
+    info["notes"] = [*notes, *[n for n in [data.unevaluated_note()] if n]]  # not stored
     return task, task.params(), task.state(), dense_size, info
 
 
@@ -610,9 +625,15 @@ def _model_run_defaults(args: argparse.Namespace, p: Preset) -> Preset:
     """A --model run's folder and name after its model folder (``runs/finetune-NAME``,
     ``-dense`` for the dense one): the preset's are the smoke runs', which the smoke report
     reads. A --config file, --run-dir, --wandb-name or --set still decides."""
-    if not args.model_path:
+    path = args.model_path or next(  # or model.path from a --set or the --config file
+        (v.strip() for k, _, v in (i.partition("=") for i in reversed(args.sets))
+         if k.strip() == "model.path"), None)  # fmt: skip
+    if path is None and args.config:
+        path = next((v for k, v, _ in reversed(cli.config_file_items(args.config, p))
+                     if k == "model.path"), None)  # fmt: skip
+    if not isinstance(path, str) or not path:
         return p
-    name = Path(args.model_path.rstrip("/\\")).name or "model"
+    name = Path(path.rstrip("/\\")).name or "model"
     dense = "-dense" if args.dense else ""
     train = dataclasses.replace(p.train, run_dir=f"runs/finetune-{name}{dense}",
                                 run_name=f"finetune-{name}")  # fmt: skip

@@ -461,7 +461,13 @@ def test_one_layer_accounting_refuses_a_tree_or_a_row_map():
     # numpy and torch integers are row counts too (the review: they were refused)
     for rows in (np.int64(95), torch.tensor(95)):
         assert C.compression_ratio(p, s, num_embeddings=rows) == 95 * 16 / live_param_count(p, s)
-        assert C.summarize({"emb": p}, {"emb": s}, num_embeddings={"emb": rows})
+        (row,) = C.summarize({"emb": p}, {"emb": s}, num_embeddings={"emb": rows})
+        assert row.dense_shape == (95, 16) and type(row.dense_shape[0]) is int
+    for rows in (True, torch.tensor(True), np.bool_(True)):  # not a count of 1
+        with pytest.raises(TypeError, match="row count"):
+            C.compression_ratio(p, s, num_embeddings=rows)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_embeddings=-5 must be >= 0"):
+        C.compression_ratio(p, s, num_embeddings=-5)
 
 
 def test_to_dense_refuses_another_layer_s_spec():

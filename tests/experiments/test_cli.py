@@ -808,6 +808,9 @@ def test_ctrl_c_before_training_is_one_line(tmp_path, monkeypatch, capsys) -> No
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["python -m experiments.mnli: stopped by SIGINT before training started; "
                    "nothing was trained"]  # fmt: skip
+    monkeypatch.setenv("RANK", "1")  # under torchrun: said by rank 0 alone
+    assert mnli.main([*FAST, "--run-dir", str(tmp_path / "r")]) == 130
+    assert capsys.readouterr().err == ""
 
 
 def test_a_resume_compares_saved_info_by_the_entries_both_hold(tmp_path) -> None:

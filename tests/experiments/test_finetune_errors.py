@@ -391,6 +391,11 @@ def test_a_model_run_gets_its_own_run_dir_not_the_smoke_runs(tmp_path: Path, cap
     conf = tmp_path / "c.toml"
     conf.write_text('[train]\nrun_dir = "runs/mine"\nrun_name = "mine"\n')
     assert resolved("--config", str(conf), "--model", "org/bert") == ("runs/mine", "mine")
+    assert resolved("--config", str(conf), "--model", "org/bert", "--dense")[1] == "mine"
+    # model.path given as a key names the run as --model does
+    assert resolved("--set", "model.path=org/bert")[0] == "runs/finetune-bert"
+    conf.write_text('[model]\npath = "org/bert2"\n')
+    assert resolved("--config", str(conf))[0] == "runs/finetune-bert2"
     # and errors name only what was typed
     assert main(["--model", "org/bert", "--set", "train.steps=0"]) == 2
     line = _one_line(capsys)
