@@ -736,6 +736,14 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
         tr.galore.load_state_dict(galore)
     tr.step = ckpt["step"]
     tr.stages.load_state_dict(ckpt["stages"])
+    given = getattr(tr, "reference_size", None)
+    if given is not None and given != ckpt["initial_size"]:  # kept, as every run's figures
+        # are against one size; it was replaced without a word
+        warnings.warn(
+            f"{ckpt['dir']}: reference_size={given} differs from the {ckpt['initial_size']} "
+            "the run measures compression against; the run keeps its own",
+            stacklevel=4,
+        )
     tr.initial_size = ckpt["initial_size"]
     if saved_world == tr.world:
         set_rng_state(rngs[tr.rank], dev)

@@ -269,6 +269,7 @@ class Trainer:
         self.config_dict = {"train": dataclasses.asdict(cfg), **(extra_config or {})}
         self.initial_size = int(reference_size) if reference_size is not None else (
             model_size(self.params, self.state))  # fmt: skip
+        self.reference_size = None if reference_size is None else int(reference_size)
         self.on_compact: list[Callable[[Trainer], None]] = []
         if hasattr(task, "on_compaction"):
             self.on_compact.append(lambda tr: tr.task.on_compaction(tr.params, tr.state))

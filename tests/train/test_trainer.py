@@ -1040,6 +1040,22 @@ def test_a_reference_size_that_is_no_parameter_count_is_refused(tmp_path, size):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_resume_with_another_reference_size_keeps_the_run_s_and_says_so(tmp_path):
+    """A resume given another reference_size kept the saved one without a word; the same
+    one (the commands pass it on every resume) says nothing."""
+    import warnings
+
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5)
+    Trainer(cfg, ToyTask(), *_toy_model(), reference_size=1000).fit(until=5)
+    with pytest.warns(UserWarning, match="reference_size=5000 differs from the 1000"):
+        tr = Trainer(cfg, ToyTask(), *_toy_model(), resume=True, reference_size=5000)
+    assert tr.initial_size == 1000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Trainer(cfg, ToyTask(), *_toy_model(), resume=True, reference_size=1000)
+        Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
+
+
 def test_steps_taken_by_hand_then_fit_equal_their_resume(tmp_path):
     """Steps and a checkpoint called outside fit draw from the process's streams as the
     run's; fit then continues from them, as a resume from that checkpoint does (it
