@@ -279,27 +279,20 @@ def _parse_table(path: str, fmt: str, text_columns: tuple[str, ...] = ()) -> pa.
     """The file's table; a CSV's ``text_columns`` (the sentences) are read as written, as
     text: Arrow's type guessing turned ``007`` into 7, ``1.50`` into 1.5 and dates into
     dates."""
-    if fmt in ("csv", "tsv"):
-        import pyarrow.csv as pcsv
-
-        as_text = pcsv.ConvertOptions(column_types=dict.fromkeys(text_columns, pa.string()))
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
         return pq.read_table(path)
-    if fmt == "csv":
+    if fmt in ("csv", "tsv"):
         import pyarrow.csv as pcsv
 
         # blocks far larger than Arrow's 1 MiB: a field longer than a block was refused
         read = pcsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
-        return pcsv.read_csv(path, read_options=read, convert_options=as_text,
-                             parse_options=pcsv.ParseOptions(newlines_in_values=True))  # fmt: skip
-    if fmt == "tsv":  # GLUE's own files: one row a line, quotes are text (no quoting)
-        import pyarrow.csv as pcsv
-
-        read = pcsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
-        tabs = pcsv.ParseOptions(delimiter="\t", quote_char=False)
-        return pcsv.read_csv(path, read_options=read, parse_options=tabs,
+        as_text = pcsv.ConvertOptions(column_types=dict.fromkeys(text_columns, pa.string()))
+        parse = (pcsv.ParseOptions(newlines_in_values=True) if fmt == "csv"
+                 # GLUE's own files: one row a line, quotes are text (no quoting)
+                 else pcsv.ParseOptions(delimiter="\t", quote_char=False))  # fmt: skip
+        return pcsv.read_csv(path, read_options=read, parse_options=parse,
                              convert_options=as_text)  # fmt: skip
     with open(path, encoding="utf-8-sig") as f:  # a BOM (Windows tools write one) is no text
         text = f.read()
