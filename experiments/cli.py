@@ -1114,18 +1114,18 @@ class Interrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt(got: list[int]) -> typing.Iterator[None]:
+def _sigterm_as_interrupt() -> typing.Iterator[None]:
     """SIGTERM raises KeyboardInterrupt in the training loop, as SIGINT does, so its
     ``finally`` closes the logs: killed by the default handler, a run lost every wandb row
-    not yet flushed. The signal taken is put in ``got``; the old handler comes back."""
+    not yet flushed. The interrupt carries the shell's ``status`` for the signal (what
+    wandb records, and what :func:`train` names); the old handler comes back."""
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread may install a handler
         return
 
     def handler(signum: int, frame: object) -> None:
-        got.append(signum)
         stop = KeyboardInterrupt()
-        stop.status = 128 + signum  # type: ignore[attr-defined]  # the exit code wandb records
+        stop.status = 128 + signum  # type: ignore[attr-defined]
         raise stop
 
     old = signal.signal(signal.SIGTERM, handler)
@@ -1146,12 +1146,11 @@ def train(run: Prepared) -> dict:
     by SIGINT or SIGTERM, it raises :class:`Interrupted` saying how to go on; by the loss
     of another process of the run, :class:`PeerLost`."""
     t0, start = time.perf_counter(), run.trainer.step
-    got: list[int] = []
     try:
-        with _sigterm_as_interrupt(got):
+        with _sigterm_as_interrupt():
             out = run.trainer.fit()
-    except KeyboardInterrupt:
-        signum = got[-1] if got else signal.SIGINT
+    except KeyboardInterrupt as e:  # Ctrl-C's carries no status: SIGINT's
+        signum = getattr(e, "status", 128 + signal.SIGINT) - 128
         how = f"stopped by {signal.Signals(signum).name} at step {run.trainer.step}"
         raise Interrupted(f"{how}; {_go_on(run)}", 128 + signum, run.rank, how) from None
     except RuntimeError as e:  # a collective failed: another process died (OOM-killed...)
