@@ -596,6 +596,11 @@ def render_report(data: dict, out: Path) -> str:
     """Write ``out`` (markdown) and its PNG from the ablation's JSON (:func:`gather`);
     returns the markdown."""
     name, rows = data["ablation"], data["variants"]
+    if not rows:  # every table below reads its first row
+        raise ValueError(
+            f"render_report: ablation {name!r} has no variants to render; "
+            "gather() the finished variants' records first"
+        )
     lines = report_header(f"Ablation: {name}", data["meta"]["command"], data["meta"])
     lines += ["All variants share the seed, the data order and (where shapes allow) the init."]
     if name == "capacity" and any(r["label"].endswith("_3x_data") for r in rows):

@@ -306,6 +306,13 @@ def test_empty_values_and_interrupted_runs_are_refused(tmp_path, monkeypatch, ca
     assert trained[-1] == ["0.05", "0.1"]
 
 
+def test_render_report_of_no_variants_names_the_way_on(tmp_path):
+    data = {"ablation": "gamma", "variants": [], "meta": {"command": "x"}}
+    with pytest.raises(ValueError, match="ablation 'gamma' has no variants to render"):
+        ablate.render_report(data, tmp_path / "a.md")
+    assert not (tmp_path / "a.md").exists()
+
+
 def test_a_diverging_variant_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
     """A variant whose loss turns NaN stops the command with exit 1 and one line that says
     which variant diverged; the report is not rewritten."""
