@@ -166,8 +166,9 @@ def test_accumulate_keeps_shared_gradients_apart():
 
 
 def test_grad_norm_mixes_dtypes_and_sparse_gradients():
-    """The global norm (per-leaf norms in fp32, combined in fp64) over fp32, bf16, fp64
-    and sparse gradients alike, missing ones skipped; no gradient at all gives 0."""
+    """The global norm (per-leaf norms in fp32, or fp64 beside an fp64 leaf; combined in
+    fp64) over fp32, bf16, fp64 and sparse gradients alike, missing ones skipped; no
+    gradient at all gives 0."""
     from comera.train.loop import _grad_norm
 
     torch.manual_seed(0)
