@@ -57,6 +57,12 @@ def save_state(
             "folder path"
         ) from None
     path = state_path(directory, int(state["rank"]))
+    why = _another_loader(path, state["fingerprint"])
+    if why:  # checked here, on the caller's thread: a background save raises at once too
+        raise LoaderInputError(
+            f"{path} holds another loader's state ({why}); it is kept: save each loader into "
+            f"a folder of its own (e.g. {directory / 'NAME'}), or delete that file first"
+        )
     text = json.dumps(state, separators=(",", ":"))
     world = int(state["world_size"])
 
@@ -79,6 +85,30 @@ def save_state(
     if _writer is None:
         _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader-ckpt")
     return _writer.submit(write)
+
+
+def _another_loader(path: Path, fingerprint: dict) -> str | None:
+    """Why the state file at ``path`` cannot be an earlier save of the loader whose
+    fingerprint is given (None when it can, or when there is no readable state there).
+
+    Within one run the shard count, seed and shuffle never change and sub-datasets are
+    only added, each keeping its document count (:func:`merge_states` refuses the rest),
+    so a file that breaks those rules is another loader's: a validation loader saved into
+    the training loader's folder would otherwise replace its file."""
+    try:
+        old = json.loads(path.read_text())["fingerprint"]
+        docs = dict(old["docs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # nothing there, or a damaged file no load would take
+    for key in ("num_shards", "seed", "shuffle"):
+        if old.get(key) != fingerprint[key]:
+            return f"{key} {old.get(key)!r} there, {fingerprint[key]!r} here"
+    for name, n in docs.items():
+        if name not in fingerprint["docs"]:
+            return f"sub-dataset {name!r} there, not here"
+        if fingerprint["docs"][name] != n:
+            return f"sub-dataset {name!r} of {n} documents there, {fingerprint['docs'][name]} here"
+    return None
 
 
 def load_states(directory: str | Path) -> list[dict]:
@@ -112,6 +142,13 @@ def load_states(directory: str | Path) -> list[dict]:
                 "restore the folder as the save wrote it, or use another checkpoint"
             )
     ranks = sorted(int(s["rank"]) for s in states)
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:  # two names for one rank (the pattern takes unpadded numbers too)
+        names = [p.name for p, st in zip(files, states, strict=True) if int(st["rank"]) in twice]
+        raise LoaderInputError(
+            f"{directory} holds rank {twice[0]}'s loader state twice ({', '.join(names)}): a "
+            f"copy made by hand; keep the one the save wrote ({state_path('', twice[0])})"
+        )
     if ranks != list(range(world)):
         raise LoaderInputError(
             f"{directory} holds loader states for ranks {ranks} but world_size={world}; "

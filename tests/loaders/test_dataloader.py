@@ -132,6 +132,33 @@ def test_incomplete_checkpoint_folder_is_refused(corpus, tmp_path):
     assert ckpt.STATE_VERSION == 1
 
 
+def test_a_second_loader_saved_into_one_folder_keeps_the_first_ones_file(corpus, tmp_path):
+    """A validation loader saved into the training loader's folder replaced its file
+    (both rank 0), and loading the folder then blamed a sub-dataset the config lacked."""
+    root, _ = corpus
+    train = TokenLoader(_cfg(root))
+    take(train, 3)
+    train.save(tmp_path, step=5)
+    kept = state_path(tmp_path, 0).read_text()
+    val = TokenLoader(config([("b", root / "b", 1.0)]))
+    with pytest.raises(LoaderInputError, match="holds another loader's state .*a folder of its"):
+        val.save(tmp_path, step=5)
+    with pytest.raises(LoaderInputError, match="holds another loader's state"):
+        val.save(tmp_path, background=True, step=5)  # refused on the caller's thread
+    assert state_path(tmp_path, 0).read_text() == kept
+    val.save(tmp_path / "val", step=5)
+    # the same run saves over its own files, with a sub-dataset added on the way
+    more = TokenLoader(config([("a", root / "a", 0.6), ("b", root / "b", 0.4),
+                               ("c", root / "b", 0.0)]))  # fmt: skip
+    more.load(tmp_path)
+    more.save(tmp_path, step=6)
+    assert load_states(tmp_path)[0]["step"] == 6
+    # a hand-made copy of a rank file was "a rank file is missing"
+    (tmp_path / "loader_rank0.json").write_text(state_path(tmp_path, 0).read_text())
+    with pytest.raises(LoaderInputError, match=r"rank 0's loader state twice \(loader_rank0.json"):
+        load_states(tmp_path)
+
+
 def test_unmarked_saves_into_one_folder_are_told_apart(corpus, tmp_path):
     # save(dir) without a step, into a folder reused each round: a rank that saved again
     # while another did not (it died first) left files of two rounds, which loaded
