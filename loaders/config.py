@@ -13,6 +13,8 @@ from typing import Any
 
 from loaders.errors import LoaderInputError, LoaderPathError
 
+PLAN_NAME = "prepare_plan.json"  # a loaders.prepare output's root holds it
+
 SHUFFLE_MODES = ("global", "local", "none")
 _ID_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 
@@ -206,10 +208,19 @@ class LoaderConfig:
 def datasets_from_root(
     root: str | Path, weights: dict[str, float] | None = None
 ) -> list[DatasetSpec]:
-    """One ``DatasetSpec`` per sub-folder of ``root`` (sorted), weighted by ``weights``."""
+    """One ``DatasetSpec`` per sub-folder of ``root`` (sorted), weighted by ``weights``.
+
+    A ``loaders.prepare`` output is refused: its sub-folders are its splits, and mixing
+    them would train on the held-out one."""
     root = Path(root)
     if not root.is_dir():
         raise LoaderPathError(f"corpus root {root} is not a folder")
+    if (root / PLAN_NAME).is_file():
+        raise LoaderInputError(
+            f"corpus root {root} is a loaders.prepare output: its sub-folders are its splits "
+            f"(the held-out one too), not sub-datasets to mix; give {root / 'train'} as one "
+            "DatasetSpec, or a root whose sub-folders are prepared train splits"
+        )
     names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not names:
         raise LoaderPathError(f"corpus root {root} has no sub-dataset folders")

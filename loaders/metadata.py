@@ -24,12 +24,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from loaders.config import is_int
+from loaders.config import PLAN_NAME, is_int
 from loaders.errors import LoaderInputError
 
 METADATA_NAME = "doc_counts.json"
 FORMAT = "loaders.doc_counts"
-PLAN_NAME = "prepare_plan.json"  # a loaders.prepare output's root holds it
 
 
 def check_prepared(folder: Path, files: Sequence[Path]) -> None:

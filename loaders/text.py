@@ -114,7 +114,12 @@ def read_text_table(path: Path) -> pa.Table:
             return pj.read_json(path)
         return open_arrow_table(path)
     except (pa.ArrowException, OSError) as exc:
-        raise LoaderInputError(f"text file {path} is unreadable ({exc}); fix or remove it") from exc
+        # pyarrow reads JSON Lines only; its error on a JSON array names neither
+        lines = suffix in (".jsonl", ".json") and isinstance(exc, pa.ArrowException)
+        hint = "; JSON is read as JSON Lines, one object per line" if lines else ""
+        raise LoaderInputError(
+            f"text file {path} is unreadable ({exc}{hint}); fix or remove it"
+        ) from exc
 
 
 class TextSource:
@@ -152,6 +157,14 @@ class TextSource:
         columns = []
         for where, table in tables:
             if text_column not in table.column_names:
+                if any(text_column in t.column_names for _, t in tables):
+                    # a stray file beside the data (a save_to_disk folder's dataset_info.json)
+                    raise LoaderInputError(
+                        f"{where} has no text column {text_column!r} (columns: "
+                        f"{table.column_names}) where other files of {data} have it: every "
+                        f"{', '.join(TEXT_SUFFIXES)} file under a text folder is read as data; "
+                        "move that file out, or point the dataset at the data files"
+                    )
                 raise LoaderInputError(
                     f"{where} has no text column {text_column!r} (columns: "
                     f"{table.column_names}); pass text_column=<one of them>"

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loaders import DatasetSpec, LoaderConfig, TokenLoader
+from loaders import DatasetSpec, LoaderConfig, TokenLoader, datasets_from_root
 from loaders.prepare import PrepareError, main, prepare
 from loaders.sources import ArrowTokenFile
 from tests.loaders_helpers import BOS, EOS, PAD
@@ -428,10 +428,16 @@ def test_a_prepare_output_is_read_whole_or_refused(tmp_path: Path) -> None:
     out = tmp_path / "out"
     prepare([str(tmp_path / "src")], out, train_vocab=300, glob="**/*.py", docs_per_shard=5,
             heldout=0.25, progress=False)  # fmt: skip
+    (tmp_path / "prep_root").mkdir()
+    (tmp_path / "prep_root" / "code").symlink_to(out / "train")  # a root of train splits
     train = TokenFolder(out / "train").num_docs
     assert train + TokenFolder(out / "heldout").num_docs == 40
     with pytest.raises(LoaderInputError, match=r"holding its splits \(heldout, train\)"):
         TokenFolder(out)
+    # as sub-datasets of a corpus root, its splits (held-out too) were mixed into training
+    with pytest.raises(LoaderInputError, match=r"is a loaders.prepare output: its sub-folders"):
+        datasets_from_root(out)
+    assert [d.name for d in datasets_from_root(tmp_path / "prep_root")] == ["code"]
     shards = sorted((out / "train").glob("part-*.arrow"))
     shutil.copy(shards[0], out / "train" / "part-99999.arrow")
     with pytest.raises(LoaderInputError, match=r"not written by prepare \(part-99999.arrow\)"):

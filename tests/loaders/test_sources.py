@@ -394,3 +394,25 @@ def test_saving_where_a_file_is_in_the_way_is_one_error(tmp_path):
             loader.save(where)
     assert (tmp_path / "f").read_text() == "x"
     assert loader.save(tmp_path / "ok").is_file()  # and the count of saves goes on
+
+
+def test_a_json_array_and_a_stray_json_file_are_named_as_such(tmp_path):
+    """A .json holding an array said only "Column() changed from object to array", and a
+    dataset_info.json beside .jsonl data advised text_column=description, which would
+    break the data files."""
+    tok = str(_tokenizer_file(tmp_path))
+    (tmp_path / "arr").mkdir()
+    (tmp_path / "arr" / "rows.json").write_text(json.dumps([{"text": "w1"}, {"text": "w2"}]))
+    spec = DatasetSpec(name="t", path=tmp_path / "arr", tokenizer=tok)
+    with pytest.raises(LoaderInputError, match="rows.json is unreadable .*read as JSON Lines"):
+        TokenLoader(LoaderConfig(datasets=[spec], seq_len=4, num_shards=2))
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.jsonl").write_text('{"text": "w1 w2"}\n')
+    (tmp_path / "mixed" / "dataset_info.json").write_text('{"description": "x"}\n')
+    spec = DatasetSpec(name="t", path=tmp_path / "mixed", tokenizer=tok)
+    with pytest.raises(LoaderInputError, match="dataset_info.json has no text column 'text'") as e:
+        TokenLoader(LoaderConfig(datasets=[spec], seq_len=4, num_shards=2))
+    assert "other files of" in str(e.value) and "move that file out" in str(e.value)
+    assert "text_column=" not in str(e.value)
+    (tmp_path / "mixed" / "dataset_info.json").unlink()
+    assert TokenLoader(LoaderConfig(datasets=[spec], seq_len=4, num_shards=2)).sources
