@@ -254,6 +254,9 @@ def test_dlrm_prep_render_names_the_command_that_measured(monkeypatch, capsys) -
     assert dlrm_prep.main(["--rows", "200", "--json"]) == 0
     saved = json.loads(capsys.readouterr().out)
     assert _header_command(dlrm_prep.render(saved)) == f"{shown} --json"
+    # 200 rows time start-up: their Kaggle estimate (718 min where 4M rows say ~10) is not shown
+    assert "| n/a: under 100,000 rows, start-up dominates the rate |" in dlrm_prep.render(saved)
+    assert "| 9.0 |" in dlrm_prep.render({**saved, "rows": 4_000_000})
 
 
 def test_dlrm_step_render_names_the_command_that_measured(monkeypatch, capsys) -> None:  # noqa: ANN001
