@@ -70,6 +70,8 @@ class EpochCursor:
     # older digests of the same examples (a digest scheme since replaced): a checkpoint
     # that holds one of them resumes as if it held ``data_id``
     legacy_data_ids: tuple[str, ...] = ()
+    # the way on after a refusal of changed data: what to give to resume on the right data
+    data_hint = "resume with the same data, or start a new run"
 
     def _advance(self) -> None:
         self.batch_in_epoch += 1
@@ -114,8 +116,7 @@ class EpochCursor:
             raise DataError(
                 f"the checkpoint was trained on other data (digest {saved_id}) than "
                 f"this run reads ({self.data_id}){changed}: the file, or the settings that "
-                "split it or number its ids, changed since; resume with the same data, or "
-                "start a new run"
+                f"split it or number its ids, changed since; {self.data_hint}"
             )
 
     def load_state_dict(self, state: dict | list[dict]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from comera.errors import ConfigError
+from comera.errors import ConfigError, DataError
 from experiments.cursor import EpochCursor, check_global_batch
 from experiments.dlrm.data import CriteoData
 from loaders.permute import IndexCipher
@@ -17,9 +17,21 @@ def rows_to_batch(data: CriteoData, rows: np.ndarray) -> dict[str, torch.Tensor]
     """Rows (absolute indices) -> ``dense (B, 13)``, ``cat (B, 26)`` int64, ``label (B,)``
     and ``row (B,)``, the row indices themselves (for audits of what was read)."""
     rows = np.asarray(rows, dtype=np.int64)
+    cat = data.cat[rows].astype(np.int64)
+    # a cache whose ids were damaged in place (its files keep their sizes, so opening it
+    # found nothing) ended in F.embedding's IndexError traceback: every batch is checked,
+    # 26 comparisons a row
+    bad = (cat < 0) | (cat >= np.asarray(data.cardinalities))
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise DataError(
+            f"the Criteo cache {data.root} is damaged: row {int(rows[i])} holds id "
+            f"{int(cat[i, j])} in C{j + 1}, outside its {data.cardinalities[j]} ids; delete that "
+            "folder to rebuild it, or point --cache-dir (data.cache_dir) elsewhere"
+        )
     return {
         "dense": torch.from_numpy(np.ascontiguousarray(data.dense[rows])),
-        "cat": torch.from_numpy(data.cat[rows].astype(np.int64)),
+        "cat": torch.from_numpy(cat),
         "label": torch.from_numpy(data.label[rows].astype(np.float32)),
         "row": torch.from_numpy(rows),
     }
@@ -66,6 +78,15 @@ class RowBatches(EpochCursor):
         on resume: 4,096 rows)."""
         legacy = self.data.sampled_identity()
         return (legacy,) if legacy != self.data_id else ()
+
+    @property
+    def data_hint(self) -> str:  # type: ignore[override]
+        """Names the flag and the file this run reads, where the refusal of changed data
+        named neither."""
+        return (
+            f"this run reads {self.data.meta.get('source', self.data.root)}: give --data the "
+            "file the run trained on (data.path in its config.json), or start a new run"
+        )
 
     def _order(self) -> IndexCipher:
         if self._cipher is None or self._cipher[0] != self.epoch:

@@ -100,6 +100,11 @@ class CriteoDataConfig:
                 f"min_count >= 1, days >= 2; got {self.max_ind_range}, {self.min_count}, "
                 f"{self.days} (--max-ind-range, --set data.*)"
             )
+        if self.cache_dir == "":  # --set data.cache_dir= with nothing after it
+            raise ConfigError(
+                "data.cache_dir is empty; give a folder for the preprocessed data, or leave it "
+                "unset for the default ($COMERA_CACHE/criteo or ~/.cache/comera/criteo)"
+            )
         if self.id_order not in ("frequency", "hash"):
             raise ConfigError(f"data.id_order={self.id_order!r}; choose 'frequency' or 'hash'")
         if self.path == "generated" and not 100 <= self.generated_rows <= GENERATED_MAX_ROWS:
@@ -132,6 +137,12 @@ def _integer(text: str) -> int | None:
     return None if value >= 2**64 else value - 2**64 if value >= 2**63 else value
 
 
+def _shown(value: str) -> str:
+    """A field as an error quotes it: at most 40 characters (a binary file's "line" can
+    be kilobytes of one field)."""
+    return repr(value) if len(value) <= 40 else f"{value[:40]!r}... ({len(value):,} characters)"
+
+
 def check_line(line: str, path: str | Path, lineno: int) -> None:
     """Raise :class:`CriteoFormatError` naming the first bad field of one line."""
     fields = line.rstrip("\n").rstrip("\r").split("\t")
@@ -147,7 +158,7 @@ def check_line(line: str, path: str | Path, lineno: int) -> None:
         )
     # as the fast reader reads it: spaces around it, "01", "-0", "0x1"
     if _integer(fields[0]) not in (0, 1):
-        raise CriteoFormatError(f"{where}, field label: expected 0 or 1, got {fields[0]!r}")
+        raise CriteoFormatError(f"{where}, field label: expected 0 or 1, got {_shown(fields[0])}")
     for name, value in zip(DENSE_COLUMNS, fields[1:14], strict=True):
         if value:
             # as the fast reader reads it (:func:`_integer`): Python's int() also takes
@@ -155,12 +166,13 @@ def check_line(line: str, path: str | Path, lineno: int) -> None:
             # bad line it meets deep in the file would not be found again here to be named
             if _integer(value) is None:
                 raise CriteoFormatError(
-                    f"{where}, field {name}: expected a 64-bit integer or nothing, got {value!r}"
+                    f"{where}, field {name}: expected a 64-bit integer or nothing, got "
+                    f"{_shown(value)}"
                 )
     for name, value in zip(CAT_COLUMNS, fields[14:], strict=True):
         if len(value) > 8 or any(c not in "0123456789abcdefABCDEF" for c in value):
             raise CriteoFormatError(
-                f"{where}, field {name}: expected a hex hash of up to 8 digits, got {value!r}"
+                f"{where}, field {name}: expected a hex hash of up to 8 digits, got {_shown(value)}"
             )
 
 
@@ -173,13 +185,54 @@ _COMPRESSED = (  # magic bytes, the format, its decompressor and usual suffix
 )
 
 
+# a Criteo line is under a kilobyte: a first "line" longer than this is not Criteo, and is
+# not read whole to find that out (a file without newlines would be, gigabytes of it)
+_MAX_LINE = 1 << 16
+
+
+def _tar_error(path: Path, kind: str) -> CriteoFormatError:
+    """A tar archive (Kaggle's download is ``dac.tar.gz``): extract it, pass what is in it."""
+    src, dst = shlex.quote(str(path)), shlex.quote(str(path.parent))
+    flag = "-xzf" if kind == "gzip" else "-xf"
+    return CriteoFormatError(
+        f"{path} is a {kind + '-compressed ' if kind else ''}tar archive; extract it "
+        f"(tar {flag} {src} -C {dst}) and pass the Criteo file inside (train.txt, for "
+        "Kaggle's dac.tar.gz) with --data PATH"
+    )
+
+
+def _inner_head(path: Path, kind: str) -> bytes:
+    """The first 512 decompressed bytes where the standard library reads ``kind``."""
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {"gzip": gzip.open, "bzip2": bz2.open, "xz": lzma.open}.get(kind)
+    if opener is None:
+        return b""
+    try:
+        with opener(path, "rb") as f:
+            return f.read(512)
+    except (OSError, EOFError, lzma.LZMAError):
+        return b""
+
+
+def _is_tar(head: bytes) -> bool:
+    return head[257:262] == b"ustar"
+
+
 def check_head(path: Path, lines: int = 50) -> None:
     """Validate the first lines before any heavy work: a non-Criteo file fails here, a
-    compressed one (read as it is, whatever its name) with what decompresses it."""
+    compressed one (read as it is, whatever its name) with what decompresses it, a tar
+    archive with how to extract it."""
     with open(path, "rb") as f:
-        magic = f.read(6)
+        magic = f.read(512)
+    if _is_tar(magic):
+        raise _tar_error(path, "")
     for prefix, kind, tool, suffix in _COMPRESSED:
         if magic.startswith(prefix):
+            if _is_tar(_inner_head(path, kind)) or path.name.endswith((".tgz", ".tar" + suffix)):
+                raise _tar_error(path, kind)
             # "gunzip F" refuses a name without the usual suffix: -c writes any name out
             name = path.name
             plain = path.with_name(name[: -len(suffix)] if name.endswith(suffix) and name != suffix
@@ -189,12 +242,19 @@ def check_head(path: Path, lines: int = 50) -> None:
                 f"{path} is {kind}-compressed; decompress it first ({tool} -c {src} > {dst}) "
                 f"and pass the plain text file with --data {dst}"
             )
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
         n = 0
-        for n, line in enumerate(f, 1):
-            check_line(line, path, n)
-            if n >= lines:
+        while n < lines:
+            line = f.readline(_MAX_LINE + 1)
+            if not line:
                 break
+            n += 1
+            if len(line) > _MAX_LINE:
+                raise CriteoFormatError(
+                    f"{path}, line {n} is longer than {_MAX_LINE:,} characters; is this a "
+                    "Criteo Kaggle train.txt (one row of 40 tab-separated fields per line)?"
+                )
+            check_line(line, path, n)
     if n == 0:
         raise CriteoFormatError(f"{path}: the file is empty")
 
@@ -206,7 +266,7 @@ def check_end(path: Path) -> None:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         last = f.read(1)
-    if last != b"\n":
+    if last not in (b"\n", b"\r"):  # a file of CR line ends reads as lines too
         note(
             f"Criteo file {path} does not end with a newline, so its last line may be cut "
             "short (a truncated copy?); it is read as it stands: check the file's end"
@@ -572,7 +632,8 @@ def preprocess(path: Path, cfg: CriteoDataConfig, *, progress: bool = True) -> C
         if rows < cfg.days * 2:
             raise CriteoFormatError(
                 f"{path}: {rows} rows cannot be split into {cfg.days} days; need at least "
-                f"{cfg.days * 2}"
+                f"{cfg.days * 2}: lower data.days (--set data.days=N) or pass a larger file "
+                "with --data"
             )
         cards = _build_ids(tmp, rows, cfg, progress)
         splits = _splits(rows, cfg.days)

@@ -84,6 +84,10 @@ class Preset:
 CPU_MALLOC = "lean"
 
 
+# a run longer than this many epochs of its data gets a note (the reference trains one)
+EPOCHS_NOTED = 10
+
+
 def preset(name: str) -> Preset:
     """``kaggle``: the reference's Criteo Kaggle setting (batch 128, one epoch), CoMERA
     on it (GPU; the raw train.txt via --data). ``smoke``: a small DLRM on the generated
@@ -188,6 +192,15 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
             f"model.hash_rows={p.model.hash_rows} hashes the dense baseline's tables; train "
             "it with --dense, or set model.hash_rows=0 for CoMERA"
         )
+    capped = p.data.max_ind_range
+    if p.train.comera.enabled and not p.model.tt_layers and 0 < capped < p.model.tt_min_rows:
+        # known before the data is read: on the Kaggle file that is minutes and a new cache
+        raise ConfigError(
+            f"--max-ind-range {capped} caps every table at {capped} rows, under "
+            f"model.tt_min_rows={p.model.tt_min_rows}, and model.tt_layers is empty: the "
+            "CoMERA model would have no compressed layer; raise --max-ind-range, lower --set "
+            "model.tt_min_rows=N, or train --dense"
+        )
     progress = p.train.progress and rank == 0
     data = rank_first(lambda: load_criteo(p.data, progress=progress), rank, world)
     model = _fit_model(p, data.cardinalities)
@@ -213,10 +226,16 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
     )
     params, state = init_dlrm(model, generator=torch.Generator().manual_seed(p.train.seed))
     if p.train.comera.enabled and not any(True for _ in iter_tt(params, state)):
+        folded = (  # the cause where rare values became id 0
+            f" (data.min_count={p.data.min_count} folds values seen fewer times into id 0)"
+            if p.data.min_count > 1
+            else ""
+        )
         raise ConfigError(
             f"the CoMERA model has no compressed layer: every table has fewer than "
-            f"model.tt_min_rows={model.tt_min_rows} rows (largest {max(model.cardinalities)}) "
-            "and model.tt_layers is empty; lower --set model.tt_min_rows=N or train --dense"
+            f"model.tt_min_rows={model.tt_min_rows} rows (largest {max(model.cardinalities)})"
+            f"{folded} and model.tt_layers is empty; lower --set model.tt_min_rows=N"
+            f"{' or data.min_count' if folded else ''}, or train --dense"
         )
     return task, params, state, dense_param_count(model)
 
@@ -242,6 +261,13 @@ def _build(p: Preset, rank: int, world: int) -> tuple:
         "cardinalities": list(task.model.cardinalities),
         "data_cache": str(task.data.root),
     }
+    epochs = p.train.steps * p.batch_size / max(task.train_iter.n, 1)
+    if epochs > EPOCHS_NOTED:  # the kaggle preset's one epoch of Kaggle on a small file
+        info["notes"] = [
+            f"train.steps={p.train.steps:,} at batch_size {p.batch_size} is {epochs:,.0f} "
+            f"epochs of this file's {task.train_iter.n:,} training rows (DLRM trains one; "
+            "--set train.steps=N sets the length)"
+        ]
     return task, params, state, dense_size, info
 
 

@@ -532,3 +532,55 @@ def test_a_changed_generator_writes_its_own_file(tmp_path: Path, monkeypatch) ->
     )
     assert sources() == sorted([generated_name(200), "generated-2000.txt"])
     assert (tmp_path / "junk" / "meta.json").is_file()
+
+
+def test_tar_archives_long_lines_and_cr_line_ends(tmp_path: Path, capsys) -> None:
+    """Kaggle's dac.tar.gz was told to be gunzipped into dac.tar, which then failed on a
+    label of 1.6 KB of tar header; a file without newlines was read whole before its
+    error; a file of CR line ends got a false 'no newline' note."""
+    import tarfile
+
+    inner = tmp_path / "dac" / "train.txt"
+    inner.parent.mkdir()
+    shutil.copy(SAMPLE, inner)
+    for name, mode, flag in (("dac.tar.gz", "w:gz", "-xzf"), ("x.tar", "w", "-xf"),
+                             ("renamed.gz", "w:gz", "-xzf")):  # fmt: skip
+        with tarfile.open(tmp_path / name, mode) as tar:
+            tar.add(inner, arcname="train.txt")
+        with pytest.raises(CriteoFormatError, match=rf"{name} is a .*tar archive; extract it") as e:
+            preprocess(tmp_path / name, _cfg(tmp_path), progress=False)
+        assert f"(tar {flag} " in str(e.value) and "train.txt" in str(e.value)
+    one = tmp_path / "one.txt"
+    one.write_bytes(b"\x00" * 200_000)
+    with pytest.raises(CriteoFormatError, match="line 1 is longer than 65,536 characters"):
+        preprocess(one, _cfg(tmp_path), progress=False)
+    lines = SAMPLE.read_text().splitlines()
+    lines[0] = "1" * 1000 + lines[0][1:]
+    (tmp_path / "wide.txt").write_text("\n".join(lines) + "\n")
+    with pytest.raises(CriteoFormatError, match=r"label: expected 0 or 1, got '1{40}'\.\.\. "
+                                                r"\(1,000 characters\)$"):  # fmt: skip
+        preprocess(tmp_path / "wide.txt", _cfg(tmp_path), progress=False)
+    cr = tmp_path / "cr.txt"
+    cr.write_bytes(SAMPLE.read_bytes().replace(b"\n", b"\r"))
+    capsys.readouterr()
+    assert len(preprocess(cr, _cfg(tmp_path), progress=False)) == 200
+    assert "note:" not in capsys.readouterr().err
+    with pytest.raises(CriteoFormatError, match="into 101 days; .*lower data.days"):
+        preprocess(SAMPLE, _cfg(tmp_path, days=101), progress=False)
+
+
+def test_ids_damaged_in_place_are_a_damaged_cache(tmp_path: Path) -> None:
+    """A cache whose ids were overwritten (its files keep their sizes) ended in
+    F.embedding's IndexError traceback where a TTM table's lookup named the id."""
+    from experiments.dlrm.batches import rows_to_batch
+
+    data = preprocess(SAMPLE, _cfg(tmp_path), progress=False)
+    assert rows_to_batch(data, np.arange(10))["cat"].shape == (10, 26)
+    cat = np.memmap(data.root / "cat.i32", dtype=np.int32, mode="r+", shape=(200, 26))
+    cat[7, 4] = 999_999
+    cat.flush()
+    del cat
+    data = preprocess(SAMPLE, _cfg(tmp_path), progress=False)  # opens: sizes and meta fit
+    want = rf"cache {data.root} is damaged: row 7 holds id 999999 in C5, outside its \d+ ids; "
+    with pytest.raises(DataError, match=want + "delete that folder"):
+        rows_to_batch(data, np.arange(10))

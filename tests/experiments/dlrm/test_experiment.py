@@ -759,6 +759,37 @@ def test_an_empty_data_or_cache_flag_is_refused(tmp_path: Path, flag: str, capsy
     assert not (tmp_path / "r").exists()
 
 
+def test_settings_that_leave_no_compressed_layer_are_named_before_the_data(
+    tmp_path: Path, capsys
+) -> None:
+    """--max-ind-range under tt_min_rows built the whole cache (minutes and gigabytes on
+    the Kaggle file) before refusing; a min_count that folded every value into id 0 was
+    blamed on tt_min_rows alone; --set data.cache_dir= took the default cache."""
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--max-ind-range", "50")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "--max-ind-range 50 caps every table at 50 rows, under model.tt_min_rows=100" in err[0]
+    assert not (tmp_path / "c").exists() and not (tmp_path / "r").exists()
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--set", "data.min_count=1000")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "(data.min_count=1000 folds values seen fewer times into id 0)" in err[0]
+    assert "lower --set model.tt_min_rows=N or data.min_count, or train --dense" in err[0]
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--set", "data.cache_dir=")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "data.cache_dir is empty; give a folder" in err[0]
+
+
+def test_a_run_of_many_epochs_of_its_file_is_noted(tmp_path: Path, capsys) -> None:
+    """The kaggle preset's one epoch of Kaggle (306,968 steps) on the 200-row sample ran
+    for hours without a word."""
+    assert _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--set", "train.steps=60") == 0
+    err = capsys.readouterr().err
+    assert "note: train.steps=60 at batch_size 32 is 11 epochs of this file's 172 " in err
+    assert _cli(tmp_path, "--run-dir", str(tmp_path / "r2")) == 0  # 12 steps: 2 epochs
+    assert "epochs of this file" not in capsys.readouterr().err
+
+
 def test_generated_rows_have_an_upper_bound(tmp_path: Path, capsys) -> None:
     """A count the generator cannot hold in memory is one line naming the field, not a
     MemoryError traceback."""
@@ -796,6 +827,8 @@ def test_a_moved_file_resumes_with_data_and_another_file_is_refused(tmp_path: Pa
     assert main([*resume, "--data", str(other)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trained on other data" in err[0], err
+    # named neither the flag nor the file this run reads
+    assert f"this run reads {other.resolve()}: give --data the file the run" in err[0], err
     # rows with new ids resize the tables: that was refused as "other parameters than
     # this run builds ... resume with the model settings", none of which had changed
     grown = tmp_path / "grown.txt"
