@@ -52,15 +52,26 @@ def check_prepared(folder: Path, files: Sequence[Path]) -> None:
             f"{folder}: its loaders.prepare run did not finish (no {METADATA_NAME}); run the "
             "same prepare command again to finish it"
         )
-    listed = set(_read(meta))
-    held = {f.relative_to(folder).as_posix() for f in files}
-    if held != listed:
-        odd = sorted(held - listed) or sorted(listed - held)
-        what = "not written by prepare" if held - listed else "missing"
+    entries = _read(meta)
+    listed = set(entries)
+    held = {f.relative_to(folder).as_posix(): f for f in files}
+    if held.keys() != listed:
+        odd = sorted(held.keys() - listed) or sorted(listed - held.keys())
+        what = "not written by prepare" if held.keys() - listed else "missing"
         raise LoaderInputError(
             f"{folder}: Arrow files {what} ({', '.join(odd[:3])}); run the prepare command "
             "again, or remove what was added"
         )
+    for rel, f in held.items():
+        # a shard replaced by another of the same name: counting it anew rewrote the
+        # split's doc_counts.json without its content digest, and a resume trained on
+        # other tokens where the document count matched
+        want = entries[rel].get("bytes") if isinstance(entries[rel], dict) else None
+        if is_int(want) and f.stat().st_size != want:
+            raise LoaderInputError(
+                f"{folder}: Arrow file {rel} is not the one prepare wrote ({f.stat().st_size:,} "
+                f"bytes, it wrote {want:,}); run the prepare command again, or restore the file"
+            )
 
 
 def _read(path: Path) -> dict[str, dict]:

@@ -32,6 +32,8 @@ RoBERTa specials ``<s> <pad> </s> <unk> <mask>``, saved as ``DIR/tokenizer.json`
 from __future__ import annotations
 
 import argparse
+import codecs
+import fnmatch
 import hashlib
 import json
 import os
@@ -58,12 +60,15 @@ from loaders.sources import tokens_digest
 from loaders.text import TEXT_SUFFIXES, load_tokenizer, read_text_table
 
 __all__ = [
+    "COMPRESSED_SUFFIXES",
     "SPECIAL_TOKENS",
     "Doc",
     "PrepareError",
     "drop_link_twins",
     "file_identity",
     "heldout_docs",
+    "hidden_path",
+    "is_binary",
     "prepare",
     "tokenizer_digest",
     "train_tokenizer",
@@ -194,6 +199,67 @@ def _refuse_repeats(docs: list[Doc]) -> None:
         seen[key] = d.path
 
 
+def hidden_path(path: Path, folder: Path, glob: str | None) -> bool:
+    """Whether ``path`` is, or lies in, a hidden file or folder (``.git``, ``.venv``,
+    ``.eslintrc.js``) under ``folder`` that no part of ``glob`` starting with a dot names
+    (``.github/**`` and ``.*/*.yml`` do)."""
+    named = [part for part in Path(glob).parts if part.startswith(".")] if glob else []
+    return any(p.startswith(".") and not any(fnmatch.fnmatchcase(p, g) for g in named)
+               for p in path.relative_to(folder).parts)  # fmt: skip
+
+
+def is_binary(path: Path) -> bool:
+    """Whether a file is not UTF-8 text: a NUL byte, or bytes that are not UTF-8, in its
+    first 8 KiB (as ``git`` and ``grep`` decide binary files). Its text would train as
+    replacement marks."""
+    with open(path, "rb") as f:
+        head = f.read(8193)  # one byte more tells a file of exactly 8 KiB from a longer one
+    more, head = len(head) > 8192, head[:8192]
+    if b"\0" in head:
+        return True
+    try:  # a character cut at the 8 KiB boundary is text, a bad byte before it is not
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=not more)
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+# what a compressed file's name ends with: a folder source would read its bytes as text
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip", ".tgz")
+
+
+def _folder_files(source: str, path: Path, glob: str, files: list[Path]) -> list[Path]:
+    """A folder source's documents among the (not hidden) files its glob matched: JSON
+    Lines and compressed files refused (their rows, or their decompressed text, are what
+    the user means), files that are not UTF-8 text left out and said on stderr."""
+    rows = [p for p in files if p.suffix == ".jsonl"]
+    if rows:  # one document per file: the whole file, JSON and all
+        raise PrepareError(
+            f"--glob {glob!r} matches JSON Lines files ({rows[0]}, ...), which a folder source "
+            "would read as one text each; give them as sources themselves (each row a "
+            "document, --text-column NAME), or a --glob that leaves them out"
+        )
+    packed = [p for p in files if p.name.endswith(COMPRESSED_SUFFIXES)]
+    if packed:
+        raise PrepareError(
+            f"--glob {glob!r} matches compressed files ({packed[0]}, ...), which a folder "
+            "source would read as one text each, compressed bytes and all; decompress them "
+            "first, or give a --glob that leaves them out"
+        )
+    text = [p for p in files if not is_binary(p)]
+    if not text:
+        raise PrepareError(
+            f"{source}: none of the {len(files)} files --glob {glob!r} matches is UTF-8 text "
+            "(binary or another encoding); name the text files with --glob, or convert them"
+        )
+    if len(text) < len(files):  # their text would train as replacement marks
+        skipped = next(p for p, q in zip(files, [*text, None], strict=False) if p != q)
+        print(f"loaders.prepare: {source}: left out {len(files) - len(text)} files that are "
+              f"not UTF-8 text (binary or another encoding), e.g. {skipped}",
+              file=sys.stderr)  # fmt: skip
+    return text
+
+
 def list_docs(
     source: str, *, glob: str | None, text_column: str, exclude: Path | None = None
 ) -> list[Doc]:
@@ -217,6 +283,14 @@ def list_docs(
             files = [p for p in files if not p.resolve().is_relative_to(mine)]
         if not files:
             raise PrepareError(f"{source}: no file matches --glob {glob!r}")
+        # hidden files and folders (.git, .venv) left out, as the experiments' raw folders
+        # leave them: a project's --glob '**/*.py' took in its .venv
+        files = [p for p in files if not hidden_path(p, path, glob)]
+        if not files:
+            raise PrepareError(
+                f"{source}: --glob {glob!r} matches only hidden files or folders; name them "
+                "in the glob (e.g. '.github/**') to take them"
+            )
         tables = [p for p in files if p.suffix in TABLE_SUFFIXES]
         if tables:  # one document per file: its bytes, read as text
             raise PrepareError(
@@ -224,8 +298,13 @@ def list_docs(
                 "source would read as one text each; give the table files as sources "
                 "themselves, or a --glob that leaves them out"
             )
-        return [Doc(str(p)) for p in files]
+        return [Doc(str(p)) for p in _folder_files(source, path, glob, files)]
     if path.is_file():
+        if path.name.endswith(COMPRESSED_SUFFIXES):  # its bytes would be one document
+            raise PrepareError(
+                f"{source} is compressed; decompress it first (a .jsonl or .parquet file's "
+                "rows are documents, any other file is one)"
+            )
         if path.suffix not in TEXT_SUFFIXES:  # a source file: one document
             return [Doc(str(path))]
         table = read_text_table(path)
@@ -244,6 +323,11 @@ def list_docs(
                 f"column {text_column!r} of {source} has type {kind}, not text; pass "
                 "--text-column NAME of a text column"
             )
+        nulls = table.column(text_column).null_count
+        if nulls:  # a row without the field (JSON Lines) or a null: an empty document
+            print(f"loaders.prepare: {source}: {nulls} of {table.num_rows} rows have no "
+                  f"{text_column!r} (missing or null); they are empty documents, which the "
+                  "loader skips", file=sys.stderr)  # fmt: skip
         return [Doc(str(path), i) for i in range(table.num_rows)]
     raise PrepareError(f"source {source} does not exist; pass a folder, a file or hub:NAME")
 

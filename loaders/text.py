@@ -111,7 +111,15 @@ def read_text_table(path: Path) -> pa.Table:
         if suffix in (".jsonl", ".json"):
             import pyarrow.json as pj
 
-            return pj.read_json(path)
+            try:
+                return pj.read_json(path)
+            except pa.ArrowInvalid as exc:
+                if "straddl" not in str(exc):
+                    raise
+                # a line longer than pyarrow's 1 MiB block (one function of several MB):
+                # read again in blocks that hold the whole file
+                size = min(max(path.stat().st_size + 1, 1 << 20), (1 << 31) - 1)
+                return pj.read_json(path, read_options=pj.ReadOptions(block_size=size))
         return open_arrow_table(path)
     except (pa.ArrowException, OSError) as exc:
         # pyarrow reads JSON Lines only; its error on a JSON array names neither

@@ -544,3 +544,66 @@ def test_sources_that_are_not_a_list_of_str_are_refused(tmp_path: Path, sources)
     with pytest.raises(PrepareError, match="sources must be a list of str"):
         prepare(sources, tmp_path / "out", train_vocab=300, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_folder_sources_take_text_files_and_refuse_rows_and_archives(tmp_path: Path, capsys):
+    """A folder source took hidden folders (a project's .venv), binary and non-UTF-8
+    files, .jsonl files and .jsonl.gz bytes each as one text document, where the
+    experiments' raw folders leave the first out and the rest are not what was meant."""
+    import gzip
+
+    src = tmp_path / "src"
+    texts = _corpus(src, n=6)
+    (src / ".venv" / "lib").mkdir(parents=True)
+    (src / ".venv" / "lib" / "site.py").write_text("import os\n")
+    (src / "logo.py").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00IHDR")
+    (src / "old.py").write_bytes("# caf\xe9\n".encode("latin-1"))
+    summary = prepare([str(src)], tmp_path / "o", train_vocab=300, glob="**/*.py",
+                      progress=False)  # fmt: skip
+    assert summary["splits"]["train"]["docs"] == len(texts)
+    err = capsys.readouterr().err
+    assert "left out 2 files that are not UTF-8 text" in err and "logo.py" in err
+    # a glob naming the hidden folder takes it
+    assert prepare([str(src)], tmp_path / "o2", train_vocab=300, glob=".venv/**/*.py",
+                   progress=False)["splits"]["train"]["docs"] == 1  # fmt: skip
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    (rows / "a.jsonl").write_text('{"code": "x = 1"}\n{"code": "y = 2"}\n')
+    with pytest.raises(PrepareError, match=r"matches JSON Lines files .*a.jsonl.*each row a"):
+        prepare([str(rows)], tmp_path / "o3", train_vocab=300, glob="*.jsonl", progress=False)
+    with gzip.open(rows / "b.jsonl.gz", "wt") as f:
+        f.write('{"code": "z = 3"}\n')
+    with pytest.raises(PrepareError, match=r"matches compressed files .*b.jsonl.gz"):
+        prepare([str(rows)], tmp_path / "o4", train_vocab=300, glob="*.gz", progress=False)
+    with pytest.raises(PrepareError, match=r"b.jsonl.gz is compressed; decompress it first"):
+        prepare([str(rows / "b.jsonl.gz")], tmp_path / "o5", train_vocab=300, progress=False)
+    # rows with no text are counted; a line longer than pyarrow's 1 MiB block is read
+    long = "x = " + " ".join(["ab"] * (1 << 20))  # 3 MiB on one line
+    (rows / "c.jsonl").write_text(
+        json.dumps({"code": long}) + '\n{"path": "p"}\n{"code": null}\n{"code": "w = 4"}\n'
+    )
+    out = tmp_path / "o6"
+    tok = str(tmp_path / "o" / "tokenizer.json")  # not trained on 3 MiB again
+    prepare([str(rows / "c.jsonl")], out, tokenizer=tok, text_column="code", progress=False)
+    assert "2 of 4 rows have no 'code' (missing or null)" in capsys.readouterr().err
+    assert ArrowTokenFile(next((out / "train").glob("part-*.arrow"))).num_docs == 4
+
+
+def test_a_shard_replaced_in_a_prepared_split_is_refused(tmp_path: Path) -> None:
+    """A shard copied over from another prepare run (same name, same document count) was
+    counted anew: the loader rewrote the split's doc_counts.json without its content
+    digest, and a resume trained on other tokens."""
+    from loaders.errors import LoaderInputError
+    from loaders.sources import TokenFolder
+
+    _corpus(tmp_path / "src", n=12)
+    for out in ("a", "b"):
+        prepare([str(tmp_path / "src")], tmp_path / out, train_vocab=300, glob="**/*.py",
+                docs_per_shard=50, progress=False)  # fmt: skip
+        (tmp_path / "src" / "pkg0" / "mod000.py").write_text("x = 1\n" * 40)  # edited for b
+    counts = (tmp_path / "a" / "train" / "doc_counts.json").read_text()
+    shard = sorted((tmp_path / "a" / "train").glob("part-*.arrow"))[0]
+    shutil.copy(tmp_path / "b" / "train" / shard.name, shard)
+    with pytest.raises(LoaderInputError, match=rf"{shard.name} is not the one prepare wrote"):
+        TokenFolder(tmp_path / "a" / "train")
+    assert (tmp_path / "a" / "train" / "doc_counts.json").read_text() == counts
