@@ -16,8 +16,6 @@ exact to within one piece rather than one whole file.
 
 from __future__ import annotations
 
-import codecs
-import fnmatch
 import hashlib
 import json
 import os
@@ -25,17 +23,20 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from comera.errors import DataError, first_line
+from comera.errors import DataError, MissingFileError, first_line
 from experiments.hub import hub_unreachable, offline_tip, quiet_hub
 from experiments.notes import note
 from loaders.metadata import METADATA_NAME
 from loaders.prepare import (
+    COMPRESSED_SUFFIXES,
     PLAN_NAME,
     Doc,
     PrepareError,
     drop_link_twins,
     file_identity,
     heldout_docs,
+    hidden_path,
+    is_binary,
     prepare,
     tokenizer_digest,
     train_tokenizer,
@@ -177,6 +178,10 @@ def _prepare_groups(
     # 3: no held-out file in the BPE; held-out keys relative to the corpus root
     root = root / _digest(key, vocab if tokenizer is None else _file_key(tokenizer), heldout,
                           max_doc_tokens, 3)  # fmt: skip
+    if tokenizer is not None:
+        # loaded here first: prepare's own load of a hub name offline retried for a minute
+        # aloud, then named neither data.tokenizer nor how to work offline
+        tokenizer_info(tokenizer)
     tok = tokenizer
     if tok is None:
         tok = str(root / "tokenizer.json")
@@ -298,31 +303,6 @@ def _note_prepared(
              f"{what}")  # fmt: skip
 
 
-def _hidden(path: Path, folder: Path, glob: str | None) -> bool:
-    """Whether ``path`` is, or lies in, a hidden file or folder (``.git``, ``.venv``,
-    ``.eslintrc.js``) that no part of ``glob`` starting with a dot names (``.github/**``
-    and ``.*/*.yml`` do)."""
-    named = [part for part in Path(glob).parts if part.startswith(".")] if glob else []
-    return any(p.startswith(".") and not any(fnmatch.fnmatchcase(p, g) for g in named)
-               for p in path.relative_to(folder).parts)  # fmt: skip
-
-
-def is_binary(path: Path) -> bool:
-    """Whether a file is not UTF-8 text: a NUL byte, or bytes that are not UTF-8, in its
-    first 8 KiB (as ``git`` and ``grep`` decide binary files). Its text would train as
-    replacement marks."""
-    with open(path, "rb") as f:
-        head = f.read(8193)  # one byte more tells a file of exactly 8 KiB from a longer one
-    more, head = len(head) > 8192, head[:8192]
-    if b"\0" in head:
-        return True
-    try:  # a character cut at the 8 KiB boundary is text, a bad byte before it is not
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=not more)
-    except UnicodeDecodeError:
-        return True
-    return False
-
-
 def source_files(folder: Path, glob: str | None = None) -> list[Path]:
     """The files of ``folder`` matching ``glob`` (relative, ``**`` recursive), or with no
     glob every file with a :data:`SOURCE_SUFFIXES` suffix; outside hidden folders the glob
@@ -334,7 +314,7 @@ def _candidates(folder: Path, glob: str | None) -> list[Path]:
     """:func:`source_files` before binary files are left out."""
     found = folder.glob(glob) if glob else (
         p for p in folder.rglob("*") if p.suffix.lower() in SOURCE_SUFFIXES)  # fmt: skip
-    return sorted(p for p in found if not _hidden(p, folder, glob) and p.is_file())
+    return sorted(p for p in found if not hidden_path(p, folder, glob) and p.is_file())
 
 
 def _linked_twins(name: str, folder: str, files: list[Path]) -> list[Path]:
@@ -382,7 +362,16 @@ def corpus_from_paths(
                 # a run saved before folders were absolute
                 else (f" under {os.getcwd()} (a relative folder: run from where the run started)")
             )
+            if not path.exists():  # a resume adds how to go on (the experiment's moved_hint)
+                raise MissingFileError(f"--corpus {name}={folder}: no such folder{where}")
             raise DataError(f"--corpus {name}={folder}: not a folder{where}; pass NAME=FOLDER")
+        if (path.parent / PLAN_NAME).is_file() and not (path / PLAN_NAME).is_file():
+            # a split of a prepared folder: read as raw files it held no source file
+            raise DataError(
+                f"--corpus {name}={folder} is the {path.name!r} split of the loaders.prepare "
+                f"output {path.parent}; pass that folder (--corpus {name}={path.parent}): the "
+                "run takes its train and held-out splits"
+            )
         if (path / PLAN_NAME).is_file():
             if (globs or {}).get(name):  # ignored without a word: the folder's files are fixed
                 raise DataError(
@@ -404,9 +393,12 @@ def corpus_from_paths(
             raise DataError(f"--corpus {name}={folder}:{pattern}: {e}; e.g. **/*.py") from None
         text = [p for p in found if not is_binary(p)]
         if found and not text:
+            packed = [p for p in found if p.name.endswith(COMPRESSED_SUFFIXES)]
+            fix = (f"decompress them first ({packed[0].name}, ...; a .jsonl file's rows are "
+                   "documents once loaders.prepare has made them a prepared folder)" if packed
+                   else "name the text files with a glob, or convert them to UTF-8")  # fmt: skip
             raise DataError(f"--corpus {name}={folder}: none of its {len(found)} files is UTF-8 "
-                            "text (binary or another encoding); name the text files with a "
-                            "glob, or convert them to UTF-8")  # fmt: skip
+                            f"text (binary, compressed or another encoding); {fix}")  # fmt: skip
         if len(text) < len(found):  # their text would train as replacement marks
             skipped = next(p for p, q in zip(found, [*text, None], strict=False) if p != q)
             note(

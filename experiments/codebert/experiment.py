@@ -42,6 +42,7 @@ from experiments.transformer import EncoderConfig, check_step_mode, dense_param_
 from loaders import DatasetSpec, EmptyStream, LoaderConfig, TokenLoader
 from loaders.config import check_weight, is_int
 from loaders.pipeline import holds_long
+from loaders.prepare import MAX_TRAIN_VOCAB
 
 __all__ = ["EXPERIMENT", "CorpusConfig", "Preset", "build", "codebert_model", "main", "preset"]
 
@@ -132,11 +133,20 @@ class CorpusConfig:
             raise ConfigError(
                 "data.source='hub' needs data.tokenizer (e.g. microsoft/codebert-base)"
             )
-        if self.vocab < 300 or not 0 < self.heldout < 1 or self.seq_len < 8:
+        # each named alone: one line listing all three did not say which failed; a vocab
+        # of 2**31 aborted inside the tokenizer trainer (a Rust allocation failure)
+        if not 300 <= self.vocab <= MAX_TRAIN_VOCAB:
             raise ConfigError(
-                f"CorpusConfig: need vocab >= 300, 0 < heldout < 1, seq_len >= 8; got "
-                f"{self.vocab}, {self.heldout}, {self.seq_len}"
+                f"data.vocab={self.vocab} must be between 300 and {MAX_TRAIN_VOCAB:,} (the "
+                "BPE vocabulary trained on the corpus)"
             )
+        if not 0 < self.heldout < 1:
+            raise ConfigError(
+                f"data.heldout={self.heldout} must be above 0 and below 1 (the share of files "
+                "held out for the held-out loss)"
+            )
+        if self.seq_len < 8:
+            raise ConfigError(f"data.seq_len={self.seq_len} must be at least 8 tokens")
         if self.max_doc_tokens is not None and (
             not is_int(self.max_doc_tokens) or self.max_doc_tokens < 1
         ):
@@ -360,9 +370,16 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                             bos_id=bos, eos_id=eos, pad_id=pad, seed=p.train.seed,
                             num_shards=64, **kw)  # fmt: skip
 
-    train_iter = TokenLoader(loader_cfg(corpus.train, p.data.mix, provenance=p.data.provenance,
-                                        batch_size=p.batch_size // world),
-                             rank=rank, world_size=world)  # fmt: skip
+    try:
+        train_iter = TokenLoader(loader_cfg(corpus.train, p.data.mix, provenance=p.data.provenance,
+                                            batch_size=p.batch_size // world),
+                                 rank=rank, world_size=world)  # fmt: skip
+    except EmptyStream:  # the loader's own message names LoaderConfig.min_doc_len, no flag
+        raise DataError(
+            f"no sub-dataset with a positive weight ({', '.join(sorted(corpus.train))}) holds "
+            "a training document with a token (empty files?); give --corpus folders with "
+            "text, or --mix weight to one that has some"
+        ) from None
     cfg = train_iter.config
     empty = _without_text(train_iter)
     if empty:  # the loader drops it, and its share goes to the others without a word
@@ -526,6 +543,10 @@ EXPERIMENT = cli.Experiment(
     # what the prepared shards contain, so a corpus prepared anew from other sources is
     # refused
     resume_mutable=frozenset({"data.mix", "data.cache_dir"}),
+    moved_hint=(
+        "on --resume the run in {run} reads the --corpus folders it was saved with, which "
+        "cannot change on resume: put the folder back at that path"
+    ),
     derived={
         "model.vocab_size": (
             "the tokenizer's: data.tokenizer, or data.vocab for a BPE trained on the corpus"

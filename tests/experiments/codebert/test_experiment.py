@@ -699,6 +699,14 @@ def test_corpus_files_that_would_leak_or_train_as_noise_are_refused_or_said(
         (["--corpus", "a={src}", "--corpus", "b={src}/x", "--mix", "a=0,b=0"],
          "--mix gives every sub-dataset weight 0"),
         (["--corpus", "tokenizer.json={src}"], "'tokenizer.json' is not a sub-dataset name"),
+        # the loader's EmptyStream named LoaderConfig.min_doc_len, which no flag sets
+        (["--corpus", "b={empty}"],
+         r"no sub-dataset with a positive weight \(b\) holds a training document"),
+        # "none of its files is UTF-8 text ... convert them to UTF-8"
+        (["--corpus", "z={gz}:*.gz"], r"compressed or another encoding\); decompress them"),
+        # a local path that is no tokenizer: loaders' message named no flag
+        (["--corpus", "a={src}", "--set", "data.tokenizer={src}/nope.json"],
+         r"data.tokenizer='.*nope.json': cannot load it"),
     ],
 )  # fmt: skip
 def test_corpus_settings_that_were_ignored_or_misread_are_one_line(
@@ -708,13 +716,17 @@ def test_corpus_settings_that_were_ignored_or_misread_are_one_line(
     (an empty folder value), the stdlib (a source that does not read the folders), files
     outside the folder, a group of empty files dropped with its share, a group left out
     of --mix weighed 1.0; the others were tracebacks or named another command's flag."""
-    src, empty = tmp_path / "src", tmp_path / "empty"
-    src.mkdir()
-    empty.mkdir()
+    import gzip
+
+    src, empty, gz = tmp_path / "src", tmp_path / "empty", tmp_path / "gz"
+    for folder in (src, empty, gz):
+        folder.mkdir()
     for i in range(12):
         (src / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 4)
         (empty / f"e{i:02d}.py").write_text("")
-    argv = [e.format(src=src, empty=empty) for e in extra]
+        with gzip.open(gz / f"g{i:02d}.jsonl.gz", "wt") as f:
+            f.write('{"code": "x = 1"}\n')
+    argv = [e.format(src=src, empty=empty, gz=gz) for e in extra]
     assert main(_argv(tmp_path, "r", "--set", "data.vocab=300", *argv)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert re.search(message, err[-1]) and "Traceback" not in "".join(err), err
@@ -840,7 +852,7 @@ def test_prepared_folders_hard_links_and_relative_folders_are_taken_as_they_are(
     paths = dict(_flag_overrides(argparse.Namespace(corpus=["a=js/lib,b=/abs"], mix=None)))
     assert paths["data.paths"] == {"a": str(js / "lib"), "b": "/abs"}
     monkeypatch.chdir(js)  # a run saved before folders were absolute, resumed elsewhere
-    with pytest.raises(DataError, match=rf"--corpus a=js/lib: not a folder under {js} "):
+    with pytest.raises(DataError, match=rf"--corpus a=js/lib: no such folder under {js} "):
         corpus_from_paths({"a": "js/lib"}, tmp_path / "c", vocab=300)
 
 
@@ -861,3 +873,38 @@ def test_a_group_whose_held_out_files_are_empty_is_refused(tmp_path: Path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sub-dataset 'e': its held-out split" in err[-1], err
     assert "data.heldout" in err[-1] and not (tmp_path / "r").exists()
+
+
+def test_corpus_limits_a_prepared_split_and_a_moved_folder_are_named(
+    tmp_path: Path, capsys
+) -> None:
+    """data.vocab=2**31 aborted in the tokenizer trainer (a Rust allocation failure) and
+    the corpus limits shared one line that did not say which failed; a prepared folder's
+    split was read as raw files ("no source file"); a resume whose folder had moved was
+    told to pass NAME=FOLDER, which a resume then refused."""
+    from comera.errors import ConfigError
+    from experiments.codebert.experiment import CorpusConfig
+    from loaders.prepare import prepare
+
+    with pytest.raises(ConfigError, match="data.vocab=2147483648 must be between 300 and"):
+        CorpusConfig(vocab=2**31)
+    with pytest.raises(ConfigError, match="data.seq_len=4 must be at least 8"):
+        CorpusConfig(seq_len=4)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 4)
+    prepare([str(src)], tmp_path / "prep", train_vocab=300, glob="*.py", heldout=0.2,
+            progress=False)  # fmt: skip
+    argv = _argv(tmp_path, "p", "--corpus", f"a={tmp_path / 'prep' / 'train'}")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"is the 'train' split of the loaders.prepare output {tmp_path / 'prep'}" in err[-1]
+    moved = tmp_path / "moved"
+    assert main(_argv(tmp_path, "r", "--corpus", f"a={src}", "--set", "train.steps=2")) == 0
+    src.rename(moved)
+    capsys.readouterr()
+    assert main(["--resume", str(tmp_path / "r"), "--no-progress", "--wandb", "disabled"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--corpus a={src}: no such folder; on --resume" in err[0], err
+    assert "put the folder back at that path" in err[0]
