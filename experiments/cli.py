@@ -79,6 +79,8 @@ __all__ = [
     "resumed_config",
     "run_experiment",
     "set_field",
+    "sigterm_as_interrupt",
+    "stopped_before_training",
     "train",
     "user_error",
 ]
@@ -1114,7 +1116,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> typing.Iterator[None]:
+def sigterm_as_interrupt() -> typing.Iterator[None]:
     """SIGTERM raises KeyboardInterrupt in the training loop, as SIGINT does, so its
     ``finally`` closes the logs: killed by the default handler, a run lost every wandb row
     not yet flushed. The interrupt carries the shell's ``status`` for the signal (what
@@ -1147,7 +1149,7 @@ def train(run: Prepared) -> dict:
     of another process of the run, :class:`PeerLost`."""
     t0, start = time.perf_counter(), run.trainer.step
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             out = run.trainer.fit()
     except KeyboardInterrupt as e:  # Ctrl-C's carries no status: SIGINT's
         signum = getattr(e, "status", 128 + signal.SIGINT) - 128
@@ -1291,16 +1293,14 @@ def _main(exp: Experiment, argv: list[str] | None) -> int:
                  "comera, dense or auto compile whole")  # fmt: skip
         if from_command_line and torch.device(cfg.train.device).type == "cpu":
             restart_for(cfg.train.cpu_malloc)  # lean: re-executed with huge pages enabled
-        run = prepare(exp, cfg, resume=args.resume is not None, argv=argv,
-                      preset=None if args.resume is not None else args.preset)  # fmt: skip
+        with sigterm_as_interrupt():  # SIGTERM here ended the process without a word
+            run = prepare(exp, cfg, resume=args.resume is not None, argv=argv,
+                          preset=None if args.resume is not None else args.preset)  # fmt: skip
     except USER_ERRORS as e:
         return user_error(ap.prog, e)
-    except KeyboardInterrupt:  # Ctrl-C while the data is read or the model built: no
-        # traceback, as once training runs; nothing was trained (said by rank 0 only)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{ap.prog}: stopped by SIGINT before training started; nothing was "
-                  "trained", file=sys.stderr)  # fmt: skip
-        return 128 + signal.SIGINT
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) while the data is read or the
+        # model built: no traceback, as once training runs; nothing was trained
+        return stopped_before_training(ap.prog, e)
     try:
         train(run)
     except NonFiniteLoss as e:  # a training outcome, not a bug
@@ -1314,6 +1314,18 @@ def _main(exp: Experiment, argv: list[str] | None) -> int:
     except USER_ERRORS as e:  # e.g. a corrupt data file met mid-epoch
         return user_error(ap.prog, e)
     return 0
+
+
+def stopped_before_training(prog: str, stop: KeyboardInterrupt, what: str = "") -> int:
+    """Say, as one line on stderr (rank 0 only), that ``stop`` (SIGINT, or SIGTERM under
+    :func:`sigterm_as_interrupt`) came before training started, so nothing was trained
+    (``what``: what was being prepared); return the shell's status for the signal."""
+    status = getattr(stop, "status", 128 + signal.SIGINT)
+    if os.environ.get("RANK", "0") == "0":
+        name = signal.Signals(status - 128).name
+        print(f"{prog}: stopped by {name} before {what or 'training'} started; nothing was "
+              "trained", file=sys.stderr)  # fmt: skip
+    return status
 
 
 def interrupted(prog: str, error: Interrupted) -> int:

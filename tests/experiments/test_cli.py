@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 import types
 
 import pytest
@@ -811,6 +812,19 @@ def test_ctrl_c_before_training_is_one_line(tmp_path, monkeypatch, capsys) -> No
     monkeypatch.setenv("RANK", "1")  # under torchrun: said by rank 0 alone
     assert mnli.main([*FAST, "--run-dir", str(tmp_path / "r")]) == 130
     assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+
+    def terminated(*args, **kw):  # SIGTERM (a scheduler's stop) there: exit 143, no word
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+
+    monkeypatch.setattr(cli, "prepare", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    assert mnli.main([*FAST, "--run-dir", str(tmp_path / "r")]) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m experiments.mnli: stopped by SIGTERM before training started; "
+                   "nothing was trained"]  # fmt: skip
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler was put back
 
 
 def test_a_resume_compares_saved_info_by_the_entries_both_hold(tmp_path) -> None:
