@@ -41,6 +41,7 @@ import importlib
 import json
 import math
 import shutil
+import signal
 import statistics
 import sys
 from collections.abc import Callable
@@ -293,6 +294,8 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     given = [v.strip() for v in values.split(",") if v.strip()]
     if not given:  # an empty report over the real one
         raise cli.CLIError(f"--values {values!r}: give at least one value")
+    if len(given) < len(values.split(",")):  # "0,,0.1" trained two and reported the three
+        raise cli.CLIError(f"--values {values!r}: an empty item; give the values without gaps")
     if len(set(given)) < len(given):  # one run dir trained twice, one row reported twice
         twice = sorted({v for v in given if given.count(v) > 1})
         raise cli.CLIError(f"--values {values!r}: {', '.join(twice)} given twice; give each once")
@@ -307,6 +310,41 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     if name == "hot_rows":
         _require_model_field(cfg, name)
     return _distinct([Variant(v, ((key, v),)) for v in given])
+
+
+# what each ablation's own variants set whatever the config they start from says: a --set
+# of one of these trained no run and was quoted in the report's command
+_FIXED_KEYS = {
+    "contraction": ("plans.default",),
+    "size_ratio": ("train.comera.size_ratio",),
+    "prune_rule": ("train.comera.prune_rule",),
+    "hot_rows": ("model.hot_rows",),
+    "objective": ("train.comera.regularizer", "train.comera.prune_rule"),
+    "regularizer": ("train.comera.regularizer",),
+}
+
+
+def check_swept_sets(name: str, cfg: Any, sets: list[str], values_given: bool) -> None:
+    """Refuse a ``--set`` item of the setting ablation ``name`` sweeps where its variants
+    replace it: ``--values`` (each variant's value as given) or a sweep of fixed choices.
+    Where the variants scale it (gamma, rank, steps) the ``--set`` is their base, and kept."""
+    keys = set(_FIXED_KEYS.get(name, ()))
+    if values_given:
+        keys.add(
+            _rank_key(cfg) if name == "rank"
+            else "train.comera.size_ratio" if name == "compression"
+            else _KEYS.get(name, "")
+        )  # fmt: skip
+    for item in sets:
+        key = item.partition("=")[0].strip()
+        if key in keys:
+            how = "--values sets it for each variant" if values_given else "its variants set it"
+            other = not values_given and name in _KEYS  # --values would compare yours
+            raise cli.CLIError(
+                f"--set {item}: the {name} ablation sweeps {key} ({how}), so no run would "
+                "use this value; drop it from --set"
+                + (", or give the values to compare with --values" if other else "")
+            )
 
 
 def _distinct(out: list[Variant]) -> list[Variant]:
@@ -461,7 +499,18 @@ def run_ablation(
     for v, cfg, run_dir in built:
         print(f"ablate {name}: {v.label} -> {run_dir}", file=sys.stderr)
         # the ablation's own output: rerun afresh (the old runs kept until one trains)
-        run = _prepare_afresh(exp, cfg, run_dir, keep_old=not records, preset=preset)
+        try:
+            run = _prepare_afresh(exp, cfg, run_dir, keep_old=not records, preset=preset)
+        except KeyboardInterrupt as e:  # Ctrl-C while its data is read: a traceback before
+            status = getattr(e, "status", 128 + signal.SIGINT)
+            how = f"stopped by {signal.Signals(status - 128).name} before it trained"
+            raise cli.Interrupted(
+                f"{name} variant {v.label!r} ({run_dir}) {how}; run the ablation command "
+                "again to train its variants (they start anew)",
+                status,
+                0,
+                how,
+            ) from None
         if command is not None and not records:  # prepared: this command trains the runs
             runs_root.mkdir(parents=True, exist_ok=True)
             keep([])
@@ -910,6 +959,7 @@ def _main(argv: list[str] | None) -> int:
         base = cli.apply_overrides(exp.presets[preset](), over, args.sets)
         if not args.report_only:  # before variants(): objective builds the model (dense: 0 gates)
             check_sweep(args.ablation, base)
+            check_swept_sets(args.ablation, base, args.sets, args.values is not None)
         chosen = variants(args.ablation, base, exp, args.values)  # user errors before a restart
         if from_command_line and not args.report_only:
             if torch.device(base.train.device).type == "cpu":  # a valid device: TrainConfig
@@ -962,19 +1012,20 @@ def _main(argv: list[str] | None) -> int:
                     "without --report-only first (same --runs-dir, --experiment and --preset)"
                 )
         else:
-            records = run_ablation(
-                args.ablation,
-                exp,
-                base,
-                chosen,
-                root,
-                # --values text goes to the config as typed; compression's are parsed here
-                text_values=args.values is not None and args.ablation != "compression",
-                values_given=args.values is not None,
-                command=command,
-                argv=ran,
-                preset=preset,
-            )
+            with cli.sigterm_as_interrupt():  # SIGTERM while a variant is prepared: one line
+                records = run_ablation(
+                    args.ablation,
+                    exp,
+                    base,
+                    chosen,
+                    root,
+                    # --values text goes to the config as typed; compression's are parsed here
+                    text_values=args.values is not None and args.ablation != "compression",
+                    values_given=args.values is not None,
+                    command=command,
+                    argv=ran,
+                    preset=preset,
+                )
     except cli.USER_ERRORS as e:  # bad input: one line; anything else keeps its traceback
         return cli.user_error(ap.prog, e)
     except NonFiniteLoss as e:  # a training outcome, as the experiment's command says it

@@ -350,11 +350,41 @@ def test_an_interrupted_ablation_names_the_variant_and_how_to_go_on(tmp_path, mo
     assert "gamma variant '0.1'" in err and "stopped by SIGINT at step 4" in err
     assert "run the ablation command again" in err and "--resume" not in err
 
+    def preparing(exp, cfg, **kw):  # Ctrl-C while a variant's data is read: a traceback
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ablate.cli, "prepare", preparing)
+    assert ablate.main([*argv, "--reports", str(tmp_path)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m experiments.ablate: gamma variant '0.1' (") and err[-1]
+    assert "stopped by SIGINT before it trained; run the ablation command again" in err[-1]
+
 
 def test_bad_input_is_one_line(tmp_path, capsys):
     assert ablate.main(["gamma", "--set", "train.gama=1", "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown config key 'train.gama'" in err[0]
+    # a --set of the swept key that no variant used, quoted in the report's command; and
+    # an empty --values item dropped while the header kept it
+    runs = ["--runs-dir", str(tmp_path / "runs"), "--reports", str(tmp_path / "rep")]
+    for argv, message in [
+        (["gamma", "--values", "0.1", "--set", "train.comera.gamma=0.3"],
+         "--set train.comera.gamma=0.3: the gamma ablation sweeps train.comera.gamma "
+         "(--values sets it for each variant)"),
+        (["size_ratio", "--set", "train.comera.size_ratio=0.3"],
+         "(its variants set it), so no run would use this value; drop it from --set, or give "
+         "the values to compare with --values"),
+        (["objective", "--set", "train.comera.prune_rule=gate"],
+         "the objective ablation sweeps train.comera.prune_rule (its variants set it)"),
+        (["gamma", "--values", "0,,0.1"], "--values '0,,0.1': an empty item"),
+    ]:  # fmt: skip
+        assert ablate.main([*argv, *runs]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "runs").exists()
+    # a scaled sweep takes the --set value as its base
+    based = cli.apply_overrides(mnli.preset("smoke"), [], ["train.comera.gamma=0.3"])
+    assert ablate.variants("gamma", based, mnli.EXPERIMENT, None)[2].label == "gamma=0.3"
     assert ablate.main(["gamma", "--report-only", "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--report-only: no run in" in err[0], err
@@ -634,7 +664,8 @@ def test_sweeps_whose_rows_could_not_differ_are_refused(tmp_path, capsys, argv, 
 def test_built_in_sweeps_that_meet_the_presets_values(tmp_path):
     """Rank 1 halved was rank 0, refused as a --values the user never gave; a preset's
     size_ratio of 0.667 made its own factor 1.4993x and the built-in 1.5x one setting,
-    refused the same way; blank --values items were refused by compression only."""
+    refused the same way; blank --values items were refused by compression only (now by
+    every ablation)."""
     cfg = mnli.preset("smoke")
     one = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rank=1))
     assert [v.label for v in ablate.variants("rank", one, mnli.EXPERIMENT, None)] == [
@@ -647,8 +678,11 @@ def test_built_in_sweeps_that_meet_the_presets_values(tmp_path):
     out = ablate.variants("compression", near, mnli.EXPERIMENT, None)
     assert [v.label for v in out] == ["1x", "1.4993x", "2x", "4x"]
     assert dict(out[1].overrides)["train.comera.size_ratio"] == 0.667
-    blank = ablate.variants("compression", cfg, mnli.EXPERIMENT, "1, ,2")
-    assert [v.label for v in blank] == ["1x", "2x"]
+    # blank items were dropped by every ablation but compression; now all refuse them (an
+    # item left out by a typo, "0,,0.1", trained one variant fewer than meant)
+    for name in ("compression", "gamma"):
+        with pytest.raises(cli.CLIError, match="--values '1, ,2': an empty item"):
+            ablate.variants(name, cfg, mnli.EXPERIMENT, "1, ,2")
     # a value of the ablation's own sweep that cannot work is named as the sweep's
     bad = [ablate.Variant("rank=0", (("model.rank", 0),))]
     with pytest.raises(cli.CLIError, match="ablation 'rank''s model.rank=0"):
