@@ -294,7 +294,10 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
     given = [v.strip() for v in values.split(",") if v.strip()]
     if not given:  # an empty report over the real one
         raise cli.CLIError(f"--values {values!r}: give at least one value")
-    if len(given) < len(values.split(",")):  # "0,,0.1" trained two and reported the three
+    items = values.split(",")
+    if not items[-1].strip():  # a trailing comma ("0.1,0.2,") is no item left out
+        items.pop()
+    if len(given) < len(items):  # "0,,0.1" trained two and reported the three
         raise cli.CLIError(f"--values {values!r}: an empty item; give the values without gaps")
     if len(set(given)) < len(given):  # one run dir trained twice, one row reported twice
         twice = sorted({v for v in given if given.count(v) > 1})
@@ -1033,6 +1036,11 @@ def _main(argv: list[str] | None) -> int:
         return 1
     except cli.Interrupted as e:
         return cli.interrupted(ap.prog, e)
+    except KeyboardInterrupt as e:  # between variants (its record written, its host noted)
+        status = getattr(e, "status", 128 + signal.SIGINT)
+        print(f"{ap.prog}: stopped by {signal.Signals(status - 128).name}; run the ablation "
+              "command again to train its variants (they start anew)", file=sys.stderr)  # fmt: skip
+        return status
     named = args.experiment != "mnli" or args.ablation in NAMED_BY_EXPERIMENT
     tag = f"{args.experiment}_" if named else ""
     out = Path(args.reports) / f"ablation_{tag}{args.ablation}.md"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import os
+import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -41,6 +42,10 @@ from loaders.shards import owned_shards
 
 _STATE_KEY = "_reader_state"
 _ERROR_KEY = "_reader_error"  # a worker's LoaderInputError: (class name, message)
+# when this process began loading: a state file written since, with another fingerprint,
+# is another loader's of this run (save keeps it: a validation loader's, in the training
+# loader's folder); an older one is an earlier run's, saved over
+_STARTED = time.time()
 
 
 def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -435,7 +440,8 @@ class TokenLoader:
             state["save"] = mark
         try:
             return save_state(state, directory, background=background,
-                              on_failure=lambda: self._uncount(mark))  # fmt: skip
+                              on_failure=lambda: self._uncount(mark),
+                              newer_than=_STARTED)  # fmt: skip
         except BaseException:  # before the write: the folder could not be made
             self._uncount(mark)
             raise

@@ -44,7 +44,9 @@ def check_prepared(folder: Path, files: Sequence[Path]) -> None:
             f"{folder} is a loaders.prepare output holding its splits ({', '.join(splits)}); "
             f"point the dataset at one of them, e.g. {folder / 'train'}"
         )
-    if not (folder.parent / PLAN_NAME).is_file():
+    # a split reached through a link (a root of links to prepared splits) is checked as
+    # the split it is
+    if not (folder.resolve().parent / PLAN_NAME).is_file():
         return
     meta = folder / METADATA_NAME
     if not meta.is_file():
@@ -177,6 +179,9 @@ def file_doc_counts(
     for c in candidates:
         if c.is_file():
             known.update(_read(c))
+    # the files loaders.prepare listed beside its content digest: one of another size is
+    # not its file, and counting it anew would write the metadata without that digest
+    prepared = is_content_id(read_doc_counts(candidates[0]).get("content"))
     counts, changed = [], False
     for f in files:
         rel = f.relative_to(root).as_posix()
@@ -189,6 +194,13 @@ def file_doc_counts(
         if ok and entry.get("bytes", size) == size:
             counts.append(docs)
             continue
+        wrote = entry.get("bytes") if isinstance(entry, dict) else None
+        if prepared and is_int(wrote) and wrote != size:
+            raise LoaderInputError(
+                f"{root}: Arrow file {rel} is not the one loaders.prepare wrote ({size:,} "
+                f"bytes, it wrote {wrote:,}); run the prepare command again, or "
+                "restore the file"
+            )
         n = count(f)
         new = {"docs": n, "bytes": size}
         changed = changed or entry != new

@@ -230,33 +230,39 @@ COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip", ".tgz")
 
 def _folder_files(source: str, path: Path, glob: str, files: list[Path]) -> list[Path]:
     """A folder source's documents among the (not hidden) files its glob matched: JSON
-    Lines and compressed files refused (their rows, or their decompressed text, are what
-    the user means), files that are not UTF-8 text left out and said on stderr."""
+    Lines files (their rows are documents, not their text), compressed files and files
+    that are not UTF-8 text are left out and said on stderr (a repository's test
+    fixtures); a glob that matches nothing else is refused, naming what to do instead."""
     rows = [p for p in files if p.suffix == ".jsonl"]
-    if rows:  # one document per file: the whole file, JSON and all
-        raise PrepareError(
-            f"--glob {glob!r} matches JSON Lines files ({rows[0]}, ...), which a folder source "
-            "would read as one text each; give them as sources themselves (each row a "
-            "document, --text-column NAME), or a --glob that leaves them out"
-        )
     packed = [p for p in files if p.name.endswith(COMPRESSED_SUFFIXES)]
-    if packed:
-        raise PrepareError(
-            f"--glob {glob!r} matches compressed files ({packed[0]}, ...), which a folder "
-            "source would read as one text each, compressed bytes and all; decompress them "
-            "first, or give a --glob that leaves them out"
-        )
-    text = [p for p in files if not is_binary(p)]
+    rest = [p for p in files if p.suffix != ".jsonl" and not p.name.endswith(COMPRESSED_SUFFIXES)]
+    kinds = [is_binary(p) for p in rest]
+    binary = [p for p, b in zip(rest, kinds, strict=True) if b]
+    text = [p for p, b in zip(rest, kinds, strict=True) if not b]
     if not text:
+        if rows:
+            raise PrepareError(
+                f"--glob {glob!r} matches JSON Lines files ({rows[0]}, ...), which a folder "
+                "source would read as one text each; give them as sources themselves (each "
+                "row a document, --text-column NAME)"
+            )
+        if packed:
+            raise PrepareError(
+                f"--glob {glob!r} matches compressed files ({packed[0]}, ...), which a folder "
+                "source would read as one text each, compressed bytes and all; decompress "
+                "them first"
+            )
         raise PrepareError(
             f"{source}: none of the {len(files)} files --glob {glob!r} matches is UTF-8 text "
             "(binary or another encoding); name the text files with --glob, or convert them"
         )
-    if len(text) < len(files):  # their text would train as replacement marks
-        skipped = next(p for p, q in zip(files, [*text, None], strict=False) if p != q)
-        print(f"loaders.prepare: {source}: left out {len(files) - len(text)} files that are "
-              f"not UTF-8 text (binary or another encoding), e.g. {skipped}",
-              file=sys.stderr)  # fmt: skip
+    for what, left in (("JSON Lines files (give them as sources: rows are documents)", rows),
+                       ("compressed files", packed),
+                       ("files that are not UTF-8 text (binary or another encoding)",
+                        binary)):  # fmt: skip
+        if left:  # their text would train as JSON, compressed bytes or replacement marks
+            print(f"loaders.prepare: {source}: left out {len(left)} {what}, e.g. {left[0]}",
+                  file=sys.stderr)  # fmt: skip
     return text
 
 

@@ -375,8 +375,9 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                                             batch_size=p.batch_size // world),
                                  rank=rank, world_size=world)  # fmt: skip
     except EmptyStream:  # the loader's own message names LoaderConfig.min_doc_len, no flag
+        weighed = sorted(n for n in corpus.train if p.data.mix.get(n, 1.0) > 0)
         raise DataError(
-            f"no sub-dataset with a positive weight ({', '.join(sorted(corpus.train))}) holds "
+            f"no sub-dataset with a positive weight ({', '.join(weighed)}) holds "
             "a training document with a token (empty files?); give --corpus folders with "
             "text, or --mix weight to one that has some"
         ) from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -17,12 +19,13 @@ def rows_to_batch(data: CriteoData, rows: np.ndarray) -> dict[str, torch.Tensor]
     """Rows (absolute indices) -> ``dense (B, 13)``, ``cat (B, 26)`` int64, ``label (B,)``
     and ``row (B,)``, the row indices themselves (for audits of what was read)."""
     rows = np.asarray(rows, dtype=np.int64)
-    cat = data.cat[rows].astype(np.int64)
+    raw = data.cat[rows]  # (B, 26) int32
     # a cache whose ids were damaged in place (its files keep their sizes, so opening it
     # found nothing) ended in F.embedding's IndexError traceback: every batch is checked,
-    # 26 comparisons a row
-    bad = (cat < 0) | (cat >= np.asarray(data.cardinalities))
-    if bad.any():
+    # one unsigned comparison an id (a negative id reads as one above every table)
+    if (raw.view(np.uint32) >= np.asarray(data.cardinalities, dtype=np.uint32)).any():
+        cat = raw.astype(np.int64)
+        bad = (cat < 0) | (cat >= np.asarray(data.cardinalities))
         i, j = (int(x) for x in np.argwhere(bad)[0])
         raise DataError(
             f"the Criteo cache {data.root} is damaged: row {int(rows[i])} holds id "
@@ -31,7 +34,7 @@ def rows_to_batch(data: CriteoData, rows: np.ndarray) -> dict[str, torch.Tensor]
         )
     return {
         "dense": torch.from_numpy(np.ascontiguousarray(data.dense[rows])),
-        "cat": torch.from_numpy(cat),
+        "cat": torch.from_numpy(raw.astype(np.int64)),
         "label": torch.from_numpy(data.label[rows].astype(np.float32)),
         "row": torch.from_numpy(rows),
     }
@@ -83,9 +86,15 @@ class RowBatches(EpochCursor):
     def data_hint(self) -> str:  # type: ignore[override]
         """Names the flag and the file this run reads, where the refusal of changed data
         named neither."""
+        source = str(self.data.meta.get("source", self.data.root))
+        if Path(source).name.startswith("generated-"):  # drawn by --data generated
+            return (
+                "this run reads the generated file of another data.generated_rows or "
+                "generator: resume with the run's own data.generated_rows, or start a new run"
+            )
         return (
-            f"this run reads {self.data.meta.get('source', self.data.root)}: give --data the "
-            "file the run trained on (data.path in its config.json), or start a new run"
+            f"this run reads {source}: give --data the file the run trained on (data.path "
+            "in its config.json), or start a new run"
         )
 
     def _order(self) -> IndexCipher:

@@ -192,11 +192,18 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[DLRMTask, dict, 
             f"model.hash_rows={p.model.hash_rows} hashes the dense baseline's tables; train "
             "it with --dense, or set model.hash_rows=0 for CoMERA"
         )
-    capped = p.data.max_ind_range
-    if p.train.comera.enabled and not p.model.tt_layers and 0 < capped < p.model.tt_min_rows:
-        # known before the data is read: on the Kaggle file that is minutes and a new cache
+    # known before the data is read (on the Kaggle file that is minutes and a new cache):
+    # a table holds at most max_ind_range values, and id 0 beside them where min_count
+    # folds rare ones into it
+    rows = p.data.max_ind_range + (p.data.min_count > 1)
+    if (
+        p.train.comera.enabled
+        and not p.model.tt_layers
+        and p.data.max_ind_range
+        and rows < p.model.tt_min_rows
+    ):
         raise ConfigError(
-            f"--max-ind-range {capped} caps every table at {capped} rows, under "
+            f"--max-ind-range {p.data.max_ind_range} caps every table at {rows} rows, under "
             f"model.tt_min_rows={p.model.tt_min_rows}, and model.tt_layers is empty: the "
             "CoMERA model would have no compressed layer; raise --max-ind-range, lower --set "
             "model.tt_min_rows=N, or train --dense"

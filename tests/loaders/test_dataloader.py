@@ -147,6 +147,11 @@ def test_a_second_loader_saved_into_one_folder_keeps_the_first_ones_file(corpus,
         val.save(tmp_path, background=True, step=5)  # refused on the caller's thread
     assert state_path(tmp_path, 0).read_text() == kept
     val.save(tmp_path / "val", step=5)
+    # a file from before this process began is an earlier run's: saved over, as before
+    train.save(tmp_path / "old", step=5)
+    os.utime(state_path(tmp_path / "old", 0), (1e9, 1e9))
+    val.save(tmp_path / "old", step=5)
+    assert load_states(tmp_path / "old")[0]["fingerprint"]["docs"].keys() == {"b"}
     # the same run saves over its own files, with a sub-dataset added on the way
     more = TokenLoader(config([("a", root / "a", 0.6), ("b", root / "b", 0.4),
                                ("c", root / "b", 0.0)]))  # fmt: skip

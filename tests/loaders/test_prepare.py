@@ -577,6 +577,14 @@ def test_folder_sources_take_text_files_and_refuse_rows_and_archives(tmp_path: P
         prepare([str(rows)], tmp_path / "o4", train_vocab=300, glob="*.gz", progress=False)
     with pytest.raises(PrepareError, match=r"b.jsonl.gz is compressed; decompress it first"):
         prepare([str(rows / "b.jsonl.gz")], tmp_path / "o5", train_vocab=300, progress=False)
+    # beside text files (a repository's fixtures) they are left out, said, not refused
+    (rows / "m.py").write_text("x = 1\n")
+    capsys.readouterr()
+    summary = prepare([str(rows)], tmp_path / "o7", train_vocab=300, glob="*", progress=False)
+    assert summary["splits"]["train"]["docs"] == 1
+    err = capsys.readouterr().err
+    assert "left out 1 JSON Lines files (give them as sources" in err and "a.jsonl" in err
+    assert "left out 1 compressed files, e.g." in err and "b.jsonl.gz" in err
     # rows with no text are counted; a line longer than pyarrow's 1 MiB block is read
     long = "x = " + " ".join(["ab"] * (1 << 20))  # 3 MiB on one line
     (rows / "c.jsonl").write_text(
@@ -606,4 +614,11 @@ def test_a_shard_replaced_in_a_prepared_split_is_refused(tmp_path: Path) -> None
     shutil.copy(tmp_path / "b" / "train" / shard.name, shard)
     with pytest.raises(LoaderInputError, match=rf"{shard.name} is not the one prepare wrote"):
         TokenFolder(tmp_path / "a" / "train")
+    # reached through a link (a root of links to prepared splits), or as a copied split
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "code").symlink_to(tmp_path / "a" / "train")
+    shutil.copytree(tmp_path / "a" / "train", tmp_path / "copied")
+    for folder in (tmp_path / "root" / "code", tmp_path / "copied"):
+        with pytest.raises(LoaderInputError, match=rf"{shard.name} is not the one"):
+            TokenFolder(folder)
     assert (tmp_path / "a" / "train" / "doc_counts.json").read_text() == counts

@@ -770,6 +770,10 @@ def test_settings_that_leave_no_compressed_layer_are_named_before_the_data(
     assert code == 2 and len(err) == 1, err
     assert "--max-ind-range 50 caps every table at 50 rows, under model.tt_min_rows=100" in err[0]
     assert not (tmp_path / "c").exists() and not (tmp_path / "r").exists()
+    # min_count > 1 adds id 0 beside the max_ind_range values: 99 + 1 rows reach 100
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--max-ind-range", "99",
+                "--set", "data.min_count=2")  # fmt: skip
+    assert "caps every table" not in capsys.readouterr().err
     code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--set", "data.min_count=1000")
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
