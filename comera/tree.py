@@ -118,8 +118,19 @@ def map_tt(
             res = map_tt(fn, v, _child(state, i), *[o[i] for o in others])  # type: ignore[index]
             for j, o in enumerate(res):
                 lists[j].append(o if j != 1 else (o if o is not None else {}))
-        return tuple(lists)
+        # each rebuilt as the container it was (a tuple, a namedtuple): lists came back, and
+        # a task reading head.w off a namedtuple failed at the first compaction
+        templates = [params, state if isinstance(state, list | tuple) else [], *others]
+        return tuple(_like(t, items) for t, items in zip(templates, lists, strict=True))
     return (params, state, *others)
+
+
+def _like(template: object, items: list) -> object:
+    """``items`` in ``template``'s sequence type: a namedtuple, a tuple or a list."""
+    if isinstance(template, tuple):
+        kind = type(template)
+        return kind(*items) if hasattr(kind, "_fields") else kind(items)
+    return items
 
 
 def prune_tree(params: object, state: object, tau: float, rule: str = "gate") -> object:

@@ -394,8 +394,11 @@ class SyncFreeStep:
         keys = self._keys or []
         loss_sum, count, gnorm, ok, *rest = out
         named = dict(zip(keys, rest, strict=True))
-        if count <= 0:
-            raise ValueError(f"step {step}: the global batch has no loss terms (count 0)")
+        if count <= 0:  # its total is all a sync-free step reads: a negative count shows
+            raise ValueError(
+                f"step {step}: the global batch has no loss terms (count {count:g}); Task.loss "
+                "returns how many loss terms its sum holds: a finite number >= 0"
+            )
         if named.pop("@detached"):  # on some rank: nothing was updated
             raise detached_error()
         if not named.pop("@reached"):  # on no rank: nothing was updated

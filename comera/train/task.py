@@ -126,7 +126,41 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
                 "count, metrics) holds one number per batch: sum the batch's loss terms "
                 "(loss.sum(), with their count), and average a metric over the batch"
             )
+        # a string metric was float()'s error naming no metric; a complex sum autograd's,
+        # a bool count was taken as 1
+        if isinstance(value, torch.Tensor):
+            ok = not value.dtype.is_complex and (value.dtype != torch.bool or what != "count")
+        else:  # a number: numpy's and Python's (a str, bytes or complex is none)
+            ok = (
+                hasattr(type(value), "__float__")
+                and not isinstance(value, str | bytes | complex)
+                and not (isinstance(value, bool) and what == "count")
+            )
+        if not ok:
+            raise TypeError(
+                f"Task.loss returned a {what} of {_kind(value)}; each of (sum, count, "
+                "metrics) is one real number"
+            )
+    if not isinstance(s, torch.Tensor):
+        if s != 0:  # a number carries no gradient: it trains nothing
+            raise TypeError(
+                f"Task.loss returned the sum as a {type(s).__name__} ({s!r}); return the "
+                "tensor the parameters' gradients flow through (a plain 0 only for a share "
+                "with no loss terms)"
+            )
+        s = torch.zeros((), dtype=torch.float32)  # a share with no terms: its plain zero
+    elif s.dim():  # one number of shape (1,): torch's broadcasting refused it later
+        s = s.reshape(())
     return s, n, metrics
+
+
+def _kind(value: object) -> str:
+    """How an error names a value's kind: a tensor's dtype, else its type."""
+    return (
+        f"dtype {value.dtype}"
+        if isinstance(value, torch.Tensor)
+        else f"type {type(value).__name__}"
+    )
 
 
 def check_count(n: float) -> None:

@@ -261,3 +261,27 @@ def test_compact_keeps_requires_grad_so_autograd_reaches_the_result():
     loss = C.tt_linear(p2, s2, torch.randn(2, 10)).sum()
     grads = torch.autograd.grad(loss, p2["cores"])
     assert [g.shape for g in grads] == [c.shape for c in p2["cores"]]
+
+
+def test_compaction_keeps_tuples_and_namedtuples_in_the_tree():
+    """A namedtuple of plain tensors beside a TT layer came back from compact_tree as a
+    list (a task reading head.w failed at the run's first compaction), and a tuple as a
+    list, in params, state and optimizer moments alike."""
+    from collections import namedtuple
+
+    from comera.tree import compact_tree, prune_tree
+
+    Head = namedtuple("Head", "w b")
+    spec = C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=4, name="tt")
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    p["gates"][0].data[0] = 0.0  # a rank to remove
+    params = {"layers": (p, Head(torch.ones(2), torch.zeros(2))), "pair": (torch.ones(1),)}
+    state = {"layers": (s, None)}
+    moments = {"layers": (p, Head(torch.ones(2), torch.zeros(2))), "pair": (torch.ones(1),)}
+    state = prune_tree(params, state, 0.01)
+    new_p, new_s, new_m = compact_tree(params, state, moments)
+    for tree in (new_p, new_m):
+        assert type(tree["layers"]) is tuple and type(tree["layers"][1]) is Head
+        assert type(tree["pair"]) is tuple and tree["layers"][1].w.tolist() == [1.0, 1.0]
+    assert type(new_s["layers"]) is tuple
+    assert new_p["layers"][0]["gates"][0].shape[0] == 3  # the rank went

@@ -574,6 +574,56 @@ def test_a_loss_of_two_values_names_the_form_expected(tmp_path, mode):
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
+class _OddLoss(ToyTask):
+    """ToyTask whose loss returns ``edit(sum, count, metrics)``."""
+
+    def __init__(self, edit):
+        super().__init__()
+        self.edit = edit
+
+    def loss(self, params, state, batch, *, train):
+        return self.edit(*super().loss(params, state, batch, train=train))
+
+
+@pytest.mark.parametrize("mode", ["eager", "sync_free"])
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # AttributeError: 'float' object has no attribute 'requires_grad'
+        (lambda s, n, m: (float(s), n, m), r"returned the sum as a float \("),
+        (lambda s, n, m: (s, n, {"m": "hi"}), r"returned a metric 'm' of type str; each of"),
+        (lambda s, n, m: (s.to(torch.complex64), n, m), "a sum of dtype torch.complex64"),
+        (lambda s, n, m: (s, True, m), "a count of type bool"),
+    ],
+)
+def test_a_loss_of_numbers_that_are_not_one_real_tensor_is_named(tmp_path, mode, edit, message):
+    tr = Trainer(_cfg(tmp_path, step_mode=mode), _OddLoss(edit), *_toy_model())
+    with pytest.raises(TypeError, match=message):
+        tr.train_step(next(iter(tr.task.train_iter)))
+    assert tr.step == 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "sync_free"])
+def test_a_one_element_sum_and_a_plain_zero_share_train(tmp_path, mode):
+    """A sum of shape (1,) failed in torch internals ("output with shape [] doesn't match
+    the broadcast shape [1]"); an empty share's plain 0 (documented) in an AttributeError.
+    A negative count in a sync-free step was reported as count 0."""
+    shaped = Trainer(_cfg(tmp_path / "a", step_mode=mode),
+                     _OddLoss(lambda s, n, m: (s.reshape(1), n, m)), *_toy_model())  # fmt: skip
+    plain = Trainer(_cfg(tmp_path / "b", step_mode=mode), ToyTask(), *_toy_model())
+    batch = next(iter(plain.task.train_iter))
+    assert shaped.train_step(batch)["loss"] == plain.train_step(batch)["loss"]
+    cfg = _cfg(tmp_path / "c", step_mode=mode, accum_steps=2)
+    calls = iter([True, False, True, False])
+    zero = _OddLoss(lambda s, n, m: (s, n, m) if next(calls) else (0, 0, {}))
+    tr = Trainer(cfg, zero, *_toy_model())
+    assert math.isfinite(tr.train_step(batch, batch)["loss"])
+    negative = Trainer(_cfg(tmp_path / "d", step_mode=mode),
+                       _OddLoss(lambda s, n, m: (s, -1, m)), *_toy_model())  # fmt: skip
+    with pytest.raises(ValueError, match=r"count of -1|\(count -1\)"):
+        negative.train_step(batch)
+
+
 def test_a_cpu_step_back_propagates_once_unless_its_loss_is_low_precision(tmp_path, monkeypatch):
     """One micro-batch on the CPU: the loss and the stage's parameter term (here the gate
     regularizer, from step 1) share one backward pass. A loss summed in bf16 takes its own
