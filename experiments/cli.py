@@ -39,7 +39,7 @@ import torch
 
 import comera as C
 from comera import autotune
-from comera.errors import ConfigError, MissingFileError, UserError
+from comera.errors import CheckpointError, ConfigError, MissingFileError, UserError
 from comera.plans import DIRECT_STRATEGIES, FIXED_STRATEGIES
 from comera.train import NonFiniteLoss, Trainer, init_distributed
 from comera.train.checkpoint import complete_checkpoints
@@ -1060,17 +1060,25 @@ def prepare(
     record = json.loads(json.dumps(record, default=config_jsonable))
     if history:  # a restart: its rows go once nothing else can refuse the run
         _clear_stopped_attempt(run_dir, rank, world)
-    trainer = Trainer(
-        cfg.train,
-        task,
-        params,
-        state,
-        resume=resume,
-        extra_config=record,
-        reference_size=reference,
-        copy=False,  # built for this run: no model-sized copy
-        auto_plans=uses_auto(cfg.plans),
-    )
+    try:
+        trainer = Trainer(
+            cfg.train,
+            task,
+            params,
+            state,
+            resume=resume,
+            extra_config=record,
+            reference_size=reference,
+            copy=False,  # built for this run: no model-sized copy
+            auto_plans=uses_auto(cfg.plans),
+        )
+    except CheckpointError as e:
+        if not (resume and exp.derived and "than this run builds" in str(e)):
+            raise
+        # the model settings the message points at may be set by the data (MNLI's
+        # vocabulary by its tokenizer): a tokenizer given on resume read as a model change
+        why = "; ".join(f"{k} is {v}" for k, v in exp.derived.items())
+        raise CheckpointError(f"{e} (or data that sets them: {why})") from None
     kind = "dense" if getattr(cfg, "dense", False) else "CoMERA"
     saved = run_dir / "config.json"
     if rank == 0 and resume and saved.is_file():

@@ -39,8 +39,14 @@ from comera.train.module_task import ModuleTask
 from experiments import cli
 from experiments.hub import hub_unreachable, offline_tip, quiet_hub
 from experiments.mnli import experiment as mnli
-from experiments.mnli.batches import BatchIterator
-from experiments.mnli.data import MNLIData, MNLIDataConfig, load_mnli
+from experiments.mnli.batches import BatchIterator, EncodedSplit
+from experiments.mnli.data import (
+    DEFAULT_TOKENIZER,
+    LABEL_NAMES,
+    MNLIData,
+    MNLIDataConfig,
+    load_mnli,
+)
 from experiments.notes import note
 
 __all__ = [
@@ -52,7 +58,9 @@ __all__ = [
     "check_fits",
     "load_model",
     "main",
+    "nli_label_order",
     "preset",
+    "relabeled",
 ]
 
 
@@ -488,12 +496,53 @@ def _logits(call: Any, batch: dict, types: bool = True) -> torch.Tensor:
     return out.logits.float()
 
 
+def nli_label_order(config: object) -> list[int] | None:
+    """The ids a loaded model's ``id2label`` gives entailment, neutral and contradiction
+    (any case), where it names exactly those three and numbers them otherwise than the
+    data does (0, 1, 2: :data:`experiments.mnli.data.LABEL_NAMES`); else None. A head
+    trained on MNLI elsewhere (roberta-large-mnli: contradiction=0) scored "entailment"
+    as its "contradiction", without a word."""
+    given = getattr(config, "id2label", None)  # what label2id is derived from
+    if not isinstance(given, dict):
+        return None
+    try:
+        named = {str(v).lower(): int(k) for k, v in given.items()}
+    except (TypeError, ValueError):
+        return None
+    if set(named) != set(LABEL_NAMES) or len(given) != len(LABEL_NAMES):
+        return None
+    order = [named[n] for n in LABEL_NAMES]
+    return None if order == list(range(len(LABEL_NAMES))) else order
+
+
+def relabeled(data: MNLIData, order: list[int]) -> MNLIData:
+    """``data`` with every split's label ``i`` read as ``order[i]``."""
+    table = torch.tensor(order, dtype=torch.int64)
+
+    def remap(split: EncodedSplit) -> EncodedSplit:
+        labels = split.labels  # ids past the three stay (the head's count refuses them)
+        inside = labels < len(order)
+        return dataclasses.replace(
+            split, labels=torch.where(inside, table[labels.clamp(0, len(order) - 1)], labels)
+        )
+
+    return dataclasses.replace(
+        data, train=remap(data.train), eval={k: remap(v) for k, v in data.eval.items()}
+    )
+
+
 def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     """Data, the (tensorized) model and its task; returns the CLI's five-tuple."""
     data = load_mnli(p.data)
     torch.manual_seed(p.train.seed)
     notes: list[str] = []  # printed by the command once nothing can refuse the run
     model = load_model(p.model, data, notes=notes)
+    order = nli_label_order(getattr(model, "config", None))
+    if order is not None:  # an MNLI-trained head (contradiction=0): the data's ids follow it
+        data = relabeled(data, order)
+        names = ", ".join(f"{n}={i}" for n, i in zip(LABEL_NAMES, order, strict=True))
+        notes.append(f"--model {p.model.path}: its head numbers the labels {names} "
+                     "(its config's id2label); the data's labels are read so")  # fmt: skip
     check_fits(model, p.model, data)
     dense_size = sum(t.numel() for t in model.parameters())
     summary = None
@@ -637,7 +686,12 @@ def _model_run_defaults(args: argparse.Namespace, p: Preset) -> Preset:
     dense = "-dense" if args.dense else ""
     train = dataclasses.replace(p.train, run_dir=f"runs/finetune-{name}{dense}",
                                 run_name=f"finetune-{name}")  # fmt: skip
-    return dataclasses.replace(p, train=train)
+    data = p.data
+    if (Path(path) / "tokenizer.json").is_file() and data.tokenizer == DEFAULT_TOKENIZER:
+        # the model's own vocabulary (--tokenizer still decides): the preset's tokenized
+        # the rows for another model, or loaded bert-base-uncased from the hub
+        data = dataclasses.replace(data, tokenizer=str(Path(path).resolve()))
+    return dataclasses.replace(p, train=train, data=data)
 
 
 def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:

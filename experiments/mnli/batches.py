@@ -39,10 +39,10 @@ class EncodedSplit:
             raise ValueError(f"EncodedSplit has {shape[0]} rows of input_ids but {n} labels")
 
     def identity(self, every_row: bool = False) -> str:
-        """A digest of the encoded examples (:func:`experiments.cursor.sample_digest`): a
-        resume checks it, so a checkpoint goes on only over the data it was trained on.
-        ``every_row`` hashes all rows, not 4,096 (an eval split: small, and one edited row
-        changes its score)."""
+        """A digest of the encoded examples (:func:`experiments.cursor.sample_digest`, 4,096
+        rows): a resume checks it, so a checkpoint goes on only over the data it was
+        trained on. ``every_row`` hashes all rows (what training and eval splits are
+        identified by; 4,096 rows identified training splits saved before)."""
         cols = (self.input_ids, self.token_type_ids, self.attention_mask, self.labels)
         digest = full_digest if every_row else sample_digest
         return digest(["mnli", *self.input_ids.shape], [c.numpy() for c in cols])
@@ -102,7 +102,16 @@ class BatchIterator(EpochCursor):
             )
         self.epoch = self.batch_in_epoch = 0
         self._order: tuple[int, torch.Tensor] | None = None  # cache of (epoch, permutation)
-        self.data_id = split.identity()  # a resume on other examples is refused
+        # a resume on other examples is refused: every row hashed (a sample of 4,096 let a
+        # resume over a file with other labels outside it train on, without a word)
+        self.data_id = split.identity(every_row=True)
+
+    @property
+    def legacy_data_ids(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The sampled digest a checkpoint saved before the full one holds (read only on
+        resume)."""
+        legacy = self.split.identity()
+        return (legacy,) if legacy != self.data_id else ()
 
     def _epoch_order(self) -> torch.Tensor:
         if self._order is None or self._order[0] != self.epoch:

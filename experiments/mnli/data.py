@@ -201,7 +201,10 @@ def prepare_tokenizer(tok: Tokenizer, max_length: int) -> int:
     if tok.post_processor is None:
         cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
         if cls_id is None or sep_id is None:
-            raise DataError("tokenizer has no post-processor and no [CLS]/[SEP] tokens to add one")
+            raise DataError(
+                "the tokenizer has no post-processor and no [CLS]/[SEP] tokens to add one "
+                "(a BERT-style pair template); give one that has them"
+            )
         tok.post_processor = _bert_pair_template(cls_id, sep_id)
     pad_id = tok.token_to_id(pad)
     tok.enable_truncation(max_length, strategy="longest_first")
@@ -261,16 +264,28 @@ CSV_BLOCK_BYTES = 64 << 20
 
 def _read_table(path: str, text_columns: tuple[str, ...] = ()) -> pa.Table:
     fmt = _FORMATS[Path(path).suffix.lower()]
+    if Path(path).is_dir():  # "does not exist" of a parquet dataset's folder
+        raise DataError(
+            f"data file {path!r} is a folder; give one file with --train-file / --eval-file "
+            "(--dataset FOLDER reads a folder of files with datasets)"
+        )
     if not Path(path).is_file():
         raise MissingFileError(
             f"data file {path!r} does not exist; check --train-file / --eval-file"
         )
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if fmt != "parquet" and head in (b"\xff\xfe", b"\xfe\xff"):  # Excel's "Unicode text"
+        raise DataError(f"data file {path!r} is UTF-16 text; save it as UTF-8")
     try:
         return _parse_table(path, fmt, text_columns)
     except (pa.ArrowException, ValueError, TypeError, OSError) as exc:  # JSON/CSV/Parquet
+        # GLUE's TSVs hold no quoting: a tool's quoted field (a tab inside) splits there
+        hint = (" (.tsv is read as GLUE's files are: one row a line, no quoting; save a "
+                "file whose fields hold tabs as .csv)" if fmt == "tsv" else "")  # fmt: skip
         raise DataError(
             f"data file {path!r} cannot be read as {fmt} ({type(exc).__name__}: "
-            f"{first_line(exc)}); "
+            f"{first_line(exc)}){hint}; "
             "fix the file or check --train-file / --eval-file"
         ) from exc
 
@@ -358,8 +373,11 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
             )
     text = [_sentences(table, getattr(cfg, n), source) for n in fields[:2]]
     raw_labels = table.column(cfg.label_column).to_pylist()
+    names = _class_names(table, cfg.label_column)
     labels = np.empty(len(raw_labels), dtype=np.int64)
     for i, v in enumerate(raw_labels):
+        if names is not None and isinstance(v, int) and 0 <= v < len(names):
+            v = names[v]  # the file's own class id, by its name
         v = LABEL_NAMES.index(v) if v in LABEL_NAMES else v
         if v == "-":  # MultiNLI's own files: no annotator consensus, unlabelled
             v = -1
@@ -376,6 +394,25 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
             )
         labels[i] = v
     return text[0], text[1], labels
+
+
+def _class_names(table: pa.Table, column: str) -> list[str] | None:
+    """The class names a Hugging Face ``datasets`` table records for its integer label
+    ``column`` (a ``ClassLabel``, in the schema's ``huggingface`` metadata), where every
+    one is an NLI label of :data:`LABEL_NAMES`: its ids are read by name (a
+    ``class_encode_column`` sorts them, contradiction=0). Other names leave the ids as
+    the class ids they are; None without such metadata."""
+    try:
+        meta = json.loads((table.schema.metadata or {}).get(b"huggingface", b"{}"))
+        feature = meta["info"]["features"][column]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(feature, dict):
+        return None
+    names = feature.get("names")
+    if feature.get("_type") != "ClassLabel" or not isinstance(names, list) or not names:
+        return None
+    return names if all(n in LABEL_NAMES for n in names) else None
 
 
 def _sentences(table: pa.Table, column: str, source: str) -> list[str]:
@@ -500,7 +537,10 @@ def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
         tok, tok_name = build_generated_tokenizer(), GENERATED
     else:
         tok, tok_name = load_tokenizer(cfg.tokenizer), cfg.tokenizer
-    pad_id = prepare_tokenizer(tok, cfg.max_length)
+    try:
+        pad_id = prepare_tokenizer(tok, cfg.max_length)
+    except DataError as e:  # its message names no tokenizer and no flag
+        raise DataError(f"--tokenizer {tok_name}: {e} (data.tokenizer)") from None
     if cfg.train_file is None and cfg.dataset == GENERATED:
         for split, n in (("train", cfg.generated_train), ("validation", cfg.generated_eval)):
             ex = generate_examples(n, cfg.seed, split, cfg.generated_vocab)

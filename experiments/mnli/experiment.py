@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -274,6 +275,13 @@ def _parse_eval_files(values: list[str] | None) -> dict[str, str] | None:
     return out
 
 
+def _absolute(path: str) -> str:
+    """``path`` made absolute where it names something here (a hub name stays as given):
+    saved as typed, a relative one was read from wherever a resume ran, and a tokenizer
+    folder taken there for a hub name."""
+    return os.path.abspath(path) if os.path.exists(path) else path
+
+
 def data_flags(ap: argparse.ArgumentParser) -> None:
     """The data flags (dataset, local files, tokenizer, columns): MNLI's and any sentence-pair
     classification experiment's (``experiments.finetune``)."""
@@ -295,14 +303,16 @@ def data_flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
         )
     out: list[tuple[str, Any]] = []
     if args.dataset:
-        out.append(("data.dataset", args.dataset))
+        out.append(("data.dataset", args.dataset if args.dataset == GENERATED else
+                    _absolute(args.dataset)))  # fmt: skip
     if args.train_file:
         if args.dataset in (None, GENERATED):
             out.append(("data.dataset", "local"))
-        out += [("data.train_file", args.train_file)]
-        out += [("data.eval_files", _parse_eval_files(args.eval_file) or {})]
+        out += [("data.train_file", _absolute(args.train_file))]
+        evals = _parse_eval_files(args.eval_file) or {}
+        out += [("data.eval_files", {k: _absolute(v) for k, v in evals.items()})]
     if args.tokenizer:
-        out.append(("data.tokenizer", args.tokenizer))
+        out.append(("data.tokenizer", _absolute(args.tokenizer)))
     for col in ("premise_column", "hypothesis_column", "label_column"):
         if getattr(args, col):
             out.append((f"data.{col}", getattr(args, col)))

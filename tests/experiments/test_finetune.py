@@ -293,3 +293,60 @@ def test_the_report_names_local_data_and_refuses_runs_without_validation(tmp_pat
         report.gather(tmp_path, "cmd")
     assert report._task({"data": {"train_file": "t.jsonl"}}) == "local files (train `t.jsonl`)"
     assert report._task({}) == "the generated NLI task"  # a JSON from before
+
+
+def test_a_head_trained_on_mnli_elsewhere_reads_the_labels_by_its_names(tmp_path: Path) -> None:
+    """A checkpoint whose label2id numbers contradiction 0 (roberta-large-mnli's order)
+    was trained and scored with the data's entailment=0, without a word."""
+    import torch
+    import transformers as tf
+
+    from experiments.finetune.experiment import load_model, nli_label_order, preset, relabeled
+    from experiments.mnli.data import load_mnli
+
+    mnli_order = {0: "CONTRADICTION", 1: "NEUTRAL", 2: "ENTAILMENT"}
+    assert nli_label_order(tf.BertConfig(id2label=mnli_order)) == [2, 1, 0]
+    assert nli_label_order(tf.BertConfig(num_labels=3)) is None  # LABEL_0, ...: the data's
+    same = {0: "entailment", 1: "neutral", 2: "contradiction"}
+    assert nli_label_order(tf.BertConfig(id2label=same)) is None
+    assert nli_label_order(tf.BertConfig(id2label={0: "neg", 1: "pos"})) is None
+    p = preset("smoke")
+    data = load_mnli(p.data)
+    flipped = relabeled(data, [2, 1, 0])
+    assert torch.equal(flipped.train.labels, 2 - data.train.labels)
+    for name, split in data.eval.items():
+        assert torch.equal(flipped.eval[name].labels, 2 - split.labels)
+    model = load_model(p.model, data)
+    model.config.id2label = mnli_order
+    model.config.label2id = {v: k for k, v in mnli_order.items()}
+    model.save_pretrained(tmp_path / "mnli-head")
+    argv = _argv(tmp_path, "r", "--model", str(tmp_path / "mnli-head"), "--set",
+                 "train.steps=2", "--set", "train.eval_every=None")  # fmt: skip
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(argv) == 0
+    assert "its head numbers the labels entailment=2, neutral=1, contradiction=0" in err.getvalue()
+
+
+def test_a_model_folder_with_a_tokenizer_reads_it_unless_told_otherwise(tmp_path: Path) -> None:
+    """--model DIR without --tokenizer loaded bert-base-uncased from the hub (offline: an
+    error naming nothing of DIR; online: the rows tokenized for another model)."""
+    from experiments import cli
+    from experiments.finetune.experiment import EXPERIMENT
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "tokenizer.json").write_text("{}")
+    ap = cli.build_parser(EXPERIMENT)
+
+    def tokenizer(*flags: str) -> str:
+        args = ap.parse_args(["--model", str(tmp_path / "m"), *flags])
+        return cli.resolve_config(EXPERIMENT, args, ap).data.tokenizer
+
+    assert tokenizer() == str((tmp_path / "m").resolve())
+    assert tokenizer("--tokenizer", "other.json") == "other.json"
+    assert tokenizer("--set", "data.tokenizer=x.json") == "x.json"
+    (tmp_path / "m" / "tokenizer.json").unlink()
+    assert tokenizer() == "bert-base-uncased"

@@ -447,6 +447,26 @@ def test_a_resume_on_other_examples_of_the_same_count_is_refused():
     BatchIterator(other, 4, seed=1).load_state_dict(old)
 
 
+def test_a_changed_row_outside_the_sampled_ones_is_refused_and_old_digests_resume():
+    """The digest hashed 4,096 evenly spaced rows: a file of more rows whose labels
+    changed elsewhere resumed and trained on the new labels, without a word."""
+    import numpy as np
+
+    n = 4096 + 1000  # sample_digest's rows, and more
+    it = BatchIterator(_split(n), 4, seed=1)
+    next(it)
+    state = json.loads(json.dumps(it.state_dict()))
+    other = _split(n)
+    sampled = set(np.unique(np.linspace(0, n - 1, 4096).astype(int)).tolist())
+    row = next(i for i in range(n) if i not in sampled)
+    other.labels[row] = (other.labels[row] + 1) % 3
+    with pytest.raises(DataError, match="trained on other data"):
+        BatchIterator(other, 4, seed=1).load_state_dict(state)
+    # a checkpoint saved with the sampled digest still resumes on the same rows
+    legacy = {**state, "data_id": _split(n).identity()}
+    BatchIterator(_split(n), 4, seed=1).load_state_dict(legacy)
+
+
 def test_resume_at_every_step_continues_identically():
     split, total = _split(23), 14  # 5 steps per epoch: crosses two epoch boundaries
     ref_it = BatchIterator(split, 4, seed=1)
@@ -662,3 +682,53 @@ def test_an_eval_digest_covers_every_row() -> None:
     edited.labels[1] = (edited.labels[1] + 1) % 3  # row 1: not among the 4,096 sampled
     assert split.identity() == edited.identity()  # the train digest: sampled, by design
     assert split.identity(every_row=True) != edited.identity(every_row=True)
+
+
+def test_a_parquet_class_label_is_read_by_its_names(tmp_path, gen_files):
+    """A parquet written by datasets after class_encode_column holds contradiction=0,
+    entailment=1, neutral=2 (names sorted), as its metadata says; its ids were read as
+    entailment=0, neutral=1, contradiction=2 beside an eval file of words, silently."""
+    datasets = pytest.importorskip("datasets")
+    words = ["entailment", "neutral", "contradiction", "neutral"]
+    ds = datasets.Dataset.from_dict(
+        {"premise": ["baba bade"] * 4, "hypothesis": ["baba"] * 4, "label": words}
+    ).class_encode_column("label")
+    assert ds.features["label"].names == ["contradiction", "entailment", "neutral"]
+    ds.to_parquet(str(tmp_path / "cl.parquet"))
+    data = load_mnli(MNLIDataConfig(train_file=str(tmp_path / "cl.parquet"),
+                                    tokenizer=str(gen_files[2])))  # fmt: skip
+    assert data.train.labels.tolist() == [0, 1, 2, 1]  # entailment, neutral, contradiction
+    # other class names: the ids are the classes (a sentiment task's 0/1)
+    other = datasets.Dataset.from_dict(
+        {"premise": ["baba"] * 2, "hypothesis": ["bade"] * 2, "label": ["pos", "neg"]}
+    ).class_encode_column("label")
+    other.to_parquet(str(tmp_path / "other.parquet"))
+    data = load_mnli(MNLIDataConfig(train_file=str(tmp_path / "other.parquet"),
+                                    tokenizer=str(gen_files[2])))  # fmt: skip
+    assert data.train.labels.tolist() == [1, 0]  # neg=0, pos=1, as the file numbers them
+
+
+def test_a_folder_utf16_quoted_tsv_and_a_pairless_tokenizer_are_named(tmp_path, gen_files):
+    """A parquet dataset's folder was said not to exist; a UTF-16 CSV (Excel's "Unicode
+    text") failed as 'Expected 3 columns, got 1'; a quoted TSV field holding a tab failed
+    without saying .tsv takes no quoting; a tokenizer with no [CLS]/[SEP] named neither
+    itself nor --tokenizer."""
+    tok = str(gen_files[2])
+    (tmp_path / "dirp.parquet").mkdir()
+    with pytest.raises(DataError, match=r"dirp.parquet' is a folder; give one file"):
+        load_mnli(MNLIDataConfig(train_file=str(tmp_path / "dirp.parquet"), tokenizer=tok))
+    (tmp_path / "u16.csv").write_text("premise,hypothesis,label\na,b,0\n", encoding="utf-16")
+    with pytest.raises(DataError, match=r"u16.csv' is UTF-16 text; save it as UTF-8"):
+        load_mnli(MNLIDataConfig(train_file=str(tmp_path / "u16.csv"), tokenizer=tok))
+    (tmp_path / "q.tsv").write_text('premise\thypothesis\tlabel\n"baba\tbade"\tbaba\t0\n')
+    with pytest.raises(DataError, match=r"no quoting; save a file whose fields hold tabs as"):
+        load_mnli(MNLIDataConfig(train_file=str(tmp_path / "q.tsv"), tokenizer=tok))
+    tokenizers = pytest.importorskip("tokenizers")
+    bare = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[PAD]": 0, "[UNK]": 1, "baba": 2},
+                                                            unk_token="[UNK]"))  # fmt: skip
+    bare.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    bare.save(str(tmp_path / "bare.json"))
+    rows = _write(tmp_path / "t.jsonl", ROWS)
+    with pytest.raises(DataError, match=r"--tokenizer .*bare.json: the tokenizer has no "
+                                        r"post-processor .*\(data.tokenizer\)"):  # fmt: skip
+        load_mnli(MNLIDataConfig(train_file=rows, tokenizer=str(tmp_path / "bare.json")))

@@ -495,6 +495,16 @@ def test_a_moved_tokenizer_resumes_from_its_new_place_and_another_is_refused(
     assert mnli.main(["--resume", str(run), "--no-progress", "--tokenizer", str(other)]) == 2
     line = _one_error_line(capsys)
     assert "the checkpoint was trained on other data" in line and "start a new run" in line
+    # more words, the data's ids unchanged: a model of another vocabulary, once blamed on
+    # model settings the user never changed
+    bigger = json.loads(moved.read_text())
+    top = max(bigger["model"]["vocab"].values())
+    bigger["model"]["vocab"] |= {f"extra{i}": top + 1 + i for i in range(10)}
+    (tmp_path / "bigger.json").write_text(json.dumps(bigger))
+    argv = ["--resume", str(run), "--no-progress", "--tokenizer", str(tmp_path / "bigger.json")]
+    assert mnli.main(argv) == 2
+    line = _one_error_line(capsys)
+    assert "another shape" in line and "(or data that sets them: model.vocab_size is" in line
     assert (run / "checkpoints" / "step_00000002" / "model.pt").is_file()
     assert mnli.main(["--resume", str(run), "--no-progress", "--tokenizer", str(moved)]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -562,3 +572,24 @@ def _md_tables(text: str) -> list[list[str]]:
             tables[-1].append(line)
         prev = line
     return tables
+
+
+def test_local_data_paths_are_saved_absolute(tmp_path: Path, monkeypatch) -> None:
+    """Relative paths were saved as typed: a resume run from another folder read
+    --tokenizer gen as a hub name ("Could not reach the Hugging Face Hub to load
+    tokenizer 'gen'"), and a data file as moved though nothing had moved."""
+    import argparse
+
+    (tmp_path / "gen").mkdir()
+    (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "dev.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(dataset=None, train_file="train.jsonl", eval_file=["dev.jsonl"],
+                              tokenizer="gen", premise_column=None, hypothesis_column=None,
+                              label_column=None)  # fmt: skip
+    got = dict(mnli.data_flag_overrides(args))
+    assert got["data.train_file"] == str(tmp_path / "train.jsonl")
+    assert got["data.eval_files"] == {"dev": str(tmp_path / "dev.jsonl")}
+    assert got["data.tokenizer"] == str(tmp_path / "gen")
+    args.tokenizer = "bert-base-uncased"  # a hub name stays as given
+    assert dict(mnli.data_flag_overrides(args))["data.tokenizer"] == "bert-base-uncased"
