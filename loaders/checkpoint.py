@@ -39,17 +39,14 @@ def save_state(
     *,
     background: bool = False,
     on_failure: Callable[[], object] | None = None,
-    newer_than: float | None = None,
 ) -> Path | Future[Path]:
     """Write one rank's state atomically; with ``background`` return a Future.
 
     The state is serialized on the calling thread (so later mutations cannot leak in);
     background writes run in order on one thread. ``on_failure`` runs when the write
     fails, before the error reaches the caller (a background one: before the Future
-    holds it). A state file there that this loader cannot have written (another
-    fingerprint: :func:`_another_loader`) is kept and the save refused, where it was
-    written at or after ``newer_than`` (a time; None: whenever): a validation loader saved
-    into the training loader's folder; an older file, a finished run's, is saved over.
+    holds it). ``TokenLoader.save`` first refuses a folder another loader of the process
+    holds (:func:`state_conflict`).
     """
     global _writer
     directory = Path(directory)
@@ -61,12 +58,6 @@ def save_state(
             "folder path"
         ) from None
     path = state_path(directory, int(state["rank"]))
-    why = _another_loader(path, state["fingerprint"], newer_than)
-    if why:  # checked here, on the caller's thread: a background save raises at once too
-        raise LoaderInputError(
-            f"{path} holds another loader's state ({why}); it is kept: save each loader into "
-            f"a folder of its own (e.g. {directory / 'NAME'}), or delete that file first"
-        )
     text = json.dumps(state, separators=(",", ":"))
     world = int(state["world_size"])
 
@@ -91,18 +82,14 @@ def save_state(
     return _writer.submit(write)
 
 
-def _another_loader(path: Path, fingerprint: dict, newer_than: float | None) -> str | None:
+def state_conflict(path: Path, fingerprint: dict) -> str | None:
     """Why the state file at ``path`` cannot be an earlier save of the loader whose
-    fingerprint is given (None when it can, when there is no readable state there, or when
-    it was written before ``newer_than``).
+    fingerprint is given (None when it can, or when there is no readable state there).
 
     Within one run the shard count, seed and shuffle never change and sub-datasets are
     only added, each keeping its document count (:func:`merge_states` refuses the rest),
-    so a file that breaks those rules is another loader's: a validation loader saved into
-    the training loader's folder would otherwise replace its file."""
+    so a file that breaks those rules is another loader's."""
     try:
-        if newer_than is not None and path.stat().st_mtime < newer_than:
-            return None  # written before this loader was made: a run that is over
         old = json.loads(path.read_text())["fingerprint"]
         docs = dict(old["docs"])
     except (OSError, ValueError, KeyError, TypeError):

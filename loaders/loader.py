@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import os
-import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -33,6 +33,8 @@ from loaders.checkpoint import (
     load_states,
     merge_states,
     save_state,
+    state_conflict,
+    state_path,
 )
 from loaders.config import LoaderConfig, is_int
 from loaders.errors import EmptyStream, LoaderInputError, MixingShortfall
@@ -42,10 +44,11 @@ from loaders.shards import owned_shards
 
 _STATE_KEY = "_reader_state"
 _ERROR_KEY = "_reader_error"  # a worker's LoaderInputError: (class name, message)
-# when this process began loading: a state file written since, with another fingerprint,
-# is another loader's of this run (save keeps it: a validation loader's, in the training
-# loader's folder); an older one is an earlier run's, saved over
-_STARTED = time.time()
+# which loader of this process last loaded from or saved to each checkpoint folder: a
+# state file there that another one cannot have written (a validation loader's, saved
+# into the training loader's folder) is kept and the save refused; a folder no live
+# loader holds (an earlier run's) is saved over
+_HOLDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -438,13 +441,26 @@ class TokenLoader:
             state["step"] = int(step)
         else:
             state["save"] = mark
+        folder = os.path.realpath(directory)
+        holder = _HOLDERS.get(folder)
+        why = None
+        if holder is not None and holder is not self:  # checked before a background save
+            why = state_conflict(state_path(directory, self.rank), state["fingerprint"])
+        if why:
+            self._uncount(mark)
+            raise LoaderInputError(
+                f"{directory} holds another loader's state ({why}), which this process loaded "
+                f"or saved there; it is kept: save each loader into a folder of its own (e.g. "
+                f"{Path(directory) / 'NAME'})"
+            )
         try:
-            return save_state(state, directory, background=background,
-                              on_failure=lambda: self._uncount(mark),
-                              newer_than=_STARTED)  # fmt: skip
+            out = save_state(state, directory, background=background,
+                             on_failure=lambda: self._uncount(mark))  # fmt: skip
         except BaseException:  # before the write: the folder could not be made
             self._uncount(mark)
             raise
+        _HOLDERS[folder] = self
+        return out
 
     def _uncount(self, mark: int) -> None:
         """A save that failed is not counted (unless a later one was made since): retried,
@@ -455,6 +471,7 @@ class TokenLoader:
     def load(self, directory: str | Path) -> None:
         """Restore from every rank file in ``directory`` (any old world size)."""
         self.load_state_dict(load_states(directory))
+        _HOLDERS[os.path.realpath(directory)] = self  # its folder: see save
 
 
 def _check_worker_args(

@@ -7,7 +7,8 @@ Format of ``doc_counts.json`` (in the sub-dataset folder; paths relative to it):
      "content": "tokens1:9f2c..."}
 
 ``bytes`` is optional in a hand-written file; when present and different from the file's
-size, the entry is stale and the file is recounted. ``content`` (a digest of the folder's
+size, the entry is stale and the file is recounted, or refused where ``content`` is
+present (not the file prepare wrote). ``content`` (a digest of the folder's
 documents, in order: their lengths and tokens, whatever the files' layout) is written by
 ``loaders.prepare``: the loader's fingerprint then holds it (:func:`content_digest`), so
 a resume on shards prepared again from changed sources is refused. Missing entries are
@@ -46,7 +47,7 @@ def check_prepared(folder: Path, files: Sequence[Path]) -> None:
         )
     # a split reached through a link (a root of links to prepared splits) is checked as
     # the split it is
-    if not (folder.resolve().parent / PLAN_NAME).is_file():
+    if not any((p / PLAN_NAME).is_file() for p in (folder.parent, folder.resolve().parent)):
         return
     meta = folder / METADATA_NAME
     if not meta.is_file():
@@ -198,8 +199,8 @@ def file_doc_counts(
         if prepared and is_int(wrote) and wrote != size:
             raise LoaderInputError(
                 f"{root}: Arrow file {rel} is not the one loaders.prepare wrote ({size:,} "
-                f"bytes, it wrote {wrote:,}); run the prepare command again, or "
-                "restore the file"
+                f"bytes, it wrote {wrote:,}); run the prepare command again, restore the "
+                f"file, or delete {candidates[0].name} to count the folder anew"
             )
         n = count(f)
         new = {"docs": n, "bytes": size}

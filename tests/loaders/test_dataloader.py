@@ -147,11 +147,19 @@ def test_a_second_loader_saved_into_one_folder_keeps_the_first_ones_file(corpus,
         val.save(tmp_path, background=True, step=5)  # refused on the caller's thread
     assert state_path(tmp_path, 0).read_text() == kept
     val.save(tmp_path / "val", step=5)
-    # a file from before this process began is an earlier run's: saved over, as before
-    train.save(tmp_path / "old", step=5)
-    os.utime(state_path(tmp_path / "old", 0), (1e9, 1e9))
+    # a folder no live loader of this process holds is an earlier run's: saved over
+    gone = TokenLoader(_cfg(root))
+    gone.save(tmp_path / "old", step=5)
+    del gone
     val.save(tmp_path / "old", step=5)
     assert load_states(tmp_path / "old")[0]["fingerprint"]["docs"].keys() == {"b"}
+    # a resumed process: the training loader loaded its folder (its file is older than
+    # the process), and the validation loader's save there is still refused
+    resumed = TokenLoader(_cfg(root))
+    resumed.load(tmp_path)
+    with pytest.raises(LoaderInputError, match="which this process loaded or saved there"):
+        TokenLoader(config([("b", root / "b", 1.0)])).save(tmp_path, step=5)
+    assert state_path(tmp_path, 0).read_text() == kept
     # the same run saves over its own files, with a sub-dataset added on the way
     more = TokenLoader(config([("a", root / "a", 0.6), ("b", root / "b", 0.4),
                                ("c", root / "b", 0.0)]))  # fmt: skip
