@@ -120,16 +120,20 @@ def map_tt(
                 lists[j].append(o if j != 1 else (o if o is not None else {}))
         # each rebuilt as the container it was (a tuple, a namedtuple): lists came back, and
         # a task reading head.w off a namedtuple failed at the first compaction
-        templates = [params, state if isinstance(state, list | tuple) else [], *others]
+        same = isinstance(state, list | tuple) and len(state) == len(params)
+        templates = [params, state if same else [], *others]
         return tuple(_like(t, items) for t, items in zip(templates, lists, strict=True))
     return (params, state, *others)
 
 
 def _like(template: object, items: list) -> object:
-    """``items`` in ``template``'s sequence type: a namedtuple, a tuple or a list."""
-    if isinstance(template, tuple):
-        kind = type(template)
-        return kind(*items) if hasattr(kind, "_fields") else kind(items)
+    """``items`` in ``template``'s sequence type where it can be rebuilt from them: a
+    tuple, a namedtuple (``_make``); any other sequence comes back a list."""
+    if type(template) is tuple:
+        return tuple(items)
+    make = getattr(type(template), "_make", None)
+    if isinstance(template, tuple) and callable(make):
+        return make(items)
     return items
 
 

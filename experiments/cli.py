@@ -1324,15 +1324,15 @@ def _main(exp: Experiment, argv: list[str] | None) -> int:
     return 0
 
 
-def stopped_before_training(prog: str, stop: KeyboardInterrupt, what: str = "") -> int:
+def stopped_before_training(prog: str, stop: KeyboardInterrupt) -> int:
     """Say, as one line on stderr (rank 0 only), that ``stop`` (SIGINT, or SIGTERM under
-    :func:`sigterm_as_interrupt`) came before training started, so nothing was trained
-    (``what``: what was being prepared); return the shell's status for the signal."""
+    :func:`sigterm_as_interrupt`) came before training started, so nothing was trained;
+    return the shell's status for the signal."""
     status = getattr(stop, "status", 128 + signal.SIGINT)
     if os.environ.get("RANK", "0") == "0":
         name = signal.Signals(status - 128).name
-        print(f"{prog}: stopped by {name} before {what or 'training'} started; nothing was "
-              "trained", file=sys.stderr)  # fmt: skip
+        print(f"{prog}: stopped by {name} before training started; nothing was trained",
+              file=sys.stderr)  # fmt: skip
     return status
 
 

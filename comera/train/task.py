@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from numbers import Real
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from comera.errors import ConfigError
@@ -130,7 +131,10 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
         # a bool count was taken as 1
         if isinstance(value, torch.Tensor):
             ok = not value.dtype.is_complex and (value.dtype != torch.bool or what != "count")
-        else:  # a number: numpy's and Python's (a str, bytes or complex is none)
+        elif isinstance(value, np.ndarray | np.generic):  # numpy's: one real number
+            kind = np.asarray(value).dtype.kind
+            ok = np.size(value) == 1 and kind in "iuf" + ("" if what == "count" else "b")
+        else:  # a Python number (a str, bytes or complex is none)
             ok = (
                 hasattr(type(value), "__float__")
                 and not isinstance(value, str | bytes | complex)
@@ -142,7 +146,7 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
                 "metrics) is one real number"
             )
     if not isinstance(s, torch.Tensor):
-        if s != 0:  # a number carries no gradient: it trains nothing
+        if float(s) != 0:  # a number carries no gradient: it trains nothing
             raise TypeError(
                 f"Task.loss returned the sum as a {type(s).__name__} ({s!r}); return the "
                 "tensor the parameters' gradients flow through (a plain 0 only for a share "

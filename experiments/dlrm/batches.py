@@ -19,11 +19,17 @@ def rows_to_batch(data: CriteoData, rows: np.ndarray) -> dict[str, torch.Tensor]
     """Rows (absolute indices) -> ``dense (B, 13)``, ``cat (B, 26)`` int64, ``label (B,)``
     and ``row (B,)``, the row indices themselves (for audits of what was read)."""
     rows = np.asarray(rows, dtype=np.int64)
-    raw = data.cat[rows]  # (B, 26) int32
+    raw = data.cat[rows]  # (B, 26) int32 in a cache
     # a cache whose ids were damaged in place (its files keep their sizes, so opening it
     # found nothing) ended in F.embedding's IndexError traceback: every batch is checked,
     # one unsigned comparison an id (a negative id reads as one above every table)
-    if (raw.view(np.uint32) >= np.asarray(data.cardinalities, dtype=np.uint32)).any():
+    cards = np.asarray(data.cardinalities)
+    wide = raw.dtype != np.int32  # a table given from Python: both bounds
+    if (
+        ((raw < 0) | (raw >= cards)).any()
+        if wide
+        else (raw.view(np.uint32) >= cards.astype(np.uint32)).any()
+    ):
         cat = raw.astype(np.int64)
         bad = (cat < 0) | (cat >= np.asarray(data.cardinalities))
         i, j = (int(x) for x in np.argwhere(bad)[0])
@@ -87,7 +93,8 @@ class RowBatches(EpochCursor):
         """Names the flag and the file this run reads, where the refusal of changed data
         named neither."""
         source = str(self.data.meta.get("source", self.data.root))
-        if Path(source).name.startswith("generated-"):  # drawn by --data generated
+        # --data generated writes its file into the cache folder, beside the tables
+        if Path(source).parent == Path(self.data.root).resolve().parent:
             return (
                 "this run reads the generated file of another data.generated_rows or "
                 "generator: resume with the run's own data.generated_rows, or start a new run"

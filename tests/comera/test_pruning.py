@@ -285,3 +285,10 @@ def test_compaction_keeps_tuples_and_namedtuples_in_the_tree():
         assert type(tree["pair"]) is tuple and tree["layers"][1].w.tolist() == [1.0, 1.0]
     assert type(new_s["layers"]) is tuple
     assert new_p["layers"][0]["gates"][0].shape[0] == 3  # the rank went
+
+    class Star(tuple):  # a tuple subclass built otherwise: a list, as before (not corrupted)
+        def __new__(cls, *items):
+            return super().__new__(cls, items)
+
+    odd, _ = compact_tree({"x": Star(torch.ones(1), torch.zeros(1))}, {})
+    assert type(odd["x"]) is list and [t.item() for t in odd["x"]] == [1.0, 0.0]

@@ -594,6 +594,8 @@ class _OddLoss(ToyTask):
         (lambda s, n, m: (s, n, {"m": "hi"}), r"returned a metric 'm' of type str; each of"),
         (lambda s, n, m: (s.to(torch.complex64), n, m), "a sum of dtype torch.complex64"),
         (lambda s, n, m: (s, True, m), "a count of type bool"),
+        (lambda s, n, m: (s, np.bool_(True), m), "a count of type bool"),
+        (lambda s, n, m: (s, n, {"m": np.ones(2)}), r"a metric 'm' of type ndarray"),
     ],
 )
 def test_a_loss_of_numbers_that_are_not_one_real_tensor_is_named(tmp_path, mode, edit, message):

@@ -584,3 +584,17 @@ def test_ids_damaged_in_place_are_a_damaged_cache(tmp_path: Path) -> None:
     want = rf"cache {data.root} is damaged: row 7 holds id 999999 in C5, outside its \d+ ids; "
     with pytest.raises(DataError, match=want + "delete that folder"):
         rows_to_batch(data, np.arange(10))
+
+
+def test_the_resume_hint_names_the_file_or_the_generated_rows(sample, tmp_path: Path) -> None:
+    """A resume on other data named neither --data nor the file; for --data generated the
+    way on is its row count, not a file."""
+    assert f"this run reads {SAMPLE.resolve()}: give --data" in RowBatches(
+        sample, 0, 100, 10).data_hint  # fmt: skip
+    gen = load_criteo(CriteoDataConfig(path="generated", generated_rows=100,
+                                       cache_dir=str(tmp_path / "c")), progress=False)  # fmt: skip
+    assert "data.generated_rows" in RowBatches(gen, 0, 50, 10).data_hint
+    mine = tmp_path / "generated-mine.txt"  # a user's file of that name is a file
+    shutil.copy(SAMPLE, mine)
+    data = preprocess(mine, _cfg(tmp_path), progress=False)
+    assert f"this run reads {mine.resolve()}" in RowBatches(data, 0, 100, 10).data_hint

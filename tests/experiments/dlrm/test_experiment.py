@@ -774,6 +774,10 @@ def test_settings_that_leave_no_compressed_layer_are_named_before_the_data(
     code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--max-ind-range", "99",
                 "--set", "data.min_count=2")  # fmt: skip
     assert "caps every table" not in capsys.readouterr().err
+    code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--max-ind-range", "98",
+                "--set", "data.min_count=2")  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "--max-ind-range 98 caps every table at 99 rows" in err[-1], err
     code = _cli(tmp_path, "--run-dir", str(tmp_path / "r"), "--set", "data.min_count=1000")
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
