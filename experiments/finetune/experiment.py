@@ -39,10 +39,12 @@ from comera.train.module_task import ModuleTask
 from experiments import cli
 from experiments.hub import hub_unreachable, offline_tip, quiet_hub
 from experiments.mnli import experiment as mnli
-from experiments.mnli.batches import BatchIterator, EncodedSplit
+from experiments.mnli.batches import BatchIterator
 from experiments.mnli.data import (
     DEFAULT_TOKENIZER,
+    GENERATED,
     LABEL_NAMES,
+    HubUnreachableError,
     MNLIData,
     MNLIDataConfig,
     load_mnli,
@@ -60,7 +62,6 @@ __all__ = [
     "main",
     "nli_label_order",
     "preset",
-    "relabeled",
 ]
 
 
@@ -501,7 +502,8 @@ def nli_label_order(config: object) -> list[int] | None:
     (any case), where it names exactly those three and numbers them otherwise than the
     data does (0, 1, 2: :data:`experiments.mnli.data.LABEL_NAMES`); else None. A head
     trained on MNLI elsewhere (roberta-large-mnli: contradiction=0) scored "entailment"
-    as its "contradiction", without a word."""
+    as its "contradiction", without a word: a note says so (integer labels may already be
+    in the head's order, so they are not remapped)."""
     given = getattr(config, "id2label", None)  # what label2id is derived from
     if not isinstance(given, dict):
         return None
@@ -515,34 +517,34 @@ def nli_label_order(config: object) -> list[int] | None:
     return None if order == list(range(len(LABEL_NAMES))) else order
 
 
-def relabeled(data: MNLIData, order: list[int]) -> MNLIData:
-    """``data`` with every split's label ``i`` read as ``order[i]``."""
-    table = torch.tensor(order, dtype=torch.int64)
-
-    def remap(split: EncodedSplit) -> EncodedSplit:
-        labels = split.labels  # ids past the three stay (the head's count refuses them)
-        inside = labels < len(order)
-        return dataclasses.replace(
-            split, labels=torch.where(inside, table[labels.clamp(0, len(order) - 1)], labels)
-        )
-
-    return dataclasses.replace(
-        data, train=remap(data.train), eval={k: remap(v) for k, v in data.eval.items()}
-    )
-
-
 def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     """Data, the (tensorized) model and its task; returns the CLI's five-tuple."""
-    data = load_mnli(p.data)
+    own = p.model.path is not None and (Path(p.model.path) / "tokenizer.json").is_file()
+    own = own and p.data.tokenizer == DEFAULT_TOKENIZER and p.data.dataset != GENERATED
+    try:
+        data = load_mnli(p.data)
+    except HubUnreachableError as e:  # offline: bert-base-uncased from the hub
+        if not own:
+            raise
+        raise type(e)(f"{e}; --model {p.model.path} holds its own tokenizer.json: pass "
+                      f"--tokenizer {p.model.path}") from None  # fmt: skip
     torch.manual_seed(p.train.seed)
     notes: list[str] = []  # printed by the command once nothing can refuse the run
+    if own:  # the rows tokenized for another model than the one loaded
+        notes.append(f"--model {p.model.path} holds a tokenizer.json, but the rows are "
+                     f"tokenized with {DEFAULT_TOKENIZER} (the default): pass --tokenizer "
+                     f"{p.model.path} to use the model's own")  # fmt: skip
     model = load_model(p.model, data, notes=notes)
     order = nli_label_order(getattr(model, "config", None))
-    if order is not None:  # an MNLI-trained head (contradiction=0): the data's ids follow it
-        data = relabeled(data, order)
-        names = ", ".join(f"{n}={i}" for n, i in zip(LABEL_NAMES, order, strict=True))
-        notes.append(f"--model {p.model.path}: its head numbers the labels {names} "
-                     "(its config's id2label); the data's labels are read so")  # fmt: skip
+    if order is not None:  # an MNLI-trained head (contradiction=0) beside the data's ids
+        head = ", ".join(f"{n}={i}" for n, i in sorted(zip(LABEL_NAMES, order, strict=True),
+                                                        key=lambda x: x[1]))  # fmt: skip
+        ours = ", ".join(f"{n}={i}" for i, n in enumerate(LABEL_NAMES))
+        notes.append(
+            f"--model {p.model.path}: its head numbers the labels {head} (its id2label), where "
+            f"the data's words read as {ours}: word labels start out misread by the saved "
+            "head (give integer labels in the head's order, or expect it to relearn them)"
+        )
     check_fits(model, p.model, data)
     dense_size = sum(t.numel() for t in model.parameters())
     summary = None
@@ -686,12 +688,7 @@ def _model_run_defaults(args: argparse.Namespace, p: Preset) -> Preset:
     dense = "-dense" if args.dense else ""
     train = dataclasses.replace(p.train, run_dir=f"runs/finetune-{name}{dense}",
                                 run_name=f"finetune-{name}")  # fmt: skip
-    data = p.data
-    if (Path(path) / "tokenizer.json").is_file() and data.tokenizer == DEFAULT_TOKENIZER:
-        # the model's own vocabulary (--tokenizer still decides): the preset's tokenized
-        # the rows for another model, or loaded bert-base-uncased from the hub
-        data = dataclasses.replace(data, tokenizer=str(Path(path).resolve()))
-    return dataclasses.replace(p, train=train, data=data)
+    return dataclasses.replace(p, train=train)
 
 
 def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
