@@ -91,9 +91,17 @@ def state_conflict(path: Path, fingerprint: dict) -> str | None:
     so a file that breaks those rules is another loader's."""
     try:
         old = json.loads(path.read_text())["fingerprint"]
-        docs = dict(old["docs"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # nothing there, or a damaged file no load would take
+    return fingerprint_conflict(old, fingerprint)
+
+
+def fingerprint_conflict(old: dict, fingerprint: dict) -> str | None:
+    """:func:`state_conflict` of a state's fingerprint ``old`` itself (one in memory)."""
+    try:
+        docs = dict(old["docs"])
+    except (KeyError, TypeError, ValueError):
+        return None
     for key in ("num_shards", "seed", "shuffle"):
         if old.get(key) != fingerprint[key]:
             return f"{key} {old.get(key)!r} there, {fingerprint[key]!r} here"

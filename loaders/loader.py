@@ -30,6 +30,7 @@ from loaders.checkpoint import (
     STATE_VERSION,
     Resume,
     check_state,
+    fingerprint_conflict,
     load_states,
     merge_states,
     save_state,
@@ -444,14 +445,18 @@ class TokenLoader:
         folder = os.path.realpath(directory)
         holder = _HOLDERS.get(folder)
         why = None
-        if holder is not None and holder is not self:  # checked before a background save
-            why = state_conflict(state_path(directory, self.rank), state["fingerprint"])
+        if holder is not None and holder is not self:
+            # the holder's own fingerprint, not its file: a background save of it may still
+            # be queued, and the file then absent or older
+            why = fingerprint_conflict(holder.fingerprint, state["fingerprint"]) or (
+                state_conflict(state_path(directory, self.rank), state["fingerprint"])
+            )
         if why:
             self._uncount(mark)
             raise LoaderInputError(
                 f"{directory} holds another loader's state ({why}), which this process loaded "
                 f"or saved there; it is kept: save each loader into a folder of its own (e.g. "
-                f"{Path(directory) / 'NAME'})"
+                f"{Path(directory) / 'NAME'}), or delete that loader and its files first"
             )
         try:
             out = save_state(state, directory, background=background,

@@ -160,6 +160,13 @@ def test_a_second_loader_saved_into_one_folder_keeps_the_first_ones_file(corpus,
     with pytest.raises(LoaderInputError, match="which this process loaded or saved there"):
         TokenLoader(config([("b", root / "b", 1.0)])).save(tmp_path, step=5)
     assert state_path(tmp_path, 0).read_text() == kept
+    # the holder's background save still queued: judged by its fingerprint, not its file
+    fresh = tmp_path / "fresh"
+    queued = train.save(fresh, background=True, step=6)
+    with pytest.raises(LoaderInputError, match="holds another loader's state"):
+        val.save(fresh, step=6)
+    queued.result()
+    assert load_states(fresh)[0]["fingerprint"]["docs"].keys() == {"a", "b"}
     # the same run saves over its own files, with a sub-dataset added on the way
     more = TokenLoader(config([("a", root / "a", 0.6), ("b", root / "b", 0.4),
                                ("c", root / "b", 0.0)]))  # fmt: skip
