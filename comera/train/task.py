@@ -145,6 +145,9 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
                 f"Task.loss returned a {what} of {_kind(value)}; each of (sum, count, "
                 "metrics) is one real number"
             )
+    # numpy's one-element values as Python numbers: float() of a (1,) array is refused
+    n, s = _plain(n), _plain(s)
+    metrics = {k: _plain(v) for k, v in metrics.items()}
     if not isinstance(s, torch.Tensor):
         if float(s) != 0:  # a number carries no gradient: it trains nothing
             raise TypeError(
@@ -156,6 +159,13 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
     elif s.dim():  # one number of shape (1,): torch's broadcasting refused it later
         s = s.reshape(())
     return s, n, metrics
+
+
+def _plain(value: object) -> object:
+    """A numpy value of one element as the Python number it holds; others as they are."""
+    if isinstance(value, np.ndarray | np.generic):
+        return np.asarray(value).reshape(()).item()
+    return value
 
 
 def _kind(value: object) -> str:

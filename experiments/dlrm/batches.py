@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,8 @@ class RowBatches(EpochCursor):
         named neither."""
         source = str(self.data.meta.get("source", self.data.root))
         # --data generated writes its file into the cache folder, beside the tables
-        if Path(source).parent == Path(self.data.root).resolve().parent:
+        named = re.fullmatch(r"generated-\d+-[0-9a-f]+\.txt", Path(source).name)
+        if named and Path(source).parent == Path(self.data.root).resolve().parent:
             return (
                 "this run reads the generated file of another data.generated_rows or "
                 "generator: resume with the run's own data.generated_rows, or start a new run"

@@ -519,15 +519,17 @@ def nli_label_order(config: object) -> list[int] | None:
 
 def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     """Data, the (tensorized) model and its task; returns the CLI's five-tuple."""
-    own = p.model.path is not None and (Path(p.model.path) / "tokenizer.json").is_file()
+    own = (
+        p.model.path is not None and (Path(p.model.path).expanduser() / "tokenizer.json").is_file()
+    )
     own = own and p.data.tokenizer == DEFAULT_TOKENIZER and p.data.dataset != GENERATED
     try:
         data = load_mnli(p.data)
     except HubUnreachableError as e:  # offline: bert-base-uncased from the hub
-        if not own:
+        if not (own and f"tokenizer {DEFAULT_TOKENIZER!r}" in str(e)):  # the data's: not it
             raise
-        raise type(e)(f"{e}; --model {p.model.path} holds its own tokenizer.json: pass "
-                      f"--tokenizer {p.model.path}") from None  # fmt: skip
+        raise type(e)(f"{str(e).rstrip('.')} (--model {p.model.path} holds its own "
+                      f"tokenizer.json: pass --tokenizer {p.model.path})") from None  # fmt: skip
     torch.manual_seed(p.train.seed)
     notes: list[str] = []  # printed by the command once nothing can refuse the run
     if own:  # the rows tokenized for another model than the one loaded
@@ -542,8 +544,9 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
         ours = ", ".join(f"{n}={i}" for i, n in enumerate(LABEL_NAMES))
         notes.append(
             f"--model {p.model.path}: its head numbers the labels {head} (its id2label), where "
-            f"the data's words read as {ours}: word labels start out misread by the saved "
-            "head (give integer labels in the head's order, or expect it to relearn them)"
+            f"the data's read as {ours} (words always; integer labels as given): the saved "
+            "head starts out misreading them and relearns them, unless a local file gives "
+            "integer labels in the head's order"
         )
     check_fits(model, p.model, data)
     dense_size = sum(t.numel() for t in model.parameters())

@@ -327,7 +327,7 @@ def test_a_head_trained_on_mnli_elsewhere_is_noted(tmp_path: Path) -> None:
     assert "its head numbers the labels contradiction=0, neutral=1, entailment=2" in (
         err.getvalue()
     )
-    assert "the data's words read as entailment=0, neutral=1, contradiction=2" in err.getvalue()
+    assert "the data's read as entailment=0, neutral=1, contradiction=2" in err.getvalue()
 
 
 def test_a_model_folder_with_a_tokenizer_is_pointed_at(tmp_path: Path, monkeypatch) -> None:
@@ -343,9 +343,16 @@ def test_a_model_folder_with_a_tokenizer_is_pointed_at(tmp_path: Path, monkeypat
                             data=dataclasses.replace(p.data, dataset="local",
                                                      train_file="t.jsonl"))  # fmt: skip
 
+    what = ["tokenizer 'bert-base-uncased'"]
+
     def offline(cfg):
-        raise HubUnreachableError("Could not reach the Hugging Face Hub")
+        raise HubUnreachableError(f"Could not reach the Hugging Face Hub to load {what[0]}.")
 
     monkeypatch.setattr(ft, "load_mnli", offline)
-    with pytest.raises(HubUnreachableError, match=rf"pass --tokenizer {tmp_path / 'm'}$"):
+    with pytest.raises(
+        HubUnreachableError, match=rf"\(--model .* pass --tokenizer {tmp_path / 'm'}\)$"
+    ):
+        ft.build(p)
+    what[0] = "dataset 'nyu-mll/glue'"  # the data's failure: no tokenizer advice
+    with pytest.raises(HubUnreachableError, match=r"glue'\.$"):
         ft.build(p)

@@ -620,6 +620,9 @@ def test_a_one_element_sum_and_a_plain_zero_share_train(tmp_path, mode):
     zero = _OddLoss(lambda s, n, m: (s, n, m) if next(calls) else (0, 0, {}))
     tr = Trainer(cfg, zero, *_toy_model())
     assert math.isfinite(tr.train_step(batch, batch)["loss"])
+    shaped_numpy = _OddLoss(lambda s, n, m: (s, np.array([float(n)]), {"m": np.ones((1, 1))}))
+    tr = Trainer(_cfg(tmp_path / "e", step_mode=mode), shaped_numpy, *_toy_model())
+    assert tr.train_step(batch)["m"] == 1.0  # numpy's one-element values, as numbers
     negative = Trainer(_cfg(tmp_path / "d", step_mode=mode),
                        _OddLoss(lambda s, n, m: (s, -1, m)), *_toy_model())  # fmt: skip
     with pytest.raises(ValueError, match=r"count of -1|\(count -1\)"):
