@@ -129,8 +129,12 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
             )
         # a string metric was float()'s error naming no metric; a complex sum autograd's,
         # a bool count was taken as 1
+        # Python numbers before numpy's: under torch.compile a count's isinstance against
+        # numpy's types specialized it, one graph per count
         if isinstance(value, torch.Tensor):
             ok = not value.dtype.is_complex and (value.dtype != torch.bool or what != "count")
+        elif isinstance(value, bool | int | float):
+            ok = not (isinstance(value, bool) and what == "count")
         elif isinstance(value, np.ndarray | np.generic):  # numpy's: one real number
             kind = np.asarray(value).dtype.kind
             ok = np.size(value) == 1 and kind in "iuf" + ("" if what == "count" else "b")
@@ -163,6 +167,8 @@ def loss_terms(out: object) -> tuple[torch.Tensor, Any, dict]:
 
 def _plain(value: object) -> object:
     """A numpy value of one element as the Python number it holds; others as they are."""
+    if isinstance(value, torch.Tensor | bool | int | float):  # the common case, first
+        return value
     if isinstance(value, np.ndarray | np.generic):
         return np.asarray(value).reshape(()).item()
     return value
