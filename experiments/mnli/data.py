@@ -387,8 +387,9 @@ def _columns(table: pa.Table, source: str, cfg: MNLIDataConfig) -> Raw:
         if isinstance(v, float) and v.is_integer():  # a CSV column Arrow read as float
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int) or not -1 <= v < 2**62:
+            shown = "an empty label" if v is None or v == "" else f"label {v!r}"  # not None
             raise DataError(
-                f"{source}: label {v!r} in column {cfg.label_column!r} (row {i}) is not a "
+                f"{source}: {shown} in column {cfg.label_column!r} (row {i}) is not a "
                 f"class id (0, 1, ...; {'/'.join(LABEL_NAMES)} are 0/1/2) or -1 / '-' "
                 "(unlabelled, dropped); fix the file or point --label-column at the right column"
             )
@@ -566,7 +567,8 @@ def load_mnli(cfg: MNLIDataConfig) -> MNLIData:
             )
         dropped = int((raw[2] < 0).sum())
         if dropped:
-            note(f"{src}: dropped {dropped} of {len(raw[2])} rows labelled -1 (unlabelled)")
+            note(f"{src}: dropped {dropped} of {len(raw[2])} rows labelled -1 or '-' "
+                 "(unlabelled)")  # fmt: skip
         enc[split] = encode_pairs(tok, *cleaned, source=src)
         log.info("%s: %d examples encoded to length %d", src, len(enc[split]), cfg.max_length)
     train = enc.pop("train")

@@ -232,7 +232,7 @@ def test_label_minus_one_dropped_and_said(tmp_path, gen_files, capsys):
         )
     )  # fmt: skip
     assert data.train.labels.tolist() == [0, 1, 2] and len(data.eval["v"]) == 2
-    assert "note: " + path + ": dropped 1 of 4 rows labelled -1" in capsys.readouterr().err
+    assert "note: " + path + ": dropped 1 of 4 rows labelled -1 or '-'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])  # a CSV's empty field is ""
@@ -281,6 +281,11 @@ def test_a_header_not_utf8_or_a_huge_label_is_one_error(tmp_path, gen_files):
             path.write_text(json.dumps({"premise": "a", "hypothesis": "b", "label": label}))
         with pytest.raises(DataError, match=r"label .* is not a class id"):
             load_mnli(MNLIDataConfig(train_file=str(path), tokenizer=str(gen_files[2])))
+    # an empty cell was "label None"
+    (tmp_path / "empty.jsonl").write_text('{"premise": "a", "hypothesis": "b", "label": null}\n')
+    with pytest.raises(DataError, match=r"empty.jsonl: an empty label in column 'label'"):
+        load_mnli(MNLIDataConfig(train_file=str(tmp_path / "empty.jsonl"),
+                                 tokenizer=str(gen_files[2])))  # fmt: skip
 
 
 def test_an_eval_split_without_a_name_is_refused(tmp_path):
