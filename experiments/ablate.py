@@ -41,7 +41,6 @@ import importlib
 import json
 import math
 import shutil
-import signal
 import statistics
 import sys
 from collections.abc import Callable
@@ -505,8 +504,8 @@ def run_ablation(
         try:
             run = _prepare_afresh(exp, cfg, run_dir, keep_old=not records, preset=preset)
         except KeyboardInterrupt as e:  # Ctrl-C while its data is read: a traceback before
-            status = getattr(e, "status", 128 + signal.SIGINT)
-            how = f"stopped by {signal.Signals(status - 128).name} before it trained"
+            status, signame = cli.stop_signal(e)
+            how = f"stopped by {signame} before it trained"
             raise cli.Interrupted(
                 f"{name} variant {v.label!r} ({run_dir}) {how}; run the ablation command "
                 "again to train its variants (they start anew)",
@@ -1037,9 +1036,9 @@ def _main(argv: list[str] | None) -> int:
     except cli.Interrupted as e:
         return cli.interrupted(ap.prog, e)
     except KeyboardInterrupt as e:  # between variants (its record written, its host noted)
-        status = getattr(e, "status", 128 + signal.SIGINT)
-        print(f"{ap.prog}: stopped by {signal.Signals(status - 128).name}; run the ablation "
-              "command again to train its variants (they start anew)", file=sys.stderr)  # fmt: skip
+        status, signame = cli.stop_signal(e)
+        print(f"{ap.prog}: stopped by {signame}; run the ablation command again to train its "
+              "variants (they start anew)", file=sys.stderr)  # fmt: skip
         return status
     named = args.experiment != "mnli" or args.ablation in NAMED_BY_EXPERIMENT
     tag = f"{args.experiment}_" if named else ""

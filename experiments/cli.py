@@ -80,6 +80,7 @@ __all__ = [
     "run_experiment",
     "set_field",
     "sigterm_as_interrupt",
+    "stop_signal",
     "stopped_before_training",
     "train",
     "user_error",
@@ -1159,10 +1160,10 @@ def train(run: Prepared) -> dict:
     try:
         with sigterm_as_interrupt():
             out = run.trainer.fit()
-    except KeyboardInterrupt as e:  # Ctrl-C's carries no status: SIGINT's
-        signum = getattr(e, "status", 128 + signal.SIGINT) - 128
-        how = f"stopped by {signal.Signals(signum).name} at step {run.trainer.step}"
-        raise Interrupted(f"{how}; {_go_on(run)}", 128 + signum, run.rank, how) from None
+    except KeyboardInterrupt as e:
+        status, name = stop_signal(e)
+        how = f"stopped by {name} at step {run.trainer.step}"
+        raise Interrupted(f"{how}; {_go_on(run)}", status, run.rank, how) from None
     except RuntimeError as e:  # a collective failed: another process died (OOM-killed...)
         if getattr(run.trainer, "world", 1) == 1 or not _peer_failed(e):
             raise
@@ -1328,12 +1329,18 @@ def stopped_before_training(prog: str, stop: KeyboardInterrupt) -> int:
     """Say, as one line on stderr (rank 0 only), that ``stop`` (SIGINT, or SIGTERM under
     :func:`sigterm_as_interrupt`) came before training started, so nothing was trained;
     return the shell's status for the signal."""
-    status = getattr(stop, "status", 128 + signal.SIGINT)
+    status, name = stop_signal(stop)
     if os.environ.get("RANK", "0") == "0":
-        name = signal.Signals(status - 128).name
         print(f"{prog}: stopped by {name} before training started; nothing was trained",
               file=sys.stderr)  # fmt: skip
     return status
+
+
+def stop_signal(stop: KeyboardInterrupt) -> tuple[int, str]:
+    """The shell's exit status and the signal's name (``SIGINT``, ``SIGTERM``) of an
+    interrupt: :func:`sigterm_as_interrupt`'s carries a ``status``; Ctrl-C's none."""
+    status = getattr(stop, "status", 128 + signal.SIGINT)
+    return status, signal.Signals(status - 128).name
 
 
 def interrupted(prog: str, error: Interrupted) -> int:
