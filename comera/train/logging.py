@@ -220,6 +220,7 @@ class RunLog:
         self.run_dir = Path(cfg.run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.wandb = None
+        self.wandb_from = 0  # the first step wandb takes (below: a resume's steps again)
         if rank != 0:
             return
         mode, note = resolve_wandb_mode(cfg.wandb)
@@ -287,13 +288,26 @@ class RunLog:
                 f"wandb={mode!r}: wandb could not start ({why}); {fix}, and go on with "
                 f"--resume {self.run_dir}"
             ) from None
+        if resume and mode == "online":
+            # the server's next step: it drops, warning about each, the rows of the steps a
+            # resume trains again after its checkpoint (an offline run starts from 0)
+            try:
+                self.wandb_from = int(self.wandb.step)
+            except Exception:  # noqa: BLE001 - a count to skip warnings, not worth a stop
+                self.wandb_from = 0
+
+    @classmethod
+    def silent(cls, cfg: TrainConfig) -> RunLog:
+        """A log that writes nothing: a resumed run with no step left to train opened its
+        wandb run again only to mark it finished twice."""
+        return cls(cfg, 1, {}, resume=True)
 
     def log(self, row: dict) -> None:
         if self.rank != 0:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.wandb is not None:
+        if self.wandb is not None and row["step"] >= self.wandb_from:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def update_config(self, changes: dict) -> None:

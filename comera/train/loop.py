@@ -290,6 +290,7 @@ class Trainer:
         self._batches_from: tuple[object, Iterator] | None = None
         self.plans: dict[str, dict] = {}  # the auto-plan decisions this run has used
         self._history = resume  # plans.json holds this run's history (a fresh run's: none)
+        self._fit_began = False  # whether a fit of this trainer opened the run's log
         # replicas start identical: what the task holds outside params and state (a
         # ModuleTask's frozen parameters) first, so a resume checks rank 0's on every rank
         frozen = replicated_by_name(task)
@@ -905,7 +906,8 @@ class Trainer:
     def _fit(self, until: int | None) -> dict:
         from tqdm.auto import tqdm
 
-        cfg, fresh = self.cfg, self.step == 0
+        # a second fit after fit(until=0) goes on with the first's run, not a new one
+        cfg, fresh = self.cfg, self.step == 0 and not self._fit_began
         if self.rank == 0 and fresh:
             write_json_atomic(self.run_dir / "config.json", self.config_dict)
             if self.stage != "dense":
@@ -939,7 +941,10 @@ class Trainer:
             print(f"comera: train.warmup_steps={cfg.warmup_steps} is not below train.steps="
                   f"{cfg.steps}: the learning rate never reaches its peak in this run "
                   "(lower train.warmup_steps for a short run)", file=sys.stderr)  # fmt: skip
-        log = self._start_log(fresh)
+        stop = cfg.steps if until is None else min(until, cfg.steps)
+        # nothing left to train (a finished run resumed): its wandb run is not reopened
+        log = self._start_log(fresh) if fresh or self.step < stop else RunLog.silent(cfg)
+        self._fit_began = True
         bar = tqdm(
             total=cfg.steps,
             initial=self.step,
@@ -961,7 +966,6 @@ class Trainer:
         self._timed = tuner.timings
         status = 0  # the run's exit code, for wandb
         try:
-            stop = cfg.steps if until is None else min(until, cfg.steps)
             while self.step < stop:
                 t_step = time.perf_counter()
                 batches = self._next_batches(it)
@@ -981,15 +985,17 @@ class Trainer:
                 bar.update(1)
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     last = self._log_row(log, metrics, step_time, t0, steps0, stage, timed)
-                    bar.set_postfix(
-                        loss=f"{last['loss']:.3f}",
-                        acc=f"{last.get('accuracy', float('nan')):.3f}",
-                        live=f"{last['live_params']:,}",
-                        comp=f"{last['compression']:.1f}x",
-                        sps=f"{last['steps_per_s']:.2f}",
-                    )
+                    shown = {"loss": f"{last['loss']:.3f}"}
+                    if "accuracy" in last:  # a task without one showed acc=nan
+                        shown["acc"] = f"{last['accuracy']:.3f}"
+                    shown.update(live=f"{last['live_params']:,}",
+                                 comp=f"{last['compression']:.1f}x",
+                                 sps=f"{last['steps_per_s']:.2f}")  # fmt: skip
+                    # drawn at the bar's own pace (mininterval): refreshing here redrew it
+                    # at every logged step, a line per step in a log file
+                    bar.set_postfix(shown, refresh=False)
                 if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                    ev = {f"eval/{k}": v for k, v in self.evaluate().items()}
+                    ev = {f"eval/{k}": v for k, v in self._evaluate_saving().items()}
                     self._sync_plans()  # evaluation's shapes: decided by each rank
                     self._record_plans(log)
                     live = model_size(self.params, self.state)  # the size each eval is at
@@ -1020,6 +1026,30 @@ class Trainer:
         if not last and self.step == steps0 and metrics.is_file():  # nothing trained: {}
             last = last_logged(read_metrics(metrics))  # was returned, not the run's metrics
         return last
+
+    def _evaluate_saving(self) -> dict[str, float]:
+        """:meth:`evaluate` inside the loop: an evaluation that fails (out of memory on its
+        batch, a bug in the task's ``evaluate``) first saves the checkpoint due at this step,
+        so the steps trained since the last one are kept (the final checkpoint is a run's
+        only one by default). One process only: with more, the others may be waiting in
+        the evaluation's reduction, and a checkpoint's collectives would not match."""
+        try:
+            return self.evaluate()
+        except Exception:
+            due = self.step == self.cfg.steps or (
+                bool(self.cfg.checkpoint_every) and self.step % self.cfg.checkpoint_every == 0
+            )
+            if self.world == 1 and due:
+                try:
+                    path = self.checkpoint()
+                except Exception as e:  # the evaluation's error is the one to raise
+                    print(f"comera: the evaluation at step {self.step} failed, and so did "
+                          f"saving its checkpoint: {e}", file=sys.stderr)  # fmt: skip
+                else:
+                    print(f"comera: the evaluation at step {self.step} failed; saved {path} "
+                          "first (a resume goes on after it without evaluating it again)",
+                          file=sys.stderr)  # fmt: skip
+            raise
 
     def _next_batches(self, it: Iterator) -> list:
         """The next ``accum_steps`` batches; an iterator that ends before ``cfg.steps`` is

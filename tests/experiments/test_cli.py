@@ -417,13 +417,56 @@ def test_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
     cfg = _cfg(tmp_path, steps=10, checkpoint_every=5, wandb="offline", wandb_group="abl",
                wandb_tags=("x",), wandb_entity="me", run_name="toy")  # fmt: skip
-    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    Trainer(cfg, ToyTask(), *_toy_model()).fit(until=5)  # stopped after its checkpoint
     Trainer(dataclasses.replace(cfg), ToyTask(), *_toy_model(), resume=True).fit()
     first, second = fake.inits
     assert first["id"] == second["id"] == (tmp_path / "run" / "wandb_run_id").read_text().strip()
     assert second["resume"] == "allow" and first["group"] == "abl" and first["tags"] == ["x"]
     assert first["entity"] == "me" and first["name"] == "toy" and first["mode"] == "offline"
     assert first["config"]["train"]["comera"]["gamma"] == cfg.comera.gamma
+
+
+def test_a_run_opens_one_wandb_run_however_its_fits_are_called(tmp_path, monkeypatch):
+    """``fit(until=0)`` then ``fit()`` took the second for a fresh start: a second wandb
+    run, the id file and config.json written again. A resume of a finished run opened
+    its wandb run again, with nothing to log, only to mark it finished once more."""
+    from comera.train import Trainer
+    from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    cfg = _cfg(tmp_path, steps=10, wandb="offline")
+    trainer = Trainer(cfg, ToyTask(), *_toy_model())
+    trainer.fit(until=0)
+    trainer.fit()
+    assert [kw["resume"] for kw in fake.inits] == [None, "allow"]
+    assert fake.inits[0]["id"] == fake.inits[1]["id"]
+    assert fake.logged == [5, 10] and fake.finished == [0, 0]
+    Trainer(dataclasses.replace(cfg), ToyTask(), *_toy_model(), resume=True).fit()
+    assert len(fake.inits) == 2 and fake.finished == [0, 0]  # a finished run: not reopened
+
+
+def test_a_resumed_online_run_sends_wandb_only_the_steps_it_lacks(tmp_path, monkeypatch):
+    """A resume trains the steps after its checkpoint again; an online wandb run already
+    has those it logged before the stop, and dropped each again with a warning. The steps
+    from the server's next one on are sent; metrics.jsonl keeps every row."""
+    from comera.train import Trainer
+    from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    cfg = _cfg(tmp_path, steps=10, checkpoint_every=5, log_every=1, wandb="online")
+    Trainer(cfg, ToyTask(), *_toy_model()).fit(until=5)
+    fake.init = lambda **kw: types.SimpleNamespace(
+        step=8, log=lambda row, step: fake.logged.append(step), finish=lambda exit_code=0: None
+    )
+    fake.logged.clear()
+    Trainer(dataclasses.replace(cfg), ToyTask(), *_toy_model(), resume=True).fit()
+    assert fake.logged == [8, 9, 10]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == list(range(1, 11))
 
 
 def test_a_wandb_that_cannot_start_is_one_line_and_the_run_resumes(tmp_path, monkeypatch,

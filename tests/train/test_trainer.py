@@ -1232,3 +1232,56 @@ def test_fit_of_a_finished_run_returns_its_last_metrics(tmp_path):
     assert {k: again[k] for k in ("loss", "eval/mse")} == {
         k: first[k] for k in ("loss", "eval/mse")
     }
+
+
+def test_a_failing_evaluation_keeps_the_checkpoint_due_at_its_step(tmp_path, capsys):
+    """An evaluation that raises (out of memory on its batch, a bug in the task) ran
+    before the step's checkpoint: the steps since the last one were lost, and with the
+    default ``checkpoint_every=None`` a failing final evaluation lost the whole run. The
+    checkpoint due at the step is saved first, and said; a resume goes on after it."""
+
+    class FailsSecond(ToyTask):
+        evals = 0
+
+        def evaluate(self, params, state):
+            FailsSecond.evals += 1
+            if FailsSecond.evals == 2:
+                raise RuntimeError("eval out of memory")
+            return super().evaluate(params, state)
+
+    cfg = _cfg(tmp_path, steps=40, eval_every=20, checkpoint_every=20)
+    with pytest.raises(RuntimeError, match="eval out of memory"):
+        Trainer(cfg, FailsSecond(), *_toy_model()).fit()
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["step_00000020", "step_00000040"]
+    assert "evaluation at step 40 failed; saved" in capsys.readouterr().err
+    # the default: only the final checkpoint, which a failing final evaluation kept
+    FailsSecond.evals = 1
+    cfg = _cfg(tmp_path / "final", steps=30, eval_every=30)
+    with pytest.raises(RuntimeError, match="eval out of memory"):
+        Trainer(cfg, FailsSecond(), *_toy_model()).fit()
+    assert load_checkpoint(cfg.run_dir)["step"] == 30
+    # an evaluation failing at a step no checkpoint is due at saves nothing
+    FailsSecond.evals = 1
+    cfg = _cfg(tmp_path / "mid", steps=30, eval_every=10, checkpoint_every=20)
+    with pytest.raises(RuntimeError, match="eval out of memory"):
+        Trainer(cfg, FailsSecond(), *_toy_model()).fit()
+    assert not (tmp_path / "mid" / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "mid" / "run" / "checkpoints").iterdir()
+    )
+
+
+def test_the_progress_bar_is_drawn_at_its_own_pace(tmp_path, capsys):
+    """``set_postfix`` redrew the bar at every logged step (a line per step in a log
+    file, whatever ``mininterval`` said), and a task with no accuracy showed ``acc=nan``."""
+
+    class NoAccuracy(ToyTask):
+        def loss(self, params, state, batch, *, train):
+            loss, count, _ = super().loss(params, state, batch, train=train)
+            return loss, count, {}
+
+    cfg = _cfg(tmp_path, steps=60, log_every=1, progress=True)
+    Trainer(cfg, NoAccuracy(), *_toy_model()).fit()
+    err = capsys.readouterr().err
+    assert "loss=" in err and "acc=" not in err
+    assert err.count("\r") < 20  # 60 logged steps drew 60 bars; tqdm draws about 1 a second
