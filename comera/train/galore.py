@@ -10,8 +10,11 @@ against it (its Figure 1); here it is the dense model's third optimizer
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +93,20 @@ def _why_none(named: list[torch.Tensor], cfg: GaLoreConfig) -> str:
     )
 
 
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """Logger ``name`` at ERROR for the block: galore-torch imports bitsandbytes, whose CPU
+    backend warns that an optional kernel download failed (a line before every GaLore
+    run's output and every one-line error), about 4-bit kernels GaLore never uses."""
+    log = logging.getLogger(name)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 class GaLore:
     """``galore_torch.GaLoreAdamW`` over the leaves of a params pytree, stepped with
     gradients the caller computed (the trainer reduces and clips them first)."""
@@ -97,7 +114,8 @@ class GaLore:
     def __init__(self, params: Any, cfg: GaLoreConfig, lr: float, *, betas: tuple,
                  eps: float, weight_decay: float) -> None:  # fmt: skip
         try:
-            from galore_torch import GaLoreAdamW
+            with _quiet_logger("bitsandbytes"):
+                from galore_torch import GaLoreAdamW
         except ImportError:
             raise MissingExtraError(
                 "train.optimizer='galore' needs the galore-torch package: "

@@ -186,3 +186,33 @@ def test_a_bad_projection_type_names_the_key_and_the_choices():
 
     with pytest.raises(ConfigError, match=r"proj_type='foo' \(train.galore.proj_type\) .*std, "):
         GaLoreConfig(proj_type="foo")
+
+
+def test_galores_import_noise_is_kept_off_stderr(tmp_path, monkeypatch, caplog):
+    """galore-torch imports bitsandbytes, whose CPU backend logs a warning when an
+    optional 4-bit kernel cannot be downloaded: a line before every GaLore run's output
+    and before the CLI's one-line errors. Such warnings are silenced for the import only."""
+    import logging
+    import sys
+
+    real = pytest.importorskip("galore_torch")
+    from comera.train.galore import GaLore, GaLoreConfig
+
+    (tmp_path / "galore_torch.py").write_text(
+        "import logging\n"
+        "logging.getLogger('bitsandbytes.backends.cpu.ops').warning('Failed to load kernel')\n"
+        "from galore_real import GaLoreAdamW\n"
+    )
+    monkeypatch.setitem(sys.modules, "galore_real", real)
+    monkeypatch.delitem(sys.modules, "galore_torch")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tree = {"w": torch.randn(32, 32)}
+    caplog.clear()  # the real package's own import above may have said it
+    with caplog.at_level(logging.WARNING):
+        GaLore(tree, GaLoreConfig(rank=8, targets=("w",)), 1e-2, betas=(0.9, 0.999),
+               eps=1e-8, weight_decay=0.0)  # fmt: skip
+        assert "galore_real" in sys.modules and sys.modules["galore_torch"] is not real
+        assert not [r for r in caplog.records if "Failed to load kernel" in r.message]
+        assert logging.getLogger("bitsandbytes").level == logging.NOTSET  # put back
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning("later warning")
+    assert [r.message for r in caplog.records] == ["later warning"]
