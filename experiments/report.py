@@ -148,7 +148,12 @@ def smoke_report_main(
     ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--runs", default="runs")
     ap.add_argument("--out", default="reports")
-    ap.add_argument("--bench-json", dest="bench_json")
+    ap.add_argument(
+        "--bench-json",
+        dest="bench_json",
+        # a report without a benchmark section keeps the flag only to refuse it by name
+        help=argparse.SUPPRESS if bench_section is None else "the step benchmark's --json result",
+    )
     if render is not None:
         ap.add_argument(
             "--from-json",
@@ -163,6 +168,11 @@ def smoke_report_main(
         # the file's path)
         print(f"{prog}: error: --out {out}: give the folder the report goes in, not a file "
               f"name (a folder named {out.name} would be made)", file=sys.stderr)  # fmt: skip
+        return 2
+    if getattr(args, "from_json", None) and args.bench_json:  # one of them was ignored
+        print(f"{prog}: error: --bench-json: --from-json re-renders the report with the "
+              "benchmark figures its JSON holds; drop --bench-json (or --from-json, to train "
+              "and write the report anew)", file=sys.stderr)  # fmt: skip
         return 2
     if getattr(args, "from_json", None):
         path = Path(args.from_json)

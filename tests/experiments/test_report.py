@@ -161,6 +161,17 @@ def test_a_bad_bench_json_fails_before_any_training(tmp_path: Path, capsys) -> N
     argv = ["--bench-json", str(tmp_path / "other.json"), "--runs", str(tmp_path / "runs")]
     assert report.smoke_report_main("x", no_training, None, argv, "x") == 2  # no bench shown
     assert "--bench-json: this report shows no benchmark" in capsys.readouterr().err
+    # a re-render shows its JSON's own benchmark figures: another file's were ignored
+    (tmp_path / "r.json").write_text('{"meta": {}}')
+    argv = ["--bench-json", str(tmp_path / "b.json"), "--from-json", str(tmp_path / "r.json"),
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    rendered = []
+    assert report.smoke_report_main("x", no_training, None, argv, "x",
+                                    render=lambda d, out: rendered.append(d) or "",
+                                    bench_section=lambda b: []) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--from-json re-renders the report with the benchmark" in err[0]
+    assert not rendered and not (tmp_path / "out").exists()
 
 
 def test_rank_table_shows_the_late_stage_target_and_how_it_was_met():
