@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from comera.errors import ConfigError
 from comera.plans import PlanLike, tt_linear_plan
 from comera.pruning import live_ranks
-from comera.tensor_train import Params, State, check_format, is_tt_params
+from comera.tensor_train import Params, State, check_format, check_state, is_tt_params
 
 __all__ = [
     "LayerSummary",
@@ -126,9 +127,23 @@ def _one_layer(params: object, fn: str, num_embeddings: object = None) -> int | 
     return rows
 
 
+def _tokens(fn: str, name: str, n: object) -> None:
+    """Refuse a count that is not an int >= 0 (a negative one gave negative FLOPs)."""
+    try:
+        if isinstance(n, bool):
+            raise TypeError
+        value = operator.index(n)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{fn}: {name} must be an int >= 0, got {type(n).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{fn}: {name}={value} must be >= 0")
+
+
 def live_param_count(params: Params, state: State) -> int:
     """Parameters a TT/TTM layer keeps after compaction (cores, gates, bias)."""
     _one_layer(params, "live_param_count")
+    # a state from before a compaction counted ranks the params no longer hold
+    check_state(params, state, "live_param_count")
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     n = train_size([math.prod(c.shape[1:-1]) for c in cores], live_ranks(state))
     if params.get("bias") is not None:
@@ -141,8 +156,19 @@ def dense_param_count(params: Params, num_embeddings: int | None = None) -> int:
     num_embeddings = _one_layer(params, "dense_param_count", num_embeddings)
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     if _is_ttm(params):
-        rows = num_embeddings or math.prod(c.shape[1] for c in cores)
+        padded = math.prod(c.shape[1] for c in cores)
+        if num_embeddings is not None and num_embeddings > padded:  # inflated the ratio
+            raise ValueError(
+                f"dense_param_count: num_embeddings={num_embeddings} is more rows than the "
+                f"table holds (prod(vocab_modes)={padded}); give its real row count"
+            )
+        rows = num_embeddings or padded
         return rows * math.prod(c.shape[2] for c in cores)
+    if num_embeddings is not None:  # ignored without a word
+        raise ValueError(
+            "dense_param_count: num_embeddings is a TTM table's row count; these are a TT "
+            "linear layer's params (summarize's dense_shapes gives a padded layer's sizes)"
+        )
     n = math.prod(c.shape[1] for c in cores)
     bias = params.get("bias")
     return n + (bias.numel() if bias is not None else 0)  # type: ignore[union-attr]
@@ -165,6 +191,7 @@ def tt_linear_flops(params: Params, tokens: int, plan: PlanLike = "comera") -> d
     contraction has two input gradients of the same cost (the dense layer too).
     """
     check_format(params, 3, "tt_linear_flops")
+    _tokens("tt_linear_flops", "tokens", tokens)
     cores: list[torch.Tensor] = params["cores"]  # type: ignore[assignment]
     p = tt_linear_plan(plan, [c.shape for c in cores], tokens)
     fwd, largest = p.cost(tokens)
@@ -181,8 +208,16 @@ def tt_linear_flops(params: Params, tokens: int, plan: PlanLike = "comera") -> d
 def ttm_embedding_flops(
     params: Params, ids: int, unique: int | None = None, impl: str = "optimized"
 ) -> int:
-    """Forward FLOPs of a TTM lookup of ``ids`` rows (``unique`` distinct for ``optimized``)."""
+    """Forward FLOPs of a TTM lookup of ``ids`` rows (``unique`` distinct for ``optimized``):
+    the per-row chain (``naive``) or pairs merged first (``optimized``)."""
     check_format(params, 4, "ttm_embedding_flops")
+    _tokens("ttm_embedding_flops", "ids", ids)
+    if unique is not None:
+        _tokens("ttm_embedding_flops", "unique", unique)
+    if impl not in ("naive", "optimized"):  # "tabel" was counted as optimized
+        raise ConfigError(
+            f"ttm_embedding_flops: impl={impl!r}; it models 'naive' and 'optimized' lookups"
+        )
     shapes = [tuple(c.shape) for c in params["cores"]]  # type: ignore[union-attr]
 
     def chain_cost(shapes: list[tuple[int, ...]], rows: int) -> int:
@@ -238,6 +273,8 @@ def _walk(
                 "masks": [torch.ones(g.numel(), dtype=torch.bool) for g in p["gates"]]  # type: ignore[union-attr]
             }
         )
+        if st is state:
+            check_state(p, st, f"summarize: {path or '<root>'}")
         cores: list[torch.Tensor] = p["cores"]  # type: ignore[assignment]
         ttm = _is_ttm(p)
         vocab = _one_layer(p, "summarize", rows.get(path or "<root>")) if ttm else None
@@ -297,7 +334,20 @@ def summarize(
     table; :meth:`comera.train.ModuleTask.dense_shapes` gives them for a module).
     """
     _no_module(params, "summarize")
-    return list(_walk(params, state, "", num_embeddings or {}, dense_shapes or {}))
+    out = list(_walk(params, state, "", num_embeddings or {}, dense_shapes or {}))
+    # a key that names no layer (a typo, a stale path) left that layer at its padded size
+    tables = {r.path for r in out if r.kind == "ttm_embedding"}
+    layers = tables | {r.path for r in out if r.kind == "tt_linear"}
+    checks = (("num_embeddings", num_embeddings, tables, "TTM tables"),
+              ("dense_shapes", dense_shapes, layers, "TT/TTM layers"))  # fmt: skip
+    for arg, given, known, what in checks:
+        unknown = sorted(set(given or {}) - known)
+        if unknown:
+            raise ConfigError(
+                f"summarize: {arg} names {unknown[:3]}, not among the {what} of these params "
+                f"({sorted(known)[:6] or 'none'})"
+            )
+    return out
 
 
 def summary_table(

@@ -7,6 +7,7 @@ import torch
 
 import comera as C
 from comera.accounting import live_param_count
+from comera.errors import ConfigError
 from comera.tensor_train import bond_ranks
 
 
@@ -155,3 +156,38 @@ def test_summary_table_over_model_pytree():
     assert q.live_params == C.param_count(pl)
     table = C.summary_table(model, state)
     assert "layers.0.q" in table and "**total**" in table
+
+
+def test_counts_refuse_a_state_rows_or_paths_that_are_not_these_params():
+    """A rank state from before a compaction was counted as if it were the params' own
+    (98.3x read as 27.7x; live ranks above the stored ones in summary_table); a row
+    count above the table's padded rows inflated its ratio (45,454x), one given for a
+    linear layer was ignored, and a summarize key that names no layer left it at its
+    padded size. Each is refused by name; the counts of matching inputs are unchanged."""
+    spec = C.TTLinearSpec(out_modes=(12, 8, 8), in_modes=(8, 8, 12), ranks=30, name="q")
+    p, s0 = C.init(spec, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for g in p["gates"]:
+            g[: g.numel() // 2] = 0
+    p2, s2 = C.compact(p, C.prune(p, s0, 1e-2))
+    assert C.compression_ratio(p2, s2) == pytest.approx(768 * 768 / 6009 + 0.0, rel=0.02)
+    assert live_param_count(p2, s2) == C.param_count(p2)
+    for call in (lambda: C.compression_ratio(p2, s0), lambda: C.summarize({"q": p2}, {"q": s0}),
+                 lambda: live_param_count(p2, {"masks": s2["masks"][:-1]})):  # fmt: skip
+        with pytest.raises(ValueError, match="rank state does not match|gates for"):
+            call()
+    emb = C.TTMEmbeddingSpec(vocab_modes=(3, 4, 5), dim_modes=(2, 3, 2), ranks=4)
+    pe, se = C.init(emb)
+    assert C.compression_ratio(pe, se, num_embeddings=55) < C.compression_ratio(pe, se)
+    with pytest.raises(ValueError, match="num_embeddings=61 is more rows than the table"):
+        C.compression_ratio(pe, se, num_embeddings=61)
+    with pytest.raises(ValueError, match="num_embeddings is a TTM table's row count"):
+        C.compression_ratio(p2, s2, num_embeddings=55)
+    model, state = {"e": pe, "q": p2}, {"e": se, "q": s2}
+    assert C.summarize(model, state, num_embeddings={"e": 55})[0].dense_params == 55 * 12
+    with pytest.raises(ConfigError, match=r"num_embeddings names \['emb'\], not among the TTM"):
+        C.summarize(model, state, num_embeddings={"emb": 55})
+    with pytest.raises(ConfigError, match=r"num_embeddings names \['q'\]"):
+        C.summary_table(model, state, num_embeddings={"q": 55})
+    with pytest.raises(ConfigError, match=r"dense_shapes names \['k'\]"):
+        C.summarize(model, state, dense_shapes={"k": (700, 768)})
