@@ -93,6 +93,13 @@ def _check_operand(name: str, what: str, t: torch.Tensor, core: torch.Tensor) ->
             f"{name}: {what} has dtype {t.dtype} but the cores have dtype {core.dtype}; "
             f"cast it with {what}.to({core.dtype}) or run under torch.autocast"
         )
+    if t.dtype != core.dtype and torch.float64 in (t.dtype, core.dtype):
+        # autocast leaves float64 as it is: some plans then mixed it with its dtype and
+        # failed inside a GEMM, others cast it and worked
+        raise ValueError(
+            f"{name}: {what} has dtype {t.dtype} but the cores have dtype {core.dtype}, and "
+            f"autocast does not cast float64; cast {what} with {what}.to({core.dtype})"
+        )
 
 
 # torch's "limited support" unsigned types: comparisons and casts of ids fail in its ops
@@ -465,10 +472,14 @@ def ttm_logits(
             "entries (= prod(dim_modes)); h's last dim must match"
         )
     _check_operand("ttm_logits", "h", h, cores[0])
-    if rows is not None and not 1 <= rows <= padded:
-        raise ConfigError(
-            f"ttm_logits: rows={rows}; pass 1 to {padded} (the table's padded vocabulary)"
-        )
+    if rows is not None:
+        count = _count(rows)  # rows=12.0 worked, and True meant one row
+        if count is None or count > padded:
+            raise ConfigError(
+                f"ttm_logits: rows={rows!r}; pass an int from 1 to {padded} (the table's "
+                "padded vocabulary)"
+            )
+        rows = count
     h2 = h.reshape(-1, h.shape[-1])
     # the padded rows are cut from the table, not from the logits: slicing the (M, V)
     # logits left them strided for the loss and gave the slice a logits-sized backward

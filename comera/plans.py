@@ -53,6 +53,7 @@ __all__ = [
     "DIRECT_STRATEGIES",
     "EMBEDDING_IMPLS",
     "FIXED_STRATEGIES",
+    "OPTIMAL_MAX_CORES",
     "RANK_ALIGN",
     "STRATEGIES",
     "ContractionPlan",
@@ -72,6 +73,8 @@ __all__ = [
 
 # the strategies with a fixed path, and ``auto``, which picks one of them per call
 FIXED_STRATEGIES = ("comera", "optimal", "dp", "greedy", "dense")
+# the most cores "optimal" plans (opt_einsum's exhaustive search: 8 cores take ~4 s once)
+OPTIMAL_MAX_CORES = 8
 # the strategies run as direct GEMMs (no opt_einsum path: traceable by torch.compile); the
 # others contract through opt_einsum, whose path code Dynamo cannot trace
 DIRECT_STRATEGIES = ("comera", "dense")
@@ -104,13 +107,22 @@ def resolve_plan(plan: PlanLike, name: str, *, pairs: bool = True) -> Strategy:
                 f"{', '.join(STRATEGIES)}{tip}"
             )
         return plan
+    if not pairs:  # a LayerPlans holding a pair list could not be hashed (nor cached)
+        raise ConfigError(
+            f"{name}: a plan here is a strategy name ({', '.join(STRATEGIES)}), got {plan!r}; "
+            "give explicit (i, j) pairs per call (plan=...) instead"
+        )
     try:
-        pairs = tuple(tuple(operator.index(i) for i in step) for step in plan)
+        if isinstance(plan, str | bytes) or any(
+            isinstance(step, str | bytes) or isinstance(i, bool) for step in plan for i in step
+        ):  # "ab" and True were read as pairs
+            raise TypeError
+        steps = tuple(tuple(operator.index(i) for i in step) for step in plan)
     except TypeError:
         raise ConfigError(
             f"{name}: a plan must be a strategy name or a list of (i, j) pairs, got {plan!r}"
         ) from None
-    return pairs
+    return steps
 
 
 def set_default_plan(plan: PlanLike) -> None:
@@ -139,7 +151,9 @@ def get_default_plan() -> Strategy:
 
 @contextlib.contextmanager
 def default_plan(plan: PlanLike) -> Iterator[None]:
-    """Change the default strategy for this thread/context only (``with default_plan("dp"):``)."""
+    """Change the default strategy for this thread/context only (``with default_plan("dp"):``);
+    ``None`` keeps the one in force at entry for the block (a ``set_default_plan`` inside
+    it changes the process default for after the block)."""
     token = _SCOPED_PLAN.set(resolve_plan(plan, "default_plan"))
     try:
         yield
@@ -161,6 +175,11 @@ class LayerPlans:
     embedding_impl: str = "optimized"
 
     def __post_init__(self) -> None:
+        if isinstance(self.per_layer, str) or any(isinstance(r, str) for r in self.per_layer):
+            raise ConfigError(  # a string was split into a glob and a strategy of one letter
+                f"LayerPlans.per_layer={self.per_layer!r}: give (glob, strategy) pairs, e.g. "
+                "(('layers.*.ffn_*', 'dense'),)"
+            )
         rules = tuple(tuple(r) for r in self.per_layer)
         object.__setattr__(self, "per_layer", rules)
         if self.default is not None:
@@ -575,6 +594,12 @@ def _build(
     else:
         label = strategy
         optimize = strategy
+    if strategy == "optimal" and num_cores > OPTIMAL_MAX_CORES:
+        raise ConfigError(  # its search grows factorially: 3.75 s at 8 cores, hours at 10
+            f"plan='optimal' tries every contraction order, which takes minutes to hours for "
+            f"{num_cores} cores (it is taken up to {OPTIMAL_MAX_CORES}); use 'dp' (dynamic "
+            "programming over the same cost: milliseconds) or 'greedy'"
+        )
     _, info = oe.contract_path(eq, *shapes, shapes=True, optimize=optimize)
     path = tuple(tuple(p) for p in info.path)
     expr = oe.contract_expression(eq, *shapes, optimize=list(path))

@@ -307,6 +307,8 @@ def ttm_embedding_batched(
     on its own (:func:`comera.ttm_embedding`): the shared dedup reads the ids' values.
     """
     t = len(params)
+    if t == 0:  # failed deep in torch, reshaping an empty stack
+        raise ValueError("ttm_embedding_batched: no tables; pass at least one")
     if len(states) != t or (specs is not None and len(specs) != t):
         raise ValueError(
             f"ttm_embedding_batched: {t} tables, {len(states)} states"

@@ -481,3 +481,50 @@ def test_to_dense_refuses_another_layer_s_spec():
     layer = C.TTLinear(C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=2, name="l"))
     layer.bias = None
     assert layer.to_dense().shape == (16, 16)
+
+
+def test_core_arguments_found_loose_by_a_tester_are_refused_by_name():
+    """Each of these was taken and did something else, or failed deep inside torch or
+    opt_einsum: 'optimal' over 10 cores searched for hours; float64 input under autocast
+    worked on some plans and failed in a GEMM on others; a LayerPlans holding pairs could
+    not be hashed and a string rule was split into a one-letter glob and strategy; bool
+    pair steps; rows=12.0 and rows=True in ttm_logits; negative FLOP counts and an impl
+    name with a typo; a batched lookup of no tables."""
+    from comera.accounting import tt_linear_flops, ttm_embedding_flops
+
+    modes = (2, 2, 2, 1, 1)
+    spec = C.TTLinearSpec(out_modes=modes, in_modes=modes[::-1], ranks=3)
+    p, s = C.init(spec, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match="plan='optimal' tries every contraction order"):
+        C.tt_linear(p, s, torch.randn(5, 8), plan="optimal")
+    with pytest.raises(ConfigError, match="plan='optimal'"):
+        tt_linear_flops(p, 5, plan="optimal")
+    small = C.TTLinearSpec(out_modes=(4, 4), in_modes=(4, 4), ranks=3)
+    ps, ss = C.init(small, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(C.tt_linear(ps, ss, x, plan="optimal"), C.tt_linear(ps, ss, x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for plan in ("dp", "comera", "dense"):
+            with pytest.raises(ValueError, match="autocast does not cast float64"):
+                C.tt_linear(ps, ss, x.double(), plan=plan)
+        assert C.tt_linear(ps, ss, x, plan="comera").dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="a plan here is a strategy name"):
+        C.LayerPlans(default=[(0, 1)])
+    with pytest.raises(ConfigError, match="give \\(glob, strategy\\) pairs"):
+        C.LayerPlans(per_layer=["dp"])
+    with pytest.raises(ConfigError, match="a list of \\(i, j\\) pairs"):
+        C.tt_linear(ps, ss, x, plan=[(False, True), (0, 1)])
+    emb = C.TTMEmbeddingSpec(vocab_modes=(3, 4), dim_modes=(2, 2), ranks=2)
+    pe, se = C.init(emb, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(2, 4)
+    assert ttm_logits(pe, se, h, rows=np.int64(10)).shape == (2, 10)
+    for rows in (12.0, True, 0, 13):
+        with pytest.raises(ConfigError, match="pass an int from 1 to 12"):
+            ttm_logits(pe, se, h, rows=rows)
+    with pytest.raises(ValueError, match="tokens=-5 must be >= 0"):
+        tt_linear_flops(ps, -5)
+    with pytest.raises(ConfigError, match="impl='tabel'"):
+        ttm_embedding_flops(pe, 16, impl="tabel")
+    assert ttm_embedding_flops(pe, 16, impl="naive") > 0
+    with pytest.raises(ValueError, match="no tables"):
+        C.ttm_embedding_batched([], [], torch.zeros(5, 0, dtype=torch.long))

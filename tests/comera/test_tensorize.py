@@ -357,7 +357,7 @@ def test_ttm_logits_refuse_rows_outside_the_table(rows: int) -> None:
     spec = C.TTMEmbeddingSpec(vocab_modes=(5, 4, 3), dim_modes=(2, 2, 4), ranks=4)
     params, state = C.init(spec, generator=torch.Generator().manual_seed(0))
     for tokens in (5, 200):  # checked before either path is taken
-        with pytest.raises(ValueError, match=r"rows=.*pass 1 to 60"):
+        with pytest.raises(ValueError, match=r"rows=.*pass an int from 1 to 60"):
             ttm_logits(params, state, torch.randn(tokens, 16), rows=rows)
 
 
