@@ -7,7 +7,7 @@ A step is what training runs: the shared trainer's ``train_step`` on the experim
 ``MNLITask`` (cross-entropy, the early stage's objective with its gate regularizer for
 CoMERA, gradient clipping, AdamW) on a synthetic batch of the paper's shape. Each
 (variant, batch) runs in a fresh subprocess so its peak memory is its own: on CPU the
-peak RSS above the process's RSS just before the model is built (``ru_maxrss`` delta); on
+peak RSS above the process's RSS just before the model is built (``VmHWM`` delta); on
 CUDA the allocator's peak above what was allocated before the model. Times are medians.
 ``galore`` is the dense model under GaLore-AdamW (galore-torch; rank 128, projection
 refreshed every 200 steps, scale 0.25: the GaLore paper's settings, the paper's Figure 1
@@ -174,7 +174,7 @@ def worker(
         how = "CUDA allocator peak above the pre-model baseline"
     else:
         peak_mb = peak_memory_mb(dev) - base
-        how = "peak RSS (ru_maxrss) above the RSS before the model was built"
+        how = "peak RSS (VmHWM) above the RSS before the model was built"
     return {
         "variant": variant,
         "batch": batch,

@@ -82,14 +82,6 @@ def _reset_peak() -> bool:
     return True
 
 
-def _peak_rss_mb() -> float:
-    """The peak RSS since the last :func:`_reset_peak` (``VmHWM``), in MB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return peak_memory_mb(torch.device("cpu"))
-
-
 def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False) -> dict:
     """Build ``variant`` in this process and time ``steps`` trainer steps after one."""
     import transformers  # noqa: F401 - imported before the baseline: its code is not the model's
@@ -132,7 +124,7 @@ def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False
         "dense_params": dense_params,
         "step_s": statistics.median(times),
         "step_s_all": times,
-        "peak_mb": (_peak_rss_mb() if reset else peak_memory_mb(torch.device("cpu"))) - base,
+        "peak_mb": peak_memory_mb(torch.device("cpu")) - base,  # since the reset, if any
         "peak_reset_after_build": reset,
         "build_peak_mb": build_peak,
     }

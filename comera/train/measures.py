@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import resource
+import sys
 
 import torch
 
@@ -55,7 +56,21 @@ def baseline_rss_mb() -> float:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory so far (MB): the CUDA allocator's peak, or on CPU the peak RSS."""
+    """Peak memory so far (MB): the CUDA allocator's peak, or on CPU the peak RSS.
+
+    On Linux the CPU peak is ``VmHWM``, this process's own high-water mark (which
+    ``/proc/self/clear_refs`` can reset), not ``ru_maxrss``: a process started by another
+    inherits the parent's resident size at the fork in ``ru_maxrss``, so a benchmark's
+    worker never reported less than its parent's memory (64 MB floors on small models
+    once the parent had imported galore-torch)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:  # no /proc: another system
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes there, KiB here

@@ -1,5 +1,8 @@
 """The CPU peak-memory tracker counts live tensor storage, forward and backward."""
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from benchmarks.memory import TensorMemoryTracker, peak_memory_bytes
@@ -35,3 +38,28 @@ def test_views_do_not_double_count():
         return a.view(2, -1)[0] + 0  # the view shares a's storage
 
     assert peak_memory_bytes(work) < 1.6 * MB
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux /proc only")
+def test_a_workers_peak_is_its_own_not_its_parents():
+    """``ru_maxrss`` carries the parent's resident size at the fork into a child, so each
+    benchmark worker's peak was floored at its parent's memory (64 MB above small models'
+    own figures once the parent had imported galore-torch). The peak is ``VmHWM`` now."""
+    import subprocess
+    import sys
+
+    from comera.train.measures import rss_mb
+
+    held = b"\x01" * (600 * 2**20)  # resident in this (parent) process
+    parent = rss_mb()
+    code = (
+        "import resource, torch; from comera.train.measures import peak_memory_mb; "
+        "print(peak_memory_mb(torch.device('cpu')), "
+        "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()  # fmt: skip
+    own, inherited = float(out[0]), float(out[1])
+    assert inherited >= parent - 50  # what ru_maxrss said: at least the parent's memory
+    assert own < parent - 400, (own, parent)
+    del held
