@@ -197,7 +197,7 @@ def render(data: dict, out_dir: Path, name: str = "mnli.md") -> str:
             ]
         lines += [
             "| run | kind | steps | final loss | eval accuracy | live params | model MB (fp32) | "
-            "compression vs dense | s / epoch | peak MB |",
+            "compression vs dense | s / epoch | process peak RSS MB |",
             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
         ]
         for s in runs:
