@@ -1,6 +1,7 @@
 """One DLRM training step at the Kaggle table sizes, CoMERA vs dense, on CPU.
 
     python -m benchmarks.dlrm_step [--json]              # every variant, then the lookups
+    python -m benchmarks.dlrm_step --out reports/dlrm_bench.json   # ... and the JSON, whole
     python -m benchmarks.dlrm_step --render FIGURES.json  # the tables of a saved --json
 
 Every variant runs in a fresh process (``python -m benchmarks.dlrm_step --variant V``)
@@ -35,10 +36,12 @@ on the GPU (``make gpu-check`` runs it).
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,9 +49,11 @@ from benchmarks.reporting import (
     add_json_and_render,
     arg_parser,
     check_bench_device,
+    check_output,
     one_line_errors,
     print_rendered,
     render_only,
+    write_json,
 )
 from benchmarks.timing import medians_over, timed_steps
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
@@ -216,9 +221,13 @@ def _embedding_rounds(malloc: str, rounds: int) -> dict:
             **medians_over(outs, ["embedding_time_ratio_batched_vs_separate"])}  # fmt: skip
 
 
-def run(json_out: bool = False) -> int:
+def run(json_out: bool = False, out: Path | None = None) -> int:
     """Run every variant in a fresh process, then the lookup comparison; print the figures
-    (``json_out``: as one JSON object) and return the exit status."""
+    (``json_out``: as one JSON object), write them whole to ``out`` (a JSON file) if given,
+    and return the exit status. ``--json > FILE`` emptied FILE before measuring, and left
+    it empty when the run failed or was stopped."""
+    if out is not None:
+        check_output(out, "--out", "file")  # before measuring, not after
     results: dict[str, dict] = {}
     policy = training_policy()
     pair = [(v, v, policy) for v in ("comera", "dense_sgd")]
@@ -238,6 +247,7 @@ def run(json_out: bool = False) -> int:
     emb = _embedding_rounds(policy, LOOKUP_ROUNDS)
     emb_glibc = _embedding_in_process("default") if policy != "default" else emb
     c, d, a = results["comera"], results["dense_sgd"], results["dense_adam"]
+    saved_to = ["--out", shlex.quote(str(out))] if out is not None else []
     figures = {
         "batch": BATCH,
         "compression_ratio": c["compression"],
@@ -253,7 +263,7 @@ def run(json_out: bool = False) -> int:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         # what measured it: --render of the saved figures names the same command
-        "command": PROG + (" --json" if json_out else ""),
+        "command": " ".join([PROG, *(["--json"] if json_out else []), *saved_to]),
     }
     figures["embedding_time_ratio_batched_vs_separate_glibc_default"] = emb_glibc[
         "embedding_time_ratio_batched_vs_separate"
@@ -262,6 +272,8 @@ def run(json_out: bool = False) -> int:
         cg, dg = results[f"comera{GLIBC_TAG}"], results[f"dense_sgd{GLIBC_TAG}"]
         figures["peak_memory_ratio_vs_dense_glibc_default"] = cg["peak_rss_mb"] / dg["peak_rss_mb"]
         figures["step_time_ratio_vs_dense_glibc_default"] = cg["step_time_s"] / dg["step_time_s"]
+    if out is not None:
+        write_json(out, figures)
     print(json.dumps(figures, indent=1) if json_out else render(figures))
     return 0
 
@@ -309,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None,
                     help=f"with --variant: its timed steps (default {STEPS})")  # fmt: skip
     one.add_argument("--embedding", action="store_true", help="time the lookups only")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="also write the result, whole, to this JSON file (e.g. "
+                         "reports/dlrm_bench.json)")  # fmt: skip
     ap.add_argument("--malloc", choices=CPU_MALLOC_POLICIES, default=None,
                     help="with --variant or --embedding: the allocator policy (default: glibc "
                          "as found)")  # fmt: skip
@@ -326,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.render is not None:
         return print_rendered(args.render, render, ap.prog, ("variants",))
+    if args.out is not None and (args.variant or args.embedding):
+        ap.error("--out is the whole bench's result; one process (--variant, --embedding) "
+                 "prints its own JSON")  # fmt: skip
     if args.steps is not None and not args.variant:  # the bench times STEPS of each
         ap.error(f"--steps applies to one variant (--variant V); the bench times {STEPS}")
     if args.steps is not None and args.steps < 1:
@@ -347,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             apply_cpu_malloc(args.malloc)
         print(json.dumps({**embedding_times(device=args.device), "malloc": args.malloc}))
     else:
-        return run(json_out=args.json)
+        return run(json_out=args.json, out=args.out)
     return 0
 
 

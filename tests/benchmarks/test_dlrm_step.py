@@ -95,3 +95,35 @@ def test_lookup_bench_refuses_a_device_it_cannot_use():
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "error: --device 'gpu' is not a torch device" in proc.stderr
+
+
+def test_out_writes_the_result_whole_and_keeps_the_old_one_on_failure(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """The documented ``--json > reports/dlrm_bench.json`` emptied the committed figures
+    before measuring, and left the file empty when a point failed or the run was stopped.
+    ``--out FILE`` writes the result whole once it is complete; its header names it."""
+    from benchmarks import dlrm_step as bench
+    from experiments.cli import CLIError
+
+    def child(args: list[str], what: str) -> dict:
+        if "--embedding" in args:
+            return {"embedding_batched_s": 0.5, "embedding_separate_s": 1.0,
+                    "embedding_time_ratio_batched_vs_separate": 0.5, "device": "cpu"}  # fmt: skip
+        return {"params": 10, "compression": 1.0, "step_time_s": 0.2, "peak_rss_mb": 100.0}
+
+    out = tmp_path / "dlrm_bench.json"
+    out.write_text('{"old": 1}\n')
+    monkeypatch.setattr(bench, "_in_child", lambda args, what: (_ for _ in ()).throw(
+        CLIError(f"{what} failed")))  # fmt: skip
+    with pytest.raises(CLIError):
+        bench.run(out=out)
+    assert out.read_text() == '{"old": 1}\n'
+    monkeypatch.setattr(bench, "_in_child", child)
+    assert bench.run(out=out) == 0
+    saved = json.loads(out.read_text())
+    assert saved["command"] == f"python -m benchmarks.dlrm_step --out {out}"
+    assert f"python -m benchmarks.dlrm_step --out {out}" in bench.render(saved)
+    capsys.readouterr()
+    assert bench.main(["--variant", "comera", "--out", str(out)]) == 2
+    assert "--out is the whole bench's result" in capsys.readouterr().err
