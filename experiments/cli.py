@@ -958,12 +958,13 @@ def check_folder(path: Path, flag: str) -> None:
         raise CLIError(f"{flag} {path}: {base} is a file, so the folder cannot be created")
     if not os.access(base, os.W_OK | os.X_OK):
         raise CLIError(f"{flag} {path}: {base} is not writable here; give another folder")
-    if base is not path:  # root passes os.access everywhere (/proc too): try it
-        try:  # a probe of its own name: ranks of one run check the same path at once
-            os.rmdir(tempfile.mkdtemp(dir=base, prefix=".comera-probe-"))
-        except OSError as e:
-            raise CLIError(f"{flag} {path}: cannot create a folder in {base} ({e.strerror}); "
-                           "give another folder") from None  # fmt: skip
+    # root passes os.access everywhere (/proc too), an existing folder included: try it;
+    # a probe of its own name: ranks of one run check the same path at once
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=base, prefix=".comera-probe-"))
+    except OSError as e:
+        raise CLIError(f"{flag} {path}: cannot create a folder in {base} ({e.strerror}); "
+                       "give another folder") from None  # fmt: skip
 
 
 def prepare(

@@ -500,7 +500,10 @@ def staged(out_dir: Path) -> Iterator[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file where a parent folder should be, or no permission
         raise DataError(f"cannot make the folder {out_dir} ({e.strerror})") from None
-    stage = Path(tempfile.mkdtemp(prefix=".report-", dir=out_dir))
+    try:  # root passes every permission check: /proc is a folder nothing is made in
+        stage = Path(tempfile.mkdtemp(prefix=".report-", dir=out_dir))
+    except OSError as e:
+        raise DataError(f"cannot write into the folder {out_dir} ({e.strerror})") from None
     try:
         yield stage
         files = sorted(stage.iterdir())

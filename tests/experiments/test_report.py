@@ -391,3 +391,30 @@ def test_a_lone_run_of_another_setup_is_refused_before_its_partner_trains(
         report.smoke_report_main("codebert", lambda a: trained.append(a) or 3, None, argv,
                                  "x", experiment=EXPERIMENT)  # fmt: skip
     assert trained
+
+
+def test_an_existing_folder_nothing_can_be_made_in_is_refused_before_the_work(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Root passes os.access everywhere, /proc included, and an existing output folder was
+    never tried: a benchmark measured for minutes, then failed with a traceback writing
+    its JSON, and a report's render ended in mkdtemp's. Both now try the folder first
+    (here: a folder whose probe fails) and refuse it in one line."""
+    import tempfile
+
+    from experiments import cli
+
+    out = tmp_path / "reports"
+    out.mkdir()
+    cli.check_folder(out, "--out")  # a folder that can be written: nothing left behind
+    assert list(out.iterdir()) == []
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with pytest.raises(cli.CLIError, match="--out .*: cannot create a folder in .*Permission"):
+        cli.check_folder(out, "--out")
+    with pytest.raises(DataError, match="cannot write into the folder .*Permission denied"):
+        with report.staged(out):
+            raise AssertionError("not reached")
