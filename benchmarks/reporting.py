@@ -92,15 +92,23 @@ def reduced_run(settings: dict[str, tuple[object, object]], out_flag: str) -> st
 def one_line_errors(prog: str) -> Callable[[Main], Main]:
     """Decorate a benchmark's ``main(argv) -> int``: a :class:`CLIError` it raises (a bad
     flag from :func:`arg_parser`, or a check of its own) is printed as the one line ``PROG:
-    error: MESSAGE`` on stderr and gives exit status 2, as the training commands do."""
+    error: MESSAGE`` on stderr and gives exit status 2, as the training commands do. A
+    Ctrl-C or SIGTERM is one line too (a traceback per process before), with the status
+    the signal gives: results are written whole at the end, so none was half-written."""
 
     def wrap(main: Main) -> Main:
         @functools.wraps(main)
         def run(argv: list[str] | None = None) -> int:
             try:
-                return main(argv)
+                with cli.sigterm_as_interrupt():
+                    return main(argv)
             except CLIError as e:
                 return user_error(prog, e)
+            except KeyboardInterrupt as e:
+                status, name = cli.stop_signal(e)
+                print(f"{prog}: stopped by {name}; its saved results were left as they were",
+                      file=sys.stderr)  # fmt: skip
+                return status
 
         return run
 

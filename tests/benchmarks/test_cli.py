@@ -503,3 +503,32 @@ def test_dlrm_prep_s_file_errors_name_its_own_flag(tmp_path: Path, capsys) -> No
     assert dlrm_prep.main(["--child", str(plain), str(tmp_path / "afile" / "c")]) == 2
     err = capsys.readouterr().err.strip()
     assert "$TMPDIR" in err and "--cache-dir" not in err, err
+
+
+def test_a_stopped_benchmark_says_so_in_one_line(capsys) -> None:
+    """Ctrl-C ended every benchmark in a traceback (one per process); SIGTERM killed it
+    without a word. Each is one line now, with the status the signal gives."""
+    import os
+    import signal
+    import time
+
+    from benchmarks.reporting import one_line_errors
+
+    @one_line_errors("python -m benchmarks.x")
+    def ctrl_c(argv):
+        raise KeyboardInterrupt
+
+    @one_line_errors("python -m benchmarks.x")
+    def terminated(argv):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        return 0
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert ctrl_c([]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m benchmarks.x: stopped by SIGINT; its saved results were left as they were"
+    ]
+    assert terminated([]) == 143
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
