@@ -22,6 +22,7 @@ peak memory at batch 1.
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -139,7 +140,8 @@ def run(*, json_out: bool = False, steps: int = STEPS, tiny: bool = False,
         cmd = [sys.executable, "-m", "benchmarks.tensorize", "--variant", variant,
                "--batch", str(batch), "--steps", str(steps)]  # fmt: skip
         cmd += ["--tiny"] if tiny else []
-        print(f"tensorize bench: {variant}, batch {batch} x {SEQ} ...", file=sys.stderr,
+        print(f"tensorize bench: {variant}, batch {batch} x {32 if tiny else SEQ} ...",
+              file=sys.stderr,
               flush=True)  # fmt: skip
         try:
             runs[f"{variant}_b{batch}"] = run_json_worker(cmd, f"tensorize bench: {variant}")
@@ -150,7 +152,9 @@ def run(*, json_out: bool = False, steps: int = STEPS, tiny: bool = False,
     result = {
         "meta": {**host_meta(), "command": "python -m benchmarks.tensorize"
                  + (" --tiny" if tiny else "") + (f" --steps {steps}" if steps != STEPS else "")
-                 + (" --json" if json_out else ""), "threads": torch.get_num_threads()},
+                 + (" --json" if json_out else "")
+                 + (f" --out {shlex.quote(str(out))}" if out != REPORTS / "tensorize.json"
+                    else ""), "threads": torch.get_num_threads()},
         "compression_ratio": r["dense_b4"]["params"] / r["comera_b4"]["params"],
         "step_time_ratio_vs_dense": r["comera_b4"]["step_s"] / r["dense_b4"]["step_s"],
         "peak_memory_ratio_vs_dense": r["comera_b1"]["peak_mb"] / r["dense_b1"]["peak_mb"],

@@ -41,7 +41,9 @@ def test_bench_plumbing_on_a_toy_model(tmp_path: Path, monkeypatch) -> None:  # 
         assert bench.run(steps=1, tiny=True, out=tmp_path / "b.json") == 0
     finally:
         torch.set_num_threads(threads)
-    figures = json.loads((tmp_path / "b.json").read_text())
+    figures = json.loads((tmp_path / "b.json").read_text(), parse_constant=pytest.fail)
+    # the header's command runs as written: a toy run is refused without its --out
+    assert f"codebert_step --steps 1 --tiny --out {tmp_path / 'b.json'}" in bench.render(figures)
     for key in ("step_time_ratio_vs_dense", "peak_memory_ratio_vs_dense",
                 "step_time_ratio_vs_dense_half_ranks",
                 "peak_memory_ratio_vs_dense_mmap_threshold_1m"):  # fmt: skip

@@ -29,6 +29,7 @@ def test_bench_plumbing_on_a_toy_gpt2(tmp_path, capsys) -> None:
     md = out.with_suffix(".md").read_text()
     assert result["rank"] == result["embedding_rank"] == 4  # what the toy ran with
     assert "A toy GPT-2" in md and "at rank 4" in md
+    assert f"python -m benchmarks.tensorize --tiny --steps 1 --json --out {out}" in md
     capsys.readouterr()
     assert tensorize.main(["--render", str(out)]) == 0
     assert capsys.readouterr().out.strip() == md.strip()
