@@ -622,9 +622,7 @@ def _dumps(value: object, depth: int = 0) -> str:
 if __name__ == "__main__":
     import runpy
 
-    print(
-        "python -m experiments.report is now python -m experiments.mnli.report (this "
-        "forward goes in a later release)",
-        file=sys.stderr,
-    )
+    from experiments.moved import notice
+
+    notice("experiments.report", "experiments.mnli.report")  # as every other forward says it
     runpy.run_module("experiments.mnli.report", run_name="__main__", alter_sys=True)

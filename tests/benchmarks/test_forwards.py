@@ -39,6 +39,8 @@ def _notice(old: str, new: str) -> str:
         ("experiments.dlrm.prep_bench", "benchmarks.dlrm_prep", ["--file", "missing.txt"], 2, ""),
         ("experiments.codebert.bench", "benchmarks.codebert_step",
          ["--render", str(REPORTS / "codebert_bench.json")], 0, "| comera_half |"),
+        ("experiments.report", "experiments.mnli.report", ["--help"], 0,
+         "usage: python -m experiments.mnli.report"),
     ],
 )  # fmt: skip
 def test_old_command_names_the_new_one_and_runs_it(old, new, args, rc, out) -> None:
