@@ -23,8 +23,17 @@ TEXT_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".ipc", ".feather")
 
 def looks_like_path(name: str) -> bool:
     """Whether a tokenizer argument names something local rather than a hub id: a
-    ``.json`` file, a path starting ``/``, ``.`` or ``~``, or anything that exists."""
-    return name.endswith(".json") or name.startswith(("/", ".", "~")) or Path(name).exists()
+    ``.json`` file, a path starting ``/``, ``.`` or ``~``, anything that exists, or a path
+    no hub id can be (more than one ``/``, or a first part that is a local folder:
+    ``models/nothere`` went to the hub, which refused it in a traceback)."""
+    parts = Path(name).parts
+    return (
+        name.endswith(".json")
+        or name.startswith(("/", ".", "~"))
+        or Path(name).exists()
+        or len(parts) > 2
+        or (len(parts) == 2 and Path(parts[0]).is_dir())
+    )
 
 
 def _first_line(exc: BaseException) -> str:

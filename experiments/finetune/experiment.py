@@ -406,11 +406,14 @@ def check_fits(model: nn.Module, cfg: ModelConfig, data: MNLIData) -> None:
 
 def _try_one_row(model: nn.Module, data: MNLIData, types: bool, device: torch.device,
                  cfg: ModelConfig) -> None:  # fmt: skip
-    """Run the model on the first two training rows before the run starts: a model whose own
-    input checks refuse the data (T5's classifier wants an end-of-sequence token the
-    tokenizer does not give) raises a ``ValueError`` there, which becomes a one-line error
-    naming ``--model`` and ``--tokenizer`` instead of a traceback at the first step. The
-    project's own errors pass through as they are."""
+    """Run the model, as loaded (before ``tensorize_``: a failure here is the model's or the
+    data's, not the project's), on the first two training rows before the run starts: a
+    model whose own input checks refuse the data (T5's classifier wants an
+    end-of-sequence token the tokenizer does not give) raises a ``ValueError``, one whose
+    config lacks what its forward reads (a T5 saved without ``decoder_start_token_id``)
+    an ``AttributeError``; each becomes a one-line error naming ``--model`` and
+    ``--tokenizer`` instead of a traceback at the first step. The project's own errors pass
+    through as they are."""
     source = f"--model {cfg.path}" if cfg.path is not None else "the model"
     rows = torch.arange(min(2, len(data.train)))  # two: some checks fire only past one row
     batch = {k: v.to(device) for k, v in data.train.batch(rows).items()}
@@ -425,6 +428,12 @@ def _try_one_row(model: nn.Module, data: MNLIData, types: bool, device: torch.de
         raise ConfigError(
             f"{source} refused the first training rows ({first_line(e)}); often --tokenizer is "
             "not the tokenizer --model was trained with"
+        ) from None
+    except (AttributeError, TypeError, IndexError, KeyError, RuntimeError) as e:
+        raise ConfigError(
+            f"{source} cannot run on the first training rows ({type(e).__name__}: "
+            f"{first_line(e)}); check its config.json, and that --tokenizer is the tokenizer "
+            "it was trained with"
         ) from None
     finally:
         model.train(training)
@@ -549,6 +558,8 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
             "integer labels in the head's order"
         )
     check_fits(model, p.model, data)
+    types = takes_token_types(model)
+    _try_one_row(model, data, types, next(model.parameters()).device, p.model)
     dense_size = sum(t.numel() for t in model.parameters())
     summary = None
     if not p.dense:
@@ -580,8 +591,6 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
                 module.impl = p.plans.embedding_impl
     device = torch.device(p.train.device)
     model.to(device)
-    types = takes_token_types(model)
-    _try_one_row(model, data, types, device, p.model)
 
     def loss(call: Any, batch: dict) -> tuple:
         batch = {k: v.to(device) for k, v in batch.items()}

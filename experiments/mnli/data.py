@@ -245,6 +245,9 @@ def _hub_error(exc: Exception, what: str) -> Exception:
         if isinstance(exc, FileNotFoundError):
             return DataError(f"cannot load {what} from the hub ({first}); check the name. "
                              f"{_offline_help()}")  # fmt: skip
+        if type(exc).__name__ == "HFValidationError":  # a name no hub id can be ("a b")
+            return DataError(f"cannot load {what}: it is neither a local path nor a hub "
+                             f"name ({first})")  # fmt: skip
         return exc
     return HubUnreachableError(
         f"Could not reach the Hugging Face Hub to load {what} "

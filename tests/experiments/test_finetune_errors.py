@@ -306,6 +306,16 @@ def test_models_that_cannot_take_the_run_are_one_line(tmp_path: Path, capsys) ->
     line = _one_line(capsys)
     assert f"--model {t5} refused the first training rows (" in line and "--tokenizer" in line
     assert not (tmp_path / "r").exists()
+    # a config without what its forward reads: the model's AttributeError, in one line
+    tf.T5ForSequenceClassification(tf.T5Config(
+        vocab_size=vocab, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+        eos_token_id=vocab - 1, pad_token_id=0, num_labels=3),
+    ).save_pretrained(t5)  # fmt: skip
+    capsys.readouterr()
+    assert main(_argv(tmp_path, "r", "--model", str(t5), "--target", "q,v")) == 2
+    line = _one_line(capsys)
+    assert f"--model {t5} cannot run on the first training rows (AttributeError: " in line
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_model_with_no_token_type_table_trains_on_pairs(tmp_path: Path, capsys) -> None:
@@ -426,3 +436,18 @@ def test_each_rank_evaluates_its_share_and_the_shares_add_up() -> None:
     for k, (s, n) in whole.items():
         assert sum(pp[k][1] for pp in parts) == n == 13.0
         assert sum(pp[k][0] for pp in parts) == pytest.approx(s, rel=1e-5)
+
+
+def test_a_missing_tokenizer_path_no_hub_id_can_be_is_one_line(tmp_path: Path, monkeypatch,
+                                                               capsys) -> None:  # fmt: skip
+    """``--tokenizer models/nothere`` (a local folder's missing child) and ``a/b/c`` were
+    sent to the hub, whose name check ended in a traceback; a name with a space too.
+    The first two are local paths that do not exist, the last neither kind: one line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    for name, said in (("models/nothere", "tokenizer file 'models/nothere' does not exist"),
+                       ("a/b/c", "tokenizer file 'a/b/c' does not exist"),
+                       ("a b", "it is neither a local path nor a hub name")):  # fmt: skip
+        assert main(_argv(tmp_path, "r", "--tokenizer", name)) == 2
+        assert said in _one_line(capsys)
+    assert not (tmp_path / "r").exists()
