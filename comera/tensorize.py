@@ -24,6 +24,7 @@ import inspect
 import math
 import numbers
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -900,6 +901,16 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             f"tensorize_: every module the target globs {list(config.target_modules)} match "
             f"is excluded by {list(config.exclude)}; nothing to replace"
         )
+    replaced_paths = [p for _, m in chosen for p in paths[id(m)]]
+    for glob in rank_globs:  # a rule over a module that stays dense did nothing, silently
+        if not any(_match(p, (glob,)) for p in replaced_paths):
+            hit = [p for p in every if _match(p, (glob,))]
+            raise ConfigError(
+                f"tensorize_: rank_for glob {glob!r} matches {', '.join(hit[:3])}, which no "
+                "target glob chooses (or an exclude glob leaves out): its rank would apply to "
+                "nothing; name a module that is replaced (a tied head follows its embedding's "
+                "rank)"
+            )
     lazy = [n for n, m in chosen if isinstance(m.weight, nn.parameter.UninitializedParameter)]  # type: ignore[union-attr]
     if lazy:  # no shape yet to plan a train for
         raise ConfigError(
@@ -988,4 +999,11 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             tied += [emb, decoder]
     if tied:
         _untie_in_config(model, tied)
+    if all(r.skipped and not r.skipped.startswith("tied to ") for r in summary.layers):
+        why = "; ".join(f"{r.name}: {r.skipped}" for r in summary.layers[:3])
+        warnings.warn(  # returned quietly: only the summary's rows said nothing changed
+            f"tensorize_: every module the globs chose was left dense ({why}"
+            f"{'; ...' if len(summary.layers) > 3 else ''}): the model is unchanged",
+            stacklevel=2,
+        )
     return summary

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -564,7 +565,9 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple:
     summary = None
     if not p.dense:
         try:
-            summary = C.tensorize_(model, p.model.tensorize())
+            with warnings.catch_warnings():  # said below as the one-line error it is
+                warnings.filterwarnings("ignore", "tensorize_: every module the globs chose")
+                summary = C.tensorize_(model, p.model.tensorize())
         except ConfigError as e:
             raise ConfigError(_name_glob_flag(str(e), p.model)) from None
         tt = (C.TTLinear, C.TTMEmbedding)
@@ -710,7 +713,7 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
     for flag in ("target", "exclude"):
         value = getattr(args, flag)
         if value is not None:
-            out.append((f"model.{flag}", tuple(v for v in value.split(",") if v)))
+            out.append((f"model.{flag}", tuple(v.strip() for v in value.split(",") if v.strip())))
     if args.rank is not None:
         out.append(("model.rank", args.rank))
     return out

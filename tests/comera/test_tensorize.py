@@ -1194,3 +1194,29 @@ def test_configs_as_peft_and_numpy_give_them_and_hf_input_grads_hook_is_carried(
     assert not emb._forward_hooks
     with torch.no_grad():
         assert not emb(torch.tensor([[1, 2]])).requires_grad
+
+
+def test_a_rank_rule_or_a_call_that_changes_nothing_is_said() -> None:
+    """A rank_for glob naming a module no target chooses (a tied head's ``lm_head``, a
+    layer left out) was accepted and did nothing; a call whose every match stayed dense
+    (MultiheadAttention reads its out_proj's weight itself) returned quietly, the model
+    unchanged. The first is refused, the second warned about."""
+    import warnings
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    with pytest.raises(ConfigError, match="rank_for glob '1' matches 1, which no target glob"):
+        C.tensorize_(model, C.TensorizeConfig(target_modules=("0",), rank_for={"1": 4}))
+    assert all(isinstance(m, nn.Linear) for m in model)  # refused before any change
+    C.tensorize_(model, C.TensorizeConfig(target_modules=("0", "1"), rank_for={"1": 2}))
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(16, 2)
+
+    with pytest.warns(UserWarning, match="every module the globs chose was left dense"):
+        C.tensorize_(Attention(), C.TensorizeConfig(target_modules=("out_proj",)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C.tensorize_(nn.Sequential(nn.Linear(64, 64)),
+                     C.TensorizeConfig(target_modules=("0",), rank=2))  # fmt: skip

@@ -157,6 +157,9 @@ def test_a_glob_that_matches_nothing_names_its_flag(tmp_path: Path, capsys) -> N
     assert "transformer.h.0.attn.c_attn" in line and not (tmp_path / "r").exists()
     assert main(_argv(tmp_path, "r", "--exclude", "nothing")) == 2
     assert ": error: --exclude: exclude glob 'nothing' matches no" in _one_line(capsys)
+    # spaces after the commas ('query, key') were read as part of the next glob
+    assert main(_argv(tmp_path, "r", "--exclude", "query, nothing")) == 2
+    assert ": error: --exclude: exclude glob 'nothing' matches no" in _one_line(capsys)
 
 
 @pytest.mark.parametrize(
