@@ -154,7 +154,8 @@ def render(result: dict) -> str:
         PAPER,
         "## Ours",
         "",
-        f"{result['threads']} threads, median of {result['repeats']} timed steps after a "
+        f"{result.get('threads', 'an unrecorded number of')} threads, median of "
+        f"{result.get('repeats', DEFAULTS['repeats'])} timed steps after a "
         "warm-up, a fresh process per point, peak RSS above the pre-model baseline, glibc "
         f"as found. {_MODELS['tiny' if result.get('tiny') else 'paper']} The timed steps "
         "exclude GaLore's SVD refresh, which runs once per 200 steps (in the warm-up step "

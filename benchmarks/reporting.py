@@ -266,9 +266,12 @@ def render_saved(
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None
     except (KeyError, TypeError, AttributeError, IndexError, ValueError, ArithmeticError) as e:
-        what = f"it has no {e} key" if isinstance(e, KeyError) else "its fields are not this one's"
-        print(f"{prog}: error: {path} is not a result of {prog} ({what}); give the JSON this "
-              "benchmark wrote", file=sys.stderr)  # fmt: skip
+        # a result of another command, or of a version before the field (its key alone
+        # read as "not this benchmark's")
+        what = (f"it lacks the field {e}: another command's result, or an older version's"
+                if isinstance(e, KeyError) else "its fields are not this one's")  # fmt: skip
+        print(f"{prog}: error: {path} is not a result of {prog} as it renders now ({what}); "
+              "give the JSON a run of this benchmark wrote", file=sys.stderr)  # fmt: skip
         return None
 
 

@@ -192,13 +192,14 @@ def render(result: dict) -> str:
     a run, and with ``--render JSON`` for a saved one."""
     device = result.get("device", "cpu")
     on_cpu = device.startswith("cpu")
+    threads = result.get("threads", "an unrecorded number of")
     runs = result["runs"]
     dense = any(r["model"].endswith("_dense") for r in runs)
     title = f"Step modes: eager vs sync-free vs torch.compile ({'CPU' if on_cpu else device})"
     lines = [
         *report_header(title, command(result), result),
         f"Device {device}"
-        + (f", {result['threads']} threads, glibc malloc as found. " if on_cpu else ". ")
+        + (f", {threads} threads, glibc malloc as found. " if on_cpu else ". ")
         + "The trainer's `train_step` (CoMERA, early stage, AdamW"
         + (
             "; a `_dense` model: its dense baseline, CoMERA off, and `vs dense` CoMERA's "
@@ -209,7 +210,7 @@ def render(result: dict) -> str:
         + ") on the generated MNLI task, with each preset's "
         "training settings (smoke: its first steps, before its gate regularizer starts at "
         "step 1000; paper: the regularizer from step 0); a fresh process per row; "
-        f"median of {result['repeats']} steps after the first and two more untimed ones.",
+        f"median of {result.get('repeats', 10)} steps after the first and two more untimed ones.",
         "",
         "| model | batch x seq | mode | first step (s) | step (s) | vs eager | "
         + ("vs dense | " if dense else "")

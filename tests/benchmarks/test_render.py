@@ -278,3 +278,21 @@ def test_every_committed_table_has_as_many_cells_per_row_as_its_header() -> None
             cells = [len(re.findall(r"(?<!\\)\|", row)) for row in table]
             odd = [row for row, n in zip(table, cells, strict=True) if n != cells[0]]
             assert not odd, f"{page.relative_to(ROOT)}: {odd[0]}"
+
+
+def test_a_result_without_later_fields_renders_or_names_the_field(tmp_path: Path, capsys) -> None:
+    """An efficiency or step_modes result without ``threads`` (or ``repeats``), fields
+    their command lines already treat as optional, was refused as "not a result of"
+    the benchmark; it renders, saying the count was not recorded. A result that lacks a
+    field the tables need names it, and that an older version may have written it."""
+    for module, stem in ((efficiency, "efficiency"), (step_modes, "step_modes")):
+        result = json.loads((REPORTS / f"{stem}.json").read_text())
+        result.pop("threads"), result.pop("repeats", None)
+        assert "an unrecorded number of threads" in module.render(result)
+    old = json.loads((REPORTS / "efficiency.json").read_text())
+    del old["runs"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    assert efficiency.main(["--render", str(path), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "it lacks the field 'runs': another command's result, or an older version's" in err
