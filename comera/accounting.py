@@ -334,18 +334,27 @@ def summarize(
     table; :meth:`comera.train.ModuleTask.dense_shapes` gives them for a module).
     """
     _no_module(params, "summarize")
-    out = list(_walk(params, state, "", num_embeddings or {}, dense_shapes or {}))
-    # a key that names no layer (a typo, a stale path) left that layer at its padded size
+    # "" is the root (ModuleTask.dense_shapes of a bare layer), which rows call "<root>"
+    rows = {k or "<root>": v for k, v in (num_embeddings or {}).items()}
+    shapes = {k or "<root>": v for k, v in (dense_shapes or {}).items()}
+    out = list(_walk(params, state, "", rows, shapes))
+    # a key that names nothing (a typo, a stale path) left its layer at its padded size,
+    # and one for a layer of the other kind was ignored; a key over a part that stayed
+    # dense (a map over every table, one of which was not compressed) counts nothing
     tables = {r.path for r in out if r.kind == "ttm_embedding"}
-    layers = tables | {r.path for r in out if r.kind == "tt_linear"}
-    checks = (("num_embeddings", num_embeddings, tables, "TTM tables"),
-              ("dense_shapes", dense_shapes, layers, "TT/TTM layers"))  # fmt: skip
-    for arg, given, known, what in checks:
-        unknown = sorted(set(given or {}) - known)
+    linears = {r.path for r in out if r.kind == "tt_linear"}
+    dense = [r.path for r in out if r.kind == "dense"]
+    checks = (("num_embeddings", rows, tables, linears, "TTM tables"),
+              ("dense_shapes", shapes, tables | linears, set(), "TT/TTM layers"))  # fmt: skip
+    for arg, given, known, other, what in checks:
+        stays = {k for k in given if any(p == k or p.startswith(k + ".") for p in dense)}
+        unknown = sorted(set(given) - known - stays)
         if unknown:
+            why = ("are TT linear layers, not TTM tables" if set(unknown) <= other
+                   else "name nothing in these params")  # fmt: skip
             raise ConfigError(
-                f"summarize: {arg} names {unknown[:3]}, not among the {what} of these params "
-                f"({sorted(known)[:6] or 'none'})"
+                f"summarize: {arg} names {unknown[:3]}, which {why}; its keys are paths of "
+                f"the {what} ({sorted(known)[:6] or 'none'})"
             )
     return out
 

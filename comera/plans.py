@@ -113,11 +113,15 @@ def resolve_plan(plan: PlanLike, name: str, *, pairs: bool = True) -> Strategy:
             "give explicit (i, j) pairs per call (plan=...) instead"
         )
     try:
-        if isinstance(plan, str | bytes) or any(
-            isinstance(step, str | bytes) or isinstance(i, bool) for step in plan for i in step
-        ):  # "ab" and True were read as pairs
+        if isinstance(plan, bytes):
             raise TypeError
-        steps = tuple(tuple(operator.index(i) for i in step) for step in plan)
+        raw = list(plan)  # an iterator is read once, here
+        if any(isinstance(step, str | bytes) for step in raw):  # "ab" was read as a pair
+            raise TypeError
+        given = [list(step) for step in raw]
+        if any(isinstance(i, bool) for step in given for i in step):  # True was read as 1
+            raise TypeError
+        steps = tuple(tuple(operator.index(i) for i in step) for step in given)
     except TypeError:
         raise ConfigError(
             f"{name}: a plan must be a strategy name or a list of (i, j) pairs, got {plan!r}"
@@ -175,12 +179,13 @@ class LayerPlans:
     embedding_impl: str = "optimized"
 
     def __post_init__(self) -> None:
-        if isinstance(self.per_layer, str) or any(isinstance(r, str) for r in self.per_layer):
+        given = self.per_layer if isinstance(self.per_layer, str) else tuple(self.per_layer)
+        if isinstance(given, str) or any(isinstance(r, str) for r in given):
             raise ConfigError(  # a string was split into a glob and a strategy of one letter
                 f"LayerPlans.per_layer={self.per_layer!r}: give (glob, strategy) pairs, e.g. "
                 "(('layers.*.ffn_*', 'dense'),)"
             )
-        rules = tuple(tuple(r) for r in self.per_layer)
+        rules = tuple(tuple(r) for r in given)  # a generator is read once, here
         object.__setattr__(self, "per_layer", rules)
         if self.default is not None:
             resolve_plan(self.default, "LayerPlans.default", pairs=False)
