@@ -24,15 +24,14 @@ TEXT_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".ipc", ".feather")
 def looks_like_path(name: str) -> bool:
     """Whether a tokenizer argument names something local rather than a hub id: a
     ``.json`` file, a path starting ``/``, ``.`` or ``~``, anything that exists, or a path
-    no hub id can be (more than one ``/``, or a first part that is a local folder:
-    ``models/nothere`` went to the hub, which refused it in a traceback)."""
-    parts = Path(name).parts
+    no hub id can be (more than one ``/``: ``models/x/nothere`` went to the hub, which
+    refused it in a traceback). ``org/name`` is a hub id unless it exists here, as Hugging
+    Face reads it (a local folder ``org`` beside it does not make it local)."""
     return (
         name.endswith(".json")
         or name.startswith(("/", ".", "~"))
         or Path(name).exists()
-        or len(parts) > 2
-        or (len(parts) == 2 and Path(parts[0]).is_dir())
+        or len(Path(name).parts) > 2
     )
 
 

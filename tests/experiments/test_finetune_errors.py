@@ -443,12 +443,12 @@ def test_each_rank_evaluates_its_share_and_the_shares_add_up() -> None:
 
 def test_a_missing_tokenizer_path_no_hub_id_can_be_is_one_line(tmp_path: Path, monkeypatch,
                                                                capsys) -> None:  # fmt: skip
-    """``--tokenizer models/nothere`` (a local folder's missing child) and ``a/b/c`` were
-    sent to the hub, whose name check ended in a traceback; a name with a space too.
-    The first two are local paths that do not exist, the last neither kind: one line."""
+    """``--tokenizer models/x/nothere`` and ``a/b/c`` were sent to the hub, whose name
+    check ended in a traceback; a name with a space too. The first two are local paths
+    that do not exist (no hub id holds two slashes), the last neither kind: one line."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()
-    for name, said in (("models/nothere", "tokenizer file 'models/nothere' does not exist"),
+    for name, said in (("models/x/nothere", "tokenizer file 'models/x/nothere' does not exist"),
                        ("a/b/c", "tokenizer file 'a/b/c' does not exist"),
                        ("a b", "it is neither a local path nor a hub name")):  # fmt: skip
         assert main(_argv(tmp_path, "r", "--tokenizer", name)) == 2
