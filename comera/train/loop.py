@@ -17,6 +17,7 @@ import numbers
 import random
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from numbers import Integral
@@ -995,7 +996,7 @@ class Trainer:
                     # at every logged step, a line per step in a log file
                     bar.set_postfix(shown, refresh=False)
                 if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                    ev = {f"eval/{k}": v for k, v in self._evaluate_saving().items()}
+                    ev = {f"eval/{k}": v for k, v in self._evaluate_saving(stop).items()}
                     self._sync_plans()  # evaluation's shapes: decided by each rank
                     self._record_plans(log)
                     live = model_size(self.params, self.state)  # the size each eval is at
@@ -1027,19 +1028,29 @@ class Trainer:
             last = last_logged(read_metrics(metrics))  # was returned, not the run's metrics
         return last
 
-    def _evaluate_saving(self) -> dict[str, float]:
+    def _evaluate_saving(self, stop: int) -> dict[str, float]:
         """:meth:`evaluate` inside the loop: an evaluation that fails (out of memory on its
-        batch, a bug in the task's ``evaluate``) first saves the checkpoint due at this step,
-        so the steps trained since the last one are kept (the final checkpoint is a run's
-        only one by default). One process only: with more, the others may be waiting in
-        the evaluation's reduction, and a checkpoint's collectives would not match."""
+        batch, a bug in the task's ``evaluate``) first saves the checkpoint due at this step
+        (``checkpoint_every``, the run's end, or a pause's ``stop``), so the steps trained
+        since the last one are kept (the final checkpoint is a run's only one by default).
+        One process only: with more, the others may be waiting in the evaluation's
+        reduction, and a checkpoint's collectives would not match."""
         try:
             return self.evaluate()
-        except Exception:
-            due = self.step == self.cfg.steps or (
-                bool(self.cfg.checkpoint_every) and self.step % self.cfg.checkpoint_every == 0
-            )
-            if self.world == 1 and due:
+        except Exception as error:
+            every = self.cfg.checkpoint_every
+            due = self.step == stop or bool(every) and self.step % every == 0
+            if due and self.world > 1:
+                if self.rank == 0:
+                    print(f"comera: the evaluation at step {self.step} failed; with "
+                          f"{self.world} processes its checkpoint is not saved (a resume "
+                          "goes on from the last one)", file=sys.stderr)  # fmt: skip
+            elif due:
+                # the evaluation's activations (a CUDA out-of-memory's cause) are held by
+                # the traceback's frames: freed before the save needs memory of its own
+                traceback.clear_frames(error.__traceback__)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
                 try:
                     path = self.checkpoint()
                 except Exception as e:  # the evaluation's error is the one to raise

@@ -1261,6 +1261,12 @@ def test_a_failing_evaluation_keeps_the_checkpoint_due_at_its_step(tmp_path, cap
     with pytest.raises(RuntimeError, match="eval out of memory"):
         Trainer(cfg, FailsSecond(), *_toy_model()).fit()
     assert load_checkpoint(cfg.run_dir)["step"] == 30
+    # a pause's stop is a checkpoint too (fit(until=k) writes one at k)
+    FailsSecond.evals = 1
+    cfg = _cfg(tmp_path / "pause", steps=30, eval_every=15)
+    with pytest.raises(RuntimeError, match="eval out of memory"):
+        Trainer(cfg, FailsSecond(), *_toy_model()).fit(until=15)
+    assert load_checkpoint(cfg.run_dir)["step"] == 15
     # an evaluation failing at a step no checkpoint is due at saves nothing
     FailsSecond.evals = 1
     cfg = _cfg(tmp_path / "mid", steps=30, eval_every=10, checkpoint_every=20)
