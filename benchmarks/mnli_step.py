@@ -45,6 +45,7 @@ from benchmarks.reporting import (
     render_only,
 )
 from benchmarks.timing import timed_steps
+from comera.train.galore import import_galore
 from comera.train.logging import write_json_atomic
 from comera.train.measures import baseline_rss_mb, peak_memory_mb
 from experiments.host import cpu_model, report_header
@@ -115,7 +116,7 @@ def worker(
     from experiments.transformer import EncoderConfig, init_encoder
 
     if variant == "galore":  # imports (transformers, bitsandbytes: ~130 MB) before the baseline
-        import galore_torch  # noqa: F401
+        import_galore()
     torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -217,7 +218,7 @@ def galore_available() -> bool:
     """Whether the GaLore baseline can run here: ``galore_torch`` imports (it imports
     bitsandbytes too), which the ``galore`` extra installs."""
     try:
-        import galore_torch  # noqa: F401
+        import_galore()
     except Exception:  # ImportError, or bitsandbytes failing its own setup
         return False
     return True

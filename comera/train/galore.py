@@ -16,6 +16,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from comera.errors import ConfigError
 from comera.train.fields import check_kinds
 from comera.train.optim import AdamWConfig
 
-__all__ = ["GaLore", "GaLoreConfig", "MissingExtraError"]
+__all__ = ["GaLore", "GaLoreConfig", "MissingExtraError", "import_galore"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,9 +96,7 @@ def _why_none(named: list[torch.Tensor], cfg: GaLoreConfig) -> str:
 
 @contextlib.contextmanager
 def _quiet_logger(name: str) -> Iterator[None]:
-    """Logger ``name`` at ERROR for the block: galore-torch imports bitsandbytes, whose CPU
-    backend warns that an optional kernel download failed (a line before every GaLore
-    run's output and every one-line error), about 4-bit kernels GaLore never uses."""
+    """Logger ``name`` at ERROR for the block."""
     log = logging.getLogger(name)
     level = log.level
     log.setLevel(logging.ERROR)
@@ -107,6 +106,17 @@ def _quiet_logger(name: str) -> Iterator[None]:
         log.setLevel(level)
 
 
+def import_galore() -> ModuleType:
+    """``galore_torch``, imported without bitsandbytes' warning: galore-torch imports it,
+    and its CPU backend warns that an optional kernel download failed (a line before every
+    GaLore run's output and every one-line error), about 4-bit kernels GaLore never uses.
+    Raises what the import raises (ImportError without the ``galore`` extra)."""
+    with _quiet_logger("bitsandbytes"):
+        import galore_torch
+
+    return galore_torch
+
+
 class GaLore:
     """``galore_torch.GaLoreAdamW`` over the leaves of a params pytree, stepped with
     gradients the caller computed (the trainer reduces and clips them first)."""
@@ -114,8 +124,7 @@ class GaLore:
     def __init__(self, params: Any, cfg: GaLoreConfig, lr: float, *, betas: tuple,
                  eps: float, weight_decay: float) -> None:  # fmt: skip
         try:
-            with _quiet_logger("bitsandbytes"):
-                from galore_torch import GaLoreAdamW
+            GaLoreAdamW = import_galore().GaLoreAdamW  # noqa: N806 - the package's class
         except ImportError:
             raise MissingExtraError(
                 "train.optimizer='galore' needs the galore-torch package: "
