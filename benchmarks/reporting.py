@@ -106,7 +106,8 @@ def one_line_errors(prog: str) -> Callable[[Main], Main]:
                 return user_error(prog, e)
             except KeyboardInterrupt as e:
                 status, name = cli.stop_signal(e)
-                print(f"{prog}: stopped by {name}; its saved results were left as they were",
+                print(f"{prog}: stopped by {name} before all its results were written (each "
+                      "file is written whole: a report not yet rewritten keeps its last figures)",
                       file=sys.stderr)  # fmt: skip
                 return status
 

@@ -527,7 +527,8 @@ def test_a_stopped_benchmark_says_so_in_one_line(capsys) -> None:
     before = signal.getsignal(signal.SIGTERM)
     assert ctrl_c([]) == 130
     assert capsys.readouterr().err.strip().splitlines() == [
-        "python -m benchmarks.x: stopped by SIGINT; its saved results were left as they were"
+        "python -m benchmarks.x: stopped by SIGINT before all its results were written (each "
+        "file is written whole: a report not yet rewritten keeps its last figures)"
     ]
     assert terminated([]) == 143
     assert "stopped by SIGTERM" in capsys.readouterr().err

