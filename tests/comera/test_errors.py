@@ -514,6 +514,11 @@ def test_core_arguments_found_loose_by_a_tester_are_refused_by_name():
         C.LayerPlans(per_layer=["dp"])
     with pytest.raises(ConfigError, match="a list of \\(i, j\\) pairs"):
         C.tt_linear(ps, ss, x, plan=[(False, True), (0, 1)])
+    # iterables are read once: the checks above had emptied a generator before it was kept
+    rules = C.LayerPlans(per_layer=((g, s) for g, s in {"ffn_*": "dense"}.items()))
+    assert rules.for_layer("ffn_1") == "dense"
+    torch.testing.assert_close(C.tt_linear(ps, ss, x, plan=iter([(0, 1)] * 4)),
+                               C.tt_linear(ps, ss, x, plan=[(0, 1)] * 4))  # fmt: skip
     emb = C.TTMEmbeddingSpec(vocab_modes=(3, 4), dim_modes=(2, 2), ranks=2)
     pe, se = C.init(emb, generator=torch.Generator().manual_seed(0))
     h = torch.randn(2, 4)
