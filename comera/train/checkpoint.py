@@ -54,6 +54,7 @@ __all__ = [
     "read_rank_files",
     "restore_trainer",
     "rng_state",
+    "run_dir_lock",
     "save_trainer",
     "set_rng_state",
     "write_model",
@@ -69,6 +70,56 @@ _DATA_RE = re.compile(r"^data_rank(\d+)\.json$")
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS / f"step_{step:08d}"
+
+
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold ``RUN_DIR/.lock`` (an advisory ``flock``) while a run trains there, so a second
+    process on the same run dir (a requeued job while the old one lingers) is refused in
+    one line: two wrote one metrics.jsonl (steps twice, going backwards) and one deleted
+    the other's half-written checkpoint as debris. The lock goes with the process, however
+    it ends. Where the filesystem has no ``flock`` (some network ones), runs go unguarded."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        f = open(run_dir / LOCK, "a+")  # noqa: SIM115 - held for the block
+    except OSError:  # a read-only run dir: a resume of a finished run may still read it
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise CheckpointError(
+                f"{run_dir} is in use by {holder}, which is training there: one process "
+                "trains in a run dir at a time; wait for it to end, or stop it"
+            ) from None
+        except OSError:  # no flock here: unguarded
+            pass
+        else:
+            f.truncate(0)
+            f.write(f"pid {os.getpid()}\n")
+            f.flush()
+        yield
+    finally:
+        f.close()
+
+
+def _step_of(folder: Path) -> int | None:
+    """The step a checkpoint folder's name says, for the names the trainer writes only
+    (``step_00000030``): a copy named ``step_030`` beside it was read as step 30 and
+    counted newest, and a stale ``step_99999999`` made every save delete the one before."""
+    m = _STEP_RE.match(folder.name)
+    return int(m.group(1)) if m and folder.name == f"step_{int(m.group(1)):08d}" else None
 
 
 def _atomic(path: Path, write) -> None:
@@ -127,6 +178,9 @@ def write_model(directory: Path, payload: dict, keep: int) -> Path:
     root = directory.parent
     for old in complete_checkpoints(root.parent)[:-keep]:
         if old != directory:  # never the one just written, whatever else the folder holds
+            if old.is_symlink():  # another run's checkpoint linked in: drop the link only
+                old.unlink(missing_ok=True)  # (deleting through it emptied that run's)
+                continue
             # the model file first: a delete killed half-way leaves a folder that no longer
             # counts as complete, not one that does and lacks its rank files
             try:
@@ -135,8 +189,12 @@ def write_model(directory: Path, payload: dict, keep: int) -> Path:
                 continue
             shutil.rmtree(old, ignore_errors=True)
     for d in root.iterdir():  # debris of a save that died before its model file
-        m = _STEP_RE.match(d.name)
-        if m and d != directory and not (d / MODEL).is_file():
+        if (
+            _step_of(d) is not None
+            and d != directory
+            and not d.is_symlink()
+            and not (d / MODEL).is_file()
+        ):
             shutil.rmtree(d, ignore_errors=True)
     return path
 
@@ -147,9 +205,9 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     found = [
-        (int(m.group(1)), d)
+        (step, d)
         for d in root.iterdir()
-        if (m := _STEP_RE.match(d.name)) and (d / MODEL).is_file()
+        if (step := _step_of(d)) is not None and (d / MODEL).is_file()
     ]
     return [d for _, d in sorted(found)]
 
@@ -198,6 +256,13 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict:
             f"{e}. The previous checkpoint is {found[-2]}: move {found[-1]} away and "
             "--resume again to continue from it"
         ) from e
+    if ckpt["step"] != _step_of(found[-1]):  # a folder renamed or copied over another
+        back = (f"; the previous checkpoint is {found[-2]}: move {found[-1]} away to go on "
+                "from it" if len(found) > 1 else "")  # fmt: skip
+        raise CheckpointError(
+            f"{found[-1] / MODEL} holds step {ckpt['step']}, not the step its folder's name "
+            f"says{back}"
+        )
     ckpt["dir"] = str(found[-1])
     ckpt["previous"] = str(found[-2]) if len(found) > 1 else None
     return ckpt

@@ -220,6 +220,12 @@ class Trainer:
                 f"Trainer: reference_size={reference_size!r} must be a parameter count >= 1 "
                 "(the dense model's size compression is measured against), or None"
             )
+        saves = self.run_dir / ck.CHECKPOINTS
+        if saves.exists() and not saves.is_dir():  # trained every step, then failed to save
+            raise CheckpointError(
+                f"{saves} is a file; the trainer writes its checkpoints into a folder of that "
+                "name: move the file away"
+            )
         held = [] if resume else ck.complete_checkpoints(self.run_dir)
         if held:  # its newer checkpoints would win over this run's: each new one deleted
             raise CheckpointError(
@@ -901,7 +907,9 @@ class Trainer:
             isinstance(until, bool) or not isinstance(until, Integral) or until < 0
         ):  # a negative step was a silent no-op
             raise ConfigError(f"fit(until=...) must be a step (an int >= 0) or None, got {until!r}")
-        with self._own_streams():
+        # rank 0 holds the run dir: a second process training there is refused
+        owned = ck.run_dir_lock(self.run_dir) if self.rank == 0 else contextlib.nullcontext()
+        with owned, self._own_streams():
             return self._fit(until)
 
     def _fit(self, until: int | None) -> dict:
@@ -1040,17 +1048,22 @@ class Trainer:
         except Exception as error:
             every = self.cfg.checkpoint_every
             due = self.step == stop or bool(every) and self.step % every == 0
-            if due and self.world > 1:
-                if self.rank == 0:
-                    print(f"comera: the evaluation at step {self.step} failed; with "
-                          f"{self.world} processes its checkpoint is not saved (a resume "
-                          "goes on from the last one)", file=sys.stderr)  # fmt: skip
+            if due and self.world > 1:  # said by the rank that failed (the others wait)
+                print(f"comera: rank {self.rank}: the evaluation at step {self.step} failed; "
+                      f"with {self.world} processes its checkpoint is not saved (a resume "
+                      "goes on from the last one)", file=sys.stderr)  # fmt: skip
             elif due:
-                # the evaluation's activations (a CUDA out-of-memory's cause) are held by
-                # the traceback's frames: freed before the save needs memory of its own
-                traceback.clear_frames(error.__traceback__)
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
+                if isinstance(error, MemoryError | torch.OutOfMemoryError):
+                    # the evaluation's activations are held by the traceback's frames (a
+                    # wrapped error's too): freed before the save needs memory of its own
+                    seen: set[int] = set()
+                    e: BaseException | None = error
+                    while e is not None and id(e) not in seen:
+                        seen.add(id(e))
+                        traceback.clear_frames(e.__traceback__)
+                        e = e.__cause__ or e.__context__
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
                 try:
                     path = self.checkpoint()
                 except Exception as e:  # the evaluation's error is the one to raise

@@ -1291,3 +1291,101 @@ def test_the_progress_bar_is_drawn_at_its_own_pace(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "loss=" in err and "acc=" not in err
     assert err.count("\r") < 20  # 60 logged steps drew 60 bars; tqdm draws about 1 a second
+
+
+def test_rotation_spares_linked_checkpoints_and_names_are_checked(tmp_path):
+    """A run whose checkpoints folder linked another run's step folders (a cheap branch)
+    deleted that run's model.pt through the link when it rotated; a copy named step_030
+    beside step_00000030 was read as the newest (a resume from the copy's step 20), and a
+    folder holding another step's model was taken for its name's."""
+    from comera.train.checkpoint import complete_checkpoints, write_model
+
+    cfg = _cfg(tmp_path / "a", steps=30, checkpoint_every=10, keep_checkpoints=3)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    a = tmp_path / "a" / "run" / "checkpoints"
+    b = tmp_path / "b" / "checkpoints"
+    b.mkdir(parents=True)
+    for name in ("step_00000010", "step_00000020"):
+        (b / name).symlink_to(a / name, target_is_directory=True)
+    (b / "step_00000030").mkdir()
+    write_model(b / "step_00000030", {"x": 1}, keep=1)
+    assert sorted(p.name for p in b.iterdir()) == ["step_00000030"]  # the links went
+    assert all((a / n / "model.pt").is_file() for n in ("step_00000010", "step_00000020"))
+    run = tmp_path / "a" / "run"
+    shutil.copytree(a / "step_00000020", a / "step_030")
+    assert [p.name for p in complete_checkpoints(run)][-1] == "step_00000030"
+    assert load_checkpoint(run)["step"] == 30
+    shutil.rmtree(a / "step_00000030")
+    shutil.copytree(a / "step_00000020", a / "step_00000030")  # another step's files
+    with pytest.raises(CheckpointError, match="holds step 20, not the step its folder"):
+        load_checkpoint(run)
+
+
+def test_one_process_trains_in_a_run_dir_at_a_time(tmp_path):
+    """Two processes on one run dir (a requeued job while the old one lingers) wrote one
+    metrics.jsonl, steps twice and backwards, and one deleted the other's half-written
+    checkpoint as debris. A fit holds the run dir; a second is refused, naming the
+    holder; the lock goes when the fit ends. A checkpoints path that is a file was found
+    only at the first save, after training every step."""
+    import textwrap
+
+    cfg = _cfg(tmp_path, steps=10)
+    (tmp_path / "run").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, sys, time
+        f = open({str(tmp_path / "run" / ".lock")!r}, "a+")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(f"pid {{os.getpid()}}\\n"); f.flush()
+        print("held", flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointError, match=f"is in use by pid {holder.pid}"):
+            Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    trainer = Trainer(cfg, ToyTask(), *_toy_model())
+    trainer.fit(until=5)
+    trainer.fit()  # the same process again, after its first fit let go
+    assert load_checkpoint(cfg.run_dir)["step"] == 10
+    other = _cfg(tmp_path / "file", steps=10)
+    (tmp_path / "file" / "run").mkdir(parents=True)
+    (tmp_path / "file" / "run" / "checkpoints").write_text("x")
+    with pytest.raises(CheckpointError, match="checkpoints is a file"):
+        Trainer(other, ToyTask(), *_toy_model())
+
+
+def test_an_evaluation_out_of_memory_frees_its_frames_before_the_save(tmp_path):
+    """An out-of-memory evaluation's activations stay alive in its traceback's frames (a
+    wrapped error's too, through ``__cause__``) while the due checkpoint is saved: they
+    are cleared first. Other errors keep their frames for a debugger."""
+    import weakref
+
+    class Oom(ToyTask):
+        held: weakref.ref | None = None
+        error: type[BaseException] = MemoryError
+
+        def evaluate(self, params, state):
+            def activations():
+                big = torch.ones(1000)
+                Oom.held = weakref.ref(big)
+                raise RuntimeError("inner")
+
+            try:
+                activations()
+            except RuntimeError as e:
+                raise Oom.error("evaluation out of memory") from e
+
+    cfg = _cfg(tmp_path, steps=10, eval_every=10)
+    with pytest.raises(MemoryError) as caught:
+        Trainer(cfg, Oom(), *_toy_model()).fit()
+    assert caught.value.__cause__ is not None  # the chain is kept, its frames emptied
+    assert Oom.held() is None and load_checkpoint(cfg.run_dir)["step"] == 10
+    Oom.error = ValueError
+    with pytest.raises(ValueError) as caught:
+        Trainer(_cfg(tmp_path / "bug", steps=10, eval_every=10), Oom(), *_toy_model()).fit()
+    assert Oom.held() is not None  # a bug's frames kept
+    del caught
