@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -331,7 +331,10 @@ def summarize(
     unless ``num_embeddings`` maps its path to the real one (``spec.num_embeddings``), and
     a linear layer ``tensorize_`` padded counts its padded ``out x in`` unless
     ``dense_shapes`` maps its path to the real ``(out, in)`` (``(rows, dim)`` for a
-    table; :meth:`comera.train.ModuleTask.dense_shapes` gives them for a module).
+    table; :meth:`comera.train.ModuleTask.dense_shapes` gives them for a module). A key
+    is a layer's path (``""`` or ``"<root>"`` for params that are one layer); one over a
+    part that stayed dense counts nothing, and one that names nothing else (a typo), or a
+    TT linear in ``num_embeddings``, is a :class:`ConfigError`.
     """
     _no_module(params, "summarize")
     # "" is the root (ModuleTask.dense_shapes of a bare layer), which rows call "<root>"
@@ -344,14 +347,20 @@ def summarize(
     tables = {r.path for r in out if r.kind == "ttm_embedding"}
     linears = {r.path for r in out if r.kind == "tt_linear"}
     dense = [r.path for r in out if r.kind == "dense"]
+
+    def under(key: str, paths: Iterable[str]) -> bool:
+        return any(p == key or p.startswith(key + ".") for p in paths)
+
     checks = (("num_embeddings", rows, tables, linears, "TTM tables"),
               ("dense_shapes", shapes, tables | linears, set(), "TT/TTM layers"))  # fmt: skip
     for arg, given, known, other, what in checks:
-        stays = {k for k in given if any(p == k or p.startswith(k + ".") for p in dense)}
+        # over a part left dense only: a parent of a TT layer too ('blk' over blk.e) is a
+        # key for no table, which left blk.e at its padded size
+        stays = {k for k in given if under(k, dense) and not under(k, tables | linears)}
         unknown = sorted(set(given) - known - stays)
         if unknown:
             why = ("are TT linear layers, not TTM tables" if set(unknown) <= other
-                   else "name nothing in these params")  # fmt: skip
+                   else "name no layer of these params")  # fmt: skip
             raise ConfigError(
                 f"summarize: {arg} names {unknown[:3]}, which {why}; its keys are paths of "
                 f"the {what} ({sorted(known)[:6] or 'none'})"

@@ -901,7 +901,10 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             f"tensorize_: every module the target globs {list(config.target_modules)} match "
             f"is excluded by {list(config.exclude)}; nothing to replace"
         )
-    replaced_paths = [p for _, m in chosen for p in paths[id(m)]]
+    # a head tied to a chosen embedding is re-pointed at its table, never given a rank
+    tables = {id(m.weight) for _, m in chosen if isinstance(m, nn.Embedding)}
+    replaced_paths = [p for _, m in chosen for p in paths[id(m)]
+                      if not (isinstance(m, nn.Linear) and id(m.weight) in tables)]  # fmt: skip
     for glob in rank_globs:  # a rule over a module that stays dense did nothing, silently
         if not any(_match(p, (glob,)) for p in replaced_paths):
             hit = [p for p in every if _match(p, (glob,))]

@@ -125,7 +125,7 @@ class GaLore:
                  eps: float, weight_decay: float) -> None:  # fmt: skip
         try:
             GaLoreAdamW = import_galore().GaLoreAdamW  # noqa: N806 - the package's class
-        except ImportError:
+        except (ImportError, AttributeError):  # no extra, or a galore-torch without it
             raise MissingExtraError(
                 "train.optimizer='galore' needs the galore-torch package: "
                 "pip install -e '.[galore]'"

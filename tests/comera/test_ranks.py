@@ -185,13 +185,17 @@ def test_counts_refuse_a_state_rows_or_paths_that_are_not_these_params():
         C.compression_ratio(p2, s2, num_embeddings=55)
     model, state = {"e": pe, "q": p2}, {"e": se, "q": s2}
     assert C.summarize(model, state, num_embeddings={"e": 55})[0].dense_params == 55 * 12
-    with pytest.raises(ConfigError, match=r"num_embeddings names \['emb'\], which name nothing"):
+    with pytest.raises(ConfigError, match=r"num_embeddings names \['emb'\], which name no layer"):
         C.summarize(model, state, num_embeddings={"emb": 55})
     with pytest.raises(ConfigError, match=r"names \['q'\], which are TT linear layers, not TTM"):
         C.summary_table(model, state, num_embeddings={"q": 55})
-    with pytest.raises(ConfigError, match=r"dense_shapes names \['k'\], which name nothing"):
+    with pytest.raises(ConfigError, match=r"dense_shapes names \['k'\], which name no layer"):
         C.summarize(model, state, dense_shapes={"k": (700, 768)})
     # a map over every table, one of which stayed dense, and a bare layer's root key ""
     mixed = {**model, "d": {"weight": torch.zeros(7, 5)}}
     assert len(C.summarize(mixed, state, num_embeddings={"e": 55, "d": 7})) == 3
     assert C.summarize(pe, se, num_embeddings={"": 55})[0].dense_params == 55 * 12
+    # a parent of a table beside dense tensors is no table's key: 'blk' for blk.e
+    nested, nested_state = {"blk": {"e": pe, "norm": torch.zeros(4)}}, {"blk": {"e": se}}
+    with pytest.raises(ConfigError, match=r"names \['blk'\], which name no layer"):
+        C.summarize(nested, nested_state, num_embeddings={"blk": 5})

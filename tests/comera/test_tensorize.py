@@ -1220,3 +1220,21 @@ def test_a_rank_rule_or_a_call_that_changes_nothing_is_said() -> None:
         warnings.simplefilter("error")
         C.tensorize_(nn.Sequential(nn.Linear(64, 64)),
                      C.TensorizeConfig(target_modules=("0",), rank=2))  # fmt: skip
+
+
+def test_a_rank_rule_for_a_targeted_tied_head_is_refused() -> None:
+    """A rank_for rule over a head tied to a replaced embedding did nothing when the head
+    was itself a target: the head reads the embedding's table, at its rank."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(64, 16)
+            self.lm_head = nn.Linear(16, 64, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+    with pytest.raises(ConfigError, match="rank_for glob 'lm_head'"):
+        C.tensorize_(Tied(), C.TensorizeConfig(target_modules=("wte", "lm_head"), rank=8,
+                                               rank_for={"lm_head": 4}))  # fmt: skip
+    C.tensorize_(Tied(), C.TensorizeConfig(target_modules=("wte", "lm_head"), rank=8,
+                                           rank_for={"wte": 4}))  # fmt: skip

@@ -454,3 +454,10 @@ def test_a_missing_tokenizer_path_no_hub_id_can_be_is_one_line(tmp_path: Path, m
         assert main(_argv(tmp_path, "r", "--tokenizer", name)) == 2
         assert said in _one_line(capsys)
     assert not (tmp_path / "r").exists()
+    # org/name stays a hub id beside a local folder org/ (microsoft/codebert-base, the
+    # codebert preset's tokenizer, was read as a missing local path)
+    from loaders.text import looks_like_path
+
+    assert not looks_like_path("models/nothere") and looks_like_path("models/x/nothere")
+    (tmp_path / "models" / "there").mkdir()
+    assert looks_like_path("models/there")
