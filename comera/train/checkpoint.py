@@ -24,6 +24,7 @@ import random
 import re
 import shutil
 import warnings
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from comera.tree import iter_tt
 
 __all__ = [
     "CheckpointError",
+    "check_crc",
     "checkpoint_dir",
     "complete_checkpoints",
     "data_position_text",
@@ -220,8 +222,24 @@ _RNG_KEYS = {"torch", "cuda", "python"}
 _MODEL_KEYS = ("step", "config", "params", "state", "opt", "stages", "initial_size")
 
 
+def check_crc(path: Path) -> None:
+    """Refuse a torch.save file whose bytes changed since it was written (a bit flipped on
+    disk, a bad copy): torch.load reads a damaged tensor's bytes as they are, and a resume
+    trained on from corrupted weights. The zip archive torch writes keeps a CRC per entry;
+    reading them costs one more pass over the file. A file in torch's legacy (non-zip)
+    format is left to torch.load."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError):  # torch.load says what is wrong with it
+        return
+    if bad is not None:
+        raise CheckpointError(f"{path} is damaged: its entry {bad} fails its checksum")
+
+
 def _read_model(directory: Path) -> dict:
     try:
+        check_crc(directory / MODEL)
         ckpt = torch.load(directory / MODEL, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a corrupt file
         raise CheckpointError(f"cannot read checkpoint {directory / MODEL}: {e}") from e
@@ -308,6 +326,7 @@ def read_rank_files(
     for d in datas:
         p = directory / f"rank{d['rank']:05d}.pt"
         try:
+            check_crc(p)
             r = torch.load(p, map_location="cpu", weights_only=False)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"rank file {p} is unreadable: {e}") from e

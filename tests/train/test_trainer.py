@@ -1389,3 +1389,26 @@ def test_an_evaluation_out_of_memory_frees_its_frames_before_the_save(tmp_path):
         Trainer(_cfg(tmp_path / "bug", steps=10, eval_every=10), Oom(), *_toy_model()).fit()
     assert Oom.held() is not None  # a bug's frames kept
     del caught
+
+
+def test_a_flipped_byte_in_a_checkpoint_is_refused(tmp_path):
+    """torch.load reads a damaged tensor's bytes as they are: one flipped bit in model.pt
+    (bit rot, a bad copy) resumed silently from corrupted weights. The zip's CRCs are
+    checked; the previous checkpoint is named."""
+    import zipfile
+
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit()
+    path = tmp_path / "run" / "checkpoints" / "step_00000020" / "model.pt"
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 16)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+        at = info.header_offset + 30 + name_len + extra_len + 4
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CheckpointError, match=r"fails its checksum.*previous checkpoint is"):
+        load_checkpoint(cfg.run_dir)
