@@ -778,6 +778,16 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         return apply_overrides(cfg, [*own, *common], args.sets, file_items=from_file)
     path = Path(args.resume) / "config.json"
     if not path.is_file():
+        run_dir = Path(args.resume)
+        if not run_dir.exists():
+            raise CLIError(f"--resume {args.resume}: no such folder; give the run dir of the "
+                           "run to go on with")  # fmt: skip
+        if any(run_dir.glob("host.json*")) and not (run_dir / "checkpoints").exists():
+            # killed while it prepared, before it trained: a requeue that always resumes
+            # looped on "is it a run dir?"
+            raise CLIError(f"--resume {args.resume}: the run there stopped before it started "
+                           f"training (no config.json yet); start it again with --run-dir "
+                           f"{args.resume} and its flags")  # fmt: skip
         raise CLIError(f"--resume {args.resume}: no config.json there; is it a run dir?")
     try:
         saved = json.loads(path.read_text())

@@ -157,7 +157,15 @@ def test_bad_inputs_are_one_line_raised_as_user_errors(tmp_path, monkeypatch, ca
     refused(["--set", "train.comera.size_ratio=2"], cli.CLIError, "size_ratio (c) must be")
     refused(["--device", "gpu"], cli.CLIError, "--device gpu: TrainConfig.device='gpu' is not")
     refused(["--set", "train.device=gpu"], cli.CLIError, "'gpu' is not a torch device")
-    refused(["--resume", str(tmp_path / "none")], cli.CLIError, "no config.json there")
+    refused(["--resume", str(tmp_path / "none")], cli.CLIError, "none: no such folder")
+    (tmp_path / "other").mkdir()
+    refused(["--resume", str(tmp_path / "other")], cli.CLIError, "no config.json there")
+    # killed while it prepared (host.json written, config.json not yet): a requeue that
+    # always resumes is told to start it again, not asked whether it is a run dir
+    (tmp_path / "early").mkdir()
+    (tmp_path / "early" / "host.json").write_text("{}")
+    refused(["--resume", str(tmp_path / "early")], cli.CLIError,
+            "stopped before it started training (no config.json yet); start it again")  # fmt: skip
     refused(["--set", "eval_batch_size=0"], UserError, "batch_size and eval_batch_size must be")
     refused(["--set", "model.heads=0"], UserError, "heads must be >= 1, got 0")
     refused(["--set", "model.heads=-4"], UserError, "heads must be >= 1, got -4")
