@@ -112,6 +112,11 @@ def _accumulate(into: list[torch.Tensor | None], grads: tuple[torch.Tensor | Non
             acc.add_(g)
 
 
+# an evaluation's out-of-memory errors (torch.OutOfMemoryError is newer than some torches
+# the project takes; torch.cuda's is its older name)
+_OUT_OF_MEMORY = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
+
+
 def _grad_norm(grads: list[torch.Tensor | None]) -> torch.Tensor:
     """Global L2 norm of dense and (coalesced) sparse gradients."""
     dense = [g for g in grads if g is not None and not g.is_sparse]
@@ -907,9 +912,7 @@ class Trainer:
             isinstance(until, bool) or not isinstance(until, Integral) or until < 0
         ):  # a negative step was a silent no-op
             raise ConfigError(f"fit(until=...) must be a step (an int >= 0) or None, got {until!r}")
-        # rank 0 holds the run dir: a second process training there is refused
-        owned = ck.run_dir_lock(self.run_dir) if self.rank == 0 else contextlib.nullcontext()
-        with owned, self._own_streams():
+        with self._own_streams():
             return self._fit(until)
 
     def _fit(self, until: int | None) -> dict:
@@ -1053,15 +1056,16 @@ class Trainer:
                       f"with {self.world} processes its checkpoint is not saved (a resume "
                       "goes on from the last one)", file=sys.stderr)  # fmt: skip
             elif due:
-                if isinstance(error, MemoryError | torch.OutOfMemoryError):
-                    # the evaluation's activations are held by the traceback's frames (a
-                    # wrapped error's too): freed before the save needs memory of its own
-                    seen: set[int] = set()
-                    e: BaseException | None = error
-                    while e is not None and id(e) not in seen:
-                        seen.add(id(e))
-                        traceback.clear_frames(e.__traceback__)
-                        e = e.__cause__ or e.__context__
+                chain: list[BaseException] = []
+                e: BaseException | None = error
+                while e is not None and all(e is not x for x in chain):
+                    chain.append(e)
+                    e = e.__cause__ or e.__context__
+                if any(isinstance(x, _OUT_OF_MEMORY) for x in chain):  # wrapped ones too
+                    # the evaluation's activations are held by the frames of the chain's
+                    # tracebacks: freed before the save needs memory of its own
+                    for x in chain:
+                        traceback.clear_frames(x.__traceback__)
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
                 try:
