@@ -329,7 +329,7 @@ def test_cli_argument_errors(tmp_path, capsys):
     assert mnli.main(["--resume", str(run)]) == 2
     assert "cannot read checkpoint" in _one_error_line(capsys)
     assert mnli.main(["--resume", str(tmp_path / "none")]) == 2
-    assert "no config.json there" in _one_error_line(capsys)
+    assert "none: no such folder; give the run dir" in _one_error_line(capsys)
     assert mnli.main(["--set", "train.stepz=3"]) == 2
     line = _one_error_line(capsys)
     assert "unknown config key 'train.stepz'" in line and "steps, run_dir" in line
