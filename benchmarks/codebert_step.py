@@ -99,6 +99,11 @@ def packed_batch(batch: int, vocab: int, seq: int = SEQ, seed: int = 0) -> dict:
     return {"input_ids": ids, "segment_ids": seg}
 
 
+def _seq(tiny: bool) -> int:
+    """The sequence length a run uses (the toy model's is shorter)."""
+    return 64 if tiny else SEQ
+
+
 def _model(variant: str, tiny: bool) -> object:
     from experiments.codebert.experiment import codebert_model
 
@@ -133,7 +138,7 @@ def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False
     apply_cpu_malloc(cpu_malloc)  # as the training command does before it builds the model
     base = baseline_rss_mb()
     model = _model(variant, tiny)
-    seq = 64 if tiny else SEQ
+    seq = _seq(tiny)
     data = packed_batch(batch, model.vocab_size, seq)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(
@@ -194,7 +199,7 @@ def run(
         cmd = [sys.executable, "-m", "benchmarks.codebert_step", "--variant", variant,
                "--batch", str(batch), "--steps", str(steps),
                *(["--tiny"] if tiny else [])]  # fmt: skip
-        print(f"codebert bench: {variant}{tag}, batch {batch} x {64 if tiny else SEQ} ...",
+        print(f"codebert bench: {variant}{tag}, batch {batch} x {_seq(tiny)} ...",
               file=sys.stderr,
               flush=True)  # fmt: skip
         try:
@@ -226,7 +231,7 @@ def run(
             "step_time_ratio_vs_dense_half_ranks": 0.5,
             "peak_memory_ratio_vs_dense": 0.3,
         },
-        "seq": 64 if tiny else SEQ,
+        "seq": _seq(tiny),
         **({"tiny": True} if tiny else {}),
         # another output is named in the header's command: a tiny run needs one
         **({"out": str(out)} if Path(out) != REPORT_JSON else {}),

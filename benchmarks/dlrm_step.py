@@ -36,7 +36,6 @@ on the GPU (``make gpu-check`` runs it).
 from __future__ import annotations
 
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -52,6 +51,7 @@ from benchmarks.reporting import (
     check_output,
     one_line_errors,
     print_rendered,
+    recorded_out,
     render_only,
     write_json,
 )
@@ -247,7 +247,7 @@ def run(json_out: bool = False, out: Path | None = None) -> int:
     emb = _embedding_rounds(policy, LOOKUP_ROUNDS)
     emb_glibc = _embedding_in_process("default") if policy != "default" else emb
     c, d, a = results["comera"], results["dense_sgd"], results["dense_adam"]
-    saved_to = ["--out", shlex.quote(str(out))] if out is not None else []
+    saved_to = recorded_out({"out": out})
     figures = {
         "batch": BATCH,
         "compression_ratio": c["compression"],

@@ -22,7 +22,6 @@ peak memory at batch 1.
 from __future__ import annotations
 
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from benchmarks.reporting import (
     check_output,
     one_line_errors,
     print_rendered,
+    recorded_out,
     reduced_run,
     render_only,
     variant_batch,
@@ -66,6 +66,11 @@ def _model(tiny: bool) -> torch.nn.Module:
     cfg = (transformers.GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=1, n_head=4)
            if tiny else transformers.GPT2Config())  # fmt: skip
     return transformers.GPT2LMHeadModel(cfg)
+
+
+def _seq(tiny: bool) -> int:
+    """The sequence length a run uses (the toy model's is shorter)."""
+    return 32 if tiny else SEQ
 
 
 def _ranks(tiny: bool) -> tuple[int, int]:
@@ -99,7 +104,7 @@ def run_variant(variant: str, batch: int, steps: int = STEPS, tiny: bool = False
         rank, emb = _ranks(tiny)
         C.tensorize_(model, C.TensorizeConfig(target_modules=TARGET, rank=rank, init="random",
                                               rank_for=(("wte", emb),)))  # fmt: skip
-    seq = 32 if tiny else SEQ
+    seq = _seq(tiny)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
 
@@ -140,7 +145,7 @@ def run(*, json_out: bool = False, steps: int = STEPS, tiny: bool = False,
         cmd = [sys.executable, "-m", "benchmarks.tensorize", "--variant", variant,
                "--batch", str(batch), "--steps", str(steps)]  # fmt: skip
         cmd += ["--tiny"] if tiny else []
-        print(f"tensorize bench: {variant}, batch {batch} x {32 if tiny else SEQ} ...",
+        print(f"tensorize bench: {variant}, batch {batch} x {_seq(tiny)} ...",
               file=sys.stderr,
               flush=True)  # fmt: skip
         try:
@@ -149,17 +154,17 @@ def run(*, json_out: bool = False, steps: int = STEPS, tiny: bool = False,
             raise SystemExit(str(e)) from None
     r = runs
     rank, embedding_rank = _ranks(tiny)
+    given = out if out != REPORTS / "tensorize.json" else None  # a toy run names its own
+    command = ["python -m benchmarks.tensorize", *(["--tiny"] if tiny else []),
+               *(["--steps", str(steps)] if steps != STEPS else []),
+               *(["--json"] if json_out else []), *recorded_out({"out": given})]  # fmt: skip
     result = {
-        "meta": {**host_meta(), "command": "python -m benchmarks.tensorize"
-                 + (" --tiny" if tiny else "") + (f" --steps {steps}" if steps != STEPS else "")
-                 + (" --json" if json_out else "")
-                 + (f" --out {shlex.quote(str(out))}" if out != REPORTS / "tensorize.json"
-                    else ""), "threads": torch.get_num_threads()},
+        "meta": {**host_meta(), "command": " ".join(command), "threads": torch.get_num_threads()},
         "compression_ratio": r["dense_b4"]["params"] / r["comera_b4"]["params"],
         "step_time_ratio_vs_dense": r["comera_b4"]["step_s"] / r["dense_b4"]["step_s"],
         "peak_memory_ratio_vs_dense": r["comera_b1"]["peak_mb"] / r["dense_b1"]["peak_mb"],
         "targets": TARGETS,
-        "seq": 32 if tiny else SEQ,
+        "seq": _seq(tiny),
         **({"tiny": True} if tiny else {}),
         "rank": rank,
         "embedding_rank": embedding_rank,
