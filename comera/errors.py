@@ -19,6 +19,10 @@ existing ``except`` clauses keep working.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
@@ -27,7 +31,23 @@ __all__ = [
     "MissingFileError",
     "UserError",
     "first_line",
+    "quiet_logger",
 ]
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str) -> Iterator[None]:
+    """Logger ``name`` (and its children) at ERROR for the block, at its level after, so a
+    command's output and its one-line errors are not preceded by a library's warnings: a
+    hub client's retries (the failure is said once by the caller), bitsandbytes' optional
+    kernels (which nothing here uses)."""
+    log = logging.getLogger(name)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def first_line(exc: BaseException) -> str:

@@ -5,9 +5,10 @@ hub client's retry warnings off stderr (a failed load is one line)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator
+
+from comera.errors import quiet_logger
 
 __all__ = ["hub_unreachable", "offline_tip", "quiet_hub"]
 
@@ -45,10 +46,5 @@ def quiet_hub() -> Iterator[None]:
     # datasets), which undid ours: imported first, then ours set
     with contextlib.suppress(ImportError):
         import huggingface_hub.utils.logging  # noqa: F401
-    logger = logging.getLogger("huggingface_hub")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
+    with quiet_logger("huggingface_hub"):
         yield
-    finally:
-        logger.setLevel(level)

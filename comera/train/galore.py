@@ -10,11 +10,8 @@ against it (its Figure 1); here it is the dense model's third optimizer
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import logging
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -22,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten_with_path
 
-from comera.errors import ConfigError
+from comera.errors import ConfigError, quiet_logger
 from comera.train.fields import check_kinds
 from comera.train.optim import AdamWConfig
 
@@ -94,24 +91,12 @@ def _why_none(named: list[torch.Tensor], cfg: GaLoreConfig) -> str:
     )
 
 
-@contextlib.contextmanager
-def _quiet_logger(name: str) -> Iterator[None]:
-    """Logger ``name`` at ERROR for the block."""
-    log = logging.getLogger(name)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
 def import_galore() -> ModuleType:
     """``galore_torch``, imported without bitsandbytes' warning: galore-torch imports it,
     and its CPU backend warns that an optional kernel download failed (a line before every
     GaLore run's output and every one-line error), about 4-bit kernels GaLore never uses.
     Raises what the import raises (ImportError without the ``galore`` extra)."""
-    with _quiet_logger("bitsandbytes"):
+    with quiet_logger("bitsandbytes"):
         import galore_torch
 
     return galore_torch
