@@ -198,7 +198,10 @@ def tt_linear(
             g = gated_cores(params, state, name)
         contraction = tt_linear_plan(strategy, [c.shape for c in g], x2.shape[0], name)
         y = contraction(x2, g, params.get("bias"))  # (T, M)
-    return y.reshape(*lead, m)
+    # a 2-D input gets the GEMM's own output, not a reshape of it: a reshape to the same
+    # shape is a view, and an in-place op on it (DLRM's ``relu_``) makes autograd copy
+    # the whole output gradient (``CopySlices``) in backward
+    return y if x.dim() == 2 else y.reshape(*lead, m)
 
 
 def tt_linear_shared_input(
@@ -238,6 +241,8 @@ def tt_linear_shared_input(
     lead = x.shape[:-1]
     ys = shared_input_comera(x.reshape(-1, x.shape[-1]), built if ready else trains, biases,
                              built=ready)  # type: ignore[arg-type]  # fmt: skip
+    if x.dim() == 2:  # no reshape to the same shape: see tt_linear
+        return ys
     return [y.reshape(*lead, m) for y, m in zip(ys, outs, strict=True)]
 
 
