@@ -51,6 +51,7 @@ from comera.train.config import (
 )
 from comera.train.distributed import own_process_group, rank_first
 from comera.train.logging import last_logged, read_metrics, write_json_atomic
+from comera.train.run_lock import hold_run_dir
 from comera.tree import iter_tt
 from experiments.cache import cache_root
 from experiments.malloc import apply_cpu_malloc, restart_for
@@ -1015,6 +1016,10 @@ def prepare(
             "overwritten)"
         )
     rank, world = init_distributed(cfg.train.device)
+    # a resume: before the run's records are touched (a stopped attempt's rows cleared,
+    # config.json's resumes) and minutes of data preparation, a run dir another process
+    # trains into is refused (a new run's folder is locked by the trainer that makes it)
+    lock = hold_run_dir(run_dir, rank, world) if resume else None
     history: dict = {}  # what a restarted run's record keeps of the one it restarts
     if resume and not complete_checkpoints(run_dir):
         # it stopped before its first checkpoint (a crash, Ctrl-C): nothing to continue,
@@ -1091,6 +1096,7 @@ def prepare(
         # vocabulary by its tokenizer): a tokenizer given on resume read as a model change
         why = "; ".join(f"{k} is {v}" for k, v in exp.derived.items())
         raise CheckpointError(f"{e} (or data that sets them: {why})") from None
+    del lock  # the trainer holds the run dir now, for as long as it lives
     kind = "dense" if getattr(cfg, "dense", False) else "CoMERA"
     saved = run_dir / "config.json"
     if rank == 0 and resume and saved.is_file():

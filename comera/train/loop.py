@@ -54,6 +54,7 @@ from comera.train.logging import (
 )
 from comera.train.measures import lr_scale, model_size, peak_memory_mb
 from comera.train.optim import adamw_init, adamw_step, leaf_groups, sgd_step
+from comera.train.run_lock import hold_run_dir
 from comera.train.stages import StageController
 from comera.train.sync_free import SyncFreeStep
 from comera.train.task import (
@@ -280,6 +281,10 @@ class Trainer:
         # mode's (cuda_graph without CUDA) have passed: a refused run leaves no empty
         # folder behind
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # before anything is written there (a resume truncates metrics.jsonl): one process
+        # trains into a run dir at a time, held while this trainer lives
+        self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world,
+                                      flag="" if resume else "run_dir")  # fmt: skip
         self.config_dict = {"train": dataclasses.asdict(cfg), **(extra_config or {})}
         self.initial_size = int(reference_size) if reference_size is not None else (
             model_size(self.params, self.state))  # fmt: skip

@@ -281,6 +281,44 @@ def test_resume_replays_config_and_allows_only_reporting_changes(tmp_path, capsy
     assert mnli.main(["--resume", str(run_dir), *tokenizer]) == 0
 
 
+def test_resume_of_a_run_another_process_trains_is_refused_untouched(tmp_path, capsys):
+    """A second ``--resume`` (a requeued job beside the old one) rewrote config.json's
+    resumes, cleared a stopped attempt's rows and truncated metrics.jsonl under the run
+    still training there; it is refused first, as one line naming the holder."""
+    import shutil
+    import subprocess
+    import textwrap
+
+    run_dir = tmp_path / "run"
+    assert mnli.main([*FAST, "--run-dir", str(run_dir)]) == 0
+    shutil.rmtree(run_dir / "checkpoints")  # as if stopped before its first checkpoint
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    code = textwrap.dedent(f"""
+        import sys
+        from comera.train.run_lock import hold_run_dir
+        lock = hold_run_dir({str(run_dir)!r})
+        print("held", flush=True)
+        sys.stdin.read()
+    """)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=repo, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": repo})  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        capsys.readouterr()
+        assert mnli.main(["--resume", str(run_dir)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"in use by another run (pid {holder.pid} " in err
+        after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+        assert {k: v for k, v in after.items() if k != ".lock"} == {
+            k: v for k, v in before.items() if k != ".lock"
+        }
+    finally:
+        holder.communicate("")
+    assert mnli.main(["--resume", str(run_dir)]) == 0  # its holder gone: it starts over
+
+
 def test_resume_of_a_run_without_a_checkpoint_starts_it_over(tmp_path, capsys):
     """A run stopped before its first checkpoint (a crash, Ctrl-C) could be neither rerun
     (the dir is in use) nor resumed (nothing saved): ``--resume`` now starts it over from

@@ -1,0 +1,187 @@
+"""One process per run dir: a second one is refused before it writes anything there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from comera.train import Trainer
+from comera.train.run_lock import LOCK_FILE, RunDirInUseError, hold_run_dir
+from tests.train_helpers import ToyTask, _cfg, _toy_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        **kw,
+    )
+
+
+def _holder(run_dir: Path) -> subprocess.Popen:
+    """Another process, holding ``run_dir``'s lock until its stdin closes."""
+    proc = _python(f"""
+        import sys
+        from comera.train.run_lock import hold_run_dir
+        lock = hold_run_dir({str(run_dir)!r})
+        print("held", flush=True)
+        sys.stdin.read()
+    """)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _try_lock(run_dir: Path) -> str:
+    """What another process gets when it tries ``run_dir``'s lock: "held" or the error."""
+    proc = _python(f"""
+        from comera.train.run_lock import RunDirInUseError, hold_run_dir
+        try:
+            hold_run_dir({str(run_dir)!r})
+            print("held")
+        except RunDirInUseError as e:
+            print(e)
+    """)
+    return proc.communicate("")[0].strip()
+
+
+def _files(run_dir: Path) -> dict[str, bytes]:
+    """Every file of the run (the holder's lock file aside), by path."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != LOCK_FILE}  # fmt: skip
+
+
+def test_a_second_process_is_refused_before_it_writes(tmp_path):
+    """A resume while another process trains into the run (a requeued job beside the old
+    one) interleaved metrics.jsonl and could delete the other's half-written checkpoint;
+    it is refused, naming the holder, with the run's files as they were."""
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    params, state = _toy_model()
+    Trainer(cfg, ToyTask(), params, state).fit(until=15)  # a pause: checkpoint at 15
+    run_dir = Path(cfg.run_dir)
+    with open(run_dir / "metrics.jsonl", "a") as f:  # the holder's rows past it
+        f.write(json.dumps({"step": 17, "loss": 0.5}) + "\n")
+    before = _files(run_dir)
+    proc = _holder(run_dir)
+    try:
+        with pytest.raises(RunDirInUseError, match=rf"in use by another run \(pid {proc.pid} on "):
+            Trainer(cfg, ToyTask(), params, state, resume=True)
+        assert _files(run_dir) == before  # metrics.jsonl not cut back to step 15
+    finally:
+        proc.communicate("")
+    tr = Trainer(cfg, ToyTask(), params, state, resume=True)  # its holder has gone
+    assert tr.step == 15 and '"step": 17' not in (run_dir / "metrics.jsonl").read_text()
+
+
+def test_one_process_shares_its_lock_and_releases_it_with_its_last_holder(tmp_path):
+    """``fit(until=k)`` then ``fit()``, and a second trainer of the run in the same process,
+    are one process: not refused. The lock ends with the last trainer holding it."""
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    params, state = _toy_model()
+    first = Trainer(cfg, ToyTask(), params, state)
+    first.fit(until=10)
+    first.fit(until=15)
+    second = Trainer(cfg, ToyTask(), params, state, resume=True)
+    assert second.step == 15
+    assert "in use by another run" in _try_lock(Path(cfg.run_dir))
+    del first
+    assert "in use by another run" in _try_lock(Path(cfg.run_dir))  # second holds it
+    del second
+    assert _try_lock(Path(cfg.run_dir)) == "held"
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path):
+    """DataLoader workers are forked: a child's copy of the descriptor kept the lock after
+    its parent ended (a requeue after SIGKILL waited for the workers). Children close it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock = hold_run_dir(run_dir)
+    pid = os.fork()
+    if pid == 0:  # the child: holds nothing, sleeps past the parent's release
+        time.sleep(30)
+        os._exit(0)
+    try:
+        lock.release()
+        assert _try_lock(run_dir) == "held"  # another process takes it while the child lives
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+def test_the_lock_file_names_its_holder(tmp_path):
+    lock = hold_run_dir(tmp_path, flag="--run-dir")
+    info = json.loads((tmp_path / LOCK_FILE).read_text())
+    assert info["pid"] == os.getpid() and info["host"] and info["since"]
+    assert lock.held
+    lock.release()
+    lock.release()  # twice: nothing more
+    assert not lock.held
+
+
+RANKS = """
+import sys
+from pathlib import Path
+from comera.train import Trainer
+from comera.train.distributed import init_distributed
+from comera.train.run_lock import RunDirInUseError
+from tests.train_helpers import ToyTask, _cfg, _toy_model
+rank, world = init_distributed("cpu")
+try:
+    tr = Trainer(_cfg(Path(sys.argv[1]), steps=2), ToyTask(rank, world), *_toy_model())
+except RunDirInUseError as e:
+    print(f"rank {rank}: {e}", file=sys.stderr)
+    sys.exit(2)
+tr.fit()
+"""
+
+
+def test_every_rank_of_a_distributed_run_gets_rank_0s_outcome(tmp_path, capfd):
+    """Rank 0 takes the lock for the run; when another process holds it, every rank is
+    refused with its message (not rank 0 alone, leaving the others waiting)."""
+    from tests.train_helpers import free_port
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    (tmp_path / "run").mkdir()
+
+    def spawn() -> list[int]:
+        port = str(free_port())
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(script), str(tmp_path)],
+                env={
+                    **os.environ,
+                    "PYTHONPATH": str(REPO),
+                    "OMP_NUM_THREADS": "1",
+                    "RANK": str(r),
+                    "WORLD_SIZE": "2",
+                    "LOCAL_RANK": str(r),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                },  # fmt: skip
+            )
+            for r in range(2)
+        ]
+        return [p.wait(timeout=180) for p in procs]
+
+    holder = _holder(tmp_path / "run")
+    try:
+        assert spawn() == [2, 2]
+    finally:
+        holder.communicate("")
+    err = capfd.readouterr().err
+    assert all(f"rank {r}: {tmp_path / 'run'} is in use by another run" in err for r in (0, 1))
+    assert spawn() == [0, 0]  # then the run trains, both ranks
