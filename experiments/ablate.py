@@ -51,7 +51,8 @@ import torch
 
 import comera as C
 from comera.train import NonFiniteLoss, read_metrics
-from comera.train.distributed import launched_world, own_process_group
+from comera.train.distributed import init_distributed, launched_world, own_process_group
+from comera.train.run_lock import hold_run_dir
 from comera.tree import iter_tt
 from experiments import cli
 from experiments.host import report_header
@@ -554,6 +555,10 @@ def _prepare_afresh(
     was there is moved aside meanwhile and put back if preparing fails (a missing file, a
     bad value), otherwise it is deleted first (a later variant of a command that already
     retrained others: an old run kept there would mix two commands in one report)."""
+    # its old run is moved and deleted below: refused while another process trains there
+    # (a second ablation command, a --resume of a variant), as the commands' runs are
+    rank, world = init_distributed(cfg.train.device)
+    guard = hold_run_dir(run_dir, rank, world, flag="--runs-dir")
     aside = _put_back(run_dir)
     if not keep_old:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -567,6 +572,7 @@ def _prepare_afresh(
             aside.rename(run_dir)
         raise
     shutil.rmtree(aside, ignore_errors=True)
+    del guard  # the new run's trainer holds its folder
     return run
 
 

@@ -1002,6 +1002,13 @@ def prepare(
     run_dir = Path(cfg.train.run_dir)
     flag = "--resume" if resume else "--run-dir"
     check_folder(run_dir, flag)
+    rank, world = init_distributed(cfg.train.device)
+    # before the run's records are read or touched (a stopped attempt's rows cleared,
+    # config.json's resumes) and minutes of data preparation, a run dir another process
+    # trains into is refused: any resumed one, and a run's folder given to a new run (its
+    # "already holds a run; continue it with --resume" would then be refused); a new
+    # folder is locked by the trainer that makes it
+    lock = hold_run_dir(run_dir, rank, world, flag="" if resume else flag, existing=not resume)
     if not resume and (run_dir / "config.json").exists():
         raise CLIError(
             f"{run_dir} already holds a run; continue it with --resume {run_dir}, or give "
@@ -1015,11 +1022,6 @@ def prepare(
             "resume it); move them away or give another --run-dir (nothing there is "
             "overwritten)"
         )
-    rank, world = init_distributed(cfg.train.device)
-    # a resume: before the run's records are touched (a stopped attempt's rows cleared,
-    # config.json's resumes) and minutes of data preparation, a run dir another process
-    # trains into is refused (a new run's folder is locked by the trainer that makes it)
-    lock = hold_run_dir(run_dir, rank, world) if resume else None
     history: dict = {}  # what a restarted run's record keeps of the one it restarts
     if resume and not complete_checkpoints(run_dir):
         # it stopped before its first checkpoint (a crash, Ctrl-C): nothing to continue,

@@ -1,6 +1,11 @@
 """The toy task of the trainer tests: fit a low-rank linear map with one TT layer."""
 
+import os
 import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import torch
 
@@ -139,3 +144,45 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+def lock_holder(run_dir: Path) -> subprocess.Popen:
+    """Another process, holding ``run_dir``'s run lock until its stdin closes
+    (``proc.communicate("")`` ends it)."""
+    proc = _python(f"""
+        import sys
+        from comera.train.run_lock import hold_run_dir
+        lock = hold_run_dir({str(run_dir)!r})
+        print("held", flush=True)
+        sys.stdin.read()
+    """)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def try_lock(run_dir: Path) -> str:
+    """What another process gets when it tries ``run_dir``'s run lock: "held" or the
+    refusal's message."""
+    proc = _python(f"""
+        from comera.train.run_lock import RunDirInUseError, hold_run_dir
+        try:
+            hold_run_dir({str(run_dir)!r})
+            print("held")
+        except RunDirInUseError as e:
+            print(e)
+    """)
+    return proc.communicate("")[0].strip()

@@ -218,6 +218,12 @@ class Trainer:
         if found is not None and not found.is_dir():
             raise ConfigError(f"TrainConfig.run_dir={cfg.run_dir}: {found} is a file, not a "
                               "folder; give a folder (new, or the run's to resume)")  # fmt: skip
+        self.rank, self.world = rank_world()
+        # a run's folder (it holds a lock file) another process trains into is refused as
+        # such, before the checks below read its files (which would advise deleting them)
+        lock_flag = "" if resume else "run_dir (--run-dir)"
+        early_lock = hold_run_dir(self.run_dir, self.rank, self.world, flag=lock_flag,
+                                  existing=True)  # fmt: skip
         if reference_size is not None and (
             isinstance(reference_size, bool) or not isinstance(reference_size, numbers.Integral)
             or reference_size < 1
@@ -250,7 +256,6 @@ class Trainer:
             )
         if resume and not self.run_dir.is_dir():  # not made empty only to be refused
             raise CheckpointError(f"no run to resume in {self.run_dir}: it does not exist")
-        self.rank, self.world = rank_world()
         # the loop updates its parameters in place: a copy unless the caller hands them over
         self.params = tree_map(
             lambda t: t.detach().to(self.device, copy=copy).requires_grad_(True), params
@@ -283,8 +288,9 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # before anything is written there (a resume truncates metrics.jsonl): one process
         # trains into a run dir at a time, held while this trainer lives
-        self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world,
-                                      flag="" if resume else "run_dir")  # fmt: skip
+        self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world, flag=lock_flag)
+        del early_lock  # (its share, if any, is the one just counted again)
+        self._closed = False
         self.config_dict = {"train": dataclasses.asdict(cfg), **(extra_config or {})}
         self.initial_size = int(reference_size) if reference_size is not None else (
             model_size(self.params, self.state))  # fmt: skip
@@ -917,8 +923,19 @@ class Trainer:
             isinstance(until, bool) or not isinstance(until, Integral) or until < 0
         ):  # a negative step was a silent no-op
             raise ConfigError(f"fit(until=...) must be a step (an int >= 0) or None, got {until!r}")
+        if self._closed:  # the run dir was given back (close): taken again first
+            self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world)
+            self._closed = False
         with self._own_streams():
             return self._fit(until)
+
+    def close(self) -> None:
+        """Give the run dir back, so that another process may train into it (a resume in
+        a subprocess, say) while this trainer object lives on; otherwise the lock ends
+        with the trainer. A later :meth:`fit` takes it again (refused if another process
+        holds it then). Every rank of a distributed run calls it."""
+        self._run_lock.release()
+        self._closed = True
 
     def _fit(self, until: int | None) -> dict:
         from tqdm.auto import tqdm

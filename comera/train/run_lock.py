@@ -44,9 +44,10 @@ __all__ = ["LOCK_FILE", "RunDirInUseError", "RunDirLock", "hold_run_dir"]
 
 LOCK_FILE = ".lock"
 
-# the locks this process holds: resolved run dir -> [descriptor, holders]; and every
-# descriptor still open, by number (a deleted folder's lock too, whose holders live on)
-_HELD: dict[str, list[int]] = {}
+# the locks this process holds: the run dir's (device, inode) -> [descriptor, holders] (a
+# folder renamed or reached by another path is the same folder); and every descriptor
+# still open, by number (a deleted folder's lock too, whose holders live on)
+_HELD: dict[tuple[int, int], list[int]] = {}
 _OPEN: dict[int, list[int]] = {}
 
 
@@ -81,7 +82,7 @@ class RunDirLock:
     """One holder's share of a run dir's lock; :meth:`release` (or garbage collection)
     gives it back, and the lock ends with its last holder in this process."""
 
-    def __init__(self, key: str | None, entry: list[int] | None) -> None:
+    def __init__(self, key: tuple[int, int] | None, entry: list[int] | None) -> None:
         # None: nothing held (another rank's share, or a file system that cannot lock)
         self._key, self._entry = key, entry
 
@@ -119,16 +120,21 @@ def _same_file(fd: int, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _take(run_dir: Path, flag: str) -> RunDirLock:
-    key = os.path.realpath(run_dir)
-    path = Path(key) / LOCK_FILE
-    entry = _HELD.get(key)
-    if entry is not None and _same_file(entry[0], path):
-        entry[1] += 1
-        return RunDirLock(key, entry)
-    _HELD.pop(key, None)  # a lock of a folder since deleted: its holders keep their share
+def _take(run_dir: Path, flag: str, existing: bool) -> RunDirLock:
+    path = run_dir / LOCK_FILE
+    if not run_dir.is_dir() or (existing and not path.is_file()):
+        return RunDirLock(None, None)  # decided here, on rank 0: the others follow it
+    key: tuple[int, int] | None = None
     fd = -1
     try:
+        st = os.stat(run_dir)
+        key = (st.st_dev, st.st_ino)
+        entry = _HELD.get(key)
+        if entry is not None and _same_file(entry[0], path):
+            entry[1] += 1
+            return RunDirLock(key, entry)
+        # a lock of a folder since deleted (its inode reused): its holders keep their share
+        _HELD.pop(key, None)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # close-on-exec (PEP 446)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -143,7 +149,7 @@ def _take(run_dir: Path, flag: str) -> RunDirLock:
         warnings.warn(
             f"{run_dir}: cannot lock {path} ({e.strerror}); nothing keeps a second process "
             "from training into this run dir at the same time",
-            stacklevel=3,
+            stacklevel=5,  # hold_run_dir's caller (through rank_first)
         )
         return RunDirLock(None, None)
     since = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -152,19 +158,23 @@ def _take(run_dir: Path, flag: str) -> RunDirLock:
     with contextlib.suppress(OSError):  # who holds it, for the next process's message
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-    entry = _HELD[key] = _OPEN[fd] = [fd, 1]
+    entry = _HELD[key] = _OPEN[fd] = [fd, 1]  # type: ignore[index]
     return RunDirLock(key, entry)
 
 
 def hold_run_dir(
-    run_dir: str | Path, rank: int = 0, world: int = 1, *, flag: str = ""
+    run_dir: str | Path, rank: int = 0, world: int = 1, *, flag: str = "", existing: bool = False
 ) -> RunDirLock:
-    """Take (or share) the lock of the existing folder ``run_dir`` for this process, or
-    raise :class:`RunDirInUseError` naming its holder (and ``flag``, the field or command
-    flag a new run would change to go elsewhere; "" for a resume, which has no other
-    folder). Rank 0 of a distributed run takes it; the other ranks raise rank 0's error
-    or hold nothing."""
+    """Take (or share) the lock of the folder ``run_dir`` for this process, or raise
+    :class:`RunDirInUseError` naming its holder (and ``flag``, the field or command flag a
+    new run would change to go elsewhere; "" for a resume, which has no other folder). A
+    folder that does not exist holds nothing (lock it once made); with ``existing``, nor
+    does one without a lock file (no run's folder: nothing is created in it). Rank 0 of a
+    distributed run decides and takes it; the others raise its error or hold nothing
+    (every rank must call this at the same point: it is a collective)."""
     run_dir = Path(run_dir)
     return rank_first(
-        lambda: _take(run_dir, flag) if rank == 0 else RunDirLock(None, None), rank, world
+        lambda: _take(run_dir, flag, existing) if rank == 0 else RunDirLock(None, None),
+        rank,
+        world,
     )

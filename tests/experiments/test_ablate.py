@@ -708,3 +708,25 @@ def test_report_only_rebuilds_the_variants_the_recorded_set_items_named(tmp_path
     assert ablate.main(args) == 0
     assert ablate.main([*args[:-2], "--report-only"]) == 0
     assert seen[0] == seen[1] == ["steps=20", "steps=40", "steps=60"]
+
+
+def test_a_variant_dir_another_process_trains_is_not_moved_or_deleted(tmp_path, capsys):
+    """A second ablation command (or one beside a --resume of a variant) renamed the
+    variant's folder aside and deleted it under the run training there; it is refused
+    first, naming the holder and --runs-dir, with the folder as it was."""
+    from tests.train_helpers import lock_holder
+
+    variant = tmp_path / "ablate-gamma-smoke" / "0.05"
+    variant.mkdir(parents=True)
+    (variant / "metrics.jsonl").write_text('{"step": 1}\n')
+    holder = lock_holder(variant)
+    try:
+        args = ["gamma", "--experiment", "mnli", "--preset", "smoke", "--values", "0.05,0.1"]
+        out = ["--runs-dir", str(tmp_path), "--reports", str(tmp_path / "rep")]
+        assert ablate.main([*args, *SMALL, *out]) == 2
+    finally:
+        holder.communicate("")
+    err = capsys.readouterr().err
+    assert f"is in use by another run (pid {holder.pid} " in err and "--runs-dir" in err
+    assert (variant / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert not (variant.parent / "0.05.replaced").exists()

@@ -319,6 +319,25 @@ def test_resume_of_a_run_another_process_trains_is_refused_untouched(tmp_path, c
     assert mnli.main(["--resume", str(run_dir)]) == 0  # its holder gone: it starts over
 
 
+def test_a_new_run_into_a_run_dir_in_use_is_told_so(tmp_path, capsys):
+    """A new run given the folder of a run another process trains was told to continue
+    it with --resume, which that process's lock then refused."""
+    from tests.train_helpers import lock_holder
+
+    run_dir = tmp_path / "run"
+    assert mnli.main([*FAST, "--run-dir", str(run_dir)]) == 0
+    holder = lock_holder(run_dir)
+    try:
+        capsys.readouterr()
+        assert mnli.main([*FAST, "--run-dir", str(run_dir)]) == 2
+    finally:
+        holder.communicate("")
+    err = capsys.readouterr().err.strip()
+    assert "in use by another run" in err and err.endswith("or give another --run-dir")
+    assert mnli.main([*FAST, "--run-dir", str(run_dir)]) == 2  # free again: the old refusal
+    assert "already holds a run; continue it with --resume" in capsys.readouterr().err
+
+
 def test_resume_of_a_run_without_a_checkpoint_starts_it_over(tmp_path, capsys):
     """A run stopped before its first checkpoint (a crash, Ctrl-C) could be neither rerun
     (the dir is in use) nor resumed (nothing saved): ``--resume`` now starts it over from

@@ -2,59 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from comera.errors import CheckpointError
 from comera.train import Trainer
 from comera.train.run_lock import LOCK_FILE, RunDirInUseError, hold_run_dir
-from tests.train_helpers import ToyTask, _cfg, _toy_model
+from tests.train_helpers import ToyTask, _cfg, _toy_model, lock_holder, try_lock
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _python(code: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        **kw,
-    )
-
-
-def _holder(run_dir: Path) -> subprocess.Popen:
-    """Another process, holding ``run_dir``'s lock until its stdin closes."""
-    proc = _python(f"""
-        import sys
-        from comera.train.run_lock import hold_run_dir
-        lock = hold_run_dir({str(run_dir)!r})
-        print("held", flush=True)
-        sys.stdin.read()
-    """)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-    return proc
-
-
-def _try_lock(run_dir: Path) -> str:
-    """What another process gets when it tries ``run_dir``'s lock: "held" or the error."""
-    proc = _python(f"""
-        from comera.train.run_lock import RunDirInUseError, hold_run_dir
-        try:
-            hold_run_dir({str(run_dir)!r})
-            print("held")
-        except RunDirInUseError as e:
-            print(e)
-    """)
-    return proc.communicate("")[0].strip()
 
 
 def _files(run_dir: Path) -> dict[str, bytes]:
@@ -74,7 +37,7 @@ def test_a_second_process_is_refused_before_it_writes(tmp_path):
     with open(run_dir / "metrics.jsonl", "a") as f:  # the holder's rows past it
         f.write(json.dumps({"step": 17, "loss": 0.5}) + "\n")
     before = _files(run_dir)
-    proc = _holder(run_dir)
+    proc = lock_holder(run_dir)
     try:
         with pytest.raises(RunDirInUseError, match=rf"in use by another run \(pid {proc.pid} on "):
             Trainer(cfg, ToyTask(), params, state, resume=True)
@@ -95,11 +58,11 @@ def test_one_process_shares_its_lock_and_releases_it_with_its_last_holder(tmp_pa
     first.fit(until=15)
     second = Trainer(cfg, ToyTask(), params, state, resume=True)
     assert second.step == 15
-    assert "in use by another run" in _try_lock(Path(cfg.run_dir))
+    assert "in use by another run" in try_lock(Path(cfg.run_dir))
     del first
-    assert "in use by another run" in _try_lock(Path(cfg.run_dir))  # second holds it
+    assert "in use by another run" in try_lock(Path(cfg.run_dir))  # second holds it
     del second
-    assert _try_lock(Path(cfg.run_dir)) == "held"
+    assert try_lock(Path(cfg.run_dir)) == "held"
 
 
 def test_a_forked_child_does_not_keep_the_lock(tmp_path):
@@ -114,7 +77,7 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
         os._exit(0)
     try:
         lock.release()
-        assert _try_lock(run_dir) == "held"  # another process takes it while the child lives
+        assert try_lock(run_dir) == "held"  # another process takes it while the child lives
         assert os.waitpid(pid, os.WNOHANG) == (0, 0)
     finally:
         os.kill(pid, 9)
@@ -137,7 +100,7 @@ from pathlib import Path
 from comera.train import Trainer
 from comera.train.distributed import init_distributed
 from comera.train.run_lock import RunDirInUseError
-from tests.train_helpers import ToyTask, _cfg, _toy_model
+from tests.train_helpers import ToyTask, _cfg, _toy_model, lock_holder, try_lock
 rank, world = init_distributed("cpu")
 try:
     tr = Trainer(_cfg(Path(sys.argv[1]), steps=2), ToyTask(rank, world), *_toy_model())
@@ -177,7 +140,7 @@ def test_every_rank_of_a_distributed_run_gets_rank_0s_outcome(tmp_path, capfd):
         ]
         return [p.wait(timeout=180) for p in procs]
 
-    holder = _holder(tmp_path / "run")
+    holder = lock_holder(tmp_path / "run")
     try:
         assert spawn() == [2, 2]
     finally:
@@ -185,3 +148,52 @@ def test_every_rank_of_a_distributed_run_gets_rank_0s_outcome(tmp_path, capfd):
     err = capfd.readouterr().err
     assert all(f"rank {r}: {tmp_path / 'run'} is in use by another run" in err for r in (0, 1))
     assert spawn() == [0, 0]  # then the run trains, both ranks
+
+
+def test_a_renamed_run_dir_is_still_this_processs(tmp_path):
+    """The lock was shared by path: a run dir moved while its trainer lived refused its
+    own process at the new path. It is shared by folder (device, inode)."""
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    first = Trainer(cfg, ToyTask(), *_toy_model())
+    first.fit(until=10)
+    moved = tmp_path / "moved"
+    os.rename(cfg.run_dir, moved)
+    second = Trainer(dataclasses.replace(cfg, run_dir=str(moved)), ToyTask(), *_toy_model(),
+                     resume=True)  # fmt: skip
+    assert second.step == 10
+    assert "in use by another run" in try_lock(moved)
+    del first, second
+
+
+def test_close_gives_the_run_dir_back_and_fit_takes_it_again(tmp_path):
+    """A trainer kept alive (a notebook; a sync_free trainer, whose step holds a method of
+    it, lives until the garbage collector runs) held the run dir; ``close`` gives it back,
+    and a later ``fit`` takes it again, refused while another process holds it."""
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    tr = Trainer(cfg, ToyTask(), *_toy_model())
+    tr.fit(until=10)
+    tr.close()
+    holder = lock_holder(Path(cfg.run_dir))
+    try:
+        with pytest.raises(RunDirInUseError, match="in use by another run"):
+            tr.fit()
+    finally:
+        holder.communicate("")
+    tr.fit()
+    assert tr.step == 20 and "in use by another run" in try_lock(Path(cfg.run_dir))
+
+
+def test_a_new_trainer_in_a_run_dir_in_use_is_told_so_first(tmp_path):
+    """A new trainer given the folder of a run another process trains (before its first
+    checkpoint) was told to delete that run's metrics.jsonl to start over there."""
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit(until=0)  # config.json, the lock file
+    (Path(cfg.run_dir) / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    holder = lock_holder(Path(cfg.run_dir))
+    try:
+        with pytest.raises(RunDirInUseError, match=r"or give another run_dir \(--run-dir\)"):
+            Trainer(cfg, ToyTask(), *_toy_model())
+    finally:
+        holder.communicate("")
+    with pytest.raises(CheckpointError, match="holds metrics.jsonl of a run"):
+        Trainer(cfg, ToyTask(), *_toy_model())
