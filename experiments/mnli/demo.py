@@ -106,6 +106,12 @@ def run_demo(sets: list[str], runs_dir: Path, *, restart: bool = False) -> dict:
                     "(--wandb offline is --set train.wandb=offline; python -m experiments.mnli "
                     "--help names each flag's key): run the demo again"
                 ) from None
+            if isinstance(e, KeyboardInterrupt) and not isinstance(e, cli.Interrupted):
+                # Ctrl-C or SIGTERM while the run read its data: a traceback, or (SIGTERM)
+                # a silent exit, where the experiment's command says it in one line
+                status, signame = cli.stop_signal(e)
+                how = f"stopped by {signame} before it trained"
+                e = cli.Interrupted(how, status, rank, how)
             if not isinstance(e, cli.Interrupted):
                 raise
             # the table needs both runs: the demo starts anew
@@ -183,7 +189,8 @@ def _main(argv: list[str] | None) -> int:
         args = ap.parse_args(argv)
         if not args.runs_dir.strip():
             raise cli.CLIError("--runs-dir is empty; give a folder (default: runs)")
-        out = run_demo(args.sets, Path(args.runs_dir), restart=argv is None)
+        with cli.sigterm_as_interrupt():  # as the experiment's command, data reading too
+            out = run_demo(args.sets, Path(args.runs_dir), restart=argv is None)
     except cli.USER_ERRORS as e:  # bad input: one line; anything else keeps its traceback
         return cli.user_error(ap.prog, e)
     except NonFiniteLoss as e:  # a training outcome, as the experiment's command says it

@@ -7,8 +7,11 @@ the library is a bug and must keep its traceback, wherever it is raised."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -294,6 +297,31 @@ def test_a_run_the_demo_cannot_start_is_said_as_the_demo_takes_it(tmp_path, monk
     assert "mnli-smoke-comera" not in line
     assert line.endswith("run the demo again")
     assert not list(runs.iterdir())  # nothing left of the refused start
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_the_demo_stopped_while_a_run_reads_its_data_says_so(tmp_path, monkeypatch, capsys,
+                                                            signum):  # fmt: skip
+    """Ctrl-C while the demo's run read its data was a traceback, and SIGTERM (a
+    scheduler's preemption) a silent exit 143 that left the reserved folder behind; the
+    experiment's command says both in one line."""
+    from experiments.mnli import demo
+
+    def reading(*a, **kw):  # the signal arrives while the run prepares its data
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # (SIGINT's KeyboardInterrupt comes at the next bytecode)
+
+    monkeypatch.setattr(demo.mnli, "run", reading)
+    runs = tmp_path / "runs"
+    assert demo.main(["--runs-dir", str(runs)]) == 128 + signum
+    err = capsys.readouterr().err.strip()
+    name = signal.Signals(signum).name
+    assert err.startswith("python -m experiments.mnli.demo: its comera run (") and (
+        err.endswith(
+            f"stopped by {name} before it trained; run the demo again (it trains both runs anew)"
+        )  # fmt: skip
+    ), err
+    assert len(err.splitlines()) == 1 and not list(runs.iterdir())
 
 
 def test_the_demo_scores_the_cue_on_what_the_runs_evaluated(tmp_path, monkeypatch, capsys):
