@@ -1,6 +1,7 @@
 """Ablations as a command: one run per variant (same seed, same data), grouped in wandb,
 summarized in ``reports/ablation_<name>.md`` (``ablation_<experiment>_<name>.md`` for
-experiments other than MNLI) with a PNG.
+experiments other than MNLI, and for every experiment's ``compression`` and
+``target_compression``) with a PNG.
 
     python -m experiments.ablate contraction --experiment mnli --preset smoke
     python -m experiments.ablate rank --experiment dlrm --preset smoke --values 8,16,32

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -107,7 +108,11 @@ def ensure_smoke_run(exp_main: Any, run_dir: Path, *, dense: bool, label: str) -
         argv = ["--preset", "smoke", "--run-dir", str(run_dir), "--no-progress"]
         code = exp_main([*argv, "--dense"] if dense else argv)
     if code:  # its own status: 2 (bad input) is not a bug's 1
-        print(f"{label}: the run in {run_dir} failed (exit {code})", file=sys.stderr)
+        if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # not a failure
+            print(f"{label}: the run in {run_dir} was stopped (exit {code}); run the report "
+                  "again to finish it", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"{label}: the run in {run_dir} failed (exit {code})", file=sys.stderr)
         raise SystemExit(code)
     # by what it logged and saved: a resume that trains nothing still rewrites the metrics
     # file (its rows after the checkpoint), and its report restamped a finished run

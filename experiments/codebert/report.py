@@ -327,6 +327,17 @@ def _corpus_lines(s: dict) -> list[str]:
     ]
 
 
+def _stages(s: dict) -> str:
+    """The CoMERA schedule as far as the runs' steps reached it (a short run never gets to
+    the late stage, nor perhaps to the gate regularizer)."""
+    early, reg, steps = s["early_steps"], s["reg_start_step"], s["steps"]
+    if steps <= min(early, reg):
+        return f"early stage only ({early} steps; the gate regularizer would start at step {reg})"
+    if steps <= early:
+        return f"early stage only ({early} steps, gate regularizer from step {reg})"
+    return f"early stage {early} steps (gate regularizer from step {reg}), then the late stage"
+
+
 def _pieces(s: dict) -> str:
     """How the files were cut: the groups' piece lengths as prepared, or (a JSON from
     before they were kept) the run's ``data.max_doc_tokens``."""
@@ -386,8 +397,7 @@ def render(data: dict, out_dir: Path) -> str:
         corpus[-1] + f"{_pieces(s)}{_mixed(s)}, packed into rows of {s['seq_len']}. "
         f"Model: {s['layers']} layers, width "
         f"{s['d_model']}, {s['heads']} heads, FFN {s['ffn']}; CoMERA: TT linears at rank "
-        f"{s['rank']}, TTM embedding at rank {s['emb_rank']}, early stage {s['early_steps']} "
-        f"steps (gate regularizer from step {s['reg_start_step']}), then the late stage. "
+        f"{s['rank']}, TTM embedding at rank {s['emb_rank']}, {_stages(s)}. "
         f"{s['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens, AdamW (CoMERA "
         f"cores {s['lr_cores']}, others {s['lr_rest']}; the dense run uses {s['lr_rest']} "
         f"throughout), {s['warmup_steps']} warm-up steps, linear decay.",

@@ -221,7 +221,7 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
         if not path.is_file():
             raise MissingFileError(
                 f"tokenizer file {str(path)!r} does not exist; pass --tokenizer a tokenizer.json "
-                "or a directory holding one (write_generated_files writes one)"
+                "or a directory holding one (a Hugging Face model folder has one)"
             )
         try:
             return Tokenizer.from_file(str(path))

@@ -150,6 +150,16 @@ def test_report_is_rendered_from_its_json(smoke_runs: Path, tmp_path: Path, monk
     text = (again / "codebert.md").read_text()
     assert "(CPU, `--corpus` folders)" in text and "app: `/src/app`, lib: `/src/lib`" in text
     assert "standard library" not in text
+    # a run shorter than its early stage was described as going on into the late stage
+    for steps, said in ((400, "early stage only (2000 steps; the gate regularizer would start "
+                               "at step 1000)"),
+                        (1500, "early stage only (2000 steps, gate regularizer from step 1000)"),
+                        (3000, "early stage 2000 steps (gate regularizer from step 1000), then "
+                               "the late stage")):  # fmt: skip
+        data["setup"] |= {"steps": steps, "early_steps": 2000, "reg_start_step": 1000}
+        report.write_report_json(tmp_path / "short.json", data)
+        assert report.main(["--from-json", str(tmp_path / "short.json"), "--out", str(again)]) == 0
+        assert said + ". " in (again / "codebert.md").read_text()
 
 
 def test_the_mix_audit_weighs_every_sub_dataset() -> None:
