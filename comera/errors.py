@@ -10,11 +10,13 @@ from inside the library included, is a bug and keeps its traceback.
   used (:class:`IdOutOfRangeError` for an id outside its table, also an ``IndexError``);
   :class:`MissingFileError` when a given path does not exist;
 * :class:`CheckpointError`: a checkpoint that is missing, corrupt, incomplete or from an
-  incompatible run.
+  incompatible run;
+* :class:`RunDirInUseError`: a run dir another process trains into
+  (:mod:`comera.train.run_lock`).
 
 ``ConfigError`` and ``DataError`` are also ``ValueError`` (``MissingFileError`` also
-``FileNotFoundError``; ``CheckpointError`` also ``RuntimeError``, as before), so callers'
-existing ``except`` clauses keep working.
+``FileNotFoundError``; ``CheckpointError`` also ``RuntimeError``, as before; so is
+``RunDirInUseError``), so callers' existing ``except`` clauses keep working.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "DataError",
     "IdOutOfRangeError",
     "MissingFileError",
+    "RunDirInUseError",
     "UserError",
     "first_line",
     "quiet_logger",
@@ -79,3 +82,7 @@ class MissingFileError(DataError, FileNotFoundError):
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, corrupt, incomplete or from an incompatible run."""
+
+
+class RunDirInUseError(UserError, RuntimeError):
+    """Another process holds the run dir's lock: it is training into that folder."""

@@ -13,9 +13,10 @@
 - ``checkpoint``: model single-writer, data and RNG state per rank, atomic and versioned.
 - ``logging``: ``metrics.jsonl``, wandb and ``ranks.json``.
 - ``measures``: live model size, learning-rate schedule, peak memory.
+- ``run_lock``: one process per run dir (``RunDirInUseError`` for a second).
 """
 
-from comera.errors import CheckpointError
+from comera.errors import CheckpointError, RunDirInUseError
 from comera.train.checkpoint import load_checkpoint
 from comera.train.config import ComeraConfig, TrainConfig
 from comera.train.distributed import init_distributed
@@ -33,6 +34,7 @@ __all__ = [
     "GaLoreConfig",
     "ModuleTask",
     "NonFiniteLoss",
+    "RunDirInUseError",
     "SGDConfig",
     "Task",
     "TrainConfig",

@@ -54,7 +54,7 @@ from comera.train.logging import (
 )
 from comera.train.measures import lr_scale, model_size, peak_memory_mb
 from comera.train.optim import adamw_init, adamw_step, leaf_groups, sgd_step
-from comera.train.run_lock import hold_run_dir
+from comera.train.run_lock import RunDirLock, hold_run_dir
 from comera.train.stages import StageController
 from comera.train.sync_free import SyncFreeStep
 from comera.train.task import (
@@ -195,6 +195,39 @@ class Trainer:
         copy: bool = True,
         auto_plans: bool = False,
     ) -> None:
+        self._locks: list[RunDirLock] = []  # the run dir's lock shares this trainer took
+        try:
+            self._setup(
+                cfg,
+                task,
+                params,
+                state,
+                resume=resume,
+                extra_config=extra_config,
+                reference_size=reference_size,
+                copy=copy,
+                auto_plans=auto_plans,
+            )
+        except BaseException:
+            # a refused trainer gives the run dir back at once, not when its exception (kept
+            # by a notebook, a retry loop, pytest.raises) is collected
+            for lock in self._locks:
+                lock.release()
+            raise
+
+    def _setup(
+        self,
+        cfg: TrainConfig,
+        task: Task,
+        params: object,
+        state: object,
+        *,
+        resume: bool,
+        extra_config: dict | None,
+        reference_size: int | None,
+        copy: bool,
+        auto_plans: bool,
+    ) -> None:
         self.cfg, self.task = cfg, task
         # a bare AttributeError at the first step, or (evaluate) after training, before
         # that step's checkpoint: the training lost
@@ -222,8 +255,8 @@ class Trainer:
         # a run's folder (it holds a lock file) another process trains into is refused as
         # such, before the checks below read its files (which would advise deleting them)
         lock_flag = "" if resume else "run_dir (--run-dir)"
-        early_lock = hold_run_dir(self.run_dir, self.rank, self.world, flag=lock_flag,
-                                  existing=True)  # fmt: skip
+        self._locks.append(hold_run_dir(self.run_dir, self.rank, self.world, flag=lock_flag,
+                                        existing=True))  # fmt: skip
         if reference_size is not None and (
             isinstance(reference_size, bool) or not isinstance(reference_size, numbers.Integral)
             or reference_size < 1
@@ -289,7 +322,8 @@ class Trainer:
         # before anything is written there (a resume truncates metrics.jsonl): one process
         # trains into a run dir at a time, held while this trainer lives
         self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world, flag=lock_flag)
-        del early_lock  # (its share, if any, is the one just counted again)
+        self._locks[0].release()  # (its share, if any, is the one just counted again)
+        self._locks = [self._run_lock]
         self._closed = False
         self.config_dict = {"train": dataclasses.asdict(cfg), **(extra_config or {})}
         self.initial_size = int(reference_size) if reference_size is not None else (
@@ -355,6 +389,7 @@ class Trainer:
 
     def checkpoint(self) -> Path:
         """Every rank writes its RNG and data position; rank 0 then writes the model."""
+        self._hold()
         with self._own_streams():
             return ck.save_trainer(self)
 
@@ -382,6 +417,7 @@ class Trainer:
         """Kill ranks by the prune rule; in the late stage with ``late_prune="schedule"``,
         then the smallest-share ranks until the model fits ``budget`` (default: the
         stage controller's budget for this step)."""
+        self._hold()
         c, before = self.cfg.comera, self.state
         self.state = prune_tree(self.params, self.state, c.tau, rule=c.prune_rule)
         if self.stages.prunes_to_budget():
@@ -444,6 +480,7 @@ class Trainer:
         """Prune (unless ``prune`` is False), then physically remove dead ranks from params
         and both moments. The ``compact_every`` events pass ``prune=False``: they change
         the layout only, never which ranks live (ranks die every ``prune_every`` steps)."""
+        self._hold()
         if prune:
             self.prune(budget)
         if "m" in self.opt:  # AdamW: its moments lose the same ranks
@@ -640,6 +677,7 @@ class Trainer:
         With ``train.step_mode`` other than ``eager`` the step is
         :class:`comera.train.sync_free.SyncFreeStep`'s: the same update with no host read
         until its end."""
+        self._hold()
         with self._own_streams():
             metrics = self._train_step(*batches)
         # each rank's forward updated its running buffers from its own share: every rank
@@ -923,19 +961,26 @@ class Trainer:
             isinstance(until, bool) or not isinstance(until, Integral) or until < 0
         ):  # a negative step was a silent no-op
             raise ConfigError(f"fit(until=...) must be a step (an int >= 0) or None, got {until!r}")
-        if self._closed:  # the run dir was given back (close): taken again first
-            self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world)
-            self._closed = False
+        self._hold()
         with self._own_streams():
             return self._fit(until)
 
     def close(self) -> None:
         """Give the run dir back, so that another process may train into it (a resume in
         a subprocess, say) while this trainer object lives on; otherwise the lock ends
-        with the trainer. A later :meth:`fit` takes it again (refused if another process
-        holds it then). Every rank of a distributed run calls it."""
+        with the trainer. A later call that writes there (:meth:`fit`,
+        :meth:`train_step`, :meth:`checkpoint`, :meth:`prune`, :meth:`compact`) takes it
+        again first, refused if another process holds it then. Every rank of a
+        distributed run calls it (taking it again is a collective)."""
         self._run_lock.release()
         self._closed = True
+
+    def _hold(self) -> None:
+        """Take the run dir again after :meth:`close`, before anything is written there."""
+        if self._closed:
+            self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world)
+            self._locks = [self._run_lock]
+            self._closed = False
 
     def _fit(self, until: int | None) -> dict:
         from tqdm.auto import tqdm

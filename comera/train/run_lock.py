@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import socket
@@ -37,8 +36,13 @@ import time
 import warnings
 from pathlib import Path
 
-from comera.errors import UserError
+from comera.errors import RunDirInUseError
 from comera.train.distributed import rank_first
+
+try:  # POSIX; elsewhere (Windows) runs go unguarded, with a warning
+    import fcntl
+except ImportError:  # pragma: no cover - no such platform in CI
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["LOCK_FILE", "RunDirInUseError", "RunDirLock", "hold_run_dir"]
 
@@ -49,10 +53,6 @@ LOCK_FILE = ".lock"
 # still open, by number (a deleted folder's lock too, whose holders live on)
 _HELD: dict[tuple[int, int], list[int]] = {}
 _OPEN: dict[int, list[int]] = {}
-
-
-class RunDirInUseError(UserError, RuntimeError):
-    """Another process holds the run dir's lock: it is training into that folder."""
 
 
 def _forget_in_child() -> None:
@@ -66,7 +66,11 @@ def _forget_in_child() -> None:
     _HELD.clear()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+# run dirs this process warned it could not lock: said once each, not at every call
+_WARNED: set[str] = set()
 
 
 def _holder(path: Path) -> str:
@@ -135,6 +139,8 @@ def _take(run_dir: Path, flag: str, existing: bool) -> RunDirLock:
             return RunDirLock(key, entry)
         # a lock of a folder since deleted (its inode reused): its holders keep their share
         _HELD.pop(key, None)
+        if fcntl is None:
+            raise OSError(errno.ENOSYS, "no flock on this platform")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # close-on-exec (PEP 446)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -146,11 +152,13 @@ def _take(run_dir: Path, flag: str, existing: bool) -> RunDirLock:
                 f"{run_dir} is in use by another run ({_holder(path)}): one process trains "
                 f"into a run dir at a time; wait for it to end (or stop it){other}"
             ) from None
-        warnings.warn(
-            f"{run_dir}: cannot lock {path} ({e.strerror}); nothing keeps a second process "
-            "from training into this run dir at the same time",
-            stacklevel=5,  # hold_run_dir's caller (through rank_first)
-        )
+        if str(path) not in _WARNED:
+            _WARNED.add(str(path))
+            warnings.warn(
+                f"{run_dir}: cannot lock {path} ({e.strerror}); nothing keeps a second "
+                "process from training into this run dir at the same time",
+                stacklevel=5,  # hold_run_dir's caller (through rank_first)
+            )
         return RunDirLock(None, None)
     since = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     info = {"pid": os.getpid(), "host": socket.gethostname(), "since": since,

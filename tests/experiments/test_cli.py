@@ -286,26 +286,15 @@ def test_resume_of_a_run_another_process_trains_is_refused_untouched(tmp_path, c
     resumes, cleared a stopped attempt's rows and truncated metrics.jsonl under the run
     still training there; it is refused first, as one line naming the holder."""
     import shutil
-    import subprocess
-    import textwrap
+
+    from tests.train_helpers import lock_holder
 
     run_dir = tmp_path / "run"
     assert mnli.main([*FAST, "--run-dir", str(run_dir)]) == 0
     shutil.rmtree(run_dir / "checkpoints")  # as if stopped before its first checkpoint
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
-    code = textwrap.dedent(f"""
-        import sys
-        from comera.train.run_lock import hold_run_dir
-        lock = hold_run_dir({str(run_dir)!r})
-        print("held", flush=True)
-        sys.stdin.read()
-    """)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    holder = subprocess.Popen([sys.executable, "-c", code], cwd=repo, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": repo})  # fmt: skip
+    holder = lock_holder(run_dir)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         capsys.readouterr()
         assert mnli.main(["--resume", str(run_dir)]) == 2
         err = capsys.readouterr().err.strip()

@@ -181,6 +181,45 @@ def test_close_gives_the_run_dir_back_and_fit_takes_it_again(tmp_path):
         holder.communicate("")
     tr.fit()
     assert tr.step == 20 and "in use by another run" in try_lock(Path(cfg.run_dir))
+    tr.close()  # every call that writes there takes it again, or is refused
+    holder = lock_holder(Path(cfg.run_dir))
+    try:
+        for call in (tr.checkpoint, tr.compact, tr.prune):
+            with pytest.raises(RunDirInUseError):
+                call()
+    finally:
+        holder.communicate("")
+    tr.checkpoint()
+
+
+def test_a_refused_trainer_gives_the_run_dir_back_at_once(tmp_path):
+    """The lock a refused trainer took lived in its exception's frames: kept by a
+    notebook's last error or a retry loop, it refused every other process."""
+    cfg = _cfg(tmp_path, steps=20, checkpoint_every=10)
+    Trainer(cfg, ToyTask(), *_toy_model()).fit(until=10)
+    with pytest.raises(CheckpointError, match="already holds checkpoints") as refused:
+        Trainer(cfg, ToyTask(), *_toy_model())  # a new run into it: refused after the lock
+    assert refused.value is not None and try_lock(Path(cfg.run_dir)) == "held"
+
+
+def test_a_file_system_that_cannot_lock_warns_once_and_trains(tmp_path, monkeypatch):
+    import errno
+    import warnings
+
+    import comera.train.run_lock as run_lock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    cfg = _cfg(tmp_path, steps=4, checkpoint_every=2)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        tr = Trainer(cfg, ToyTask(), *_toy_model())
+        tr.fit()
+        Trainer(cfg, ToyTask(), *_toy_model(), resume=True)
+    lines = [str(w.message) for w in said if "cannot lock" in str(w.message)]
+    assert tr.step == 4 and len(lines) == 1 and "No locks available" in lines[0]
 
 
 def test_a_new_trainer_in_a_run_dir_in_use_is_told_so_first(tmp_path):
