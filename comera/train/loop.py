@@ -978,6 +978,8 @@ class Trainer:
     def _hold(self) -> None:
         """Take the run dir again after :meth:`close`, before anything is written there."""
         if self._closed:
+            # made again if it was moved or deleted meanwhile: a write would make it unlocked
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world)
             self._locks = [self._run_lock]
             self._closed = False

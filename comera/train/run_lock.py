@@ -3,7 +3,8 @@
 Two processes training into one run dir (a requeued job started while the old one still
 runs, a second command given the same ``--resume``) interleave ``metrics.jsonl`` and can
 delete each other's half-written checkpoints as debris. The trainer therefore holds an
-exclusive ``flock`` on ``<run_dir>/.lock`` for as long as it lives, taken before it writes
+exclusive ``flock`` on ``<run_dir>/.lock`` for as long as it lives (or until its
+``close()``; any later call of it that writes there takes it again), taken before it writes
 anything there (before a resume truncates the metrics past its checkpoint); the commands
 take it earlier still, before they touch the run's records. A second process is refused
 with a :class:`RunDirInUseError` naming the holder (pid, host, start time).
@@ -152,8 +153,8 @@ def _take(run_dir: Path, flag: str, existing: bool) -> RunDirLock:
                 f"{run_dir} is in use by another run ({_holder(path)}): one process trains "
                 f"into a run dir at a time; wait for it to end (or stop it){other}"
             ) from None
-        if str(path) not in _WARNED:
-            _WARNED.add(str(path))
+        if os.path.realpath(path) not in _WARNED:
+            _WARNED.add(os.path.realpath(path))
             warnings.warn(
                 f"{run_dir}: cannot lock {path} ({e.strerror}); nothing keeps a second "
                 "process from training into this run dir at the same time",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -184,12 +185,17 @@ def test_close_gives_the_run_dir_back_and_fit_takes_it_again(tmp_path):
     tr.close()  # every call that writes there takes it again, or is refused
     holder = lock_holder(Path(cfg.run_dir))
     try:
-        for call in (tr.checkpoint, tr.compact, tr.prune):
+        batch = next(iter(tr.task.train_iter))
+        for call in (tr.checkpoint, tr.compact, tr.prune, lambda: tr.train_step(batch)):
             with pytest.raises(RunDirInUseError):
                 call()
     finally:
         holder.communicate("")
     tr.checkpoint()
+    tr.close()  # the folder moved away meanwhile: a write makes it again, locked
+    shutil.move(cfg.run_dir, tmp_path / "aside")
+    tr.checkpoint()
+    assert "in use by another run" in try_lock(Path(cfg.run_dir))
 
 
 def test_a_refused_trainer_gives_the_run_dir_back_at_once(tmp_path):
@@ -199,6 +205,10 @@ def test_a_refused_trainer_gives_the_run_dir_back_at_once(tmp_path):
     Trainer(cfg, ToyTask(), *_toy_model()).fit(until=10)
     with pytest.raises(CheckpointError, match="already holds checkpoints") as refused:
         Trainer(cfg, ToyTask(), *_toy_model())  # a new run into it: refused after the lock
+    assert refused.value is not None and try_lock(Path(cfg.run_dir)) == "held"
+    other = dataclasses.replace(cfg, seed=cfg.seed + 1)  # refused once the run's lock is held
+    with pytest.raises(CheckpointError, match="seed") as refused:
+        Trainer(other, ToyTask(), *_toy_model(), resume=True)
     assert refused.value is not None and try_lock(Path(cfg.run_dir)) == "held"
 
 
