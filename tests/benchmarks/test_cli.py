@@ -278,9 +278,14 @@ def test_dlrm_step_render_names_the_command_that_measured(monkeypatch, capsys) -
     assert dlrm_step.run(json_out=True) == 0
     saved = json.loads(capsys.readouterr().out)
     assert _header_command(dlrm_step.render(saved)) == "python -m benchmarks.dlrm_step --json"
-    # the committed figures, which record none, came from --json (reports/README.md)
+    # the committed figures name the command reports/README.md gives for them (figures
+    # that record none came from --json)
     committed = json.loads((REPORTS / "dlrm_bench.json").read_text())
-    assert _header_command(dlrm_step.render(committed)) == "python -m benchmarks.dlrm_step --json"
+    given = "python -m benchmarks.dlrm_step --out reports/dlrm_bench.json"
+    assert given in (REPORTS / "README.md").read_text()
+    assert _header_command(dlrm_step.render(committed)) == given
+    older = {k: v for k, v in committed.items() if k != "command"}
+    assert _header_command(dlrm_step.render(older)) == "python -m benchmarks.dlrm_step --json"
 
 
 def test_plans_paper_steps_reach_dlrm_s_step(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
