@@ -950,6 +950,28 @@ def _clear_stopped_attempt(run_dir: Path, rank: int, world: int) -> None:
         raise CLIError(f"--resume {run_dir}: cannot clear the stopped attempt's rows ({failed[0]})")
 
 
+def check_model_settings(exp: Experiment, run_dir: Path, saved: dict | None,
+                         record: dict) -> None:  # fmt: skip
+    """Refuse a resume whose model settings differ from those its checkpoint was written
+    with: ``config.json`` edited by hand (attention heads, dropout) rebuilt another model of
+    the same parameter shapes, which resumed from the checkpoint's weights without a word.
+    Settings a resume may change (how the run executes, a moved model path) are not
+    compared, nor keys only one side holds (a run saved before a setting existed)."""
+    was = saved.get("model") if isinstance(saved, dict) else None
+    now = record.get("model")
+    if not isinstance(was, dict) or not isinstance(now, dict):
+        return
+    mutable = RESUME_MUTABLE | exp.resume_mutable
+    changed = [k for k in was if k in now and f"model.{k}" not in mutable and was[k] != now[k]]
+    if changed:
+        said = "; ".join(f"model.{k}: {was[k]!r} saved, {now[k]!r} now" for k in changed[:4])
+        raise CheckpointError(
+            f"{run_dir}/config.json has other model settings than its checkpoint was written "
+            f"with ({said}); put them back in config.json to resume (an edited model "
+            "setting builds another model around the saved weights)"
+        )
+
+
 def uses_auto(plans: C.LayerPlans) -> bool:
     """Whether any layer of a run may ask the tuner: ``auto`` as the model-wide or a
     per-layer plan, or as the embedding implementation."""
@@ -1099,6 +1121,8 @@ def prepare(
         why = "; ".join(f"{k} is {v}" for k, v in exp.derived.items())
         raise CheckpointError(f"{e} (or data that sets them: {why})") from None
     del lock  # the trainer holds the run dir now, for as long as it lives
+    if resume:
+        check_model_settings(exp, run_dir, trainer.saved_config, record)
     kind = "dense" if getattr(cfg, "dense", False) else "CoMERA"
     saved = run_dir / "config.json"
     if rank == 0 and resume and saved.is_file():

@@ -740,6 +740,7 @@ def restore_trainer(tr: Any, ckpt: dict) -> None:
     """Load ``ckpt`` into a trainer built with the same config: model, optimizer, stage,
     the data position (every saved rank's for a rescalable iterator, else this rank's) and
     RNG streams (fresh ones at another world size)."""
+    tr.saved_config = ckpt["config"]
     saved = ckpt["config"].get("train", {})
     for key in ("steps", "seed"):
         if saved.get(key) != getattr(tr.cfg, key):

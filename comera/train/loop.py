@@ -347,6 +347,9 @@ class Trainer:
         self._batches_from: tuple[object, Iterator] | None = None
         self.plans: dict[str, dict] = {}  # the auto-plan decisions this run has used
         self._history = resume  # plans.json holds this run's history (a fresh run's: none)
+        # the config (train and extra_config) the resumed checkpoint was written with, for
+        # callers that check more of it than the trainer does; None for a fresh run
+        self.saved_config: dict | None = None
         self._fit_began = False  # whether a fit of this trainer opened the run's log
         # replicas start identical: what the task holds outside params and state (a
         # ModuleTask's frozen parameters) first, so a resume checks rank 0's on every rank

@@ -327,6 +327,28 @@ def test_a_new_run_into_a_run_dir_in_use_is_told_so(tmp_path, capsys):
     assert "already holds a run; continue it with --resume" in capsys.readouterr().err
 
 
+def test_a_model_setting_edited_in_config_json_is_refused_on_resume(tmp_path, capsys):
+    """config.json's model settings rebuild the model on resume: one edited by hand that
+    keeps every parameter shape (attention heads) resumed the saved weights into another
+    model without a word. What a resume may change (recompute) still goes."""
+    run_dir = tmp_path / "run"
+    assert mnli.main([*FAST, "--run-dir", str(run_dir)]) == 0
+    saved = run_dir / "config.json"
+    original = saved.read_text()
+    edited = json.loads(original)
+    edited["model"]["heads"] = 8  # 64 wide: every shape the same
+    saved.write_text(json.dumps(edited))
+    capsys.readouterr()
+    assert mnli.main(["--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.heads: 16 saved, 8 now" in err, err
+    assert "put them back in config.json" in err
+    edited = json.loads(original)
+    edited["model"]["recompute"] = True
+    saved.write_text(json.dumps(edited))
+    assert mnli.main(["--resume", str(run_dir)]) == 0
+
+
 def test_resume_of_a_run_without_a_checkpoint_starts_it_over(tmp_path, capsys):
     """A run stopped before its first checkpoint (a crash, Ctrl-C) could be neither rerun
     (the dir is in use) nor resumed (nothing saved): ``--resume`` now starts it over from
