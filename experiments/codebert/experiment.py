@@ -44,7 +44,16 @@ from loaders.config import check_weight, is_int
 from loaders.pipeline import holds_long
 from loaders.prepare import MAX_TRAIN_VOCAB
 
-__all__ = ["EXPERIMENT", "CorpusConfig", "Preset", "build", "codebert_model", "main", "preset"]
+__all__ = [
+    "EXPERIMENT",
+    "CorpusConfig",
+    "Preset",
+    "build",
+    "check_mix",
+    "codebert_model",
+    "main",
+    "preset",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -306,6 +315,21 @@ def codebert_model(**changes: Any) -> EncoderConfig:
     return dataclasses.replace(cfg, **changes)
 
 
+def check_mix(mix: dict[str, float], names: set[str]) -> None:
+    """Refuse ``--mix`` weights that name no sub-dataset of ``names`` or leave one out."""
+    unknown = sorted(set(mix) - names)
+    if unknown:
+        raise ConfigError(f"--mix names {unknown}; the corpus has {sorted(names)}")
+    unnamed = sorted(names - set(mix)) if mix else []
+    if unnamed:  # weighed 1.0 each: --mix a=0.9 gave a 47%, not 90%
+        keep = ",".join(f"{n}={mix.get(n, 1.0):g}" for n in sorted(names))
+        raise ConfigError(
+            f"--mix gives no weight to {unnamed}; weigh every sub-dataset (relative weights, "
+            f"0 leaves one out), e.g. --mix {keep} (the weights a run saved before this "
+            "check trained with)"
+        )
+
+
 def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, dict, int]:
     """Corpus (prepared and cached; rank 0 first), loaders, task and a fresh model."""
     check_global_batch(p.batch_size, world)  # per rank, a resume changed the batch
@@ -337,23 +361,15 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
             f"data.max_files={p.data.max_files} picks files of the stdlib source only; every "
             "file of --corpus is read"
         )
+    if p.data.source == "paths" and p.data.paths:  # --corpus names them: checked before
+        check_mix(p.data.mix, set(p.data.paths))  # minutes of preparing the corpus
     try:
         corpus = rank_first(corpus_of, rank, world)
     except cli.USER_ERRORS:
         raise
     except OSError as e:  # one line, as DLRM's cache errors: not a traceback mid-prepare
         raise _corpus_os_error(e, root) from None
-    unknown = sorted(set(p.data.mix) - set(corpus.train))
-    if unknown:
-        raise ConfigError(f"--mix names {unknown}; the corpus has {sorted(corpus.train)}")
-    unnamed = sorted(set(corpus.train) - set(p.data.mix)) if p.data.mix else []
-    if unnamed:  # weighed 1.0 each: --mix a=0.9 gave a 47%, not 90%
-        keep = ",".join(f"{n}={p.data.mix.get(n, 1.0):g}" for n in sorted(corpus.train))
-        raise ConfigError(
-            f"--mix gives no weight to {unnamed}; weigh every sub-dataset (relative weights, "
-            f"0 leaves one out), e.g. --mix {keep} (the weights a run saved before this "
-            "check trained with)"
-        )
+    check_mix(p.data.mix, set(corpus.train))
     vocab_size, ids = tokenizer_info(corpus.tokenizer)
     bos, pad, eos, mask_id = ids["<s>"], ids["<pad>"], ids["</s>"], ids["<mask>"]
     if mask_id is None or pad is None:

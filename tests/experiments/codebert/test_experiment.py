@@ -178,6 +178,28 @@ def test_unknown_mix_name_is_one_line(tmp_path: Path, capsys) -> None:
     assert len(err) == 1 and "--mix names ['nope']" in err[0]
 
 
+def test_mix_names_are_checked_before_the_corpus_is_prepared(tmp_path: Path, monkeypatch,
+                                                             capsys) -> None:  # fmt: skip
+    """With --corpus the sub-datasets are its names: a --mix that misnames one was refused
+    only after the corpus was prepared (minutes, for a real one)."""
+    from experiments.codebert import experiment
+
+    def prepared(*a, **kw):
+        raise AssertionError("the corpus was prepared before --mix was checked")
+
+    monkeypatch.setattr(experiment, "corpus_from_paths", prepared)
+    src = tmp_path / "src"
+    src.mkdir()
+    base = ["--preset", "smoke", "--run-dir", str(tmp_path / "run"), "--wandb", "disabled"]
+    base += ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--corpus", f"app={src}"]
+    for mix, said in (("lib=1", "--mix names ['lib']; the corpus has ['app', 'tests']"),
+                      ("app=1,lib=1", "--mix names ['lib']")):  # fmt: skip
+        assert main([*base, "--corpus", f"tests={src}", "--mix", mix]) == 2
+        assert said in capsys.readouterr().err
+    assert main([*base, "--corpus", f"lib={src}", "--mix", "app=1"]) == 2
+    assert "--mix gives no weight to ['lib']" in capsys.readouterr().err
+
+
 def strip_weights(state: dict) -> dict:
     """A loader state without its weights and the mixer's token tally (restarted under
     new weights): the positions, which must survive a --mix change."""
