@@ -186,3 +186,16 @@ def try_lock(run_dir: Path) -> str:
             print(e)
     """)
     return proc.communicate("")[0].strip()
+
+
+def spawn_ranks(script: Path, world: int, *args: str) -> list[int]:
+    """Run ``script`` as ``world`` gloo ranks (env:// rendezvous, one thread each); return
+    their exit codes."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+               "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env))
+    return [p.wait(timeout=180) for p in procs]

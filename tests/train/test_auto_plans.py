@@ -228,11 +228,11 @@ dist.destroy_process_group()
 
 def test_every_rank_adopts_rank_zeros_decisions(tmp_path) -> None:
     """Two gloo ranks whose clocks disagree end the run on rank 0's choices."""
-    from tests.train.test_distributed import _spawn
+    from tests.train_helpers import spawn_ranks
 
     script = tmp_path / "sync.py"
     script.write_text(RANK_SYNC)
-    assert _spawn(script, 2, str(tmp_path)) == [0, 0]
+    assert spawn_ranks(script, 2, str(tmp_path)) == [0, 0]
     zero, one = (json.loads((tmp_path / f"choices_{r}.json").read_text()) for r in (0, 1))
     assert zero == one and zero
     assert "dp" in set(zero.values())  # rank 0's clock won where dp was a candidate

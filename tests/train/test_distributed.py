@@ -20,7 +20,7 @@ from comera.train import CheckpointError, ComeraConfig, Trainer
 from comera.train.checkpoint import complete_checkpoints, read_rank_files
 from loaders import TokenLoader
 from tests.loaders_helpers import body_tokens, config, expected_tokens, make_corpus
-from tests.train_helpers import SumCountTask, ToyTask, _cfg, _toy_model, free_port
+from tests.train_helpers import SumCountTask, ToyTask, _cfg, _toy_model, free_port, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -28,17 +28,6 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 def _leaves(tree):
     return tree_flatten(tree)[0]
-
-
-def _spawn(script: Path, world: int, *args: str) -> list[int]:
-    """Run ``script`` as ``world`` gloo ranks (env:// rendezvous); return exit codes."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {**ENV, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env))
-    return [p.wait(timeout=180) for p in procs]
 
 
 UNEQUAL = """
@@ -72,7 +61,7 @@ def test_unequal_per_rank_counts_match_single_process(tmp_path, one_thread):
     single.fit()
     script = tmp_path / "worker.py"
     script.write_text(UNEQUAL)
-    assert _spawn(script, 2, str(tmp_path)) == [0, 0]
+    assert spawn_ranks(script, 2, str(tmp_path)) == [0, 0]
     exact = torch.load(tmp_path / "params_False.pt", weights_only=False)
     legacy = torch.load(tmp_path / "params_True.pt", weights_only=False)
     worst = 0.0
@@ -128,7 +117,7 @@ def test_ranks_returning_other_metric_names_are_reduced_by_name(tmp_path, one_th
     script = tmp_path / "worker.py"
     script.write_text(NAMED)
     run = tmp_path / "run"
-    assert _spawn(script, 2, str(run)) == [0, 0]
+    assert spawn_ranks(script, 2, str(run)) == [0, 0]
     rows = [json.loads(x) for x in (run / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -173,7 +162,7 @@ def test_a_failure_on_rank_0_of_a_rank_first_build_stops_every_rank(tmp_path, ca
     then abort in its teardown (status -6, now and then): the group is left at exit."""
     script = tmp_path / "worker.py"
     script.write_text(FIRST_FAILS)
-    assert _spawn(script, 2, str(tmp_path)) == [2, 2]
+    assert spawn_ranks(script, 2, str(tmp_path)) == [2, 2]
     err = capfd.readouterr().err
     assert "rank 0: no such file: data.txt" in err and "rank 1: no such file: data.txt" in err
     assert [(tmp_path / f"held{r}").read_text() for r in range(2)] == ["False", "False"]
@@ -211,15 +200,15 @@ def test_ranks_that_built_tensors_of_other_shapes_are_refused_alike(tmp_path, ca
     rank now refuses, in one line naming the tensor."""
     script = tmp_path / "worker.py"
     script.write_text(OTHER_SHAPES)
-    assert _spawn(script, 2, str(tmp_path / "a"), "frozen") == [2, 2]
+    assert spawn_ranks(script, 2, str(tmp_path / "a"), "frozen") == [2, 2]
     err = capfd.readouterr().err
     said = ("rank(s) 1 built frozen tensors other than rank 0's (rank 1: 0.weight: "
             "float32[110, 16] here, float32[100, 16] on rank 0); build the model")  # fmt: skip
     assert f"rank 0: {said}" in err and f"rank 1: {said}" in err
-    assert _spawn(script, 2, str(tmp_path / "b"), "params") == [2, 2]
+    assert spawn_ranks(script, 2, str(tmp_path / "b"), "params") == [2, 2]
     err = capfd.readouterr().err
     assert err.count("rank(s) 1 built parameters or buffers other than rank 0's") == 2
-    assert _spawn(script, 2, str(tmp_path / "c"), "frozen-alike") == [0, 0]
+    assert spawn_ranks(script, 2, str(tmp_path / "c"), "frozen-alike") == [0, 0]
 
 
 LOG_REFUSED = """
@@ -254,7 +243,7 @@ def test_a_run_log_rank_0_cannot_start_stops_every_rank(tmp_path, capfd):
     trace). Every rank now learns of it and stops with one line."""
     script = tmp_path / "worker.py"
     script.write_text(LOG_REFUSED)
-    assert _spawn(script, 2, str(tmp_path / "run")) == [2, 2]
+    assert spawn_ranks(script, 2, str(tmp_path / "run")) == [2, 2]
     err = capfd.readouterr().err
     assert "rank 0: wandb='online': wandb could not start (no API key)" in err
     assert "rank 1: rank 0 could not start its run log: wandb='online'" in err
@@ -555,14 +544,14 @@ def test_a_loss_that_reaches_the_model_on_no_rank_stops_every_rank(tmp_path, cap
     when one rank's does, the run trains."""
     script = tmp_path / "worker.py"
     script.write_text(UNREACHED)
-    assert _spawn(script, 2, str(tmp_path / "none"), "none", mode) == [2, 2]
+    assert spawn_ranks(script, 2, str(tmp_path / "none"), "none", mode) == [2, 2]
     err = capfd.readouterr().err
     assert err.count("reaches none of the parameters") == 2 and "Traceback" not in err
-    assert _spawn(script, 2, str(tmp_path / "one"), "one", mode) == [0, 0]
+    assert spawn_ranks(script, 2, str(tmp_path / "one"), "one", mode) == [0, 0]
     # one rank's detached share: raised by that rank alone, it left the other to die in
     # the all-reduce with a traceback (or hang, under nccl)
     capfd.readouterr()
-    assert _spawn(script, 2, str(tmp_path / "det"), "detached", mode) == [2, 2]
+    assert spawn_ranks(script, 2, str(tmp_path / "det"), "detached", mode) == [2, 2]
     err = capfd.readouterr().err
     assert err.count("does not depend on the parameters") == 2 and "Traceback" not in err
 
@@ -644,10 +633,10 @@ def test_module_task_ranks_hold_one_model_and_resume_exactly(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(REPLICAS)
     full, cut = tmp_path / "full", tmp_path / "cut"
-    assert _spawn(script, 2, str(full), "8", "new") == [0, 0]
+    assert spawn_ranks(script, 2, str(full), "8", "new") == [0, 0]
     shutil.copytree(full, cut)  # as if stopped after step 4's checkpoint
     shutil.rmtree(cut / "checkpoints" / "step_00000008")
-    assert _spawn(script, 2, str(cut), "8", "resume") == [0, 0]
+    assert spawn_ranks(script, 2, str(cut), "8", "resume") == [0, 0]
     models = [torch.load(d / f"model_{r}.pt") for d in (full, cut) for r in range(2)]
     assert models[0]["1.running_mean"].abs().max() > 0
     for other in models[1:]:
@@ -715,4 +704,4 @@ def test_a_bad_count_on_one_rank_stops_every_rank_together(tmp_path):
     timeout). Every rank now raises the same error after the reduction."""
     script = tmp_path / "worker.py"
     script.write_text(BAD_COUNT)
-    assert _spawn(script, 2, str(tmp_path)) == [3, 3]
+    assert spawn_ranks(script, 2, str(tmp_path)) == [3, 3]

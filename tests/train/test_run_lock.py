@@ -6,8 +6,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,9 +14,7 @@ import pytest
 from comera.errors import CheckpointError
 from comera.train import Trainer
 from comera.train.run_lock import LOCK_FILE, RunDirInUseError, hold_run_dir
-from tests.train_helpers import ToyTask, _cfg, _toy_model, lock_holder, try_lock
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.train_helpers import ToyTask, _cfg, _toy_model, lock_holder, spawn_ranks, try_lock
 
 
 def _files(run_dir: Path) -> dict[str, bytes]:
@@ -115,40 +111,17 @@ tr.fit()
 def test_every_rank_of_a_distributed_run_gets_rank_0s_outcome(tmp_path, capfd):
     """Rank 0 takes the lock for the run; when another process holds it, every rank is
     refused with its message (not rank 0 alone, leaving the others waiting)."""
-    from tests.train_helpers import free_port
-
     script = tmp_path / "ranks.py"
     script.write_text(RANKS)
     (tmp_path / "run").mkdir()
-
-    def spawn() -> list[int]:
-        port = str(free_port())
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path)],
-                env={
-                    **os.environ,
-                    "PYTHONPATH": str(REPO),
-                    "OMP_NUM_THREADS": "1",
-                    "RANK": str(r),
-                    "WORLD_SIZE": "2",
-                    "LOCAL_RANK": str(r),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": port,
-                },  # fmt: skip
-            )
-            for r in range(2)
-        ]
-        return [p.wait(timeout=180) for p in procs]
-
     holder = lock_holder(tmp_path / "run")
     try:
-        assert spawn() == [2, 2]
+        assert spawn_ranks(script, 2, str(tmp_path)) == [2, 2]
     finally:
         holder.communicate("")
     err = capfd.readouterr().err
     assert all(f"rank {r}: {tmp_path / 'run'} is in use by another run" in err for r in (0, 1))
-    assert spawn() == [0, 0]  # then the run trains, both ranks
+    assert spawn_ranks(script, 2, str(tmp_path)) == [0, 0]  # then it trains, both ranks
 
 
 def test_a_renamed_run_dir_is_still_this_processs(tmp_path):
