@@ -195,7 +195,8 @@ class Trainer:
         copy: bool = True,
         auto_plans: bool = False,
     ) -> None:
-        self._locks: list[RunDirLock] = []  # the run dir's lock shares this trainer took
+        # the run dir's lock shares _setup took, released if it fails (read nowhere else)
+        self._locks: list[RunDirLock] = []
         try:
             self._setup(
                 cfg,
@@ -984,7 +985,6 @@ class Trainer:
             # made again if it was moved or deleted meanwhile: a write would make it unlocked
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world)
-            self._locks = [self._run_lock]
             self._closed = False
 
     def _fit(self, until: int | None) -> dict:
