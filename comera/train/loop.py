@@ -302,6 +302,13 @@ class Trainer:
                 "no ranks to adapt; tensorize the model first (comera.tensorize_), or train it "
                 "dense with train.comera.enabled=False"
             )
+        if cfg.optimizer == "galore" and next(iter_tt(self.params, self.state), None):
+            # GaLore holds the leaves it was built over: a compaction's new cores would go
+            # untrained (or fail on a shrunk bond), and its AdamW gives cores lr_rest
+            raise ConfigError(
+                "train.optimizer='galore' trains dense models, but this model holds TT/TTM "
+                "layers; train them with train.optimizer='adamw' (or 'sgd')"
+            )
         self.opt = adamw_init(self.params) if cfg.optimizer == "adamw" else {"step": 0}
         self.galore = (
             GaLore.with_adamw(self.params, cfg.galore, cfg.optim)

@@ -84,6 +84,26 @@ def test_galore_is_refused_for_a_comera_run_and_on_resume_from_adamw(tmp_path: P
         _galore_trainer(tmp_path, 5, resume=True)
 
 
+def test_galore_is_refused_for_a_model_with_tt_layers(tmp_path: Path) -> None:
+    """With the rank adaptation off a TT model still reached GaLore, which holds the leaves
+    it was built over: after a compaction its new cores went untrained, silently."""
+    pytest.importorskip("galore_torch")
+    import comera as C
+    from comera.errors import ConfigError
+    from comera.train import ComeraConfig, Trainer
+    from comera.train.galore import GaLoreConfig
+
+    tt, st = C.init(C.TTLinearSpec(out_modes=(4, 8), in_modes=(8, 4), ranks=4),
+                    generator=torch.Generator().manual_seed(0))  # fmt: skip
+    cfg = TrainConfig(steps=2, run_dir=str(tmp_path / "run"), optimizer="galore",
+                      galore=GaLoreConfig(rank=4), comera=ComeraConfig(enabled=False),
+                      wandb="disabled", progress=False)  # fmt: skip
+    params = {"w": torch.eye(32), "tt": tt}
+    with pytest.raises(ConfigError, match="holds TT/TTM layers.*optimizer='adamw'"):
+        Trainer(cfg, _DenseToy(), params, {"tt": st})
+    assert not (tmp_path / "run").exists()  # refused before the run dir was made
+
+
 def test_galore_decays_matrices_only_and_reads_states_of_the_old_grouping() -> None:
     """Weight decay as the trainer's AdamW applies it (matrices, not biases or gains);
     a state saved when all unprojected leaves shared one group loads leaf by leaf."""
