@@ -260,16 +260,28 @@ def check_smoke_setup(runs: Path, name: str, experiment: Any) -> None:
         )
 
 
-def smoke_gaps(config: dict, experiment: Any) -> list[str]:
+def smoke_gaps(config: dict, experiment: Any, *, comera: bool = False) -> list[str]:
     """The keys of :func:`pair_setup` on which a run's recorded ``config`` differs from what
     a plain ``--preset smoke`` run of ``experiment`` records (its ``pair_differs`` and the
-    dense size aside: each run's own): a run where any does is not "the smoke preset"."""
+    dense size aside: each run's own): a run where any does is not "the smoke preset".
+    ``comera``: the ``train.comera.*`` settings too (but ``enabled``), which a CoMERA run's
+    report names and its dense partner does not share."""
     cfg = experiment.presets["smoke"]()
     record = {"data": cfg.data, "model": cfg.model, "batch_size": getattr(cfg, "batch_size", None),
               "train": {"steps": cfg.train.steps, "seed": cfg.train.seed}}  # fmt: skip
     preset = pair_setup(json.loads(json.dumps(record, default=config_jsonable)))
     skip = {"dense_params", *experiment.pair_differs}
-    return differing_keys([preset, pair_setup(config)], skip)
+    gaps = differing_keys([preset, pair_setup(config)], skip)
+    if comera:
+        ours = (config.get("train") or {}).get("comera")
+        ours = ours if isinstance(ours, dict) else {}
+        theirs = json.loads(json.dumps(cfg.train.comera, default=config_jsonable))
+        flat = [{f"train.comera.{k}": v for k, v in c.items() if k != "enabled"}
+                for c in (theirs, ours)]  # fmt: skip
+        # a key the run's record lacks (saved before it existed) is not a change
+        flat[0] = {k: v for k, v in flat[0].items() if k in flat[1]}
+        gaps += differing_keys(flat)
+    return gaps
 
 
 def load_run(run_dir: str | Path, experiment: str | None = None) -> dict:
@@ -428,6 +440,11 @@ def rank_table(snapshots: dict) -> list[str]:
             f"Late-stage size target: {end['size_target']:,} live parameters (from "
             f"{end['early_params']:,} at the early stage's end); at the end "
             f"{end['live_params']:,}, {end['live_over_target']:.3f}x the target."
+            + (
+                f" Not the size asked for: {end['target_held_because']}."
+                if "target_held_because" in end
+                else ""
+            )
             + (
                 f" Above it because: {end['above_target_because']}."
                 if "above_target_because" in end

@@ -145,7 +145,8 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
             "optimizer": config["train"]["optimizer"],
             "early_steps": config["train"]["comera"]["early_steps"],
             "steps": config["train"]["steps"],
-            "changed": smoke_gaps(config, EXPERIMENT),  # what is not the smoke preset's
+            # what is not the smoke preset's, CoMERA settings included
+            "changed": smoke_gaps(config, EXPERIMENT, comera=True),
             "dense_optimizer": dense_cfg["train"]["optimizer"],
             "hot_rows": m.get("hot_rows", 0),  # each run's own: said beside its run
             "hash_rows": dense_cfg["model"].get("hash_rows", 0),

@@ -67,6 +67,16 @@ def _adapts(cfg: dict) -> bool:
     return comera.get("enabled", True) is not False
 
 
+def _kind(cfg: dict) -> str:
+    """What a run trained: the dense model (under GaLore-AdamW, the paper's baseline, when
+    ``train.optimizer`` says so), CoMERA, or, with ``train.comera.enabled=false`` alone, the
+    TT model at its initial ranks (cli.md)."""
+    if cfg.get("dense"):
+        galore = (cfg.get("train") or {}).get("optimizer") == "galore"
+        return "dense, GaLore" if galore else "dense"
+    return "CoMERA" if _adapts(cfg) else "TT, fixed ranks"
+
+
 def _summary(run: dict) -> dict:
     """One run's figures and curves, as the report's JSON holds them."""
     cfg, rows = run["config"], run["rows"]
@@ -81,8 +91,7 @@ def _summary(run: dict) -> dict:
     setup = run_setup(cfg)
     return {
         "name": run["dir"].name,
-        # train.comera.enabled=false alone: the TT model at its initial ranks (cli.md)
-        "kind": "dense" if dense else ("CoMERA" if _adapts(cfg) else "TT, fixed ranks"),
+        "kind": _kind(cfg),
         "preset": str(cfg.get("preset")),
         # the data the run last resumed with (a moved file): the setup's data keys
         "data_source": _data_source(setup),

@@ -189,6 +189,32 @@ def test_rank_table_shows_the_late_stage_target_and_how_it_was_met():
     assert "every bond is down to one live rank" in text
     del snaps["end"]["above_target_because"]
     assert "Above it" not in "\n".join(rank_table(snaps))
+    # a target compression the early stage already met: held there, and said so
+    snaps["end"]["target_held_because"] = "asks for 120 parameters, more than the 100 live"
+    text = "\n".join(rank_table(snaps))
+    assert "Not the size asked for: asks for 120 parameters, more than the 100 live." in text
+
+
+def test_the_dlrm_header_names_changed_comera_settings_of_its_comera_run() -> None:
+    """A changed target compression (any ``train.comera.*``) was hidden: the header said
+    "smoke preset with `train.steps` changed". The lone-run check, whose partner is the
+    dense run, still compares the setup the two share only."""
+    import dataclasses
+
+    from experiments import cli
+    from experiments.dlrm import EXPERIMENT
+
+    ap = cli.build_parser(EXPERIMENT)
+    argv = ["--preset", "smoke", "--set", "train.comera.target_compression=20", "--steps", "60"]
+    cfg = cli.resolve_config(EXPERIMENT, ap.parse_args(argv), ap)
+    rec = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    rec = json.loads(json.dumps(rec, default=cli.config_jsonable))
+    assert report.smoke_gaps(rec, EXPERIMENT) == ["train.steps"]
+    changed = ["train.steps", "train.comera.target_compression"]
+    assert report.smoke_gaps(rec, EXPERIMENT, comera=True) == changed
+    rec["train"]["comera"]["enabled"] = False  # how a run trains is not a setting it changed
+    del rec["train"]["comera"]["target_compression"]  # a run saved before the key existed
+    assert report.smoke_gaps(rec, EXPERIMENT, comera=True) == ["train.steps"]
 
 
 def test_a_failed_render_leaves_the_report_as_it_was(tmp_path: Path, capsys) -> None:

@@ -200,6 +200,11 @@ def test_report_from_run_dirs(tmp_path, capsys):
     (twin / "config.json").write_text(json.dumps(saved))
     kinds = [r["kind"] for r in report.gather([str(run_dir), str(twin)], None, "c")["runs"]]
     assert kinds == ["CoMERA", "TT, fixed ranks"]
+    # a dense run under GaLore (the paper's baseline) was reported as plain "dense"
+    saved |= {"dense": True, "train": {**saved["train"], "optimizer": "galore"}}
+    (twin / "config.json").write_text(json.dumps(saved))
+    kinds = [r["kind"] for r in report.gather([str(twin)], None, "c")["runs"]]
+    assert kinds == ["dense, GaLore"]
     import contextlib
 
     with contextlib.chdir(tmp_path):  # given as "smoke": its parent folder is still named
