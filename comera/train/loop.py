@@ -1004,6 +1004,11 @@ class Trainer:
             if self.stage != "dense":
                 self._snapshot("init")
         c = cfg.comera
+        if self.rank == 0 and fresh and not c.enabled and c.target_compression:
+            print(f"comera: train.comera.target_compression={c.target_compression:g} sets "
+                  "CoMERA's late-stage size, but this run does not adapt ranks "
+                  "(train.comera.enabled=False, as --dense sets): it is not used",
+                  file=sys.stderr)  # fmt: skip
         if (
             self.rank == 0
             and fresh

@@ -354,6 +354,13 @@ def test_a_target_compression_the_run_never_reaches_is_said(tmp_path, capsys):
     cfg = dataclasses.replace(_late_cfg(tmp_path, target_compression=3.0), steps=20)
     Trainer(cfg, ToyTask(), *_toy_model(), reference_size=256).fit()
     assert "this run never reaches it" in capsys.readouterr().err
+    # a run that adapts no ranks (--dense) took the knob without a word
+    off = dataclasses.replace(cfg, run_dir=str(tmp_path / "off"),
+                              comera=dataclasses.replace(cfg.comera, enabled=False))  # fmt: skip
+    Trainer(off, ToyTask(), *_toy_model(), reference_size=256).fit()
+    err = capsys.readouterr().err
+    assert "target_compression=3 sets CoMERA's late-stage size" in err
+    assert "train.comera.enabled=False" in err and "it is not used" in err
 
 
 def test_an_old_late_stage_checkpoint_resumes_only_as_the_paper_late_stage():
