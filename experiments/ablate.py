@@ -521,7 +521,14 @@ def run_ablation(
         try:
             final = cli.train(run)
         except NonFiniteLoss as e:  # the one line main prints names the variant that diverged
-            raise NonFiniteLoss(f"{name} variant {v.label!r} ({run_dir}): {e}") from None
+            # the swept value may be the cause: the trainer's advice names learning rates only
+            swept = ", ".join(f"{k}={val}" for k, val in v.overrides) or "nothing of its own"
+            raise NonFiniteLoss(
+                f"{name} variant {v.label!r} ({run_dir}): {e.what} This variant sets {swept}: "
+                "leave that value out (--values), or lower the learning rates or clip gradients "
+                "for every variant (--set train.optim.lr_*=..., --set train.grad_clip=...), "
+                "and run the ablation command again (its variants start anew)."
+            ) from None
         except cli.Interrupted as e:  # its variants train anew: no --resume to point at
             raise cli.Interrupted(
                 f"{name} variant {v.label!r} ({run_dir}) {e.how}; run the ablation command "

@@ -74,7 +74,14 @@ __all__ = ["NonFiniteLoss", "Trainer"]
 
 
 class NonFiniteLoss(RuntimeError):
-    """The loss or gradient became NaN or inf; the last good checkpoint is left in place."""
+    """The loss or gradient became NaN or inf; the last good checkpoint is left in place.
+
+    ``what``: what happened, without the advice that follows it (a caller that knows
+    more, such as an ablation that swept the setting, gives its own)."""
+
+    def __init__(self, message: str, what: str | None = None) -> None:
+        super().__init__(message)
+        self.what = message if what is None else what
 
 
 def _accumulate(into: list[torch.Tensor | None], grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -668,12 +675,15 @@ class Trainer:
             if saved
             else "no checkpoint had been written yet"
         )
-        return NonFiniteLoss(
+        said = (
             f"{what} is {value} at step {self.step + 1} (stage {self.stage}); no parameter "
             f"or optimizer state was updated (buffers the forward updates in place, such as "
-            f"BatchNorm statistics, may hold the bad values) and {kept}. Start a new run "
-            "(another run dir) with lower learning rates or gradient clipping "
-            "(train.optim.lr_*, train.grad_clip): a resume continues the saved config."
+            f"BatchNorm statistics, may hold the bad values) and {kept}."
+        )
+        return NonFiniteLoss(
+            f"{said} Start a new run (another run dir) with lower learning rates or gradient "
+            "clipping (train.optim.lr_*, train.grad_clip): a resume continues the saved config.",
+            what=said,
         )
 
     def train_step(self, *batches: Any) -> dict:

@@ -320,7 +320,8 @@ def test_a_diverging_variant_is_one_line_naming_it(tmp_path, monkeypatch, capsys
     def train(cfg):
         Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
         if cfg.train.comera.gamma == 0.1:
-            raise ablate.NonFiniteLoss("loss is nan at step 3")
+            raise ablate.NonFiniteLoss("loss is nan at step 3. Start a new run", "loss is nan "
+                                       "at step 3.")  # fmt: skip
         return {}
 
     monkeypatch.setattr(ablate.cli, "prepare", lambda exp, cfg, **kw: cfg)
@@ -330,6 +331,10 @@ def test_a_diverging_variant_is_one_line_naming_it(tmp_path, monkeypatch, capsys
     assert ablate.main([*argv, "--reports", str(tmp_path)]) == 1
     err = [ln for ln in capsys.readouterr().err.splitlines() if "stopped" in ln]
     assert len(err) == 1 and "gamma variant '0.1'" in err[0] and "step 3" in err[0], err
+    # the advice is the ablation's: the swept value may be the cause, and a new run dir
+    # (the trainer's own advice) is not how an ablation goes on
+    assert "This variant sets train.comera.gamma=0.1: leave that value out" in err[0]
+    assert "run the ablation command again" in err[0] and "Start a new run" not in err[0]
     assert not list(tmp_path.glob("*.md"))
 
 
