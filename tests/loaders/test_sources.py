@@ -34,6 +34,58 @@ def test_arrow_file_slices_documents_without_copying(tmp_path):
             assert not got.flags.owndata  # a view into the memory map
 
 
+def test_a_compressed_file_is_said_once_per_folder(tmp_path):
+    """A feather file (lz4 by default) is decompressed into memory on every open, where the
+    docs promise memory maps: the folder says so once; uncompressed files say nothing."""
+    import warnings
+
+    import pyarrow.feather as fe
+
+    table = pa.table({"tokens": pa.array([[1, 2, 3], [4, 5]] * 50, type=pa.list_(pa.int32()))})
+    for name, how in (("packed", "lz4"), ("plain", "uncompressed")):
+        (tmp_path / name).mkdir()
+        for k in range(3):
+            fe.write_feather(table, str(tmp_path / name / f"p{k}.feather"), compression=how)
+    for name, said in (("packed", 1), ("plain", 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            folder = TokenFolder(tmp_path / name)
+            assert [folder.doc(i).tolist() for i in (0, 101, 299)] == [[1, 2, 3], [4, 5], [4, 5]]
+        msgs = [str(w.message) for w in caught]
+        assert len(msgs) == said, msgs
+        assert all("is compressed" in m and "compression='uncompressed'" in m for m in msgs)
+        assert ArrowTokenFile(tmp_path / name / "p0.feather").mapped is (said == 0)
+
+
+def test_a_folder_of_many_files_keeps_them_open_under_a_global_shuffle(tmp_path, monkeypatch):
+    """At most 128 files were kept open: a shuffled read of a folder of more re-opened a
+    file for nearly every document (14-38x slower). The default is a share of the process's
+    open-file limit; an explicit ``max_open_files`` still bounds it."""
+    import resource
+
+    import loaders.sources as sources
+
+    for k in range(150):
+        write_arrow(tmp_path / f"p{k:03d}.arrow", [np.array([k, k], dtype=np.int32)])
+    opened = []
+    real = sources.open_arrow_mapped
+    monkeypatch.setattr(sources, "open_arrow_mapped", lambda p: opened.append(p) or real(p))
+    order = np.random.default_rng(0).permutation(150).tolist() * 2
+    folder = TokenFolder(tmp_path)  # counts each file's documents, then opens the first
+    opened.clear()
+    assert [int(folder.doc(i)[0]) for i in order] == order
+    assert len(opened) == 149  # each other file once: none closed and opened again
+    small = TokenFolder(tmp_path, max_open_files=100)
+    opened.clear()
+    for i in order:
+        small.doc(i)
+    assert len(opened) > 150
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (1024, 4096))
+    assert sources.default_max_open() == 256
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (200, 4096))
+    assert sources.default_max_open() == 128  # never fewer than before
+
+
 def test_stream_format_and_int64_large_list(tmp_path):
     arr = pa.array([[1, 2, 3], [4], []], type=pa.large_list(pa.int64()))
     table = pa.table({"ids": arr})
