@@ -15,14 +15,20 @@ The stages, in the order a token passes them:
 - ``config``: ``LoaderConfig`` and ``DatasetSpec``, checked when built.
 - ``prepare``: ``python -m loaders.prepare``, text corpora to Arrow token shards.
 - ``errors``: ``LoaderInputError`` and its kinds (``LoaderPathError``, ``EmptyStream``,
-  ``MixingShortfall``), what bad input raises.
+  ``MixingShortfall``, ``ReadersWithoutDocuments``), what bad input raises.
 
 The loader never imports ``comera``: it serves any trainer.
 """
 
 from loaders.checkpoint import load_states, save_state, state_path
 from loaders.config import DatasetSpec, LoaderConfig, datasets_from_root
-from loaders.errors import EmptyStream, LoaderInputError, LoaderPathError, MixingShortfall
+from loaders.errors import (
+    EmptyStream,
+    LoaderInputError,
+    LoaderPathError,
+    MixingShortfall,
+    ReadersWithoutDocuments,
+)
 from loaders.loader import TokenLoader
 from loaders.sources import ArrowTokenFile, TokenFolder
 from loaders.text import TextSource, load_tokenizer
@@ -35,6 +41,7 @@ __all__ = [
     "LoaderInputError",
     "LoaderPathError",
     "MixingShortfall",
+    "ReadersWithoutDocuments",
     "TextSource",
     "TokenFolder",
     "TokenLoader",

@@ -9,11 +9,24 @@ and keeps its traceback. It is a ``ValueError`` (:class:`LoaderPathError` also a
 
 from __future__ import annotations
 
-__all__ = ["EmptyStream", "LoaderInputError", "LoaderPathError", "MixingShortfall"]
+__all__ = [
+    "EmptyStream",
+    "LoaderInputError",
+    "LoaderPathError",
+    "MixingShortfall",
+    "ReadersWithoutDocuments",
+]
 
 
 class LoaderInputError(ValueError):
-    """A loader config, corpus file or saved loader state that cannot be used as given."""
+    """A loader config, corpus file or saved loader state that cannot be used as given.
+
+    ``fact``: what is wrong, without the advice in ``LoaderConfig``'s terms that follows it
+    (a command that sets the config itself gives advice in its own flags)."""
+
+    def __init__(self, message: str, *, fact: str | None = None) -> None:
+        super().__init__(message)
+        self.fact = message if fact is None else fact
 
 
 class LoaderPathError(LoaderInputError, FileNotFoundError):
@@ -29,3 +42,8 @@ class EmptyStream(LoaderInputError):
 class MixingShortfall(LoaderInputError):
     """Weights an endless stream cannot meet: the readers that own a small sub-dataset's
     documents are too few to serve its share (see ``loaders.mixing.reader_targets``)."""
+
+
+class ReadersWithoutDocuments(LoaderInputError):
+    """A reader of an endless stream (a rank's worker) would own no document of the
+    sub-datasets with a positive weight: its stream would end at once."""

@@ -38,7 +38,7 @@ from loaders.checkpoint import (
     state_path,
 )
 from loaders.config import LoaderConfig, is_int
-from loaders.errors import EmptyStream, LoaderInputError, MixingShortfall
+from loaders.errors import EmptyStream, LoaderInputError, MixingShortfall, ReadersWithoutDocuments
 from loaders.mixing import Mixer, owners, reader_targets
 from loaders.pipeline import Layout, ReaderPipeline, holds_long, open_source
 from loaders.shards import owned_shards
@@ -203,6 +203,7 @@ class TokenLoader:
         self._iter: Iterator[dict] | None = None
         self._targets: list[dict[str, float] | None] = []  # per reader; see _check_readers
         self._saves = 0  # save() calls, resumed ones included: see check_one_save
+        self._queued: Future[Path] | None = None  # the last background save
         self._start_pipes()  # validates ownership now and gives state_dict() a value
 
     # -- iteration ---------------------------------------------------------------------
@@ -240,24 +241,26 @@ class TokenLoader:
         empty = np.flatnonzero(~owners(docs, L, total).any(axis=1))
         if empty.size:
             g = int(empty[0])
-            raise LoaderInputError(
+            fact = (
                 f"reader {g} of {total} ({self.world_size} ranks x {self._readers} "
                 f"workers) would get no document of {docs} (documents of the sub-datasets "
                 f"with a positive weight and a document of min_doc_len={cfg.min_doc_len} "
                 f"tokens, cut into num_shards={L}), and an endless stream "
-                "(num_epochs=None) would end at once there; use fewer ranks or workers, "
-                "more documents, or shuffle='local'"
-                + ("" if self.world_size > 1 else ", or set num_epochs")
+                "(num_epochs=None) would end at once there"
+            )
+            raise ReadersWithoutDocuments(
+                f"{fact}; use fewer ranks or workers, more documents, or shuffle='local'"
+                + ("" if self.world_size > 1 else ", or set num_epochs"),
                 # finite streams end at different steps on different ranks: with several,
                 # one rank would end at once, the hang this check is there to prevent
+                fact=fact,
             )
         first = self.rank * self._readers
         try:
             targets = reader_targets(weights, docs, L, total, range(first, first + self._readers))
         except MixingShortfall as e:
-            raise MixingShortfall(
-                f"{self.world_size} ranks x {self._readers} workers: {e}"
-            ) from None
+            where = f"{self.world_size} ranks x {self._readers} workers"
+            raise MixingShortfall(f"{where}: {e}", fact=f"{where}: {e.fact}") from None
         if targets is None:
             return none
         # sub-datasets dropped for want of long documents are left out of the solve above
@@ -375,9 +378,11 @@ class TokenLoader:
                 raise
             # the weights in force are the saved state's (a set_weights before the save),
             # which the config does not show
+            saved = f" (the weights {weights} are the saved state's, set by set_weights "
             raise MixingShortfall(
-                f"{e} (the weights {weights} are the saved state's, set by set_weights "
-                "before the save; change LoaderConfig.weights to override them on resume)"
+                f"{e}{saved}before the save; change LoaderConfig.weights to override them on "
+                "resume)",
+                fact=f"{e.fact}{saved}before the save)",
             ) from None
         self._close()
         self._cursors = resume.cursors
@@ -444,6 +449,12 @@ class TokenLoader:
             state["save"] = mark
         folder = os.path.realpath(directory)
         holder = _HOLDERS.get(folder)
+        if (
+            holder is not None
+            and not os.path.isdir(folder)
+            and (holder._queued is None or holder._queued.done())
+        ):  # the folder was deleted, and no save of the holder's is waiting to remake it
+            holder = None
         why = None
         if holder is not None and holder is not self:
             # the holder's own fingerprint, not its file: a background save of it may still
@@ -465,6 +476,8 @@ class TokenLoader:
             self._uncount(mark)
             raise
         _HOLDERS[folder] = self
+        if background:
+            self._queued = out  # type: ignore[assignment]
         return out
 
     def _uncount(self, mark: int) -> None:

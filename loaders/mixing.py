@@ -145,7 +145,8 @@ def reader_targets(
             break
         x = x * np.divide(p, share, out=np.zeros_like(p), where=share > 0)
     if np.abs(share - p).max() > SHARE_TOLERANCE:
-        raise MixingShortfall(_shortfall(names, p, own, docs, num_shards, readers))
+        fact, advice = _shortfall(names, p, own, docs, num_shards, readers)
+        raise MixingShortfall(f"{fact}; {advice}", fact=fact)
     out = []
     for g in which:
         row = x[int(pattern[g])] * w.sum()  # the weights' scale, boosted
@@ -162,9 +163,10 @@ def _shortfall(
     docs: Mapping[str, int],
     num_shards: int,
     readers: int,
-) -> str:
-    """Why the weights cannot be met: the smallest group of sub-datasets whose owners are
-    too few for their shares together (groups of up to 4 are searched)."""
+) -> tuple[str, str]:
+    """Why the weights cannot be met (the smallest group of sub-datasets whose owners are
+    too few for their shares together; groups of up to 4 are searched), and what to
+    change, in ``LoaderConfig``'s terms."""
     for size in range(1, min(len(names), 4) + 1):
         for group in combinations(range(len(names)), size):
             reach = int(own[:, list(group)].any(axis=1).sum())
@@ -176,14 +178,15 @@ def _shortfall(
                     f"sub-dataset{'' if one else 's'} {what} reach{'es' if one else ''} only "
                     f"{reach} of {readers} readers (num_shards={num_shards}), so "
                     f"{'it' if one else 'they'} can take at most {reach / readers:.1%} of an "
-                    f"endless stream's tokens, short of the weights' {need:.1%}; lower "
-                    f"{'its weight' if one else 'their weights'}, use fewer ranks or workers, "
-                    f"give {'it' if one else 'them'} more documents, or use shuffle='local' "
-                    f"or set num_epochs{FINITE}"
+                    f"endless stream's tokens, short of the weights' {need:.1%}",
+                    f"lower {'its weight' if one else 'their weights'}, use fewer ranks or "
+                    f"workers, give {'it' if one else 'them'} more documents, or use "
+                    f"shuffle='local' or set num_epochs{FINITE}",
                 )
     return (
         f"the weights' shares {dict(zip(names, p.round(4).tolist(), strict=True))} cannot be "
         f"met by the readers owning each sub-dataset's documents ({readers} readers, "
-        f"num_shards={num_shards}); lower the small sub-datasets' weights, use fewer ranks or "
-        f"workers, or use shuffle='local' or set num_epochs{FINITE}"
+        f"num_shards={num_shards})",
+        "lower the small sub-datasets' weights, use fewer ranks or workers, or use "
+        f"shuffle='local' or set num_epochs{FINITE}",
     )

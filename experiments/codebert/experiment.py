@@ -39,7 +39,14 @@ from experiments.codebert.task import MLMTask
 from experiments.cursor import check_global_batch
 from experiments.notes import note
 from experiments.transformer import EncoderConfig, check_step_mode, dense_param_count, fit_vocab
-from loaders import DatasetSpec, EmptyStream, LoaderConfig, TokenLoader
+from loaders import (
+    DatasetSpec,
+    EmptyStream,
+    LoaderConfig,
+    MixingShortfall,
+    ReadersWithoutDocuments,
+    TokenLoader,
+)
 from loaders.config import check_weight, is_int
 from loaders.pipeline import holds_long
 from loaders.prepare import MAX_TRAIN_VOCAB
@@ -74,7 +81,9 @@ class CorpusConfig:
     out, fixed by a hash of each. ``max_doc_tokens``: longer files are cut into pieces of
     this many tokens (the mixer switches sub-dataset between documents, so its shares are
     exact to one piece). ``provenance``: training batches also carry each token's
-    (document, offset) (``doc_ids``, ``doc_offsets``; see ``loaders.LoaderConfig``)."""
+    (document, offset) (``doc_ids``, ``doc_offsets``; see ``loaders.LoaderConfig``).
+    ``num_shards``: the logical shards the training stream is cut into, the most processes
+    that can read it; fixed at a run's first start (its loader state holds it)."""
 
     source: str = "stdlib"
     paths: dict[str, str] = field(default_factory=dict)
@@ -95,8 +104,15 @@ class CorpusConfig:
     eval_batches: int = 8
     max_doc_tokens: int | None = 1024
     provenance: bool = False
+    num_shards: int = 64
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.num_shards, bool)
+            or not isinstance(self.num_shards, int)
+            or (self.num_shards < 1)
+        ):
+            raise ConfigError(f"data.num_shards={self.num_shards!r}; give a positive integer")
         if self.source not in ("stdlib", "paths", "hub"):
             raise ConfigError(f"data.source={self.source!r}; choose 'stdlib', 'paths' or 'hub'")
         if self.source == "paths" and not self.paths:
@@ -384,12 +400,24 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                  for n, f in folders.items()]  # fmt: skip
         return LoaderConfig(datasets=specs, seq_len=p.data.seq_len, batch_size=batch_size,
                             bos_id=bos, eos_id=eos, pad_id=pad, seed=p.train.seed,
-                            num_shards=64, **kw)  # fmt: skip
+                            num_shards=p.data.num_shards, **kw)  # fmt: skip
 
+    if world > p.data.num_shards:  # the loader's refusal names LoaderConfig, not the key
+        raise DataError(
+            f"{world} processes, but the training stream is cut into data.num_shards="
+            f"{p.data.num_shards} shards, one reader each at most; train on fewer processes, "
+            "or start a new run with --set data.num_shards=N (N >= the processes; a run "
+            "keeps the value it started with)"
+        )
     try:
         train_iter = TokenLoader(loader_cfg(corpus.train, p.data.mix, provenance=p.data.provenance,
                                             batch_size=p.batch_size // world),
                                  rank=rank, world_size=world)  # fmt: skip
+    except (MixingShortfall, ReadersWithoutDocuments) as e:  # advice in this command's terms
+        raise DataError(
+            f"{e.fact}; give that sub-dataset more files (--corpus), lower its --mix weight, "
+            "or train on fewer processes"
+        ) from None
     except EmptyStream:  # the loader's own message names LoaderConfig.min_doc_len, no flag
         weighed = sorted(n for n in corpus.train if p.data.mix.get(n, 1.0) > 0)
         raise DataError(

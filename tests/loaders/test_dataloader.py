@@ -167,6 +167,13 @@ def test_a_second_loader_saved_into_one_folder_keeps_the_first_ones_file(corpus,
         val.save(fresh, step=6)
     queued.result()
     assert load_states(fresh)[0]["fingerprint"]["docs"].keys() == {"a", "b"}
+    # the folder deleted (its saves done): a claim on nothing, which said a state there
+    # "is kept"; a new loader saves into it
+    import shutil
+
+    shutil.rmtree(fresh)
+    val.save(fresh, step=6)
+    assert load_states(fresh)[0]["fingerprint"]["docs"].keys() == {"b"}
     # the same run saves over its own files, with a sub-dataset added on the way
     more = TokenLoader(config([("a", root / "a", 0.6), ("b", root / "b", 0.4),
                                ("c", root / "b", 0.0)]))  # fmt: skip

@@ -590,6 +590,42 @@ def test_the_batch_is_global_and_split_over_the_processes(tmp_path: Path) -> Non
     assert shares == [2, 2] and build(small(4))[0].train_iter.config.batch_size == 4
 
 
+def test_more_processes_than_shards_and_a_thin_group_name_this_command_s_keys(
+    tmp_path: Path,
+) -> None:
+    """The stream's 64 shards were fixed, so no run could use more than 64 processes; and
+    the loader's refusals of too many readers for a small group advised LoaderConfig
+    settings (shuffle='local', num_epochs) this command refuses as unknown keys."""
+    import dataclasses
+
+    from comera.errors import DataError
+    from experiments.codebert.experiment import build, preset
+
+    for name, n in (("big", 6), ("tiny", 2)):
+        (tmp_path / name).mkdir()
+        for k in range(n):
+            body = "\n".join(f"def f{k}_{j}(x):\n    return x + {j}\n" for j in range(30))
+            (tmp_path / name / f"m{k}.py").write_text(body)
+
+    def small(**data: object) -> object:
+        p = preset("smoke")
+        kw = {"source": "paths", "paths": {n: str(tmp_path / n) for n in ("big", "tiny")},
+              "vocab": 300, "seq_len": 32, "eval_batches": 1,
+              "cache_dir": str(tmp_path / "cache"), **data}  # fmt: skip
+        return dataclasses.replace(p, data=dataclasses.replace(p.data, **kw), batch_size=6)
+
+    with pytest.raises(DataError, match=r"3 processes, .*data\.num_shards=2 shards.*"
+                                        r"--set data\.num_shards=N"):  # fmt: skip
+        build(small(num_shards=2), rank=0, world=3)
+    task = build(small(num_shards=3, mix={"big": 1.0, "tiny": 0.0}), rank=0, world=3)[0]
+    assert task.train_iter.config.num_shards == 3
+    with pytest.raises(DataError) as err:  # one document of "tiny", three readers
+        build(small(num_shards=3), rank=0, world=3)
+    text = str(err.value)
+    assert "'tiny'" in text and "--mix weight" in text and "fewer processes" in text
+    assert "shuffle='local'" not in text and "num_epochs" not in text
+
+
 def test_a_group_of_one_file_or_of_tables_is_refused(tmp_path: Path) -> None:
     """One file is all train or all held out, and a globbed table file would be read as
     rows rather than as one document: both are refused naming --corpus."""
