@@ -57,6 +57,18 @@ class _TTModule(nn.Module):
             tensor_train.check_params(params, state, spec)
         self.load_tensors(params, state)
 
+    def __getattr__(self, name: str) -> torch.Tensor | nn.Module:
+        if name == "weight":  # still an AttributeError: hasattr(m, "weight") stays False
+            spec = self.__dict__.get("spec")  # (not set yet while a copy is being built)
+            label = spec.label if spec is not None else type(self).__name__
+            raise AttributeError(
+                f"{label} holds its weight as TT cores, "
+                "not a dense 'weight': code that reads or resizes it (Hugging Face's "
+                "resize_token_embeddings, tie_weights) must run before tensorize_; "
+                "to_dense() rebuilds the matrix"
+            )
+        return super().__getattr__(name)
+
     def load_tensors(self, params: Params, state: State) -> None:
         """Hold these params and state (new parameters, shapes as given: a compacted
         train's); the tensors are shared, not copied. Each new parameter keeps the

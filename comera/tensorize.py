@@ -473,6 +473,8 @@ def _linear_plan(
 ) -> tuple[TTLinearSpec, str] | str:  # fmt: skip
     """The spec of a linear layer's train and what was padded, or why it stays dense
     (``paths``: every path the layer is reached by, for ``rank_for``)."""
+    if not out_f or not in_f:  # no split of 0 exists: _split would find none
+        return f"skipped: an empty {out_f}x{in_f} weight has nothing to compress"
     (out_m, out_p), (in_m, in_p) = _split((out_f, in_f), cfg.cores)
     modes = (*reversed(out_m), *in_m)
     dense = out_f * in_f + (out_f if bias else 0)
@@ -941,7 +943,12 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
             # weight and bias, as a layer skipped for its size counts them
             bias = getattr(module, "bias", None)
             held = module.weight.numel() + (bias.numel() if isinstance(bias, torch.Tensor) else 0)  # type: ignore[union-attr]
-            report = LayerReport(name=name, kind=type(module).__name__, shape=shape,  # type: ignore[arg-type]
+            kind = (
+                "embedding"
+                if isinstance(module, nn.Embedding)
+                else ("linear" if isinstance(module, nn.Linear) else "conv1d")
+            )  # as replaced rows say
+            report = LayerReport(name=name, kind=kind, shape=shape,  # type: ignore[arg-type]
                                  params_before=held, skipped=why)  # fmt: skip
         elif isinstance(module, nn.Embedding):
             new, report = _replace_embedding(name, module, config, paths[id(module)])

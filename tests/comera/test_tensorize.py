@@ -1012,6 +1012,16 @@ def test_summary_rows_of_skipped_layers_and_unmet_targets_say_what_is_so() -> No
     model[0].register_forward_hook(lambda *a: None)
     summary = tensorize_(model, TensorizeConfig(target_modules="*", rank=2, min_compression=0))
     assert summary.layers[0].skipped and summary.layers[0].params_before == 16 * 16 + 16
+    # its kind as replaced rows say it (it said "Linear" beside their "linear")
+    assert [r.kind for r in summary.layers] == ["linear", "linear"]
+    # an empty linear failed the whole call on an internal assertion, replacing nothing
+    empty = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 0), nn.Linear(0, 16))
+    rows = tensorize_(empty, TensorizeConfig(target_modules="*", min_compression=0)).layers
+    assert isinstance(empty[0], C.TTLinear) and isinstance(empty[1], nn.Linear)
+    assert [r.skipped for r in rows[1:]] == [
+        "skipped: an empty 0x16 weight has nothing to compress",
+        "skipped: an empty 16x0 weight has nothing to compress",
+    ]
     wide = TensorizeConfig(target_modules="*", rank=100_000, cores=2)
     big = tensorize_(nn.Sequential(nn.Linear(16, 16)), wide)
     assert (
@@ -1238,3 +1248,17 @@ def test_a_rank_rule_for_a_targeted_tied_head_is_refused() -> None:
                                                rank_for={"lm_head": 4}))  # fmt: skip
     C.tensorize_(Tied(), C.TensorizeConfig(target_modules=("wte", "lm_head"), rank=8,
                                            rank_for={"wte": 4}))  # fmt: skip
+
+
+def test_reading_a_tt_modules_weight_says_why_there_is_none() -> None:
+    """Hugging Face's resize_token_embeddings on a tensorized model failed with a bare
+    "object has no attribute 'weight'"; ``hasattr`` must still say False (code probing
+    for a dense weight takes the other route)."""
+    emb = C.TTMEmbedding(C.TTMEmbeddingSpec(vocab_modes=(4, 4), dim_modes=(2, 2), ranks=2))
+    lin = C.TTLinear(C.TTLinearSpec(out_modes=(4, 4), in_modes=(2, 2), ranks=2))
+    for m in (emb, lin):
+        assert not hasattr(m, "weight")
+        with pytest.raises(AttributeError, match="holds its weight as TT cores.*before tensorize_"):
+            m.weight  # noqa: B018 - the read is the point
+    with pytest.raises(AttributeError, match="no attribute 'weights'"):  # others as before
+        lin.weights  # noqa: B018
