@@ -141,6 +141,11 @@ class Experiment:
     # config keys the build sets itself (key -> where from): a ``--set`` of one is refused,
     # as the build would replace its value without a word
     derived: Mapping[str, str] = field(default_factory=dict)
+    # called with a new run's resolved config and every key given on the command line or
+    # in --config (key, how it was given): refuses a key the config makes moot, which a
+    # section's own check cannot tell from a default (fine-tune's built-model settings
+    # beside --model, given at their default values)
+    check_given: Callable[[Any, list[tuple[str, str]]], None] | None = None
     description: str = ""
     epilog: str = ""
 
@@ -776,7 +781,13 @@ def resolve_config(exp: Experiment, args: argparse.Namespace, ap: argparse.Argum
         rules = next((v for k, v, _ in reversed(from_file) if k == "plans.per_layer"), None)
         named = any(k == "train.run_name" for k, _, _ in from_file)  # --dense keeps it
         common = _common_overrides(args, cfg, rules=rules, named=named)
-        return apply_overrides(cfg, [*own, *common], args.sets, file_items=from_file)
+        out = apply_overrides(cfg, [*own, *common], args.sets, file_items=from_file)
+        if exp.check_given is not None:
+            given = [(k, label) for k, _, label in from_file]
+            given += [(o[0], o[2] if len(o) > 2 else o[0]) for o in [*own, *common]]
+            given += [(item.partition("=")[0].strip(), f"--set {item}") for item in args.sets]
+            exp.check_given(out, given)
+        return out
     path = Path(args.resume) / "config.json"
     if not path.is_file():
         run_dir = Path(args.resume)

@@ -720,6 +720,20 @@ def _flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
     return out
 
 
+def _check_given(p: Preset, given: list[tuple[str, str]]) -> None:
+    """Refuse a built-model setting given beside ``--model`` even at its default value
+    (``ModelConfig`` refuses only values that differ from it): the loaded model keeps its
+    own, and ``config.json`` would record the one given."""
+    if p.model.path is None:
+        return
+    for key, how in given:
+        if key.startswith("model.") and key[len("model.") :] in _BUILT:
+            raise ConfigError(
+                f"{how}: {key} shapes the BERT built from a config, but --model "
+                f"{p.model.path} is loaded as saved (its own config decides it); drop {key}"
+            )
+
+
 EXPERIMENT = cli.Experiment(
     name="finetune",
     config_type=Preset,
@@ -732,6 +746,7 @@ EXPERIMENT = cli.Experiment(
     resume_mutable=frozenset({"model.path", "data.tokenizer"}),
     resume_same={"model_config": "give --model a folder of the model the run was saved with"},
     preset_defaults=_model_run_defaults,
+    check_given=_check_given,
     moved_hint=(
         "the run in {run} was saved with it: a moved model folder or tokenizer resumes with "
         "--resume {run} --model NEW_FOLDER or --tokenizer NEW_PATH (another architecture, "

@@ -169,6 +169,10 @@ def test_a_glob_that_matches_nothing_names_its_flag(tmp_path: Path, capsys) -> N
         (["--set", "model.embedding_rank=0"], "model.embedding_rank=0 must be >= 1"),
         (["--set", "model.layers=6"], "model.layers=6 shapes the BERT built from a config"),
         (["--set", "model.dropout=0.3"], "drop model.dropout"),
+        # at the built model's default value: taken without a word (the loaded model kept
+        # its own dropout while config.json said 0.0)
+        (["--set", "model.dropout=0.0"], "--set model.dropout=0.0: model.dropout shapes the"),
+        (["--set", "model.layers=2"], "is loaded as saved (its own config decides it); drop"),
         (["--set", "model.num_labels=1"], "model.num_labels=1 must be >= 2"),
         # every table stayed dense, exit 0: one core is the table itself
         (["--set", "model.embedding_cores=1"], "model.embedding_cores=1 must be >= 2"),
