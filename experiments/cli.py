@@ -1249,6 +1249,38 @@ def _untraced_plans(cfg: Any) -> str:
     return ", ".join(said)
 
 
+# what a resume may change that changes how its steps compute (not wandb or the progress
+# bar): a stop line's command repeats those the run was resumed with, or following it would
+# go on under the settings config.json started with
+_HOW_IT_RUNS = ("train.device", "train.step_mode", "train.cpu_malloc", "model.recompute",
+                "model.grouped_halves")  # fmt: skip
+
+
+def _resume_flags(run: Prepared) -> str:
+    """The flags (`` --step-mode sync_free``) of the settings in :data:`_HOW_IT_RUNS` this
+    run holds otherwise than its ``config.json`` (a resume's own), or ""."""
+    try:
+        saved = json.loads((Path(run.cfg.train.run_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    flag_of = {key: "--" + dest.replace("_", "-") for dest, key in _COMMON.items()}
+    out = []
+    for key in _HOW_IT_RUNS:
+        try:
+            now = get_field(run.cfg, key)
+        except AttributeError:  # an experiment without the setting
+            continue
+        was: Any = saved
+        for part in key.split("."):
+            was = was.get(part) if isinstance(was, dict) else None
+        now_json = json.loads(json.dumps(now, default=config_jsonable))
+        if was is None or now_json == was:
+            continue
+        text = now_json if isinstance(now_json, str) else json.dumps(now_json)
+        out.append(f" {flag_of[key]} {text}" if key in flag_of else f" --set {key}={text}")
+    return "".join(out)
+
+
 def _go_on(run: Prepared) -> str:
     """How a stopped run goes on: from its last checkpoint, or over from its config."""
     run_dir = run.cfg.train.run_dir
@@ -1257,7 +1289,8 @@ def _go_on(run: Prepared) -> str:
         if complete_checkpoints(run_dir)
         else "no checkpoint was written yet; start it over from its saved config"
     )
-    return f"{go_on} with python -m experiments.{run.exp.name} --resume {run_dir}"
+    flags = _resume_flags(run)
+    return f"{go_on} with python -m experiments.{run.exp.name} --resume {run_dir}{flags}"
 
 
 # what a collective raises when the process at the other end is gone: gloo's bare

@@ -702,6 +702,12 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
     assert finished == [128 + signum] and fake.logged[-1] == 2  # wandb: failed, not done
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert issubclass(cli.Interrupted, KeyboardInterrupt)  # Python callers stop as before
+    if saved:  # resumed in another step mode and stopped again: the line repeats the mode
+        # (a plain --resume goes back to config.json's eager steps)
+        again = ["--resume", str(run_dir), "--step-mode", "sync_free", "--no-progress"]
+        assert mnli.main(again) == 128 + signum
+        err = [ln for ln in capsys.readouterr().err.splitlines() if "stopped" in ln]
+        assert err[-1].endswith(f"--resume {run_dir} --step-mode sync_free"), err
 
 
 def test_a_process_of_the_run_lost_mid_run_is_one_line(tmp_path, monkeypatch, capsys):
