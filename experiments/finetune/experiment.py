@@ -321,6 +321,11 @@ def _load_pretrained(tf: Any, cfg: ModelConfig, labels: int = 0) -> tuple[nn.Mod
                 f"--model {cfg.path}: not a folder a transformers model was saved to "
                 f"({first_line(e)})"
             ) from None
+        if "does not recognize this architecture" in str(e):  # not about the labels
+            raise ConfigError(
+                f"--model {cfg.path}: this transformers ({tf.__version__}) does not "
+                f"know the saved model's architecture ({first_line(e)})"
+            ) from None
         raise ConfigError(
             f"--model {cfg.path}: cannot load it as a sequence classifier with "
             f"model.num_labels={cfg.num_labels} labels ({first_line(e)})"

@@ -178,7 +178,11 @@ def test_a_saved_decoder_classifier_and_path_mistakes(tmp_path: Path, capsys) ->
     damaged.mkdir()
     (damaged / "config.json").write_text((tmp_path / "gpt2" / "config.json").read_text())
     (damaged / "model.safetensors").write_bytes(b"\x01\x02 not a safetensors file")
+    unknown = tmp_path / "unknown"  # blamed on model.num_labels before
+    unknown.mkdir()
+    (unknown / "config.json").write_text('{"model_type": "no_such_architecture"}')
     for model, text in [
+        (unknown, "does not know the saved model's architecture"),
         (tmp_path / "short", "16 tokens long but --model"),
         (tmp_path / "gpt2" / "config.json", "that is a file; give the folder"),
         (tmp_path / "gpt2_typo" / "x", "no such folder"),
