@@ -522,11 +522,18 @@ def run_ablation(
             final = cli.train(run)
         except NonFiniteLoss as e:  # the one line main prints names the variant that diverged
             # the swept value may be the cause: the trainer's advice names learning rates only
-            swept = ", ".join(f"{k}={val}" for k, val in v.overrides) or "nothing of its own"
+            own = ", ".join(f"{k}={val}" for k, val in v.overrides)
+            sets = (
+                f"This variant sets {own}"
+                if own
+                else "This variant trains the preset's own settings"
+            )
+            ways = ["lower the learning rates or clip gradients (--set train.optim.lr_*=..., "
+                    "--set train.grad_clip=...)"]  # fmt: skip
+            if v.overrides and (name in _KEYS or name in ("compression", "target_compression")):
+                ways.insert(0, "leave its value out of --values")
             raise NonFiniteLoss(
-                f"{name} variant {v.label!r} ({run_dir}): {e.what} This variant sets {swept}: "
-                "leave that value out (--values), or lower the learning rates or clip gradients "
-                "for every variant (--set train.optim.lr_*=..., --set train.grad_clip=...), "
+                f"{name} variant {v.label!r} ({run_dir}): {e.what} {sets}; {', or '.join(ways)}, "
                 "and run the ablation command again (its variants start anew)."
             ) from None
         except cli.Interrupted as e:  # its variants train anew: no --resume to point at

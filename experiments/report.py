@@ -233,8 +233,9 @@ def smoke_dirs(runs: Path, name: str) -> dict[str, Path]:
 
 def differing_keys(setups: list[dict], skip: Iterable[str] = ()) -> list[str]:
     """The keys (sorted) on which ``setups`` differ, values compared as JSON; but those in
-    ``skip``."""
-    keys = sorted({k for s in setups for k in s} - set(skip))
+    ``skip``, and those some setup lacks (a run saved before the setting existed, as a
+    resume takes it: CodeBERT's ``data.num_shards``)."""
+    keys = sorted(set.intersection(*(set(s) for s in setups)) - set(skip)) if setups else []
     return [k for k in keys if len({json.dumps(s.get(k), sort_keys=True) for s in setups}) > 1]
 
 
@@ -273,14 +274,13 @@ def smoke_gaps(config: dict, experiment: Any, *, comera: bool = False) -> list[s
     skip = {"dense_params", *experiment.pair_differs}
     gaps = differing_keys([preset, pair_setup(config)], skip)
     if comera:
-        ours = (config.get("train") or {}).get("comera")
+        train = config.get("train")
+        ours = train.get("comera") if isinstance(train, dict) else None
         ours = ours if isinstance(ours, dict) else {}
         theirs = json.loads(json.dumps(cfg.train.comera, default=config_jsonable))
         flat = [{f"train.comera.{k}": v for k, v in c.items() if k != "enabled"}
                 for c in (theirs, ours)]  # fmt: skip
-        # a key the run's record lacks (saved before it existed) is not a change
-        flat[0] = {k: v for k, v in flat[0].items() if k in flat[1]}
-        gaps += differing_keys(flat)
+        gaps += differing_keys(flat)  # (a key the run's record lacks is not a change)
     return gaps
 
 

@@ -150,28 +150,24 @@ def tokens_digest(files: Sequence[str | Path], column: str = "tokens") -> str:
     return hashlib.blake2b(lengths.digest() + tokens.digest(), digest_size=16).hexdigest()
 
 
-def default_max_open() -> int:
-    """How many token files a :class:`TokenFolder` keeps open: a quarter of this process's
-    open-file limit (each holds a descriptor for its memory map; the rest is left to
-    sockets, DataLoader pipes and other sources), at least 128. Under a global shuffle
-    every file is read in turn, so a folder of more files than this re-opens one for
-    nearly every document (14-38x slower reads, measured at 600 files and 128 open)."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):  # no resource module (Windows)
-        return 128
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 16
-    return max(128, soft // 4)
+# token files a TokenFolder keeps open. Each holds a memory map (not a file descriptor),
+# and the kernel allows a process about 65,000 (vm.max_map_count), shared by every folder,
+# DataLoader worker's copy aside, and torch's own: 4096 leaves room for a dozen large
+# sub-datasets. Under a global shuffle every file is read in turn, so a folder of more
+# files than are kept open re-opens one for nearly every document (600 files read 6x
+# slower at 128 open than with all open)
+MAX_OPEN_FILES = 4096
+# compressed files (pyarrow.feather's lz4 default) are decompressed into memory on open,
+# not mapped: at most this many of them are kept, as before the cap above was raised
+MAX_OPEN_UNMAPPED = 128
 
 
 class TokenFolder:
     """All Arrow IPC token files under a folder (recursively, sorted), as one source.
 
-    At most ``max_open_files`` files are open at once (default :func:`default_max_open`),
-    the least recently read closed first."""
+    At most ``max_open_files`` files are open at once (default :data:`MAX_OPEN_FILES`), of
+    them at most :data:`MAX_OPEN_UNMAPPED` compressed ones, the least recently read closed
+    first."""
 
     def __init__(
         self,
@@ -217,7 +213,8 @@ class TokenFolder:
             self._cum.append(self._cum[-1] + n)
         self.num_docs = self._cum[-1]
         self._open: OrderedDict[int, ArrowTokenFile] = OrderedDict()
-        self._max_open = max(1, default_max_open() if max_open_files is None else max_open_files)
+        self._max_open = max(1, MAX_OPEN_FILES if max_open_files is None else max_open_files)
+        self._unmapped: OrderedDict[int, None] = OrderedDict()  # the compressed ones open
         self._said_unmapped = False
         self._file(0)  # fail now, not mid-run, on a wrong column or type
 
@@ -232,8 +229,12 @@ class TokenFolder:
                     "delete the stale doc_counts.json (or cache entry) and restart"
                 )
             self._open[k] = f
+            if not f.mapped:  # its tokens in memory: fewer of them kept
+                self._unmapped[k] = None
+                if len(self._unmapped) > min(self._max_open, MAX_OPEN_UNMAPPED):
+                    self._open.pop(self._unmapped.popitem(last=False)[0])
             if len(self._open) > self._max_open:
-                self._open.popitem(last=False)
+                self._unmapped.pop(self._open.popitem(last=False)[0], None)
             if not f.mapped and not self._said_unmapped:
                 self._said_unmapped = True
                 warnings.warn(
@@ -246,6 +247,8 @@ class TokenFolder:
                 )
         else:
             self._open.move_to_end(k)
+            if k in self._unmapped:
+                self._unmapped.move_to_end(k)
         return f
 
     def doc(self, i: int) -> np.ndarray:

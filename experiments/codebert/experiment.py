@@ -377,6 +377,14 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
             f"data.max_files={p.data.max_files} picks files of the stdlib source only; every "
             "file of --corpus is read"
         )
+    if world > p.data.num_shards:  # the loader's refusal names LoaderConfig, not the key;
+        # and before minutes of preparing the corpus
+        raise DataError(
+            f"{world} processes, but the training stream is cut into data.num_shards="
+            f"{p.data.num_shards} shards, one reader each at most; train on fewer processes, "
+            "or start a new run with --set data.num_shards=N (N >= the processes; a run "
+            "keeps the value it started with)"
+        )
     if p.data.source == "paths" and p.data.paths:  # --corpus names them: checked before
         check_mix(p.data.mix, set(p.data.paths))  # minutes of preparing the corpus
     try:
@@ -402,21 +410,19 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                             bos_id=bos, eos_id=eos, pad_id=pad, seed=p.train.seed,
                             num_shards=p.data.num_shards, **kw)  # fmt: skip
 
-    if world > p.data.num_shards:  # the loader's refusal names LoaderConfig, not the key
-        raise DataError(
-            f"{world} processes, but the training stream is cut into data.num_shards="
-            f"{p.data.num_shards} shards, one reader each at most; train on fewer processes, "
-            "or start a new run with --set data.num_shards=N (N >= the processes; a run "
-            "keeps the value it started with)"
-        )
     try:
         train_iter = TokenLoader(loader_cfg(corpus.train, p.data.mix, provenance=p.data.provenance,
                                             batch_size=p.batch_size // world),
                                  rank=rank, world_size=world)  # fmt: skip
-    except (MixingShortfall, ReadersWithoutDocuments) as e:  # advice in this command's terms
+    except ReadersWithoutDocuments as e:  # advice in this command's terms
         raise DataError(
-            f"{e.fact}; give that sub-dataset more files (--corpus), lower its --mix weight, "
+            f"{e.fact}; give the corpus more documents (more files in its --corpus folders) "
             "or train on fewer processes"
+        ) from None
+    except MixingShortfall as e:
+        raise DataError(
+            f"{e.fact}; lower the --mix weight of the sub-datasets named, give them more "
+            "documents (more files in their --corpus folders), or train on fewer processes"
         ) from None
     except EmptyStream:  # the loader's own message names LoaderConfig.min_doc_len, no flag
         weighed = sorted(n for n in corpus.train if p.data.mix.get(n, 1.0) > 0)

@@ -63,8 +63,9 @@ def epoch_seconds(cfg: dict, steps_per_s: float) -> float | None:
 
 def _adapts(cfg: dict) -> bool:
     """Whether a TT run adapted its ranks (``train.comera.enabled``, true unless set off)."""
-    comera = (cfg.get("train") or {}).get("comera") or {}
-    return comera.get("enabled", True) is not False
+    train = cfg.get("train")
+    comera = train.get("comera") if isinstance(train, dict) else None
+    return not isinstance(comera, dict) or comera.get("enabled", True) is not False
 
 
 def _kind(cfg: dict) -> str:
@@ -72,7 +73,8 @@ def _kind(cfg: dict) -> str:
     ``train.optimizer`` says so), CoMERA, or, with ``train.comera.enabled=false`` alone, the
     TT model at its initial ranks (cli.md)."""
     if cfg.get("dense"):
-        galore = (cfg.get("train") or {}).get("optimizer") == "galore"
+        train = cfg.get("train")
+        galore = isinstance(train, dict) and train.get("optimizer") == "galore"
         return "dense, GaLore" if galore else "dense"
     return "CoMERA" if _adapts(cfg) else "TT, fixed ranks"
 

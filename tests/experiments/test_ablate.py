@@ -333,9 +333,21 @@ def test_a_diverging_variant_is_one_line_naming_it(tmp_path, monkeypatch, capsys
     assert len(err) == 1 and "gamma variant '0.1'" in err[0] and "step 3" in err[0], err
     # the advice is the ablation's: the swept value may be the cause, and a new run dir
     # (the trainer's own advice) is not how an ablation goes on
-    assert "This variant sets train.comera.gamma=0.1: leave that value out" in err[0]
+    assert "This variant sets train.comera.gamma=0.1; leave its value out of --values" in err[0]
     assert "run the ablation command again" in err[0] and "Start a new run" not in err[0]
     assert not list(tmp_path.glob("*.md"))
+    # an ablation of fixed variants takes no --values, and a variant may set nothing
+    argv = ["capacity", "--experiment", "dlrm", "--runs-dir", str(tmp_path / "cap")]
+
+    def comera_diverges(cfg):
+        Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
+        raise ablate.NonFiniteLoss("x", "loss is nan at step 3.")
+
+    monkeypatch.setattr(ablate.cli, "train", comera_diverges)
+    assert ablate.main([*argv, "--reports", str(tmp_path)]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "stopped" in ln]
+    assert "This variant trains the preset's own settings; lower the learning" in err[0]
+    assert "--values" not in err[0]
 
 
 def test_an_interrupted_ablation_names_the_variant_and_how_to_go_on(tmp_path, monkeypatch,

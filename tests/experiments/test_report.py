@@ -313,7 +313,8 @@ def test_a_pair_of_runs_of_other_setups_or_without_evals_is_refused(tmp_path: Pa
         d.mkdir()
         config = {"experiment": "codebert", "dense": dense, "batch_size": 8,
                   "data": {"max_files": 12, "cache_dir": f"/c/{name}"},
-                  "train": {"steps": 20, "seed": 0}, "model": {}}  # fmt: skip
+                  "train": {"steps": 20, "seed": 0},
+                  "model": {"width": 8, "hash_rows": 0}}  # fmt: skip
         for key, value in changes.items():
             section, _, field = key.rpartition("__")
             (config[section] if section else config)[field] = value
@@ -328,16 +329,20 @@ def test_a_pair_of_runs_of_other_setups_or_without_evals_is_refused(tmp_path: Pa
         ({"batch_size": 4, "train__seed": 1}, "batch_size (8 against 4), train.seed (0 against 1)"),
         # a dense run of other widths (or another saved model) was "the same architecture"
         ({"dense_params": 99, "model__width": 4},
-         "dense_params (None against 99), model.width (None against 4)"),
+         "dense_params (None against 99), model.width (8 against 4)"),
     ]):  # fmt: skip
         dense = run(f"d{i}", True, **changes)
         with pytest.raises(DataError, match=re.escape(f"other setups: {named};")):
             report.check_smoke_pair({"CoMERA": comera, "dense": dense}, "codebert")
     # a key the experiment lets the pair hold apart (DLRM's hashed dense tables)
     hashed = run("h", True, model__hash_rows=50)
-    with pytest.raises(DataError, match=re.escape("model.hash_rows (None against 50)")):
+    with pytest.raises(DataError, match=re.escape("model.hash_rows (0 against 50)")):
         report.check_smoke_pair({"CoMERA": comera, "dense": hashed}, "codebert")
     report.check_smoke_pair({"CoMERA": comera, "dense": hashed}, "codebert", ["model.hash_rows"])
+    # a key one run lacks was saved before it existed (CodeBERT's data.num_shards): the
+    # other's value is not "another setup", as a resume of that run takes it
+    report.check_smoke_pair({"CoMERA": comera, "dense": run("n", True, data__num_shards=64)},
+                            "codebert")  # fmt: skip
     rows = {comera: [{"step": 1, "loss": 2.0}, {"step": 1, "eval/x": 1.0}],
             tmp_path / "b": [{"step": 1, "loss": 2.0}]}  # fmt: skip
     with pytest.raises(DataError, match=r"b holds no evaluation \(eval/x\); .* with flag"):

@@ -95,9 +95,10 @@ def test_galore_is_refused_for_a_model_with_tt_layers(tmp_path: Path) -> None:
 
     tt, st = C.init(C.TTLinearSpec(out_modes=(4, 8), in_modes=(8, 4), ranks=4),
                     generator=torch.Generator().manual_seed(0))  # fmt: skip
-    cfg = TrainConfig(steps=2, run_dir=str(tmp_path / "run"), optimizer="galore",
-                      galore=GaLoreConfig(rank=4), comera=ComeraConfig(enabled=False),
-                      wandb="disabled", progress=False)  # fmt: skip
+    galore = GaLoreConfig(rank=4, targets=("w",))  # the dense weight: GaLore has work
+    cfg = TrainConfig(steps=2, run_dir=str(tmp_path / "run"), optimizer="galore", galore=galore,
+                      comera=ComeraConfig(enabled=False), wandb="disabled",
+                      progress=False)  # fmt: skip
     params = {"w": torch.eye(32), "tt": tt}
     with pytest.raises(ConfigError, match="holds TT/TTM layers.*optimizer='adamw'"):
         Trainer(cfg, _DenseToy(), params, {"tt": st})

@@ -617,6 +617,7 @@ def test_more_processes_than_shards_and_a_thin_group_name_this_command_s_keys(
     with pytest.raises(DataError, match=r"3 processes, .*data\.num_shards=2 shards.*"
                                         r"--set data\.num_shards=N"):  # fmt: skip
         build(small(num_shards=2), rank=0, world=3)
+    assert not (tmp_path / "cache").exists()  # refused before the corpus was prepared
     task = build(small(num_shards=3, mix={"big": 1.0, "tiny": 0.0}), rank=0, world=3)[0]
     assert task.train_iter.config.num_shards == 3
     with pytest.raises(DataError) as err:  # one document of "tiny", three readers
@@ -624,6 +625,11 @@ def test_more_processes_than_shards_and_a_thin_group_name_this_command_s_keys(
     text = str(err.value)
     assert "'tiny'" in text and "--mix weight" in text and "fewer processes" in text
     assert "shuffle='local'" not in text and "num_epochs" not in text
+    with pytest.raises(DataError) as err:  # "tiny" alone: two of three readers get nothing
+        build(small(num_shards=3, mix={"big": 0.0, "tiny": 1.0}), rank=0, world=3)
+    text = str(err.value)
+    assert "would get no document" in text and text.endswith("or train on fewer processes")
+    assert "--mix" not in text and "shuffle='local'" not in text
 
 
 def test_a_group_of_one_file_or_of_tables_is_refused(tmp_path: Path) -> None:
