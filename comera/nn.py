@@ -36,6 +36,16 @@ class _Buffers(nn.Module):
         return [getattr(self, str(k)) for k in range(self.n)]
 
 
+def no_dense_weight(label: str) -> AttributeError:
+    """The error of reading a TT module's ``weight``, which it does not hold: still an
+    ``AttributeError``, so ``hasattr(m, "weight")`` stays False for code that probes."""
+    return AttributeError(
+        f"{label} holds its weight as TT cores, not a dense 'weight': code that reads or "
+        "resizes it (Hugging Face's resize_token_embeddings, tie_weights) must run before "
+        "tensorize_; to_dense() rebuilds the matrix"
+    )
+
+
 class _TTModule(nn.Module):
     spec: TTLinearSpec | TTMEmbeddingSpec
 
@@ -58,16 +68,13 @@ class _TTModule(nn.Module):
         self.load_tensors(params, state)
 
     def __getattr__(self, name: str) -> torch.Tensor | nn.Module:
-        if name == "weight":  # still an AttributeError: hasattr(m, "weight") stays False
+        try:  # a weight registered on it after all (a buffer, a tie) is read as usual
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
             spec = self.__dict__.get("spec")  # (not set yet while a copy is being built)
-            label = spec.label if spec is not None else type(self).__name__
-            raise AttributeError(
-                f"{label} holds its weight as TT cores, "
-                "not a dense 'weight': code that reads or resizes it (Hugging Face's "
-                "resize_token_embeddings, tie_weights) must run before tensorize_; "
-                "to_dense() rebuilds the matrix"
-            )
-        return super().__getattr__(name)
+            raise no_dense_weight(spec.label if spec is not None else type(self).__name__) from None
 
     def load_tensors(self, params: Params, state: State) -> None:
         """Hold these params and state (new parameters, shapes as given: a compacted

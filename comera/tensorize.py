@@ -40,7 +40,7 @@ from comera import tensor_train
 from comera.accounting import train_size
 from comera.errors import ConfigError
 from comera.layers import ttm_logits
-from comera.nn import TTLinear, TTMEmbedding
+from comera.nn import TTLinear, TTMEmbedding, no_dense_weight
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec, cap_ranks, propose_modes
 from comera.tensor_train import Params, State
 
@@ -245,6 +245,14 @@ class PaddedTTLinear(nn.Module):
         super().__init__()
         self.inner, self.in_features, self.out_features = inner, in_features, out_features
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
+            raise no_dense_weight(f"{type(self).__name__} over a TT linear") from None
+
     def extra_repr(self) -> str:
         spec = self.inner.spec
         return (
@@ -322,7 +330,12 @@ class TiedDecoder(nn.Module):
         source = self.__dict__.get("_bias_from")
         if name == "bias" and source is not None:
             return getattr(source[0], source[1])
-        return super().__getattr__(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
+            raise no_dense_weight(f"{type(self).__name__} of a TTM embedding") from None
 
     @property
     def embedding(self) -> TTMEmbedding:
@@ -940,6 +953,8 @@ def tensorize_(model: nn.Module, config: TensorizeConfig) -> TensorizeSummary:
         new: nn.Module | None = None
         if why:
             shape = tuple(module.weight.shape)  # type: ignore[union-attr]
+            if _is_conv1d(module):  # (in, out) stored: rows say (out, in), as replaced ones
+                shape = shape[::-1]
             # weight and bias, as a layer skipped for its size counts them
             bias = getattr(module, "bias", None)
             held = module.weight.numel() + (bias.numel() if isinstance(bias, torch.Tensor) else 0)  # type: ignore[union-attr]

@@ -1259,22 +1259,20 @@ _HOW_IT_RUNS = ("train.device", "train.step_mode", "train.cpu_malloc", "model.re
 def _resume_flags(run: Prepared) -> str:
     """The flags (`` --step-mode sync_free``) of the settings in :data:`_HOW_IT_RUNS` this
     run holds otherwise than its ``config.json`` (a resume's own), or ""."""
-    try:
+    try:  # what a plain --resume runs with: config.json, its missing keys the defaults
         saved = json.loads((Path(run.cfg.train.run_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+        plain = config_from_dict(run.exp.config_type, saved)
+    except (OSError, ValueError, TypeError, *USER_ERRORS):
         return ""
     flag_of = {key: "--" + dest.replace("_", "-") for dest, key in _COMMON.items()}
     out = []
     for key in _HOW_IT_RUNS:
         try:
-            now = get_field(run.cfg, key)
+            now, was = get_field(run.cfg, key), get_field(plain, key)
         except AttributeError:  # an experiment without the setting
             continue
-        was: Any = saved
-        for part in key.split("."):
-            was = was.get(part) if isinstance(was, dict) else None
         now_json = json.loads(json.dumps(now, default=config_jsonable))
-        if was is None or now_json == was:
+        if now_json == json.loads(json.dumps(was, default=config_jsonable)):
             continue
         text = now_json if isinstance(now_json, str) else json.dumps(now_json)
         out.append(f" {flag_of[key]} {text}" if key in flag_of else f" --set {key}={text}")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import importlib
 import json
 import math
 import os
@@ -21,6 +23,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import typing
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -233,9 +236,8 @@ def smoke_dirs(runs: Path, name: str) -> dict[str, Path]:
 
 def differing_keys(setups: list[dict], skip: Iterable[str] = ()) -> list[str]:
     """The keys (sorted) on which ``setups`` differ, values compared as JSON; but those in
-    ``skip``, and those some setup lacks (a run saved before the setting existed, as a
-    resume takes it: CodeBERT's ``data.num_shards``)."""
-    keys = sorted(set.intersection(*(set(s) for s in setups)) - set(skip)) if setups else []
+    ``skip``."""
+    keys = sorted({k for s in setups for k in s} - set(skip))
     return [k for k in keys if len({json.dumps(s.get(k), sort_keys=True) for s in setups}) > 1]
 
 
@@ -350,10 +352,44 @@ def check_smoke_pair(
         )
 
 
+def with_defaults(config: dict) -> dict:
+    """A run's ``config.json`` with every setting its experiment's config holds, a setting
+    added since the run was saved at its default (what a resume of it takes: CodeBERT's
+    ``data.num_shards``), so setups compare as the runs trained; as it is where its
+    experiment is unknown or it does not load (the checks then read what is there)."""
+    name = config.get("experiment")
+    if not isinstance(name, str) or not name.isidentifier():
+        return config
+    try:  # as experiments.ablate and the benchmarks find an experiment by its name
+        config_type = importlib.import_module(f"experiments.{name}").EXPERIMENT.config_type
+        filled = _filled(config_type, config)
+    except (ImportError, AttributeError, TypeError, NameError):  # not loadable: as it is
+        return config
+    return json.loads(json.dumps(filled, default=config_jsonable))
+
+
+def _filled(cls: type, data: dict) -> dict:
+    """``data`` with each field of dataclass ``cls`` it lacks at its default, nested
+    dataclass sections filled the same way."""
+    out = dict(data)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in out:
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+        elif isinstance(out[f.name], dict) and dataclasses.is_dataclass(hints.get(f.name)):
+            out[f.name] = _filled(hints[f.name], out[f.name])
+    return out
+
+
 def run_setup(config: dict) -> dict[str, Any]:
     """What runs a report sets side by side are taken to share: the data section (but
     where its cache lives) as the run last resumed with it, the batch size, the number of
-    steps and the seed (MNLI's report names those that differ)."""
+    steps and the seed (MNLI's report names those that differ); settings added since a
+    run was saved at their defaults (:func:`with_defaults`)."""
+    config = with_defaults(config)
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
     train = config.get("train") if isinstance(config.get("train"), dict) else {}
     out = {f"data.{k}": v for k, v in data.items() if k != "cache_dir"}
@@ -368,6 +404,7 @@ def pair_setup(config: dict) -> dict[str, Any]:
     resume: recompute, grouped halves) and the size of its dense architecture
     (``dense_params``): a dense run of other widths, or of another saved model, was set
     beside CoMERA's as "the same architecture"."""
+    config = with_defaults(config)
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     out = {f"model.{k}": v for k, v in model.items() if f"model.{k}" not in RESUME_MUTABLE}
     out |= {k: v for k, v in kept_settings(config).items() if k in out}  # (a moved model)

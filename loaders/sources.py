@@ -151,12 +151,12 @@ def tokens_digest(files: Sequence[str | Path], column: str = "tokens") -> str:
 
 
 # token files a TokenFolder keeps open. Each holds a memory map (not a file descriptor),
-# and the kernel allows a process about 65,000 (vm.max_map_count), shared by every folder,
-# DataLoader worker's copy aside, and torch's own: 4096 leaves room for a dozen large
-# sub-datasets. Under a global shuffle every file is read in turn, so a folder of more
-# files than are kept open re-opens one for nearly every document (600 files read 6x
-# slower at 128 open than with all open)
-MAX_OPEN_FILES = 4096
+# and the kernel allows a process about 65,000 (vm.max_map_count), shared by every folder
+# (each DataLoader worker has its own) and torch's own: 2048 per folder leaves room for
+# about 30 large sub-datasets. Under a global shuffle every file is read in turn, so a
+# folder of more files than are kept open re-opens one for nearly every document (600
+# files read 6x slower at 128 open than with all open)
+MAX_OPEN_FILES = 2048
 # compressed files (pyarrow.feather's lz4 default) are decompressed into memory on open,
 # not mapped: at most this many of them are kept, as before the cap above was raised
 MAX_OPEN_UNMAPPED = 128

@@ -410,19 +410,21 @@ def build(p: Preset, *, rank: int = 0, world: int = 1) -> tuple[MLMTask, dict, d
                             bos_id=bos, eos_id=eos, pad_id=pad, seed=p.train.seed,
                             num_shards=p.data.num_shards, **kw)  # fmt: skip
 
+    more_docs = {"paths": "more files in the --corpus folders",
+                 "stdlib": "a larger data.max_files, or --corpus folders",
+                 "hub": "more rows in the hub dataset"}[p.data.source]  # fmt: skip
     try:
         train_iter = TokenLoader(loader_cfg(corpus.train, p.data.mix, provenance=p.data.provenance,
                                             batch_size=p.batch_size // world),
                                  rank=rank, world_size=world)  # fmt: skip
     except ReadersWithoutDocuments as e:  # advice in this command's terms
         raise DataError(
-            f"{e.fact}; give the corpus more documents (more files in its --corpus folders) "
-            "or train on fewer processes"
+            f"{e.fact}; give the corpus more documents ({more_docs}) or train on fewer processes"
         ) from None
     except MixingShortfall as e:
         raise DataError(
             f"{e.fact}; lower the --mix weight of the sub-datasets named, give them more "
-            "documents (more files in their --corpus folders), or train on fewer processes"
+            f"documents ({more_docs}), or train on fewer processes"
         ) from None
     except EmptyStream:  # the loader's own message names LoaderConfig.min_doc_len, no flag
         weighed = sorted(n for n in corpus.train if p.data.mix.get(n, 1.0) > 0)

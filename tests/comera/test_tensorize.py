@@ -1262,3 +1262,15 @@ def test_reading_a_tt_modules_weight_says_why_there_is_none() -> None:
             m.weight  # noqa: B018 - the read is the point
     with pytest.raises(AttributeError, match="no attribute 'weights'"):  # others as before
         lin.weights  # noqa: B018
+    lin.register_buffer("weight", torch.zeros(2))  # a weight registered after all is read
+    assert lin.weight.shape == (2,)
+    # a padded linear and a tied decoder, what tensorize_ makes of BERT's 30522-row head
+    model = nn.ModuleDict({"words": nn.Embedding(97, 16), "odd": nn.Linear(16, 97)})
+    model["odd"].weight = model["words"].weight
+    model["pad"] = nn.Linear(16, 97)
+    tensorize_(model, TensorizeConfig(target_modules=("words", "odd", "pad"), min_compression=0))
+    assert isinstance(model["pad"], PaddedTTLinear) and isinstance(model["odd"], TiedDecoder)
+    for m in (model["pad"], model["odd"]):
+        assert not hasattr(m, "weight")
+        with pytest.raises(AttributeError, match="holds its weight as TT cores"):
+            m.weight  # noqa: B018

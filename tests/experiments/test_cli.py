@@ -704,6 +704,10 @@ def test_a_stopped_run_closes_its_logs_and_says_how_to_go_on(tmp_path, monkeypat
     assert issubclass(cli.Interrupted, KeyboardInterrupt)  # Python callers stop as before
     if saved:  # resumed in another step mode and stopped again: the line repeats the mode
         # (a plain --resume goes back to config.json's eager steps)
+        # (a run saved before train.step_mode existed: a plain resume takes the default)
+        record = json.loads((run_dir / "config.json").read_text())
+        del record["train"]["step_mode"]
+        (run_dir / "config.json").write_text(json.dumps(record))
         again = ["--resume", str(run_dir), "--step-mode", "sync_free", "--no-progress"]
         assert mnli.main(again) == 128 + signum
         err = [ln for ln in capsys.readouterr().err.splitlines() if "stopped" in ln]

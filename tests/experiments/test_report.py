@@ -339,10 +339,14 @@ def test_a_pair_of_runs_of_other_setups_or_without_evals_is_refused(tmp_path: Pa
     with pytest.raises(DataError, match=re.escape("model.hash_rows (0 against 50)")):
         report.check_smoke_pair({"CoMERA": comera, "dense": hashed}, "codebert")
     report.check_smoke_pair({"CoMERA": comera, "dense": hashed}, "codebert", ["model.hash_rows"])
-    # a key one run lacks was saved before it existed (CodeBERT's data.num_shards): the
-    # other's value is not "another setup", as a resume of that run takes it
+    # a key one run lacks was saved before it existed (CodeBERT's data.num_shards): it ran
+    # with the default (as a resume of it takes), so the default is no other setup, and
+    # another value is
     report.check_smoke_pair({"CoMERA": comera, "dense": run("n", True, data__num_shards=64)},
                             "codebert")  # fmt: skip
+    with pytest.raises(DataError, match=re.escape("data.num_shards (64 against 8)")):
+        report.check_smoke_pair({"CoMERA": comera, "dense": run("e", True, data__num_shards=8)},
+                                "codebert")  # fmt: skip
     rows = {comera: [{"step": 1, "loss": 2.0}, {"step": 1, "eval/x": 1.0}],
             tmp_path / "b": [{"step": 1, "loss": 2.0}]}  # fmt: skip
     with pytest.raises(DataError, match=r"b holds no evaluation \(eval/x\); .* with flag"):
