@@ -154,7 +154,7 @@ def smoke_report_main(
     trained from the preset, could not be set beside it (refused before it trains)."""
     prog = f"python -m experiments.{name}.report"
     ap = argparse.ArgumentParser(prog=prog, description=description)
-    ap.add_argument("--runs", default="runs")
+    ap.add_argument("--runs", default=None, help="the folder of the two smoke runs (default runs)")
     ap.add_argument("--out", default="reports")
     ap.add_argument(
         "--bench-json",
@@ -182,6 +182,12 @@ def smoke_report_main(
               "benchmark figures its JSON holds; drop --bench-json (or --from-json, to train "
               "and write the report anew)", file=sys.stderr)  # fmt: skip
         return 2
+    if getattr(args, "from_json", None) and args.runs is not None:  # it was ignored
+        print(f"{prog}: error: --runs: --from-json re-renders the report from its JSON, "
+              "without the runs; drop --runs (or --from-json, to report on the runs)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    args.runs = "runs" if args.runs is None else args.runs
     if getattr(args, "from_json", None):
         path = Path(args.from_json)
         try:

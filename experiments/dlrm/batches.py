@@ -39,10 +39,19 @@ def rows_to_batch(data: CriteoData, rows: np.ndarray) -> dict[str, torch.Tensor]
             f"{int(cat[i, j])} in C{j + 1}, outside its {data.cardinalities[j]} ids; delete that "
             "folder to rebuild it, or point --cache-dir (data.cache_dir) elsewhere"
         )
+    label = data.label[rows]
+    bad_label = (label != 0) & (label != 1)  # damaged in place: trained as a target of 7
+    if bad_label.any():
+        i = int(np.argmax(bad_label))
+        raise DataError(
+            f"the Criteo cache {data.root} is damaged: row {int(rows[i])} holds label "
+            f"{label[i]}, not 0 or 1; delete that folder to rebuild it, or point --cache-dir "
+            "(data.cache_dir) elsewhere"
+        )
     return {
         "dense": torch.from_numpy(np.ascontiguousarray(data.dense[rows])),
         "cat": torch.from_numpy(raw.astype(np.int64)),
-        "label": torch.from_numpy(data.label[rows].astype(np.float32)),
+        "label": torch.from_numpy(label.astype(np.float32)),
         "row": torch.from_numpy(rows),
     }
 

@@ -237,6 +237,11 @@ def check_head(path: Path, lines: int = 50) -> None:
             name = path.name
             plain = path.with_name(name[: -len(suffix)] if name.endswith(suffix) and name != suffix
                                    else f"{path.stem}-plain{path.suffix or '.txt'}")  # fmt: skip
+            n = 1
+            while plain.exists():  # the suggested "> FILE" must not overwrite a file there
+                n += 1
+                stem = name[: -len(suffix)] if name.endswith(suffix) else path.stem
+                plain = path.with_name(f"{Path(stem).stem}-plain{n}{Path(stem).suffix or '.txt'}")
             src, dst = shlex.quote(str(path)), shlex.quote(str(plain))
             raise CriteoFormatError(
                 f"{path} is {kind}-compressed; decompress it first ({tool} -c {src} > {dst}) "
@@ -743,7 +748,13 @@ def _load(cfg: CriteoDataConfig, progress: bool) -> CriteoData:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
                 raise
-        return preprocess(path, cfg, progress=progress)
+        try:
+            return preprocess(path, cfg, progress=progress)
+        except CriteoFormatError as e:  # this project wrote it: damaged since, not a user's
+            raise CriteoFormatError(
+                f"{e} (the generated data file {path} is damaged: delete it and run again to "
+                "have it generated anew)"
+            ) from None
     return preprocess(Path(cfg.path).expanduser(), cfg, progress=progress)
 
 

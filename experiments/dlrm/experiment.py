@@ -1,7 +1,7 @@
 """DLRM on Criteo with TTM tables, CoMERA vs dense, on the shared trainer and CLI.
 
     python -m experiments.dlrm --preset smoke                  # CPU, generated data, minutes
-    python -m experiments.dlrm --preset smoke --dense          # the dense reference (SGD)
+    python -m experiments.dlrm --preset smoke --dense --run-dir runs/dlrm-smoke-dense  # dense
     python -m experiments.dlrm --preset kaggle --data train.txt            # the paper (GPU)
     python -m experiments.dlrm --preset kaggle --data train.txt --dense    # reference DLRM
     python -m benchmarks.dlrm_step [--json]                    # one step (was --bench)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from comera.train.logging import read_metrics
+from comera.errors import DataError
 from experiments import cli
 from experiments.dlrm.data import load_criteo
 from experiments.dlrm.experiment import EXPERIMENT
@@ -24,6 +24,7 @@ from experiments.malloc import lean_without_hugepages, restart_for
 from experiments.report import (
     check_evaluated,
     check_smoke_pair,
+    load_run,
     number,
     runs_host,
     series,
@@ -110,10 +111,15 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
     the bench JSON."""
     dirs = smoke_dirs(runs_dir, "dlrm")
     check_smoke_pair(dirs, "dlrm", EXPERIMENT.pair_differs)
-    rows = {k: read_metrics(d / "metrics.jsonl") for k, d in dirs.items()}
+    rows = {k: load_run(d, "dlrm")["rows"] for k, d in dirs.items()}  # one line if gone
     check_evaluated({dirs[k]: r for k, r in rows.items()}, "eval/val/auc", "train.eval_every")
     config = json.loads((dirs["CoMERA"] / "config.json").read_text())
     dense_cfg = json.loads((dirs["dense"] / "config.json").read_text())
+    if not (dirs["CoMERA"] / "ranks.json").is_file():  # a finished run writes it: damaged
+        raise DataError(
+            f"{dirs['CoMERA'] / 'ranks.json'} not found: the run's rank record is gone; "
+            f"train it again (or restore the file)"
+        )
     # where the data is now: a resume with --data of a moved file keeps it for the next
     data_cfg = cli.resumed_config(EXPERIMENT, dirs["CoMERA"]).data
     data = load_criteo(data_cfg, progress=False)
@@ -323,7 +329,8 @@ def _bench_section(b: dict) -> list[str]:
     out = [
         "## Benchmark: one training step at the Kaggle table sizes",
         "",
-        f"`python -m benchmarks.dlrm_step --json`: 26 tables (33.76M rows), batch "
+        f"`{b.get('command', 'python -m benchmarks.dlrm_step --json')}`: 26 tables (33.76M "
+        f"rows), batch "
         f"{b['batch']:,}, {b.get('cpu', 'CPU not recorded')}, {b['threads']} threads, "
         "every variant in a fresh process"
         + (

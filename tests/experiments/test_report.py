@@ -103,6 +103,10 @@ def test_from_json_renders_without_training(tmp_path: Path, capsys) -> None:
     assert report.smoke_report_main("x", no_training, None, argv, "x", render=render) == 2
     assert "give the folder the report goes in, not a file name" in capsys.readouterr().err
     assert not (tmp_path / "new.md").exists()
+    # --runs beside it was ignored without a word (--bench-json was refused)
+    argv = ["--from-json", str(tmp_path / "x.json"), "--out", str(tmp_path / "out"), "--runs", "r"]
+    assert report.smoke_report_main("x", no_training, None, argv, "x", render=render) == 2
+    assert "--runs: --from-json re-renders the report" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["mnli", "dlrm", "codebert", "finetune"])

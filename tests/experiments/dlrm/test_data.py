@@ -394,6 +394,11 @@ def test_source_read_errors_name_the_data_file(tmp_path: Path, monkeypatch) -> N
         said = f"(unxz -c {tmp_path / name} > {tmp_path / plain})"
         with pytest.raises(CriteoFormatError, match=re.escape(said)):
             preprocess(tmp_path / name, _cfg(tmp_path), progress=False)
+    # a file of the suggested name already there: "> packed.txt" would have replaced it
+    (tmp_path / "packed.txt").write_text("mine\n")
+    said = f"(gunzip -c {packed} > {tmp_path / 'packed-plain2.txt'})"
+    with pytest.raises(CriteoFormatError, match=re.escape(said)):
+        preprocess(packed, _cfg(tmp_path), progress=False)
 
     def broken(*a, **kw):
         raise OSError("zlib inflate failed: incorrect header check")
@@ -584,6 +589,15 @@ def test_ids_damaged_in_place_are_a_damaged_cache(tmp_path: Path) -> None:
     want = rf"cache {data.root} is damaged: row 7 holds id 999999 in C5, outside its \d+ ids; "
     with pytest.raises(DataError, match=want + "delete that folder"):
         rows_to_batch(data, np.arange(10))
+    # a damaged label was trained on as a target of 7, without a word
+    label = np.memmap(data.root / "label.u8", dtype=np.uint8, mode="r+", shape=(200,))
+    label[13] = 7
+    label.flush()
+    del label
+    data = preprocess(SAMPLE, _cfg(tmp_path), progress=False)
+    assert rows_to_batch(data, np.arange(12, 14) + 100)["label"].shape == (2,)
+    with pytest.raises(DataError, match="row 13 holds label 7, not 0 or 1; delete that"):
+        rows_to_batch(data, np.arange(12, 16))
 
 
 def test_the_resume_hint_names_the_file_or_the_generated_rows(sample, tmp_path: Path) -> None:
@@ -598,3 +612,11 @@ def test_the_resume_hint_names_the_file_or_the_generated_rows(sample, tmp_path: 
     shutil.copy(SAMPLE, mine)
     data = preprocess(mine, _cfg(tmp_path), progress=False)
     assert f"this run reads {mine.resolve()}" in RowBatches(data, 0, 100, 10).data_hint
+    # the generated file damaged (and its cache gone): blamed on a user's Criteo file
+    (made,) = (tmp_path / "c").glob("generated-*.txt")
+    for folder in (p for p in (tmp_path / "c").iterdir() if p.is_dir()):
+        shutil.rmtree(folder)
+    made.write_text("1\t2\t3\n")
+    cfg = CriteoDataConfig(path="generated", generated_rows=100, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(CriteoFormatError, match=f"the generated data file {made} is damaged"):
+        load_criteo(cfg, progress=False)
