@@ -255,6 +255,15 @@ def _build(p: Preset, rank: int, world: int) -> tuple:
         if not (run_dir / "config.json").is_file():  # a fresh run: --data PATH says it
             raise
         # a resume (the CLI refuses a fresh run in a folder that holds a config.json)
+        try:  # where a plain --resume reads (a moved file's last --data is kept)
+            saved = cli.resumed_config(EXPERIMENT, run_dir).data.path
+        except (*cli.USER_ERRORS, OSError, ValueError):
+            saved = p.data.path
+        if saved != p.data.path:  # --data NEW given on this resume: NEW is what is missing
+            raise MissingFileError(
+                f"Criteo file {p.data.path} (--data) does not exist or is not a file; give "
+                f"--data the path the run's data is at now (it last read {saved})"
+            ) from None
         raise MissingFileError(
             f"Criteo file {p.data.path}, which the run in {run_dir} was trained on, does not "
             f"exist or is not a file; if it moved, continue with --resume {run_dir} --data "

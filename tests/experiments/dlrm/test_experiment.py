@@ -832,6 +832,12 @@ def test_a_moved_file_resumes_with_data_and_another_file_is_refused(tmp_path: Pa
     assert main(resume) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--resume {run} --data NEW_PATH" in err[0], err
+    # a --data that is missing too: it was blamed as the file the run trained on, with the
+    # advice to do what was just done
+    assert main([*resume, "--data", str(tmp_path / "typo.txt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path / 'typo.txt'} (--data) does not exist" in err[0], err
+    assert f"it last read {first}" in err[0] and "NEW_PATH" not in err[0], err
     assert main([*resume, "--data", str(other)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trained on other data" in err[0], err
