@@ -443,6 +443,16 @@ def check_evaluated(rows: dict[Path, list[dict]], key: str, how: str) -> None:
         if not any(key in r for r in run_rows):
             raise DataError(f"{d} holds no evaluation ({key}); the report compares the runs' "
                             f"evaluations: train it with {how}")  # fmt: skip
+        # a finished run evaluates at its last step: without that row (a metrics file cut
+        # short from outside) an earlier evaluation was shown as the final one
+        last = max((r["step"] for r in run_rows if "loss" in r and "step" in r), default=None)
+        evaluated = max((r["step"] for r in run_rows if key in r and "step" in r), default=None)
+        if last is not None and evaluated is not None and evaluated < last:
+            raise DataError(
+                f"{d / 'metrics.jsonl'} ends without the evaluation of the run's last step "
+                f"{last} (its last evaluation is at step {evaluated}: the file was cut "
+                "short?); train the run again, or restore the file"
+            )
 
 
 def step_times(rows: list[dict]) -> list[float]:

@@ -356,6 +356,10 @@ def test_a_pair_of_runs_of_other_setups_or_without_evals_is_refused(tmp_path: Pa
     with pytest.raises(DataError, match=r"b holds no evaluation \(eval/x\); .* with flag"):
         report.check_evaluated(rows, "eval/x", "flag")
     report.check_evaluated({comera: rows[comera]}, "eval/x", "flag")
+    # the final evaluation's row cut off: an earlier one was reported as the final one
+    cut = [{"step": 1, "loss": 2.0}, {"step": 1, "eval/x": 1.0}, {"step": 2, "loss": 1.0}]
+    with pytest.raises(DataError, match="ends without the evaluation of the run's last step 2"):
+        report.check_evaluated({comera: cut}, "eval/x", "flag")
 
 
 def test_kept_settings_are_the_last_resume_s_until_a_restart() -> None:
