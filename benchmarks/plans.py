@@ -663,9 +663,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: --experiments {a.experiments!r}: choose from "
               f"{','.join(EXPERIMENTS)}", file=sys.stderr)  # fmt: skip
         return 2
-    if a.steps < 1 or (a.paper_steps is not None and a.paper_steps < 0):
-        print(f"{ap.prog}: error: --steps must be >= 1 and --paper-steps >= 0, got "
-              f"{a.steps}, {a.paper_steps}", file=sys.stderr)  # fmt: skip
+    if a.steps < 1:
+        print(f"{ap.prog}: error: --steps {a.steps}: give at least 1 (timed smoke steps per "
+              "variant)", file=sys.stderr)  # fmt: skip
+        return 2
+    if a.paper_steps is not None and a.paper_steps < 0:
+        print(f"{ap.prog}: error: --paper-steps {a.paper_steps}: give 0 (skip them) or more",
+              file=sys.stderr)  # fmt: skip
         return 2
     why = reduced_run({"--steps": (a.steps, STEPS),
                        "--experiments": (set(chosen), set(EXPERIMENTS)),

@@ -63,6 +63,8 @@ def arg_parser(prog: str, description: str | None = None, **kwargs: Any) -> argp
     """A benchmark's argument parser: the training commands' :class:`experiments.cli.Parser`,
     whose errors raise :class:`CLIError` (one line through :func:`one_line_errors`), not
     argparse's usage block and exit."""
+    # the description is the module's docstring: its usage lines and paragraphs as written
+    kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
     return Parser(prog=prog, description=description, **kwargs)
 
 

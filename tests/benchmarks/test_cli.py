@@ -458,6 +458,9 @@ def test_a_value_given_twice_is_measured_once(tmp_path: Path, monkeypatch, capsy
     monkeypatch.setattr(plans, "run", lambda **k: runs.append(k["experiments"]) or 0)
     assert plans.main(["--experiments", "dlrm,mnli,dlrm", "--out", str(tmp_path / "p.json")]) == 0
     assert runs == [("dlrm", "mnli")]
+    # one line named both flags with "got 0, None"
+    assert plans.main(["--steps", "0", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--steps 0: give at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
