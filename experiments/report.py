@@ -449,9 +449,10 @@ def check_evaluated(rows: dict[Path, list[dict]], key: str, how: str) -> None:
         evaluated = max((r["step"] for r in run_rows if key in r and "step" in r), default=None)
         if last is not None and evaluated is not None and evaluated < last:
             raise DataError(
-                f"{d / 'metrics.jsonl'} ends without the evaluation of the run's last step "
-                f"{last} (its last evaluation is at step {evaluated}: the file was cut "
-                "short?); train the run again, or restore the file"
+                f"{d / 'metrics.jsonl'} holds no evaluation of the run's last step {last} "
+                f"(its last is at step {evaluated}: the file was cut short, or that "
+                f"evaluation failed); delete {d} to have the run trained again, or restore "
+                "the file"
             )
 
 

@@ -113,6 +113,13 @@ class CriteoDataConfig:
                 f"{GENERATED_MAX_ROWS:,} (the generator draws the file in memory, about 800 "
                 "bytes a row); for more rows pass a real Criteo file with --data PATH"
             )
+        if self.path == "generated" and self.generated_rows < 2 * self.days:
+            # found by the preprocessing otherwise, and blamed on the generated file
+            raise ConfigError(
+                f"data.generated_rows={self.generated_rows} cannot be split into data.days="
+                f"{self.days} days; need at least {2 * self.days}: raise data.generated_rows "
+                "or lower data.days"
+            )
         if self.eval_rows is not None and self.eval_rows < 1:
             raise ConfigError(f"data.eval_rows={self.eval_rows} must be None or >= 1")
 
@@ -237,11 +244,11 @@ def check_head(path: Path, lines: int = 50) -> None:
             name = path.name
             plain = path.with_name(name[: -len(suffix)] if name.endswith(suffix) and name != suffix
                                    else f"{path.stem}-plain{path.suffix or '.txt'}")  # fmt: skip
-            n = 1
+            n, first = 1, plain
             while plain.exists():  # the suggested "> FILE" must not overwrite a file there
                 n += 1
-                stem = name[: -len(suffix)] if name.endswith(suffix) else path.stem
-                plain = path.with_name(f"{Path(stem).stem}-plain{n}{Path(stem).suffix or '.txt'}")
+                base = first.stem[: -len("-plain")] if first.stem.endswith("-plain") else first.stem
+                plain = first.with_name(f"{base}-plain{n}{first.suffix or '.txt'}")
             src, dst = shlex.quote(str(path)), shlex.quote(str(plain))
             raise CriteoFormatError(
                 f"{path} is {kind}-compressed; decompress it first ({tool} -c {src} > {dst}) "

@@ -358,7 +358,7 @@ def test_a_pair_of_runs_of_other_setups_or_without_evals_is_refused(tmp_path: Pa
     report.check_evaluated({comera: rows[comera]}, "eval/x", "flag")
     # the final evaluation's row cut off: an earlier one was reported as the final one
     cut = [{"step": 1, "loss": 2.0}, {"step": 1, "eval/x": 1.0}, {"step": 2, "loss": 1.0}]
-    with pytest.raises(DataError, match="ends without the evaluation of the run's last step 2"):
+    with pytest.raises(DataError, match="holds no evaluation of the run's last step 2"):
         report.check_evaluated({comera: cut}, "eval/x", "flag")
 
 

@@ -620,3 +620,8 @@ def test_the_resume_hint_names_the_file_or_the_generated_rows(sample, tmp_path: 
     cfg = CriteoDataConfig(path="generated", generated_rows=100, cache_dir=str(tmp_path / "c"))
     with pytest.raises(CriteoFormatError, match=f"the generated data file {made} is damaged"):
         load_criteo(cfg, progress=False)
+    # too few rows for the days is a setting, refused before any file is made or blamed
+    from comera.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="generated_rows=100 cannot be split into data.days=60"):
+        CriteoDataConfig(path="generated", generated_rows=100, days=60)
