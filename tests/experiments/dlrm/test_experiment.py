@@ -742,6 +742,17 @@ def test_report_is_rendered_from_its_json(tmp_path: Path) -> None:
         for r in data["ranks"]
     )
     assert (out / "dlrm_curves.png").stat().st_size > 1000
+    # the benchmark section names the command its JSON records (it said an older one)
+    assert f"`{bench['command']}`: 26 tables" in text
+    # a finished run missing its rank record or metrics: one line each, not a traceback
+    from comera.errors import DataError, MissingFileError
+
+    for gone, error in (("dlrm-smoke/ranks.json", DataError),
+                        ("dlrm-smoke-dense/metrics.jsonl", MissingFileError)):  # fmt: skip
+        moved = (runs / gone).rename(tmp_path / "kept")
+        with pytest.raises(error, match=f"{runs / gone} not found"):
+            report.write_report(runs, tmp_path / "rep2", bench, command="x")
+        moved.rename(runs / gone)
     shutil.rmtree(runs)  # re-rendered from the JSON alone: the same report
     again = tmp_path / "again"
     assert report.main(["--from-json", str(out / "dlrm.json"), "--out", str(again)]) == 0
