@@ -1014,6 +1014,14 @@ def test_summary_rows_of_skipped_layers_and_unmet_targets_say_what_is_so() -> No
     assert summary.layers[0].skipped and summary.layers[0].params_before == 16 * 16 + 16
     # its kind as replaced rows say it (it said "Linear" beside their "linear")
     assert [r.kind for r in summary.layers] == ["linear", "linear"]
+    # a skipped Conv1D said its stored (in, out) shape where replaced ones say (out, in)
+    from transformers.pytorch_utils import Conv1D
+
+    conv = nn.Sequential(Conv1D(128, 32), Conv1D(128, 32))  # (nf=out, nx=in)
+    conv[0].register_forward_hook(lambda *a: None)
+    rows = tensorize_(conv, TensorizeConfig(target_modules="*", min_compression=0)).layers
+    assert [r.kind for r in rows] == ["conv1d", "conv1d"] and rows[0].skipped
+    assert rows[0].shape == rows[1].shape == (128, 32)
     # an empty linear failed the whole call on an internal assertion, replacing nothing
     empty = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 0), nn.Linear(0, 16))
     rows = tensorize_(empty, TensorizeConfig(target_modules="*", min_compression=0)).layers
