@@ -107,11 +107,7 @@ class CorpusConfig:
     num_shards: int = 64
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.num_shards, bool)
-            or not isinstance(self.num_shards, int)
-            or (self.num_shards < 1)
-        ):
+        if not is_int(self.num_shards) or self.num_shards < 1:
             raise ConfigError(f"data.num_shards={self.num_shards!r}; give a positive integer")
         if self.source not in ("stdlib", "paths", "hub"):
             raise ConfigError(f"data.source={self.source!r}; choose 'stdlib', 'paths' or 'hub'")

@@ -10,7 +10,6 @@ the markdown and ``reports/dlrm_curves.png`` from that JSON.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from comera.errors import DataError
@@ -111,10 +110,10 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
     the bench JSON."""
     dirs = smoke_dirs(runs_dir, "dlrm")
     check_smoke_pair(dirs, "dlrm", EXPERIMENT.pair_differs)
-    rows = {k: load_run(d, "dlrm")["rows"] for k, d in dirs.items()}  # one line if gone
+    runs = {k: load_run(d, "dlrm") for k, d in dirs.items()}  # one line if a file is gone
+    rows = {k: r["rows"] for k, r in runs.items()}
     check_evaluated({dirs[k]: r for k, r in rows.items()}, "eval/val/auc", "train.eval_every")
-    config = json.loads((dirs["CoMERA"] / "config.json").read_text())
-    dense_cfg = json.loads((dirs["dense"] / "config.json").read_text())
+    config, dense_cfg = runs["CoMERA"]["config"], runs["dense"]["config"]
     if not (dirs["CoMERA"] / "ranks.json").is_file():  # a finished run writes it: damaged
         raise DataError(
             f"{dirs['CoMERA'] / 'ranks.json'} not found: the run's rank record is gone; "
@@ -131,7 +130,7 @@ def gather(runs_dir: Path, out_dir: Path, bench: dict | None, command: str) -> d
         logits = planted_logits(data_cfg.generated_rows)[lo:eval_hi]
         planted = roc_auc(logits, data.label[lo:eval_hi])
     m = config["model"]
-    ranks = json.loads((dirs["CoMERA"] / "ranks.json").read_text())
+    ranks = runs["CoMERA"]["ranks"]
     return {
         "meta": {"command": command, **runs_host(dirs.values())},
         "paper": PAPER,
