@@ -282,13 +282,15 @@ def smoke_gaps(config: dict, experiment: Any, *, comera: bool = False) -> list[s
     skip = {"dense_params", *experiment.pair_differs}
     gaps = differing_keys([preset, pair_setup(config)], skip)
     if comera:
-        train = config.get("train")
+        # settings added since the run was saved at their defaults, as it trained
+        train = with_defaults(config).get("train")
         ours = train.get("comera") if isinstance(train, dict) else None
         ours = ours if isinstance(ours, dict) else {}
         theirs = json.loads(json.dumps(cfg.train.comera, default=config_jsonable))
-        flat = [{f"train.comera.{k}": v for k, v in c.items() if k != "enabled"}
+        # a key a record of no known experiment lacks is not a change either
+        flat = [{f"train.comera.{k}": v for k, v in c.items() if k != "enabled" and k in ours}
                 for c in (theirs, ours)]  # fmt: skip
-        gaps += differing_keys(flat)  # (a key the run's record lacks is not a change)
+        gaps += differing_keys(flat)
     return gaps
 
 
@@ -395,7 +397,11 @@ def run_setup(config: dict) -> dict[str, Any]:
     where its cache lives) as the run last resumed with it, the batch size, the number of
     steps and the seed (MNLI's report names those that differ); settings added since a
     run was saved at their defaults (:func:`with_defaults`)."""
-    config = with_defaults(config)
+    return _setup_of(with_defaults(config))
+
+
+def _setup_of(config: dict) -> dict[str, Any]:
+    """:func:`run_setup` of a config already filled by :func:`with_defaults`."""
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
     train = config.get("train") if isinstance(config.get("train"), dict) else {}
     out = {f"data.{k}": v for k, v in data.items() if k != "cache_dir"}
@@ -414,7 +420,7 @@ def pair_setup(config: dict) -> dict[str, Any]:
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     out = {f"model.{k}": v for k, v in model.items() if f"model.{k}" not in RESUME_MUTABLE}
     out |= {k: v for k, v in kept_settings(config).items() if k in out}  # (a moved model)
-    return run_setup(config) | out | {"dense_params": config.get("dense_params")}
+    return _setup_of(config) | out | {"dense_params": config.get("dense_params")}
 
 
 def resumes(record: dict) -> list:

@@ -219,6 +219,12 @@ def test_the_dlrm_header_names_changed_comera_settings_of_its_comera_run() -> No
     rec["train"]["comera"]["enabled"] = False  # how a run trains is not a setting it changed
     del rec["train"]["comera"]["target_compression"]  # a run saved before the key existed
     assert report.smoke_gaps(rec, EXPERIMENT, comera=True) == ["train.steps"]
+    # one whose default is not None: filled in as the run trained (it counted as a change)
+    del rec["train"]["comera"]["late_prune"]
+    assert report.smoke_gaps({**rec, "experiment": "dlrm"}, EXPERIMENT, comera=True) == [
+        "train.steps"
+    ]
+    assert report.smoke_gaps(rec, EXPERIMENT, comera=True) == ["train.steps"]  # no experiment
 
 
 def test_a_failed_render_leaves_the_report_as_it_was(tmp_path: Path, capsys) -> None:
