@@ -281,6 +281,11 @@ _KEYS = {
 }
 
 
+def takes_values(name: str) -> bool:
+    """Whether ablation ``name`` sweeps ``--values`` (the others have fixed variants)."""
+    return name in _KEYS or name == "compression"
+
+
 def _rank_key(cfg: Any) -> str:
     """The initial-rank knob: ``model.rank`` (MNLI's TT layers) or ``model.emb_rank``
     (DLRM's TTM tables)."""
@@ -308,7 +313,7 @@ def variants(name: str, cfg: Any, exp: cli.Experiment, values: str | None) -> li
         return _distinct(_compression_variants(_factors(values, what)))
     if name == "target_compression":  # checked here, not after the first runs trained
         _factors(values, "whole-model compressions against dense")
-    if name not in _KEYS:
+    if not takes_values(name):
         raise cli.CLIError(f"--values: ablation {name!r} has fixed variants; drop --values")
     key = _rank_key(cfg) if name == "rank" else _KEYS[name]
     if name == "hot_rows":
@@ -530,7 +535,7 @@ def run_ablation(
             )
             ways = ["lower the learning rates or clip gradients (--set train.optim.lr_*=..., "
                     "--set train.grad_clip=...)"]  # fmt: skip
-            if v.overrides and (name in _KEYS or name in ("compression", "target_compression")):
+            if v.overrides and takes_values(name):
                 ways.insert(0, "leave its value out of --values")
             raise NonFiniteLoss(
                 f"{name} variant {v.label!r} ({run_dir}): {e.what} {sets}; {', or '.join(ways)}, "
