@@ -9,6 +9,7 @@ buffer names: ``masks.K``.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,17 +37,30 @@ class _Buffers(nn.Module):
         return [getattr(self, str(k)) for k in range(self.n)]
 
 
-def no_dense_weight(label: str) -> AttributeError:
-    """The error of reading a TT module's ``weight``, which it does not hold: still an
-    ``AttributeError``, so ``hasattr(m, "weight")`` stays False for code that probes."""
-    return AttributeError(
-        f"{label} holds its weight as TT cores, not a dense 'weight': code that reads or "
-        "resizes it (Hugging Face's resize_token_embeddings, tie_weights) must run before "
-        "tensorize_; to_dense() rebuilds the matrix"
-    )
+class NoDenseWeight(nn.Module):
+    """A module that holds its weight as TT cores, not as a dense ``weight``: reading
+    ``weight`` says so (Hugging Face's ``resize_token_embeddings`` and ``tie_weights`` read
+    it), still as an ``AttributeError``, so ``hasattr(m, "weight")`` stays False for code
+    that probes; a weight registered on it after all is read as usual."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
+            raise AttributeError(
+                f"{self.weight_label()} holds its weight as TT cores, not a dense 'weight': "
+                "code that reads or resizes it (Hugging Face's resize_token_embeddings, "
+                "tie_weights) must run before tensorize_; to_dense() rebuilds the matrix"
+            ) from None
+
+    def weight_label(self) -> str:
+        """What the module is, for that error."""
+        return type(self).__name__
 
 
-class _TTModule(nn.Module):
+class _TTModule(NoDenseWeight):
     spec: TTLinearSpec | TTMEmbeddingSpec
 
     def __init__(
@@ -67,14 +81,9 @@ class _TTModule(nn.Module):
             tensor_train.check_params(params, state, spec)
         self.load_tensors(params, state)
 
-    def __getattr__(self, name: str) -> torch.Tensor | nn.Module:
-        try:  # a weight registered on it after all (a buffer, a tie) is read as usual
-            return super().__getattr__(name)
-        except AttributeError:
-            if name != "weight":
-                raise
-            spec = self.__dict__.get("spec")  # (not set yet while a copy is being built)
-            raise no_dense_weight(spec.label if spec is not None else type(self).__name__) from None
+    def weight_label(self) -> str:
+        spec = self.__dict__.get("spec")  # (not set yet while a copy is being built)
+        return spec.label if spec is not None else type(self).__name__
 
     def load_tensors(self, params: Params, state: State) -> None:
         """Hold these params and state (new parameters, shapes as given: a compacted

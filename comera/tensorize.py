@@ -40,7 +40,7 @@ from comera import tensor_train
 from comera.accounting import train_size
 from comera.errors import ConfigError
 from comera.layers import ttm_logits
-from comera.nn import TTLinear, TTMEmbedding, no_dense_weight
+from comera.nn import NoDenseWeight, TTLinear, TTMEmbedding
 from comera.spec import TTLinearSpec, TTMEmbeddingSpec, cap_ranks, propose_modes
 from comera.tensor_train import Params, State
 
@@ -237,7 +237,7 @@ class TensorizeSummary:
         return "\n".join(rows)
 
 
-class PaddedTTLinear(nn.Module):
+class PaddedTTLinear(NoDenseWeight):
     """A :class:`TTLinear` over zero-padded sizes: the input is padded with zeros to the
     train's input size and the output cut to ``out_features``."""
 
@@ -245,13 +245,8 @@ class PaddedTTLinear(nn.Module):
         super().__init__()
         self.inner, self.in_features, self.out_features = inner, in_features, out_features
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name != "weight":
-                raise
-            raise no_dense_weight(f"{type(self).__name__} over a TT linear") from None
+    def weight_label(self) -> str:
+        return f"{type(self).__name__} over a TT linear"
 
     def extra_repr(self) -> str:
         spec = self.inner.spec
@@ -292,7 +287,7 @@ class PaddedTTLinear(nn.Module):
         return self.inner.to_dense()[: self.out_features, : self.in_features]
 
 
-class TiedDecoder(nn.Module):
+class TiedDecoder(NoDenseWeight):
     """A decoder whose weight is a TTM embedding's table (a tied LM head): ``x E^T + b``
     with ``E`` rebuilt from the embedding's cores on each call (in checkpointed blocks of
     rows: :func:`comera.layers.ttm_logits`), so the two stay one.
@@ -330,12 +325,10 @@ class TiedDecoder(nn.Module):
         source = self.__dict__.get("_bias_from")
         if name == "bias" and source is not None:
             return getattr(source[0], source[1])
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name != "weight":
-                raise
-            raise no_dense_weight(f"{type(self).__name__} of a TTM embedding") from None
+        return super().__getattr__(name)
+
+    def weight_label(self) -> str:
+        return f"{type(self).__name__} of a TTM embedding"
 
     @property
     def embedding(self) -> TTMEmbedding:
